@@ -1,0 +1,453 @@
+//! Rank-to-role mapping and the resulting [`Layout`]: which rank is which task, where.
+//!
+//! Policies (`--placement`):
+//! - `block`: the first `ps` ranks are the ps tasks, as TensorFlow's Slurm resolver does.
+//! - `spread`: ps tasks are dealt round-robin over hosts (in order of each host's first
+//!   rank), each host giving its lowest free rank, so two ps never share a host while a host
+//!   without one remains.
+//!
+//! Of the ranks left, in rank order: the chief (with `--chief`) takes the lowest, the
+//! evaluator (with `--evaluator`) the highest, and the workers the rest. ps task indices
+//! follow rank order.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use super::spec::{Address, ClusterSpec, SpecError, TaskId};
+use super::tf_config::TfConfig;
+
+/// Errors from mapping ranks onto roles.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    #[error("--ps {ps} must be smaller than the number of ranks ({ranks})")]
+    TooManyPs { ps: usize, ranks: usize },
+    #[error("{ranks} ranks are too few for --ps {ps}{extra}: need at least {need}")]
+    TooFewRanks {
+        ranks: usize,
+        ps: usize,
+        extra: String,
+        need: usize,
+    },
+    #[error("port {base} + {offset} for rank {rank} on {host} is above 65535 (lower --port-base)")]
+    PortOutOfRange {
+        rank: usize,
+        host: String,
+        base: u16,
+        offset: usize,
+    },
+    #[error("{0}")]
+    Spec(#[from] SpecError),
+}
+
+/// Where ps tasks go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Placement {
+    /// The first N ranks.
+    #[default]
+    Block,
+    /// One per host first, round-robin over hosts.
+    Spread,
+}
+
+/// The mapping flags every rank must agree on.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MappingOptions {
+    pub ps: usize,
+    pub chief: bool,
+    pub evaluator: bool,
+    pub placement: Placement,
+}
+
+/// The task of each rank, given the host of each rank.
+pub fn assign_roles(hosts: &[String], opts: &MappingOptions) -> Result<Vec<TaskId>, MappingError> {
+    let n = hosts.len();
+    if opts.ps > 0 && opts.ps >= n {
+        return Err(MappingError::TooManyPs {
+            ps: opts.ps,
+            ranks: n,
+        });
+    }
+    // At least one task must compute: a chief, or else a worker.
+    let need =
+        opts.ps + usize::from(opts.chief) + usize::from(opts.evaluator) + usize::from(!opts.chief);
+    if need > n {
+        let mut extra = String::new();
+        if opts.chief {
+            extra.push_str(" --chief");
+        }
+        if opts.evaluator {
+            extra.push_str(" --evaluator");
+        }
+        return Err(MappingError::TooFewRanks {
+            ranks: n,
+            ps: opts.ps,
+            extra,
+            need,
+        });
+    }
+    let mut ps_ranks = match opts.placement {
+        Placement::Block => (0..opts.ps).collect::<Vec<_>>(),
+        Placement::Spread => spread(hosts, opts.ps),
+    };
+    ps_ranks.sort_unstable();
+    let mut tasks: Vec<Option<TaskId>> = vec![None; n];
+    for (i, r) in ps_ranks.iter().enumerate() {
+        tasks[*r] = Some(TaskId::new("ps", i));
+    }
+    let mut rest: Vec<usize> = (0..n).filter(|r| tasks[*r].is_none()).collect();
+    if opts.chief {
+        tasks[rest.remove(0)] = Some(TaskId::new("chief", 0));
+    }
+    if opts.evaluator {
+        let last = rest.pop().expect("checked above: enough ranks");
+        tasks[last] = Some(TaskId::new("evaluator", 0));
+    }
+    for (i, r) in rest.into_iter().enumerate() {
+        tasks[r] = Some(TaskId::new("worker", i));
+    }
+    Ok(tasks
+        .into_iter()
+        .map(|t| t.expect("every rank assigned"))
+        .collect())
+}
+
+/// `count` ranks dealt round-robin over hosts in order of first appearance.
+fn spread(hosts: &[String], count: usize) -> Vec<usize> {
+    let mut queues: Vec<(&str, std::collections::VecDeque<usize>)> = Vec::new();
+    for (r, h) in hosts.iter().enumerate() {
+        match queues.iter_mut().find(|(name, _)| *name == h) {
+            Some((_, q)) => q.push_back(r),
+            None => queues.push((h, [r].into())),
+        }
+    }
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        for (_, q) in queues.iter_mut() {
+            if out.len() < count {
+                if let Some(r) = q.pop_front() {
+                    out.push(r);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Index of each rank among the ranks of its host, in rank order.
+pub fn local_ranks(hosts: &[String]) -> Vec<usize> {
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    hosts
+        .iter()
+        .map(|h| {
+            let c = seen.entry(h).or_insert(0);
+            *c += 1;
+            *c - 1
+        })
+        .collect()
+}
+
+/// Ports `base + local rank`, for layouts that cannot probe (previews, Slurm without MPI).
+pub fn sequential_ports(hosts: &[String], base: u16) -> Result<Vec<u16>, MappingError> {
+    local_ranks(hosts)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            u16::try_from(base as usize + l).map_err(|_| MappingError::PortOutOfRange {
+                rank,
+                host: hosts[rank].clone(),
+                base,
+                offset: l,
+            })
+        })
+        .collect()
+}
+
+/// One process of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankInfo {
+    /// The MPI (or Slurm) rank; `None` where the cluster came from TF_CONFIG or flags.
+    pub rank: Option<usize>,
+    pub host: String,
+    pub local_rank: Option<usize>,
+    pub task: TaskId,
+    pub address: Address,
+}
+
+/// The whole cluster: every process, and the ClusterSpec they all share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub ranks: Vec<RankInfo>,
+    pub spec: ClusterSpec,
+}
+
+impl Layout {
+    /// Builds the layout of ranks `0..n` from their hosts, ports and tasks.
+    pub fn from_ranks(
+        hosts: &[String],
+        ports: &[u16],
+        tasks: Vec<TaskId>,
+    ) -> Result<Layout, MappingError> {
+        let locals = local_ranks(hosts);
+        let mut spec = ClusterSpec::new();
+        let mut ranks = Vec::with_capacity(hosts.len());
+        for (r, task) in tasks.into_iter().enumerate() {
+            let address = Address {
+                host: hosts[r].clone(),
+                port: ports[r],
+            };
+            spec.add_task(&task, &address.to_string())?;
+            ranks.push(RankInfo {
+                rank: Some(r),
+                host: hosts[r].clone(),
+                local_rank: Some(locals[r]),
+                task,
+                address,
+            });
+        }
+        spec.validate()?;
+        Ok(Layout { ranks, spec })
+    }
+
+    /// The layout described by a TF_CONFIG (ranks unknown).
+    pub fn from_spec(spec: &ClusterSpec) -> Layout {
+        let ranks = spec
+            .tasks()
+            .map(|(task, a)| RankInfo {
+                rank: None,
+                host: a.host.clone(),
+                local_rank: None,
+                task,
+                address: a.clone(),
+            })
+            .collect();
+        Layout {
+            ranks,
+            spec: spec.clone(),
+        }
+    }
+
+    /// The entry of a task.
+    pub fn find(&self, task: &TaskId) -> Option<&RankInfo> {
+        self.ranks.iter().find(|r| &r.task == task)
+    }
+
+    /// TF_CONFIG for one process of the layout.
+    pub fn tf_config(&self, who: &RankInfo) -> TfConfig {
+        TfConfig::new(self.spec.clone(), who.task.clone())
+    }
+
+    /// Number of distinct hosts.
+    pub fn num_hosts(&self) -> usize {
+        let mut hosts: Vec<&str> = self.ranks.iter().map(|r| r.host.as_str()).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        hosts.len()
+    }
+
+    /// The table printed by `mpiflow spec --format table`.
+    pub fn table(&self, source: &str) -> String {
+        let jobs: Vec<String> = self
+            .spec
+            .jobs()
+            .into_iter()
+            .map(|j| format!("{j}={}", self.spec.num_tasks(j).unwrap_or(0)))
+            .collect();
+        let hosts = self.num_hosts();
+        let mut out = format!(
+            "# mpiflow cluster ({source}): {} tasks on {hosts} host{}: {}\n",
+            self.ranks.len(),
+            if hosts == 1 { "" } else { "s" },
+            jobs.join(" ")
+        );
+        let w_host = self
+            .ranks
+            .iter()
+            .map(|r| r.host.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        let w_addr = self
+            .ranks
+            .iter()
+            .map(|r| r.address.to_string().len())
+            .max()
+            .unwrap_or(7)
+            .max(7);
+        let opt = |v: Option<usize>| v.map_or("-".to_string(), |v| v.to_string());
+        let _ = writeln!(
+            out,
+            "{:<5} {:<w_host$} {:<5} {:<9} {:<4} {:<w_addr$}",
+            "rank", "host", "local", "job", "task", "address"
+        );
+        for r in &self.ranks {
+            let _ = writeln!(
+                out,
+                "{:<5} {:<w_host$} {:<5} {:<9} {:<4} {:<w_addr$}",
+                opt(r.rank),
+                r.host,
+                opt(r.local_rank),
+                r.task.job,
+                r.task.index,
+                r.address.to_string()
+            );
+        }
+        out.lines()
+            .map(str::trim_end)
+            .collect::<Vec<_>>()
+            .join("\n")
+            + "\n"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_string).collect()
+    }
+
+    fn roles(tasks: &[TaskId]) -> Vec<String> {
+        tasks.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn block_placement() {
+        let h = hosts("a a a b b b");
+        let opts = MappingOptions {
+            ps: 2,
+            ..Default::default()
+        };
+        assert_eq!(
+            roles(&assign_roles(&h, &opts).unwrap()),
+            ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2", "worker:3"]
+        );
+    }
+
+    #[test]
+    fn spread_placement_never_doubles_a_host_while_one_is_free() {
+        let h = hosts("a a b b c c");
+        let opts = MappingOptions {
+            ps: 3,
+            placement: Placement::Spread,
+            ..Default::default()
+        };
+        let t = assign_roles(&h, &opts).unwrap();
+        assert_eq!(
+            roles(&t),
+            ["ps:0", "worker:0", "ps:1", "worker:1", "ps:2", "worker:2"]
+        );
+        // 4 ps on 3 hosts: every host gets one, then host a a second.
+        let opts4 = MappingOptions {
+            ps: 4,
+            ..opts.clone()
+        };
+        let t = assign_roles(&h, &opts4).unwrap();
+        assert_eq!(
+            roles(&t),
+            ["ps:0", "ps:1", "ps:2", "worker:0", "ps:3", "worker:1"]
+        );
+        // Hosts interleaved by rank (map-by node): still one ps per host.
+        let h = hosts("a b c a b c");
+        let t = assign_roles(&h, &MappingOptions { ps: 2, ..opts }).unwrap();
+        assert_eq!(
+            roles(&t),
+            ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2", "worker:3"]
+        );
+    }
+
+    #[test]
+    fn chief_and_evaluator() {
+        let h = hosts("a a a a a");
+        let opts = MappingOptions {
+            ps: 1,
+            chief: true,
+            evaluator: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            roles(&assign_roles(&h, &opts).unwrap()),
+            ["ps:0", "chief:0", "worker:0", "worker:1", "evaluator:0"]
+        );
+        // A chief alone is a valid cluster (it computes); nothing at all is not.
+        let h2 = hosts("a a");
+        let only_chief = MappingOptions {
+            ps: 1,
+            chief: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            roles(&assign_roles(&h2, &only_chief).unwrap()),
+            ["ps:0", "chief:0"]
+        );
+        let too_many = MappingOptions {
+            ps: 1,
+            evaluator: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            assign_roles(&h2, &too_many).unwrap_err().to_string(),
+            "2 ranks are too few for --ps 1 --evaluator: need at least 3"
+        );
+    }
+
+    #[test]
+    fn ps_must_leave_room() {
+        let h = hosts("a a");
+        let e = assign_roles(
+            &h,
+            &MappingOptions {
+                ps: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--ps 2 must be smaller than the number of ranks (2)"
+        );
+    }
+
+    #[test]
+    fn layout_ports_and_table() {
+        let h = hosts("a a b");
+        let tasks = assign_roles(
+            &h,
+            &MappingOptions {
+                ps: 1,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let ports = sequential_ports(&h, 2222).unwrap();
+        assert_eq!(ports, [2222, 2223, 2222]);
+        let l = Layout::from_ranks(&h, &ports, tasks).unwrap();
+        assert_eq!(
+            l.spec.to_string(),
+            r#"{"ps":["a:2222"],"worker":["a:2223","b:2222"]}"#
+        );
+        let t = l.table("hostfile");
+        assert_eq!(
+            t,
+            "# mpiflow cluster (hostfile): 3 tasks on 2 hosts: ps=1 worker=2\n\
+             rank  host local job       task address\n\
+             0     a    0     ps        0    a:2222\n\
+             1     a    1     worker    0    a:2223\n\
+             2     b    0     worker    1    b:2222\n"
+        );
+        assert!(matches!(
+            sequential_ports(&h, 65535),
+            Err(MappingError::PortOutOfRange { rank: 1, .. })
+        ));
+        // Same host and port twice is caught.
+        let dup = Layout::from_ranks(
+            &hosts("a a"),
+            &[1, 1],
+            vec![TaskId::new("worker", 0), TaskId::new("worker", 1)],
+        );
+        assert!(dup
+            .unwrap_err()
+            .to_string()
+            .contains("duplicate address a:1"));
+    }
+}

@@ -1,0 +1,23 @@
+//! The cluster: who is who, and where.
+//!
+//! - [`spec`]: `ClusterSpec`, `TaskId`, roles, with TensorFlow's semantics.
+//! - [`tf_config`] and [`flags`]: the two ways TensorFlow programs learn their role.
+//! - [`hostlist`], [`hostfile`], [`slurm`]: the formats HPC schedulers describe jobs in.
+//! - [`mapping`]: rank-to-role policies and the resulting [`mapping::Layout`].
+//! - [`ports`]: free ports, found by binding them.
+//! - [`resolve`]: putting it together for MPI, Slurm, hostfile previews, TF_CONFIG and flags.
+
+pub mod flags;
+pub mod hostfile;
+pub mod hostlist;
+pub mod mapping;
+pub mod ports;
+pub mod resolve;
+pub mod slurm;
+pub mod spec;
+pub mod tf_config;
+
+pub use mapping::{Layout, MappingOptions, Placement, RankInfo};
+pub use resolve::{Request, ResolveError, Resolved, Source};
+pub use spec::{Address, ClusterSpec, Role, TaskId};
+pub use tf_config::TfConfig;

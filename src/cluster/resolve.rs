@@ -1,0 +1,411 @@
+//! Resolvers: where the cluster comes from, and which task this process is.
+//!
+//! - **MPI** (under `mpirun`/`mpiexec`/`srun --mpi=pmix`): rank, size and the host of every
+//!   rank are gathered over MPI; each rank probes a free port on its own host; all ranks
+//!   first check that they were started with the same mapping flags.
+//! - **Slurm** (`srun` without MPI): see [`super::slurm`]; ports are `port_base + local
+//!   task offset`, and this task's port is checked to be free.
+//! - **Hostfile** (`--hostfile H -np N`, no MPI): a preview of what `mpirun` would do.
+//! - **TF_CONFIG** and the **legacy flags**: the cluster as the user wrote it.
+//!
+//! `Source::Auto` picks, in order: hostfile if one is given, legacy flags if given, MPI if
+//! an MPI launcher's variables are present, Slurm inside a Slurm step, TF_CONFIG if set,
+//! and otherwise MPI as a single process.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+
+use super::flags::{self, FlagsError};
+use super::hostfile::{Hostfile, HostfileError, MapBy};
+use super::mapping::{assign_roles, sequential_ports, Layout, MappingError, MappingOptions};
+use super::ports::{self, PortError};
+use super::slurm::{self, SlurmError, SlurmStep};
+use super::spec::TaskId;
+use super::tf_config::{TfConfig, TfConfigError};
+use crate::transport::{Context, RankError};
+
+/// Where the cluster comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Source {
+    /// Pick from the environment (see the module docs).
+    #[default]
+    Auto,
+    Mpi,
+    Slurm,
+    Hostfile,
+    TfConfig,
+    Flags,
+}
+
+impl Source {
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Auto => "auto",
+            Source::Mpi => "mpi",
+            Source::Slurm => "slurm",
+            Source::Hostfile => "hostfile",
+            Source::TfConfig => "tf-config",
+            Source::Flags => "flags",
+        }
+    }
+}
+
+/// Environment variables that MPI launchers set in every process they start.
+const MPI_LAUNCHER_VARS: [&str; 4] = [
+    "OMPI_COMM_WORLD_SIZE", // OpenMPI mpirun
+    "PMI_SIZE",             // MPICH hydra, srun --mpi=pmi2
+    "PMIX_RANK",            // srun --mpi=pmix, PRRTE
+    "MPI_LOCALNRANKS",      // MPICH hydra
+];
+
+/// The rank an MPI launcher gave this process, read from its variables (for messages
+/// written before MPI is initialised).
+pub fn launcher_rank_hint(env: &BTreeMap<String, String>) -> Option<String> {
+    [
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "PMIX_RANK",
+        "SLURM_PROCID",
+    ]
+    .iter()
+    .find_map(|v| env.get(*v).cloned())
+}
+
+/// Everything a resolver needs besides the environment.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    pub source: Source,
+    pub mapping: MappingOptions,
+    /// First port to probe (MPI) or to number from (Slurm, previews).
+    pub port_base: u16,
+    pub hostfile: Option<PathBuf>,
+    pub np: Option<usize>,
+    pub map_by: MapBy,
+    pub oversubscribe: bool,
+    pub default_slots: usize,
+    /// Legacy flags given to mpiflow itself (`--ps_hosts ...`).
+    pub legacy_flags: Vec<String>,
+}
+
+impl Request {
+    /// The concrete source for this environment.
+    pub fn pick_source(&self, env: &BTreeMap<String, String>) -> Source {
+        match self.source {
+            Source::Auto if self.hostfile.is_some() => Source::Hostfile,
+            Source::Auto if !self.legacy_flags.is_empty() => Source::Flags,
+            Source::Auto if MPI_LAUNCHER_VARS.iter().any(|v| env.contains_key(*v)) => Source::Mpi,
+            Source::Auto if slurm::detected(env) => Source::Slurm,
+            Source::Auto if env.contains_key("TF_CONFIG") => Source::TfConfig,
+            Source::Auto => Source::Mpi,
+            s => s,
+        }
+    }
+
+    /// The flags that decide the mapping, in a canonical order, so ranks can compare them.
+    pub fn canonical_args(&self) -> Vec<(String, String)> {
+        let m = &self.mapping;
+        vec![
+            ("--ps".into(), m.ps.to_string()),
+            ("--chief".into(), m.chief.to_string()),
+            ("--evaluator".into(), m.evaluator.to_string()),
+            (
+                "--placement".into(),
+                format!("{:?}", m.placement).to_lowercase(),
+            ),
+            ("--port-base".into(), self.port_base.to_string()),
+        ]
+    }
+}
+
+/// Errors from resolving the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{0}")]
+    Rank(#[from] RankError),
+    #[error("rank {rank} was started with {theirs} but rank 0 with {ours}: all ranks must get the same mapping flags")]
+    ArgsDiffer {
+        rank: usize,
+        theirs: String,
+        ours: String,
+    },
+    #[error("{0}")]
+    Mapping(#[from] MappingError),
+    #[error("{0}")]
+    Hostfile(#[from] HostfileError),
+    #[error("{0}")]
+    Slurm(#[from] SlurmError),
+    #[error("{0}")]
+    TfConfig(#[from] TfConfigError),
+    #[error("{0}")]
+    Flags(#[from] FlagsError),
+    #[error("{0}")]
+    Port(#[from] PortError),
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// A resolved cluster and this process's place in it.
+#[derive(Debug)]
+pub struct Resolved {
+    pub source: Source,
+    pub layout: Layout,
+    /// Index into `layout.ranks` of this process; `None` for a hostfile preview.
+    pub me: Option<usize>,
+    /// The world size (`None` for TF_CONFIG and flags, which know no ranks).
+    pub size: Option<usize>,
+    /// The probed port, held until the caller is ready to hand it over.
+    pub port_guard: Option<TcpListener>,
+}
+
+/// 64-bit FNV-1a: a hash that is the same in every build and process.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn render_args(args: &[(String, String)]) -> String {
+    args.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Collective: stops every rank if any rank's mapping flags differ from rank 0's.
+/// Cheap in the common case (one 8-byte allgather); the full flags only on mismatch.
+fn check_same_args(ctx: &Context, args: &[(String, String)]) -> Result<(), ResolveError> {
+    let text = render_args(args);
+    let hash = fnv1a(text.as_bytes());
+    let hashes = ctx.all_gather_bytes(&hash.to_le_bytes());
+    if hashes.iter().all(|h| *h == hashes[0]) {
+        return Ok(());
+    }
+    let all = ctx.all_gather_strings(&text);
+    let rank = (1..all.len())
+        .find(|r| all[*r] != all[0])
+        .expect("hashes differ");
+    let split = |s: &str| s.split(' ').map(str::to_string).collect::<Vec<_>>();
+    let (ours, theirs) = (split(&all[0]), split(&all[rank]));
+    let (o, t) = ours
+        .iter()
+        .zip(&theirs)
+        .find(|(o, t)| o != t)
+        .map(|(o, t)| (o.clone(), t.clone()))
+        .unwrap_or_else(|| (all[0].clone(), all[rank].clone()));
+    Err(ResolveError::ArgsDiffer {
+        rank,
+        theirs: t,
+        ours: o,
+    })
+}
+
+/// The MPI resolver (collective over the world communicator).
+pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveError> {
+    check_same_args(ctx, &req.canonical_args())?;
+    // MPIFLOW_HOST overrides the processor name: a test-only setting for fake nodes that
+    // share one real hostname (Slurm's multiple-slurmd mode).
+    let host = std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| ctx.processor_name());
+    let hosts = ctx.all_gather_strings(&host);
+    // Every rank has the same hosts and flags, so a mapping error is the same everywhere.
+    let tasks = assign_roles(&hosts, &req.mapping)?;
+    let rank = ctx.rank();
+    let locals = super::mapping::local_ranks(&hosts);
+    let local_count = hosts.iter().filter(|h| **h == host).count();
+    let probed = ctx.agree(ports::probe(
+        &host,
+        req.port_base,
+        locals[rank],
+        local_count,
+    ))?;
+    let (guard, port) = probed;
+    let ports: Vec<u16> = ctx
+        .all_gather_bytes(&port.to_le_bytes())
+        .into_iter()
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let layout = Layout::from_ranks(&hosts, &ports, tasks)?;
+    Ok(Resolved {
+        source: Source::Mpi,
+        layout,
+        me: Some(rank),
+        size: Some(ctx.size()),
+        port_guard: Some(guard),
+    })
+}
+
+/// The resolvers that need no MPI: Slurm, hostfile preview, TF_CONFIG, legacy flags.
+pub fn resolve_offline(
+    req: &Request,
+    source: Source,
+    env: &BTreeMap<String, String>,
+) -> Result<Resolved, ResolveError> {
+    match source {
+        Source::Hostfile => {
+            let path = req
+                .hostfile
+                .as_ref()
+                .ok_or_else(|| ResolveError::Usage("--from hostfile needs --hostfile H".into()))?;
+            let np = req.np.ok_or_else(|| {
+                ResolveError::Usage("--hostfile needs -np N (the number of ranks)".into())
+            })?;
+            let hf = Hostfile::read(path, req.default_slots)?;
+            let hosts = hf.map(np, req.map_by, req.oversubscribe)?;
+            let tasks = assign_roles(&hosts, &req.mapping)?;
+            let ports = sequential_ports(&hosts, req.port_base)?;
+            Ok(Resolved {
+                source,
+                layout: Layout::from_ranks(&hosts, &ports, tasks)?,
+                me: None,
+                size: Some(np),
+                port_guard: None,
+            })
+        }
+        Source::Slurm => {
+            let step = SlurmStep::from_env(env)?;
+            let tasks = assign_roles(&step.hosts, &req.mapping)?;
+            let ports = sequential_ports(&step.hosts, req.port_base)?;
+            let layout = Layout::from_ranks(&step.hosts, &ports, tasks)?;
+            let me = &layout.ranks[step.rank];
+            let guard = own_port(me.address.port, &me.task, &me.host)?;
+            Ok(Resolved {
+                source,
+                me: Some(step.rank),
+                size: Some(step.hosts.len()),
+                layout,
+                port_guard: Some(guard),
+            })
+        }
+        Source::TfConfig | Source::Flags => {
+            let config = if source == Source::Flags {
+                flags::parse(&req.legacy_flags)?
+            } else {
+                let text = env.get("TF_CONFIG").ok_or_else(|| {
+                    ResolveError::TfConfig(TfConfigError::NotJson("TF_CONFIG is not set".into()))
+                })?;
+                TfConfig::parse(text)?
+            };
+            let layout = Layout::from_spec(&config.cluster);
+            let me = layout.ranks.iter().position(|r| r.task == config.task);
+            let guard = match me.map(|i| &layout.ranks[i]) {
+                Some(r) if is_this_host(&r.host) => {
+                    Some(own_port(r.address.port, &r.task, &r.host)?)
+                }
+                _ => None,
+            };
+            Ok(Resolved {
+                source,
+                layout,
+                me,
+                size: None,
+                port_guard: guard,
+            })
+        }
+        Source::Mpi | Source::Auto => Err(ResolveError::Usage(format!(
+            "source {} needs MPI",
+            source.name()
+        ))),
+    }
+}
+
+fn own_port(port: u16, task: &TaskId, host: &str) -> Result<TcpListener, PortError> {
+    ports::try_bind(port).ok_or_else(|| PortError::InUse {
+        port,
+        task: task.to_string(),
+        host: host.into(),
+    })
+}
+
+/// True if `host` names this machine (its hostname, or a loopback name).
+fn is_this_host(host: &str) -> bool {
+    if host == "localhost" || host.starts_with("127.") || host == "::1" {
+        return true;
+    }
+    hostname().is_some_and(|h| h == host || h.split('.').next() == Some(host))
+}
+
+/// This machine's host name (`gethostname`).
+pub fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for `buf.len()` bytes and gethostname writes at most that.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn auto_source_order() {
+        let req = Request::default();
+        assert_eq!(req.pick_source(&env(&[])), Source::Mpi);
+        assert_eq!(
+            req.pick_source(&env(&[("TF_CONFIG", "{}")])),
+            Source::TfConfig
+        );
+        let slurm = env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_JOB_ID", "1"),
+            ("TF_CONFIG", "{}"),
+        ]);
+        assert_eq!(req.pick_source(&slurm), Source::Slurm);
+        let mut under_mpirun = slurm.clone();
+        under_mpirun.insert("OMPI_COMM_WORLD_SIZE".into(), "4".into());
+        assert_eq!(req.pick_source(&under_mpirun), Source::Mpi);
+        let preview = Request {
+            hostfile: Some("h".into()),
+            ..Request::default()
+        };
+        assert_eq!(preview.pick_source(&under_mpirun), Source::Hostfile);
+    }
+
+    #[test]
+    fn slurm_resolver_builds_the_cluster() {
+        let req = Request {
+            mapping: MappingOptions {
+                ps: 2,
+                placement: super::super::mapping::Placement::Spread,
+                ..Default::default()
+            },
+            port_base: 30500,
+            ..Request::default()
+        };
+        let e = env(&[
+            ("SLURM_JOB_ID", "1"),
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "node[1-2]"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+        ]);
+        let r = resolve_offline(&req, Source::Slurm, &e).unwrap();
+        assert_eq!(r.me, Some(2));
+        assert_eq!(
+            r.layout.spec.to_string(),
+            r#"{"ps":["node1:30500","node2:30500"],"worker":["node1:30501","node2:30501"]}"#
+        );
+        // The port this task needs is held: a second resolve of the same task fails.
+        let again = resolve_offline(&req, Source::Slurm, &e).unwrap_err();
+        assert_eq!(
+            again.to_string(),
+            "port 30500 of ps:1 on node2 is already in use"
+        );
+    }
+
+    #[test]
+    fn fnv_is_stable() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}

@@ -1,0 +1,506 @@
+//! `ClusterSpec`, task identities and roles, with TensorFlow's semantics.
+//!
+//! A cluster is a set of named jobs; a job is a set of tasks indexed from 0, each with a
+//! `host:port` address. Jobs may be *dense* (indices `0..n`) or *sparse* (gaps allowed),
+//! exactly as `tf.train.ClusterSpec`. Jobs are kept sorted by name, so every process that
+//! builds the same cluster serialises it to the same bytes.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde_json::{Map, Value};
+
+/// Errors from building or querying a [`ClusterSpec`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("invalid job name {0:?} (expected a letter followed by letters, digits or '_')")]
+    BadJobName(String),
+    #[error("unknown job {0:?} in the cluster")]
+    UnknownJob(String),
+    #[error("task {job}:{index} is not in the cluster (job {job} has tasks {have})")]
+    UnknownTask {
+        job: String,
+        index: usize,
+        have: String,
+    },
+    #[error("invalid address {addr:?} for {task}: {why}")]
+    BadAddress {
+        task: String,
+        addr: String,
+        why: String,
+    },
+    #[error("duplicate address {addr}: used by {first} and {second}")]
+    DuplicateAddress {
+        addr: String,
+        first: String,
+        second: String,
+    },
+    #[error("job {job}: {why}")]
+    BadJob { job: String, why: String },
+    #[error("unknown job type {0:?} (expected chief, worker, ps or evaluator)")]
+    UnknownRole(String),
+    #[error("{job} job has {count} tasks; at most one {job} is allowed")]
+    TooMany { job: String, count: usize },
+}
+
+/// The four kinds of job a training cluster knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Chief,
+    Worker,
+    Ps,
+    Evaluator,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [Role::Chief, Role::Worker, Role::Ps, Role::Evaluator];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Chief => "chief",
+            Role::Worker => "worker",
+            Role::Ps => "ps",
+            Role::Evaluator => "evaluator",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| SpecError::UnknownRole(s.to_string()))
+    }
+}
+
+/// One task of the cluster: `(job, index)`, written `job:index`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId {
+    pub job: String,
+    pub index: usize,
+}
+
+impl TaskId {
+    pub fn new(job: impl Into<String>, index: usize) -> Self {
+        TaskId {
+            job: job.into(),
+            index,
+        }
+    }
+
+    /// The task's role, if its job is one of the four known kinds.
+    pub fn role(&self) -> Result<Role, SpecError> {
+        self.job.parse()
+    }
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.job, self.index)
+    }
+}
+
+/// A parsed `host:port` address; IPv6 hosts are written in brackets (`[::1]:2222`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Address {
+    pub host: String,
+    pub port: u16,
+}
+
+impl Address {
+    /// Parses `host:port`; the error text says what is wrong (used inside [`SpecError`]).
+    pub fn parse(s: &str) -> Result<Address, String> {
+        let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+            let (h, p) = rest
+                .split_once("]:")
+                .ok_or("expected [ipv6]:port".to_string())?;
+            (h, p)
+        } else {
+            s.rsplit_once(':')
+                .ok_or_else(|| "expected host:port".to_string())?
+        };
+        if host.is_empty() {
+            return Err("empty host".into());
+        }
+        if host
+            .chars()
+            .any(|c| c.is_whitespace() || c == ',' || c == '/')
+        {
+            return Err(format!("host {host:?} contains a forbidden character"));
+        }
+        let n: u64 = port
+            .parse()
+            .map_err(|_| format!("port {port:?} is not a number"))?;
+        if n == 0 || n > 65535 {
+            return Err(format!("port {n} is out of range 1-65535"));
+        }
+        Ok(Address {
+            host: host.to_string(),
+            port: n as u16,
+        })
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// A TensorFlow cluster: job name to (task index to address), jobs sorted by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterSpec {
+    jobs: BTreeMap<String, BTreeMap<usize, Address>>,
+}
+
+fn valid_job_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl ClusterSpec {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) one task. Addresses are checked; duplicates are found by [`Self::validate`].
+    pub fn add_task(&mut self, task: &TaskId, addr: &str) -> Result<(), SpecError> {
+        if !valid_job_name(&task.job) {
+            return Err(SpecError::BadJobName(task.job.clone()));
+        }
+        let parsed = Address::parse(addr).map_err(|why| SpecError::BadAddress {
+            task: task.to_string(),
+            addr: addr.to_string(),
+            why,
+        })?;
+        self.jobs
+            .entry(task.job.clone())
+            .or_default()
+            .insert(task.index, parsed);
+        Ok(())
+    }
+
+    /// A dense job: tasks `0..addrs.len()`.
+    pub fn add_dense_job(&mut self, job: &str, addrs: &[String]) -> Result<(), SpecError> {
+        if addrs.is_empty() {
+            return Err(SpecError::BadJob {
+                job: job.into(),
+                why: "has no tasks".into(),
+            });
+        }
+        for (i, a) in addrs.iter().enumerate() {
+            self.add_task(&TaskId::new(job, i), a)?;
+        }
+        Ok(())
+    }
+
+    /// Builds a spec from TensorFlow's dict form: `{job: [addr, ...]}` or `{job: {"i": addr}}`.
+    pub fn from_json(value: &Value) -> Result<Self, SpecError> {
+        let obj = value.as_object().ok_or_else(|| SpecError::BadJob {
+            job: "<cluster>".into(),
+            why: "the cluster must be a JSON object of jobs".into(),
+        })?;
+        let mut spec = ClusterSpec::new();
+        for (job, tasks) in obj {
+            let bad = |why: String| SpecError::BadJob {
+                job: job.clone(),
+                why,
+            };
+            match tasks {
+                Value::Array(list) => {
+                    let addrs = list
+                        .iter()
+                        .map(|a| {
+                            a.as_str()
+                                .map(str::to_string)
+                                .ok_or_else(|| bad(format!("address {a} is not a string")))
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    spec.add_dense_job(job, &addrs)?;
+                }
+                Value::Object(map) => {
+                    if map.is_empty() {
+                        return Err(bad("has no tasks".into()));
+                    }
+                    for (idx, a) in map {
+                        let index: usize = idx
+                            .parse()
+                            .map_err(|_| bad(format!("task index {idx:?} is not a number")))?;
+                        let a = a
+                            .as_str()
+                            .ok_or_else(|| bad(format!("address {a} is not a string")))?;
+                        spec.add_task(&TaskId::new(job.as_str(), index), a)?;
+                    }
+                }
+                other => {
+                    return Err(bad(format!(
+                        "expected a list or a map of addresses, got {other}"
+                    )))
+                }
+            }
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Checks that no address is used by two tasks.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let mut seen: BTreeMap<&Address, TaskId> = BTreeMap::new();
+        for (job, tasks) in &self.jobs {
+            for (i, a) in tasks {
+                let t = TaskId::new(job.as_str(), *i);
+                if let Some(first) = seen.get(a) {
+                    return Err(SpecError::DuplicateAddress {
+                        addr: a.to_string(),
+                        first: first.to_string(),
+                        second: t.to_string(),
+                    });
+                }
+                seen.insert(a, t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks TensorFlow's role rules: only the four known jobs, at most one chief and one evaluator.
+    pub fn validate_roles(&self) -> Result<(), SpecError> {
+        for job in self.jobs.keys() {
+            job.parse::<Role>()?;
+        }
+        for job in ["chief", "evaluator"] {
+            let n = self.jobs.get(job).map_or(0, BTreeMap::len);
+            if n > 1 {
+                return Err(SpecError::TooMany {
+                    job: job.into(),
+                    count: n,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Job names, sorted.
+    pub fn jobs(&self) -> Vec<&str> {
+        self.jobs.keys().map(String::as_str).collect()
+    }
+
+    pub fn has_job(&self, job: &str) -> bool {
+        self.jobs.contains_key(job)
+    }
+
+    fn job(&self, job: &str) -> Result<&BTreeMap<usize, Address>, SpecError> {
+        self.jobs
+            .get(job)
+            .ok_or_else(|| SpecError::UnknownJob(job.to_string()))
+    }
+
+    /// Number of defined tasks of `job` (gaps of sparse jobs are not counted).
+    pub fn num_tasks(&self, job: &str) -> Result<usize, SpecError> {
+        Ok(self.job(job)?.len())
+    }
+
+    /// Defined task indices of `job`, sorted.
+    pub fn task_indices(&self, job: &str) -> Result<Vec<usize>, SpecError> {
+        Ok(self.job(job)?.keys().copied().collect())
+    }
+
+    pub fn task_address(&self, job: &str, index: usize) -> Result<&Address, SpecError> {
+        let tasks = self.job(job)?;
+        tasks.get(&index).ok_or_else(|| SpecError::UnknownTask {
+            job: job.to_string(),
+            index,
+            have: format!("{:?}", tasks.keys().collect::<Vec<_>>()),
+        })
+    }
+
+    /// The tasks of `job` as a list of length max index + 1, `None` in the gaps.
+    pub fn job_tasks(&self, job: &str) -> Result<Vec<Option<String>>, SpecError> {
+        let tasks = self.job(job)?;
+        let len = tasks.keys().next_back().map_or(0, |m| m + 1);
+        let mut out = vec![None; len];
+        for (i, a) in tasks {
+            out[*i] = Some(a.to_string());
+        }
+        Ok(out)
+    }
+
+    /// True if the job's indices are exactly `0..n`.
+    pub fn is_dense(&self, job: &str) -> Result<bool, SpecError> {
+        let tasks = self.job(job)?;
+        Ok(tasks.keys().enumerate().all(|(i, k)| i == *k))
+    }
+
+    /// TensorFlow's `as_dict()`: a list for dense jobs, a map index to address for sparse ones.
+    pub fn as_dict(&self) -> Value {
+        let mut out = Map::new();
+        for (job, tasks) in &self.jobs {
+            let dense = tasks.keys().enumerate().all(|(i, k)| i == *k);
+            let v = if dense {
+                Value::Array(tasks.values().map(|a| a.to_string().into()).collect())
+            } else {
+                Value::Object(
+                    tasks
+                        .iter()
+                        .map(|(i, a)| (i.to_string(), a.to_string().into()))
+                        .collect(),
+                )
+            };
+            out.insert(job.clone(), v);
+        }
+        Value::Object(out)
+    }
+
+    /// Every task in (job, index) order.
+    pub fn tasks(&self) -> impl Iterator<Item = (TaskId, &Address)> {
+        self.jobs.iter().flat_map(|(job, tasks)| {
+            tasks
+                .iter()
+                .map(move |(i, a)| (TaskId::new(job.as_str(), *i), a))
+        })
+    }
+
+    /// The chief by TensorFlow's rule: `chief:0` if a chief job exists, else `worker:0`.
+    pub fn chief(&self) -> Option<TaskId> {
+        if self.has_job("chief") {
+            self.task_indices("chief")
+                .ok()
+                .and_then(|v| v.first().map(|i| TaskId::new("chief", *i)))
+        } else if self.task_address("worker", 0).is_ok() {
+            Some(TaskId::new("worker", 0))
+        } else {
+            None
+        }
+    }
+
+    /// The worker id used by collectives: the chief is 0, worker i is i + number of chiefs.
+    pub fn worker_id(&self, task: &TaskId) -> Option<usize> {
+        let chiefs = self.num_tasks("chief").unwrap_or(0);
+        match task.job.as_str() {
+            "chief" => Some(0),
+            "worker" => Some(task.index + chiefs),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ClusterSpec {
+    /// The deterministic one-line JSON form (jobs sorted by name).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.as_dict())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn dense_and_sparse_jobs() {
+        let spec = ClusterSpec::from_json(&json!({
+            "worker": ["w0:2222", "w1:2222"],
+            "ps": {"1": "p1:2222", "3": "p3:2222"}
+        }))
+        .unwrap();
+        assert_eq!(spec.jobs(), vec!["ps", "worker"]);
+        assert_eq!(spec.num_tasks("ps").unwrap(), 2);
+        assert_eq!(spec.task_indices("ps").unwrap(), vec![1, 3]);
+        assert_eq!(spec.task_address("ps", 3).unwrap().to_string(), "p3:2222");
+        assert_eq!(
+            spec.job_tasks("ps").unwrap(),
+            vec![None, Some("p1:2222".into()), None, Some("p3:2222".into())]
+        );
+        assert!(spec.is_dense("worker").unwrap());
+        assert!(!spec.is_dense("ps").unwrap());
+        assert_eq!(
+            spec.to_string(),
+            r#"{"ps":{"1":"p1:2222","3":"p3:2222"},"worker":["w0:2222","w1:2222"]}"#
+        );
+        assert!(matches!(
+            spec.task_address("ps", 0),
+            Err(SpecError::UnknownTask { .. })
+        ));
+        assert!(matches!(
+            spec.num_tasks("chief"),
+            Err(SpecError::UnknownJob(_))
+        ));
+    }
+
+    #[test]
+    fn serialisation_is_sorted_whatever_the_input_order() {
+        let a =
+            ClusterSpec::from_json(&json!({"worker": ["a:1"], "chief": ["b:1"], "ps": ["c:1"]}))
+                .unwrap();
+        let b =
+            ClusterSpec::from_json(&json!({"ps": ["c:1"], "chief": ["b:1"], "worker": ["a:1"]}))
+                .unwrap();
+        assert_eq!(a.to_string(), b.to_string());
+        assert!(a.to_string().starts_with(r#"{"chief""#));
+    }
+
+    #[test]
+    fn chief_rule_and_worker_ids() {
+        let with_chief =
+            ClusterSpec::from_json(&json!({"chief": ["c:1"], "worker": ["a:1", "b:1"]})).unwrap();
+        assert_eq!(with_chief.chief(), Some(TaskId::new("chief", 0)));
+        assert_eq!(with_chief.worker_id(&TaskId::new("worker", 1)), Some(2));
+        let without = ClusterSpec::from_json(&json!({"worker": ["a:1", "b:1"]})).unwrap();
+        assert_eq!(without.chief(), Some(TaskId::new("worker", 0)));
+        assert_eq!(without.worker_id(&TaskId::new("worker", 1)), Some(1));
+    }
+
+    #[test]
+    fn bad_specs() {
+        let dup = ClusterSpec::from_json(&json!({"worker": ["a:1", "a:1"]})).unwrap_err();
+        assert_eq!(
+            dup.to_string(),
+            "duplicate address a:1: used by worker:0 and worker:1"
+        );
+        for (v, want) in [
+            (json!({"worker": ["a:0"]}), "out of range"),
+            (json!({"worker": ["a:70000"]}), "out of range"),
+            (json!({"worker": ["a"]}), "expected host:port"),
+            (json!({"worker": ["a:x"]}), "not a number"),
+            (json!({"worker": []}), "has no tasks"),
+            (json!({"worker": {"x": "a:1"}}), "not a number"),
+            (json!({"9bad": ["a:1"]}), "invalid job name"),
+            (json!({"worker": 3}), "expected a list or a map"),
+            (json!(["a:1"]), "must be a JSON object"),
+        ] {
+            let e = ClusterSpec::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains(want), "{v}: {e}");
+        }
+        let two_chiefs = ClusterSpec::from_json(&json!({"chief": ["a:1", "b:1"]})).unwrap();
+        assert!(two_chiefs
+            .validate_roles()
+            .unwrap_err()
+            .to_string()
+            .contains("at most one chief"));
+        let odd = ClusterSpec::from_json(&json!({"master": ["a:1"]})).unwrap();
+        assert!(matches!(
+            odd.validate_roles(),
+            Err(SpecError::UnknownRole(_))
+        ));
+    }
+
+    #[test]
+    fn ipv6_addresses() {
+        let a = Address::parse("[::1]:2222").unwrap();
+        assert_eq!(a.host, "::1");
+        assert_eq!(a.to_string(), "[::1]:2222");
+    }
+}

@@ -1,0 +1,12 @@
+//! mpiflow: TensorFlow-style ps/worker training clusters on MPI and Slurm.
+//!
+//! - [`cluster`]: ClusterSpec, TF_CONFIG, legacy flags, and the resolvers that turn an
+//!   `mpirun`, Slurm or hostfile job into a cluster with one task per rank.
+//! - [`transport`]: the MPI context and the data plane.
+//! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
+//!
+//! The `mpiflow` binary (`src/main.rs`) is a thin command-line layer over these.
+
+pub mod cluster;
+pub mod launch;
+pub mod transport;

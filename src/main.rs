@@ -1,0 +1,347 @@
+//! The `mpiflow` command: `spec` (show the cluster) and `launch` (run a program as a task).
+//!
+//! Errors become one line on stderr (`mpiflow: error: ...`) and a non-zero exit. Under MPI,
+//! an error found on any rank is agreed by all ranks first (see
+//! [`mpiflow::transport::Context::agree`]), printed once by rank 0, and every rank exits
+//! non-zero, so `mpirun` ends the whole job instead of leaving ranks waiting.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::json;
+
+use mpiflow::cluster::flags;
+use mpiflow::cluster::hostfile::MapBy;
+use mpiflow::cluster::resolve::{launcher_rank_hint, resolve_mpi, resolve_offline};
+use mpiflow::cluster::{MappingOptions, Placement, Request, Resolved, Source};
+use mpiflow::launch;
+use mpiflow::transport::Context;
+
+#[derive(Parser)]
+#[command(
+    name = "mpiflow",
+    version,
+    about = "TensorFlow-style ps/worker clusters on MPI and Slurm"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Show the cluster: every rank's job, task and address.
+    Spec(SpecArgs),
+    /// Run PROGRAM as this rank's task, with TF_CONFIG (and optionally legacy flags) set.
+    Launch(LaunchArgs),
+}
+
+#[derive(Args)]
+struct ClusterArgs {
+    /// Where the cluster comes from.
+    #[arg(long, value_enum, default_value_t)]
+    from: Source,
+    /// Number of parameter-server tasks.
+    #[arg(long, default_value_t = 0)]
+    ps: usize,
+    /// Give the cluster a separate chief job (chief:0); otherwise worker:0 is the chief.
+    #[arg(long)]
+    chief: bool,
+    /// Give the cluster an evaluator task (the highest remaining rank).
+    #[arg(long)]
+    evaluator: bool,
+    /// Where ps tasks go: the first ranks, or spread over hosts.
+    #[arg(long, value_enum, default_value_t)]
+    placement: Placement,
+    /// First port to try for each task (probed upward under MPI).
+    #[arg(long, default_value_t = 2222, value_parser = clap::value_parser!(u16).range(1..))]
+    port_base: u16,
+    /// Preview the layout `mpirun --hostfile H -np N` would give (no MPI needed).
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+    /// Number of ranks for a hostfile preview (`-np N` is accepted too).
+    #[arg(short = 'n', long = "np")]
+    np: Option<usize>,
+    /// Rank mapping of the previewed mpirun.
+    #[arg(long, value_enum, default_value_t)]
+    map_by: MapBy,
+    /// Allow more ranks than slots in the preview.
+    #[arg(long)]
+    oversubscribe: bool,
+    /// Slots of a hostfile line without `slots=` (OpenMPI uses the host's core count;
+    /// default: this machine's).
+    #[arg(long)]
+    default_slots: Option<usize>,
+    /// Legacy TF flag: comma-separated ps addresses.
+    #[arg(long = "ps_hosts")]
+    ps_hosts: Option<String>,
+    /// Legacy TF flag: comma-separated worker addresses.
+    #[arg(long = "worker_hosts")]
+    worker_hosts: Option<String>,
+    /// Legacy TF flag: this task's job (ps or worker).
+    #[arg(long = "job_name")]
+    job_name: Option<String>,
+    /// Legacy TF flag: this task's index.
+    #[arg(long = "task_index")]
+    task_index: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+enum Format {
+    /// The whole mapping, printed once (rank 0).
+    #[default]
+    Table,
+    /// One JSON line per rank: rank, host, task, address, cluster.
+    Json,
+    /// One line per rank: its TF_CONFIG.
+    TfConfig,
+    /// One line per rank: its legacy flags.
+    Flags,
+}
+
+#[derive(Args)]
+struct SpecArgs {
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Append --ps_hosts --worker_hosts --job_name --task_index to the program's arguments.
+    #[arg(long)]
+    legacy_flags: bool,
+    /// The program and its arguments.
+    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    program: Vec<String>,
+}
+
+/// A failure to report. Errors every rank already agreed on name the failing rank and are
+/// printed by rank 0 alone (`printed_by_me`); local ones get this rank's number prefixed.
+struct Failure {
+    message: String,
+    printed_by_me: bool,
+    local: bool,
+}
+
+impl Failure {
+    fn local(e: impl std::fmt::Display) -> Self {
+        Failure {
+            message: e.to_string(),
+            printed_by_me: true,
+            local: true,
+        }
+    }
+
+    /// An error all ranks agreed on, printed once by rank 0.
+    fn agreed(e: impl std::fmt::Display, ctx: &Context) -> Self {
+        Failure {
+            message: e.to_string(),
+            printed_by_me: ctx.rank() == 0,
+            local: false,
+        }
+    }
+}
+
+impl ClusterArgs {
+    fn request(&self) -> Request {
+        let legacy_flags = [
+            ("--ps_hosts", &self.ps_hosts),
+            ("--worker_hosts", &self.worker_hosts),
+            ("--job_name", &self.job_name),
+            ("--task_index", &self.task_index),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k}={v}")))
+        .collect();
+        Request {
+            source: self.from,
+            mapping: MappingOptions {
+                ps: self.ps,
+                chief: self.chief,
+                evaluator: self.evaluator,
+                placement: self.placement,
+            },
+            port_base: self.port_base,
+            hostfile: self.hostfile.clone(),
+            np: self.np,
+            map_by: self.map_by,
+            oversubscribe: self.oversubscribe,
+            default_slots: self
+                .default_slots
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            legacy_flags,
+        }
+    }
+}
+
+/// Resolves the cluster; under MPI returns the live context too.
+fn resolve(
+    args: &ClusterArgs,
+    env: &BTreeMap<String, String>,
+) -> Result<(Resolved, Option<Context>), Failure> {
+    let req = args.request();
+    match req.pick_source(env) {
+        Source::Mpi => {
+            let ctx = Context::init().map_err(Failure::local)?;
+            // Every error of the MPI resolver is collective: all ranks hold the same one.
+            let r = resolve_mpi(&ctx, &req).map_err(|e| Failure::agreed(e, &ctx))?;
+            Ok((r, Some(ctx)))
+        }
+        source => {
+            let r = resolve_offline(&req, source, env).map_err(Failure::local)?;
+            Ok((r, None))
+        }
+    }
+}
+
+/// Writes text in one `write` call, so lines of different ranks do not interleave.
+fn emit(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes());
+    let _ = out.flush();
+}
+
+fn rank_line(resolved: &Resolved, who: usize, format: Format) -> Result<String, String> {
+    let layout = &resolved.layout;
+    let r = &layout.ranks[who];
+    Ok(match format {
+        Format::Json => json!({
+            "rank": r.rank,
+            "size": resolved.size,
+            "host": r.host,
+            "local_rank": r.local_rank,
+            "task": {"type": r.task.job, "index": r.task.index},
+            "address": r.address.to_string(),
+            "source": resolved.source.name(),
+            "cluster": layout.spec.as_dict(),
+        })
+        .to_string(),
+        Format::TfConfig => layout.tf_config(r).to_json(),
+        Format::Flags => flags::emit(&layout.tf_config(r))
+            .map_err(|e| e.to_string())?
+            .join(" "),
+        Format::Table => unreachable!("tables are not per rank"),
+    })
+}
+
+fn cmd_spec(args: &SpecArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    let (resolved, ctx) = resolve(&args.cluster, env)?;
+    let leader = match (&ctx, resolved.me) {
+        (Some(c), _) => c.rank() == 0,
+        (None, Some(me)) => resolved.layout.ranks[me].rank.unwrap_or(0) == 0,
+        (None, None) => true,
+    };
+    if args.format == Format::Table {
+        if leader {
+            emit(&resolved.layout.table(resolved.source.name()));
+        }
+        return Ok(());
+    }
+    let mine: Vec<usize> = match resolved.me {
+        Some(me) => vec![me],
+        None => (0..resolved.layout.ranks.len()).collect(),
+    };
+    let lines: Result<Vec<String>, String> = mine
+        .iter()
+        .map(|w| rank_line(&resolved, *w, args.format))
+        .collect();
+    let lines = match &ctx {
+        Some(c) => c.agree(lines).map_err(|e| Failure::agreed(e, c))?,
+        None => lines.map_err(Failure::local)?,
+    };
+    emit(&(lines.join("\n") + "\n"));
+    Ok(())
+}
+
+fn cmd_launch(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    let (resolved, ctx) = resolve(&args.cluster, env)?;
+    let Some(me) = resolved.me else {
+        return Err(Failure::local(
+            "launch starts a task in a running job; a hostfile only previews one (run: mpirun --hostfile H mpiflow launch -- PROGRAM)",
+        ));
+    };
+    let layout = &resolved.layout;
+    let info = &layout.ranks[me];
+    let prepared =
+        launch::task_args(layout, info, &args.program, args.legacy_flags).and_then(|a| {
+            launch::find_program(&a[0], std::env::var_os("PATH").as_ref())?;
+            Ok(a)
+        });
+    let argv = match &ctx {
+        Some(c) => c.agree(prepared).map_err(|e| Failure::agreed(e, c))?,
+        None => prepared.map_err(Failure::local)?,
+    };
+    let task_env = launch::task_env(layout, info, resolved.size);
+    // Free the probed port for the program's server, and finalise MPI before the exec.
+    drop(resolved.port_guard);
+    drop(ctx);
+    Err(Failure::local(launch::exec(&argv, &task_env)))
+}
+
+/// mpirun's `-np N` spelling, accepted as `--np N`.
+fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut after_dashdash = false;
+    for a in args {
+        if a == "--" {
+            after_dashdash = true;
+        }
+        if !after_dashdash && a == "-np" {
+            out.push("--np".to_string());
+        } else {
+            out.push(a);
+        }
+    }
+    out
+}
+
+fn main() -> ExitCode {
+    let env: BTreeMap<String, String> = std::env::vars().collect();
+    let prefix = launcher_rank_hint(&env)
+        .map(|r| format!("rank {r}: "))
+        .unwrap_or_default();
+    // A bug must still give one line and a non-zero exit, never a backtrace or a hang:
+    // exiting ends this rank, and mpirun then ends the job.
+    let panic_prefix = prefix.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        eprintln!("mpiflow: internal error: {panic_prefix}{info}");
+        std::process::exit(70);
+    }));
+    let cli = match Cli::try_parse_from(normalise_args(std::env::args())) {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("bad arguments");
+            eprintln!(
+                "mpiflow: {prefix}{} (see mpiflow --help)",
+                first.trim_start_matches("error: ").trim()
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let result = match &cli.cmd {
+        Cmd::Spec(a) => cmd_spec(a, &env),
+        Cmd::Launch(a) => cmd_launch(a, &env),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            if f.printed_by_me {
+                let p = if f.local { prefix.as_str() } else { "" };
+                eprintln!("mpiflow: error: {p}{}", f.message);
+            }
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! The MPI context: initialisation, the world communicator, and agreement on errors.
+//!
+//! An error found on one rank must reach every rank, or the others wait forever in the next
+//! collective. [`Context::agree`] is the one place that does this: every rank contributes
+//! its local `Result`, and every rank gets back the same verdict, naming the first rank
+//! that failed (Horovod's "errors reach every rank as a response", without its globals).
+
+use std::fmt::Display;
+
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+/// Errors from starting MPI.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InitError {
+    #[error("MPI is already initialised in this process")]
+    AlreadyInitialised,
+}
+
+/// An error raised on one rank and agreed by all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("rank {rank}: {message}")]
+pub struct RankError {
+    pub rank: usize,
+    pub message: String,
+}
+
+/// The initialised MPI library and the world communicator (`MPI_COMM_WORLD`).
+pub struct Context {
+    // Field order matters: the communicator handle is dropped before the universe,
+    // whose drop calls `MPI_Finalize`.
+    world: SimpleCommunicator,
+    _universe: Universe,
+}
+
+impl Context {
+    /// Initialises MPI (`MPI_Init`).
+    pub fn init() -> Result<Context, InitError> {
+        let universe = mpi::initialize().ok_or(InitError::AlreadyInitialised)?;
+        Ok(Context {
+            world: universe.world(),
+            _universe: universe,
+        })
+    }
+
+    pub fn world(&self) -> &SimpleCommunicator {
+        &self.world
+    }
+
+    pub fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    pub fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    /// The name MPI gives this rank's host (`MPI_Get_processor_name`).
+    pub fn processor_name(&self) -> String {
+        mpi::environment::processor_name()
+            .map(|s| s.trim_end_matches('\0').to_string())
+            .unwrap_or_else(|_| "unknown-host".into())
+    }
+
+    /// Every rank's byte string, indexed by rank (`MPI_Allgather` of the lengths, then
+    /// `MPI_Allgatherv`).
+    pub fn all_gather_bytes(&self, mine: &[u8]) -> Vec<Vec<u8>> {
+        let size = self.size();
+        let len = i32::try_from(mine.len()).expect("gathered strings are small");
+        let mut lens = vec![0i32; size];
+        self.world.all_gather_into(&len, &mut lens[..]);
+        let displs: Vec<i32> = lens
+            .iter()
+            .scan(0i32, |acc, l| {
+                let d = *acc;
+                *acc += l;
+                Some(d)
+            })
+            .collect();
+        let total: usize = lens.iter().map(|l| *l as usize).sum();
+        let mut buf = vec![0u8; total];
+        {
+            let mut part = PartitionMut::new(&mut buf[..], &lens[..], &displs[..]);
+            self.world.all_gather_varcount_into(mine, &mut part);
+        }
+        lens.iter()
+            .zip(&displs)
+            .map(|(l, d)| buf[*d as usize..(*d + *l) as usize].to_vec())
+            .collect()
+    }
+
+    /// Every rank's string, indexed by rank.
+    pub fn all_gather_strings(&self, mine: &str) -> Vec<String> {
+        self.all_gather_bytes(mine.as_bytes())
+            .into_iter()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .collect()
+    }
+
+    /// Collective: every rank passes its local result; all get `Ok` only if all succeeded,
+    /// otherwise the same error, naming the lowest failing rank.
+    pub fn agree<T, E: Display>(&self, local: Result<T, E>) -> Result<T, RankError> {
+        let failed = i32::from(local.is_err());
+        let mut flags = vec![0i32; self.size()];
+        self.world.all_gather_into(&failed, &mut flags[..]);
+        if flags.iter().all(|f| *f == 0) {
+            return Ok(local.unwrap_or_else(|_| unreachable!("flag says ok")));
+        }
+        let message = match &local {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let messages = self.all_gather_strings(&message);
+        let rank = flags
+            .iter()
+            .position(|f| *f != 0)
+            .expect("some rank failed");
+        Err(RankError {
+            rank,
+            message: messages[rank].clone(),
+        })
+    }
+}
