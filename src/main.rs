@@ -122,30 +122,22 @@ struct LaunchArgs {
     program: Vec<String>,
 }
 
-/// A failure to report. Errors every rank already agreed on name the failing rank and are
-/// printed by rank 0 alone (`printed_by_me`); local ones get this rank's number prefixed.
-struct Failure {
-    message: String,
-    printed_by_me: bool,
-    local: bool,
-}
+/// A failure to report: the message of a local error, which `main` prints with this rank's
+/// number first, or `None` for an error all ranks agreed on, which rank 0 has printed.
+struct Failure(Option<String>);
 
 impl Failure {
     fn local(e: impl std::fmt::Display) -> Self {
-        Failure {
-            message: e.to_string(),
-            printed_by_me: true,
-            local: true,
-        }
+        Failure(Some(e.to_string()))
     }
 
-    /// An error all ranks agreed on, printed once by rank 0.
+    /// An error all ranks agreed on, printed once by rank 0, right away: while MPI is still
+    /// initialised, so no rank can exit (and make mpirun end the job) before it is printed.
     fn agreed(e: impl std::fmt::Display, ctx: &Context) -> Self {
-        Failure {
-            message: e.to_string(),
-            printed_by_me: ctx.rank() == 0,
-            local: false,
+        if ctx.rank() == 0 {
+            eprintln!("mpiflow: error: {e}");
         }
+        Failure(None)
     }
 }
 
@@ -337,9 +329,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            if f.printed_by_me {
-                let p = if f.local { prefix.as_str() } else { "" };
-                eprintln!("mpiflow: error: {p}{}", f.message);
+            if let Some(message) = f.0 {
+                eprintln!("mpiflow: error: {prefix}{message}");
             }
             ExitCode::from(1)
         }

@@ -1,0 +1,453 @@
+//! The `mpiflow` binary without an MPI launcher: hostfile previews, Slurm steps, TF_CONFIG,
+//! legacy flags, and every kind of bad input giving one clear line and a non-zero exit.
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpListener;
+
+use common::mpiflow_alone as run;
+use serde_json::{json, Value};
+
+fn tmpfile(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("mpiflow-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::File::create(&p)
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    p
+}
+
+fn rows(table: &str) -> Vec<Vec<String>> {
+    table
+        .lines()
+        .skip(2)
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+#[test]
+fn every_shipped_hostfile_previews() {
+    for (file, np) in [
+        ("hostfiles/localhost", "6"),
+        ("hostfiles/openmpi-cluster", "12"),
+        ("hostfiles/mpich-cluster", "11"),
+        ("hostfiles/netns-3hosts", "6"),
+    ] {
+        let r = run(&["spec", "--hostfile", file, "-np", np, "--ps", "2"], &[]);
+        assert_eq!(r.code, 0, "{file}: {r:?}");
+        assert_eq!(
+            rows(&r.stdout).len(),
+            np.parse::<usize>().unwrap(),
+            "{file}"
+        );
+    }
+}
+
+#[test]
+fn hostfile_preview_spread_puts_ps_on_distinct_hosts() {
+    let r = run(
+        &[
+            "spec",
+            "--hostfile",
+            "hostfiles/openmpi-cluster",
+            "-np",
+            "12",
+            "--ps",
+            "3",
+            "--placement",
+            "spread",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let rows = rows(&r.stdout);
+    let ps_hosts: Vec<&str> = rows
+        .iter()
+        .filter(|r| r[3] == "ps")
+        .map(|r| r[1].as_str())
+        .collect();
+    assert_eq!(ps_hosts, ["node01", "node02", "node03"]);
+    // By-slot mapping: 4 on node01, 4 on node02, 2 and 2.
+    let hosts: Vec<&str> = rows.iter().map(|r| r[1].as_str()).collect();
+    assert_eq!(
+        hosts[..5],
+        ["node01", "node01", "node01", "node01", "node02"]
+    );
+    // Ports count up per host.
+    let node02: Vec<&str> = rows
+        .iter()
+        .filter(|r| r[1] == "node02")
+        .map(|r| r[5].as_str())
+        .collect();
+    assert_eq!(
+        node02,
+        ["node02:2222", "node02:2223", "node02:2224", "node02:2225"]
+    );
+}
+
+#[test]
+fn hostfile_preview_map_by_node_and_json() {
+    let r = run(
+        &[
+            "spec",
+            "--hostfile",
+            "hostfiles/netns-3hosts",
+            "-np",
+            "6",
+            "--map-by",
+            "node",
+            "--format",
+            "json",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let hosts: Vec<Value> = r.json_lines().iter().map(|l| l["host"].clone()).collect();
+    assert_eq!(
+        hosts,
+        [
+            json!("h1"),
+            json!("h2"),
+            json!("h3"),
+            json!("h1"),
+            json!("h2"),
+            json!("h3")
+        ]
+    );
+}
+
+#[test]
+fn bad_hostfiles_and_previews() {
+    let bad = tmpfile("bad-hostfile", "# ok\nnode1 slots=2\nnode2 slots=two\n");
+    let bad = bad.to_str().unwrap();
+    for (args, want) in [
+        (
+            vec!["spec", "--hostfile", bad, "-np", "2"],
+            "bad-hostfile:3: slots=\"two\" must be a positive integer",
+        ),
+        (
+            vec!["spec", "--hostfile", "/nonexistent/h", "-np", "2"],
+            "hostfile /nonexistent/h: cannot read",
+        ),
+        (
+            vec!["spec", "--hostfile", "hostfiles/netns-3hosts"],
+            "--hostfile needs -np N",
+        ),
+        (
+            vec!["spec", "--hostfile", "hostfiles/netns-3hosts", "-np", "7"],
+            "7 ranks requested but only 6 slots",
+        ),
+        (
+            vec![
+                "spec",
+                "--hostfile",
+                "hostfiles/netns-3hosts",
+                "-np",
+                "3",
+                "--ps",
+                "3",
+            ],
+            "--ps 3 must be smaller",
+        ),
+        (
+            vec![
+                "spec",
+                "--hostfile",
+                "hostfiles/netns-3hosts",
+                "-np",
+                "2",
+                "--port-base",
+                "65535",
+            ],
+            "above 65535",
+        ),
+        (vec!["spec", "--port-base", "0"], "0 is not in 1..=65535"),
+        (
+            vec!["spec", "--port-base", "70000"],
+            "70000 is not in 1..=65535",
+        ),
+        (
+            vec!["spec", "--placement", "diagonal"],
+            "invalid value 'diagonal'",
+        ),
+        (
+            vec![
+                "launch",
+                "--hostfile",
+                "hostfiles/localhost",
+                "-np",
+                "2",
+                "--",
+                "true",
+            ],
+            "a hostfile only previews",
+        ),
+    ] {
+        run(&args, &[]).assert_one_line_error(want);
+    }
+}
+
+const SLURM: [(&str, &str); 6] = [
+    ("SLURM_JOB_ID", "42"),
+    ("SLURM_STEP_ID", "0"),
+    ("SLURM_STEP_NUM_TASKS", "5"),
+    ("SLURM_STEP_NODELIST", "node[1,3-4]"),
+    ("SLURM_STEP_TASKS_PER_NODE", "2(x2),1"),
+    ("SLURM_PROCID", "0"),
+];
+
+fn slurm_env(procid: &str, extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, String)> {
+    let mut env: Vec<(&str, String)> = SLURM.iter().map(|(k, v)| (*k, v.to_string())).collect();
+    env.retain(|(k, _)| *k != "SLURM_PROCID");
+    env.push(("SLURM_PROCID", procid.to_string()));
+    env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    env
+}
+
+fn with_env<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'a str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+#[test]
+fn slurm_step_without_mpi() {
+    // Every task of the step sees the same cluster and its own role.
+    let mut clusters = Vec::new();
+    for procid in 0..5 {
+        let p = procid.to_string();
+        let env = slurm_env(&p, &[]);
+        let base = (31000 + procid * 10).to_string();
+        let r = run(
+            &[
+                "spec",
+                "--ps",
+                "2",
+                "--placement",
+                "spread",
+                "--port-base",
+                &base,
+                "--format",
+                "json",
+            ],
+            &with_env(&env),
+        );
+        assert_eq!(r.code, 0, "{r:?}");
+        let l = &r.json_lines()[0];
+        assert_eq!(l["source"], json!("slurm"));
+        assert_eq!(l["rank"], json!(procid));
+        clusters.push((
+            l["task"].clone(),
+            l["host"].clone(),
+            l["cluster"]["ps"].clone(),
+        ));
+    }
+    let hosts: Vec<&Value> = clusters.iter().map(|c| &c.1).collect();
+    assert_eq!(
+        hosts,
+        [
+            &json!("node1"),
+            &json!("node1"),
+            &json!("node3"),
+            &json!("node3"),
+            &json!("node4")
+        ]
+    );
+    assert_eq!(clusters[0].0, json!({"type": "ps", "index": 0}));
+    assert_eq!(clusters[2].0, json!({"type": "ps", "index": 1}));
+    assert_eq!(clusters[1].0, json!({"type": "worker", "index": 0}));
+    assert_eq!(clusters[0].2, json!(["node1:31000", "node3:31000"]));
+}
+
+#[test]
+fn slurm_table_and_bad_slurm_variables() {
+    let env = slurm_env("0", &[]);
+    let r = run(
+        &["spec", "--ps", "1", "--port-base", "31100"],
+        &with_env(&env),
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stdout
+            .starts_with("# mpiflow cluster (slurm): 5 tasks on 3 hosts: ps=1 worker=4"),
+        "{}",
+        r.stdout
+    );
+    for (extra, want) in [
+        (
+            vec![("SLURM_STEP_NODELIST", "node[1,3-")],
+            "host list \"node[1,3-\": unclosed '['",
+        ),
+        (
+            vec![("SLURM_STEP_TASKS_PER_NODE", "1(x3)")],
+            "requested 5 tasks but only 3 were assigned",
+        ),
+        (
+            vec![("SLURM_STEP_TASKS_PER_NODE", "2(x4),1")],
+            "3 nodes but tasks per node",
+        ),
+        (
+            vec![("SLURM_STEP_NUM_TASKS", "five")],
+            "SLURM_STEP_NUM_TASKS=\"five\"",
+        ),
+        (
+            vec![("SLURMD_NODENAME", "node4")],
+            "rank 0 runs on node4 but the block distribution puts it on node1",
+        ),
+        (
+            vec![("SLURM_DISTRIBUTION", "arbitrary")],
+            "not supported without MPI",
+        ),
+    ] {
+        let env = slurm_env("0", &extra);
+        run(&["spec", "--from", "slurm"], &with_env(&env)).assert_one_line_error(want);
+    }
+    let env = slurm_env("7", &[]);
+    run(&["spec"], &with_env(&env))
+        .assert_one_line_error("SLURM_PROCID=7 is not below the number of tasks 5");
+    run(&["spec", "--ps", "5"], &with_env(&slurm_env("0", &[])))
+        .assert_one_line_error("--ps 5 must be smaller than the number of ranks (5)");
+}
+
+#[test]
+fn slurm_port_in_use_is_an_error_naming_the_task() {
+    let held = TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let env = slurm_env("0", &[]);
+    run(&["spec", "--port-base", &port], &with_env(&env)).assert_one_line_error(&format!(
+        "rank 0: port {port} of worker:0 on node1 is already in use"
+    ));
+}
+
+#[test]
+fn tf_config_source_validates_and_re_emits() {
+    let cfg = r#"{"cluster": {"worker": ["w1:2222", "w0:2222"], "ps": ["p:2222"]}, "task": {"type": "worker", "index": 1}, "rpc_layer": "grpc"}"#;
+    let r = run(&["spec", "--format", "tf-config"], &[("TF_CONFIG", cfg)]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(
+        r.stdout.trim(),
+        r#"{"cluster":{"ps":["p:2222"],"worker":["w1:2222","w0:2222"]},"task":{"type":"worker","index":1}}"#
+    );
+    let r = run(&["spec", "--format", "flags"], &[("TF_CONFIG", cfg)]);
+    assert_eq!(
+        r.stdout.trim(),
+        "--ps_hosts=p:2222 --worker_hosts=w1:2222,w0:2222 --job_name=worker --task_index=1"
+    );
+    for (cfg, want) in [
+        ("{not json", "TF_CONFIG is not valid JSON"),
+        (
+            r#"{"cluster": {"worker": ["a:1"]}}"#,
+            "TF_CONFIG has no \"task\"",
+        ),
+        (
+            r#"{"cluster": {"chief": ["a:1", "b:1"]}, "task": {"type": "chief", "index": 0}}"#,
+            "chief job has 2 tasks",
+        ),
+        (
+            r#"{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 4}}"#,
+            "task worker:4 is not in the cluster",
+        ),
+        (
+            r#"{"cluster": {"worker": ["a:1"]}, "task": {"type": "trainer", "index": 0}}"#,
+            "unknown job type \"trainer\"",
+        ),
+        (
+            r#"{"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker", "index": 0}}"#,
+            "duplicate address a:1",
+        ),
+        (
+            r#"{"cluster": {"worker": ["a:65536"]}, "task": {"type": "worker", "index": 0}}"#,
+            "port 65536 is out of range",
+        ),
+    ] {
+        run(&["spec"], &[("TF_CONFIG", cfg)]).assert_one_line_error(want);
+    }
+    // A chief cannot be written as legacy flags.
+    let chief = r#"{"cluster": {"chief": ["c:1"], "worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}"#;
+    run(&["spec", "--format", "flags"], &[("TF_CONFIG", chief)])
+        .assert_one_line_error("cannot express a chief job");
+}
+
+#[test]
+fn tf_config_for_this_host_checks_the_port() {
+    let held = TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = held.local_addr().unwrap().port();
+    let cfg = format!(
+        r#"{{"cluster": {{"worker": ["localhost:{port}"]}}, "task": {{"type": "worker", "index": 0}}}}"#
+    );
+    run(&["spec"], &[("TF_CONFIG", &cfg)]).assert_one_line_error(&format!(
+        "port {port} of worker:0 on localhost is already in use"
+    ));
+}
+
+#[test]
+fn legacy_flags_source() {
+    let r = run(
+        &[
+            "spec",
+            "--ps_hosts",
+            "a:1,b:1",
+            "--worker_hosts=c:1",
+            "--job_name",
+            "ps",
+            "--task_index",
+            "1",
+            "--format",
+            "tf-config",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(
+        r.stdout.trim(),
+        r#"{"cluster":{"ps":["a:1","b:1"],"worker":["c:1"]},"task":{"type":"ps","index":1}}"#
+    );
+    run(
+        &[
+            "spec",
+            "--worker_hosts=c:1",
+            "--job_name",
+            "worker",
+            "--task_index",
+            "1",
+        ],
+        &[],
+    )
+    .assert_one_line_error("task worker:1 is not in the cluster");
+    run(
+        &[
+            "spec",
+            "--worker_hosts=c:1",
+            "--job_name",
+            "boss",
+            "--task_index",
+            "0",
+        ],
+        &[],
+    )
+    .assert_one_line_error("--job_name \"boss\" must be ps or worker");
+}
+
+#[test]
+fn launch_from_tf_config_execs_with_the_task_environment() {
+    let cfg = r#"{"cluster": {"worker": ["w0:2222", "w1:2222"], "ps": ["p:2222"]}, "task": {"type": "worker", "index": 1}}"#;
+    let script = format!("{}/launcher/examples/check_role.py", common::root());
+    let r = run(
+        &["launch", "--legacy-flags", "--", "python3", &script],
+        &[("TF_CONFIG", cfg)],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let l = &r.json_lines()[0];
+    assert_eq!(l["type"], json!("worker"));
+    assert_eq!(l["index"], json!(1));
+    assert_eq!(l["legacy_flags"], json!(true));
+    assert_eq!(l["rank"], Value::Null, "no rank is known from TF_CONFIG");
+}
+
+#[test]
+fn unknown_flags_are_one_line() {
+    run(&["spec", "--bogus"], &[]).assert_one_line_error("unexpected argument '--bogus'");
+    run(&["launch", "--ps", "1"], &[])
+        .assert_one_line_error("required arguments were not provided");
+}

@@ -1,0 +1,114 @@
+//! Helpers for tests that run the real `mpiflow` binary, under real `mpirun` or alone.
+//!
+//! Every run is bounded by coreutils' `timeout` (a hang fails the test instead of CI),
+//! and `mpirun` runs are serialised by a lock so a test binary never starts two at once.
+#![allow(dead_code)]
+
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+
+use serde_json::Value;
+
+static MPIRUN_LOCK: Mutex<()> = Mutex::new(());
+
+pub fn mpiflow() -> &'static str {
+    env!("CARGO_BIN_EXE_mpiflow")
+}
+
+pub fn root() -> &'static str {
+    env!("CARGO_MANIFEST_DIR")
+}
+
+/// The result of one run.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    /// Lines of stdout that are JSON objects, parsed.
+    pub fn json_lines(&self) -> Vec<Value> {
+        self.stdout
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
+            .collect()
+    }
+
+    /// The `mpiflow: ...` lines of stderr.
+    pub fn error_lines(&self) -> Vec<&str> {
+        self.stderr
+            .lines()
+            .filter(|l| l.starts_with("mpiflow:"))
+            .collect()
+    }
+
+    /// Asserts a clean failure: non-zero, exactly one `mpiflow:` line containing `want`,
+    /// and no panic or backtrace.
+    pub fn assert_one_line_error(&self, want: &str) {
+        assert_ne!(self.code, 0, "expected failure: {self:?}");
+        let errs = self.error_lines();
+        assert_eq!(errs.len(), 1, "expected one error line: {self:?}");
+        assert!(errs[0].contains(want), "error {:?} lacks {want:?}", errs[0]);
+        assert!(
+            !self.stderr.contains("panicked") && !self.stderr.contains("stack backtrace"),
+            "panic: {}",
+            self.stderr
+        );
+    }
+}
+
+fn lock() -> MutexGuard<'static, ()> {
+    MPIRUN_LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `cmd` under `timeout -k 5 SECS`; a timeout fails the test.
+pub fn run_bounded(secs: u32, cmd: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut c = Command::new("timeout");
+    c.arg("-k").arg("5").arg(secs.to_string()).args(cmd);
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env_remove("TF_CONFIG")
+        .current_dir(root());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SLURM_") || k.starts_with("OMPI_COMM_WORLD") || k.starts_with("PMIX_") {
+            c.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("run timeout(1)");
+    let run = Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert!(
+        run.code != 124 && run.code != 137,
+        "timed out after {secs}s (a hang): {cmd:?}\n{run:?}"
+    );
+    run
+}
+
+/// `mpirun --oversubscribe ARGS...` with a time bound.
+pub fn mpirun(args: &[&str]) -> Run {
+    let _guard = lock();
+    let mut cmd = vec!["mpirun", "--oversubscribe"];
+    cmd.extend_from_slice(args);
+    run_bounded(120, &cmd, &[])
+}
+
+/// `mpiflow ARGS...` alone (no MPI launcher), with extra environment.
+pub fn mpiflow_alone(args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut cmd = vec![mpiflow()];
+    cmd.extend_from_slice(args);
+    run_bounded(60, &cmd, env)
+}
+
+/// This machine's host name, as MPI reports it.
+pub fn hostname() -> String {
+    mpiflow::cluster::resolve::hostname().expect("gethostname")
+}

@@ -1,0 +1,87 @@
+//! Three hosts on one machine (network namespaces h1, h2, h3, see `tests/netns/cluster.sh`),
+//! `mpirun --hostfile` across them: `spread` puts the ps tasks on different hosts and every
+//! address is on the host of its rank. Needs root (CI has it); the namespaces are removed
+//! even when the run fails.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{mpiflow, run_bounded};
+use serde_json::Value;
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn spread_places_ps_on_distinct_namespace_hosts() {
+    if !is_root() {
+        eprintln!("skipped: the multi-host test needs root for network namespaces");
+        return;
+    }
+    let script = format!("{}/tests/netns/cluster.sh", common::root());
+    let m = mpiflow();
+    let inner = format!(
+        "set -e; \
+         mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 6 {m} spec --ps 3 --placement spread --format json; \
+         echo '=== table'; \
+         mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 6 {m} spec --ps 3 --placement spread; \
+         echo '=== block'; \
+         mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 6 {m} spec --ps 2 --format json"
+    );
+    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let (spread, rest) = run.stdout.split_once("=== table").expect("table marker");
+    let (table, block) = rest.split_once("=== block").expect("block marker");
+    let parse = |text: &str| -> Vec<Value> {
+        let mut v: Vec<Value> = text
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        v.sort_by_key(|l| l["rank"].as_u64());
+        v
+    };
+    let spread = parse(spread);
+    assert_eq!(spread.len(), 6, "{run:?}");
+    for (r, l) in spread.iter().enumerate() {
+        // By-slot mapping over `h1 slots=2, h2 slots=2, h3 slots=2`, hosts as MPI saw them.
+        let want_host = format!("h{}", r / 2 + 1);
+        assert_eq!(l["host"].as_str(), Some(want_host.as_str()), "rank {r}");
+        let addr = l["address"].as_str().unwrap();
+        assert!(
+            addr.starts_with(&format!("{want_host}:")),
+            "rank {r} address {addr}"
+        );
+        assert_eq!(l["cluster"], spread[0]["cluster"]);
+    }
+    let ps_hosts: BTreeSet<&str> = spread
+        .iter()
+        .filter(|l| l["task"]["type"] == "ps")
+        .map(|l| l["host"].as_str().unwrap())
+        .collect();
+    assert_eq!(ps_hosts, ["h1", "h2", "h3"].into_iter().collect());
+    assert!(
+        table.contains("6 tasks on 3 hosts: ps=3 worker=3"),
+        "{table}"
+    );
+    // Block placement for contrast: both ps on h1.
+    let block = parse(block);
+    let block_ps: Vec<&str> = block
+        .iter()
+        .filter(|l| l["task"]["type"] == "ps")
+        .map(|l| l["host"].as_str().unwrap())
+        .collect();
+    assert_eq!(block_ps, ["h1", "h1"]);
+    // Nothing left behind.
+    let left = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&left.stdout).contains("mpiflow-h"),
+        "namespaces left behind"
+    );
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Three fake hosts (h1, h2, h3) on this machine, as network namespaces joined by a bridge,
+# and one command run by mpirun's side of them (inside h1, with hostname h1).
+#
+#   tests/netns/cluster.sh up                    create the namespaces
+#   tests/netns/cluster.sh run -- CMD ARGS...    run CMD in h1 (mpirun goes here)
+#   tests/netns/cluster.sh down                  delete everything (safe to repeat)
+#   tests/netns/cluster.sh with -- CMD ARGS...   up, run, and down even if CMD fails
+#
+# OpenMPI reaches h2 and h3 through rsh-agent.sh (an `ip netns exec` instead of ssh).
+# Environment for CMD: MPIFLOW_NETNS_MCA holds the mpirun options that keep OpenMPI on
+# the namespaces' subnet. Needs root, iproute2 and util-linux.
+set -euo pipefail
+
+PREFIX=${MPIFLOW_NETNS_PREFIX:-mpiflow}
+SUBNET=${MPIFLOW_NETNS_SUBNET:-10.213.77}
+HOSTS=(h1 h2 h3)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+ns() { echo "${PREFIX}-$1"; }
+
+down() {
+  for h in "${HOSTS[@]}" br; do
+    if ip netns list | grep -qw "$(ns "$h")"; then
+      # Kill anything left inside before deleting the namespace.
+      for pid in $(ip netns pids "$(ns "$h")" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+      ip netns delete "$(ns "$h")" 2>/dev/null || true
+    fi
+  done
+  for i in 1 2 3; do ip link delete "${PREFIX:0:6}v$i" 2>/dev/null || true; done
+}
+
+up() {
+  down
+  ip netns add "$(ns br)"
+  ip -n "$(ns br)" link add br0 type bridge
+  ip -n "$(ns br)" link set br0 up
+  local i=0
+  for h in "${HOSTS[@]}"; do
+    i=$((i + 1))
+    local v="${PREFIX:0:6}v$i" p="${PREFIX:0:6}p$i"
+    ip netns add "$(ns "$h")"
+    ip link add "$v" type veth peer name "$p"
+    ip link set "$v" netns "$(ns br)"
+    ip link set "$p" netns "$(ns "$h")"
+    ip -n "$(ns br)" link set "$v" master br0 up
+    ip -n "$(ns "$h")" link set lo up
+    ip -n "$(ns "$h")" addr add "$SUBNET.$i/24" dev "$p"
+    ip -n "$(ns "$h")" link set "$p" up
+  done
+  # Wait until h1 reaches the others.
+  for i in 2 3; do
+    for _ in $(seq 50); do
+      ip netns exec "$(ns h1)" ping -c1 -W1 "$SUBNET.$i" >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+  done
+}
+
+run() {
+  export MPIFLOW_NETNS_PREFIX=$PREFIX
+  export MPIFLOW_NETNS_MCA="--mca plm_rsh_agent $HERE/rsh-agent.sh --mca oob_tcp_if_include $SUBNET.0/24 --mca btl tcp,self --mca btl_tcp_if_include $SUBNET.0/24 --mca osc pt2pt"
+  ip netns exec "$(ns h1)" unshare --uts sh -c 'hostname h1; exec "$@"' sh "$@"
+}
+
+cmd=${1:-}
+shift || true
+[[ "${1:-}" == "--" ]] && shift
+case "$cmd" in
+  up) up ;;
+  down) down ;;
+  run) run "$@" ;;
+  with)
+    trap down EXIT
+    up
+    run "$@"
+    ;;
+  *) echo "usage: $0 up|down|run -- CMD|with -- CMD" >&2; exit 2 ;;
+esac
