@@ -75,6 +75,9 @@ struct ClusterArgs {
     /// default: this machine's).
     #[arg(long)]
     default_slots: Option<usize>,
+    /// `rpc_layer` to put in TF_CONFIG (e.g. grpc); TF_CONFIG input keeps its own.
+    #[arg(long)]
+    rpc_layer: Option<String>,
     /// Legacy TF flag: comma-separated ps addresses.
     #[arg(long = "ps_hosts")]
     ps_hosts: Option<String>,
@@ -169,6 +172,7 @@ impl ClusterArgs {
                 .default_slots
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             legacy_flags,
+            rpc_layer: self.rpc_layer.clone(),
         }
     }
 }

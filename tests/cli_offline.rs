@@ -327,7 +327,7 @@ fn tf_config_source_validates_and_re_emits() {
     assert_eq!(r.code, 0, "{r:?}");
     assert_eq!(
         r.stdout.trim(),
-        r#"{"cluster":{"ps":["p:2222"],"worker":["w1:2222","w0:2222"]},"task":{"type":"worker","index":1}}"#
+        r#"{"cluster":{"ps":["p:2222"],"worker":["w1:2222","w0:2222"]},"task":{"type":"worker","index":1},"rpc_layer":"grpc"}"#
     );
     let r = run(&["spec", "--format", "flags"], &[("TF_CONFIG", cfg)]);
     assert_eq!(

@@ -101,6 +101,8 @@ fn each_rank_prints_its_own_tf_config() {
         "spec",
         "--ps",
         "1",
+        "--rpc-layer",
+        "grpc",
         "--format",
         "tf-config",
     ]);
@@ -111,6 +113,7 @@ fn each_rank_prints_its_own_tf_config() {
         .iter()
         .map(|c| {
             assert_eq!(c["cluster"], lines[0]["cluster"]);
+            assert_eq!(c["rpc_layer"], json!("grpc"));
             (
                 c["task"]["type"].as_str().unwrap().to_string(),
                 c["task"]["index"].as_u64().unwrap(),

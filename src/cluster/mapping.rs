@@ -178,6 +178,9 @@ pub struct RankInfo {
 pub struct Layout {
     pub ranks: Vec<RankInfo>,
     pub spec: ClusterSpec,
+    /// `rpc_layer` and `environment` passed through to every task's TF_CONFIG.
+    pub rpc_layer: Option<String>,
+    pub environment: Option<String>,
 }
 
 impl Layout {
@@ -205,12 +208,18 @@ impl Layout {
             });
         }
         spec.validate()?;
-        Ok(Layout { ranks, spec })
+        Ok(Layout {
+            ranks,
+            spec,
+            rpc_layer: None,
+            environment: None,
+        })
     }
 
-    /// The layout described by a TF_CONFIG (ranks unknown).
-    pub fn from_spec(spec: &ClusterSpec) -> Layout {
-        let ranks = spec
+    /// The layout described by a TF_CONFIG (ranks unknown); keeps its rpc_layer and environment.
+    pub fn from_tf_config(config: &TfConfig) -> Layout {
+        let ranks = config
+            .cluster
             .tasks()
             .map(|(task, a)| RankInfo {
                 rank: None,
@@ -222,7 +231,9 @@ impl Layout {
             .collect();
         Layout {
             ranks,
-            spec: spec.clone(),
+            spec: config.cluster.clone(),
+            rpc_layer: config.rpc_layer.clone(),
+            environment: config.environment.clone(),
         }
     }
 
@@ -233,7 +244,11 @@ impl Layout {
 
     /// TF_CONFIG for one process of the layout.
     pub fn tf_config(&self, who: &RankInfo) -> TfConfig {
-        TfConfig::new(self.spec.clone(), who.task.clone())
+        TfConfig {
+            rpc_layer: self.rpc_layer.clone(),
+            environment: self.environment.clone(),
+            ..TfConfig::new(self.spec.clone(), who.task.clone())
+        }
     }
 
     /// Number of distinct hosts.

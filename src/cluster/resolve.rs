@@ -86,6 +86,8 @@ pub struct Request {
     pub default_slots: usize,
     /// Legacy flags given to mpiflow itself (`--ps_hosts ...`).
     pub legacy_flags: Vec<String>,
+    /// `rpc_layer` for the TF_CONFIG of clusters mpiflow builds (e.g. `grpc`).
+    pub rpc_layer: Option<String>,
 }
 
 impl Request {
@@ -102,6 +104,14 @@ impl Request {
         }
     }
 
+    /// A layout mpiflow built, with the requested `rpc_layer`.
+    fn built(&self, layout: Layout) -> Layout {
+        Layout {
+            rpc_layer: self.rpc_layer.clone(),
+            ..layout
+        }
+    }
+
     /// The flags that decide the mapping, in a canonical order, so ranks can compare them.
     pub fn canonical_args(&self) -> Vec<(String, String)> {
         let m = &self.mapping;
@@ -114,6 +124,10 @@ impl Request {
                 format!("{:?}", m.placement).to_lowercase(),
             ),
             ("--port-base".into(), self.port_base.to_string()),
+            (
+                "--rpc-layer".into(),
+                self.rpc_layer.clone().unwrap_or_default(),
+            ),
         ]
     }
 }
@@ -224,7 +238,7 @@ pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveErro
         .into_iter()
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
         .collect();
-    let layout = Layout::from_ranks(&hosts, &ports, tasks)?;
+    let layout = req.built(Layout::from_ranks(&hosts, &ports, tasks)?);
     Ok(Resolved {
         source: Source::Mpi,
         layout,
@@ -255,7 +269,7 @@ pub fn resolve_offline(
             let ports = sequential_ports(&hosts, req.port_base)?;
             Ok(Resolved {
                 source,
-                layout: Layout::from_ranks(&hosts, &ports, tasks)?,
+                layout: req.built(Layout::from_ranks(&hosts, &ports, tasks)?),
                 me: None,
                 size: Some(np),
                 port_guard: None,
@@ -265,7 +279,7 @@ pub fn resolve_offline(
             let step = SlurmStep::from_env(env)?;
             let tasks = assign_roles(&step.hosts, &req.mapping)?;
             let ports = sequential_ports(&step.hosts, req.port_base)?;
-            let layout = Layout::from_ranks(&step.hosts, &ports, tasks)?;
+            let layout = req.built(Layout::from_ranks(&step.hosts, &ports, tasks)?);
             let me = &layout.ranks[step.rank];
             let guard = own_port(me.address.port, &me.task, &me.host)?;
             Ok(Resolved {
@@ -285,7 +299,7 @@ pub fn resolve_offline(
                 })?;
                 TfConfig::parse(text)?
             };
-            let layout = Layout::from_spec(&config.cluster);
+            let layout = Layout::from_tf_config(&config);
             let me = layout.ranks.iter().position(|r| r.task == config.task);
             let guard = match me.map(|i| &layout.ranks[i]) {
                 Some(r) if is_this_host(&r.host) => {
