@@ -9,4 +9,5 @@
 
 pub mod cluster;
 pub mod launch;
+pub mod tensor;
 pub mod transport;

@@ -1,9 +1,24 @@
-//! How processes talk: the MPI context every operation is given, and (in later layers)
-//! point-to-point, collectives and one-sided windows.
+//! How processes talk.
 //!
-//! There is no global MPI state in mpiflow: [`Context`] owns the initialised MPI library
-//! and is passed by reference to everything that communicates. Dropping it finalises MPI.
+//! Layers, bottom up (Horovod's split, without its global state):
+//! - [`context`]: the initialised MPI library and agreement on errors; passed by reference,
+//!   never global. Dropping it finalises MPI.
+//! - [`comm`]: the [`Comm`] trait: non-blocking byte send/receive and optional native
+//!   collectives. Implemented by [`mpi::MpiComm`] (real MPI, errors returned, never fatal)
+//!   and [`local::LocalComm`] (threads in one process, for `cargo test`).
+//! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory.
+//! - [`collectives`]: allreduce (MPI's, ring, recursive doubling), broadcast, allgather,
+//!   barrier, written once over [`Comm`].
+//! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 
+pub mod collectives;
+pub mod comm;
 pub mod context;
+pub mod fusion;
+pub mod local;
+pub mod mpi;
+pub mod p2p;
 
+pub use collectives::{Algorithm, Collectives};
+pub use comm::{Comm, ReduceOp, TransportError};
 pub use context::{Context, InitError, RankError};

@@ -1,0 +1,100 @@
+//! Aligned, zero-initialised byte buffers.
+//!
+//! Every buffer is 64-byte aligned (a cache line, and what OSU's benchmarks use). Buffers
+//! of 2 MiB and more are 2 MiB-aligned and advised onto transparent huge pages: measured
+//! here, that doubles shared-memory bandwidth at 1-4 MiB (fewer TLB misses in the
+//! single-copy path) and narrows its spread.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+
+const HUGE: usize = 2 << 20;
+
+/// An owned, aligned, zeroed byte buffer.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is uniquely owned memory, like a Box<[u8]>.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes (at least 1 byte is allocated).
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        let align = if len >= HUGE { HUGE } else { 64 };
+        let size = len.max(1).next_multiple_of(align);
+        let layout = Layout::from_size_align(size, align).expect("buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        if align == HUGE {
+            // SAFETY: ptr..ptr+size is this allocation; madvise only changes paging advice,
+            // and failure (no THP support) is harmless.
+            unsafe {
+                libc::madvise(ptr.as_ptr().cast(), size, libc::MADV_HUGEPAGE);
+            }
+        }
+        AlignedBuf { ptr, layout }
+    }
+
+    /// Usable length (the requested length rounded up to the alignment).
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for layout.size() initialised (zeroed) bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with exactly this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl Clone for AlignedBuf {
+    fn clone(&self) -> Self {
+        let mut b = AlignedBuf::zeroed(self.len());
+        b.as_mut_slice().copy_from_slice(self.as_slice());
+        b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_and_zeroing() {
+        for len in [0, 1, 63, 64, 65, 4096, 3 << 20] {
+            let b = AlignedBuf::zeroed(len);
+            assert!(b.len() >= len.max(1));
+            let align = if len >= HUGE { HUGE } else { 64 };
+            assert_eq!(b.as_ptr() as usize % align, 0, "len {len}");
+            assert!(b.as_slice().iter().all(|x| *x == 0));
+        }
+    }
+}

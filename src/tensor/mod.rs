@@ -1,0 +1,447 @@
+//! Tensors: a dtype, a shape, a name, and one contiguous, 64-byte-aligned buffer.
+//!
+//! The wire header lives *inside* the tensor's allocation, in the bytes right before the
+//! payload, and is rewritten whenever the metadata changes. A send is therefore one
+//! contiguous message `[header | payload]` straight from the tensor's memory: no
+//! serialisation copy, one MPI message, and MPI's zero-copy paths for large payloads. A
+//! receive lands the same way, and the header that arrived is checked against the
+//! tensor's own before the call returns.
+//!
+//! Wire header (little-endian, 8-byte multiple, at most [`HEADER_ROOM`] bytes):
+//! `magic u32 | dtype u8 | ndim u8 | name_len u8 | header_len/8 u8 | numel u64 |
+//! dims u64 x ndim | name bytes, zero-padded`. Names longer than [`MAX_WIRE_NAME`] bytes
+//! travel as a prefix plus a hash.
+
+pub mod buffer;
+pub mod dtype;
+
+use std::fmt;
+
+use ndarray::{ArrayViewD, ArrayViewMutD, IxDyn};
+
+pub use buffer::AlignedBuf;
+pub use dtype::{DType, Element};
+
+/// Bytes reserved before the payload for the wire header.
+pub const HEADER_ROOM: usize = 128;
+/// Bytes after the payload that let a receive detect a longer message than expected.
+pub const TAIL_ROOM: usize = 128;
+/// At most this many dimensions.
+pub const MAX_DIMS: usize = 8;
+/// Names up to this many bytes travel as they are.
+pub const MAX_WIRE_NAME: usize = 48;
+const MAGIC: u32 = 0x4D46_5431; // "MFT1"
+
+/// Errors from building, viewing or receiving tensors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    #[error("tensor {name:?} is {actual}, not {expected}")]
+    DType {
+        name: String,
+        expected: DType,
+        actual: DType,
+    },
+    #[error("shape {shape:?} has {numel} elements but the data has {len}")]
+    Length {
+        shape: Vec<usize>,
+        numel: usize,
+        len: usize,
+    },
+    #[error("cannot reshape {from:?} to {to:?}: element counts differ")]
+    Reshape { from: Vec<usize>, to: Vec<usize> },
+    #[error("shape {0:?} has more than 8 dimensions")]
+    TooManyDims(Vec<usize>),
+    #[error("received {theirs} but expected {ours}")]
+    Mismatch { ours: String, theirs: String },
+    #[error("received {got} bytes that are not an mpiflow tensor message")]
+    NotATensor { got: usize },
+}
+
+/// A dense tensor.
+#[derive(Clone)]
+pub struct Tensor {
+    buf: AlignedBuf,
+    dtype: DType,
+    shape: Vec<usize>,
+    name: String,
+    header_len: usize,
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor({})", self.describe())
+    }
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// The name as it travels: as is, or a prefix and a hash when too long.
+fn wire_name(name: &str) -> Vec<u8> {
+    let b = name.as_bytes();
+    if b.len() <= MAX_WIRE_NAME {
+        return b.to_vec();
+    }
+    let hash = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ u64::from(*x)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut out = b[..31].to_vec();
+    out.extend_from_slice(format!("#{hash:016x}").as_bytes());
+    out
+}
+
+fn describe(name: &str, dtype: DType, shape: &[usize]) -> String {
+    let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
+    format!("'{name}' {dtype}[{}]", dims.join(","))
+}
+
+/// A header decoded from received bytes.
+struct WireHeader {
+    dtype: Option<DType>,
+    shape: Vec<usize>,
+    name: String,
+    header_len: usize,
+    numel: usize,
+}
+
+fn decode_header(bytes: &[u8]) -> Option<WireHeader> {
+    if bytes.len() < 16 || u32::from_le_bytes(bytes[0..4].try_into().ok()?) != MAGIC {
+        return None;
+    }
+    let (ndim, name_len, header_len) =
+        (bytes[5] as usize, bytes[6] as usize, bytes[7] as usize * 8);
+    if ndim > MAX_DIMS
+        || name_len > MAX_WIRE_NAME
+        || header_len > HEADER_ROOM
+        || header_len > bytes.len()
+    {
+        return None;
+    }
+    if 16 + 8 * ndim + name_len > header_len {
+        return None;
+    }
+    let u64_at =
+        |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes")) as usize;
+    let shape = (0..ndim).map(|i| u64_at(16 + 8 * i)).collect();
+    let name_at = 16 + 8 * ndim;
+    Some(WireHeader {
+        dtype: DType::from_code(bytes[4]),
+        shape,
+        name: String::from_utf8_lossy(&bytes[name_at..name_at + name_len]).into_owned(),
+        header_len,
+        numel: u64_at(8),
+    })
+}
+
+impl Tensor {
+    /// A zero-filled tensor.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor, TensorError> {
+        if shape.len() > MAX_DIMS {
+            return Err(TensorError::TooManyDims(shape.to_vec()));
+        }
+        let nbytes = numel(shape) * dtype.size();
+        let mut t = Tensor {
+            buf: AlignedBuf::zeroed(HEADER_ROOM + nbytes.next_multiple_of(64) + TAIL_ROOM),
+            dtype,
+            shape: shape.to_vec(),
+            name: String::new(),
+            header_len: 0,
+        };
+        t.write_header();
+        Ok(t)
+    }
+
+    /// A tensor holding a copy of `data`.
+    pub fn from_slice<T: Element>(shape: &[usize], data: &[T]) -> Result<Tensor, TensorError> {
+        if numel(shape) != data.len() {
+            return Err(TensorError::Length {
+                shape: shape.to_vec(),
+                numel: numel(shape),
+                len: data.len(),
+            });
+        }
+        let mut t = Tensor::zeros(T::DTYPE, shape)?;
+        t.as_mut_slice::<T>()?.copy_from_slice(data);
+        Ok(t)
+    }
+
+    /// The same tensor with a name.
+    pub fn named(mut self, name: &str) -> Tensor {
+        self.set_name(name);
+        self
+    }
+
+    pub fn set_name(&mut self, name: &str) {
+        self.name = name.to_string();
+        self.write_header();
+    }
+
+    pub fn reshape(&mut self, shape: &[usize]) -> Result<(), TensorError> {
+        if numel(shape) != self.numel() {
+            return Err(TensorError::Reshape {
+                from: self.shape.clone(),
+                to: shape.to_vec(),
+            });
+        }
+        if shape.len() > MAX_DIMS {
+            return Err(TensorError::TooManyDims(shape.to_vec()));
+        }
+        self.shape = shape.to_vec();
+        self.write_header();
+        Ok(())
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+
+    /// `'name' f32[2,3]`, as error messages show tensors.
+    pub fn describe(&self) -> String {
+        describe(&self.name, self.dtype, &self.shape)
+    }
+
+    /// The payload bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf.as_slice()[HEADER_ROOM..HEADER_ROOM + self.nbytes()]
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.nbytes();
+        &mut self.buf.as_mut_slice()[HEADER_ROOM..HEADER_ROOM + n]
+    }
+
+    fn check<T: Element>(&self) -> Result<(), TensorError> {
+        if T::DTYPE == self.dtype {
+            Ok(())
+        } else {
+            Err(TensorError::DType {
+                name: self.name.clone(),
+                expected: T::DTYPE,
+                actual: self.dtype,
+            })
+        }
+    }
+
+    /// The elements, if `T` is the tensor's dtype.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T], TensorError> {
+        self.check::<T>()?;
+        let n = self.numel();
+        // SAFETY: the payload starts 128 bytes into a 64-byte-aligned allocation, so it is
+        // aligned for every element type; it holds n initialised elements of T (dtype checked;
+        // every bit pattern is a valid value of these plain types).
+        Ok(
+            unsafe {
+                std::slice::from_raw_parts(self.buf.as_ptr().add(HEADER_ROOM).cast::<T>(), n)
+            },
+        )
+    }
+
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T], TensorError> {
+        self.check::<T>()?;
+        let n = self.numel();
+        // SAFETY: as in as_slice, with exclusive access through &mut self.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().add(HEADER_ROOM).cast::<T>(), n)
+        })
+    }
+
+    /// An `ndarray` view (no copy).
+    pub fn view<T: Element>(&self) -> Result<ArrayViewD<'_, T>, TensorError> {
+        let shape = IxDyn(&self.shape);
+        Ok(ArrayViewD::from_shape(shape, self.as_slice::<T>()?).expect("shape matches length"))
+    }
+
+    pub fn view_mut<T: Element>(&mut self) -> Result<ArrayViewMutD<'_, T>, TensorError> {
+        let shape = IxDyn(&self.shape.clone());
+        Ok(ArrayViewMutD::from_shape(shape, self.as_mut_slice::<T>()?)
+            .expect("shape matches length"))
+    }
+
+    fn write_header(&mut self) {
+        let name = wire_name(&self.name);
+        let len = (16 + 8 * self.shape.len() + name.len()).next_multiple_of(8);
+        debug_assert!(len <= HEADER_ROOM);
+        let mut h = vec![0u8; len];
+        h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        h[4] = self.dtype.code();
+        h[5] = self.shape.len() as u8;
+        h[6] = name.len() as u8;
+        h[7] = (len / 8) as u8;
+        h[8..16].copy_from_slice(&(self.numel() as u64).to_le_bytes());
+        for (i, d) in self.shape.iter().enumerate() {
+            h[16 + 8 * i..24 + 8 * i].copy_from_slice(&(*d as u64).to_le_bytes());
+        }
+        let at = 16 + 8 * self.shape.len();
+        h[at..at + name.len()].copy_from_slice(&name);
+        self.buf.as_mut_slice()[HEADER_ROOM - len..HEADER_ROOM].copy_from_slice(&h);
+        self.header_len = len;
+    }
+
+    /// The message a send puts on the wire: header then payload, contiguous.
+    pub fn wire(&self) -> &[u8] {
+        &self.buf.as_slice()[HEADER_ROOM - self.header_len..HEADER_ROOM + self.nbytes()]
+    }
+
+    /// Length of the message this tensor expects to receive.
+    pub fn wire_len(&self) -> usize {
+        self.header_len + self.nbytes()
+    }
+
+    /// Where a receive lands: the expected message plus [`TAIL_ROOM`] bytes, so a longer
+    /// message shows up as a longer count (or a truncation) instead of a silent overrun.
+    pub fn receive_region(&mut self) -> &mut [u8] {
+        let start = HEADER_ROOM - self.header_len;
+        let end = HEADER_ROOM + self.nbytes() + TAIL_ROOM;
+        &mut self.buf.as_mut_slice()[start..end]
+    }
+
+    /// Checks a received message of `got` bytes (possibly truncated) against this tensor.
+    /// On a mismatch the payload is unspecified and the error names both sides.
+    pub fn check_received(&mut self, got: usize, truncated: bool) -> Result<(), TensorError> {
+        let start = HEADER_ROOM - self.header_len;
+        let region = &self.buf.as_slice()[start..start + got.min(self.wire_len() + TAIL_ROOM)];
+        let theirs = decode_header(region).ok_or(TensorError::NotATensor { got })?;
+        let ours_name = String::from_utf8_lossy(&wire_name(&self.name)).into_owned();
+        let same = theirs.dtype == Some(self.dtype)
+            && theirs.shape == self.shape
+            && theirs.name == ours_name
+            && theirs.numel == self.numel();
+        let expected_len = theirs.header_len + theirs.numel * theirs.dtype.map_or(1, DType::size);
+        let result = if same && !truncated && got == expected_len {
+            Ok(())
+        } else {
+            let theirs_desc = match theirs.dtype {
+                Some(d) => describe(&theirs.name, d, &theirs.shape),
+                None => format!("'{}' of unknown dtype", theirs.name),
+            };
+            Err(TensorError::Mismatch {
+                ours: self.describe(),
+                theirs: if same {
+                    format!("{theirs_desc} with {got} bytes instead of {expected_len}")
+                } else {
+                    theirs_desc
+                },
+            })
+        };
+        // The arrived header overwrote ours only if the layouts matched; rewrite it anyway.
+        self.write_header();
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_views_and_dtype_checks() {
+        let mut t = Tensor::from_slice(&[2, 3], &[1f32, 2., 3., 4., 5., 6.])
+            .unwrap()
+            .named("w");
+        assert_eq!(t.numel(), 6);
+        assert_eq!(t.nbytes(), 24);
+        assert_eq!(t.view::<f32>().unwrap()[[1, 2]], 6.0);
+        t.view_mut::<f32>().unwrap()[[0, 0]] = 9.0;
+        assert_eq!(t.as_slice::<f32>().unwrap()[0], 9.0);
+        assert_eq!(
+            t.as_slice::<f64>().unwrap_err().to_string(),
+            "tensor \"w\" is f32, not f64"
+        );
+        assert_eq!(t.as_slice::<f32>().unwrap().as_ptr() as usize % 64, 0);
+        assert!(Tensor::from_slice(&[2], &[1i32]).is_err());
+        assert!(Tensor::zeros(DType::U8, &[1; 9]).is_err());
+        t.reshape(&[3, 2]).unwrap();
+        assert!(t.reshape(&[4]).is_err());
+    }
+
+    /// Simulates a transfer: the sender's wire bytes land in the receiver's region.
+    fn transfer(from: &Tensor, to: &mut Tensor) -> Result<(), TensorError> {
+        let wire = from.wire().to_vec();
+        let region = to.receive_region();
+        let (n, room) = (wire.len().min(region.len()), region.len());
+        region[..n].copy_from_slice(&wire[..n]);
+        to.check_received(n, wire.len() > room)
+    }
+
+    #[test]
+    fn wire_round_trip_and_mismatches() {
+        let a = Tensor::from_slice(&[3], &[1f32, 2., 3.])
+            .unwrap()
+            .named("grad/w");
+        let mut b = Tensor::zeros(DType::F32, &[3]).unwrap().named("grad/w");
+        transfer(&a, &mut b).unwrap();
+        assert_eq!(b.as_slice::<f32>().unwrap(), &[1., 2., 3.]);
+        // The receiver keeps its own header after a receive.
+        assert_eq!(b.wire()[..8], a.wire()[..8]);
+
+        for (mut to, want) in [
+            (
+                Tensor::zeros(DType::F32, &[3]).unwrap().named("grad/b"),
+                "received 'grad/w' f32[3] but expected 'grad/b' f32[3]",
+            ),
+            (
+                Tensor::zeros(DType::I32, &[3]).unwrap().named("grad/w"),
+                "received 'grad/w' f32[3] but expected 'grad/w' i32[3]",
+            ),
+            (
+                Tensor::zeros(DType::F32, &[1, 3]).unwrap().named("grad/w"),
+                "received 'grad/w' f32[3] but expected 'grad/w' f32[1,3]",
+            ),
+            (
+                Tensor::zeros(DType::F32, &[2]).unwrap().named("grad/w"),
+                "received 'grad/w' f32[3] but expected 'grad/w' f32[2]",
+            ),
+        ] {
+            assert_eq!(transfer(&a, &mut to).unwrap_err().to_string(), want);
+        }
+        // Far larger than expected: truncated, still named, never read past the region.
+        let big = Tensor::zeros(DType::F32, &[1000]).unwrap().named("grad/w");
+        let mut small = Tensor::zeros(DType::F32, &[3]).unwrap().named("grad/w");
+        assert_eq!(
+            transfer(&big, &mut small).unwrap_err().to_string(),
+            "received 'grad/w' f32[1000] but expected 'grad/w' f32[3]"
+        );
+        // Garbage.
+        let mut t = Tensor::zeros(DType::U8, &[64]).unwrap();
+        t.receive_region()[..8].copy_from_slice(b"garbage!");
+        assert!(matches!(
+            t.check_received(64, false),
+            Err(TensorError::NotATensor { .. })
+        ));
+    }
+
+    #[test]
+    fn long_names_and_scalars() {
+        let long = "x".repeat(200);
+        let a = Tensor::from_slice(&[], &[5i64]).unwrap().named(&long);
+        let mut b = Tensor::zeros(DType::I64, &[]).unwrap().named(&long);
+        transfer(&a, &mut b).unwrap();
+        assert_eq!(b.as_slice::<i64>().unwrap(), &[5]);
+        let mut c = Tensor::zeros(DType::I64, &[])
+            .unwrap()
+            .named(&"x".repeat(199));
+        assert!(transfer(&a, &mut c).is_err());
+        // Eight dimensions and a 48-byte name still fit the header room.
+        let d = Tensor::zeros(DType::U8, &[1; 8])
+            .unwrap()
+            .named(&"n".repeat(48));
+        assert_eq!(d.wire().len(), 128 + 1);
+    }
+}

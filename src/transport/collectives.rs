@@ -1,0 +1,562 @@
+//! Collective operations, written once against [`Comm`] so the same code runs on MPI and
+//! on the in-process transport.
+//!
+//! Allreduce algorithms ([`Algorithm`]):
+//! - `mpi`: the library's own `MPI_Allreduce` (only where the communicator has one).
+//! - `ring`: reduce-scatter then allgather around a ring. Each step's chunk travels as
+//!   segments, and each segment is reduced as soon as it arrives while the next ones are
+//!   still in flight. Chunk boundaries are `i * len / n`, so lengths that do not divide by
+//!   the number of ranks work (chunks differ by at most one element).
+//! - `recursive-doubling`: log2(n) exchanges of the whole buffer; best for small tensors.
+//!   Ranks beyond the largest power of two first fold into a partner and get the result
+//!   back at the end.
+//! - `auto` (default): by size and rank count, from the thresholds in [`AutoTuning`],
+//!   which come from `mpiflow bench allreduce --path all` on the target machines.
+//!
+//! Every rank ends with identical bits: each element is reduced along one chain (ring) or
+//! by both partners from the same two operands (recursive doubling, where `a + b == b + a`
+//! holds exactly in IEEE arithmetic).
+
+use std::cell::RefCell;
+
+use super::comm::{recv, send, sendrecv, Comm, ReduceOp, TransportError};
+use crate::tensor::{AlignedBuf, DType, Element, Tensor};
+
+/// Tags of collective traffic, above any user tag.
+pub(crate) const TAG_BARRIER: i32 = 1 << 24;
+pub(crate) const TAG_BCAST: i32 = TAG_BARRIER + 1;
+pub(crate) const TAG_ALLGATHER: i32 = TAG_BARRIER + 2;
+pub(crate) const TAG_RING: i32 = TAG_BARRIER + 3;
+pub(crate) const TAG_RD: i32 = TAG_BARRIER + 4;
+
+/// An allreduce algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Algorithm {
+    #[default]
+    Auto,
+    Mpi,
+    Ring,
+    RecursiveDoubling,
+}
+
+/// When `auto` picks which algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AutoTuning {
+    /// Below this many bytes: the library's own (or recursive doubling without one).
+    pub small_bytes: usize,
+    /// From this many bytes, with at most `ring_max_ranks` ranks: the ring.
+    pub ring_min_bytes: usize,
+    pub ring_max_ranks: usize,
+    /// Ring segment size in bytes.
+    pub segment_bytes: usize,
+}
+
+impl Default for AutoTuning {
+    fn default() -> Self {
+        AutoTuning {
+            small_bytes: 64 << 10,
+            ring_min_bytes: 1 << 20,
+            ring_max_ranks: 8,
+            segment_bytes: 256 << 10,
+        }
+    }
+}
+
+/// Collective operations over one communicator, with reusable scratch memory.
+pub struct Collectives<C: Comm> {
+    comm: C,
+    pub tuning: AutoTuning,
+    scratch: RefCell<AlignedBuf>,
+}
+
+/// Reinterprets an aligned byte slice as elements.
+fn typed<T: Element>(b: &[u8]) -> &[T] {
+    // SAFETY: align_to only yields a middle part that is correctly aligned; we require
+    // that part to cover the whole slice (all mpiflow buffers are 64-byte aligned and chunk
+    // boundaries are element multiples).
+    let (head, mid, tail) = unsafe { b.align_to::<T>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "unaligned reduction buffer"
+    );
+    mid
+}
+
+fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
+    // SAFETY: as in `typed`.
+    let (head, mid, tail) = unsafe { b.align_to_mut::<T>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "unaligned reduction buffer"
+    );
+    mid
+}
+
+fn reduce_typed<T: Element>(op: ReduceOp, acc: &mut [u8], inc: &[u8]) {
+    let (acc, inc) = (typed_mut::<T>(acc), typed::<T>(inc));
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => {
+            acc.iter_mut().zip(inc).for_each(|(a, b)| *a = a.add(*b))
+        }
+        ReduceOp::Min => acc.iter_mut().zip(inc).for_each(|(a, b)| {
+            if *b < *a {
+                *a = *b
+            }
+        }),
+        ReduceOp::Max => acc.iter_mut().zip(inc).for_each(|(a, b)| {
+            if *b > *a {
+                *a = *b
+            }
+        }),
+    }
+}
+
+/// `acc = acc (op) inc`, element-wise.
+pub fn reduce_bytes(dtype: DType, op: ReduceOp, acc: &mut [u8], inc: &[u8]) {
+    match dtype {
+        DType::F32 => reduce_typed::<f32>(op, acc, inc),
+        DType::F64 => reduce_typed::<f64>(op, acc, inc),
+        DType::I32 => reduce_typed::<i32>(op, acc, inc),
+        DType::I64 => reduce_typed::<i64>(op, acc, inc),
+        DType::U8 => reduce_typed::<u8>(op, acc, inc),
+    }
+}
+
+fn divide_typed<T: Element>(buf: &mut [u8], n: usize) {
+    typed_mut::<T>(buf)
+        .iter_mut()
+        .for_each(|x| *x = x.div_count(n));
+}
+
+/// Divides every element by `n` (the second half of an average).
+pub fn divide_bytes(dtype: DType, buf: &mut [u8], n: usize) {
+    match dtype {
+        DType::F32 => divide_typed::<f32>(buf, n),
+        DType::F64 => divide_typed::<f64>(buf, n),
+        DType::I32 => divide_typed::<i32>(buf, n),
+        DType::I64 => divide_typed::<i64>(buf, n),
+        DType::U8 => divide_typed::<u8>(buf, n),
+    }
+}
+
+/// Byte range of chunk `i` of `n` over `elems` elements of `esize` bytes.
+fn chunk(i: usize, n: usize, elems: usize, esize: usize) -> std::ops::Range<usize> {
+    (i * elems / n) * esize..((i + 1) * elems / n) * esize
+}
+
+/// Ring allgather of equal blocks: `out` is `size` blocks of `mine.len()` bytes, by rank.
+pub fn allgather_bytes<C: Comm>(c: &C, mine: &[u8], out: &mut [u8]) -> Result<(), TransportError> {
+    let (n, r, b) = (c.size(), c.rank(), mine.len());
+    assert_eq!(
+        out.len(),
+        n * b,
+        "allgather output must hold one block per rank"
+    );
+    out[r * b..(r + 1) * b].copy_from_slice(mine);
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for s in 0..n.saturating_sub(1) {
+        let send_blk = (r + n - s) % n;
+        let recv_blk = (r + n - s - 1) % n;
+        let (sb, rb) = disjoint(
+            out,
+            send_blk * b..(send_blk + 1) * b,
+            recv_blk * b..(recv_blk + 1) * b,
+        );
+        sendrecv(c, sb, right, rb, left, TAG_ALLGATHER)?;
+    }
+    Ok(())
+}
+
+/// Splits `buf` into a shared and a mutable view of two disjoint ranges.
+fn disjoint(
+    buf: &mut [u8],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&[u8], &mut [u8]) {
+    assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+impl<C: Comm> Collectives<C> {
+    pub fn new(comm: C) -> Self {
+        Collectives {
+            comm,
+            tuning: AutoTuning::default(),
+            scratch: RefCell::new(AlignedBuf::zeroed(64)),
+        }
+    }
+
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// Scratch memory of at least `len` bytes, kept between calls (allocating and faulting
+    /// in fresh pages costs as much as a medium allreduce).
+    fn scratch(&self, len: usize) -> std::cell::RefMut<'_, AlignedBuf> {
+        let mut s = self.scratch.borrow_mut();
+        if s.len() < len {
+            *s = AlignedBuf::zeroed(len);
+        }
+        s
+    }
+
+    /// `MPI_Barrier`, or a dissemination barrier.
+    pub fn barrier(&self) -> Result<(), TransportError> {
+        if let Some(r) = self.comm.native_barrier() {
+            return r;
+        }
+        let (n, r) = (self.size(), self.rank());
+        let mut k = 1;
+        while k < n {
+            sendrecv(
+                &self.comm,
+                &[],
+                (r + k) % n,
+                &mut [],
+                (r + n - k) % n,
+                TAG_BARRIER,
+            )?;
+            k <<= 1;
+        }
+        Ok(())
+    }
+
+    /// Broadcast from `root`: `MPI_Bcast`, or a binomial tree.
+    pub fn bcast(&self, buf: &mut [u8], root: usize) -> Result<(), TransportError> {
+        if let Some(r) = self.comm.native_bcast(buf, root) {
+            return r;
+        }
+        let (n, r) = (self.size(), self.rank());
+        let vr = (r + n - root) % n;
+        let mut mask = 1;
+        while mask < n {
+            if vr & mask != 0 {
+                recv(&self.comm, buf, (r + n - mask) % n, TAG_BCAST)?;
+                break;
+            }
+            mask <<= 1;
+        }
+        mask >>= 1;
+        while mask > 0 {
+            if vr + mask < n {
+                send(&self.comm, buf, (r + mask) % n, TAG_BCAST)?;
+            }
+            mask >>= 1;
+        }
+        Ok(())
+    }
+
+    /// Allgather of equal-size blocks.
+    pub fn allgather(&self, mine: &[u8], out: &mut [u8]) -> Result<(), TransportError> {
+        allgather_bytes(&self.comm, mine, out)
+    }
+
+    /// Allgather of byte strings of any length, by rank.
+    pub fn allgather_varlen(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
+        let n = self.size();
+        let mut lens = vec![0u8; 8 * n];
+        self.allgather(&(mine.len() as u64).to_le_bytes(), &mut lens)?;
+        let lens: Vec<usize> = lens
+            .chunks(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
+        let max = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = mine.to_vec();
+        padded.resize(max, 0);
+        let mut all = vec![0u8; max * n];
+        self.allgather(&padded, &mut all)?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, l)| all[r * max..r * max + l].to_vec())
+            .collect())
+    }
+
+    /// The algorithm `auto` picks for `bytes` bytes on this communicator.
+    pub fn choose(&self, bytes: usize) -> Algorithm {
+        let native = self.comm.has_native();
+        let t = &self.tuning;
+        if self.size() <= 1 {
+            Algorithm::RecursiveDoubling
+        } else if bytes >= t.ring_min_bytes && self.size() <= t.ring_max_ranks {
+            Algorithm::Ring
+        } else if bytes < t.small_bytes && !native {
+            Algorithm::RecursiveDoubling
+        } else if native {
+            Algorithm::Mpi
+        } else {
+            Algorithm::Ring
+        }
+    }
+
+    /// In-place allreduce of `buf` (elements of `dtype`, 64-byte aligned).
+    pub fn allreduce(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<Algorithm, TransportError> {
+        let algo = match algo {
+            Algorithm::Auto => self.choose(buf.len()),
+            a => a,
+        };
+        let n = self.size();
+        match algo {
+            Algorithm::Mpi => match self.comm.native_allreduce(buf, dtype, op) {
+                Some(r) => r?,
+                None => self.ring(buf, dtype, op)?,
+            },
+            Algorithm::Ring => self.ring(buf, dtype, op)?,
+            Algorithm::RecursiveDoubling | Algorithm::Auto => {
+                self.recursive_doubling(buf, dtype, op)?
+            }
+        }
+        if op == ReduceOp::Average && n > 1 {
+            divide_bytes(dtype, buf, n);
+        }
+        Ok(algo)
+    }
+
+    /// Allreduce of a whole tensor.
+    pub fn allreduce_tensor(
+        &self,
+        t: &mut Tensor,
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<Algorithm, TransportError> {
+        let dtype = t.dtype();
+        self.allreduce(t.bytes_mut(), dtype, op, algo)
+    }
+
+    fn ring(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), TransportError> {
+        let (n, r, es) = (self.size(), self.rank(), dtype.size());
+        if n == 1 {
+            return Ok(());
+        }
+        let elems = buf.len() / es;
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        let seg = (self.tuning.segment_bytes / es).max(1) * es;
+        let max_chunk = chunk(0, n, elems, es).len() + es;
+        let mut scratch = self.scratch(max_chunk);
+        let c = &self.comm;
+        // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1.
+        for s in 0..n - 1 {
+            let send_c = chunk((r + n - s) % n, n, elems, es);
+            let recv_c = chunk((r + n - s - 1) % n, n, elems, es);
+            let incoming = &mut scratch.as_mut_slice()[..recv_c.len()];
+            let segs_in: Vec<(usize, usize)> = (0..recv_c.len())
+                .step_by(seg)
+                .map(|o| (o, seg.min(recv_c.len() - o)))
+                .collect();
+            let mut recvs = Vec::with_capacity(segs_in.len());
+            for (o, l) in &segs_in {
+                // SAFETY: each segment is a disjoint part of `incoming`, not touched until
+                // its request is waited on below; all requests are waited on.
+                recvs.push(unsafe { c.irecv(incoming.as_mut_ptr().add(*o), *l, left, TAG_RING)? });
+            }
+            let mut sends = Vec::new();
+            for o in (0..send_c.len()).step_by(seg) {
+                let l = seg.min(send_c.len() - o);
+                // SAFETY: the send chunk is disjoint from the receive chunk being reduced
+                // (different chunk indices) and is not modified before the sends complete.
+                sends.push(unsafe {
+                    c.isend(buf.as_ptr().add(send_c.start + o), l, right, TAG_RING)?
+                });
+            }
+            for ((o, l), req) in segs_in.iter().zip(recvs) {
+                c.wait(req)?;
+                let dst = &mut buf[recv_c.start + o..recv_c.start + o + l];
+                reduce_bytes(dtype, op, dst, &incoming[*o..o + l]);
+            }
+            for s in sends {
+                c.wait(s)?;
+            }
+        }
+        // Allgather of the reduced chunks, straight into place.
+        for s in 0..n - 1 {
+            let send_c = chunk((r + 1 + n - s) % n, n, elems, es);
+            let recv_c = chunk((r + n - s) % n, n, elems, es);
+            let (sb, rb) = disjoint(buf, send_c, recv_c);
+            sendrecv(c, sb, right, rb, left, TAG_RING)?;
+        }
+        Ok(())
+    }
+
+    fn recursive_doubling(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), TransportError> {
+        let (n, r) = (self.size(), self.rank());
+        if n == 1 {
+            return Ok(());
+        }
+        let c = &self.comm;
+        let p = 1 << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
+        let rem = n - p;
+        let mut scratch = self.scratch(buf.len());
+        let tmp = &mut scratch.as_mut_slice()[..buf.len()];
+        // Fold: among the first 2*rem ranks, evens hand their data to the next odd rank.
+        let vrank = if r < 2 * rem {
+            if r % 2 == 0 {
+                send(c, buf, r + 1, TAG_RD)?;
+                None
+            } else {
+                recv(c, tmp, r - 1, TAG_RD)?;
+                reduce_bytes(dtype, op, buf, tmp);
+                Some(r / 2)
+            }
+        } else {
+            Some(r - rem)
+        };
+        if let Some(v) = vrank {
+            let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+            let mut mask = 1;
+            while mask < p {
+                let partner = real(v ^ mask);
+                sendrecv(c, buf, partner, tmp, partner, TAG_RD)?;
+                reduce_bytes(dtype, op, buf, tmp);
+                mask <<= 1;
+            }
+        }
+        // Unfold: odd ranks give the result back to their even partner.
+        if r < 2 * rem {
+            if r % 2 == 0 {
+                recv(c, buf, r + 1, TAG_RD)?;
+            } else {
+                send(c, buf, r - 1, TAG_RD)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::local::LocalComm;
+    use super::*;
+
+    fn input(rank: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((rank * 31 + i * 7) % 97) as f32 * 0.37 - 11.0)
+            .collect()
+    }
+
+    #[test]
+    fn allreduce_algorithms_agree_with_a_serial_sum() {
+        for n in 1..=6 {
+            for len in [1usize, 2, 5, 7, 64, 1000, 4097] {
+                for algo in [
+                    Algorithm::Ring,
+                    Algorithm::RecursiveDoubling,
+                    Algorithm::Auto,
+                ] {
+                    let out = LocalComm::run(n, |c| {
+                        let mut coll = Collectives::new(c);
+                        coll.tuning.segment_bytes = 64; // many segments even for small tests
+                        let mut t = Tensor::from_slice(&[len], &input(coll.rank(), len)).unwrap();
+                        coll.allreduce_tensor(&mut t, ReduceOp::Sum, algo).unwrap();
+                        t.as_slice::<f32>().unwrap().to_vec()
+                    });
+                    for o in &out {
+                        assert_eq!(
+                            o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            out[0].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            "identical bits, n={n} len={len} {algo:?}"
+                        );
+                    }
+                    for i in 0..len {
+                        let want: f64 = (0..n).map(|r| input(r, len)[i] as f64).sum();
+                        assert!(
+                            (out[0][i] as f64 - want).abs() < 1e-3,
+                            "n={n} len={len} {algo:?} i={i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_op_and_dtype() {
+        let out = LocalComm::run(3, |c| {
+            let coll = Collectives::new(c);
+            let r = coll.rank() as i64;
+            let mut res = Vec::new();
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Average,
+                ReduceOp::Min,
+                ReduceOp::Max,
+            ] {
+                for algo in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+                    let mut a = Tensor::from_slice(&[3], &[r, 10 - r, r * r]).unwrap();
+                    coll.allreduce_tensor(&mut a, op, algo).unwrap();
+                    let mut b = Tensor::from_slice(&[2], &[r as f64 + 0.5, -(r as f64)]).unwrap();
+                    coll.allreduce_tensor(&mut b, op, algo).unwrap();
+                    let mut u = Tensor::from_slice(&[1], &[r as u8 * 100]).unwrap();
+                    coll.allreduce_tensor(&mut u, op, algo).unwrap();
+                    res.push((
+                        op,
+                        a.as_slice::<i64>().unwrap().to_vec(),
+                        b.as_slice::<f64>().unwrap().to_vec(),
+                        u.as_slice::<u8>().unwrap()[0],
+                    ));
+                }
+            }
+            res
+        });
+        for (op, a, b, u) in &out[0] {
+            let (wa, wb, wu): (Vec<i64>, Vec<f64>, u8) = match op {
+                ReduceOp::Sum => (vec![3, 27, 5], vec![4.5, -3.0], 44), // 0+100+200 wraps to 44
+                ReduceOp::Average => (vec![1, 9, 1], vec![1.5, -1.0], 14),
+                ReduceOp::Min => (vec![0, 8, 0], vec![0.5, -2.0], 0),
+                ReduceOp::Max => (vec![2, 10, 4], vec![2.5, 0.0], 200),
+            };
+            assert_eq!((a, b, *u), (&wa, &wb, wu), "{op:?}");
+        }
+        assert!(out.iter().all(|o| o == &out[0]));
+    }
+
+    #[test]
+    fn bcast_allgather_barrier() {
+        for n in 1..=5 {
+            let out = LocalComm::run(n, |c| {
+                let coll = Collectives::new(c);
+                let r = coll.rank();
+                coll.barrier().unwrap();
+                let mut b = if r == n - 1 {
+                    vec![7u8, 8, 9]
+                } else {
+                    vec![0u8; 3]
+                };
+                coll.bcast(&mut b, n - 1).unwrap();
+                let mut all = vec![0u8; 2 * n];
+                coll.allgather(&[r as u8, 1], &mut all).unwrap();
+                let var = coll.allgather_varlen(&vec![r as u8; r]).unwrap();
+                (b, all, var)
+            });
+            for (b, all, var) in out {
+                assert_eq!(b, [7, 8, 9]);
+                assert_eq!(all, (0..n).flat_map(|r| [r as u8, 1]).collect::<Vec<_>>());
+                assert_eq!(var, (0..n).map(|r| vec![r as u8; r]).collect::<Vec<_>>());
+            }
+        }
+    }
+}

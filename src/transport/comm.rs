@@ -1,0 +1,182 @@
+//! The communicator abstraction every algorithm is written against.
+//!
+//! [`Comm`] is the small set of operations the collective algorithms need: non-blocking
+//! byte send and receive between ranks, and optionally the MPI library's own collectives.
+//! Two implementations run the same algorithm code: [`super::mpi::MpiComm`] (real MPI) and
+//! [`super::local::LocalComm`] (threads in one process, for plain `cargo test`).
+//!
+//! Maintainer note: `isend`/`irecv` take raw pointers because a request outlives the call
+//! that starts it; the safe wrappers in [`super::p2p`] and the algorithms in
+//! [`super::collectives`] tie buffer lifetimes to the requests and always wait before a
+//! buffer is released.
+
+use crate::tensor::DType;
+
+/// Errors from moving bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    #[error("{call} failed on rank {rank}: {message}")]
+    Mpi {
+        call: &'static str,
+        rank: usize,
+        message: String,
+    },
+    #[error("rank {rank}: no message from rank {peer} (tag {tag}) within {secs} s")]
+    Timeout {
+        rank: usize,
+        peer: usize,
+        tag: i32,
+        secs: u64,
+    },
+    #[error("rank {rank}: peer rank {peer} is out of range (communicator of {size})")]
+    BadPeer {
+        rank: usize,
+        peer: usize,
+        size: usize,
+    },
+    #[error("rank {rank}: message of {len} bytes is larger than MPI can count (2^31-1)")]
+    TooLarge { rank: usize, len: usize },
+}
+
+/// How a receive completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// Bytes that arrived (at most the buffer length).
+    pub count: usize,
+    /// The message was longer than the buffer; the rest was dropped.
+    pub truncated: bool,
+    /// The sender's rank (useful with [`ANY_SOURCE`]).
+    pub source: usize,
+}
+
+/// Receive from any rank.
+pub const ANY_SOURCE: usize = usize::MAX;
+
+/// A reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the number of ranks (integers truncate).
+    Average,
+    Min,
+    Max,
+}
+
+/// The operations algorithms are built from.
+pub trait Comm {
+    /// An in-flight operation.
+    type Request;
+
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+
+    /// Starts sending `len` bytes at `buf` to `dst`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and unmodified until the request is waited on.
+    unsafe fn isend(
+        &self,
+        buf: *const u8,
+        len: usize,
+        dst: usize,
+        tag: i32,
+    ) -> Result<Self::Request, TransportError>;
+
+    /// Starts receiving at most `len` bytes into `buf` from `src` (or [`ANY_SOURCE`]).
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and not be accessed until the request is waited on.
+    unsafe fn irecv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+    ) -> Result<Self::Request, TransportError>;
+
+    /// Waits for one request.
+    fn wait(&self, req: Self::Request) -> Result<Completion, TransportError>;
+
+    /// True if the native_* collectives are implemented (by an MPI library).
+    fn has_native(&self) -> bool {
+        false
+    }
+
+    /// The library's own allreduce, in place, if this communicator has one.
+    fn native_allreduce(
+        &self,
+        _buf: &mut [u8],
+        _dtype: DType,
+        _op: ReduceOp,
+    ) -> Option<Result<(), TransportError>> {
+        None
+    }
+
+    /// The library's own broadcast, if any.
+    fn native_bcast(&self, _buf: &mut [u8], _root: usize) -> Option<Result<(), TransportError>> {
+        None
+    }
+
+    /// The library's own barrier, if any.
+    fn native_barrier(&self) -> Option<Result<(), TransportError>> {
+        None
+    }
+
+    /// A new communicator of the ranks that pass the same `color`, ordered by `key` then
+    /// rank (collective, like `MPI_Comm_split`).
+    fn split(&self, color: u32, key: usize) -> Result<Self, TransportError>
+    where
+        Self: Sized;
+}
+
+/// Blocking send of a byte slice.
+pub fn send<C: Comm>(c: &C, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+    // SAFETY: the request is waited on before `buf`'s borrow ends.
+    let r = unsafe { c.isend(buf.as_ptr(), buf.len(), dst, tag)? };
+    c.wait(r).map(|_| ())
+}
+
+/// Blocking receive into a byte slice.
+pub fn recv<C: Comm>(
+    c: &C,
+    buf: &mut [u8],
+    src: usize,
+    tag: i32,
+) -> Result<Completion, TransportError> {
+    // SAFETY: the request is waited on before `buf`'s borrow ends.
+    let r = unsafe { c.irecv(buf.as_mut_ptr(), buf.len(), src, tag)? };
+    c.wait(r)
+}
+
+/// Simultaneous send and receive (`MPI_Sendrecv`), deadlock-free in rings and pairs.
+pub fn sendrecv<C: Comm>(
+    c: &C,
+    out: &[u8],
+    dst: usize,
+    inb: &mut [u8],
+    src: usize,
+    tag: i32,
+) -> Result<Completion, TransportError> {
+    check_peer(c, dst)?;
+    check_peer(c, src)?;
+    // SAFETY: both requests are waited on before the borrows end (peers were checked, so
+    // the send cannot fail to start for a reason known in advance).
+    let r = unsafe { c.irecv(inb.as_mut_ptr(), inb.len(), src, tag)? };
+    let s = unsafe { c.isend(out.as_ptr(), out.len(), dst, tag) };
+    let got = c.wait(r);
+    c.wait(s?)?;
+    got
+}
+
+/// A peer rank that exists (or [`ANY_SOURCE`]).
+pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
+    if peer < c.size() || peer == ANY_SOURCE {
+        Ok(())
+    } else {
+        Err(TransportError::BadPeer {
+            rank: c.rank(),
+            peer,
+            size: c.size(),
+        })
+    }
+}

@@ -1,0 +1,281 @@
+//! An in-process transport: N threads, one rank each, with MPI's matching rules.
+//!
+//! Messages between a pair of ranks with the same tag are received in the order they were
+//! sent (MPI's non-overtaking rule); a receive longer than its buffer is truncated and
+//! reported, as MPI does. Sends are buffered, so they complete at once. A receive that
+//! waits longer than the hub's timeout fails instead of hanging the test.
+//!
+//! [`LocalComm::run`] starts the threads and returns each rank's result:
+//! ```
+//! use mpiflow::transport::local::LocalComm;
+//! use mpiflow::transport::Comm;
+//! let ranks = LocalComm::run(3, |c| c.rank() * 10);
+//! assert_eq!(ranks, vec![0, 10, 20]);
+//! ```
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
+
+struct Message {
+    src: usize,
+    tag: i32,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    queue: Mutex<VecDeque<Message>>,
+    arrived: Condvar,
+}
+
+/// What the ranks of one communicator share.
+struct Hub {
+    boxes: Vec<Mailbox>,
+    timeout: Duration,
+    /// Sub-communicators being created by `split`, by (split number, color).
+    splits: Mutex<BTreeMap<(u64, u32), Arc<Hub>>>,
+}
+
+impl Hub {
+    fn new(size: usize, timeout: Duration) -> Arc<Hub> {
+        Arc::new(Hub {
+            boxes: (0..size).map(|_| Mailbox::default()).collect(),
+            timeout,
+            splits: Mutex::new(BTreeMap::new()),
+        })
+    }
+}
+
+/// One rank of an in-process communicator.
+pub struct LocalComm {
+    rank: usize,
+    hub: Arc<Hub>,
+    splits_done: std::cell::Cell<u64>,
+}
+
+/// A request of the in-process transport.
+pub enum LocalRequest {
+    /// Sends are buffered: complete when started.
+    Sent,
+    Recv {
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+    },
+}
+
+impl LocalComm {
+    /// Communicators for `size` ranks, to be moved into one thread each.
+    pub fn create(size: usize, timeout: Duration) -> Vec<LocalComm> {
+        let hub = Hub::new(size, timeout);
+        (0..size)
+            .map(|rank| LocalComm {
+                rank,
+                hub: hub.clone(),
+                splits_done: 0.into(),
+            })
+            .collect()
+    }
+
+    /// Runs `f` on `size` threads, one rank each, and returns the results by rank.
+    /// A panic in any rank is re-raised here.
+    pub fn run<R: Send>(size: usize, f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
+        let comms = LocalComm::create(size, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        })
+    }
+}
+
+impl Comm for LocalComm {
+    type Request = LocalRequest;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.hub.boxes.len()
+    }
+
+    unsafe fn isend(
+        &self,
+        buf: *const u8,
+        len: usize,
+        dst: usize,
+        tag: i32,
+    ) -> Result<LocalRequest, TransportError> {
+        check_peer(self, dst)?;
+        if dst == ANY_SOURCE {
+            return Err(TransportError::BadPeer {
+                rank: self.rank,
+                peer: dst,
+                size: self.size(),
+            });
+        }
+        // SAFETY: the caller guarantees buf..buf+len is valid; it is copied right away.
+        let data = unsafe { std::slice::from_raw_parts(buf, len) }.to_vec();
+        let mb = &self.hub.boxes[dst];
+        mb.queue.lock().expect("mailbox lock").push_back(Message {
+            src: self.rank,
+            tag,
+            data,
+        });
+        mb.arrived.notify_all();
+        Ok(LocalRequest::Sent)
+    }
+
+    unsafe fn irecv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+    ) -> Result<LocalRequest, TransportError> {
+        check_peer(self, src)?;
+        Ok(LocalRequest::Recv { buf, len, src, tag })
+    }
+
+    fn wait(&self, req: LocalRequest) -> Result<Completion, TransportError> {
+        let LocalRequest::Recv { buf, len, src, tag } = req else {
+            return Ok(Completion {
+                count: 0,
+                truncated: false,
+                source: self.rank,
+            });
+        };
+        let mb = &self.hub.boxes[self.rank];
+        let mut q = mb.queue.lock().expect("mailbox lock");
+        loop {
+            let found = q
+                .iter()
+                .position(|m| m.tag == tag && (src == ANY_SOURCE || m.src == src));
+            if let Some(i) = found {
+                let m = q.remove(i).expect("index from position");
+                let count = m.data.len().min(len);
+                // SAFETY: the caller of irecv guarantees buf..buf+len is valid and unaliased
+                // until this wait returns; count <= len.
+                unsafe { std::ptr::copy_nonoverlapping(m.data.as_ptr(), buf, count) };
+                return Ok(Completion {
+                    count,
+                    truncated: m.data.len() > len,
+                    source: m.src,
+                });
+            }
+            let (guard, timeout) = mb
+                .arrived
+                .wait_timeout(q, self.hub.timeout)
+                .expect("mailbox lock");
+            q = guard;
+            if timeout.timed_out() {
+                return Err(TransportError::Timeout {
+                    rank: self.rank,
+                    peer: src,
+                    tag,
+                    secs: self.hub.timeout.as_secs(),
+                });
+            }
+        }
+    }
+
+    fn split(&self, color: u32, key: usize) -> Result<LocalComm, TransportError> {
+        // Everyone learns everyone's (color, key) through rank 0's hub, the same way an
+        // MPI library does it with an allgather.
+        let seq = self.splits_done.get();
+        self.splits_done.set(seq + 1);
+        let mine: Vec<u8> = [u64::from(color), key as u64]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let mut all = vec![0u8; 16 * self.size()];
+        super::collectives::allgather_bytes(self, &mine, &mut all)?;
+        let entries: Vec<(u32, usize, usize)> = all
+            .chunks(16)
+            .enumerate()
+            .map(|(r, c)| {
+                let v = |i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+                (v(0) as u32, v(8) as usize, r)
+            })
+            .collect();
+        let mut group: Vec<(usize, usize)> = entries
+            .iter()
+            .filter(|e| e.0 == color)
+            .map(|e| (e.1, e.2))
+            .collect();
+        group.sort_unstable();
+        let new_rank = group
+            .iter()
+            .position(|g| g.1 == self.rank)
+            .expect("self in group");
+        let hub = self
+            .hub
+            .splits
+            .lock()
+            .expect("split lock")
+            .entry((seq, color))
+            .or_insert_with(|| Hub::new(group.len(), self.hub.timeout))
+            .clone();
+        Ok(LocalComm {
+            rank: new_rank,
+            hub,
+            splits_done: 0.into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::comm::{recv, send};
+    use super::*;
+
+    #[test]
+    fn ordered_matching_truncation_and_timeouts() {
+        let out = LocalComm::run(2, |c| {
+            if c.rank() == 0 {
+                send(&c, b"first", 1, 7).unwrap();
+                send(&c, b"other-tag", 1, 8).unwrap();
+                send(&c, b"second", 1, 7).unwrap();
+                send(&c, b"too long for the buffer", 1, 9).unwrap();
+                String::new()
+            } else {
+                let mut b = [0u8; 16];
+                let n = recv(&c, &mut b, 0, 7).unwrap().count;
+                let first = String::from_utf8_lossy(&b[..n]).into_owned();
+                let n = recv(&c, &mut b, 0, 7).unwrap().count;
+                let second = String::from_utf8_lossy(&b[..n]).into_owned();
+                let t = recv(&c, &mut b[..4], ANY_SOURCE, 9).unwrap();
+                assert!(t.truncated && t.count == 4 && t.source == 0);
+                format!("{first},{second}")
+            }
+        });
+        assert_eq!(out[1], "first,second");
+        let comms = LocalComm::create(2, Duration::from_millis(50));
+        let mut b = [0u8; 1];
+        assert!(matches!(
+            recv(&comms[0], &mut b, 1, 0),
+            Err(TransportError::Timeout { .. })
+        ));
+        assert!(matches!(
+            send(&comms[0], &b, 5, 0),
+            Err(TransportError::BadPeer { .. })
+        ));
+    }
+
+    #[test]
+    fn split_by_color() {
+        let out = LocalComm::run(5, |c| {
+            let sub = c.split((c.rank() % 2) as u32, 10 - c.rank()).unwrap();
+            (sub.rank(), sub.size())
+        });
+        // Evens {0,2,4} ordered by key 10-rank: 4,2,0.
+        assert_eq!(out, vec![(2, 3), (1, 2), (1, 3), (0, 2), (0, 3)]);
+    }
+}

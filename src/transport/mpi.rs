@@ -1,0 +1,296 @@
+//! [`Comm`] over a real MPI communicator.
+//!
+//! mpiflow's traffic runs on its own duplicate of the communicator (`MPI_Comm_dup`), so it
+//! never matches a user's messages, with `MPI_ERRORS_RETURN` set on it, so a truncated
+//! message is an error value naming both tensors instead of an abort. Every return code
+//! is checked. Point-to-point uses `MPI_Isend`/`MPI_Irecv`/`MPI_Wait` on raw bytes
+//! (`MPI_UINT8_T`); the native collectives are `MPI_Allreduce`, `MPI_Bcast`, `MPI_Barrier`.
+
+use std::os::raw::{c_int, c_void};
+
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use super::comm::{check_peer, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
+use crate::tensor::DType;
+
+/// A communicator for mpiflow's own traffic.
+pub struct MpiComm {
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    in_place: Option<*mut c_void>,
+}
+
+/// An in-flight MPI request.
+pub struct MpiRequest {
+    req: ffi::MPI_Request,
+    len: usize,
+}
+
+fn library_in_place() -> Option<*mut c_void> {
+    // MPI_IN_PLACE is a macro, absent from the bindings: OpenMPI defines it as (void *) 1
+    // and MPICH as (void *) -1. With another library, in-place collectives copy instead.
+    let v = mpi::environment::library_version().unwrap_or_default();
+    if v.contains("Open MPI") {
+        Some(1usize as *mut c_void)
+    } else if v.contains("MPICH") {
+        Some(usize::MAX as *mut c_void)
+    } else {
+        None
+    }
+}
+
+fn dtype_raw(d: DType) -> ffi::MPI_Datatype {
+    // SAFETY: the RSMPI_* handles are constants initialised by the MPI library.
+    unsafe {
+        match d {
+            DType::F32 => ffi::RSMPI_FLOAT,
+            DType::F64 => ffi::RSMPI_DOUBLE,
+            DType::I32 => ffi::RSMPI_INT32_T,
+            DType::I64 => ffi::RSMPI_INT64_T,
+            DType::U8 => ffi::RSMPI_UINT8_T,
+        }
+    }
+}
+
+fn byte() -> ffi::MPI_Datatype {
+    // SAFETY: a constant handle.
+    unsafe { ffi::RSMPI_UINT8_T }
+}
+
+impl MpiComm {
+    /// A private duplicate of `comm` with errors returned, not fatal (collective).
+    pub fn new(comm: &SimpleCommunicator) -> MpiComm {
+        let dup = comm.duplicate();
+        // SAFETY: dup is a valid communicator owned by us; MPI_ERRORS_RETURN is a constant.
+        let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
+        assert_eq!(rc, ffi::MPI_SUCCESS as c_int, "MPI_Comm_set_errhandler");
+        MpiComm {
+            rank: dup.rank() as usize,
+            size: dup.size() as usize,
+            comm: dup,
+            in_place: library_in_place(),
+        }
+    }
+
+    /// The underlying rsmpi communicator (for the plain-MPI benchmark path).
+    pub fn raw(&self) -> &SimpleCommunicator {
+        &self.comm
+    }
+
+    fn check(&self, call: &'static str, rc: c_int) -> Result<(), TransportError> {
+        if rc == ffi::MPI_SUCCESS as c_int {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; 512];
+        let mut len: c_int = 0;
+        // SAFETY: buf holds MPI_MAX_ERROR_STRING (at most 512 in OpenMPI and MPICH) bytes.
+        unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
+        Err(TransportError::Mpi {
+            call,
+            rank: self.rank,
+            message: String::from_utf8_lossy(&buf[..len.max(0) as usize]).into_owned(),
+        })
+    }
+
+    fn count(&self, len: usize) -> Result<c_int, TransportError> {
+        c_int::try_from(len).map_err(|_| TransportError::TooLarge {
+            rank: self.rank,
+            len,
+        })
+    }
+
+    fn peer(&self, p: usize) -> Result<c_int, TransportError> {
+        check_peer(self, p)?;
+        Ok(if p == ANY_SOURCE {
+            // SAFETY: a constant.
+            unsafe { ffi::RSMPI_ANY_SOURCE }
+        } else {
+            p as c_int
+        })
+    }
+}
+
+impl Comm for MpiComm {
+    type Request = MpiRequest;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    unsafe fn isend(
+        &self,
+        buf: *const u8,
+        len: usize,
+        dst: usize,
+        tag: i32,
+    ) -> Result<MpiRequest, TransportError> {
+        let (n, dst) = (self.count(len)?, self.peer(dst)?);
+        // SAFETY: a zeroed MPI_Request is a valid out-parameter.
+        let mut req: ffi::MPI_Request = unsafe { std::mem::zeroed() };
+        // SAFETY: the caller keeps buf..buf+len valid until the request completes.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.cast(),
+                n,
+                byte(),
+                dst,
+                tag,
+                self.comm.as_raw(),
+                &mut req,
+            )
+        };
+        self.check("MPI_Isend", rc)?;
+        Ok(MpiRequest { req, len })
+    }
+
+    unsafe fn irecv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+    ) -> Result<MpiRequest, TransportError> {
+        let (n, src) = (self.count(len)?, self.peer(src)?);
+        // SAFETY: a zeroed MPI_Request is a valid out-parameter.
+        let mut req: ffi::MPI_Request = unsafe { std::mem::zeroed() };
+        // SAFETY: the caller keeps buf..buf+len valid and unaliased until completion.
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                buf.cast(),
+                n,
+                byte(),
+                src,
+                tag,
+                self.comm.as_raw(),
+                &mut req,
+            )
+        };
+        self.check("MPI_Irecv", rc)?;
+        Ok(MpiRequest { req, len })
+    }
+
+    fn wait(&self, mut r: MpiRequest) -> Result<Completion, TransportError> {
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: r.req is an active request from isend/irecv; waiting completes it.
+        let rc = unsafe { ffi::MPI_Wait(&mut r.req, &mut status) };
+        let mut class: c_int = rc;
+        if rc != ffi::MPI_SUCCESS as c_int {
+            // SAFETY: rc is an error code returned by MPI.
+            unsafe { ffi::MPI_Error_class(rc, &mut class) };
+        }
+        let truncated = class == ffi::MPI_ERR_TRUNCATE as c_int;
+        if !truncated {
+            self.check("MPI_Wait", rc)?;
+        }
+        let mut count: c_int = 0;
+        // SAFETY: status was filled by MPI_Wait.
+        unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
+        // After a truncation some libraries report the full length, others the buffer's.
+        let count = if count < 0 {
+            r.len
+        } else {
+            (count as usize).min(r.len)
+        };
+        Ok(Completion {
+            count,
+            truncated,
+            source: status.MPI_SOURCE.max(0) as usize,
+        })
+    }
+
+    fn has_native(&self) -> bool {
+        true
+    }
+
+    fn native_allreduce(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Option<Result<(), TransportError>> {
+        let n = match self.count(buf.len() / dtype.size()) {
+            Ok(n) => n,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: constant handles.
+        let mpi_op = unsafe {
+            match op {
+                ReduceOp::Sum | ReduceOp::Average => ffi::RSMPI_SUM,
+                ReduceOp::Min => ffi::RSMPI_MIN,
+                ReduceOp::Max => ffi::RSMPI_MAX,
+            }
+        };
+        let rc = match self.in_place {
+            // SAFETY: buf is valid for n elements of dtype; MPI_IN_PLACE as the library defines it.
+            Some(ip) => unsafe {
+                ffi::MPI_Allreduce(
+                    ip,
+                    buf.as_mut_ptr().cast(),
+                    n,
+                    dtype_raw(dtype),
+                    mpi_op,
+                    self.comm.as_raw(),
+                )
+            },
+            None => {
+                let send = buf.to_vec();
+                // SAFETY: send and buf are distinct buffers of n elements.
+                unsafe {
+                    ffi::MPI_Allreduce(
+                        send.as_ptr().cast(),
+                        buf.as_mut_ptr().cast(),
+                        n,
+                        dtype_raw(dtype),
+                        mpi_op,
+                        self.comm.as_raw(),
+                    )
+                }
+            }
+        };
+        Some(self.check("MPI_Allreduce", rc))
+    }
+
+    fn native_bcast(&self, buf: &mut [u8], root: usize) -> Option<Result<(), TransportError>> {
+        let r = self.count(buf.len()).and_then(|n| {
+            self.peer(root)?;
+            // SAFETY: buf is valid for n bytes on every rank (same length is the caller's contract).
+            let rc = unsafe {
+                ffi::MPI_Bcast(
+                    buf.as_mut_ptr().cast(),
+                    n,
+                    byte(),
+                    root as c_int,
+                    self.comm.as_raw(),
+                )
+            };
+            self.check("MPI_Bcast", rc)
+        });
+        Some(r)
+    }
+
+    fn native_barrier(&self) -> Option<Result<(), TransportError>> {
+        // SAFETY: a valid communicator.
+        let rc = unsafe { ffi::MPI_Barrier(self.comm.as_raw()) };
+        Some(self.check("MPI_Barrier", rc))
+    }
+
+    fn split(&self, color: u32, key: usize) -> Result<MpiComm, TransportError> {
+        let sub = self
+            .comm
+            .split_by_color_with_key(
+                mpi::topology::Color::with_value(color as c_int),
+                key as c_int,
+            )
+            .expect("a color was given, so every rank gets a communicator");
+        Ok(MpiComm::new(&sub))
+    }
+}
