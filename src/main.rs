@@ -37,6 +37,16 @@ enum Cmd {
     Spec(SpecArgs),
     /// Run PROGRAM as this rank's task, with TF_CONFIG (and optionally legacy flags) set.
     Launch(LaunchArgs),
+    /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// latency, bw, bibw, allreduce, bcast or allreduce-fused.
+    name: String,
+    #[command(flatten)]
+    options: mpiflow::bench::BenchOptions,
 }
 
 #[derive(Args)]
@@ -256,6 +266,23 @@ fn cmd_spec(args: &SpecArgs, env: &BTreeMap<String, String>) -> Result<(), Failu
     Ok(())
 }
 
+fn cmd_bench(args: &BenchArgs) -> Result<(), Failure> {
+    if !mpiflow::bench::NAMES.contains(&args.name.as_str()) {
+        return Err(Failure::local(mpiflow::bench::BenchError::Unknown(
+            args.name.clone(),
+        )));
+    }
+    let ctx = Context::init().map_err(Failure::local)?;
+    let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    if let Err(e) = mpiflow::bench::run(&comm, &args.name, &args.options) {
+        // The peer may be blocked in a transfer with this rank: no collective agreement and
+        // no MPI_Finalize, which could wait forever; exiting makes mpirun end the job.
+        eprintln!("mpiflow: error: rank {}: {e}", ctx.rank());
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
 fn cmd_launch(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let (resolved, ctx) = resolve(&args.cluster, env)?;
     let Some(me) = resolved.me else {
@@ -329,6 +356,7 @@ fn main() -> ExitCode {
     let result = match &cli.cmd {
         Cmd::Spec(a) => cmd_spec(a, &env),
         Cmd::Launch(a) => cmd_launch(a, &env),
+        Cmd::Bench(a) => cmd_bench(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

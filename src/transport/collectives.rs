@@ -260,6 +260,12 @@ impl<C: Comm> Collectives<C> {
         Ok(())
     }
 
+    /// Broadcast of a tensor's payload from `root` (every rank passes a tensor of the same
+    /// dtype and shape; the fused-allreduce negotiation is the place that checks lists).
+    pub fn bcast_tensor(&self, t: &mut Tensor, root: usize) -> Result<(), TransportError> {
+        self.bcast(t.bytes_mut(), root)
+    }
+
     /// Allgather of equal-size blocks.
     pub fn allgather(&self, mine: &[u8], out: &mut [u8]) -> Result<(), TransportError> {
         allgather_bytes(&self.comm, mine, out)
@@ -481,10 +487,10 @@ mod tests {
                             "identical bits, n={n} len={len} {algo:?}"
                         );
                     }
-                    for i in 0..len {
+                    for (i, got) in out[0].iter().enumerate() {
                         let want: f64 = (0..n).map(|r| input(r, len)[i] as f64).sum();
                         assert!(
-                            (out[0][i] as f64 - want).abs() < 1e-3,
+                            (*got as f64 - want).abs() < 1e-3,
                             "n={n} len={len} {algo:?} i={i}"
                         );
                     }

@@ -97,6 +97,25 @@ pub trait Comm {
     /// Waits for one request.
     fn wait(&self, req: Self::Request) -> Result<Completion, TransportError>;
 
+    /// Blocking send (`MPI_Send`); the default starts a request and waits.
+    fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+        // SAFETY: the request is waited on before `buf`'s borrow ends.
+        let r = unsafe { self.isend(buf.as_ptr(), buf.len(), dst, tag)? };
+        self.wait(r).map(|_| ())
+    }
+
+    /// Blocking receive (`MPI_Recv`); the default starts a request and waits.
+    fn recv_blocking(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: i32,
+    ) -> Result<Completion, TransportError> {
+        // SAFETY: the request is waited on before `buf`'s borrow ends.
+        let r = unsafe { self.irecv(buf.as_mut_ptr(), buf.len(), src, tag)? };
+        self.wait(r)
+    }
+
     /// True if the native_* collectives are implemented (by an MPI library).
     fn has_native(&self) -> bool {
         false
@@ -131,9 +150,7 @@ pub trait Comm {
 
 /// Blocking send of a byte slice.
 pub fn send<C: Comm>(c: &C, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
-    // SAFETY: the request is waited on before `buf`'s borrow ends.
-    let r = unsafe { c.isend(buf.as_ptr(), buf.len(), dst, tag)? };
-    c.wait(r).map(|_| ())
+    c.send_blocking(buf, dst, tag)
 }
 
 /// Blocking receive into a byte slice.

@@ -35,9 +35,9 @@ fn library_in_place() -> Option<*mut c_void> {
     // and MPICH as (void *) -1. With another library, in-place collectives copy instead.
     let v = mpi::environment::library_version().unwrap_or_default();
     if v.contains("Open MPI") {
-        Some(1usize as *mut c_void)
+        Some(std::ptr::without_provenance_mut(1))
     } else if v.contains("MPICH") {
-        Some(usize::MAX as *mut c_void)
+        Some(std::ptr::without_provenance_mut(usize::MAX))
     } else {
         None
     }
@@ -93,6 +93,39 @@ impl MpiComm {
             call,
             rank: self.rank,
             message: String::from_utf8_lossy(&buf[..len.max(0) as usize]).into_owned(),
+        })
+    }
+
+    /// Reads a finished receive's status: a truncation is reported, not an error.
+    fn completion(
+        &self,
+        call: &'static str,
+        rc: c_int,
+        status: &ffi::MPI_Status,
+        len: usize,
+    ) -> Result<Completion, TransportError> {
+        let mut class: c_int = rc;
+        if rc != ffi::MPI_SUCCESS as c_int {
+            // SAFETY: rc is an error code returned by MPI.
+            unsafe { ffi::MPI_Error_class(rc, &mut class) };
+        }
+        let truncated = class == ffi::MPI_ERR_TRUNCATE as c_int;
+        if !truncated {
+            self.check(call, rc)?;
+        }
+        let mut count: c_int = 0;
+        // SAFETY: status was filled by the completed call.
+        unsafe { ffi::MPI_Get_count(status, byte(), &mut count) };
+        // After a truncation some libraries report the full length, others the buffer's.
+        let count = if count < 0 {
+            len
+        } else {
+            (count as usize).min(len)
+        };
+        Ok(Completion {
+            count,
+            truncated,
+            source: status.MPI_SOURCE.max(0) as usize,
         })
     }
 
@@ -182,29 +215,39 @@ impl Comm for MpiComm {
         let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
         // SAFETY: r.req is an active request from isend/irecv; waiting completes it.
         let rc = unsafe { ffi::MPI_Wait(&mut r.req, &mut status) };
-        let mut class: c_int = rc;
-        if rc != ffi::MPI_SUCCESS as c_int {
-            // SAFETY: rc is an error code returned by MPI.
-            unsafe { ffi::MPI_Error_class(rc, &mut class) };
-        }
-        let truncated = class == ffi::MPI_ERR_TRUNCATE as c_int;
-        if !truncated {
-            self.check("MPI_Wait", rc)?;
-        }
-        let mut count: c_int = 0;
-        // SAFETY: status was filled by MPI_Wait.
-        unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
-        // After a truncation some libraries report the full length, others the buffer's.
-        let count = if count < 0 {
-            r.len
-        } else {
-            (count as usize).min(r.len)
+        self.completion("MPI_Wait", rc, &status, r.len)
+    }
+
+    fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+        let (n, dst) = (self.count(buf.len())?, self.peer(dst)?);
+        // SAFETY: buf is valid for n bytes for the duration of the blocking call.
+        let rc =
+            unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.comm.as_raw()) };
+        self.check("MPI_Send", rc)
+    }
+
+    fn recv_blocking(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: i32,
+    ) -> Result<Completion, TransportError> {
+        let (n, src) = (self.count(buf.len())?, self.peer(src)?);
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: buf is valid and exclusively ours for n bytes during the blocking call.
+        let rc = unsafe {
+            ffi::MPI_Recv(
+                buf.as_mut_ptr().cast(),
+                n,
+                byte(),
+                src,
+                tag,
+                self.comm.as_raw(),
+                &mut status,
+            )
         };
-        Ok(Completion {
-            count,
-            truncated,
-            source: status.MPI_SOURCE.max(0) as usize,
-        })
+        self.completion("MPI_Recv", rc, &status, buf.len())
     }
 
     fn has_native(&self) -> bool {

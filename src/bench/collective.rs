@@ -1,0 +1,275 @@
+//! `allreduce`, `bcast` and `allreduce-fused`: every rank, OSU's method.
+
+use std::time::Instant;
+
+use mpi::collective::SystemOperation;
+use mpi::traits::*;
+
+use super::osu::{self, BenchOptions, Path};
+use super::{secs, BenchError, Row};
+use crate::tensor::{AlignedBuf, DType, Tensor};
+use crate::transport::fusion::{Fusion, FusionConfig};
+use crate::transport::mpi::MpiComm;
+use crate::transport::{Algorithm, Collectives, ReduceOp};
+
+/// Mean microseconds per call of `f` over `iters` timed calls after `warmup`.
+fn time_loop(
+    iters: usize,
+    warmup: usize,
+    mut f: impl FnMut() -> Result<(), BenchError>,
+) -> Result<f64, BenchError> {
+    let mut total = 0.0;
+    for i in 0..warmup + iters {
+        let t = Instant::now();
+        f()?;
+        if i >= warmup {
+            total += secs(t);
+        }
+    }
+    Ok(total * 1e6 / iters.max(1) as f64)
+}
+
+/// OSU's statistics over ranks: average of the ranks' means, min and max.
+fn over_ranks(
+    coll: &Collectives<MpiComm>,
+    size: usize,
+    us: f64,
+    iters: usize,
+) -> Result<Row, BenchError> {
+    let mut v = [
+        AlignedBuf::zeroed(8),
+        AlignedBuf::zeroed(8),
+        AlignedBuf::zeroed(8),
+    ];
+    let mut out = [0.0; 3];
+    for (k, op) in [ReduceOp::Average, ReduceOp::Min, ReduceOp::Max]
+        .into_iter()
+        .enumerate()
+    {
+        v[k].as_mut_slice()[..8].copy_from_slice(&us.to_le_bytes());
+        coll.allreduce(
+            &mut v[k].as_mut_slice()[..8],
+            DType::F64,
+            op,
+            Algorithm::Mpi,
+        )?;
+        out[k] = f64::from_le_bytes(v[k].as_slice()[..8].try_into().expect("8 bytes"));
+    }
+    Ok(Row {
+        size,
+        value: out[0],
+        min: out[1],
+        max: out[2],
+        iterations: iters,
+    })
+}
+
+fn floats(b: &mut AlignedBuf, n: usize) -> &mut [f32] {
+    // SAFETY: AlignedBuf is 64-byte aligned and zero-initialised; n floats fit (checked by
+    // the slice bound below).
+    let (_, mid, _) = unsafe { b.as_mut_slice().align_to_mut::<f32>() };
+    &mut mid[..n]
+}
+
+/// One measurement of allreduce or bcast on one path.
+fn measure(
+    coll: &Collectives<MpiComm>,
+    name: &str,
+    path: Path,
+    size: usize,
+    opts: &BenchOptions,
+) -> Result<Row, BenchError> {
+    let (iters, warmup) = osu::iterations(opts, size, (1000, 100), (100, 10), 8192);
+    let world = coll.comm().raw();
+    let us = match (name, path) {
+        ("allreduce", Path::Mpi) => {
+            let n = size / 4;
+            let (mut s, mut r) = (AlignedBuf::zeroed(size), AlignedBuf::zeroed(size));
+            floats(&mut s, n)
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = i as f32);
+            let send = floats(&mut s, n).to_vec();
+            let recv = floats(&mut r, n);
+            time_loop(iters, warmup, || {
+                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                Ok(())
+            })?
+        }
+        ("allreduce", _) => {
+            let mut t = Tensor::zeros(DType::F32, &[size / 4])?.named("bench");
+            time_loop(iters, warmup, || {
+                coll.allreduce_tensor(&mut t, ReduceOp::Sum, opts.algorithm)?;
+                Ok(())
+            })?
+        }
+        (_, Path::Mpi) => {
+            let mut b = AlignedBuf::zeroed(size);
+            let root = world.process_at_rank(0);
+            time_loop(iters, warmup, || {
+                root.broadcast_into(&mut b.as_mut_slice()[..size]);
+                Ok(())
+            })?
+        }
+        (_, _) => {
+            let mut t = Tensor::zeros(DType::U8, &[size])?.named("bench");
+            time_loop(iters, warmup, || {
+                coll.bcast_tensor(&mut t, 0)?;
+                Ok(())
+            })?
+        }
+    };
+    over_ranks(coll, size, us, iters)
+}
+
+/// N tensors of `size` bytes per round: N raw MPI_Allreduce calls, N mpiflow allreduces,
+/// and one fused mpiflow allreduce (with negotiation).
+fn measure_fused(
+    coll: &Collectives<MpiComm>,
+    size: usize,
+    opts: &BenchOptions,
+) -> Result<[Row; 3], BenchError> {
+    let (iters, warmup) = osu::iterations(opts, size, (100, 10), (100, 10), 8192);
+    let n = opts.count.max(1);
+    let world = coll.comm().raw();
+    let elems = size / 4;
+    let mut tensors: Vec<Tensor> = (0..n)
+        .map(|i| Tensor::zeros(DType::F32, &[elems]).map(|t| t.named(&format!("grad/{i}"))))
+        .collect::<Result<_, _>>()?;
+    let send: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; elems]).collect();
+    let mut recv: Vec<Vec<f32>> = vec![vec![0.0; elems]; n];
+    let raw = time_loop(iters, warmup, || {
+        for (s, r) in send.iter().zip(recv.iter_mut()) {
+            world.all_reduce_into(&s[..], &mut r[..], SystemOperation::sum());
+        }
+        Ok(())
+    })?;
+    let single = time_loop(iters, warmup, || {
+        for t in tensors.iter_mut() {
+            coll.allreduce_tensor(t, ReduceOp::Sum, opts.algorithm)?;
+        }
+        Ok(())
+    })?;
+    let mut fusion = Fusion::new(FusionConfig {
+        algorithm: opts.algorithm,
+        ..FusionConfig::default()
+    });
+    let fused = time_loop(iters, warmup, || {
+        let mut refs: Vec<&mut Tensor> = tensors.iter_mut().collect();
+        fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
+        Ok(())
+    })?;
+    Ok([
+        over_ranks(coll, size, raw, iters)?,
+        over_ranks(coll, size, single, iters)?,
+        over_ranks(coll, size, fused, iters)?,
+    ])
+}
+
+/// Keeps the better of two rows (lower average latency).
+fn better(a: Option<Row>, b: Row) -> Row {
+    match a {
+        Some(a) if a.value <= b.value => a,
+        _ => b,
+    }
+}
+
+pub fn run(
+    coll: &Collectives<MpiComm>,
+    name: &str,
+    opts: &BenchOptions,
+) -> Result<String, BenchError> {
+    let mut out = String::new();
+    if name == "allreduce-fused" {
+        let (min, max) = opts.sizes.unwrap_or((10240, 10240));
+        let mut tables: [Vec<Row>; 3] = Default::default();
+        for size in osu::sizes(min.max(4), max) {
+            let mut best: [Option<Row>; 3] = [None; 3];
+            for _ in 0..opts.rounds.max(1) {
+                let rows = measure_fused(coll, size, opts)?;
+                for k in 0..3 {
+                    best[k] = Some(better(best[k], rows[k]));
+                }
+            }
+            for k in 0..3 {
+                tables[k].push(best[k].expect("at least one round"));
+            }
+        }
+        let title = format!(
+            "Allreduce Latency Test ({} tensors per round)",
+            opts.count.max(1)
+        );
+        for (label, rows) in [
+            "mpi (one MPI_Allreduce per tensor)",
+            "mpiflow (one allreduce per tensor)",
+            "mpiflow (fused)",
+        ]
+        .iter()
+        .zip(&tables)
+        {
+            out.push_str(&format!("# mpiflow path: {label}\n"));
+            out.push_str(&osu::collective_table(&title, "MPI_FLOAT", rows, opts.full));
+        }
+        out.push_str(&osu::ratio_table(
+            "one-by-one/fused (speed-up of fusion)",
+            &tables[2],
+            &tables[1],
+        ));
+        out.push_str(&osu::ratio_table(
+            "mpi one-by-one/fused",
+            &tables[2],
+            &tables[0],
+        ));
+        return Ok(out);
+    }
+    let (title, datatype, default_min) = if name == "allreduce" {
+        ("Allreduce Latency Test", "MPI_FLOAT", 4)
+    } else {
+        ("Broadcast Latency Test", "MPI_CHAR", 1)
+    };
+    let (min, max) = opts.sizes.unwrap_or((default_min, 1 << 20));
+    let paths: Vec<Path> = match opts.path {
+        Path::Both => vec![Path::Mpi, Path::Mpiflow],
+        p => vec![p],
+    };
+    let rounds = if paths.len() > 1 {
+        opts.rounds.max(1)
+    } else {
+        1
+    };
+    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
+    for size in osu::sizes(min, max) {
+        if name == "allreduce" && size < 4 {
+            continue; // OSU skips sizes below one element
+        }
+        let size = if name == "allreduce" {
+            size / 4 * 4
+        } else {
+            size
+        };
+        let mut best: Vec<Option<Row>> = vec![None; paths.len()];
+        for _ in 0..rounds {
+            for (k, path) in paths.iter().enumerate() {
+                coll.barrier()?;
+                best[k] = Some(better(best[k], measure(coll, name, *path, size, opts)?));
+            }
+        }
+        for (k, b) in best.into_iter().enumerate() {
+            tables[k].push(b.expect("at least one round"));
+        }
+    }
+    for (path, rows) in paths.iter().zip(&tables) {
+        let label = match path {
+            Path::Mpiflow if name == "allreduce" => {
+                format!("mpiflow (algorithm {:?})", opts.algorithm).to_lowercase()
+            }
+            p => format!("{p:?}").to_lowercase(),
+        };
+        out.push_str(&format!("# mpiflow path: {label}\n"));
+        out.push_str(&osu::collective_table(title, datatype, rows, opts.full));
+    }
+    if tables.len() == 2 {
+        out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));
+    }
+    Ok(out)
+}

@@ -1,0 +1,99 @@
+//! OSU-style benchmarks (`mpiflow bench NAME`), printing OSU Micro-Benchmarks 7.4's format
+//! so the tables can be read beside OMB's and diffed by scripts that parse it.
+//!
+//! Each benchmark runs two paths in the same job:
+//! - `mpi`: plain rsmpi calls on raw buffers (the baseline, what OMB measures);
+//! - `mpiflow`: mpiflow's tensor API, headers, checks and all.
+//!
+//! With `--path both` (the default) the paths alternate at every size (A, B, A, B, ...,
+//! `--rounds` times each) and each table reports, per size, the best round: on these shared
+//! machines run-to-run noise is larger than the differences being measured, and
+//! alternation is what makes the ratio meaningful. A `# ratio` comment table follows.
+//!
+//! Method and defaults follow OMB (see `shared/docs/osu-format.md`): latency is half a
+//! ping-pong round trip; bandwidth posts a window of `-W` non-blocking sends and waits for
+//! a 4-byte ack; collectives report the average over ranks of each rank's mean time,
+//! with min, max and iterations under `-f`.
+
+pub mod collective;
+pub mod osu;
+pub mod p2p;
+
+use std::time::Instant;
+
+use crate::transport::mpi::MpiComm;
+use crate::transport::{Collectives, Comm, TransportError};
+
+pub use osu::{BenchOptions, Path};
+
+/// Errors from running a benchmark.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BenchError {
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+    #[error("{0}")]
+    P2p(#[from] crate::transport::p2p::P2pError),
+    #[error("{0}")]
+    Fusion(#[from] crate::transport::fusion::FusionError),
+    #[error("{0}")]
+    Tensor(#[from] crate::tensor::TensorError),
+    #[error("benchmark {name} needs {need} ranks, the job has {have}")]
+    Ranks {
+        name: String,
+        need: String,
+        have: usize,
+    },
+    #[error("unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused)")]
+    Unknown(String),
+    #[error("data validation failed: {0}")]
+    Validation(String),
+}
+
+/// The benchmarks `run` knows.
+pub const NAMES: [&str; 6] = [
+    "latency",
+    "bw",
+    "bibw",
+    "allreduce",
+    "bcast",
+    "allreduce-fused",
+];
+
+/// One measured row: per-size statistics over ranks, in microseconds or MB/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Row {
+    pub size: usize,
+    pub value: f64,
+    pub min: f64,
+    pub max: f64,
+    pub iterations: usize,
+}
+
+/// Seconds since `t`.
+pub(crate) fn secs(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64()
+}
+
+/// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
+pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
+    let coll = Collectives::new(MpiComm::new(comm.raw()));
+    let out = match name {
+        "latency" | "bw" | "bibw" => {
+            if comm.size() < 2 {
+                return Err(BenchError::Ranks {
+                    name: name.into(),
+                    need: "at least 2".into(),
+                    have: comm.size(),
+                });
+            }
+            p2p::run(comm, name, opts)?
+        }
+        "allreduce" | "bcast" | "allreduce-fused" => collective::run(&coll, name, opts)?,
+        other => return Err(BenchError::Unknown(other.into())),
+    };
+    if comm.rank() == 0 {
+        let mut stdout = std::io::stdout().lock();
+        let _ = std::io::Write::write_all(&mut stdout, out.as_bytes());
+    }
+    Ok(())
+}

@@ -1,0 +1,205 @@
+//! OSU options (`-m -i -x -W -f -c`) and OSU 7.4's output format.
+
+use std::fmt::Write as _;
+
+use super::Row;
+use crate::transport::Algorithm;
+
+/// Which implementation a benchmark measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Path {
+    /// Plain rsmpi calls on raw buffers (the baseline).
+    Mpi,
+    /// mpiflow's tensor API.
+    Mpiflow,
+    /// Both, alternating at every size.
+    #[default]
+    Both,
+}
+
+/// OSU's options, plus mpiflow's.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchOptions {
+    /// Message sizes in bytes, `[MIN:]MAX`, doubling from MIN.
+    #[arg(short = 'm', long = "message-size", value_parser = parse_sizes)]
+    pub sizes: Option<(usize, usize)>,
+    /// Timed iterations per size (default: OSU's, by benchmark and size).
+    #[arg(short = 'i', long = "iterations")]
+    pub iterations: Option<usize>,
+    /// Warm-up iterations per size (default: OSU's).
+    #[arg(short = 'x', long = "warmup")]
+    pub warmup: Option<usize>,
+    /// Window of non-blocking sends (bw, bibw).
+    #[arg(short = 'W', long = "window-size", default_value_t = 64)]
+    pub window: usize,
+    /// Full statistics for collectives: min, max, iterations.
+    #[arg(short = 'f', long = "full")]
+    pub full: bool,
+    /// Check the data that arrived (outside the timed loop).
+    #[arg(short = 'c', long = "validation")]
+    pub validate: bool,
+    /// Which path to measure.
+    #[arg(long, value_enum, default_value_t)]
+    pub path: Path,
+    /// Alternating rounds per size with `--path both`; each table keeps the best round.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Allreduce algorithm of the mpiflow path.
+    #[arg(long, value_enum, default_value_t)]
+    pub algorithm: Algorithm,
+    /// Tensors per round in allreduce-fused.
+    #[arg(long, default_value_t = 100)]
+    pub count: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            sizes: None,
+            iterations: None,
+            warmup: None,
+            window: 64,
+            full: false,
+            validate: false,
+            path: Path::Both,
+            rounds: 3,
+            algorithm: Algorithm::Auto,
+            count: 100,
+        }
+    }
+}
+
+/// Parses `[MIN:]MAX`.
+pub fn parse_sizes(s: &str) -> Result<(usize, usize), String> {
+    let num = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("{x:?} is not a size in bytes"))
+    };
+    let (min, max) = match s.split_once(':') {
+        Some((a, b)) => (num(a)?, num(b)?),
+        None => (1, num(s)?),
+    };
+    if min > max {
+        return Err(format!("MIN {min} is larger than MAX {max}"));
+    }
+    if max > 1 << 30 {
+        return Err(format!("MAX {max} is larger than 1 GiB"));
+    }
+    Ok((min, max))
+}
+
+/// Sizes from `min` to `max`, doubling (0 is followed by 1).
+pub fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut s = min;
+    while s <= max {
+        out.push(s);
+        s = if s == 0 { 1 } else { s * 2 };
+    }
+    out
+}
+
+/// OSU's defaults: (iterations, warm-up) for small and large messages.
+pub fn iterations(
+    opts: &BenchOptions,
+    size: usize,
+    small: (usize, usize),
+    large: (usize, usize),
+    limit: usize,
+) -> (usize, usize) {
+    let (i, x) = if size > limit { large } else { small };
+    (opts.iterations.unwrap_or(i), opts.warmup.unwrap_or(x))
+}
+
+/// The two header lines every OSU benchmark prints.
+pub fn preamble(title: &str, datatype: &str) -> String {
+    format!("# OSU MPI {title} v7.4\n# Datatype: {datatype}.\n")
+}
+
+/// A point-to-point table: `# Size` and one value column.
+pub fn p2p_table(title: &str, datatype: &str, column: &str, rows: &[Row]) -> String {
+    let mut out = preamble(title, datatype);
+    let _ = writeln!(out, "{:<10}{:>20}", "# Size", column);
+    for r in rows {
+        let _ = writeln!(out, "{:<10}{:>20.2}", r.size, r.value);
+    }
+    out
+}
+
+/// A collective table, with `-f`'s extra columns when `full`.
+pub fn collective_table(title: &str, datatype: &str, rows: &[Row], full: bool) -> String {
+    let mut out = preamble(title, datatype);
+    let _ = write!(out, "{:<10}{:>20}", "# Size", "Avg Latency(us)");
+    if full {
+        let _ = writeln!(
+            out,
+            "{:>20}{:>20}{:>12}",
+            "Min Latency(us)", "Max Latency(us)", "Iterations"
+        );
+    } else {
+        out.push('\n');
+    }
+    for r in rows {
+        let _ = write!(out, "{:<10}{:>20.2}", r.size, r.value);
+        if full {
+            let _ = writeln!(out, "{:>20.2}{:>20.2}{:>12}", r.min, r.max, r.iterations);
+        } else {
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Comment lines comparing two tables of the same sizes: `b / a` per size.
+pub fn ratio_table(label: &str, a: &[Row], b: &[Row]) -> String {
+    let mut out = format!("# ratio {label}\n{:<10}{:>20}\n", "# Size", "Ratio");
+    for (x, y) in a.iter().zip(b) {
+        let _ = writeln!(out, "# {:<8}{:>20.3}", x.size, y.value / x.value);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn osu_format_to_the_byte() {
+        let rows = [
+            Row {
+                size: 1,
+                value: 0.15,
+                min: 0.1,
+                max: 0.2,
+                iterations: 1000,
+            },
+            Row {
+                size: 4194304,
+                value: 12345.678,
+                min: 1.0,
+                max: 2.0,
+                iterations: 100,
+            },
+        ];
+        assert_eq!(
+            p2p_table("Latency Test", "MPI_CHAR", "Avg Latency(us)", &rows),
+            "# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n# Size         Avg Latency(us)\n1                         0.15\n4194304               12345.68\n"
+        );
+        assert_eq!(
+            collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], true),
+            "# OSU MPI Allreduce Latency Test v7.4\n# Datatype: MPI_FLOAT.\n# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations\n1                         0.15                0.10                0.20        1000\n"
+        );
+    }
+
+    #[test]
+    fn size_ranges() {
+        assert_eq!(sizes(1, 8), [1, 2, 4, 8]);
+        assert_eq!(sizes(0, 2), [0, 1, 2]);
+        assert_eq!(sizes(10240, 40960), [10240, 20480, 40960]);
+        assert_eq!(parse_sizes("4:64"), Ok((4, 64)));
+        assert_eq!(parse_sizes("64"), Ok((1, 64)));
+        assert!(parse_sizes("64:4").is_err());
+        assert!(parse_sizes("x").is_err());
+    }
+}

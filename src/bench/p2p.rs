@@ -1,0 +1,269 @@
+//! `latency`, `bw`, `bibw`: ranks 0 and 1, OSU's method; other ranks wait.
+
+use std::time::Instant;
+
+use mpi::traits::*;
+
+use super::osu::{self, BenchOptions, Path};
+use super::{secs, BenchError, Row};
+use crate::tensor::{AlignedBuf, DType, Tensor};
+use crate::transport::mpi::MpiComm;
+use crate::transport::{p2p, Collectives, Comm};
+
+const TAG: i32 = 1;
+const ACK_TAG: i32 = 2;
+
+fn pattern(size: usize, seed: usize) -> Vec<u8> {
+    (0..size).map(|i| ((i * 7 + seed) % 251) as u8).collect()
+}
+
+/// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or MB/s.
+fn measure(
+    comm: &MpiComm,
+    name: &str,
+    path: Path,
+    size: usize,
+    opts: &BenchOptions,
+) -> Result<f64, BenchError> {
+    let (iters, warmup) = match name {
+        "latency" => osu::iterations(opts, size, (10000, 100), (1000, 10), 8192),
+        _ => osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20),
+    };
+    let window = if name == "latency" {
+        1
+    } else {
+        opts.window.max(1)
+    };
+    let me = comm.rank();
+    let peer = 1 - me;
+    let world = comm.raw();
+    let other = world.process_at_rank(peer as i32);
+    // bibw: a receive window and a send window on each rank, as OSU.
+    let nbuf = if name == "bibw" { 2 * window } else { window };
+    let mut bufs: Vec<AlignedBuf> = (0..nbuf).map(|_| AlignedBuf::zeroed(size)).collect();
+    let mut tensors: Vec<Tensor> = (0..nbuf)
+        .map(|_| Tensor::zeros(DType::U8, &[size]).map(|t| t.named("bench")))
+        .collect::<Result<_, _>>()?;
+    let mut ack = [0u8; 4];
+    let ack_t = Tensor::zeros(DType::U8, &[4])?.named("ack");
+    let mut ack_r = ack_t.clone();
+    let mut start = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            start = Instant::now();
+        }
+        match (name, path) {
+            ("latency", Path::Mpi) => {
+                let b = &mut bufs[0].as_mut_slice()[..size];
+                if me == 0 {
+                    other.send_with_tag(&b[..], TAG);
+                    other.receive_into_with_tag(b, TAG);
+                } else {
+                    other.receive_into_with_tag(&mut b[..], TAG);
+                    other.send_with_tag(&b[..], TAG);
+                }
+            }
+            ("latency", _) => {
+                let t = &mut tensors[0];
+                if me == 0 {
+                    p2p::send(comm, t, peer, TAG)?;
+                    p2p::receive_into(comm, t, peer, TAG)?;
+                } else {
+                    p2p::receive_into(comm, t, peer, TAG)?;
+                    p2p::send(comm, t, peer, TAG)?;
+                }
+            }
+            (_, Path::Mpi) => {
+                let bibw = name == "bibw";
+                let (send, recv) = (me == 0 || bibw, me == 1 || bibw);
+                if recv {
+                    let (rb, sb) = bufs.split_at_mut(window);
+                    mpi::request::scope(|sc| {
+                        let recvs: Vec<_> = rb
+                            .iter_mut()
+                            .map(|b| {
+                                other.immediate_receive_into_with_tag(
+                                    sc,
+                                    &mut b.as_mut_slice()[..size],
+                                    TAG,
+                                )
+                            })
+                            .collect();
+                        let sends: Vec<_> = if send {
+                            sb.iter()
+                                .map(|b| {
+                                    other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG)
+                                })
+                                .collect()
+                        } else {
+                            Vec::new()
+                        };
+                        recvs.into_iter().for_each(|r| {
+                            r.wait();
+                        });
+                        sends.into_iter().for_each(|r| {
+                            r.wait();
+                        });
+                    });
+                } else {
+                    mpi::request::scope(|sc| {
+                        let sends: Vec<_> = bufs
+                            .iter()
+                            .map(|b| other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG))
+                            .collect();
+                        sends.into_iter().for_each(|r| {
+                            r.wait();
+                        });
+                    });
+                }
+                if !bibw {
+                    if me == 0 {
+                        other.receive_into_with_tag(&mut ack[..], ACK_TAG);
+                    } else {
+                        other.send_with_tag(&ack[..], ACK_TAG);
+                    }
+                }
+            }
+            (_, _) => {
+                let bibw = name == "bibw";
+                let (rt, st) = tensors.split_at_mut(window);
+                if me == 1 || bibw {
+                    let recvs = rt
+                        .iter_mut()
+                        .map(|t| p2p::immediate_receive_into(comm, t, peer, TAG))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let sends = if bibw {
+                        st.iter()
+                            .map(|t| p2p::immediate_send(comm, t, peer, TAG))
+                            .collect::<Result<Vec<_>, _>>()?
+                    } else {
+                        Vec::new()
+                    };
+                    for r in recvs {
+                        r.wait()?;
+                    }
+                    for s in sends {
+                        s.wait()?;
+                    }
+                } else {
+                    let sends = rt
+                        .iter()
+                        .map(|t| p2p::immediate_send(comm, t, peer, TAG))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for s in sends {
+                        s.wait()?;
+                    }
+                }
+                if !bibw {
+                    if me == 0 {
+                        p2p::receive_into(comm, &mut ack_r, peer, ACK_TAG)?;
+                    } else {
+                        p2p::send(comm, &ack_t, peer, ACK_TAG)?;
+                    }
+                }
+            }
+        }
+    }
+    let elapsed = secs(start);
+    if opts.validate {
+        validate(comm, path, size)?;
+    }
+    Ok(match name {
+        "latency" => elapsed * 1e6 / (2.0 * iters as f64),
+        // Both directions count, as in OSU's bibw.
+        "bibw" => size as f64 / 1e6 * iters as f64 * (2 * window) as f64 / elapsed,
+        _ => size as f64 / 1e6 * iters as f64 * window as f64 / elapsed,
+    })
+}
+
+/// Sends one patterned message 0 -> 1 on `path` and checks every byte on rank 1.
+fn validate(comm: &MpiComm, path: Path, size: usize) -> Result<(), BenchError> {
+    let want = pattern(size, size);
+    let me = comm.rank();
+    let got = match path {
+        Path::Mpi => {
+            let other = comm.raw().process_at_rank(1 - me as i32);
+            let mut b = want.clone();
+            if me == 0 {
+                other.send_with_tag(&b[..], TAG);
+            } else {
+                b.fill(0);
+                other.receive_into_with_tag(&mut b[..], TAG);
+            }
+            b
+        }
+        _ => {
+            let mut t = Tensor::from_slice(&[size], &want)?.named("bench");
+            if me == 0 {
+                p2p::send(comm, &t, 1, TAG)?;
+            } else {
+                t.bytes_mut().fill(0);
+                p2p::receive_into(comm, &mut t, 0, TAG)?;
+            }
+            t.bytes().to_vec()
+        }
+    };
+    match got.iter().zip(&want).position(|(a, b)| a != b) {
+        Some(i) => Err(BenchError::Validation(format!(
+            "byte {i} of {size} differs on rank {me}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Runs latency, bw or bibw over the sizes; returns the text rank 0 prints.
+pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, BenchError> {
+    let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
+    let paths: Vec<Path> = match opts.path {
+        Path::Both => vec![Path::Mpi, Path::Mpiflow],
+        p => vec![p],
+    };
+    let rounds = if paths.len() > 1 {
+        opts.rounds.max(1)
+    } else {
+        1
+    };
+    let coll = Collectives::new(MpiComm::new(comm.raw()));
+    let latency = name == "latency";
+    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
+    for size in osu::sizes(min, max) {
+        let mut best = vec![if latency { f64::INFINITY } else { 0.0 }; paths.len()];
+        for _ in 0..rounds {
+            for (k, path) in paths.iter().enumerate() {
+                coll.barrier()?;
+                if comm.rank() < 2 {
+                    let v = measure(comm, name, *path, size, opts)?;
+                    best[k] = if latency {
+                        best[k].min(v)
+                    } else {
+                        best[k].max(v)
+                    };
+                }
+            }
+        }
+        for (k, v) in best.into_iter().enumerate() {
+            tables[k].push(Row {
+                size,
+                value: v,
+                min: v,
+                max: v,
+                iterations: 0,
+            });
+        }
+    }
+    coll.barrier()?;
+    let (title, column) = match name {
+        "latency" => ("Latency Test", "Avg Latency(us)"),
+        "bw" => ("Bandwidth Test", "Bandwidth (MB/s)"),
+        _ => ("Bi-Directional Bandwidth Test", "Bandwidth (MB/s)"),
+    };
+    let mut out = String::new();
+    for (path, rows) in paths.iter().zip(&tables) {
+        out.push_str(&format!("# mpiflow path: {path:?}\n").to_lowercase());
+        out.push_str(&osu::p2p_table(title, "MPI_CHAR", column, rows));
+    }
+    if tables.len() == 2 {
+        out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));
+    }
+    Ok(out)
+}
