@@ -10,8 +10,11 @@
 //! - `recursive-doubling`: log2(n) exchanges of the whole buffer; best for small tensors.
 //!   Ranks beyond the largest power of two first fold into a partner and get the result
 //!   back at the end.
-//! - `auto` (default): by size and rank count, from the thresholds in [`AutoTuning`],
-//!   which come from `mpiflow bench allreduce --path all` on the target machines.
+//! - `auto` (default): by size and rank count, from the thresholds in [`AutoTuning`]: the
+//!   ring from 256 KiB at up to 8 ranks, the library's own below (measured here: the ring
+//!   is 0.54-0.82x of OpenMPI's time from 256 KiB to 16 MiB at 2 and 4 ranks, and slower
+//!   below 64 KiB). Re-measure on other machines with
+//!   `mpiflow bench allreduce --algorithm ring` (and `recursive-doubling`).
 //!
 //! Every rank ends with identical bits: each element is reduced along one chain (ring) or
 //! by both partners from the same two operands (recursive doubling, where `a + b == b + a`
@@ -55,7 +58,7 @@ impl Default for AutoTuning {
     fn default() -> Self {
         AutoTuning {
             small_bytes: 64 << 10,
-            ring_min_bytes: 1 << 20,
+            ring_min_bytes: 256 << 10,
             ring_max_ranks: 8,
             segment_bytes: 256 << 10,
         }
