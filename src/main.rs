@@ -37,8 +37,19 @@ enum Cmd {
     Spec(SpecArgs),
     /// Run PROGRAM as this rank's task, with TF_CONFIG (and optionally legacy flags) set.
     Launch(LaunchArgs),
+    /// Verify point-to-point and every collective on this job (one JSON line per rank).
+    Check(CheckArgs),
     /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
     Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Test-only: this rank submits a different fused-allreduce list.
+    #[arg(long, hide = true)]
+    mismatch_rank: Option<usize>,
 }
 
 #[derive(Args)]
@@ -266,13 +277,42 @@ fn cmd_spec(args: &SpecArgs, env: &BTreeMap<String, String>) -> Result<(), Failu
     Ok(())
 }
 
-fn cmd_bench(args: &BenchArgs) -> Result<(), Failure> {
-    if !mpiflow::bench::NAMES.contains(&args.name.as_str()) {
-        return Err(Failure::local(mpiflow::bench::BenchError::Unknown(
-            args.name.clone(),
-        )));
+fn cmd_check(args: &CheckArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    let (resolved, ctx) = resolve(&args.cluster, env)?;
+    let Some(ctx) = ctx else {
+        return Err(Failure::local(
+            "check runs under mpirun (or srun --mpi=pmix)",
+        ));
+    };
+    drop(resolved.port_guard);
+    let coll =
+        mpiflow::transport::Collectives::new(mpiflow::transport::mpi::MpiComm::new(ctx.world()));
+    let report = mpiflow::check::run(&coll, &resolved.layout, args.mismatch_rank).and_then(|rep| {
+        emit(&(rep.json(ctx.rank(), ctx.size()) + "\n"));
+        match rep.failures.first() {
+            Some(f) => Err(format!(
+                "{} of {} checks failed, first: {f}",
+                rep.failures.len(),
+                rep.checks
+            )),
+            None => Ok(rep),
+        }
+    });
+    let rep = ctx.agree(report).map_err(|e| Failure::agreed(e, &ctx))?;
+    if ctx.rank() == 0 {
+        eprintln!(
+            "mpiflow check: {} checks passed on each of {} ranks",
+            rep.checks,
+            ctx.size()
+        );
     }
+    Ok(())
+}
+
+fn cmd_bench(args: &BenchArgs) -> Result<(), Failure> {
     let ctx = Context::init().map_err(Failure::local)?;
+    ctx.agree(mpiflow::bench::validate(&args.name, ctx.size()))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
     if let Err(e) = mpiflow::bench::run(&comm, &args.name, &args.options) {
         // The peer may be blocked in a transfer with this rank: no collective agreement and
@@ -356,6 +396,7 @@ fn main() -> ExitCode {
     let result = match &cli.cmd {
         Cmd::Spec(a) => cmd_spec(a, &env),
         Cmd::Launch(a) => cmd_launch(a, &env),
+        Cmd::Check(a) => cmd_check(a, &env),
         Cmd::Bench(a) => cmd_bench(a),
     };
     match result {

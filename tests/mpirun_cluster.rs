@@ -347,7 +347,7 @@ fn launch_of_a_missing_program_is_one_error_before_anything_runs() {
         "--",
         "no-such-program-here",
     ]);
-    run.assert_one_line_error("rank 0: program \"no-such-program-here\" not found in PATH");
+    run.assert_one_line_error("all ranks: program \"no-such-program-here\" not found in PATH");
     let run = mpirun(&[
         "-np",
         "2",

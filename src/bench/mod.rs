@@ -74,20 +74,27 @@ pub(crate) fn secs(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// Checks a benchmark name against the job size (before anything is sent).
+pub fn validate(name: &str, ranks: usize) -> Result<(), BenchError> {
+    if !NAMES.contains(&name) {
+        return Err(BenchError::Unknown(name.into()));
+    }
+    if matches!(name, "latency" | "bw" | "bibw") && ranks < 2 {
+        return Err(BenchError::Ranks {
+            name: name.into(),
+            need: "at least 2".into(),
+            have: ranks,
+        });
+    }
+    Ok(())
+}
+
 /// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
+    validate(name, comm.size())?;
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let out = match name {
-        "latency" | "bw" | "bibw" => {
-            if comm.size() < 2 {
-                return Err(BenchError::Ranks {
-                    name: name.into(),
-                    need: "at least 2".into(),
-                    have: comm.size(),
-                });
-            }
-            p2p::run(comm, name, opts)?
-        }
+        "latency" | "bw" | "bibw" => p2p::run(comm, name, opts)?,
         "allreduce" | "bcast" | "allreduce-fused" => collective::run(&coll, name, opts)?,
         other => return Err(BenchError::Unknown(other.into())),
     };

@@ -19,11 +19,13 @@ pub enum InitError {
     AlreadyInitialised,
 }
 
-/// An error raised on one rank and agreed by all.
+/// An error raised on one rank (or on all alike) and agreed by all.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("rank {rank}: {message}")]
+#[error("{}: {message}", rank.map_or("all ranks".to_string(), |r| format!("rank {r}")))]
 pub struct RankError {
-    pub rank: usize,
+    /// The lowest failing rank; `None` (shown as `all ranks`) when every rank failed with
+    /// the same message.
+    pub rank: Option<usize>,
     pub message: String,
 }
 
@@ -100,7 +102,8 @@ impl Context {
     }
 
     /// Collective: every rank passes its local result; all get `Ok` only if all succeeded,
-    /// otherwise the same error, naming the lowest failing rank.
+    /// otherwise the same error, naming the lowest failing rank (unless every rank failed
+    /// with the same message, which then needs no rank).
     pub fn agree<T, E: Display>(&self, local: Result<T, E>) -> Result<T, RankError> {
         let failed = i32::from(local.is_err());
         let mut flags = vec![0i32; self.size()];
@@ -117,8 +120,10 @@ impl Context {
             .iter()
             .position(|f| *f != 0)
             .expect("some rank failed");
+        let everywhere =
+            flags.iter().all(|f| *f != 0) && messages.iter().all(|m| *m == messages[rank]);
         Err(RankError {
-            rank,
+            rank: (!everywhere).then_some(rank),
             message: messages[rank].clone(),
         })
     }

@@ -260,6 +260,11 @@ impl Comm for MpiComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Option<Result<(), TransportError>> {
+        // OpenMPI 4.1's AVX reduction saturates 8-bit sums instead of wrapping
+        // (open-mpi/ompi#8045, closed as won't fix); mpiflow's own algorithms wrap.
+        if dtype == DType::U8 && matches!(op, ReduceOp::Sum | ReduceOp::Average) {
+            return None;
+        }
         let n = match self.count(buf.len() / dtype.size()) {
             Ok(n) => n,
             Err(e) => return Some(Err(e)),

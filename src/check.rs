@@ -1,0 +1,338 @@
+//! `mpiflow check`: verifies the data plane on the job it runs in.
+//!
+//! Under `mpirun` (any number of ranks) every rank runs the same list of checks, with
+//! inputs every rank can recompute for every other rank:
+//! - point-to-point: a ring of tensors by rank and by task, and a deliberately mismatched
+//!   receive that must fail naming both tensors;
+//! - allreduce for every dtype, op and algorithm at sizes 1, 7, 1000 and 65 537 elements,
+//!   compared with a serial reduction (exact for integers, min and max; within float
+//!   rounding for sums of floats), with a digest of the result bits that must be equal on
+//!   all ranks;
+//! - broadcast, allgather, barrier, a fused allreduce of ten named tensors, and an
+//!   allreduce within each job's own communicator (split by job).
+//!
+//! Each rank prints one JSON line: rank, checks run, digest, failures.
+
+use serde_json::json;
+
+use crate::cluster::{Layout, TaskId};
+use crate::tensor::{DType, Element, Tensor};
+use crate::transport::fusion::Fusion;
+use crate::transport::p2p::{self, Peer, Tasks};
+use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
+
+/// The outcome on one rank.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub checks: usize,
+    pub digest: u64,
+    pub failures: Vec<String>,
+}
+
+impl Report {
+    fn expect(&mut self, ok: bool, what: impl FnOnce() -> String) {
+        self.checks += 1;
+        if !ok {
+            self.failures.push(what());
+        }
+    }
+
+    fn absorb(&mut self, bytes: &[u8]) {
+        self.digest = bytes
+            .iter()
+            .fold(self.digest ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+            });
+    }
+
+    /// One JSON line.
+    pub fn json(&self, rank: usize, size: usize) -> String {
+        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "failures": self.failures}).to_string()
+    }
+}
+
+/// Rank `r`'s deterministic input value at index `i`, as f64 (exact in every dtype used).
+fn input(r: usize, i: usize) -> f64 {
+    (((r * 37 + i * 11) % 23) as f64) - 7.0
+}
+
+fn values<T: Element>(r: usize, n: usize, conv: impl Fn(f64) -> T) -> Vec<T> {
+    (0..n).map(|i| conv(input(r, i))).collect()
+}
+
+fn expected(op: ReduceOp, ranks: &[usize], i: usize, dtype: DType) -> f64 {
+    let xs = ranks.iter().map(|r| input(*r, i));
+    let conv = |x: f64| {
+        if dtype == DType::U8 {
+            (x as i64).rem_euclid(256) as f64
+        } else {
+            x
+        }
+    };
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => {
+            let s: f64 = xs.map(conv).sum();
+            let s = if dtype == DType::U8 {
+                s.rem_euclid(256.0)
+            } else {
+                s
+            };
+            if op == ReduceOp::Average {
+                let n = ranks.len() as f64;
+                if matches!(dtype, DType::F32 | DType::F64) {
+                    s / n
+                } else {
+                    (s / n).trunc()
+                }
+            } else {
+                s
+            }
+        }
+        ReduceOp::Min => xs.map(conv).fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => xs.map(conv).fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+fn tensor_of(dtype: DType, r: usize, n: usize) -> Tensor {
+    let shape = [n];
+    match dtype {
+        DType::F32 => Tensor::from_slice(&shape, &values(r, n, |x| x as f32)),
+        DType::F64 => Tensor::from_slice(&shape, &values(r, n, |x| x)),
+        DType::I32 => Tensor::from_slice(&shape, &values(r, n, |x| x as i32)),
+        DType::I64 => Tensor::from_slice(&shape, &values(r, n, |x| x as i64)),
+        DType::U8 => {
+            Tensor::from_slice(&shape, &values(r, n, |x| (x as i64).rem_euclid(256) as u8))
+        }
+    }
+    .expect("shape matches")
+}
+
+fn as_f64(t: &Tensor) -> Vec<f64> {
+    match t.dtype() {
+        DType::F32 => t
+            .as_slice::<f32>()
+            .map(|s| s.iter().map(|x| f64::from(*x)).collect()),
+        DType::F64 => t.as_slice::<f64>().map(<[f64]>::to_vec),
+        DType::I32 => t
+            .as_slice::<i32>()
+            .map(|s| s.iter().map(|x| f64::from(*x)).collect()),
+        DType::I64 => t
+            .as_slice::<i64>()
+            .map(|s| s.iter().map(|x| *x as f64).collect()),
+        DType::U8 => t
+            .as_slice::<u8>()
+            .map(|s| s.iter().map(|x| f64::from(*x)).collect()),
+    }
+    .expect("dtype matches")
+}
+
+/// Checks one allreduce result against the serial reduction over `ranks`.
+fn check_reduced(rep: &mut Report, label: &str, t: &Tensor, op: ReduceOp, ranks: &[usize]) {
+    let got = as_f64(t);
+    let float = matches!(t.dtype(), DType::F32 | DType::F64);
+    let bad = got.iter().enumerate().find(|(i, g)| {
+        let want = expected(op, ranks, *i, t.dtype());
+        let tol = if float {
+            1e-4 * (1.0 + want.abs())
+        } else {
+            0.0
+        };
+        (**g - want).abs() > tol
+    });
+    rep.expect(bad.is_none(), || {
+        let (i, g) = bad.expect("failed");
+        format!(
+            "{label}: element {i} is {g}, expected {}",
+            expected(op, ranks, i, t.dtype())
+        )
+    });
+    rep.absorb(label.as_bytes());
+    rep.absorb(t.bytes());
+}
+
+/// Runs every check on this rank (collective over `coll`).
+///
+/// `mismatch_rank`: that rank submits its fused list in another order, to exercise the
+/// negotiation's error path (every rank must then fail with the same message).
+pub fn run<C: Comm>(
+    coll: &Collectives<C>,
+    layout: &Layout,
+    mismatch_rank: Option<usize>,
+) -> Result<Report, String> {
+    let (n, r) = (coll.size(), coll.rank());
+    let c = coll.comm();
+    let mut rep = Report::default();
+    let all: Vec<usize> = (0..n).collect();
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+
+    // Point-to-point ring, by rank.
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let out = tensor_of(DType::F32, r, 1001).named("ring");
+    let mut inc = Tensor::zeros(DType::F32, &[1001])
+        .map_err(|x| e(&x))?
+        .named("ring");
+    let send = p2p::immediate_send(c, &out, right, 5).map_err(|x| e(&x))?;
+    p2p::receive_into(c, &mut inc, left, 5).map_err(|x| e(&x))?;
+    send.wait().map_err(|x| e(&x))?;
+    rep.expect(
+        inc.bytes() == tensor_of(DType::F32, left, 1001).bytes(),
+        || format!("p2p ring: data from rank {left} differs"),
+    );
+
+    // By task: each task sends to the task of the next rank.
+    let tasks = Tasks::from_layout(layout);
+    let me = &layout.ranks[r].task;
+    let next: TaskId = layout.ranks[right].task.clone();
+    let prev: TaskId = layout.ranks[left].task.clone();
+    let out = Tensor::from_slice(&[2], &[r as i64, 42])
+        .map_err(|x| e(&x))?
+        .named(&format!("from {me}"));
+    let mut inc = Tensor::zeros(DType::I64, &[2])
+        .map_err(|x| e(&x))?
+        .named(&format!("from {prev}"));
+    let send = p2p::immediate_send(
+        c,
+        &out,
+        tasks.rank(&Peer::Task(next)).map_err(|x| e(&x))?,
+        6,
+    )
+    .map_err(|x| e(&x))?;
+    p2p::receive_from(c, &tasks, &mut inc, &Peer::Task(prev.clone()), 6).map_err(|x| e(&x))?;
+    send.wait().map_err(|x| e(&x))?;
+    rep.expect(
+        inc.as_slice::<i64>().ok() == Some(&[left as i64, 42][..]),
+        || format!("p2p by task: from {prev} got {inc:?}"),
+    );
+
+    // A mismatched receive fails, naming both tensors, and the channel stays usable.
+    if n > 1 {
+        let out = tensor_of(DType::F32, r, 8).named("grad/w");
+        let mut wrong = Tensor::zeros(DType::F32, &[4])
+            .map_err(|x| e(&x))?
+            .named("grad/b");
+        let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
+        let err = p2p::receive_into(c, &mut wrong, left, 7)
+            .err()
+            .map(|x| x.to_string())
+            .unwrap_or_default();
+        send.wait().map_err(|x| e(&x))?;
+        let want = format!(
+            "rank {r}: from rank {left}: received 'grad/w' f32[8] but expected 'grad/b' f32[4]"
+        );
+        rep.expect(err == want, || {
+            format!("mismatch: got {err:?}, want {want:?}")
+        });
+    }
+
+    // Allreduce: every dtype, op, algorithm, and awkward sizes.
+    for dtype in DType::ALL {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Average,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ] {
+            for algo in [
+                Algorithm::Mpi,
+                Algorithm::Ring,
+                Algorithm::RecursiveDoubling,
+                Algorithm::Auto,
+            ] {
+                for len in [1usize, 7, 1000, 65537] {
+                    let mut t = tensor_of(dtype, r, len);
+                    coll.allreduce_tensor(&mut t, op, algo).map_err(|x| e(&x))?;
+                    check_reduced(
+                        &mut rep,
+                        &format!("allreduce {dtype} {op:?} {algo:?} {len}"),
+                        &t,
+                        op,
+                        &all,
+                    );
+                }
+            }
+        }
+    }
+
+    // Broadcast from the last rank, allgather, barrier.
+    let mut b = if r == n - 1 {
+        tensor_of(DType::F64, 99, 333)
+    } else {
+        Tensor::zeros(DType::F64, &[333]).map_err(|x| e(&x))?
+    };
+    coll.bcast_tensor(&mut b, n - 1).map_err(|x| e(&x))?;
+    rep.expect(b.bytes() == tensor_of(DType::F64, 99, 333).bytes(), || {
+        "bcast: data differs".into()
+    });
+    rep.absorb(b.bytes());
+    let mut all_bytes = vec![0u8; 3 * n];
+    coll.allgather(&[r as u8, 7, (r * 3) as u8], &mut all_bytes)
+        .map_err(|x| e(&x))?;
+    let want: Vec<u8> = (0..n).flat_map(|q| [q as u8, 7, (q * 3) as u8]).collect();
+    rep.expect(all_bytes == want, || format!("allgather: {all_bytes:?}"));
+    rep.absorb(&all_bytes);
+    coll.barrier().map_err(|x| e(&x))?;
+
+    // Fused allreduce of ten named tensors of two dtypes.
+    let mut grads: Vec<Tensor> = (0..10)
+        .map(|i| {
+            tensor_of(
+                if i % 3 == 0 { DType::F64 } else { DType::F32 },
+                r,
+                50 + i * 13,
+            )
+            .named(&format!("grad/{i}"))
+        })
+        .collect();
+    if mismatch_rank == Some(r) {
+        grads.swap(1, 2);
+    }
+    let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
+    Fusion::default()
+        .allreduce(coll, &mut refs, ReduceOp::Average)
+        .map_err(|x| e(&x))?;
+    for (i, g) in grads.iter().enumerate() {
+        check_reduced(
+            &mut rep,
+            &format!("fused grad/{i}"),
+            g,
+            ReduceOp::Average,
+            &all,
+        );
+    }
+
+    // Within each job's own communicator.
+    let jobs = layout.spec.jobs();
+    let color = jobs
+        .iter()
+        .position(|j| *j == me.job)
+        .expect("my job is in the spec") as u32;
+    let sub = Collectives::new(coll.comm().split(color, r).map_err(|x| e(&x))?);
+    let members: Vec<usize> = layout
+        .ranks
+        .iter()
+        .filter(|x| x.task.job == me.job)
+        .filter_map(|x| x.rank)
+        .collect();
+    rep.expect(sub.size() == members.len(), || {
+        format!(
+            "job {}: communicator of {} ranks, job has {}",
+            me.job,
+            sub.size(),
+            members.len()
+        )
+    });
+    let mut t = tensor_of(DType::I64, r, 100);
+    sub.allreduce_tensor(&mut t, ReduceOp::Sum, Algorithm::Auto)
+        .map_err(|x| e(&x))?;
+    let before = rep.digest;
+    check_reduced(
+        &mut rep,
+        &format!("job {} allreduce", me.job),
+        &t,
+        ReduceOp::Sum,
+        &members,
+    );
+    // Job results differ between jobs: keep them out of the digest every rank must share.
+    rep.digest = before;
+    Ok(rep)
+}

@@ -1,0 +1,193 @@
+//! The data plane under real `mpirun`: `mpiflow check` at 1 to 6 ranks (point-to-point,
+//! every collective, op, dtype and algorithm, identical bits everywhere), the negotiation's
+//! error path, and the benchmarks' OSU output format.
+
+mod common;
+
+use common::{mpiflow, mpirun};
+use serde_json::json;
+
+#[test]
+fn every_collective_gives_identical_correct_bits_at_1_to_6_ranks() {
+    for (np, flags) in [
+        ("1", vec![]),
+        ("2", vec!["--ps", "1"]),
+        ("3", vec!["--ps", "1"]),
+        ("4", vec!["--ps", "1", "--chief"]),
+        ("5", vec!["--ps", "2"]),
+        ("6", vec!["--ps", "2", "--chief", "--evaluator"]),
+    ] {
+        let mut args = vec!["-np", np, mpiflow(), "check"];
+        args.extend(flags.iter().copied());
+        let run = mpirun(&args);
+        assert_eq!(run.code, 0, "np {np}: {run:?}");
+        let lines = run.json_lines();
+        let n: usize = np.parse().unwrap();
+        assert_eq!(lines.len(), n, "one line per rank: {run:?}");
+        for l in &lines {
+            assert_eq!(l["failures"], json!([]), "np {np}: {l}");
+            assert_eq!(
+                l["digest"], lines[0]["digest"],
+                "identical result bits on every rank (np {np})"
+            );
+            assert_eq!(l["checks"], lines[0]["checks"]);
+            assert!(l["checks"].as_u64().unwrap() > 300);
+        }
+        assert!(
+            run.stderr
+                .contains(&format!("checks passed on each of {n} ranks")),
+            "{}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
+fn a_rank_with_another_gradient_list_stops_all_ranks_with_the_first_mismatch() {
+    let run = mpirun(&["-np", "4", mpiflow(), "check", "--mismatch-rank", "2"]);
+    run.assert_one_line_error(
+        "allreduce mismatch: rank 2 submitted 'grad/2' f32[76] where rank 0 submitted 'grad/1' f32[63] (position 1)",
+    );
+}
+
+/// The rows of every OSU table in `out`: (size, first value) per table.
+fn osu_tables(out: &str, header: &str) -> Vec<Vec<(usize, f64)>> {
+    let mut tables = Vec::new();
+    let mut lines = out.lines().peekable();
+    while let Some(l) = lines.next() {
+        if !l.starts_with("# OSU MPI ") {
+            continue;
+        }
+        assert!(l.ends_with(" v7.4"), "{l}");
+        assert!(lines.next().unwrap().starts_with("# Datatype: MPI_"));
+        assert_eq!(lines.next().unwrap(), header);
+        let mut rows = Vec::new();
+        while let Some(r) = lines.peek().filter(|r| !r.starts_with('#')) {
+            // %-10d%20.2f: the size left-aligned in 10 columns, the value right-aligned in 20.
+            assert!(r.len() >= 30, "{r:?}");
+            let size: usize = r[..10].trim().parse().unwrap();
+            let value: f64 = r[10..30].trim().parse().unwrap();
+            assert_eq!(
+                r[10..30].trim().split('.').nth(1).map(str::len),
+                Some(2),
+                "{r:?}"
+            );
+            rows.push((size, value));
+            lines.next();
+        }
+        tables.push(rows);
+    }
+    tables
+}
+
+#[test]
+fn benchmarks_print_osu_tables_for_both_paths() {
+    let run = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "latency",
+        "-m",
+        "1:1024",
+        "-i",
+        "200",
+        "-x",
+        "20",
+        "--rounds",
+        "1",
+        "-c",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let t = osu_tables(&run.stdout, "# Size         Avg Latency(us)");
+    assert_eq!(t.len(), 2, "mpi and mpiflow tables: {}", run.stdout);
+    for rows in &t {
+        assert_eq!(
+            rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+        );
+        assert!(rows.iter().all(|r| r.1 > 0.0 && r.1.is_finite()));
+    }
+    assert!(run.stdout.contains("# ratio mpiflow/mpi"));
+
+    let run = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "bw",
+        "-m",
+        "1024:8192",
+        "-i",
+        "5",
+        "-x",
+        "1",
+        "-W",
+        "8",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(
+        osu_tables(&run.stdout, "# Size        Bandwidth (MB/s)").len(),
+        2
+    );
+
+    let run = mpirun(&[
+        "-np",
+        "3",
+        mpiflow(),
+        "bench",
+        "allreduce",
+        "-m",
+        "4:4096",
+        "-i",
+        "10",
+        "-x",
+        "2",
+        "-f",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let header =
+        "# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations";
+    let t = osu_tables(&run.stdout, header);
+    assert_eq!(t.len(), 2);
+    assert_eq!(
+        t[0].iter().map(|r| r.0).collect::<Vec<_>>(),
+        [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    );
+
+    let run = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "allreduce-fused",
+        "--count",
+        "20",
+        "-i",
+        "5",
+        "-x",
+        "1",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(
+        osu_tables(&run.stdout, "# Size         Avg Latency(us)").len(),
+        3
+    );
+}
+
+#[test]
+fn bad_benchmark_requests_are_one_line_errors() {
+    mpirun(&["-np", "2", mpiflow(), "bench", "pingpong"])
+        .assert_one_line_error("all ranks: unknown benchmark \"pingpong\"");
+    mpirun(&["-np", "1", mpiflow(), "bench", "latency"]).assert_one_line_error(
+        "all ranks: benchmark latency needs at least 2 ranks, the job has 1",
+    );
+    common::mpiflow_alone(&["bench", "latency", "-m", "64:4"], &[])
+        .assert_one_line_error("MIN 64 is larger than MAX 4");
+}
