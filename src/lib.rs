@@ -3,6 +3,9 @@
 //! - [`cluster`]: ClusterSpec, TF_CONFIG, legacy flags, and the resolvers that turn an
 //!   `mpirun`, Slurm or hostfile job into a cluster with one task per rank.
 //! - [`transport`]: the MPI context and the data plane.
+//! - [`kernels`]: BLAS (OpenBLAS through cblas) and the MLP's element-wise layers.
+//! - [`topology`]: hwloc topology, pinning plans, BLAS threads per rank.
+//! - [`train`]: the MLP, data sets, optimizers, the training loop.
 //! - [`tensor`]: tensors with their wire header in their own buffer.
 //! - [`check`]: `mpiflow check`, the data plane verified on a live job.
 //! - [`bench`]: OSU-style benchmarks, OSU 7.4's output format.
@@ -13,6 +16,9 @@
 pub mod bench;
 pub mod check;
 pub mod cluster;
+pub mod kernels;
 pub mod launch;
 pub mod tensor;
+pub mod topology;
+pub mod train;
 pub mod transport;

@@ -39,6 +39,10 @@ enum Cmd {
     Launch(LaunchArgs),
     /// Verify point-to-point and every collective on this job (one JSON line per rank).
     Check(CheckArgs),
+    /// Train the MLP (`--mode local`: one process, the reference for distributed modes).
+    Train(TrainArgs),
+    /// This node's topology and, per rank, the CPU binding and BLAS threads applied.
+    Topo(TopoArgs),
     /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
     Bench(BenchArgs),
 }
@@ -50,6 +54,52 @@ struct CheckArgs {
     /// Test-only: this rank submits a different fused-allreduce list.
     #[arg(long, hide = true)]
     mismatch_rank: Option<usize>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+enum Mode {
+    /// One process.
+    #[default]
+    Local,
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    #[arg(long, value_enum, default_value_t)]
+    mode: Mode,
+    /// digits (the shipped UCI set), digits:PATH, synthetic, or idx:IMAGES,LABELS.
+    #[arg(long, default_value = "digits")]
+    data: String,
+    /// Hidden layer widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    hidden: Vec<usize>,
+    /// Global batch size.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    #[arg(long, default_value_t = 1500)]
+    steps: u64,
+    #[arg(long, value_enum, default_value_t)]
+    optimizer: mpiflow::train::optim::OptimizerKind,
+    #[arg(long, default_value_t = 0.003)]
+    lr: f32,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Log every N steps (0: never).
+    #[arg(long, default_value_t = 250)]
+    log_every: u64,
+    /// CPU binding of each rank.
+    #[arg(long, value_enum, default_value_t)]
+    bind: mpiflow::topology::Policy,
+}
+
+#[derive(Args)]
+struct TopoArgs {
+    /// Pinning policy to apply.
+    #[arg(long, value_enum, default_value_t)]
+    bind: mpiflow::topology::Policy,
+    /// table (rank 0 prints all ranks) or json (one line per rank).
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
 }
 
 #[derive(Args)]
@@ -309,6 +359,106 @@ fn cmd_check(args: &CheckArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     Ok(())
 }
 
+fn cmd_train(args: &TrainArgs) -> Result<(), Failure> {
+    use mpiflow::train::{data::Dataset, train_local, TrainConfig};
+    let pin = mpiflow::topology::pin(0, 1, args.bind);
+    if let Some(w) = &pin.warning {
+        eprintln!("mpiflow: warning: {w}");
+    }
+    let data = Dataset::load(&args.data, args.seed).map_err(Failure::local)?;
+    let (train, test) = data.split_holdout(args.seed);
+    let cfg = TrainConfig {
+        hidden: args.hidden.clone(),
+        batch: args.batch as usize,
+        steps: args.steps,
+        optimizer: args.optimizer,
+        lr: args.lr,
+        seed: args.seed,
+        log_every: args.log_every,
+    };
+    emit(&format!(
+        "# mpiflow train --mode local: {} train / {} held-out samples, layers {:?}, {:?} lr {}, batch {}, BLAS threads {} (CPUs {})\n",
+        train.len(),
+        test.len(),
+        mpiflow::train::layer_sizes(&train, &cfg.hidden),
+        cfg.optimizer,
+        cfg.lr,
+        cfg.batch,
+        pin.blas_threads,
+        mpiflow::topology::cpu_list(&pin.cpus)
+    ));
+    let report = train_local(&cfg, &train, &test, |l| {
+        emit(&format!(
+            "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}\n",
+            l.step, l.loss, l.steps_per_sec, l.samples_per_sec
+        ))
+    })
+    .map_err(Failure::local)?;
+    let correct = (report.accuracy * report.test_samples as f64).round() as usize;
+    emit(&format!(
+        "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
+        report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
+    ));
+    Ok(())
+}
+
+fn cmd_topo(args: &TopoArgs) -> Result<(), Failure> {
+    use mpiflow::topology::{cpu_list, pin, Machine};
+    let ctx = Context::init().map_err(Failure::local)?;
+    let host = std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| ctx.processor_name());
+    let hosts = ctx.all_gather_strings(&host);
+    let locals = mpiflow::cluster::mapping::local_ranks(&hosts);
+    let count = hosts.iter().filter(|h| **h == host).count();
+    let machine = ctx
+        .agree(Machine::detect())
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    let p = pin(locals[ctx.rank()], count, args.bind);
+    let line = json!({
+        "rank": ctx.rank(), "host": host, "local_rank": locals[ctx.rank()], "cpus": cpu_list(&p.cpus),
+        "blas_threads": p.blas_threads, "bound_by": p.bound_by, "warning": p.warning,
+    })
+    .to_string();
+    if args.format == Format::Json {
+        emit(&(line + "\n"));
+        return Ok(());
+    }
+    let lines = ctx.all_gather_strings(&line);
+    if ctx.rank() == 0 {
+        let mut out = format!(
+            "# node {host}: {}\n{:<5} {:<12} {:<5} {:<12} {:<5} {}\n",
+            machine.summary(),
+            "rank",
+            "host",
+            "local",
+            "cpus",
+            "blas",
+            "bound by"
+        );
+        for l in lines {
+            let v: serde_json::Value = serde_json::from_str(&l).expect("our own JSON");
+            let s = |k: &str| {
+                v[k].as_str()
+                    .map_or_else(|| v[k].to_string(), str::to_string)
+            };
+            out.push_str(&format!(
+                "{:<5} {:<12} {:<5} {:<12} {:<5} {}",
+                s("rank"),
+                s("host"),
+                s("local_rank"),
+                s("cpus"),
+                s("blas_threads"),
+                s("bound_by")
+            ));
+            if let Some(w) = v["warning"].as_str() {
+                out.push_str(&format!(" (warning: {w})"));
+            }
+            out.push('\n');
+        }
+        emit(&out);
+    }
+    Ok(())
+}
+
 fn cmd_bench(args: &BenchArgs) -> Result<(), Failure> {
     let ctx = Context::init().map_err(Failure::local)?;
     ctx.agree(mpiflow::bench::validate(&args.name, ctx.size()))
@@ -398,6 +548,8 @@ fn main() -> ExitCode {
         Cmd::Launch(a) => cmd_launch(a, &env),
         Cmd::Check(a) => cmd_check(a, &env),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Train(a) => cmd_train(a),
+        Cmd::Topo(a) => cmd_topo(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,328 @@
+//! Training data: the UCI digits set (shipped in `data/digits.csv.gz`), the MNIST IDX
+//! format for users' own data, and a seeded synthetic generator; a fixed, seeded held-out
+//! fifth; and deterministic sharding of each global batch over replicas.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use super::rng::Rng;
+
+/// Errors from loading data.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DataError {
+    #[error("data {path}: cannot read: {why}")]
+    Read { path: String, why: String },
+    #[error("data {path}:{line}: {why}")]
+    Parse {
+        path: String,
+        line: usize,
+        why: String,
+    },
+    #[error("data {path}: {why}")]
+    Format { path: String, why: String },
+    #[error("unknown data set {0:?} (digits, synthetic, or idx:IMAGES,LABELS)")]
+    Unknown(String),
+}
+
+/// Samples as rows of `features` floats in 0..1, with labels below `classes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dataset {
+    pub x: Vec<f32>,
+    pub y: Vec<u8>,
+    pub features: usize,
+    pub classes: usize,
+}
+
+/// The project's own copy of the digits data.
+pub fn default_digits_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/digits.csv.gz")
+}
+
+fn read_all(path: &Path) -> Result<Vec<u8>, DataError> {
+    let err = |why: String| DataError::Read {
+        path: path.display().to_string(),
+        why,
+    };
+    let raw = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&raw[..])
+            .read_to_end(&mut out)
+            .map_err(|e| err(format!("bad gzip: {e}")))?;
+        Ok(out)
+    } else {
+        Ok(raw)
+    }
+}
+
+impl Dataset {
+    pub fn len(&self) -> usize {
+        self.y.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.y.is_empty()
+    }
+
+    /// Loads a data set by name: `digits` (or `digits:PATH`), `synthetic`, `idx:IMAGES,LABELS`.
+    pub fn load(spec: &str, seed: u64) -> Result<Dataset, DataError> {
+        match spec.split_once(':') {
+            None if spec == "digits" => Dataset::digits(&default_digits_path()),
+            None if spec == "synthetic" => Ok(Dataset::synthetic(2000, 64, 10, seed)),
+            Some(("digits", path)) => Dataset::digits(Path::new(path)),
+            Some(("idx", files)) => {
+                let (images, labels) = files
+                    .split_once(',')
+                    .ok_or_else(|| DataError::Unknown(spec.into()))?;
+                Dataset::idx(Path::new(images), Path::new(labels))
+            }
+            _ => Err(DataError::Unknown(spec.into())),
+        }
+    }
+
+    /// The digits CSV (optionally gzipped): 64 pixels 0..16 then the label, per line.
+    pub fn digits(path: &Path) -> Result<Dataset, DataError> {
+        let text = read_all(path)?;
+        let text = String::from_utf8_lossy(&text);
+        let p = path.display().to_string();
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = |why: String| DataError::Parse {
+                path: p.clone(),
+                line: n + 1,
+                why,
+            };
+            let vals: Vec<&str> = line.split(',').collect();
+            if vals.len() != 65 {
+                return Err(bad(format!(
+                    "{} fields, expected 64 pixels and a label",
+                    vals.len()
+                )));
+            }
+            for v in &vals[..64] {
+                let px: f32 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(format!("pixel {v:?} is not a number")))?;
+                if !(0.0..=16.0).contains(&px) {
+                    return Err(bad(format!("pixel {px} is outside 0..16")));
+                }
+                x.push(px / 16.0);
+            }
+            let label: u8 = vals[64]
+                .trim()
+                .parse()
+                .ok()
+                .filter(|l| *l < 10)
+                .ok_or_else(|| bad(format!("label {:?} is not 0..9", vals[64])))?;
+            y.push(label);
+        }
+        if y.is_empty() {
+            return Err(DataError::Format {
+                path: p,
+                why: "no samples".into(),
+            });
+        }
+        Ok(Dataset {
+            x,
+            y,
+            features: 64,
+            classes: 10,
+        })
+    }
+
+    /// MNIST's IDX files (`idx3-ubyte` images, `idx1-ubyte` labels; gzipped or not).
+    pub fn idx(images: &Path, labels: &Path) -> Result<Dataset, DataError> {
+        let (img, lab) = (read_all(images)?, read_all(labels)?);
+        let fmt = |p: &Path, why: String| DataError::Format {
+            path: p.display().to_string(),
+            why,
+        };
+        let be =
+            |b: &[u8], o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]) as usize;
+        if img.len() < 16 || be(&img, 0) != 0x0803 {
+            return Err(fmt(
+                images,
+                "not an IDX image file (magic 0x00000803)".into(),
+            ));
+        }
+        if lab.len() < 8 || be(&lab, 0) != 0x0801 {
+            return Err(fmt(
+                labels,
+                "not an IDX label file (magic 0x00000801)".into(),
+            ));
+        }
+        let (n, rows, cols) = (be(&img, 4), be(&img, 8), be(&img, 12));
+        if img.len() != 16 + n * rows * cols {
+            return Err(fmt(
+                images,
+                format!(
+                    "{} bytes, header says {n} images of {rows}x{cols}",
+                    img.len()
+                ),
+            ));
+        }
+        if be(&lab, 4) != n || lab.len() != 8 + n {
+            return Err(fmt(
+                labels,
+                format!("{} labels for {n} images", be(&lab, 4)),
+            ));
+        }
+        let y = lab[8..].to_vec();
+        let classes = y.iter().copied().max().map_or(1, |m| m as usize + 1);
+        Ok(Dataset {
+            x: img[16..].iter().map(|p| f32::from(*p) / 255.0).collect(),
+            y,
+            features: rows * cols,
+            classes,
+        })
+    }
+
+    /// Seeded, separable-with-effort data: one Gaussian cloud per class.
+    pub fn synthetic(n: usize, features: usize, classes: usize, seed: u64) -> Dataset {
+        let mut rng = Rng::new(seed);
+        let centres: Vec<Vec<f64>> = (0..classes)
+            .map(|_| (0..features).map(|_| rng.uniform()).collect())
+            .collect();
+        let (mut x, mut y) = (Vec::with_capacity(n * features), Vec::with_capacity(n));
+        for i in 0..n {
+            let c = i % classes;
+            y.push(c as u8);
+            x.extend(
+                centres[c]
+                    .iter()
+                    .map(|m| (m + 0.15 * rng.normal()).clamp(0.0, 1.0) as f32),
+            );
+        }
+        Dataset {
+            x,
+            y,
+            features,
+            classes,
+        }
+    }
+
+    /// The rows `idx`, in that order.
+    pub fn rows(&self, idx: &[usize]) -> (Vec<f32>, Vec<u8>) {
+        let mut x = Vec::with_capacity(idx.len() * self.features);
+        for i in idx {
+            x.extend_from_slice(&self.x[i * self.features..(i + 1) * self.features]);
+        }
+        (x, idx.iter().map(|i| self.y[*i]).collect())
+    }
+
+    /// (train, held-out): a fixed, seeded fifth held out.
+    pub fn split_holdout(&self, seed: u64) -> (Dataset, Dataset) {
+        let perm = Rng::new(seed ^ 0x005E_ED0F_4E1D).permutation(self.len());
+        let test_n = self.len() / 5;
+        let pick = |idx: &[usize]| {
+            let (x, y) = self.rows(idx);
+            Dataset {
+                x,
+                y,
+                features: self.features,
+                classes: self.classes,
+            }
+        };
+        (pick(&perm[test_n..]), pick(&perm[..test_n]))
+    }
+}
+
+/// Global batches: each epoch a fresh seeded permutation of the training set; step `s`
+/// takes the next `batch` indices of that stream.
+#[derive(Debug, Clone)]
+pub struct Batches {
+    n: usize,
+    batch: usize,
+    seed: u64,
+}
+
+impl Batches {
+    pub fn new(n: usize, batch: usize, seed: u64) -> Batches {
+        Batches {
+            n,
+            batch: batch.clamp(1, n.max(1)),
+            seed,
+        }
+    }
+
+    /// The sample indices of global step `step`.
+    pub fn global(&self, step: u64) -> Vec<usize> {
+        let per_epoch = (self.n / self.batch).max(1) as u64;
+        let (epoch, k) = (step / per_epoch, (step % per_epoch) as usize);
+        let perm =
+            Rng::new(self.seed.wrapping_mul(1_000_003).wrapping_add(epoch)).permutation(self.n);
+        perm[k * self.batch..(k + 1) * self.batch].to_vec()
+    }
+}
+
+/// Replica `r` of `n`'s share of a global batch: a contiguous slice, sizes differing by at
+/// most one, together covering the batch exactly once.
+pub fn shard(global: &[usize], r: usize, n: usize) -> &[usize] {
+    &global[r * global.len() / n..(r + 1) * global.len() / n]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digits_load_and_split() {
+        let d = Dataset::load("digits", 0).unwrap();
+        assert_eq!((d.len(), d.features, d.classes), (1797, 64, 10));
+        assert!(d.x.iter().all(|v| (0.0..=1.0).contains(v)));
+        let (tr, te) = d.split_holdout(1);
+        assert_eq!((tr.len(), te.len()), (1438, 359));
+        assert_eq!(
+            d.split_holdout(1).1,
+            te,
+            "the held-out fifth is fixed by the seed"
+        );
+    }
+
+    #[test]
+    fn batches_and_shards_cover_each_sample_once_per_epoch() {
+        let b = Batches::new(100, 10, 3);
+        let mut seen: Vec<usize> = (0..10).flat_map(|s| b.global(s)).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+        assert_ne!(b.global(0), b.global(10), "a new order each epoch");
+        let g = b.global(4);
+        let parts: Vec<usize> = (0..3).flat_map(|r| shard(&g, r, 3).to_vec()).collect();
+        assert_eq!(parts, g);
+        assert_eq!(shard(&g, 0, 3).len(), 3);
+    }
+
+    #[test]
+    fn idx_round_trip_and_bad_files() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-idx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut img = vec![0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 2];
+        img.extend([0, 255, 255, 0, 10, 20, 30, 40]);
+        let lab = vec![0, 0, 8, 1, 0, 0, 0, 2, 3, 7];
+        let (ip, lp) = (dir.join("img"), dir.join("lab"));
+        std::fs::write(&ip, &img).unwrap();
+        std::fs::write(&lp, &lab).unwrap();
+        let d = Dataset::idx(&ip, &lp).unwrap();
+        assert_eq!((d.len(), d.features, d.classes), (2, 4, 8));
+        assert_eq!(d.x[1], 1.0);
+        std::fs::write(&lp, &lab[..9]).unwrap();
+        assert!(Dataset::idx(&ip, &lp)
+            .unwrap_err()
+            .to_string()
+            .contains("labels for 2 images"));
+        std::fs::write(&ip, b"junk").unwrap();
+        assert!(Dataset::idx(&ip, &lp)
+            .unwrap_err()
+            .to_string()
+            .contains("not an IDX image file"));
+        std::fs::write(&ip, "1,2\n").unwrap();
+        assert!(Dataset::digits(&ip)
+            .unwrap_err()
+            .to_string()
+            .contains(":1: 2 fields"));
+    }
+}
