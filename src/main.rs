@@ -61,12 +61,43 @@ enum Mode {
     /// One process.
     #[default]
     Local,
+    /// Parameter servers and workers (under mpirun; --ps N sets the ps tasks).
+    Ps,
 }
 
 #[derive(Args)]
 struct TrainArgs {
     #[arg(long, value_enum, default_value_t)]
     mode: Mode,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Synchronous replicas (the default in ps mode).
+    #[arg(long, conflicts_with = "async_")]
+    sync: bool,
+    /// Asynchronous updates: each push is applied as it arrives.
+    #[arg(long = "async")]
+    async_: bool,
+    /// Gradients per update in sync mode (default: all workers; fewer makes backup workers).
+    #[arg(long)]
+    replicas_to_aggregate: Option<usize>,
+    /// How variables are placed on ps tasks.
+    #[arg(long, value_enum, default_value_t)]
+    var_placement: mpiflow::train::placement::Strategy,
+    /// Slice size for --var-placement partition.
+    #[arg(long, default_value_t = 4 << 20)]
+    partition_bytes: usize,
+    /// Write checkpoints here (and restore the newest valid one at start).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N global steps (and at the end).
+    #[arg(long, default_value_t = 500)]
+    checkpoint_every: u64,
+    /// Seconds without a message from a needed peer before it counts as lost.
+    #[arg(long, default_value_t = 12)]
+    peer_timeout: u64,
+    /// Write the final parameters to this file (mpiflow checkpoint format).
+    #[arg(long)]
+    save_params: Option<PathBuf>,
     /// digits (the shipped UCI set), digits:PATH, synthetic, or idx:IMAGES,LABELS.
     #[arg(long, default_value = "digits")]
     data: String,
@@ -359,23 +390,18 @@ fn cmd_check(args: &CheckArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     Ok(())
 }
 
-fn cmd_train(args: &TrainArgs) -> Result<(), Failure> {
+fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::{data::Dataset, train_local, TrainConfig};
+    if args.mode == Mode::Ps {
+        return cmd_train_ps(args, env);
+    }
     let pin = mpiflow::topology::pin(0, 1, args.bind);
     if let Some(w) = &pin.warning {
         eprintln!("mpiflow: warning: {w}");
     }
     let data = Dataset::load(&args.data, args.seed).map_err(Failure::local)?;
     let (train, test) = data.split_holdout(args.seed);
-    let cfg = TrainConfig {
-        hidden: args.hidden.clone(),
-        batch: args.batch as usize,
-        steps: args.steps,
-        optimizer: args.optimizer,
-        lr: args.lr,
-        seed: args.seed,
-        log_every: args.log_every,
-    };
+    let cfg: TrainConfig = train_config(args);
     emit(&format!(
         "# mpiflow train --mode local: {} train / {} held-out samples, layers {:?}, {:?} lr {}, batch {}, BLAS threads {} (CPUs {})\n",
         train.len(),
@@ -394,11 +420,97 @@ fn cmd_train(args: &TrainArgs) -> Result<(), Failure> {
         ))
     })
     .map_err(Failure::local)?;
+    if let Some(p) = &args.save_params {
+        let arrays = report
+            .model
+            .params
+            .iter()
+            .map(|t| {
+                (
+                    t.name().to_string(),
+                    t.as_slice::<f32>().expect("f32").to_vec(),
+                )
+            })
+            .collect();
+        mpiflow::train::checkpoint::write_file(
+            p,
+            &mpiflow::train::checkpoint::Arrays {
+                step: report.steps,
+                meta: json!({}),
+                arrays,
+            },
+        )
+        .map_err(Failure::local)?;
+    }
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
     emit(&format!(
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
         report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
     ));
+    Ok(())
+}
+
+fn train_config(args: &TrainArgs) -> mpiflow::train::TrainConfig {
+    mpiflow::train::TrainConfig {
+        hidden: args.hidden.clone(),
+        batch: args.batch as usize,
+        steps: args.steps,
+        optimizer: args.optimizer,
+        lr: args.lr,
+        seed: args.seed,
+        log_every: args.log_every,
+    }
+}
+
+fn cmd_train_ps(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    use mpiflow::train::data::Dataset;
+    use mpiflow::train::ps::{self, PsConfig};
+    let (resolved, ctx) = resolve(&args.cluster, env)?;
+    let Some(ctx) = ctx else {
+        return Err(Failure::local(
+            "--mode ps runs under mpirun (or srun --mpi=pmix)",
+        ));
+    };
+    drop(resolved.port_guard);
+    let layout = &resolved.layout;
+    let me = &layout.ranks[ctx.rank()];
+    let count = layout.ranks.iter().filter(|r| r.host == me.host).count();
+    let pin = mpiflow::topology::pin(me.local_rank.unwrap_or(0), count, args.bind);
+    let data = ctx
+        .agree(Dataset::load(&args.data, args.seed))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    let (train, test) = data.split_holdout(args.seed);
+    let cfg = PsConfig {
+        train: train_config(args),
+        sync: !args.async_,
+        replicas_to_aggregate: args.replicas_to_aggregate,
+        strategy: args.var_placement,
+        partition_bytes: args.partition_bytes,
+        checkpoint_dir: args.checkpoint_dir.clone(),
+        checkpoint_every: args.checkpoint_every,
+        peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
+        save_params: args.save_params.clone(),
+    };
+    if ctx.rank() == 0 {
+        emit(&format!(
+            "# mpiflow train --mode ps ({}): {} tasks, {} train / {} held-out samples, BLAS threads {} per rank\n",
+            if cfg.sync { "sync" } else { "async" },
+            layout.ranks.len(),
+            train.len(),
+            test.len(),
+            pin.blas_threads
+        ));
+    }
+    let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    let result = ps::run(&comm, layout, &cfg, &train, &test, &mut |line: &str| {
+        emit(&format!("{}\n", line.trim_end()))
+    });
+    if let Err(e) = result {
+        // Peers may be gone or waiting: no collective and no MPI_Finalize, which could
+        // wait for a dead rank; exiting non-zero ends the job.
+        eprintln!("mpiflow: error: {e}");
+        std::process::exit(1);
+    }
     Ok(())
 }
 
@@ -548,7 +660,7 @@ fn main() -> ExitCode {
         Cmd::Launch(a) => cmd_launch(a, &env),
         Cmd::Check(a) => cmd_check(a, &env),
         Cmd::Bench(a) => cmd_bench(a),
-        Cmd::Train(a) => cmd_train(a),
+        Cmd::Train(a) => cmd_train(a, &env),
         Cmd::Topo(a) => cmd_topo(a),
     };
     match result {

@@ -4,13 +4,17 @@
 //! - [`data`]: digits, MNIST IDX, synthetic; the held-out fifth; batch sharding.
 //! - [`optim`]: SGD, momentum, Adagrad, Adam as pure update rules.
 //! - [`rng`]: the seeded generator behind every random choice.
+//! - [`placement`], [`ps`], [`checkpoint`]: parameter-server training and its checkpoints.
 //!
 //! [`train_local`] is single-process training (`mpiflow train --mode local`): the
 //! reference the distributed modes are compared with.
 
+pub mod checkpoint;
 pub mod data;
 pub mod model;
 pub mod optim;
+pub mod placement;
+pub mod ps;
 pub mod rng;
 
 use std::time::Instant;

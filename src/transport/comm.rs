@@ -97,6 +97,9 @@ pub trait Comm {
     /// Waits for one request.
     fn wait(&self, req: Self::Request) -> Result<Completion, TransportError>;
 
+    /// Completes `req` if it is done (`MPI_Test`); `None` leaves it in flight.
+    fn test(&self, req: &mut Self::Request) -> Result<Option<Completion>, TransportError>;
+
     /// Blocking send (`MPI_Send`); the default starts a request and waits.
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         // SAFETY: the request is waited on before `buf`'s borrow ends.
@@ -115,6 +118,17 @@ pub trait Comm {
         let r = unsafe { self.irecv(buf.as_mut_ptr(), buf.len(), src, tag)? };
         self.wait(r)
     }
+
+    /// Takes one message with `tag` from `src` (or [`ANY_SOURCE`]) if one has started to
+    /// arrive, whatever its length (`MPI_Improbe` + `MPI_Imrecv`). A message whose transfer
+    /// does not complete within `complete_within` (its sender died mid-message) is a
+    /// [`TransportError::Timeout`] naming the sender, never a hang.
+    fn try_receive(
+        &self,
+        src: usize,
+        tag: i32,
+        complete_within: std::time::Duration,
+    ) -> Result<Option<(usize, Vec<u8>)>, TransportError>;
 
     /// True if the native_* collectives are implemented (by an MPI library).
     fn has_native(&self) -> bool {

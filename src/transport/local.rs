@@ -186,6 +186,50 @@ impl Comm for LocalComm {
         }
     }
 
+    fn try_receive(
+        &self,
+        src: usize,
+        tag: i32,
+        _within: Duration,
+    ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+        check_peer(self, src)?;
+        let mut q = self.hub.boxes[self.rank]
+            .queue
+            .lock()
+            .expect("mailbox lock");
+        let found = q
+            .iter()
+            .position(|m| m.tag == tag && (src == ANY_SOURCE || m.src == src));
+        Ok(found.map(|i| {
+            let m = q.remove(i).expect("index from position");
+            (m.src, m.data)
+        }))
+    }
+
+    fn test(&self, req: &mut LocalRequest) -> Result<Option<Completion>, TransportError> {
+        match req {
+            LocalRequest::Sent => Ok(Some(Completion {
+                count: 0,
+                truncated: false,
+                source: self.rank,
+            })),
+            LocalRequest::Recv { src, tag, .. } => {
+                let ready = self.hub.boxes[self.rank]
+                    .queue
+                    .lock()
+                    .expect("mailbox lock")
+                    .iter()
+                    .any(|m| m.tag == *tag && (*src == ANY_SOURCE || m.src == *src));
+                if ready {
+                    let r = std::mem::replace(req, LocalRequest::Sent);
+                    self.wait(r).map(Some)
+                } else {
+                    Ok(None)
+                }
+            }
+        }
+    }
+
     fn split(&self, color: u32, key: usize) -> Result<LocalComm, TransportError> {
         // Everyone learns everyone's (color, key) through rank 0's hub, the same way an
         // MPI library does it with an allgather.

@@ -218,6 +218,18 @@ impl Comm for MpiComm {
         self.completion("MPI_Wait", rc, &status, r.len)
     }
 
+    fn test(&self, r: &mut MpiRequest) -> Result<Option<Completion>, TransportError> {
+        let mut flag: c_int = 0;
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: r.req is an active (or already completed, then null) request of ours.
+        let rc = unsafe { ffi::MPI_Test(&mut r.req, &mut flag, &mut status) };
+        if flag == 0 && rc == ffi::MPI_SUCCESS as c_int {
+            return Ok(None);
+        }
+        self.completion("MPI_Test", rc, &status, r.len).map(Some)
+    }
+
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         let (n, dst) = (self.count(buf.len())?, self.peer(dst)?);
         // SAFETY: buf is valid for n bytes for the duration of the blocking call.
@@ -248,6 +260,79 @@ impl Comm for MpiComm {
             )
         };
         self.completion("MPI_Recv", rc, &status, buf.len())
+    }
+
+    fn try_receive(
+        &self,
+        src: usize,
+        tag: i32,
+        complete_within: std::time::Duration,
+    ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+        let src = self.peer(src)?;
+        let mut flag: c_int = 0;
+        // SAFETY: zeroed message and status handles are valid out-parameters.
+        let (mut msg, mut status): (ffi::MPI_Message, ffi::MPI_Status) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        // SAFETY: valid communicator and out-parameters.
+        let rc = unsafe {
+            ffi::MPI_Improbe(
+                src,
+                tag,
+                self.comm.as_raw(),
+                &mut flag,
+                &mut msg,
+                &mut status,
+            )
+        };
+        self.check("MPI_Improbe", rc)?;
+        if flag == 0 {
+            return Ok(None);
+        }
+        let source = status.MPI_SOURCE.max(0) as usize;
+        let mut count: c_int = 0;
+        // SAFETY: status was filled by MPI_Improbe.
+        unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
+        let mut buf = vec![0u8; count.max(0) as usize];
+        // SAFETY: a zeroed request is a valid out-parameter.
+        let mut req = MpiRequest {
+            req: unsafe { std::mem::zeroed() },
+            len: buf.len(),
+        };
+        // SAFETY: buf holds exactly the matched message's length; msg is the matched handle;
+        // buf outlives the request (or is leaked below if the request never completes).
+        let rc = unsafe {
+            ffi::MPI_Imrecv(
+                buf.as_mut_ptr().cast(),
+                count,
+                byte(),
+                &mut msg,
+                &mut req.req,
+            )
+        };
+        self.check("MPI_Imrecv", rc)?;
+        let start = std::time::Instant::now();
+        let mut idle = 0u32;
+        loop {
+            if self.test(&mut req)?.is_some() {
+                return Ok(Some((source, buf)));
+            }
+            if start.elapsed() > complete_within {
+                // MPI may still write into buf: keep it alive for the rest of the process.
+                std::mem::forget(buf);
+                return Err(TransportError::Timeout {
+                    rank: self.rank,
+                    peer: source,
+                    tag,
+                    secs: complete_within.as_secs(),
+                });
+            }
+            idle += 1;
+            if idle > 64 {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 
     fn has_native(&self) -> bool {

@@ -60,7 +60,7 @@ impl Run {
     }
 }
 
-fn lock() -> MutexGuard<'static, ()> {
+pub fn lock() -> MutexGuard<'static, ()> {
     MPIRUN_LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -1,0 +1,315 @@
+//! Checkpoints: written atomically, verified on load, never restored in part.
+//!
+//! Layout: `DIR/ckpt-<step>/` holds `manifest.json` and one `shard-ps<k>.bin` per parameter
+//! server (each ps writes its own). A checkpoint is first written as `DIR/.ckpt-<step>.tmp/`
+//! (every file fsynced), the manifest last, then the directory is renamed into place and
+//! `DIR` fsynced: a crash leaves either the whole checkpoint or none.
+//!
+//! A shard file is `MFCKPT01 | u32 header length | JSON header | f32 arrays | u64 FNV-1a of
+//! everything before`. The manifest records each shard's size and checksum. On load, the
+//! newest checkpoint whose manifest and every shard verify is used; a corrupted or
+//! incomplete one is reported and the previous one tried.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+const MAGIC: &[u8; 8] = b"MFCKPT01";
+
+/// Errors from writing or reading checkpoints.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {why}")]
+    Io { path: String, why: String },
+    #[error("checkpoint {path}: corrupted: {why}")]
+    Corrupt { path: String, why: String },
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        why: e.to_string(),
+    }
+}
+
+fn corrupt(path: &Path, why: impl Into<String>) -> CheckpointError {
+    CheckpointError::Corrupt {
+        path: path.display().to_string(),
+        why: why.into(),
+    }
+}
+
+/// 64-bit FNV-1a.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Named float arrays with a little metadata: what a shard file holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arrays {
+    pub step: u64,
+    pub meta: Value,
+    pub arrays: Vec<(String, Vec<f32>)>,
+}
+
+impl Arrays {
+    pub fn get(&self, name: &str) -> Option<&[f32]> {
+        self.arrays
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+}
+
+/// Writes `a` to `path` (fsynced); returns (bytes, checksum).
+pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError> {
+    let header = json!({
+        "step": a.step,
+        "meta": a.meta,
+        "arrays": a.arrays.iter().map(|(n, v)| json!([n, v.len()])).collect::<Vec<_>>(),
+    })
+    .to_string();
+    let mut bytes = Vec::with_capacity(
+        16 + header.len() + a.arrays.iter().map(|x| 4 * x.1.len()).sum::<usize>(),
+    );
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    for (_, v) in &a.arrays {
+        for x in v {
+            bytes.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    let sum = checksum(&bytes);
+    bytes.extend_from_slice(&sum.to_le_bytes());
+    let mut f = File::create(path).map_err(|e| io(path, e))?;
+    f.write_all(&bytes).map_err(|e| io(path, e))?;
+    f.sync_all().map_err(|e| io(path, e))?;
+    Ok((bytes.len() as u64, sum))
+}
+
+/// Reads and verifies a shard file (`expect`: size and checksum from a manifest).
+pub fn read_file(path: &Path, expect: Option<(u64, u64)>) -> Result<Arrays, CheckpointError> {
+    let bytes = fs::read(path).map_err(|e| io(path, e))?;
+    if let Some((size, _)) = expect {
+        if bytes.len() as u64 != size {
+            return Err(corrupt(
+                path,
+                format!("{} bytes, the manifest says {size}", bytes.len()),
+            ));
+        }
+    }
+    if bytes.len() < 20 || &bytes[..8] != MAGIC {
+        return Err(corrupt(path, "not an mpiflow checkpoint file"));
+    }
+    let (body, tail) = bytes.split_at(bytes.len() - 8);
+    let stored = u64::from_le_bytes(tail.try_into().expect("8 bytes"));
+    let sum = checksum(body);
+    if stored != sum || expect.is_some_and(|(_, c)| c != sum) {
+        return Err(corrupt(path, "checksum mismatch"));
+    }
+    let hlen = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;
+    let header: Value = body
+        .get(12..12 + hlen)
+        .and_then(|h| serde_json::from_slice(h).ok())
+        .ok_or_else(|| corrupt(path, "bad header"))?;
+    let mut data = &body[12 + hlen..];
+    let mut arrays = Vec::new();
+    for entry in header["arrays"]
+        .as_array()
+        .ok_or_else(|| corrupt(path, "no arrays"))?
+    {
+        let (name, len) = (
+            entry[0].as_str().unwrap_or_default(),
+            entry[1].as_u64().unwrap_or(0) as usize,
+        );
+        if data.len() < 4 * len {
+            return Err(corrupt(path, format!("array {name} is truncated")));
+        }
+        let (this, rest) = data.split_at(4 * len);
+        arrays.push((
+            name.to_string(),
+            this.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
+                .collect(),
+        ));
+        data = rest;
+    }
+    if !data.is_empty() {
+        return Err(corrupt(path, "trailing bytes"));
+    }
+    Ok(Arrays {
+        step: header["step"].as_u64().unwrap_or(0),
+        meta: header["meta"].clone(),
+        arrays,
+    })
+}
+
+/// The temporary directory a checkpoint of `step` is written into.
+pub fn staging_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!(".ckpt-{step}.tmp"))
+}
+
+/// Creates an empty staging directory for `step`.
+pub fn begin(dir: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
+    let tmp = staging_dir(dir, step);
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    Ok(tmp)
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(dir, e))
+}
+
+/// Finishes a checkpoint: writes the manifest (files: name, bytes, checksum) and renames
+/// the staging directory into place.
+pub fn commit(
+    dir: &Path,
+    step: u64,
+    files: &[(String, u64, u64)],
+    meta: Value,
+) -> Result<PathBuf, CheckpointError> {
+    let tmp = staging_dir(dir, step);
+    let manifest = json!({
+        "step": step,
+        "meta": meta,
+        "files": files.iter().map(|(n, b, c)| json!({"file": n, "bytes": b, "checksum": format!("{c:016x}")})).collect::<Vec<_>>(),
+    });
+    let mpath = tmp.join("manifest.json");
+    let mut f = File::create(&mpath).map_err(|e| io(&mpath, e))?;
+    f.write_all(manifest.to_string().as_bytes())
+        .and_then(|_| f.sync_all())
+        .map_err(|e| io(&mpath, e))?;
+    fsync_dir(&tmp)?;
+    let fin = dir.join(format!("ckpt-{step}"));
+    if fin.exists() {
+        fs::remove_dir_all(&fin).map_err(|e| io(&fin, e))?;
+    }
+    fs::rename(&tmp, &fin).map_err(|e| io(&fin, e))?;
+    fsync_dir(dir)?;
+    Ok(fin)
+}
+
+/// A verified checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    pub step: u64,
+    pub path: PathBuf,
+    pub meta: Value,
+    /// File name, bytes, checksum.
+    pub files: Vec<(String, u64, u64)>,
+}
+
+/// Checks a checkpoint directory: manifest and every file.
+pub fn verify(path: &Path) -> Result<Found, CheckpointError> {
+    let mpath = path.join("manifest.json");
+    let text = fs::read_to_string(&mpath)
+        .map_err(|_| corrupt(path, "no manifest (incomplete checkpoint)"))?;
+    let m: Value =
+        serde_json::from_str(&text).map_err(|_| corrupt(&mpath, "manifest is not JSON"))?;
+    let mut files = Vec::new();
+    for f in m["files"]
+        .as_array()
+        .ok_or_else(|| corrupt(&mpath, "manifest lists no files"))?
+    {
+        let name = f["file"].as_str().unwrap_or_default().to_string();
+        let bytes = f["bytes"].as_u64().unwrap_or(0);
+        let sum = f["checksum"]
+            .as_str()
+            .and_then(|c| u64::from_str_radix(c, 16).ok())
+            .unwrap_or(0);
+        read_file(&path.join(&name), Some((bytes, sum)))?;
+        files.push((name, bytes, sum));
+    }
+    Ok(Found {
+        step: m["step"].as_u64().unwrap_or(0),
+        path: path.to_path_buf(),
+        meta: m["meta"].clone(),
+        files,
+    })
+}
+
+/// The newest checkpoint in `dir` that verifies, and a warning for each newer one skipped.
+pub fn latest(dir: &Path) -> (Option<Found>, Vec<String>) {
+    let mut steps: Vec<(u64, PathBuf)> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("ckpt-")
+                .and_then(|s| s.parse().ok())
+                .map(|s| (s, e.path()))
+        })
+        .collect();
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    let mut warnings = Vec::new();
+    for (_, p) in steps {
+        match verify(&p) {
+            Ok(f) => return (Some(f), warnings),
+            Err(e) => warnings.push(format!("{e}; trying the previous checkpoint")),
+        }
+    }
+    (None, warnings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arrays(step: u64) -> Arrays {
+        Arrays {
+            step,
+            meta: json!({"ps": 0}),
+            arrays: vec![("a".into(), vec![1.0, 2.5]), ("b".into(), vec![-3.0])],
+        }
+    }
+
+    #[test]
+    fn write_commit_verify_and_fall_back_on_corruption() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-ckpt-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        for step in [100, 200] {
+            let tmp = begin(&dir, step).unwrap();
+            let (b, c) = write_file(&tmp.join("shard-ps0.bin"), &arrays(step)).unwrap();
+            commit(&dir, step, &[("shard-ps0.bin".into(), b, c)], json!({})).unwrap();
+        }
+        let (found, warns) = latest(&dir);
+        assert_eq!(found.as_ref().unwrap().step, 200);
+        assert!(warns.is_empty());
+        let back = read_file(&found.unwrap().path.join("shard-ps0.bin"), None).unwrap();
+        assert_eq!(back, arrays(200));
+        // Flip one byte of the newest: it is reported and the previous one used.
+        let f = dir.join("ckpt-200/shard-ps0.bin");
+        let mut bytes = fs::read(&f).unwrap();
+        bytes[30] ^= 1;
+        fs::write(&f, bytes).unwrap();
+        let (found, warns) = latest(&dir);
+        assert_eq!(found.unwrap().step, 100);
+        assert!(
+            warns[0].contains("ckpt-200") && warns[0].contains("corrupted"),
+            "{warns:?}"
+        );
+        // An incomplete one (no manifest, as a crash before commit leaves a staging dir,
+        // or a stray directory) is skipped too.
+        fs::create_dir_all(dir.join("ckpt-300")).unwrap();
+        let (found, warns) = latest(&dir);
+        assert_eq!(found.unwrap().step, 100);
+        assert!(warns[0].contains("incomplete"));
+        // Truncated file.
+        let g = dir.join("ckpt-100/shard-ps0.bin");
+        let bytes = fs::read(&g).unwrap();
+        fs::write(&g, &bytes[..bytes.len() - 3]).unwrap();
+        assert!(latest(&dir).0.is_none());
+    }
+}

@@ -1,0 +1,1077 @@
+//! Parameter-server training (`mpiflow train --mode ps`).
+//!
+//! ps tasks hold the variables (placed by [`super::placement`]) and apply the optimizer;
+//! workers pull parameters, compute gradients on their shard of each global batch, and
+//! push them. The chief (`chief:0`, else `worker:0`) initialises or restores the variables,
+//! writes checkpoints and logs.
+//!
+//! Protocol: one message per request (`[u32 n | JSON header of n bytes | f32 payload]`,
+//! tag `REQ`, worker to ps) and one per reply (same framing, tag `REP`). A ps serves any
+//! worker's request as it arrives (`MPI_Improbe` + `MPI_Mrecv` on any source): pulls that
+//! must wait for a step are parked, never block the loop.
+//!
+//! Semantics (TensorFlow's `SyncReplicasOptimizer`, plus):
+//! - `--sync`: a step's update is applied when `replicas_to_aggregate` fresh gradients have
+//!   arrived, averaged weighted by each worker's sample count (so the update equals the
+//!   gradient of the combined batch) and summed in worker order (so it is reproducible);
+//!   late gradients of a finished step are dropped as stale; `global_step` counts updates;
+//!   pulls for step `s` wait until `global_step >= s`.
+//! - `--async`: each push is applied as it arrives; pulls return the latest values.
+//! - Failure: every wait has a deadline. A ps that stops hearing from a worker it needs
+//!   tells every worker and stops, naming the lost task; a worker whose ps does not answer
+//!   stops naming that ps. (Run OpenMPI with `--mca orte_enable_recovery 1` to let mpiflow
+//!   report it; by default mpirun ends the whole job at once itself.)
+//! - Bad requests (unknown variable, wrong length) are answered with an error to that
+//!   worker; the ps keeps serving the others.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::checkpoint::{self, Arrays};
+use super::data::{shard, Batches, Dataset};
+use super::model::Mlp;
+use super::optim::{Optimizer, Slots};
+use super::placement::{self, Shard, Strategy};
+use super::{layer_sizes, StepLog, TrainConfig};
+use crate::cluster::{Layout, TaskId};
+use crate::transport::comm::{Comm, TransportError};
+
+const REQ: i32 = 100;
+const REP: i32 = 101;
+
+/// Settings of ps training.
+#[derive(Debug, Clone)]
+pub struct PsConfig {
+    pub train: TrainConfig,
+    pub sync: bool,
+    /// Default: the number of workers.
+    pub replicas_to_aggregate: Option<usize>,
+    pub strategy: Strategy,
+    pub partition_bytes: usize,
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N global steps (0: only at the end).
+    pub checkpoint_every: u64,
+    pub peer_timeout: Duration,
+    /// The chief writes the final parameters here.
+    pub save_params: Option<PathBuf>,
+}
+
+/// Errors of ps training.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PsError {
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+    #[error("{0}")]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("{task}: lost {lost}: no message for {secs} s (it died or hangs); stopping")]
+    Lost {
+        task: String,
+        lost: String,
+        secs: u64,
+    },
+    #[error("{task}: stopped by a ps: {message}")]
+    Remote { task: String, message: String },
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Who is who in ps mode.
+struct Roles {
+    ps: Vec<usize>,
+    workers: Vec<usize>,
+    tasks: BTreeMap<usize, TaskId>,
+}
+
+impl Roles {
+    fn new(layout: &Layout) -> Result<Roles, PsError> {
+        let mut ps: Vec<(usize, usize)> = Vec::new();
+        let mut workers: Vec<(usize, usize)> = Vec::new();
+        let mut tasks = BTreeMap::new();
+        for r in &layout.ranks {
+            let rank = r
+                .rank
+                .ok_or_else(|| PsError::Setup("ps mode needs ranks (run under mpirun)".into()))?;
+            tasks.insert(rank, r.task.clone());
+            match r.task.job.as_str() {
+                "ps" => ps.push((r.task.index, rank)),
+                "chief" | "worker" => {
+                    workers.push((layout.spec.worker_id(&r.task).expect("a worker"), rank))
+                }
+                _ => {}
+            }
+        }
+        if ps.is_empty() {
+            return Err(PsError::Setup(
+                "ps mode needs at least one ps task (--ps N)".into(),
+            ));
+        }
+        ps.sort_unstable();
+        workers.sort_unstable();
+        Ok(Roles {
+            ps: ps.into_iter().map(|x| x.1).collect(),
+            workers: workers.into_iter().map(|x| x.1).collect(),
+            tasks,
+        })
+    }
+
+    fn task(&self, rank: usize) -> String {
+        self.tasks
+            .get(&rank)
+            .map_or(format!("rank {rank}"), |t| format!("{t} (rank {rank})"))
+    }
+}
+
+fn encode(header: &Value, payload: &[f32]) -> Vec<u8> {
+    let h = header.to_string();
+    let mut out = Vec::with_capacity(4 + h.len() + 4 * payload.len());
+    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+    out.extend_from_slice(h.as_bytes());
+    for x in payload {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+fn decode(bytes: &[u8]) -> Option<(Value, Vec<f32>)> {
+    let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+    let header = serde_json::from_slice(bytes.get(4..4 + n)?).ok()?;
+    let rest = &bytes[4 + n..];
+    if !rest.len().is_multiple_of(4) {
+        return None;
+    }
+    Some((
+        header,
+        rest.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
+            .collect(),
+    ))
+}
+
+/// Waits for a message from `src` with a deadline, yielding the CPU while it waits (busy
+/// waiting starves oversubscribed ranks).
+fn receive_within<C: Comm>(
+    c: &C,
+    src: usize,
+    tag: i32,
+    deadline: Duration,
+) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+    let start = Instant::now();
+    let mut idle = 0u32;
+    loop {
+        if let Some(m) = c.try_receive(src, tag, deadline)? {
+            return Ok(Some(m));
+        }
+        if start.elapsed() > deadline {
+            return Ok(None);
+        }
+        idle += 1;
+        if idle < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50.min(u64::from(idle))));
+        }
+    }
+}
+
+/// Sends `bytes` to `to` and waits at most `deadline` for the send to complete; `false` if
+/// it did not (the peer is gone or stuck). A send that never completes keeps its buffer
+/// alive (leaked) for as long as MPI may read it: the process is about to stop anyway.
+fn send_within<C: Comm>(
+    c: &C,
+    bytes: Vec<u8>,
+    to: usize,
+    tag: i32,
+    deadline: Duration,
+) -> Result<bool, TransportError> {
+    // SAFETY: `bytes` stays alive until the request completes, or forever if it does not.
+    let mut req = unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag)? };
+    let start = Instant::now();
+    let mut idle = 0u32;
+    loop {
+        if c.test(&mut req)?.is_some() {
+            return Ok(true);
+        }
+        if start.elapsed() > deadline {
+            std::mem::forget(bytes);
+            std::mem::forget(req);
+            return Ok(false);
+        }
+        idle += 1;
+        if idle < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50.min(u64::from(idle))));
+        }
+    }
+}
+
+/// The variables of the model: name and element count, in creation order.
+fn variables(model: &Mlp) -> Vec<(String, usize)> {
+    model
+        .params
+        .iter()
+        .map(|p| (p.name().to_string(), p.numel()))
+        .collect()
+}
+
+/// Runs this rank's part (ps, worker or chief) of ps training.
+pub fn run<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    cfg: &PsConfig,
+    train: &Dataset,
+    test: &Dataset,
+    log: &mut dyn FnMut(&str),
+) -> Result<(), PsError> {
+    let roles = Roles::new(layout)?;
+    let me = comm.rank();
+    let model = Mlp::new(&layer_sizes(train, &cfg.train.hidden), cfg.train.seed);
+    let vars = variables(&model);
+    let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
+    let rta = cfg
+        .replicas_to_aggregate
+        .unwrap_or(roles.workers.len())
+        .clamp(1, roles.workers.len().max(1));
+    if let Some(k) = roles.ps.iter().position(|r| *r == me) {
+        let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
+        return Server::new(comm, &roles, k, mine, cfg, rta).serve();
+    }
+    let Some(w) = roles.workers.iter().position(|r| *r == me) else {
+        log(&format!(
+            "# {}: not part of ps training (evaluator); idle",
+            roles.task(me)
+        ));
+        return Ok(());
+    };
+    if w == 0 {
+        log(&placement::report(&shards, &vars, roles.ps.len()));
+    }
+    Worker {
+        comm,
+        roles: &roles,
+        w,
+        shards: &shards,
+        cfg,
+        model,
+        train,
+        test,
+    }
+    .run(log)
+}
+
+// ---------------------------------------------------------------------------------------
+// The server.
+
+struct Server<'a, C: Comm> {
+    comm: &'a C,
+    roles: &'a Roles,
+    k: usize,
+    shards: Vec<Shard>,
+    params: Vec<Vec<f32>>,
+    slots: Vec<Slots>,
+    opt: Optimizer,
+    sync: bool,
+    rta: usize,
+    global_step: u64,
+    initialized: bool,
+    /// Parked pulls: (worker rank, step wanted).
+    pending: Vec<(usize, u64)>,
+    /// Gradients of the current step by worker index: (samples, loss, per-shard gradients).
+    accum: BTreeMap<usize, (f32, f32, Vec<Vec<f32>>)>,
+    last_loss: f32,
+    done: Vec<bool>,
+    heard: Vec<Instant>,
+    timeout: Duration,
+}
+
+impl<'a, C: Comm> Server<'a, C> {
+    fn new(
+        comm: &'a C,
+        roles: &'a Roles,
+        k: usize,
+        shards: Vec<Shard>,
+        cfg: &PsConfig,
+        rta: usize,
+    ) -> Self {
+        let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
+        let nw = roles.workers.len();
+        Server {
+            comm,
+            roles,
+            k,
+            params: shards.iter().map(|s| vec![0.0; s.len]).collect(),
+            slots: shards.iter().map(|s| opt.state(s.len)).collect(),
+            shards,
+            opt,
+            sync: cfg.sync,
+            rta,
+            global_step: 0,
+            initialized: false,
+            pending: Vec::new(),
+            accum: BTreeMap::new(),
+            last_loss: f32::NAN,
+            done: vec![false; nw],
+            heard: vec![Instant::now(); nw],
+            timeout: cfg.peer_timeout,
+        }
+    }
+
+    fn me(&self) -> String {
+        self.roles.task(self.comm.rank())
+    }
+
+    fn reply(&self, to: usize, header: Value, payload: &[f32]) -> Result<(), PsError> {
+        if send_within(self.comm, encode(&header, payload), to, REP, self.timeout)? {
+            return Ok(());
+        }
+        let err = PsError::Lost {
+            task: self.me(),
+            lost: self.roles.task(to),
+            secs: self.timeout.as_secs(),
+        };
+        self.abort_all(to, &err);
+        Err(err)
+    }
+
+    /// Tells every worker but `lost` (and those done) that training stops, and why.
+    fn abort_all(&self, lost: usize, err: &PsError) {
+        let message = encode(&json!({"ok": false, "error": err.to_string()}), &[]);
+        for (i, r) in self.roles.workers.iter().enumerate() {
+            if *r != lost && !self.done[i] {
+                let _ = send_within(self.comm, message.clone(), *r, REP, Duration::from_secs(1));
+            }
+        }
+    }
+
+    fn error(&self, to: usize, message: String) -> Result<(), PsError> {
+        self.reply(to, json!({"ok": false, "error": message}), &[])
+    }
+
+    fn labels(&self) -> Vec<(String, usize)> {
+        self.shards
+            .iter()
+            .map(|s| (format!("{}@{}", s.var, s.offset), s.len))
+            .collect()
+    }
+
+    /// Checks a request's variable list against this ps's shards.
+    fn check_vars(&self, header: &Value, payload: &[f32]) -> Result<(), String> {
+        let want = self.labels();
+        let got: Vec<(String, usize)> = header["vars"]
+            .as_array()
+            .map(|v| {
+                v.iter()
+                    .map(|e| {
+                        (
+                            e[0].as_str().unwrap_or("?").to_string(),
+                            e[1].as_u64().unwrap_or(0) as usize,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (name, len) in &got {
+            match want.iter().find(|(n, _)| n == name) {
+                None => {
+                    return Err(format!(
+                        "unknown variable '{name}' (ps:{} holds {})",
+                        self.k,
+                        want.iter()
+                            .map(|w| w.0.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                }
+                Some((_, l)) if l != len => {
+                    return Err(format!(
+                        "variable '{name}' has {l} elements on ps:{}, the push has {len}",
+                        self.k
+                    ))
+                }
+                _ => {}
+            }
+        }
+        if got.len() != want.len() || got.iter().zip(&want).any(|(a, b)| a.0 != b.0) {
+            return Err(format!(
+                "push must list ps:{}'s variables in order: {:?}",
+                self.k,
+                want.iter().map(|w| &w.0).collect::<Vec<_>>()
+            ));
+        }
+        let total: usize = want.iter().map(|w| w.1).sum();
+        if payload.len() != total {
+            return Err(format!(
+                "push carries {} floats, the variables need {total}",
+                payload.len()
+            ));
+        }
+        Ok(())
+    }
+
+    fn flat_params(&self) -> Vec<f32> {
+        self.params.concat()
+    }
+
+    fn answer_pending(&mut self) -> Result<(), PsError> {
+        let ready: Vec<(usize, u64)> = self
+            .pending
+            .iter()
+            .copied()
+            .filter(|(_, s)| self.initialized && (!self.sync || self.global_step >= *s))
+            .collect();
+        self.pending
+            .retain(|(_, s)| !(self.initialized && (!self.sync || self.global_step >= *s)));
+        let flat = self.flat_params();
+        for (to, _) in ready {
+            self.reply(
+                to,
+                json!({"ok": true, "step": self.global_step, "loss": self.last_loss}),
+                &flat,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Applies one averaged update from the gradients in `accum` (sync) or `grads` (async).
+    fn apply(&mut self, grads: &[Vec<f32>]) {
+        for ((p, g), s) in self.params.iter_mut().zip(grads).zip(&mut self.slots) {
+            self.opt.apply(p, g, s);
+        }
+        self.global_step += 1;
+    }
+
+    fn split(&self, flat: &[f32]) -> Vec<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.shards.len());
+        let mut off = 0;
+        for s in &self.shards {
+            out.push(flat[off..off + s.len].to_vec());
+            off += s.len;
+        }
+        out
+    }
+
+    fn handle(&mut self, from: usize, bytes: &[u8]) -> Result<(), PsError> {
+        let Some(w) = self.roles.workers.iter().position(|r| *r == from) else {
+            return Ok(()); // not a worker: ignore
+        };
+        self.heard[w] = Instant::now();
+        let Some((h, payload)) = decode(bytes) else {
+            return self.error(from, "malformed request".into());
+        };
+        let step = h["step"].as_u64().unwrap_or(0);
+        match h["op"].as_str().unwrap_or("") {
+            "init" => {
+                if let Err(e) = self.check_vars(&h, &payload) {
+                    return self.error(from, e);
+                }
+                self.params = self.split(&payload);
+                self.slots = self.shards.iter().map(|s| self.opt.state(s.len)).collect();
+                self.global_step = 0;
+                self.initialized = true;
+                self.reply(from, json!({"ok": true}), &[])?;
+                self.answer_pending()
+            }
+            "restore" => {
+                let path = PathBuf::from(h["path"].as_str().unwrap_or_default());
+                match self.restore(&path) {
+                    Ok(()) => {
+                        self.reply(from, json!({"ok": true, "step": self.global_step}), &[])?;
+                        self.answer_pending()
+                    }
+                    Err(e) => self.error(from, e),
+                }
+            }
+            "pull" => {
+                self.pending.push((from, step));
+                self.answer_pending()
+            }
+            "push" => {
+                if let Err(e) = self.check_vars(&h, &payload) {
+                    return self.error(from, e);
+                }
+                if !self.initialized {
+                    return self.error(from, "push before the variables were initialised".into());
+                }
+                let samples = h["samples"].as_f64().unwrap_or(1.0) as f32;
+                let loss = h["loss"].as_f64().unwrap_or(f64::NAN) as f32;
+                if !self.sync {
+                    let g = self.split(&payload);
+                    self.apply(&g);
+                    self.last_loss = loss;
+                    self.reply(from, json!({"ok": true, "step": self.global_step}), &[])?;
+                    return self.answer_pending();
+                }
+                if step < self.global_step
+                    || self.accum.contains_key(&w) && step == self.global_step
+                {
+                    return self.reply(
+                        from,
+                        json!({"ok": true, "stale": true, "step": self.global_step}),
+                        &[],
+                    );
+                }
+                if step > self.global_step {
+                    return self.error(
+                        from,
+                        format!(
+                            "push for step {step} ahead of global step {}",
+                            self.global_step
+                        ),
+                    );
+                }
+                self.accum.insert(w, (samples, loss, self.split(&payload)));
+                self.reply(from, json!({"ok": true, "step": self.global_step}), &[])?;
+                if self.accum.len() >= self.rta {
+                    let total: f32 = self.accum.values().map(|a| a.0).sum();
+                    let mut avg: Vec<Vec<f32>> =
+                        self.shards.iter().map(|s| vec![0.0; s.len]).collect();
+                    let mut loss = 0.0;
+                    // Worker order: the same sum whatever order pushes arrived in.
+                    for (n, l, g) in self.accum.values() {
+                        loss += l * n / total;
+                        for (a, gi) in avg.iter_mut().zip(g) {
+                            a.iter_mut()
+                                .zip(gi)
+                                .for_each(|(x, y)| *x += y * (n / total));
+                        }
+                    }
+                    self.accum.clear();
+                    self.apply(&avg);
+                    self.last_loss = loss;
+                    self.answer_pending()?;
+                }
+                Ok(())
+            }
+            "save" => {
+                let dir = PathBuf::from(h["dir"].as_str().unwrap_or_default());
+                let file = format!("shard-ps{}.bin", self.k);
+                match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
+                    Ok((bytes, sum)) => self.reply(from, json!({"ok": true, "file": file, "bytes": bytes, "checksum": sum.to_string()}), &[]),
+                    Err(e) => self.error(from, e.to_string()),
+                }
+            }
+            "done" => {
+                self.done[w] = true;
+                Ok(())
+            }
+            other => self.error(from, format!("unknown request {other:?}")),
+        }
+    }
+
+    fn snapshot(&self) -> Arrays {
+        let mut arrays = Vec::new();
+        for ((s, p), sl) in self.shards.iter().zip(&self.params).zip(&self.slots) {
+            let key = format!("{}@{}", s.var, s.offset);
+            arrays.push((format!("{key}/param"), p.clone()));
+            arrays.push((format!("{key}/m"), sl.m.clone()));
+            arrays.push((format!("{key}/v"), sl.v.clone()));
+        }
+        Arrays {
+            step: self.global_step,
+            meta: json!({"ps": self.k, "t": self.slots.first().map_or(0, |s| s.t)}),
+            arrays,
+        }
+    }
+
+    fn restore(&mut self, dir: &std::path::Path) -> Result<(), String> {
+        let a = checkpoint::read_file(&dir.join(format!("shard-ps{}.bin", self.k)), None)
+            .map_err(|e| e.to_string())?;
+        let t = a.meta["t"].as_u64().unwrap_or(a.step);
+        let mut params = Vec::new();
+        let mut slots = Vec::new();
+        for s in &self.shards {
+            let key = format!("{}@{}", s.var, s.offset);
+            let get = |suffix: &str| {
+                a.get(&format!("{key}/{suffix}"))
+                    .map(<[f32]>::to_vec)
+                    .ok_or(format!(
+                        "checkpoint {} has no {key}/{suffix} (written with another placement?)",
+                        dir.display()
+                    ))
+            };
+            let p = get("param")?;
+            if p.len() != s.len {
+                return Err(format!(
+                    "checkpoint {}: {key} has {} elements, expected {}",
+                    dir.display(),
+                    p.len(),
+                    s.len
+                ));
+            }
+            params.push(p);
+            slots.push(Slots {
+                m: get("m")?,
+                v: get("v")?,
+                t,
+            });
+        }
+        // All or nothing: only now replace the live state.
+        self.params = params;
+        self.slots = slots;
+        self.global_step = a.step;
+        self.initialized = true;
+        Ok(())
+    }
+
+    /// The workers this ps waits on and has not heard from within the timeout.
+    fn lost(&self) -> Option<usize> {
+        let waiting_on = |w: usize| -> bool {
+            if self.done[w] {
+                return false;
+            }
+            if !self.initialized {
+                return w == 0 && !self.pending.is_empty();
+            }
+            if self.sync {
+                // Only a step in progress needs gradients.
+                (!self.accum.is_empty() || !self.pending.is_empty()) && !self.accum.contains_key(&w)
+            } else {
+                true
+            }
+        };
+        (0..self.done.len()).find(|w| waiting_on(*w) && self.heard[*w].elapsed() > self.timeout)
+    }
+
+    fn serve(mut self) -> Result<(), PsError> {
+        let mut idle = 0u32;
+        while !self.done.iter().all(|d| *d) {
+            let got =
+                match self
+                    .comm
+                    .try_receive(crate::transport::comm::ANY_SOURCE, REQ, self.timeout)
+                {
+                    Err(TransportError::Timeout { peer, .. }) => {
+                        let err = PsError::Lost {
+                            task: self.me(),
+                            lost: self.roles.task(peer),
+                            secs: self.timeout.as_secs(),
+                        };
+                        self.abort_all(peer, &err);
+                        return Err(err);
+                    }
+                    other => other?,
+                };
+            match got {
+                Some((from, bytes)) => {
+                    idle = 0;
+                    self.handle(from, &bytes)?;
+                }
+                None => {
+                    if let Some(w) = self.lost() {
+                        let rank = self.roles.workers[w];
+                        let err = PsError::Lost {
+                            task: self.me(),
+                            lost: self.roles.task(rank),
+                            secs: self.timeout.as_secs(),
+                        };
+                        self.abort_all(rank, &err);
+                        return Err(err);
+                    }
+                    idle += 1;
+                    if idle < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(u64::from(idle.min(200))));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Workers and the chief.
+
+struct Worker<'a, C: Comm> {
+    comm: &'a C,
+    roles: &'a Roles,
+    w: usize,
+    shards: &'a [Shard],
+    cfg: &'a PsConfig,
+    model: Mlp,
+    train: &'a Dataset,
+    test: &'a Dataset,
+}
+
+impl<C: Comm> Worker<'_, C> {
+    fn me(&self) -> String {
+        self.roles.task(self.comm.rank())
+    }
+
+    fn vars_of(&self, k: usize) -> Value {
+        Value::Array(
+            self.shards
+                .iter()
+                .filter(|s| s.ps == k)
+                .map(|s| json!([format!("{}@{}", s.var, s.offset), s.len]))
+                .collect(),
+        )
+    }
+
+    /// The values of ps `k`'s shards, taken from per-variable tensors `src`.
+    fn gather(&self, k: usize, src: &[crate::tensor::Tensor]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for s in self.shards.iter().filter(|s| s.ps == k) {
+            out.extend_from_slice(
+                &src[s.var_index].as_slice::<f32>().expect("f32")[s.offset..s.offset + s.len],
+            );
+        }
+        out
+    }
+
+    fn scatter(&mut self, k: usize, flat: &[f32]) {
+        let mut off = 0;
+        for s in self.shards.iter().filter(|s| s.ps == k) {
+            self.model.params[s.var_index]
+                .as_mut_slice::<f32>()
+                .expect("f32")[s.offset..s.offset + s.len]
+                .copy_from_slice(&flat[off..off + s.len]);
+            off += s.len;
+        }
+    }
+
+    /// Sends one request to every ps and waits for every reply.
+    fn round(
+        &self,
+        header: impl Fn(usize) -> Value,
+        payload: impl Fn(usize) -> Vec<f32>,
+    ) -> Result<Vec<(Value, Vec<f32>)>, PsError> {
+        let deadline = self.cfg.peer_timeout * 2;
+        for (k, r) in self.roles.ps.iter().enumerate() {
+            if !send_within(
+                self.comm,
+                encode(&header(k), &payload(k)),
+                *r,
+                REQ,
+                deadline,
+            )? {
+                return Err(PsError::Lost {
+                    task: self.me(),
+                    lost: self.roles.task(*r),
+                    secs: deadline.as_secs(),
+                });
+            }
+        }
+        let mut out = Vec::new();
+        for r in &self.roles.ps {
+            // Twice the ps's own deadline: a ps that lost another task says so first.
+            let lost = || PsError::Lost {
+                task: self.me(),
+                lost: self.roles.task(*r),
+                secs: deadline.as_secs(),
+            };
+            let got = match receive_within(self.comm, *r, REP, deadline) {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(TransportError::Timeout { .. }) => return Err(lost()),
+                Err(e) => return Err(e.into()),
+            };
+            let (h, p) = decode(&got.1).ok_or_else(|| PsError::Remote {
+                task: self.roles.task(*r),
+                message: "malformed reply".into(),
+            })?;
+            if h["ok"] != json!(true) {
+                let message = h["error"].as_str().unwrap_or("error").to_string();
+                // The ps already names itself and the lost task.
+                return Err(PsError::Remote {
+                    task: self.me(),
+                    message,
+                });
+            }
+            out.push((h, p));
+        }
+        Ok(out)
+    }
+
+    fn pull(&mut self, step: u64) -> Result<(u64, f32), PsError> {
+        let replies = self.round(|_| json!({"op": "pull", "step": step}), |_| Vec::new())?;
+        let step = replies
+            .iter()
+            .map(|r| r.0["step"].as_u64().unwrap_or(0))
+            .min()
+            .unwrap_or(0);
+        let loss = replies[0].0["loss"].as_f64().unwrap_or(f64::NAN) as f32;
+        for (k, (_, p)) in replies.into_iter().enumerate() {
+            self.scatter(k, &p);
+        }
+        Ok((step, loss))
+    }
+
+    /// Chief: restore the newest valid checkpoint, or initialise.
+    fn init_or_restore(&self, log: &mut dyn FnMut(&str)) -> Result<(), PsError> {
+        if let Some(dir) = &self.cfg.checkpoint_dir {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
+            let (found, warnings) = checkpoint::latest(dir);
+            for w in warnings {
+                log(&format!("# warning: {w}"));
+            }
+            if let Some(f) = found {
+                let ps_n = f.meta["num_ps"].as_u64().unwrap_or(0) as usize;
+                if ps_n != self.roles.ps.len() {
+                    return Err(PsError::Setup(format!(
+                        "checkpoint {} was written by {ps_n} ps tasks, this job has {}",
+                        f.path.display(),
+                        self.roles.ps.len()
+                    )));
+                }
+                let path = f.path.display().to_string();
+                self.round(|_| json!({"op": "restore", "path": path}), |_| Vec::new())?;
+                log(&format!(
+                    "# restored {} (global step {})",
+                    f.path.display(),
+                    f.step
+                ));
+                return Ok(());
+            }
+        }
+        let init = &self.model.params;
+        self.round(
+            |k| json!({"op": "init", "vars": self.vars_of(k)}),
+            |k| self.gather(k, init),
+        )?;
+        Ok(())
+    }
+
+    fn checkpoint(&self, step: u64, log: &mut dyn FnMut(&str)) -> Result<(), PsError> {
+        let Some(dir) = &self.cfg.checkpoint_dir else {
+            return Ok(());
+        };
+        let tmp = checkpoint::begin(dir, step)?;
+        let t = tmp.display().to_string();
+        let replies = self.round(|_| json!({"op": "save", "dir": t}), |_| Vec::new())?;
+        let files: Vec<(String, u64, u64)> = replies
+            .iter()
+            .map(|(h, _)| {
+                (
+                    h["file"].as_str().unwrap_or_default().to_string(),
+                    h["bytes"].as_u64().unwrap_or(0),
+                    h["checksum"]
+                        .as_str()
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(0),
+                )
+            })
+            .collect();
+        let path = checkpoint::commit(dir, step, &files, json!({"num_ps": self.roles.ps.len()}))?;
+        log(&format!("# checkpoint {} written", path.display()));
+        Ok(())
+    }
+
+    fn run(mut self, log: &mut dyn FnMut(&str)) -> Result<(), PsError> {
+        let chief = self.w == 0;
+        let nw = self.roles.workers.len();
+        let batches = Batches::new(self.train.len(), self.cfg.train.batch, self.cfg.train.seed);
+        let mut grads = self.model.zeros_like();
+        if chief {
+            self.init_or_restore(log)?;
+        }
+        let (mut step, _) = self.pull(0)?;
+        let (mut last_ckpt, mut window, mut window_steps) = (step, Instant::now(), 0u64);
+        while step < self.cfg.train.steps {
+            let global = batches.global(step);
+            let mine = shard(&global, self.w, nw);
+            let (x, y) = self.train.rows(mine);
+            let loss = self
+                .model
+                .gradients_into(&x, &y, &mut grads)
+                .map_err(|e| PsError::Setup(e.to_string()))?;
+            let n = mine.len();
+            self.round(
+                |k| json!({"op": "push", "step": step, "samples": n, "loss": loss, "vars": self.vars_of(k)}),
+                |k| self.gather(k, &grads),
+            )?;
+            let want = if self.cfg.sync { step + 1 } else { 0 };
+            let (next, applied_loss) = self.pull(want)?;
+            let prev = step;
+            window_steps += next.saturating_sub(prev);
+            step = next;
+            if chief {
+                let every = self.cfg.train.log_every;
+                if every > 0 && step / every > prev / every {
+                    let secs = window.elapsed().as_secs_f64().max(1e-9);
+                    // A sync step uses a global batch; an async one a worker's shard of it.
+                    let per_step = if self.cfg.sync {
+                        self.cfg.train.batch
+                    } else {
+                        self.cfg.train.batch / nw
+                    };
+                    let l = StepLog {
+                        step,
+                        loss: applied_loss,
+                        steps_per_sec: window_steps as f64 / secs,
+                        samples_per_sec: (window_steps * per_step as u64) as f64 / secs,
+                    };
+                    log(&format!(
+                        "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}",
+                        l.step, l.loss, l.steps_per_sec, l.samples_per_sec
+                    ));
+                    (window, window_steps) = (Instant::now(), 0);
+                }
+                if self.cfg.checkpoint_every > 0
+                    && step / self.cfg.checkpoint_every > last_ckpt / self.cfg.checkpoint_every
+                    && step < self.cfg.train.steps
+                {
+                    self.checkpoint(step, log)?;
+                    last_ckpt = step;
+                }
+            }
+        }
+        if chief {
+            if last_ckpt != step {
+                self.checkpoint(step, log)?;
+            }
+            let acc = self
+                .model
+                .accuracy(&self.test.x, &self.test.y)
+                .map_err(|e| PsError::Setup(e.to_string()))?;
+            let correct = (acc * self.test.len() as f64).round() as usize;
+            log(&format!(
+                "accuracy {acc:.4} ({correct}/{} held-out samples) at global step {step}",
+                self.test.len()
+            ));
+            if let Some(p) = &self.cfg.save_params {
+                let arrays = self
+                    .model
+                    .params
+                    .iter()
+                    .map(|t| {
+                        (
+                            t.name().to_string(),
+                            t.as_slice::<f32>().expect("f32").to_vec(),
+                        )
+                    })
+                    .collect();
+                checkpoint::write_file(
+                    p,
+                    &Arrays {
+                        step,
+                        meta: json!({}),
+                        arrays,
+                    },
+                )?;
+            }
+        }
+        for r in &self.roles.ps {
+            crate::transport::comm::send(self.comm, &encode(&json!({"op": "done"}), &[]), *r, REQ)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::mapping::{assign_roles, MappingOptions};
+    use crate::transport::local::LocalComm;
+
+    fn layout(n: usize, ps: usize) -> Layout {
+        let hosts = vec!["h".to_string(); n];
+        let tasks = assign_roles(
+            &hosts,
+            &MappingOptions {
+                ps,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        Layout::from_ranks(&hosts, &(1..=n as u16).collect::<Vec<_>>(), tasks).unwrap()
+    }
+
+    fn cfg(steps: u64, sync: bool) -> PsConfig {
+        PsConfig {
+            train: TrainConfig {
+                steps,
+                log_every: 0,
+                ..TrainConfig::default()
+            },
+            sync,
+            replicas_to_aggregate: None,
+            strategy: Strategy::Greedy,
+            partition_bytes: 4 << 20,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            peer_timeout: Duration::from_secs(10),
+            save_params: None,
+        }
+    }
+
+    #[test]
+    fn sync_ps_training_equals_local_training_of_the_combined_batch() {
+        let data = Dataset::load("digits", 0).unwrap();
+        let (train, test) = data.split_holdout(1);
+        let steps = 40;
+        let local =
+            super::super::train_local(&cfg(steps, true).train, &train, &test, |_| {}).unwrap();
+        let dir = std::env::temp_dir().join(format!("mpiflow-ps-eq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("params.bin");
+        let l = layout(5, 2);
+        let mut c = cfg(steps, true);
+        c.save_params = Some(out.clone());
+        c.strategy = Strategy::Partition;
+        c.partition_bytes = 4096; // slices, so partitioned variables are exercised too
+        LocalComm::run(5, |comm| {
+            run(&comm, &l, &c, &train, &test, &mut |_| {}).unwrap()
+        });
+        let ps = checkpoint::read_file(&out, None).unwrap();
+        let mut worst = 0.0f32;
+        for p in &local.model.params {
+            for (a, b) in p
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(ps.get(p.name()).unwrap())
+            {
+                worst = worst.max((a - b).abs() / (1.0 + a.abs()));
+            }
+        }
+        assert!(worst < 1e-4, "largest relative difference {worst}");
+    }
+
+    #[test]
+    fn bad_pushes_are_rejected_and_the_ps_keeps_serving() {
+        let data = Dataset::synthetic(200, 8, 3, 1);
+        let (train, test) = data.split_holdout(1);
+        let l = layout(3, 1);
+        let mut c = cfg(5, true);
+        c.train.hidden = vec![4];
+        let out = LocalComm::run(3, |comm| {
+            if comm.rank() == 2 {
+                // worker:1 misbehaves before taking part: an unknown variable, a wrong length.
+                let bad = |vars: Value, n: usize| {
+                    crate::transport::comm::send(
+                        &comm,
+                        &encode(
+                            &json!({"op": "push", "step": 0, "vars": vars}),
+                            &vec![0.0; n],
+                        ),
+                        0,
+                        REQ,
+                    )
+                    .unwrap();
+                    let (_, r) = receive_within(&comm, 0, REP, Duration::from_secs(10))
+                        .unwrap()
+                        .unwrap();
+                    decode(&r).unwrap().0["error"].as_str().unwrap().to_string()
+                };
+                let e1 = bad(json!([["nope@0", 3]]), 3);
+                let e2 = bad(json!([["layer0/w@0", 5]]), 5);
+                run(&comm, &l, &c, &train, &test, &mut |_| {}).unwrap();
+                format!("{e1}\n{e2}")
+            } else {
+                run(&comm, &l, &c, &train, &test, &mut |_| {}).unwrap();
+                String::new()
+            }
+        });
+        assert!(out[2].contains("unknown variable 'nope@0'"), "{}", out[2]);
+        assert!(
+            out[2].contains("'layer0/w@0' has 32 elements on ps:0, the push has 5"),
+            "{}",
+            out[2]
+        );
+    }
+}

@@ -1,0 +1,326 @@
+//! Parameter-server training under real `mpirun`: accuracy in sync and async mode, equality
+//! with local training, resume after SIGKILL, and a dead task named within 30 s.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{mpiflow, mpiflow_alone, mpirun};
+use mpiflow::train::checkpoint;
+
+fn accuracy(stdout: &str) -> f64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("accuracy "))
+        .unwrap_or_else(|| panic!("no accuracy line in {stdout}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("mpiflow-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn digits_reach_95_percent_sync_and_async_with_one_and_two_ps() {
+    for (np, ps) in [("4", "1"), ("6", "2")] {
+        for mode in ["--sync", "--async"] {
+            let run = mpirun(&[
+                "-np",
+                np,
+                mpiflow(),
+                "train",
+                "--mode",
+                "ps",
+                "--ps",
+                ps,
+                mode,
+            ]);
+            assert_eq!(run.code, 0, "{run:?}");
+            let acc = accuracy(&run.stdout);
+            assert!(acc >= 0.95, "np {np} ps {ps} {mode}: {acc}\n{}", run.stdout);
+            assert!(run.stdout.contains("# bytes per ps:"), "placement report");
+        }
+    }
+}
+
+#[test]
+fn sync_training_equals_local_training_on_the_combined_batch() {
+    let dir = tmpdir("ps-equal");
+    let (a, b) = (dir.join("local.bin"), dir.join("ps.bin"));
+    let local = mpiflow_alone(
+        &[
+            "train",
+            "--mode",
+            "local",
+            "--steps",
+            "60",
+            "--save-params",
+            a.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(local.code, 0, "{local:?}");
+    // Three workers share a batch of 64 unevenly (21, 21, 22): the ps weights by samples.
+    let ps = mpirun(&[
+        "-np",
+        "5",
+        mpiflow(),
+        "train",
+        "--mode",
+        "ps",
+        "--ps",
+        "2",
+        "--steps",
+        "60",
+        "--var-placement",
+        "partition",
+        "--partition-bytes",
+        "8192",
+        "--save-params",
+        b.to_str().unwrap(),
+    ]);
+    assert_eq!(ps.code, 0, "{ps:?}");
+    let (x, y) = (
+        checkpoint::read_file(&a, None).unwrap(),
+        checkpoint::read_file(&b, None).unwrap(),
+    );
+    assert_eq!(x.arrays.len(), y.arrays.len());
+    let mut worst = 0.0f32;
+    for (name, va) in &x.arrays {
+        let vb = y.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        for (p, q) in va.iter().zip(vb) {
+            worst = worst.max((p - q).abs() / (1.0 + p.abs()));
+        }
+    }
+    // Float32 sums in another order (per worker, then weighted) differ by rounding only.
+    assert!(worst < 1e-4, "largest relative difference {worst}");
+}
+
+#[test]
+fn a_job_killed_in_the_middle_resumes_and_ends_the_same() {
+    let dir = tmpdir("ps-resume");
+    let whole = dir.join("whole");
+    let args = |ckpt: &std::path::Path| -> Vec<String> {
+        [
+            "-np",
+            "4",
+            mpiflow(),
+            "train",
+            "--mode",
+            "ps",
+            "--ps",
+            "1",
+            "--steps",
+            "3000",
+            "--checkpoint-every",
+            "200",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let a: Vec<String> = args(&whole);
+    let uninterrupted = mpirun(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(uninterrupted.code, 0, "{uninterrupted:?}");
+
+    let ckpt = dir.join("killed");
+    let b = args(&ckpt);
+    let mut child = Command::new("mpirun")
+        .arg("--oversubscribe")
+        .args(&b)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !ckpt.join("ckpt-400").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no checkpoint appeared"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGKILL one rank (a child of mpirun).
+    let kids = Command::new("pgrep")
+        .args(["-P", &child.id().to_string()])
+        .output()
+        .unwrap();
+    let pid = String::from_utf8_lossy(&kids.stdout)
+        .lines()
+        .last()
+        .expect("a rank")
+        .to_string();
+    Command::new("kill").args(["-9", &pid]).status().unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the killed job must fail");
+    assert!(!ckpt.join("ckpt-3000").exists(), "killed before the end");
+
+    let resumed = mpirun(&b.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(resumed.code, 0, "{resumed:?}");
+    assert!(resumed.stdout.contains("# restored "), "{}", resumed.stdout);
+    let last = |s: &str| {
+        s.lines()
+            .find(|l| l.starts_with("accuracy "))
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        last(&resumed.stdout),
+        last(&uninterrupted.stdout),
+        "same final accuracy after resume"
+    );
+    // Bit-identical final parameters: same checksum of the final checkpoint shard.
+    let sum = |d: &std::path::Path| {
+        std::fs::read(d.join("ckpt-3000/shard-ps0.bin"))
+            .map(|b| checkpoint::checksum(&b))
+            .unwrap()
+    };
+    assert_eq!(sum(&whole), sum(&ckpt));
+}
+
+#[test]
+fn a_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used() {
+    let dir = tmpdir("ps-corrupt");
+    let d = dir.to_str().unwrap();
+    let first = mpirun(&[
+        "-np",
+        "3",
+        mpiflow(),
+        "train",
+        "--mode",
+        "ps",
+        "--ps",
+        "1",
+        "--steps",
+        "400",
+        "--checkpoint-every",
+        "200",
+        "--checkpoint-dir",
+        d,
+    ]);
+    assert_eq!(first.code, 0, "{first:?}");
+    let f = dir.join("ckpt-400/shard-ps0.bin");
+    let mut bytes = std::fs::read(&f).unwrap();
+    bytes[100] ^= 0xff;
+    std::fs::write(&f, bytes).unwrap();
+    let again = mpirun(&[
+        "-np",
+        "3",
+        mpiflow(),
+        "train",
+        "--mode",
+        "ps",
+        "--ps",
+        "1",
+        "--steps",
+        "600",
+        "--checkpoint-every",
+        "200",
+        "--checkpoint-dir",
+        d,
+    ]);
+    assert_eq!(again.code, 0, "{again:?}");
+    assert!(
+        again.stdout.contains(
+            "ckpt-400/shard-ps0.bin: corrupted: checksum mismatch; trying the previous checkpoint"
+        ),
+        "{}",
+        again.stdout
+    );
+    assert!(
+        again.stdout.contains("restored ") && again.stdout.contains("ckpt-200 (global step 200)"),
+        "{}",
+        again.stdout
+    );
+}
+
+/// Runs a job with OpenMPI's recovery mode (survivors keep running, so mpiflow itself
+/// must notice), SIGKILLs rank `victim` after two seconds, and returns stderr and seconds
+/// from the kill until every rank was gone.
+fn kill_rank(victim: usize) -> (String, f64) {
+    let _g = common::lock();
+    let child = Command::new("timeout")
+        .args([
+            "-k",
+            "5",
+            "90",
+            "mpirun",
+            "--oversubscribe",
+            "--mca",
+            "orte_enable_recovery",
+            "1",
+            "-np",
+            "4",
+            mpiflow(),
+        ])
+        .args([
+            "train",
+            "--mode",
+            "ps",
+            "--ps",
+            "1",
+            "--steps",
+            "1000000",
+            "--peer-timeout",
+            "5",
+        ])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let mpirun_pid = String::from_utf8_lossy(
+        &Command::new("pgrep")
+            .args(["-P", &child.id().to_string()])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .trim()
+    .to_string();
+    let ranks = Command::new("pgrep")
+        .args(["-P", &mpirun_pid])
+        .output()
+        .unwrap();
+    let mut pids: Vec<u32> = String::from_utf8_lossy(&ranks.stdout)
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+    pids.sort_unstable();
+    assert_eq!(pids.len(), 4, "four ranks");
+    // mpirun starts ranks in order, so PIDs follow ranks.
+    let killed = Instant::now();
+    Command::new("kill")
+        .args(["-9", &pids[victim].to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        killed.elapsed().as_secs_f64(),
+    )
+}
+
+#[test]
+fn a_dead_worker_or_ps_is_named_within_30_seconds() {
+    let (err, secs) = kill_rank(3);
+    assert!(secs < 30.0, "took {secs} s");
+    assert!(
+        err.contains("ps:0 (rank 0): lost worker:2 (rank 3)"),
+        "{err}"
+    );
+    assert!(err.contains("mpiflow: error: worker:0 (rank 1): stopped by a ps: ps:0 (rank 0): lost worker:2 (rank 3)"), "{err}");
+    let (err, secs) = kill_rank(0);
+    assert!(secs < 30.0, "took {secs} s");
+    assert!(err.contains("lost ps:0 (rank 0)"), "{err}");
+}
