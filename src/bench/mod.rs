@@ -18,6 +18,7 @@
 pub mod collective;
 pub mod osu;
 pub mod p2p;
+pub mod pushpull;
 
 use std::time::Instant;
 
@@ -43,20 +44,21 @@ pub enum BenchError {
         need: String,
         have: usize,
     },
-    #[error("unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused)")]
+    #[error("unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused, pushpull)")]
     Unknown(String),
     #[error("data validation failed: {0}")]
     Validation(String),
 }
 
 /// The benchmarks `run` knows.
-pub const NAMES: [&str; 6] = [
+pub const NAMES: [&str; 7] = [
     "latency",
     "bw",
     "bibw",
     "allreduce",
     "bcast",
     "allreduce-fused",
+    "pushpull",
 ];
 
 /// One measured row: per-size statistics over ranks, in microseconds or MB/s.
@@ -79,7 +81,7 @@ pub fn validate(name: &str, ranks: usize) -> Result<(), BenchError> {
     if !NAMES.contains(&name) {
         return Err(BenchError::Unknown(name.into()));
     }
-    if matches!(name, "latency" | "bw" | "bibw") && ranks < 2 {
+    if matches!(name, "latency" | "bw" | "bibw" | "pushpull") && ranks < 2 {
         return Err(BenchError::Ranks {
             name: name.into(),
             need: "at least 2".into(),
@@ -95,6 +97,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchE
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let out = match name {
         "latency" | "bw" | "bibw" => p2p::run(comm, name, opts)?,
+        "pushpull" => pushpull::run(comm, &coll, opts)?,
         "allreduce" | "bcast" | "allreduce-fused" => collective::run(&coll, name, opts)?,
         other => return Err(BenchError::Unknown(other.into())),
     };

@@ -50,6 +50,9 @@ pub struct BenchOptions {
     /// Tensors per round in allreduce-fused.
     #[arg(long, default_value_t = 100)]
     pub count: usize,
+    /// Parameter-server tasks in pushpull (the first ranks).
+    #[arg(long, default_value_t = 1)]
+    pub ps: usize,
 }
 
 impl Default for BenchOptions {
@@ -65,6 +68,7 @@ impl Default for BenchOptions {
             rounds: 3,
             algorithm: Algorithm::Auto,
             count: 100,
+            ps: 1,
         }
     }
 }

@@ -125,12 +125,26 @@ impl Roles {
 }
 
 fn encode(header: &Value, payload: &[f32]) -> Vec<u8> {
+    encode_parts(header, &[payload])
+}
+
+/// The bytes of floats as they travel (little-endian).
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    #[cfg(not(target_endian = "little"))]
+    compile_error!("the ps wire format assumes a little-endian machine");
+    // SAFETY: any f32 slice is a valid byte slice of 4x its length (u8 has alignment 1).
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
+/// One message from a header and several float slices, copied once.
+fn encode_parts(header: &Value, parts: &[&[f32]]) -> Vec<u8> {
     let h = header.to_string();
-    let mut out = Vec::with_capacity(4 + h.len() + 4 * payload.len());
+    let floats: usize = parts.iter().map(|p| p.len()).sum();
+    let mut out = Vec::with_capacity(4 + h.len() + 4 * floats);
     out.extend_from_slice(&(h.len() as u32).to_le_bytes());
     out.extend_from_slice(h.as_bytes());
-    for x in payload {
-        out.extend_from_slice(&x.to_le_bytes());
+    for p in parts {
+        out.extend_from_slice(f32_bytes(p));
     }
     out
 }
@@ -142,12 +156,11 @@ fn decode(bytes: &[u8]) -> Option<(Value, Vec<f32>)> {
     if !rest.len().is_multiple_of(4) {
         return None;
     }
-    Some((
-        header,
-        rest.chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
-            .collect(),
-    ))
+    let mut floats = vec![0f32; rest.len() / 4];
+    // SAFETY: `floats` holds exactly rest.len() bytes; the regions do not overlap; every bit
+    // pattern is a valid f32 (one memcpy instead of a per-element conversion).
+    unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len()) };
+    Some((header, floats))
 }
 
 /// Waits for a message from `src` with a deadline, yielding the CPU while it waits (busy
@@ -324,7 +337,11 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn reply(&self, to: usize, header: Value, payload: &[f32]) -> Result<(), PsError> {
-        if send_within(self.comm, encode(&header, payload), to, REP, self.timeout)? {
+        self.send_reply(to, encode(&header, payload))
+    }
+
+    fn send_reply(&self, to: usize, message: Vec<u8>) -> Result<(), PsError> {
+        if send_within(self.comm, message, to, REP, self.timeout)? {
             return Ok(());
         }
         let err = PsError::Lost {
@@ -411,10 +428,6 @@ impl<'a, C: Comm> Server<'a, C> {
         Ok(())
     }
 
-    fn flat_params(&self) -> Vec<f32> {
-        self.params.concat()
-    }
-
     fn answer_pending(&mut self) -> Result<(), PsError> {
         let ready: Vec<(usize, u64)> = self
             .pending
@@ -424,13 +437,14 @@ impl<'a, C: Comm> Server<'a, C> {
             .collect();
         self.pending
             .retain(|(_, s)| !(self.initialized && (!self.sync || self.global_step >= *s)));
-        let flat = self.flat_params();
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let parts: Vec<&[f32]> = self.params.iter().map(Vec::as_slice).collect();
+        let header = json!({"ok": true, "step": self.global_step, "loss": self.last_loss});
+        let message = encode_parts(&header, &parts);
         for (to, _) in ready {
-            self.reply(
-                to,
-                json!({"ok": true, "step": self.global_step, "loss": self.last_loss}),
-                &flat,
-            )?;
+            self.send_reply(to, message.clone())?;
         }
         Ok(())
     }
@@ -498,8 +512,12 @@ impl<'a, C: Comm> Server<'a, C> {
                 let samples = h["samples"].as_f64().unwrap_or(1.0) as f32;
                 let loss = h["loss"].as_f64().unwrap_or(f64::NAN) as f32;
                 if !self.sync {
-                    let g = self.split(&payload);
-                    self.apply(&g);
+                    let mut off = 0;
+                    for ((p, s), sh) in self.params.iter_mut().zip(&mut self.slots).zip(&self.shards) {
+                        self.opt.apply(p, &payload[off..off + sh.len], s);
+                        off += sh.len;
+                    }
+                    self.global_step += 1;
                     self.last_loss = loss;
                     self.reply(from, json!({"ok": true, "step": self.global_step}), &[])?;
                     return self.answer_pending();
@@ -960,6 +978,57 @@ impl<C: Comm> Worker<'_, C> {
         }
         Ok(())
     }
+}
+
+/// Benchmark support (`mpiflow bench pushpull`): ps ranks serve, workers run `warmup +
+/// rounds` rounds of one push and one pull of a model of `floats` floats, sliced evenly
+/// over the ps tasks, through the real protocol (async, SGD). Workers return the mean
+/// seconds of a timed round; ps ranks return `None`.
+pub fn bench_pushpull<C: Comm>(comm: &C, layout: &Layout, floats: usize, rounds: usize, warmup: usize) -> Result<Option<f64>, PsError> {
+    let roles = Roles::new(layout)?;
+    let vars = vec![("model".to_string(), floats)];
+    let slice = floats.div_ceil(roles.ps.len()).max(1) * 4;
+    let shards = placement::place(&vars, roles.ps.len(), Strategy::Partition, slice);
+    let cfg = PsConfig {
+        train: TrainConfig { optimizer: super::optim::OptimizerKind::Sgd, lr: 1e-12, ..TrainConfig::default() },
+        sync: false,
+        replicas_to_aggregate: None,
+        strategy: Strategy::Partition,
+        partition_bytes: slice,
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        peer_timeout: Duration::from_secs(60),
+        save_params: None,
+    };
+    let me = comm.rank();
+    if let Some(k) = roles.ps.iter().position(|r| *r == me) {
+        let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
+        return Server::new(comm, &roles, k, mine, &cfg, 1).serve().map(|_| None);
+    }
+    let Some(w) = roles.workers.iter().position(|r| *r == me) else { return Ok(None) };
+    let model = Mlp { sizes: vec![], params: vec![crate::tensor::Tensor::zeros(crate::tensor::DType::F32, &[floats]).expect("1-D").named("model")] };
+    let empty = Dataset { x: vec![], y: vec![], features: 0, classes: 0 };
+    let mut worker = Worker { comm, roles: &roles, w, shards: &shards, cfg: &cfg, model, train: &empty, test: &empty };
+    let grads = worker.model.zeros_like();
+    if w == 0 {
+        let init = &worker.model.params;
+        worker.round(|k| json!({"op": "init", "vars": worker.vars_of(k)}), |k| worker.gather(k, init))?;
+    }
+    // Like training: every worker's first pull waits for the chief's initialisation.
+    worker.pull(0)?;
+    let mut start = Instant::now();
+    for i in 0..warmup + rounds {
+        if i == warmup {
+            start = Instant::now();
+        }
+        worker.round(|k| json!({"op": "push", "step": 0, "samples": 1, "loss": 0.0, "vars": worker.vars_of(k)}), |k| worker.gather(k, &grads))?;
+        worker.pull(0)?;
+    }
+    let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
+    for r in &roles.ps {
+        crate::transport::comm::send(comm, &encode(&json!({"op": "done"}), &[]), *r, REQ)?;
+    }
+    Ok(Some(secs))
 }
 
 #[cfg(test)]

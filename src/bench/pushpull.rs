@@ -1,0 +1,135 @@
+//! `pushpull`: one round of push plus pull of a model of S bytes, sliced evenly over P ps
+//! tasks, by each of W workers (the other ranks), through:
+//! - `mpi`: plain rsmpi messages of the same pattern (push: S/P bytes to each ps, a
+//!   1-byte ack back; pull: a 1-byte request, S/P bytes back), served by a matched-probe
+//!   loop that does nothing else: the transfer ceiling;
+//! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps).
+//!
+//! Bandwidth is the bytes all workers move per second: `W x 2S / mean round time`.
+
+use mpi::traits::*;
+
+use super::osu::{self, BenchOptions, Path};
+use super::{BenchError, Row};
+use crate::cluster::mapping::{assign_roles, MappingOptions};
+use crate::cluster::Layout;
+use crate::tensor::DType;
+use crate::transport::mpi::MpiComm;
+use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
+
+const TAG: i32 = 7;
+
+fn layout(n: usize, ps: usize) -> Result<Layout, BenchError> {
+    let hosts = vec!["node".to_string(); n];
+    let tasks = assign_roles(&hosts, &MappingOptions { ps, ..Default::default() }).map_err(|e| BenchError::Validation(e.to_string()))?;
+    let ports: Vec<u16> = (1..=n as u16).collect();
+    Layout::from_ranks(&hosts, &ports, tasks).map_err(|e| BenchError::Validation(e.to_string()))
+}
+
+/// The plain-MPI path: returns mean seconds per round on workers, `None` on ps ranks.
+fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) -> Option<f64> {
+    let world = comm.raw();
+    let (me, n) = (comm.rank(), comm.size());
+    let slice = bytes.div_ceil(ps).max(1);
+    if me < ps {
+        let reply = vec![1u8; slice];
+        let mut done = 0;
+        while done < n - ps {
+            let (data, status) = world.any_process().matched_probe_with_tag(TAG).matched_receive_vec::<u8>();
+            let from = world.process_at_rank(status.source_rank());
+            match data.first() {
+                Some(0) => from.send_with_tag(&[1u8][..], TAG),
+                Some(1) => from.send_with_tag(&reply[..], TAG),
+                _ => done += 1,
+            }
+        }
+        return None;
+    }
+    let mut push = vec![0u8; slice + 1];
+    let mut back = vec![0u8; slice];
+    let mut ack = [0u8; 1];
+    let mut start = std::time::Instant::now();
+    for i in 0..warmup + rounds {
+        if i == warmup {
+            start = std::time::Instant::now();
+        }
+        push[0] = 0;
+        for p in 0..ps {
+            world.process_at_rank(p as i32).send_with_tag(&push[..], TAG);
+        }
+        for p in 0..ps {
+            world.process_at_rank(p as i32).receive_into_with_tag(&mut ack[..], TAG);
+        }
+        for p in 0..ps {
+            world.process_at_rank(p as i32).send_with_tag(&[1u8][..], TAG);
+        }
+        for p in 0..ps {
+            world.process_at_rank(p as i32).receive_into_with_tag(&mut back[..], TAG);
+        }
+    }
+    let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
+    for p in 0..ps {
+        world.process_at_rank(p as i32).send_with_tag(&[2u8][..], TAG);
+    }
+    Some(secs)
+}
+
+/// Mean over workers of their round time (collective).
+fn mean_over_workers(coll: &Collectives<MpiComm>, mine: Option<f64>) -> Result<f64, BenchError> {
+    let mut buf = crate::tensor::AlignedBuf::zeroed(16);
+    let (t, w) = (mine.unwrap_or(0.0), if mine.is_some() { 1.0 } else { 0.0 });
+    buf.as_mut_slice()[..8].copy_from_slice(&t.to_le_bytes());
+    buf.as_mut_slice()[8..16].copy_from_slice(&f64::to_le_bytes(w));
+    coll.allreduce(&mut buf.as_mut_slice()[..16], DType::F64, ReduceOp::Sum, Algorithm::Auto)?;
+    let total = f64::from_le_bytes(buf.as_slice()[..8].try_into().expect("8"));
+    let workers = f64::from_le_bytes(buf.as_slice()[8..16].try_into().expect("8"));
+    Ok(total / workers.max(1.0))
+}
+
+pub fn run(comm: &MpiComm, coll: &Collectives<MpiComm>, opts: &BenchOptions) -> Result<String, BenchError> {
+    let n = comm.size();
+    let ps = opts.ps.max(1);
+    if n <= ps {
+        return Err(BenchError::Ranks { name: "pushpull".into(), need: format!("more than --ps {ps}"), have: n });
+    }
+    let workers = n - ps;
+    let l = layout(n, ps)?;
+    let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
+    let paths: Vec<Path> = match opts.path {
+        Path::Both => vec![Path::Mpi, Path::Mpiflow],
+        p => vec![p],
+    };
+    let rounds = if paths.len() > 1 { opts.rounds.max(1) } else { 1 };
+    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
+    for size in osu::sizes(min.max(4), max) {
+        let size = size / 4 * 4;
+        let (iters, warmup) = osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20);
+        let mut best = vec![0.0f64; paths.len()];
+        for _ in 0..rounds {
+            for (k, path) in paths.iter().enumerate() {
+                coll.barrier()?;
+                let mine = match path {
+                    Path::Mpi => raw(comm, ps, size, iters, warmup),
+                    _ => crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                        .map_err(|e| BenchError::Validation(e.to_string()))?,
+                };
+                let secs = mean_over_workers(coll, mine)?;
+                let mbps = (workers * 2 * size) as f64 / 1e6 / secs;
+                best[k] = best[k].max(mbps);
+            }
+        }
+        for (k, v) in best.into_iter().enumerate() {
+            tables[k].push(Row { size, value: v, min: v, max: v, iterations: iters });
+        }
+    }
+    let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps)");
+    let mut out = String::new();
+    for (path, rows) in paths.iter().zip(&tables) {
+        out.push_str(&format!("# mpiflow path: {path:?}\n").to_lowercase());
+        out.push_str(&osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows));
+    }
+    if tables.len() == 2 {
+        out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));
+    }
+    Ok(out)
+}
