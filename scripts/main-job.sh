@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, and runs a real 6-rank cluster here.
+# The main job: installs what is missing, builds, and runs a real multi-rank training run
+# on this machine:
 #   1. `mpiflow spec`: every rank gathers the hosts over MPI, probes a free port, and rank 0
 #      prints the cluster table (2 ps, a chief, 3 workers).
-#   2. `mpiflow launch`: the same mapping, each rank exec'ing a TensorFlow-style program
+#   2. `mpiflow train --mode ps`: synchronous parameter-server training of an MLP on the
+#      UCI digits data with those 6 ranks, checkpointing, then the held-out accuracy.
+#   3. `mpiflow launch`: the same mapping, each rank exec'ing a TensorFlow-style program
 #      that reads TF_CONFIG as TensorFlow would and reports its role.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,9 +14,14 @@ source scripts/env.sh
 cargo build --release --quiet --bin mpiflow
 BIN=target/release/mpiflow
 NP=${MPIFLOW_NP:-6}
+CKPT=${MPIFLOW_CHECKPOINT_DIR:-$(mktemp -d)}
 
 echo "== mpirun -np $NP mpiflow spec --ps 2 --chief"
 timeout 120 mpirun -np "$NP" --hostfile hostfiles/localhost "$BIN" spec --ps 2 --chief
+
+echo "== mpirun -np $NP mpiflow train --mode ps --ps 2 --chief --checkpoint-dir $CKPT"
+timeout 300 mpirun -np "$NP" --hostfile hostfiles/localhost "$BIN" train --mode ps --ps 2 --chief \
+  --checkpoint-dir "$CKPT" --checkpoint-every 500
 
 echo "== mpirun -np $NP mpiflow launch --ps 2 --chief -- python3 launcher/examples/check_role.py"
 timeout 120 mpirun -np "$NP" --hostfile hostfiles/localhost "$BIN" launch --ps 2 --chief -- \

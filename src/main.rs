@@ -500,6 +500,13 @@ fn cmd_train_ps(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), 
             test.len(),
             pin.blas_threads
         ));
+        // If mpirun reports a dead rank by number, this line names its task.
+        let map: Vec<String> = layout
+            .ranks
+            .iter()
+            .map(|r| format!("{}={}", r.rank.unwrap_or(0), r.task))
+            .collect();
+        emit(&format!("# ranks: {}\n", map.join(" ")));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
     let result = ps::run(&comm, layout, &cfg, &train, &test, &mut |line: &str| {

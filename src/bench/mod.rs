@@ -44,7 +44,9 @@ pub enum BenchError {
         need: String,
         have: usize,
     },
-    #[error("unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused, pushpull)")]
+    #[error(
+        "unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused, pushpull)"
+    )]
     Unknown(String),
     #[error("data validation failed: {0}")]
     Validation(String),

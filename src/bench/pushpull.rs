@@ -21,7 +21,14 @@ const TAG: i32 = 7;
 
 fn layout(n: usize, ps: usize) -> Result<Layout, BenchError> {
     let hosts = vec!["node".to_string(); n];
-    let tasks = assign_roles(&hosts, &MappingOptions { ps, ..Default::default() }).map_err(|e| BenchError::Validation(e.to_string()))?;
+    let tasks = assign_roles(
+        &hosts,
+        &MappingOptions {
+            ps,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| BenchError::Validation(e.to_string()))?;
     let ports: Vec<u16> = (1..=n as u16).collect();
     Layout::from_ranks(&hosts, &ports, tasks).map_err(|e| BenchError::Validation(e.to_string()))
 }
@@ -35,7 +42,10 @@ fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) ->
         let reply = vec![1u8; slice];
         let mut done = 0;
         while done < n - ps {
-            let (data, status) = world.any_process().matched_probe_with_tag(TAG).matched_receive_vec::<u8>();
+            let (data, status) = world
+                .any_process()
+                .matched_probe_with_tag(TAG)
+                .matched_receive_vec::<u8>();
             let from = world.process_at_rank(status.source_rank());
             match data.first() {
                 Some(0) => from.send_with_tag(&[1u8][..], TAG),
@@ -55,21 +65,31 @@ fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) ->
         }
         push[0] = 0;
         for p in 0..ps {
-            world.process_at_rank(p as i32).send_with_tag(&push[..], TAG);
+            world
+                .process_at_rank(p as i32)
+                .send_with_tag(&push[..], TAG);
         }
         for p in 0..ps {
-            world.process_at_rank(p as i32).receive_into_with_tag(&mut ack[..], TAG);
+            world
+                .process_at_rank(p as i32)
+                .receive_into_with_tag(&mut ack[..], TAG);
         }
         for p in 0..ps {
-            world.process_at_rank(p as i32).send_with_tag(&[1u8][..], TAG);
+            world
+                .process_at_rank(p as i32)
+                .send_with_tag(&[1u8][..], TAG);
         }
         for p in 0..ps {
-            world.process_at_rank(p as i32).receive_into_with_tag(&mut back[..], TAG);
+            world
+                .process_at_rank(p as i32)
+                .receive_into_with_tag(&mut back[..], TAG);
         }
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
     for p in 0..ps {
-        world.process_at_rank(p as i32).send_with_tag(&[2u8][..], TAG);
+        world
+            .process_at_rank(p as i32)
+            .send_with_tag(&[2u8][..], TAG);
     }
     Some(secs)
 }
@@ -80,17 +100,30 @@ fn mean_over_workers(coll: &Collectives<MpiComm>, mine: Option<f64>) -> Result<f
     let (t, w) = (mine.unwrap_or(0.0), if mine.is_some() { 1.0 } else { 0.0 });
     buf.as_mut_slice()[..8].copy_from_slice(&t.to_le_bytes());
     buf.as_mut_slice()[8..16].copy_from_slice(&f64::to_le_bytes(w));
-    coll.allreduce(&mut buf.as_mut_slice()[..16], DType::F64, ReduceOp::Sum, Algorithm::Auto)?;
+    coll.allreduce(
+        &mut buf.as_mut_slice()[..16],
+        DType::F64,
+        ReduceOp::Sum,
+        Algorithm::Auto,
+    )?;
     let total = f64::from_le_bytes(buf.as_slice()[..8].try_into().expect("8"));
     let workers = f64::from_le_bytes(buf.as_slice()[8..16].try_into().expect("8"));
     Ok(total / workers.max(1.0))
 }
 
-pub fn run(comm: &MpiComm, coll: &Collectives<MpiComm>, opts: &BenchOptions) -> Result<String, BenchError> {
+pub fn run(
+    comm: &MpiComm,
+    coll: &Collectives<MpiComm>,
+    opts: &BenchOptions,
+) -> Result<String, BenchError> {
     let n = comm.size();
     let ps = opts.ps.max(1);
     if n <= ps {
-        return Err(BenchError::Ranks { name: "pushpull".into(), need: format!("more than --ps {ps}"), have: n });
+        return Err(BenchError::Ranks {
+            name: "pushpull".into(),
+            need: format!("more than --ps {ps}"),
+            have: n,
+        });
     }
     let workers = n - ps;
     let l = layout(n, ps)?;
@@ -99,7 +132,11 @@ pub fn run(comm: &MpiComm, coll: &Collectives<MpiComm>, opts: &BenchOptions) -> 
         Path::Both => vec![Path::Mpi, Path::Mpiflow],
         p => vec![p],
     };
-    let rounds = if paths.len() > 1 { opts.rounds.max(1) } else { 1 };
+    let rounds = if paths.len() > 1 {
+        opts.rounds.max(1)
+    } else {
+        1
+    };
     let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
     for size in osu::sizes(min.max(4), max) {
         let size = size / 4 * 4;
@@ -119,14 +156,25 @@ pub fn run(comm: &MpiComm, coll: &Collectives<MpiComm>, opts: &BenchOptions) -> 
             }
         }
         for (k, v) in best.into_iter().enumerate() {
-            tables[k].push(Row { size, value: v, min: v, max: v, iterations: iters });
+            tables[k].push(Row {
+                size,
+                value: v,
+                min: v,
+                max: v,
+                iterations: iters,
+            });
         }
     }
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps)");
     let mut out = String::new();
     for (path, rows) in paths.iter().zip(&tables) {
         out.push_str(&format!("# mpiflow path: {path:?}\n").to_lowercase());
-        out.push_str(&osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows));
+        out.push_str(&osu::p2p_table(
+            &title,
+            "MPI_FLOAT",
+            "Bandwidth (MB/s)",
+            rows,
+        ));
     }
     if tables.len() == 2 {
         out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));

@@ -159,7 +159,9 @@ fn decode(bytes: &[u8]) -> Option<(Value, Vec<f32>)> {
     let mut floats = vec![0f32; rest.len() / 4];
     // SAFETY: `floats` holds exactly rest.len() bytes; the regions do not overlap; every bit
     // pattern is a valid f32 (one memcpy instead of a per-element conversion).
-    unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len()) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len())
+    };
     Some((header, floats))
 }
 
@@ -513,7 +515,12 @@ impl<'a, C: Comm> Server<'a, C> {
                 let loss = h["loss"].as_f64().unwrap_or(f64::NAN) as f32;
                 if !self.sync {
                     let mut off = 0;
-                    for ((p, s), sh) in self.params.iter_mut().zip(&mut self.slots).zip(&self.shards) {
+                    for ((p, s), sh) in self
+                        .params
+                        .iter_mut()
+                        .zip(&mut self.slots)
+                        .zip(&self.shards)
+                    {
                         self.opt.apply(p, &payload[off..off + sh.len], s);
                         off += sh.len;
                     }
@@ -984,13 +991,23 @@ impl<C: Comm> Worker<'_, C> {
 /// rounds` rounds of one push and one pull of a model of `floats` floats, sliced evenly
 /// over the ps tasks, through the real protocol (async, SGD). Workers return the mean
 /// seconds of a timed round; ps ranks return `None`.
-pub fn bench_pushpull<C: Comm>(comm: &C, layout: &Layout, floats: usize, rounds: usize, warmup: usize) -> Result<Option<f64>, PsError> {
+pub fn bench_pushpull<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    floats: usize,
+    rounds: usize,
+    warmup: usize,
+) -> Result<Option<f64>, PsError> {
     let roles = Roles::new(layout)?;
     let vars = vec![("model".to_string(), floats)];
     let slice = floats.div_ceil(roles.ps.len()).max(1) * 4;
     let shards = placement::place(&vars, roles.ps.len(), Strategy::Partition, slice);
     let cfg = PsConfig {
-        train: TrainConfig { optimizer: super::optim::OptimizerKind::Sgd, lr: 1e-12, ..TrainConfig::default() },
+        train: TrainConfig {
+            optimizer: super::optim::OptimizerKind::Sgd,
+            lr: 1e-12,
+            ..TrainConfig::default()
+        },
         sync: false,
         replicas_to_aggregate: None,
         strategy: Strategy::Partition,
@@ -1003,16 +1020,44 @@ pub fn bench_pushpull<C: Comm>(comm: &C, layout: &Layout, floats: usize, rounds:
     let me = comm.rank();
     if let Some(k) = roles.ps.iter().position(|r| *r == me) {
         let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
-        return Server::new(comm, &roles, k, mine, &cfg, 1).serve().map(|_| None);
+        return Server::new(comm, &roles, k, mine, &cfg, 1)
+            .serve()
+            .map(|_| None);
     }
-    let Some(w) = roles.workers.iter().position(|r| *r == me) else { return Ok(None) };
-    let model = Mlp { sizes: vec![], params: vec![crate::tensor::Tensor::zeros(crate::tensor::DType::F32, &[floats]).expect("1-D").named("model")] };
-    let empty = Dataset { x: vec![], y: vec![], features: 0, classes: 0 };
-    let mut worker = Worker { comm, roles: &roles, w, shards: &shards, cfg: &cfg, model, train: &empty, test: &empty };
+    let Some(w) = roles.workers.iter().position(|r| *r == me) else {
+        return Ok(None);
+    };
+    let model = Mlp {
+        sizes: vec![],
+        params: vec![
+            crate::tensor::Tensor::zeros(crate::tensor::DType::F32, &[floats])
+                .expect("1-D")
+                .named("model"),
+        ],
+    };
+    let empty = Dataset {
+        x: vec![],
+        y: vec![],
+        features: 0,
+        classes: 0,
+    };
+    let mut worker = Worker {
+        comm,
+        roles: &roles,
+        w,
+        shards: &shards,
+        cfg: &cfg,
+        model,
+        train: &empty,
+        test: &empty,
+    };
     let grads = worker.model.zeros_like();
     if w == 0 {
         let init = &worker.model.params;
-        worker.round(|k| json!({"op": "init", "vars": worker.vars_of(k)}), |k| worker.gather(k, init))?;
+        worker.round(
+            |k| json!({"op": "init", "vars": worker.vars_of(k)}),
+            |k| worker.gather(k, init),
+        )?;
     }
     // Like training: every worker's first pull waits for the chief's initialisation.
     worker.pull(0)?;
