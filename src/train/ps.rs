@@ -191,28 +191,57 @@ fn receive_within<C: Comm>(
     }
 }
 
-/// Sends `bytes` to `to` and waits at most `deadline` for the send to complete; `false` if
-/// it did not (the peer is gone or stuck). A send that never completes keeps its buffer
-/// alive (leaked) for as long as MPI may read it: the process is about to stop anyway.
+/// How a bounded send ended.
+enum Sent {
+    /// Completed; with the watched peer's message if one arrived meanwhile (its reply can
+    /// arrive before the send's completion is visible here).
+    Done(Option<Vec<u8>>),
+    /// Not completed within the deadline (the peer is gone or stuck).
+    TimedOut,
+    /// While waiting, the watched peer sent an error (an abort): here it is.
+    Interrupted(Vec<u8>),
+}
+
+/// True for a reply that is not `ok` (an error or an abort).
+fn is_error_reply(m: &[u8]) -> bool {
+    decode(m).is_none_or(|(h, _)| h["ok"] != json!(true))
+}
+
+/// Sends `bytes` to `to`, waiting at most `deadline` for completion, and meanwhile takes a
+/// `REP` message from `watch` if one arrives (a ps that aborts while this worker is still
+/// pushing to it). A send that never completes keeps its buffer alive (leaked) for as
+/// long as MPI may read it: the process is about to stop anyway.
 fn send_within<C: Comm>(
     c: &C,
     bytes: Vec<u8>,
     to: usize,
     tag: i32,
     deadline: Duration,
-) -> Result<bool, TransportError> {
+    watch: Option<usize>,
+) -> Result<Sent, TransportError> {
     // SAFETY: `bytes` stays alive until the request completes, or forever if it does not.
     let mut req = unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag)? };
     let start = Instant::now();
     let mut idle = 0u32;
+    let mut early: Option<Vec<u8>> = None;
     loop {
         if c.test(&mut req)?.is_some() {
-            return Ok(true);
+            return Ok(Sent::Done(early));
+        }
+        if let (Some(w), None) = (watch, &early) {
+            if let Some((_, m)) = c.try_receive(w, REP, deadline)? {
+                if is_error_reply(&m) {
+                    std::mem::forget(bytes);
+                    std::mem::forget(req);
+                    return Ok(Sent::Interrupted(m));
+                }
+                early = Some(m);
+            }
         }
         if start.elapsed() > deadline {
             std::mem::forget(bytes);
             std::mem::forget(req);
-            return Ok(false);
+            return Ok(Sent::TimedOut);
         }
         idle += 1;
         if idle < 64 {
@@ -343,7 +372,7 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn send_reply(&self, to: usize, message: Vec<u8>) -> Result<(), PsError> {
-        if send_within(self.comm, message, to, REP, self.timeout)? {
+        if let Sent::Done(_) = send_within(self.comm, message, to, REP, self.timeout, None)? {
             return Ok(());
         }
         let err = PsError::Lost {
@@ -360,7 +389,14 @@ impl<'a, C: Comm> Server<'a, C> {
         let message = encode(&json!({"ok": false, "error": err.to_string()}), &[]);
         for (i, r) in self.roles.workers.iter().enumerate() {
             if *r != lost && !self.done[i] {
-                let _ = send_within(self.comm, message.clone(), *r, REP, Duration::from_secs(1));
+                let _ = send_within(
+                    self.comm,
+                    message.clone(),
+                    *r,
+                    REP,
+                    Duration::from_secs(1),
+                    None,
+                );
             }
         }
     }
@@ -766,30 +802,47 @@ impl<C: Comm> Worker<'_, C> {
         payload: impl Fn(usize) -> Vec<f32>,
     ) -> Result<Vec<(Value, Vec<f32>)>, PsError> {
         let deadline = self.cfg.peer_timeout * 2;
+        let mut early: Vec<Option<Vec<u8>>> = vec![None; self.roles.ps.len()];
         for (k, r) in self.roles.ps.iter().enumerate() {
-            if !send_within(
+            match send_within(
                 self.comm,
                 encode(&header(k), &payload(k)),
                 *r,
                 REQ,
                 deadline,
+                Some(*r),
             )? {
-                return Err(PsError::Lost {
-                    task: self.me(),
-                    lost: self.roles.task(*r),
-                    secs: deadline.as_secs(),
-                });
+                Sent::Done(reply) => early[k] = reply,
+                Sent::TimedOut => {
+                    return Err(PsError::Lost {
+                        task: self.me(),
+                        lost: self.roles.task(*r),
+                        secs: deadline.as_secs(),
+                    });
+                }
+                Sent::Interrupted(m) => {
+                    let message = decode(&m)
+                        .and_then(|(h, _)| h["error"].as_str().map(str::to_string))
+                        .unwrap_or_else(|| "aborted".into());
+                    return Err(PsError::Remote {
+                        task: self.me(),
+                        message,
+                    });
+                }
             }
         }
         let mut out = Vec::new();
-        for r in &self.roles.ps {
+        for (r, early) in self.roles.ps.iter().zip(early) {
             // Twice the ps's own deadline: a ps that lost another task says so first.
             let lost = || PsError::Lost {
                 task: self.me(),
                 lost: self.roles.task(*r),
                 secs: deadline.as_secs(),
             };
-            let got = match receive_within(self.comm, *r, REP, deadline) {
+            let got = match early
+                .map(|m| Ok(Some((*r, m))))
+                .unwrap_or_else(|| receive_within(self.comm, *r, REP, deadline))
+            {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(TransportError::Timeout { .. }) => return Err(lost()),
                 Err(e) => return Err(e.into()),
