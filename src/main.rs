@@ -63,6 +63,8 @@ enum Mode {
     Local,
     /// Parameter servers and workers (under mpirun; --ps N sets the ps tasks).
     Ps,
+    /// Synchronous replicas, gradients averaged by fused allreduce (under mpirun).
+    Allreduce,
 }
 
 #[derive(Args)]
@@ -95,6 +97,9 @@ struct TrainArgs {
     /// Seconds without a message from a needed peer before it counts as lost.
     #[arg(long, default_value_t = 12)]
     peer_timeout: u64,
+    /// allreduce mode: compare the replicas' parameter checksums every N steps (0: never).
+    #[arg(long, default_value_t = 100)]
+    check_every: u64,
     /// Write the final parameters to this file (mpiflow checkpoint format).
     #[arg(long)]
     save_params: Option<PathBuf>,
@@ -392,8 +397,8 @@ fn cmd_check(args: &CheckArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
 
 fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::{data::Dataset, train_local, TrainConfig};
-    if args.mode == Mode::Ps {
-        return cmd_train_ps(args, env);
+    if args.mode != Mode::Local {
+        return cmd_train_distributed(args, env);
     }
     let pin = mpiflow::topology::pin(0, 1, args.bind);
     if let Some(w) = &pin.warning {
@@ -462,13 +467,15 @@ fn train_config(args: &TrainArgs) -> mpiflow::train::TrainConfig {
     }
 }
 
-fn cmd_train_ps(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+/// Distributed training (`--mode ps` or `--mode allreduce`) on this rank.
+fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    use mpiflow::train::allreduce::{self, AllreduceConfig};
     use mpiflow::train::data::Dataset;
     use mpiflow::train::ps::{self, PsConfig};
     let (resolved, ctx) = resolve(&args.cluster, env)?;
     let Some(ctx) = ctx else {
         return Err(Failure::local(
-            "--mode ps runs under mpirun (or srun --mpi=pmix)",
+            "distributed training runs under mpirun (or srun --mpi=pmix)",
         ));
     };
     drop(resolved.port_guard);
@@ -480,21 +487,14 @@ fn cmd_train_ps(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), 
         .agree(Dataset::load(&args.data, args.seed))
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let (train, test) = data.split_holdout(args.seed);
-    let cfg = PsConfig {
-        train: train_config(args),
-        sync: !args.async_,
-        replicas_to_aggregate: args.replicas_to_aggregate,
-        strategy: args.var_placement,
-        partition_bytes: args.partition_bytes,
-        checkpoint_dir: args.checkpoint_dir.clone(),
-        checkpoint_every: args.checkpoint_every,
-        peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
-        save_params: args.save_params.clone(),
-    };
     if ctx.rank() == 0 {
+        let mode = match args.mode {
+            Mode::Ps if args.async_ => "ps, async",
+            Mode::Ps => "ps, sync",
+            _ => "allreduce",
+        };
         emit(&format!(
-            "# mpiflow train --mode ps ({}): {} tasks, {} train / {} held-out samples, BLAS threads {} per rank\n",
-            if cfg.sync { "sync" } else { "async" },
+            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, BLAS threads {} per rank\n",
             layout.ranks.len(),
             train.len(),
             test.len(),
@@ -509,9 +509,33 @@ fn cmd_train_ps(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), 
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
-    let result = ps::run(&comm, layout, &cfg, &train, &test, &mut |line: &str| {
-        emit(&format!("{}\n", line.trim_end()))
-    });
+    let mut log = |line: &str| emit(&format!("{}\n", line.trim_end()));
+    let result = match args.mode {
+        Mode::Ps => {
+            let cfg = PsConfig {
+                train: train_config(args),
+                sync: !args.async_,
+                replicas_to_aggregate: args.replicas_to_aggregate,
+                strategy: args.var_placement,
+                partition_bytes: args.partition_bytes,
+                checkpoint_dir: args.checkpoint_dir.clone(),
+                checkpoint_every: args.checkpoint_every,
+                peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
+                save_params: args.save_params.clone(),
+            };
+            ps::run(&comm, layout, &cfg, &train, &test, &mut log).map_err(|e| e.to_string())
+        }
+        _ => {
+            let cfg = AllreduceConfig {
+                train: train_config(args),
+                checkpoint_dir: args.checkpoint_dir.clone(),
+                checkpoint_every: args.checkpoint_every,
+                check_every: args.check_every,
+                save_params: args.save_params.clone(),
+            };
+            allreduce::run(&comm, layout, &cfg, &train, &test, &mut log).map_err(|e| e.to_string())
+        }
+    };
     if let Err(e) = result {
         // Peers may be gone or waiting: no collective and no MPI_Finalize, which could
         // wait for a dead rank; exiting non-zero ends the job.

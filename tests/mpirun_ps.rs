@@ -6,23 +6,8 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{mpiflow, mpiflow_alone, mpirun};
+use common::{accuracy, max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir};
 use mpiflow::train::checkpoint;
-
-fn accuracy(stdout: &str) -> f64 {
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("accuracy "))
-        .unwrap_or_else(|| panic!("no accuracy line in {stdout}"));
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn tmpdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("mpiflow-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 #[test]
 fn digits_reach_95_percent_sync_and_async_with_one_and_two_ps() {
@@ -84,18 +69,7 @@ fn sync_training_equals_local_training_on_the_combined_batch() {
         b.to_str().unwrap(),
     ]);
     assert_eq!(ps.code, 0, "{ps:?}");
-    let (x, y) = (
-        checkpoint::read_file(&a, None).unwrap(),
-        checkpoint::read_file(&b, None).unwrap(),
-    );
-    assert_eq!(x.arrays.len(), y.arrays.len());
-    let mut worst = 0.0f32;
-    for (name, va) in &x.arrays {
-        let vb = y.get(name).unwrap_or_else(|| panic!("{name} missing"));
-        for (p, q) in va.iter().zip(vb) {
-            worst = worst.max((p - q).abs() / (1.0 + p.abs()));
-        }
-    }
+    let worst = max_relative_difference(&a, &b);
     // Float32 sums in another order (per worker, then weighted) differ by rounding only.
     assert!(worst < 1e-4, "largest relative difference {worst}");
 }
@@ -131,36 +105,11 @@ fn a_job_killed_in_the_middle_resumes_and_ends_the_same() {
 
     let ckpt = dir.join("killed");
     let b = args(&ckpt);
-    let mut child = Command::new("mpirun")
-        .arg("--oversubscribe")
-        .args(&b)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while !ckpt.join("ckpt-400").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no checkpoint appeared"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // SIGKILL one rank (a child of mpirun).
-    let kids = Command::new("pgrep")
-        .args(["-P", &child.id().to_string()])
-        .output()
-        .unwrap();
-    let pid = String::from_utf8_lossy(&kids.stdout)
-        .lines()
-        .last()
-        .expect("a rank")
-        .to_string();
-    Command::new("kill").args(["-9", &pid]).status().unwrap();
-    let status = child.wait().unwrap();
-    assert!(!status.success(), "the killed job must fail");
+    let b_args: Vec<&str> = b.iter().map(String::as_str).collect();
+    assert!(
+        !common::kill_one_rank_when(&b_args, &ckpt.join("ckpt-400")),
+        "the killed job must fail"
+    );
     assert!(!ckpt.join("ckpt-3000").exists(), "killed before the end");
 
     let resumed = mpirun(&b.iter().map(String::as_str).collect::<Vec<_>>());

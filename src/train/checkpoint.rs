@@ -103,13 +103,22 @@ pub fn read_file(path: &Path, expect: Option<(u64, u64)>) -> Result<Arrays, Chec
             ));
         }
     }
+    parse(path, &bytes, expect.map(|e| e.1))
+}
+
+/// Parses and verifies the bytes of a shard file (`path` names it in errors).
+pub fn parse(
+    path: &Path,
+    bytes: &[u8],
+    expect_checksum: Option<u64>,
+) -> Result<Arrays, CheckpointError> {
     if bytes.len() < 20 || &bytes[..8] != MAGIC {
         return Err(corrupt(path, "not an mpiflow checkpoint file"));
     }
     let (body, tail) = bytes.split_at(bytes.len() - 8);
     let stored = u64::from_le_bytes(tail.try_into().expect("8 bytes"));
     let sum = checksum(body);
-    if stored != sum || expect.is_some_and(|(_, c)| c != sum) {
+    if stored != sum || expect_checksum.is_some_and(|c| c != sum) {
         return Err(corrupt(path, "checksum mismatch"));
     }
     let hlen = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes")) as usize;

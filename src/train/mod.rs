@@ -5,10 +5,12 @@
 //! - [`optim`]: SGD, momentum, Adagrad, Adam as pure update rules.
 //! - [`rng`]: the seeded generator behind every random choice.
 //! - [`placement`], [`ps`], [`checkpoint`]: parameter-server training and its checkpoints.
+//! - [`allreduce`]: synchronous replica training by fused allreduce.
 //!
 //! [`train_local`] is single-process training (`mpiflow train --mode local`): the
 //! reference the distributed modes are compared with.
 
+pub mod allreduce;
 pub mod checkpoint;
 pub mod data;
 pub mod model;

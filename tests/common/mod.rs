@@ -112,3 +112,71 @@ pub fn mpiflow_alone(args: &[&str], env: &[(&str, &str)]) -> Run {
 pub fn hostname() -> String {
     mpiflow::cluster::resolve::hostname().expect("gethostname")
 }
+
+/// The held-out accuracy on the `accuracy ...` line of a training run.
+pub fn accuracy(stdout: &str) -> f64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("accuracy "))
+        .unwrap_or_else(|| panic!("no accuracy line in {stdout}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A fresh temporary directory for one test.
+pub fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("mpiflow-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Largest |a - b| / (1 + |a|) over every parameter of two saved parameter files.
+pub fn max_relative_difference(a: &std::path::Path, b: &std::path::Path) -> f32 {
+    use mpiflow::train::checkpoint::read_file;
+    let (x, y) = (read_file(a, None).unwrap(), read_file(b, None).unwrap());
+    assert_eq!(x.arrays.len(), y.arrays.len());
+    let mut worst = 0.0f32;
+    for (name, va) in &x.arrays {
+        let vb = y.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(va.len(), vb.len(), "{name}");
+        for (p, q) in va.iter().zip(vb) {
+            worst = worst.max((p - q).abs() / (1.0 + p.abs()));
+        }
+    }
+    worst
+}
+
+/// Starts `mpirun ARGS`, waits for `marker` to exist, SIGKILLs one rank, and waits for the
+/// job to end; returns whether it succeeded (it must not).
+pub fn kill_one_rank_when(args: &[&str], marker: &std::path::Path) -> bool {
+    let _g = lock();
+    let mut child = Command::new("mpirun")
+        .arg("--oversubscribe")
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !marker.exists() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "{} never appeared",
+            marker.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let kids = Command::new("pgrep")
+        .args(["-P", &child.id().to_string()])
+        .output()
+        .unwrap();
+    let pid = String::from_utf8_lossy(&kids.stdout)
+        .lines()
+        .last()
+        .expect("a rank")
+        .to_string();
+    Command::new("kill").args(["-9", &pid]).status().unwrap();
+    child.wait().unwrap().success()
+}
