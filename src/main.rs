@@ -426,26 +426,7 @@ fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     })
     .map_err(Failure::local)?;
     if let Some(p) = &args.save_params {
-        let arrays = report
-            .model
-            .params
-            .iter()
-            .map(|t| {
-                (
-                    t.name().to_string(),
-                    t.as_slice::<f32>().expect("f32").to_vec(),
-                )
-            })
-            .collect();
-        mpiflow::train::checkpoint::write_file(
-            p,
-            &mpiflow::train::checkpoint::Arrays {
-                step: report.steps,
-                meta: json!({}),
-                arrays,
-            },
-        )
-        .map_err(Failure::local)?;
+        mpiflow::train::save_params(&report.model, p, report.steps).map_err(Failure::local)?;
     }
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
     emit(&format!(

@@ -228,15 +228,7 @@ pub fn run(
         ("Broadcast Latency Test", "MPI_CHAR", 1)
     };
     let (min, max) = opts.sizes.unwrap_or((default_min, 1 << 20));
-    let paths: Vec<Path> = match opts.path {
-        Path::Both => vec![Path::Mpi, Path::Mpiflow],
-        p => vec![p],
-    };
-    let rounds = if paths.len() > 1 {
-        opts.rounds.max(1)
-    } else {
-        1
-    };
+    let (paths, rounds) = opts.plan();
     let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
     for size in osu::sizes(min, max) {
         if name == "allreduce" && size < 4 {
@@ -258,18 +250,15 @@ pub fn run(
             tables[k].push(b.expect("at least one round"));
         }
     }
-    for (path, rows) in paths.iter().zip(&tables) {
-        let label = match path {
-            Path::Mpiflow if name == "allreduce" => {
-                format!("mpiflow (algorithm {:?})", opts.algorithm).to_lowercase()
-            }
-            p => format!("{p:?}").to_lowercase(),
-        };
-        out.push_str(&format!("# mpiflow path: {label}\n"));
-        out.push_str(&osu::collective_table(title, datatype, rows, opts.full));
-    }
-    if tables.len() == 2 {
-        out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));
-    }
+    let label = |path: &Path| match path {
+        Path::Mpiflow if name == "allreduce" => {
+            format!("mpiflow (algorithm {:?})", opts.algorithm).to_lowercase()
+        }
+        p => format!("{p:?}").to_lowercase(),
+    };
+    let labelled: Vec<(String, Vec<Row>)> = paths.iter().map(label).zip(tables).collect();
+    out.push_str(&osu::render(&labelled, |rows| {
+        osu::collective_table(title, datatype, rows, opts.full)
+    }));
     Ok(out)
 }

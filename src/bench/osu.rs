@@ -73,6 +73,39 @@ impl Default for BenchOptions {
     }
 }
 
+impl BenchOptions {
+    /// The paths to measure, and how many alternating rounds each size gets.
+    pub fn plan(&self) -> (Vec<Path>, usize) {
+        match self.path {
+            Path::Both => (vec![Path::Mpi, Path::Mpiflow], self.rounds.max(1)),
+            p => (vec![p], 1),
+        }
+    }
+}
+
+/// Tables labelled by their path's name (`mpi`, `mpiflow`).
+pub fn by_path(paths: &[Path], tables: Vec<Vec<Row>>) -> Vec<(String, Vec<Row>)> {
+    paths
+        .iter()
+        .map(|p| format!("{p:?}").to_lowercase())
+        .zip(tables)
+        .collect()
+}
+
+/// Every path's table after a `# mpiflow path: LABEL` line, then the ratio of the second
+/// path to the first when two ran.
+pub fn render(paths: &[(String, Vec<Row>)], table: impl Fn(&[Row]) -> String) -> String {
+    let mut out = String::new();
+    for (label, rows) in paths {
+        let _ = writeln!(out, "# mpiflow path: {label}");
+        out.push_str(&table(rows));
+    }
+    if let [(_, a), (_, b)] = paths {
+        out.push_str(&ratio_table("mpiflow/mpi", a, b));
+    }
+    out
+}
+
 /// Parses `[MIN:]MAX`.
 pub fn parse_sizes(s: &str) -> Result<(usize, usize), String> {
     let num = |x: &str| {

@@ -214,15 +214,7 @@ fn validate(comm: &MpiComm, path: Path, size: usize) -> Result<(), BenchError> {
 /// Runs latency, bw or bibw over the sizes; returns the text rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, BenchError> {
     let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
-    let paths: Vec<Path> = match opts.path {
-        Path::Both => vec![Path::Mpi, Path::Mpiflow],
-        p => vec![p],
-    };
-    let rounds = if paths.len() > 1 {
-        opts.rounds.max(1)
-    } else {
-        1
-    };
+    let (paths, rounds) = opts.plan();
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let latency = name == "latency";
     let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
@@ -257,13 +249,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         "bw" => ("Bandwidth Test", "Bandwidth (MB/s)"),
         _ => ("Bi-Directional Bandwidth Test", "Bandwidth (MB/s)"),
     };
-    let mut out = String::new();
-    for (path, rows) in paths.iter().zip(&tables) {
-        out.push_str(&format!("# mpiflow path: {path:?}\n").to_lowercase());
-        out.push_str(&osu::p2p_table(title, "MPI_CHAR", column, rows));
-    }
-    if tables.len() == 2 {
-        out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));
-    }
-    Ok(out)
+    Ok(osu::render(&osu::by_path(&paths, tables), |rows| {
+        osu::p2p_table(title, "MPI_CHAR", column, rows)
+    }))
 }

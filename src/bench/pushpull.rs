@@ -128,15 +128,7 @@ pub fn run(
     let workers = n - ps;
     let l = layout(n, ps)?;
     let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
-    let paths: Vec<Path> = match opts.path {
-        Path::Both => vec![Path::Mpi, Path::Mpiflow],
-        p => vec![p],
-    };
-    let rounds = if paths.len() > 1 {
-        opts.rounds.max(1)
-    } else {
-        1
-    };
+    let (paths, rounds) = opts.plan();
     let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
     for size in osu::sizes(min.max(4), max) {
         let size = size / 4 * 4;
@@ -166,18 +158,7 @@ pub fn run(
         }
     }
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps)");
-    let mut out = String::new();
-    for (path, rows) in paths.iter().zip(&tables) {
-        out.push_str(&format!("# mpiflow path: {path:?}\n").to_lowercase());
-        out.push_str(&osu::p2p_table(
-            &title,
-            "MPI_FLOAT",
-            "Bandwidth (MB/s)",
-            rows,
-        ));
-    }
-    if tables.len() == 2 {
-        out.push_str(&osu::ratio_table("mpiflow/mpi", &tables[0], &tables[1]));
-    }
-    Ok(out)
+    Ok(osu::render(&osu::by_path(&paths, tables), |rows| {
+        osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows)
+    }))
 }

@@ -262,34 +262,8 @@ pub fn run<C: Comm>(
         if last_ckpt != step {
             write_checkpoint(cfg, &model, &slots, step, log)?;
         }
-        let acc = model
-            .accuracy(&test.x, &test.y)
+        super::finish(&model, test, step, cfg.save_params.as_deref(), log)
             .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-        let correct = (acc * test.len() as f64).round() as usize;
-        log(&format!(
-            "accuracy {acc:.4} ({correct}/{} held-out samples) at global step {step}",
-            test.len()
-        ));
-        if let Some(p) = &cfg.save_params {
-            let arrays = model
-                .params
-                .iter()
-                .map(|t| {
-                    (
-                        t.name().to_string(),
-                        t.as_slice::<f32>().expect("f32").to_vec(),
-                    )
-                })
-                .collect();
-            checkpoint::write_file(
-                p,
-                &Arrays {
-                    step,
-                    meta: json!({}),
-                    arrays,
-                },
-            )?;
-        }
     }
     Ok(())
 }

@@ -87,6 +87,63 @@ pub struct StepLog {
     pub samples_per_sec: f64,
 }
 
+/// Errors of [`finish`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FinishError {
+    #[error("{0}")]
+    Kernel(#[from] KernelError),
+    #[error("{0}")]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+}
+
+/// The chief's last act in every distributed mode: the held-out accuracy line, and the
+/// final parameters written to `save` if asked.
+pub fn finish(
+    model: &Mlp,
+    test: &Dataset,
+    step: u64,
+    save: Option<&std::path::Path>,
+    log: &mut dyn FnMut(&str),
+) -> Result<f64, FinishError> {
+    let acc = model.accuracy(&test.x, &test.y)?;
+    let correct = (acc * test.len() as f64).round() as usize;
+    log(&format!(
+        "accuracy {acc:.4} ({correct}/{} held-out samples) at global step {step}",
+        test.len()
+    ));
+    if let Some(p) = save {
+        save_params(model, p, step)?;
+    }
+    Ok(acc)
+}
+
+/// Writes a model's parameters (by name) in the checkpoint file format.
+pub fn save_params(
+    model: &Mlp,
+    path: &std::path::Path,
+    step: u64,
+) -> Result<(), checkpoint::CheckpointError> {
+    let arrays = model
+        .params
+        .iter()
+        .map(|t| {
+            (
+                t.name().to_string(),
+                t.as_slice::<f32>().expect("f32").to_vec(),
+            )
+        })
+        .collect();
+    checkpoint::write_file(
+        path,
+        &checkpoint::Arrays {
+            step,
+            meta: serde_json::json!({}),
+            arrays,
+        },
+    )
+    .map(|_| ())
+}
+
 /// Layer widths for `data` with `hidden` layers.
 pub fn layer_sizes(data: &Dataset, hidden: &[usize]) -> Vec<usize> {
     std::iter::once(data.features)

@@ -1002,36 +1002,14 @@ impl<C: Comm> Worker<'_, C> {
             if last_ckpt != step {
                 self.checkpoint(step, log)?;
             }
-            let acc = self
-                .model
-                .accuracy(&self.test.x, &self.test.y)
-                .map_err(|e| PsError::Setup(e.to_string()))?;
-            let correct = (acc * self.test.len() as f64).round() as usize;
-            log(&format!(
-                "accuracy {acc:.4} ({correct}/{} held-out samples) at global step {step}",
-                self.test.len()
-            ));
-            if let Some(p) = &self.cfg.save_params {
-                let arrays = self
-                    .model
-                    .params
-                    .iter()
-                    .map(|t| {
-                        (
-                            t.name().to_string(),
-                            t.as_slice::<f32>().expect("f32").to_vec(),
-                        )
-                    })
-                    .collect();
-                checkpoint::write_file(
-                    p,
-                    &Arrays {
-                        step,
-                        meta: json!({}),
-                        arrays,
-                    },
-                )?;
-            }
+            super::finish(
+                &self.model,
+                self.test,
+                step,
+                self.cfg.save_params.as_deref(),
+                log,
+            )
+            .map_err(|e| PsError::Setup(e.to_string()))?;
         }
         for r in &self.roles.ps {
             crate::transport::comm::send(self.comm, &encode(&json!({"op": "done"}), &[]), *r, REQ)?;
