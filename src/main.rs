@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -126,6 +127,9 @@ struct TrainArgs {
     /// CPU binding of each rank.
     #[arg(long, value_enum, default_value_t)]
     bind: mpiflow::topology::Policy,
+    /// OpenBLAS threads per rank (default: the cores of the rank's CPU set).
+    #[arg(long)]
+    blas_threads: Option<usize>,
 }
 
 #[derive(Args)]
@@ -400,7 +404,7 @@ fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     if args.mode != Mode::Local {
         return cmd_train_distributed(args, env);
     }
-    let pin = mpiflow::topology::pin(0, 1, args.bind);
+    let pin = pin_rank(args, 0, 1);
     if let Some(w) = &pin.warning {
         eprintln!("mpiflow: warning: {w}");
     }
@@ -436,6 +440,16 @@ fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     Ok(())
 }
 
+/// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan).
+fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::Pinning {
+    let mut pin = mpiflow::topology::pin(local, count, args.bind);
+    if let Some(n) = args.blas_threads {
+        mpiflow::kernels::set_blas_threads(n);
+        pin.blas_threads = mpiflow::kernels::blas_threads();
+    }
+    pin
+}
+
 fn train_config(args: &TrainArgs) -> mpiflow::train::TrainConfig {
     mpiflow::train::TrainConfig {
         hidden: args.hidden.clone(),
@@ -463,7 +477,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let layout = &resolved.layout;
     let me = &layout.ranks[ctx.rank()];
     let count = layout.ranks.iter().filter(|r| r.host == me.host).count();
-    let pin = mpiflow::topology::pin(me.local_rank.unwrap_or(0), count, args.bind);
+    let pin = pin_rank(args, me.local_rank.unwrap_or(0), count);
     let data = ctx
         .agree(Dataset::load(&args.data, args.seed))
         .map_err(|e| Failure::agreed(e, &ctx))?;
@@ -639,8 +653,38 @@ fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
     out
 }
 
+/// OpenBLAS sizes its thread pool when the library loads, before `main`, from
+/// `OPENBLAS_NUM_THREADS` (default: every core). Threads it then does not use still compete
+/// with the other ranks of the node (measured: 2 pinned ranks train 1.4x faster with the
+/// variable set). So for the commands that compute, when the variable is unset, this sets
+/// it from the rank's share of the node (the launcher's binding, or cores divided by the
+/// ranks the launcher put on this node) and re-executes the same process (same PID, so
+/// mpirun and srun keep tracking it), before MPI is initialised.
+fn size_blas_pool_then_reexec(env: &BTreeMap<String, String>) {
+    let computes = std::env::args().nth(1).is_some_and(|c| matches!(c.as_str(), "train" | "bench" | "check" | "topo"));
+    if !computes || env.contains_key("OPENBLAS_NUM_THREADS") {
+        return;
+    }
+    let all = mpiflow::topology::Machine::detect().map_or(1, |m| m.cores().len().max(1));
+    let mine = mpiflow::topology::current_affinity().len().max(1);
+    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"]
+        .iter()
+        .find_map(|v| env.get(*v).and_then(|x| x.parse::<usize>().ok()))
+        .unwrap_or(1)
+        .max(1);
+    let threads = if mine < all { mine } else { (all / local).max(1) };
+    let Ok(exe) = std::env::current_exe() else { return };
+    let err = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("OPENBLAS_NUM_THREADS", threads.to_string())
+        .exec();
+    // Could not re-execute: carry on with the pool as it is.
+    eprintln!("mpiflow: warning: could not re-execute to size the BLAS pool: {err}");
+}
+
 fn main() -> ExitCode {
     let env: BTreeMap<String, String> = std::env::vars().collect();
+    size_blas_pool_then_reexec(&env);
     let prefix = launcher_rank_hint(&env)
         .map(|r| format!("rank {r}: "))
         .unwrap_or_default();

@@ -187,6 +187,8 @@ pub fn run<C: Comm>(
     let mut grads: Vec<Tensor> = model.zeros_like();
     let mut fusion = Fusion::default();
     let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
+    // Seconds of the current log window spent in the gradient allreduce.
+    let mut comm_secs = 0.0f64;
     let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[2])
         .expect("1-D")
         .named("loss");
@@ -206,7 +208,9 @@ pub fn run<C: Comm>(
                 .for_each(|v| *v *= n);
         }
         let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
+        let comm_start = Instant::now();
         fusion.allreduce(&coll, &mut refs, ReduceOp::Sum)?;
+        comm_secs += comm_start.elapsed().as_secs_f64();
         let total = global.len() as f32;
         for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
             let g = g.as_mut_slice::<f32>().expect("f32");
@@ -241,13 +245,14 @@ pub fn run<C: Comm>(
                 let l = loss_buf.as_slice::<f64>().expect("f64");
                 let secs = window.elapsed().as_secs_f64().max(1e-9);
                 log(&format!(
-                    "step {step:>6} loss {:.4} steps/s {:.1} samples/s {:.0}",
+                    "step {step:>6} loss {:.4} steps/s {:.1} samples/s {:.0} comm {:.0}%",
                     l[0] / l[1],
                     window_steps as f64 / secs,
-                    (window_steps * cfg.train.batch as u64) as f64 / secs
+                    (window_steps * cfg.train.batch as u64) as f64 / secs,
+                    100.0 * comm_secs / secs
                 ));
             }
-            (window, window_steps) = (Instant::now(), 0);
+            (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
         }
         if chief
             && cfg.checkpoint_every > 0

@@ -20,7 +20,7 @@ pub enum DataError {
     },
     #[error("data {path}: {why}")]
     Format { path: String, why: String },
-    #[error("unknown data set {0:?} (digits, synthetic, or idx:IMAGES,LABELS)")]
+    #[error("unknown data set {0:?} (digits, digits:PATH, synthetic, synthetic:FEATURES, or idx:IMAGES,LABELS)")]
     Unknown(String),
 }
 
@@ -64,12 +64,17 @@ impl Dataset {
         self.y.is_empty()
     }
 
-    /// Loads a data set by name: `digits` (or `digits:PATH`), `synthetic`, `idx:IMAGES,LABELS`.
+    /// Loads a data set by name: `digits` (or `digits:PATH`), `synthetic` (64 features) or
+    /// `synthetic:FEATURES` (4096 samples), `idx:IMAGES,LABELS`.
     pub fn load(spec: &str, seed: u64) -> Result<Dataset, DataError> {
         match spec.split_once(':') {
             None if spec == "digits" => Dataset::digits(&default_digits_path()),
             None if spec == "synthetic" => Ok(Dataset::synthetic(2000, 64, 10, seed)),
             Some(("digits", path)) => Dataset::digits(Path::new(path)),
+            Some(("synthetic", features)) => {
+                let f: usize = features.parse().ok().filter(|f| *f > 0).ok_or_else(|| DataError::Unknown(spec.into()))?;
+                Ok(Dataset::synthetic(4096, f, 10, seed))
+            }
             Some(("idx", files)) => {
                 let (images, labels) = files
                     .split_once(',')
