@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::PathBuf;
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -653,31 +653,53 @@ fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
     out
 }
 
-/// OpenBLAS sizes its thread pool when the library loads, before `main`, from
-/// `OPENBLAS_NUM_THREADS` (default: every core). Threads it then does not use still compete
+/// OpenBLAS sizes its thread pool and picks its kernels when the library loads, before
+/// `main`, from `OPENBLAS_NUM_THREADS` (default: every core) and `OPENBLAS_CORETYPE` (see
+/// [`mpiflow::kernels::openblas_coretype`]). Threads it then does not use still compete
 /// with the other ranks of the node (measured: 2 pinned ranks train 1.4x faster with the
 /// variable set). So for the commands that compute, when the variable is unset, this sets
 /// it from the rank's share of the node (the launcher's binding, or cores divided by the
 /// ranks the launcher put on this node) and re-executes the same process (same PID, so
 /// mpirun and srun keep tracking it), before MPI is initialised.
 fn size_blas_pool_then_reexec(env: &BTreeMap<String, String>) {
-    let computes = std::env::args().nth(1).is_some_and(|c| matches!(c.as_str(), "train" | "bench" | "check" | "topo"));
+    let computes = std::env::args()
+        .nth(1)
+        .is_some_and(|c| matches!(c.as_str(), "train" | "bench" | "check" | "topo"));
     if !computes || env.contains_key("OPENBLAS_NUM_THREADS") {
         return;
     }
+    // A user's own choice is inherited as it is.
+    let coretype = if env.contains_key("OPENBLAS_CORETYPE") {
+        None
+    } else {
+        mpiflow::kernels::openblas_coretype()
+    };
     let all = mpiflow::topology::Machine::detect().map_or(1, |m| m.cores().len().max(1));
     let mine = mpiflow::topology::current_affinity().len().max(1);
-    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"]
-        .iter()
-        .find_map(|v| env.get(*v).and_then(|x| x.parse::<usize>().ok()))
-        .unwrap_or(1)
-        .max(1);
-    let threads = if mine < all { mine } else { (all / local).max(1) };
-    let Ok(exe) = std::env::current_exe() else { return };
-    let err = std::process::Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .env("OPENBLAS_NUM_THREADS", threads.to_string())
-        .exec();
+    let local = [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS",
+        "SLURM_NTASKS_PER_NODE",
+    ]
+    .iter()
+    .find_map(|v| env.get(*v).and_then(|x| x.parse::<usize>().ok()))
+    .unwrap_or(1)
+    .max(1);
+    let threads = if mine < all {
+        mine
+    } else {
+        (all / local).max(1)
+    };
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(std::env::args_os().skip(1))
+        .env("OPENBLAS_NUM_THREADS", threads.to_string());
+    if let Some(c) = coretype {
+        cmd.env("OPENBLAS_CORETYPE", c);
+    }
+    let err = cmd.exec();
     // Could not re-execute: carry on with the pool as it is.
     eprintln!("mpiflow: warning: could not re-execute to size the BLAS pool: {err}");
 }

@@ -72,7 +72,11 @@ impl Dataset {
             None if spec == "synthetic" => Ok(Dataset::synthetic(2000, 64, 10, seed)),
             Some(("digits", path)) => Dataset::digits(Path::new(path)),
             Some(("synthetic", features)) => {
-                let f: usize = features.parse().ok().filter(|f| *f > 0).ok_or_else(|| DataError::Unknown(spec.into()))?;
+                let f: usize = features
+                    .parse()
+                    .ok()
+                    .filter(|f| *f > 0)
+                    .ok_or_else(|| DataError::Unknown(spec.into()))?;
                 Ok(Dataset::synthetic(4096, f, 10, seed))
             }
             Some(("idx", files)) => {
