@@ -27,6 +27,19 @@ fn gflops(n: usize, reps: usize, f: &mut dyn FnMut()) -> f64 {
 }
 
 fn main() {
+    // OpenBLAS picks its kernels when it loads: choose them as the mpiflow binary does
+    // (see kernels::openblas_coretype), by re-executing with OPENBLAS_CORETYPE set.
+    if std::env::var_os("OPENBLAS_CORETYPE").is_none() {
+        if let Some(core) = kernels::openblas_coretype() {
+            use std::os::unix::process::CommandExt;
+            let exe = std::env::current_exe().expect("own path");
+            let err = std::process::Command::new(exe)
+                .args(std::env::args_os().skip(1))
+                .env("OPENBLAS_CORETYPE", core)
+                .exec();
+            eprintln!("could not re-execute with OPENBLAS_CORETYPE={core}: {err}");
+        }
+    }
     let quick = std::env::var_os("MPIFLOW_BENCH_QUICK").is_some();
     let sizes: &[usize] = if quick {
         &[128]
