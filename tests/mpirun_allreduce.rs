@@ -22,9 +22,15 @@ fn n_replicas_equal_local_training_on_the_global_batch() {
         &[],
     );
     assert_eq!(run.code, 0, "{run:?}");
-    for np in ["2", "3", "4"] {
-        let out = dir.join(format!("ar{np}.bin"));
-        let run = mpirun(&[
+    for (np, overlap) in [
+        ("2", false),
+        ("3", false),
+        ("4", false),
+        ("2", true),
+        ("3", true),
+    ] {
+        let out = dir.join(format!("ar{np}-{overlap}.bin"));
+        let mut args = vec![
             "-np",
             np,
             mpiflow(),
@@ -35,15 +41,20 @@ fn n_replicas_equal_local_training_on_the_global_batch() {
             "80",
             "--check-every",
             "10",
-            "--save-params",
-            out.to_str().unwrap(),
-        ]);
+        ];
+        if overlap {
+            // Layer buckets reduced on a communication thread (MPI_THREAD_MULTIPLE).
+            args.push("--overlap");
+        }
+        args.extend(["--save-params", out.to_str().unwrap()]);
+        let run = mpirun(&args);
         assert_eq!(run.code, 0, "{run:?}");
+        assert!(!run.stderr.contains("warning"), "{}", run.stderr);
         // Float32 sums in another grouping (per replica, then across): rounding only.
         let worst = max_relative_difference(&local, &out);
         assert!(
             worst < 1e-4,
-            "{np} replicas: largest relative difference {worst}"
+            "{np} replicas (overlap {overlap}): largest relative difference {worst}"
         );
     }
 }

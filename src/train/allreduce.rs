@@ -38,6 +38,9 @@ pub struct AllreduceConfig {
     /// Compare parameter checksums every N steps (0: never).
     pub check_every: u64,
     pub save_params: Option<PathBuf>,
+    /// Reduce each layer's gradients during the backward pass, on a communication thread
+    /// (needs MPI_THREAD_MULTIPLE under MPI).
+    pub overlap: bool,
 }
 
 /// Errors of allreduce training.
@@ -85,6 +88,131 @@ fn snapshot(model: &Mlp, slots: &[Slots], step: u64) -> Arrays {
     }
 }
 
+/// How a step's gradients are summed over the replicas.
+enum Reducer<'s> {
+    /// After the backward pass, as one fused allreduce.
+    Fused(Fusion),
+    /// During the backward pass: each layer's gradients, last layer first, go to a
+    /// communication thread with its own communicator as soon as they are final.
+    Overlapped {
+        to_comm: std::sync::mpsc::Sender<(usize, Tensor)>,
+        from_comm: std::sync::mpsc::Receiver<(usize, Result<Tensor, TransportError>)>,
+        signature: Vec<String>,
+        _thread: std::thread::ScopedJoinHandle<'s, ()>,
+    },
+}
+
+impl<'s> Reducer<'s> {
+    fn new<'e, C: Comm + Send + 's>(
+        scope: &'s std::thread::Scope<'s, 'e>,
+        comm: Option<C>,
+        model: &Mlp,
+    ) -> Reducer<'s> {
+        let Some(comm) = comm else {
+            return Reducer::Fused(Fusion::default());
+        };
+        let (to_comm, requests) = std::sync::mpsc::channel::<(usize, Tensor)>();
+        let (results, from_comm) = std::sync::mpsc::channel();
+        let thread = scope.spawn(move || {
+            let coll = Collectives::new(comm);
+            // Ends when the training loop drops its sender.
+            while let Ok((layer, mut bucket)) = requests.recv() {
+                let r = coll
+                    .allreduce_tensor(
+                        &mut bucket,
+                        ReduceOp::Sum,
+                        crate::transport::Algorithm::Auto,
+                    )
+                    .map(|_| bucket);
+                if results.send((layer, r)).is_err() {
+                    break;
+                }
+            }
+        });
+        let signature = std::iter::once("op Sum (layer buckets)".to_string())
+            .chain(model.params.iter().map(Tensor::describe))
+            .collect();
+        Reducer::Overlapped {
+            to_comm,
+            from_comm,
+            signature,
+            _thread: thread,
+        }
+    }
+
+    /// Computes this replica's gradients (scaled by its `n` samples) and sums them over the
+    /// replicas into `grads`; returns the loss and the seconds spent waiting on the sum.
+    fn step<C: Comm>(
+        &mut self,
+        coll: &Collectives<C>,
+        model: &Mlp,
+        x: &[f32],
+        y: &[u8],
+        grads: &mut [Tensor],
+        n: f32,
+    ) -> Result<(f32, f64), AllreduceError> {
+        let scale = |g: &mut Tensor| {
+            g.as_mut_slice::<f32>()
+                .expect("f32")
+                .iter_mut()
+                .for_each(|v| *v *= n)
+        };
+        match self {
+            Reducer::Fused(fusion) => {
+                let loss = model
+                    .gradients_into(x, y, grads)
+                    .map_err(|e| AllreduceError::Setup(e.to_string()))?;
+                grads.iter_mut().for_each(scale);
+                let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
+                let t = Instant::now();
+                fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
+                Ok((loss, t.elapsed().as_secs_f64()))
+            }
+            Reducer::Overlapped {
+                to_comm,
+                from_comm,
+                signature,
+                ..
+            } => {
+                // Same negotiation as the fused path: every replica, the same list.
+                crate::transport::fusion::negotiate(coll, signature)?;
+                let mut sent = 0;
+                let loss = model
+                    .gradients_with(x, y, grads, &mut |layer, g| {
+                        let (w, b) = (
+                            g[0].as_slice::<f32>().expect("f32"),
+                            g[1].as_slice::<f32>().expect("f32"),
+                        );
+                        let data: Vec<f32> = w.iter().chain(b).map(|v| v * n).collect();
+                        let bucket = Tensor::from_slice(&[data.len()], &data)
+                            .expect("1-D")
+                            .named(&format!("layer{layer}/grads"));
+                        sent += usize::from(to_comm.send((layer, bucket)).is_ok());
+                    })
+                    .map_err(|e| AllreduceError::Setup(e.to_string()))?;
+                let t = Instant::now();
+                for _ in 0..sent {
+                    let (layer, r) = from_comm.recv().map_err(|_| {
+                        AllreduceError::Setup("communication thread stopped".into())
+                    })?;
+                    let bucket = r?;
+                    let summed = bucket.as_slice::<f32>().expect("f32");
+                    let wlen = grads[2 * layer].numel();
+                    grads[2 * layer]
+                        .as_mut_slice::<f32>()
+                        .expect("f32")
+                        .copy_from_slice(&summed[..wlen]);
+                    grads[2 * layer + 1]
+                        .as_mut_slice::<f32>()
+                        .expect("f32")
+                        .copy_from_slice(&summed[wlen..]);
+                }
+                Ok((loss, t.elapsed().as_secs_f64()))
+            }
+        }
+    }
+}
+
 /// Broadcasts a byte string of any length from rank 0 of `coll`.
 fn bcast_bytes<C: Comm>(coll: &Collectives<C>, mine: Vec<u8>) -> Result<Vec<u8>, TransportError> {
     let mut len = (mine.len() as u64).to_le_bytes();
@@ -99,7 +227,7 @@ fn bcast_bytes<C: Comm>(coll: &Collectives<C>, mine: Vec<u8>) -> Result<Vec<u8>,
 }
 
 /// Runs this rank's part of allreduce training; `log` sees the chief's lines.
-pub fn run<C: Comm>(
+pub fn run<C: Comm + Send>(
     comm: &C,
     layout: &Layout,
     cfg: &AllreduceConfig,
@@ -185,92 +313,88 @@ pub fn run<C: Comm>(
 
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut grads: Vec<Tensor> = model.zeros_like();
-    let mut fusion = Fusion::default();
-    let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
-    // Seconds of the current log window spent in the gradient allreduce.
-    let mut comm_secs = 0.0f64;
-    let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[2])
-        .expect("1-D")
-        .named("loss");
-    while step < cfg.train.steps {
-        let global = batches.global(step);
-        let mine = shard(&global, w, nw);
-        let (x, y) = train.rows(mine);
-        let loss = model
-            .gradients_into(&x, &y, &mut grads)
-            .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-        // Sum of (mean gradient x samples) over replicas, over the global batch: exact.
-        let n = mine.len() as f32;
-        for g in grads.iter_mut() {
-            g.as_mut_slice::<f32>()
-                .expect("f32")
-                .iter_mut()
-                .for_each(|v| *v *= n);
-        }
-        let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
-        let comm_start = Instant::now();
-        fusion.allreduce(&coll, &mut refs, ReduceOp::Sum)?;
-        comm_secs += comm_start.elapsed().as_secs_f64();
-        let total = global.len() as f32;
-        for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
-            let g = g.as_mut_slice::<f32>().expect("f32");
-            g.iter_mut().for_each(|v| *v /= total);
-            opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
-        }
-        step += 1;
-        window_steps += 1;
-        if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
-            let sums = coll.allgather_varlen(&params_checksum(&model).to_le_bytes())?;
-            if let Some(rank) = sums.iter().position(|s| *s != sums[0]) {
-                return Err(AllreduceError::Diverged {
-                    step,
-                    rank,
-                    first: 0,
-                });
+    let comm_thread = if cfg.overlap {
+        Some(coll.comm().split(0, w)?)
+    } else {
+        None
+    };
+    std::thread::scope(|scope| -> Result<(), AllreduceError> {
+        let mut reducer = Reducer::new(scope, comm_thread, &model);
+        let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
+        // Seconds of the current log window spent in the gradient allreduce.
+        let mut comm_secs = 0.0f64;
+        let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[2])
+            .expect("1-D")
+            .named("loss");
+        while step < cfg.train.steps {
+            let global = batches.global(step);
+            let mine = shard(&global, w, nw);
+            let (x, y) = train.rows(mine);
+            // Sum of (mean gradient x samples) over replicas, over the global batch: exact.
+            let n = mine.len() as f32;
+            let (loss, secs) = reducer.step(&coll, &model, &x, &y, &mut grads, n)?;
+            comm_secs += secs;
+            let total = global.len() as f32;
+            for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
+                let g = g.as_mut_slice::<f32>().expect("f32");
+                g.iter_mut().for_each(|v| *v /= total);
+                opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
+            }
+            step += 1;
+            window_steps += 1;
+            if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
+                let sums = coll.allgather_varlen(&params_checksum(&model).to_le_bytes())?;
+                if let Some(rank) = sums.iter().position(|s| *s != sums[0]) {
+                    return Err(AllreduceError::Diverged {
+                        step,
+                        rank,
+                        first: 0,
+                    });
+                }
+            }
+            let every = cfg.train.log_every;
+            if every > 0 && step.is_multiple_of(every) {
+                // The global batch's loss: sample-weighted over replicas.
+                loss_buf
+                    .as_mut_slice::<f64>()
+                    .expect("f64")
+                    .copy_from_slice(&[f64::from(loss) * f64::from(n), f64::from(n)]);
+                coll.allreduce_tensor(
+                    &mut loss_buf,
+                    ReduceOp::Sum,
+                    crate::transport::Algorithm::Auto,
+                )?;
+                if chief {
+                    let l = loss_buf.as_slice::<f64>().expect("f64");
+                    let secs = window.elapsed().as_secs_f64().max(1e-9);
+                    log(&format!(
+                        "step {step:>6} loss {:.4} steps/s {:.1} samples/s {:.0} comm {:.0}%",
+                        l[0] / l[1],
+                        window_steps as f64 / secs,
+                        (window_steps * cfg.train.batch as u64) as f64 / secs,
+                        100.0 * comm_secs / secs
+                    ));
+                }
+                (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
+            }
+            if chief
+                && cfg.checkpoint_every > 0
+                && step.is_multiple_of(cfg.checkpoint_every)
+                && step < cfg.train.steps
+            {
+                write_checkpoint(cfg, &model, &slots, step, log)?;
+                last_ckpt = step;
             }
         }
-        let every = cfg.train.log_every;
-        if every > 0 && step.is_multiple_of(every) {
-            // The global batch's loss: sample-weighted over replicas.
-            loss_buf
-                .as_mut_slice::<f64>()
-                .expect("f64")
-                .copy_from_slice(&[f64::from(loss) * f64::from(n), f64::from(n)]);
-            coll.allreduce_tensor(
-                &mut loss_buf,
-                ReduceOp::Sum,
-                crate::transport::Algorithm::Auto,
-            )?;
-            if chief {
-                let l = loss_buf.as_slice::<f64>().expect("f64");
-                let secs = window.elapsed().as_secs_f64().max(1e-9);
-                log(&format!(
-                    "step {step:>6} loss {:.4} steps/s {:.1} samples/s {:.0} comm {:.0}%",
-                    l[0] / l[1],
-                    window_steps as f64 / secs,
-                    (window_steps * cfg.train.batch as u64) as f64 / secs,
-                    100.0 * comm_secs / secs
-                ));
+        if chief {
+            if last_ckpt != step {
+                write_checkpoint(cfg, &model, &slots, step, log)?;
             }
-            (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
+            super::finish(&model, test, step, cfg.save_params.as_deref(), log)
+                .map_err(|e| AllreduceError::Setup(e.to_string()))?;
         }
-        if chief
-            && cfg.checkpoint_every > 0
-            && step.is_multiple_of(cfg.checkpoint_every)
-            && step < cfg.train.steps
-        {
-            write_checkpoint(cfg, &model, &slots, step, log)?;
-            last_ckpt = step;
-        }
-    }
-    if chief {
-        if last_ckpt != step {
-            write_checkpoint(cfg, &model, &slots, step, log)?;
-        }
-        super::finish(&model, test, step, cfg.save_params.as_deref(), log)
-            .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 fn write_checkpoint(
@@ -321,32 +445,35 @@ mod tests {
                 Layout::from_ranks(&hosts, &(1..=n as u16).collect::<Vec<_>>(), tasks).unwrap();
             let out =
                 std::env::temp_dir().join(format!("mpiflow-ar-eq-{}-{n}.bin", std::process::id()));
-            let cfg = AllreduceConfig {
-                train: tc.clone(),
-                checkpoint_dir: None,
-                checkpoint_every: 0,
-                check_every: 10,
-                save_params: Some(out.clone()),
-            };
-            LocalComm::run(n, |c| {
-                run(&c, &layout, &cfg, &train, &test, &mut |_| {}).unwrap()
-            });
-            let got = checkpoint::read_file(&out, None).unwrap();
-            let mut worst = 0.0f32;
-            for p in &local.model.params {
-                for (a, b) in p
-                    .as_slice::<f32>()
-                    .unwrap()
-                    .iter()
-                    .zip(got.get(p.name()).unwrap())
-                {
-                    worst = worst.max((a - b).abs() / (1.0 + a.abs()));
+            for overlap in [false, true] {
+                let cfg = AllreduceConfig {
+                    train: tc.clone(),
+                    checkpoint_dir: None,
+                    checkpoint_every: 0,
+                    check_every: 10,
+                    save_params: Some(out.clone()),
+                    overlap,
+                };
+                LocalComm::run(n, |c| {
+                    run(&c, &layout, &cfg, &train, &test, &mut |_| {}).unwrap()
+                });
+                let got = checkpoint::read_file(&out, None).unwrap();
+                let mut worst = 0.0f32;
+                for p in &local.model.params {
+                    for (a, b) in p
+                        .as_slice::<f32>()
+                        .unwrap()
+                        .iter()
+                        .zip(got.get(p.name()).unwrap())
+                    {
+                        worst = worst.max((a - b).abs() / (1.0 + a.abs()));
+                    }
                 }
+                assert!(
+                    worst < 1e-4,
+                    "{n} replicas, overlap {overlap}: largest relative difference {worst}"
+                );
             }
-            assert!(
-                worst < 1e-4,
-                "{n} replicas: largest relative difference {worst}"
-            );
         }
     }
 }

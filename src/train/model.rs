@@ -128,6 +128,19 @@ impl Mlp {
         y: &[u8],
         grads: &mut [Tensor],
     ) -> Result<f32, KernelError> {
+        self.gradients_with(x, y, grads, &mut |_, _| {})
+    }
+
+    /// As [`Self::gradients_into`], calling `on_layer(l, [dW, db])` as soon as layer `l`'s
+    /// gradients are final, last layer first, while earlier layers are still to come: the
+    /// hook to start their reduction during the rest of the backward pass.
+    pub fn gradients_with(
+        &self,
+        x: &[f32],
+        y: &[u8],
+        grads: &mut [Tensor],
+        on_layer: &mut dyn FnMut(usize, &[Tensor]),
+    ) -> Result<f32, KernelError> {
         let rows = y.len();
         let acts = self.forward_all(x, rows)?;
         let classes = *self.sizes.last().expect("sizes");
@@ -151,6 +164,7 @@ impl Mlp {
                 gw[0].as_mut_slice::<f32>().expect("f32"),
             )?;
             kernels::sum_rows(&delta, rest[0].as_mut_slice::<f32>().expect("f32"));
+            on_layer(l, &grads[2 * l..2 * l + 2]);
             if l > 0 {
                 let mut prev = vec![0.0f32; rows * fi];
                 kernels::gemm(

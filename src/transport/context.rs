@@ -47,6 +47,18 @@ impl Context {
         })
     }
 
+    /// Initialises MPI asking for `MPI_THREAD_MULTIPLE`; the flag says whether the library
+    /// granted it (needed to use communicators from a second thread).
+    pub fn init_threaded() -> Result<(Context, bool), InitError> {
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or(InitError::AlreadyInitialised)?;
+        let ctx = Context {
+            world: universe.world(),
+            _universe: universe,
+        };
+        Ok((ctx, level == mpi::Threading::Multiple))
+    }
+
     pub fn world(&self) -> &SimpleCommunicator {
         &self.world
     }

@@ -24,6 +24,13 @@ pub struct MpiComm {
     in_place: Option<*mut c_void>,
 }
 
+// SAFETY: MPI handles are process-wide values, valid in any thread. Using communicators
+// from two threads at once needs MPI_THREAD_MULTIPLE: the only code that moves an MpiComm
+// to another thread (allreduce training's communication thread) does so only when
+// Context::init_threaded reported that level, and then each thread has its own
+// communicator.
+unsafe impl Send for MpiComm {}
+
 /// An in-flight MPI request.
 pub struct MpiRequest {
     req: ffi::MPI_Request,
