@@ -103,6 +103,9 @@ struct TrainArgs {
     /// 2 ranks on 2 cores, it is 0.6x).
     #[arg(long)]
     overlap: bool,
+    /// Test-only: this replica changes a parameter after step 1 (allreduce mode).
+    #[arg(long, hide = true)]
+    perturb_rank: Option<usize>,
     /// allreduce mode: compare the replicas' parameter checksums every N steps (0: never).
     #[arg(long, default_value_t = 100)]
     check_every: u64,
@@ -551,6 +554,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 check_every: args.check_every,
                 save_params: args.save_params.clone(),
                 overlap: overlap && multiple,
+                perturb_rank: args.perturb_rank,
             };
             allreduce::run(&comm, layout, &cfg, &train, &test, &mut log).map_err(|e| e.to_string())
         }

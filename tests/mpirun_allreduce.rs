@@ -202,3 +202,30 @@ fn a_dead_rank_stops_the_others_within_30_seconds_and_is_named() {
         "{text}"
     );
 }
+
+#[test]
+fn a_replica_that_diverges_stops_every_rank_naming_it() {
+    let run = mpirun(&[
+        "-np",
+        "3",
+        mpiflow(),
+        "train",
+        "--mode",
+        "allreduce",
+        "--steps",
+        "100",
+        "--check-every",
+        "5",
+        "--perturb-rank",
+        "2",
+    ]);
+    assert_ne!(run.code, 0, "{run:?}");
+    assert!(
+        run.stderr.contains(
+            "mpiflow: error: replicas diverged at step 5: rank 2's parameters differ from rank 0's"
+        ),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stdout.contains("accuracy"), "training must not finish");
+}

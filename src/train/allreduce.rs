@@ -41,6 +41,9 @@ pub struct AllreduceConfig {
     /// Reduce each layer's gradients during the backward pass, on a communication thread
     /// (needs MPI_THREAD_MULTIPLE under MPI).
     pub overlap: bool,
+    /// Test-only: this replica nudges one parameter after the first step, so the checksum
+    /// check must catch it.
+    pub perturb_rank: Option<usize>,
 }
 
 /// Errors of allreduce training.
@@ -342,6 +345,9 @@ pub fn run<C: Comm + Send>(
             }
             step += 1;
             window_steps += 1;
+            if step == 1 && cfg.perturb_rank == Some(w) {
+                model.params[0].as_mut_slice::<f32>().expect("f32")[0] += 1e-3;
+            }
             if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
                 let sums = coll.allgather_varlen(&params_checksum(&model).to_le_bytes())?;
                 if let Some(rank) = sums.iter().position(|s| *s != sums[0]) {
@@ -453,6 +459,7 @@ mod tests {
                     check_every: 10,
                     save_params: Some(out.clone()),
                     overlap,
+                    perturb_rank: None,
                 };
                 LocalComm::run(n, |c| {
                     run(&c, &layout, &cfg, &train, &test, &mut |_| {}).unwrap()
