@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::{accuracy, max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir};
 use mpiflow::train::checkpoint;
@@ -191,26 +189,17 @@ fn a_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used() {
     );
 }
 
-/// Runs a job with OpenMPI's recovery mode (survivors keep running, so mpiflow itself
-/// must notice), SIGKILLs rank `victim` after two seconds, and returns stderr and seconds
-/// from the kill until every rank was gone.
+/// A job in OpenMPI's recovery mode (survivors keep running, so mpiflow itself must notice)
+/// with rank `victim` SIGKILLed: its output and the seconds until every rank was gone.
 fn kill_rank(victim: usize) -> (String, f64) {
-    let _g = common::lock();
-    let child = Command::new("timeout")
-        .args([
-            "-k",
-            "5",
-            "90",
-            "mpirun",
-            "--oversubscribe",
+    let (text, secs, _) = common::kill_rank_after_start(
+        &[
             "--mca",
             "orte_enable_recovery",
             "1",
             "-np",
             "4",
             mpiflow(),
-        ])
-        .args([
             "train",
             "--mode",
             "ps",
@@ -220,44 +209,10 @@ fn kill_rank(victim: usize) -> (String, f64) {
             "1000000",
             "--peer-timeout",
             "5",
-        ])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_secs(2));
-    let mpirun_pid = String::from_utf8_lossy(
-        &Command::new("pgrep")
-            .args(["-P", &child.id().to_string()])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .trim()
-    .to_string();
-    let ranks = Command::new("pgrep")
-        .args(["-P", &mpirun_pid])
-        .output()
-        .unwrap();
-    let mut pids: Vec<u32> = String::from_utf8_lossy(&ranks.stdout)
-        .lines()
-        .filter_map(|l| l.parse().ok())
-        .collect();
-    pids.sort_unstable();
-    assert_eq!(pids.len(), 4, "four ranks");
-    // mpirun starts ranks in order, so PIDs follow ranks.
-    let killed = Instant::now();
-    Command::new("kill")
-        .args(["-9", &pids[victim].to_string()])
-        .status()
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    (
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-        killed.elapsed().as_secs_f64(),
-    )
+        ],
+        victim,
+    );
+    (text, secs)
 }
 
 #[test]

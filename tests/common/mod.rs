@@ -180,3 +180,45 @@ pub fn kill_one_rank_when(args: &[&str], marker: &std::path::Path) -> bool {
     Command::new("kill").args(["-9", &pid]).status().unwrap();
     child.wait().unwrap().success()
 }
+
+/// Runs `mpirun --oversubscribe ARGS` (ARGS start with `-np N`), SIGKILLs rank `victim`
+/// two seconds in, and waits for the job to end. Returns everything it printed, the
+/// seconds from the kill until it ended, and whether it exited successfully.
+pub fn kill_rank_after_start(args: &[&str], victim: usize) -> (String, f64, bool) {
+    let _g = lock();
+    let child = Command::new("timeout")
+        .args(["-k", "5", "90", "mpirun", "--oversubscribe"])
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let children = |pid: &str| -> Vec<u32> {
+        let out = Command::new("pgrep").args(["-P", pid]).output().unwrap();
+        let mut v: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    let mpirun = children(&child.id().to_string());
+    // mpirun starts the ranks in order, so their PIDs follow the ranks.
+    let ranks = children(&mpirun.first().expect("mpirun runs").to_string());
+    assert!(victim < ranks.len(), "rank {victim} of {ranks:?}");
+    let killed = std::time::Instant::now();
+    Command::new("kill")
+        .args(["-9", &ranks[victim].to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (text, killed.elapsed().as_secs_f64(), out.status.success())
+}
