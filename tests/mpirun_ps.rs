@@ -3,7 +3,6 @@
 
 mod common;
 
-
 use common::{accuracy, max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir};
 use mpiflow::train::checkpoint;
 

@@ -146,45 +146,28 @@ pub fn max_relative_difference(a: &std::path::Path, b: &std::path::Path) -> f32 
     worst
 }
 
-/// Starts `mpirun ARGS`, waits for `marker` to exist, SIGKILLs one rank, and waits for the
-/// job to end; returns whether it succeeded (it must not).
+/// Starts `mpirun ARGS`, waits for `marker` to exist, SIGKILLs the last rank, and waits for
+/// the job to end; returns whether it succeeded (it must not).
 pub fn kill_one_rank_when(args: &[&str], marker: &std::path::Path) -> bool {
-    let _g = lock();
-    let mut child = Command::new("mpirun")
-        .arg("--oversubscribe")
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    while !marker.exists() {
-        assert!(
-            start.elapsed() < std::time::Duration::from_secs(60),
-            "{} never appeared",
-            marker.display()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let kids = Command::new("pgrep")
-        .args(["-P", &child.id().to_string()])
-        .output()
-        .unwrap();
-    let pid = String::from_utf8_lossy(&kids.stdout)
-        .lines()
-        .last()
-        .expect("a rank")
-        .to_string();
-    Command::new("kill").args(["-9", &pid]).status().unwrap();
-    child.wait().unwrap().success()
+    kill_rank_when(args, None, || marker.exists()).2
 }
 
 /// Runs `mpirun --oversubscribe ARGS` (ARGS start with `-np N`), SIGKILLs rank `victim`
 /// two seconds in, and waits for the job to end. Returns everything it printed, the
 /// seconds from the kill until it ended, and whether it exited successfully.
 pub fn kill_rank_after_start(args: &[&str], victim: usize) -> (String, f64, bool) {
+    let start = std::time::Instant::now();
+    kill_rank_when(args, Some(victim), || {
+        start.elapsed() > std::time::Duration::from_secs(2)
+    })
+}
+
+/// SIGKILLs rank `victim` (the last rank if `None`) once `ready()` holds (within 60 s).
+fn kill_rank_when(
+    args: &[&str],
+    victim: Option<usize>,
+    ready: impl Fn() -> bool,
+) -> (String, f64, bool) {
     let _g = lock();
     let child = Command::new("timeout")
         .args(["-k", "5", "90", "mpirun", "--oversubscribe"])
@@ -195,7 +178,14 @@ pub fn kill_rank_after_start(args: &[&str], victim: usize) -> (String, f64, bool
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_secs(2));
+    let waiting = std::time::Instant::now();
+    while !ready() {
+        assert!(
+            waiting.elapsed() < std::time::Duration::from_secs(60),
+            "the job never got ready to be killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let children = |pid: &str| -> Vec<u32> {
         let out = Command::new("pgrep").args(["-P", pid]).output().unwrap();
         let mut v: Vec<u32> = String::from_utf8_lossy(&out.stdout)
@@ -208,6 +198,7 @@ pub fn kill_rank_after_start(args: &[&str], victim: usize) -> (String, f64, bool
     let mpirun = children(&child.id().to_string());
     // mpirun starts the ranks in order, so their PIDs follow the ranks.
     let ranks = children(&mpirun.first().expect("mpirun runs").to_string());
+    let victim = victim.unwrap_or(ranks.len().saturating_sub(1));
     assert!(victim < ranks.len(), "rank {victim} of {ranks:?}");
     let killed = std::time::Instant::now();
     Command::new("kill")
