@@ -627,8 +627,12 @@ fn cmd_topo(args: &TopoArgs) -> Result<(), Failure> {
 
 fn cmd_bench(args: &BenchArgs) -> Result<(), Failure> {
     let ctx = Context::init().map_err(Failure::local)?;
-    ctx.agree(mpiflow::bench::validate(&args.name, ctx.size()))
-        .map_err(|e| Failure::agreed(e, &ctx))?;
+    ctx.agree(mpiflow::bench::validate(
+        &args.name,
+        ctx.size(),
+        &args.options,
+    ))
+    .map_err(|e| Failure::agreed(e, &ctx))?;
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
     if let Err(e) = mpiflow::bench::run(&comm, &args.name, &args.options) {
         // The peer may be blocked in a transfer with this rank: no collective agreement and

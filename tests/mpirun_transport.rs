@@ -182,6 +182,43 @@ fn benchmarks_print_osu_tables_for_both_paths() {
 }
 
 #[test]
+fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
+    let run = mpirun(&[
+        "-np",
+        "4",
+        mpiflow(),
+        "bench",
+        "pushpull",
+        "--ps",
+        "2",
+        "-m",
+        "4096:65536",
+        "-i",
+        "5",
+        "-x",
+        "1",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let t = osu_tables(&run.stdout, "# Size        Bandwidth (MB/s)");
+    assert_eq!(t.len(), 2, "{}", run.stdout);
+    for rows in &t {
+        assert_eq!(
+            rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+            [4096, 8192, 16384, 32768, 65536]
+        );
+        assert!(rows.iter().all(|r| r.1 > 0.0));
+    }
+    assert!(run
+        .stdout
+        .contains("Push-Pull Bandwidth Test (2 workers, 2 ps)"));
+    mpirun(&["-np", "2", mpiflow(), "bench", "pushpull", "--ps", "2"]).assert_one_line_error(
+        "all ranks: benchmark pushpull needs more than --ps 2 ranks, the job has 2",
+    );
+}
+
+#[test]
 fn bad_benchmark_requests_are_one_line_errors() {
     mpirun(&["-np", "2", mpiflow(), "bench", "pingpong"])
         .assert_one_line_error("all ranks: unknown benchmark \"pingpong\"");

@@ -78,8 +78,15 @@ pub(crate) fn secs(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// Checks a benchmark name against the job size (before anything is sent).
-pub fn validate(name: &str, ranks: usize) -> Result<(), BenchError> {
+/// Checks a benchmark name and its options against the job size (before anything is sent).
+pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), BenchError> {
+    if name == "pushpull" && ranks <= opts.ps.max(1) {
+        return Err(BenchError::Ranks {
+            name: name.into(),
+            need: format!("more than --ps {}", opts.ps.max(1)),
+            have: ranks,
+        });
+    }
     if !NAMES.contains(&name) {
         return Err(BenchError::Unknown(name.into()));
     }
@@ -95,7 +102,7 @@ pub fn validate(name: &str, ranks: usize) -> Result<(), BenchError> {
 
 /// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
-    validate(name, comm.size())?;
+    validate(name, comm.size(), opts)?;
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let out = match name {
         "latency" | "bw" | "bibw" => p2p::run(comm, name, opts)?,

@@ -118,13 +118,6 @@ pub fn run(
 ) -> Result<String, BenchError> {
     let n = comm.size();
     let ps = opts.ps.max(1);
-    if n <= ps {
-        return Err(BenchError::Ranks {
-            name: "pushpull".into(),
-            need: format!("more than --ps {ps}"),
-            have: n,
-        });
-    }
     let workers = n - ps;
     let l = layout(n, ps)?;
     let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
