@@ -156,12 +156,14 @@ fn decode(bytes: &[u8]) -> Option<(Value, Vec<f32>)> {
     if !rest.len().is_multiple_of(4) {
         return None;
     }
-    let mut floats = vec![0f32; rest.len() / 4];
-    // SAFETY: `floats` holds exactly rest.len() bytes; the regions do not overlap; every bit
-    // pattern is a valid f32 (one memcpy instead of a per-element conversion).
+    let mut floats: Vec<f32> = Vec::with_capacity(rest.len() / 4);
+    // SAFETY: the allocation holds rest.len() bytes; the regions do not overlap; every bit
+    // pattern is a valid f32; the length is set only once all elements are written (one
+    // memcpy, no zeroing first).
     unsafe {
-        std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len())
-    };
+        std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len());
+        floats.set_len(rest.len() / 4);
+    }
     Some((header, floats))
 }
 
@@ -774,14 +776,14 @@ impl<C: Comm> Worker<'_, C> {
     }
 
     /// The values of ps `k`'s shards, taken from per-variable tensors `src`.
-    fn gather(&self, k: usize, src: &[crate::tensor::Tensor]) -> Vec<f32> {
-        let mut out = Vec::new();
-        for s in self.shards.iter().filter(|s| s.ps == k) {
-            out.extend_from_slice(
-                &src[s.var_index].as_slice::<f32>().expect("f32")[s.offset..s.offset + s.len],
-            );
-        }
-        out
+    /// The slices of per-variable tensors `src` that ps `k` holds, in its order (sent as
+    /// they are, without gathering them first).
+    fn gather<'t>(&self, k: usize, src: &'t [crate::tensor::Tensor]) -> Vec<&'t [f32]> {
+        self.shards
+            .iter()
+            .filter(|s| s.ps == k)
+            .map(|s| &src[s.var_index].as_slice::<f32>().expect("f32")[s.offset..s.offset + s.len])
+            .collect()
     }
 
     fn scatter(&mut self, k: usize, flat: &[f32]) {
@@ -796,17 +798,17 @@ impl<C: Comm> Worker<'_, C> {
     }
 
     /// Sends one request to every ps and waits for every reply.
-    fn round(
+    fn round<'p>(
         &self,
         header: impl Fn(usize) -> Value,
-        payload: impl Fn(usize) -> Vec<f32>,
+        payload: impl Fn(usize) -> Vec<&'p [f32]>,
     ) -> Result<Vec<(Value, Vec<f32>)>, PsError> {
         let deadline = self.cfg.peer_timeout * 2;
         let mut early: Vec<Option<Vec<u8>>> = vec![None; self.roles.ps.len()];
         for (k, r) in self.roles.ps.iter().enumerate() {
             match send_within(
                 self.comm,
-                encode(&header(k), &payload(k)),
+                encode_parts(&header(k), &payload(k)),
                 *r,
                 REQ,
                 deadline,

@@ -299,11 +299,14 @@ impl Comm for MpiComm {
         let mut count: c_int = 0;
         // SAFETY: status was filled by MPI_Improbe.
         unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
-        let mut buf = vec![0u8; count.max(0) as usize];
+        // Not zeroed: MPI writes every byte before anything reads them (large messages
+        // would otherwise be written twice).
+        let len = count.max(0) as usize;
+        let mut buf: Vec<u8> = Vec::with_capacity(len);
         // SAFETY: a zeroed request is a valid out-parameter.
         let mut req = MpiRequest {
             req: unsafe { std::mem::zeroed() },
-            len: buf.len(),
+            len,
         };
         // SAFETY: buf holds exactly the matched message's length; msg is the matched handle;
         // buf outlives the request (or is leaked below if the request never completes).
@@ -321,6 +324,8 @@ impl Comm for MpiComm {
         let mut idle = 0u32;
         loop {
             if self.test(&mut req)?.is_some() {
+                // SAFETY: the completed receive wrote all `len` bytes of the allocation.
+                unsafe { buf.set_len(len) };
                 return Ok(Some((source, buf)));
             }
             if start.elapsed() > complete_within {
