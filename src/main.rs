@@ -96,7 +96,7 @@ struct TrainArgs {
     #[arg(long, default_value_t = 500)]
     checkpoint_every: u64,
     /// Seconds without a message from a needed peer before it counts as lost.
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..))]
     peer_timeout: u64,
     /// allreduce mode: reduce each layer's gradients during the backward pass on a
     /// communication thread (pays off when ranks have a spare core for it; measured here,
@@ -116,16 +116,18 @@ struct TrainArgs {
     #[arg(long, default_value = "digits")]
     data: String,
     /// Hidden layer widths, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "128")]
+    #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
     hidden: Vec<usize>,
     /// Global batch size.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     batch: u64,
-    #[arg(long, default_value_t = 1500)]
+    /// Train until this global step.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
     #[arg(long, value_enum, default_value_t)]
     optimizer: mpiflow::train::optim::OptimizerKind,
-    #[arg(long, default_value_t = 0.003)]
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.003, value_parser = positive_f32)]
     lr: f32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -666,6 +668,20 @@ fn cmd_launch(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), F
     drop(resolved.port_guard);
     drop(ctx);
     Err(Failure::local(launch::exec(&argv, &task_env)))
+}
+
+fn positive_usize(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?} is not a positive integer")),
+    }
+}
+
+fn positive_f32(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!("{s:?} is not a positive number")),
+    }
 }
 
 /// mpirun's `-np N` spelling, accepted as `--np N`.

@@ -72,6 +72,13 @@ fn bad_training_input_is_one_line() {
     )
     .assert_one_line_error("data /nonexistent/a: cannot read");
     mpiflow_alone(&["train", "--batch", "0"], &[]).assert_one_line_error("0 is not in 1..");
+    mpiflow_alone(&["train", "--steps", "0"], &[]).assert_one_line_error("0 is not in 1..");
+    mpiflow_alone(&["train", "--hidden", "64,0"], &[])
+        .assert_one_line_error("\"0\" is not a positive integer");
+    mpiflow_alone(&["train", "--lr=-1"], &[])
+        .assert_one_line_error("\"-1\" is not a positive number");
+    mpiflow_alone(&["train", "--mode", "ps"], &[])
+        .assert_one_line_error("ps mode needs at least one ps task (--ps N)");
     let bad = std::env::temp_dir().join(format!("mpiflow-bad-digits-{}.csv", std::process::id()));
     std::fs::write(&bad, "1,2,3\n").unwrap();
     let spec = format!("digits:{}", bad.display());
