@@ -8,7 +8,8 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
-const HUGE: usize = 2 << 20;
+/// Huge-page size: allocations from this size are aligned to it.
+pub const HUGE: usize = 2 << 20;
 
 /// An owned, aligned, zeroed byte buffer.
 pub struct AlignedBuf {

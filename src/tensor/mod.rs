@@ -7,6 +7,10 @@
 //! receive lands the same way, and the header that arrived is checked against the
 //! tensor's own before the call returns.
 //!
+//! Payloads of 2 MiB and more start a whole huge page into their allocation (the header sits
+//! at the end of the first one), so they are huge-page aligned like a plain MPI buffer: with
+//! the payload 128 bytes off that boundary, 4 MiB ping-pongs measured 1.2-1.3x slower here.
+//!
 //! Wire header (little-endian, 8-byte multiple, at most [`HEADER_ROOM`] bytes):
 //! `magic u32 | dtype u8 | ndim u8 | name_len u8 | header_len/8 u8 | numel u64 |
 //! dims u64 x ndim | name bytes, zero-padded`. Names longer than [`MAX_WIRE_NAME`] bytes
@@ -67,6 +71,9 @@ pub struct Tensor {
     header_len: usize,
     /// A copy of the wire header, to check a receive with one comparison.
     header: [u8; HEADER_ROOM],
+    /// Offset of the payload in `buf`: [`HEADER_ROOM`], or a whole huge page for payloads
+    /// of 2 MiB and more, so that they start on a huge-page boundary like a plain buffer.
+    at: usize,
 }
 
 impl fmt::Debug for Tensor {
@@ -143,13 +150,19 @@ impl Tensor {
             return Err(TensorError::TooManyDims(shape.to_vec()));
         }
         let nbytes = numel(shape) * dtype.size();
+        let at = if nbytes >= buffer::HUGE {
+            buffer::HUGE
+        } else {
+            HEADER_ROOM
+        };
         let mut t = Tensor {
-            buf: AlignedBuf::zeroed(HEADER_ROOM + nbytes.next_multiple_of(64) + TAIL_ROOM),
+            buf: AlignedBuf::zeroed(at + nbytes.next_multiple_of(64) + TAIL_ROOM),
             dtype,
             shape: shape.to_vec(),
             name: String::new(),
             header_len: 0,
             header: [0; HEADER_ROOM],
+            at,
         };
         t.write_header();
         Ok(t)
@@ -222,12 +235,13 @@ impl Tensor {
 
     /// The payload bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.buf.as_slice()[HEADER_ROOM..HEADER_ROOM + self.nbytes()]
+        &self.buf.as_slice()[self.at..self.at + self.nbytes()]
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.nbytes();
-        &mut self.buf.as_mut_slice()[HEADER_ROOM..HEADER_ROOM + n]
+        let at = self.at;
+        &mut self.buf.as_mut_slice()[at..at + n]
     }
 
     fn check<T: Element>(&self) -> Result<(), TensorError> {
@@ -249,11 +263,7 @@ impl Tensor {
         // SAFETY: the payload starts 128 bytes into a 64-byte-aligned allocation, so it is
         // aligned for every element type; it holds n initialised elements of T (dtype checked;
         // every bit pattern is a valid value of these plain types).
-        Ok(
-            unsafe {
-                std::slice::from_raw_parts(self.buf.as_ptr().add(HEADER_ROOM).cast::<T>(), n)
-            },
-        )
+        Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr().add(self.at).cast::<T>(), n) })
     }
 
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T], TensorError> {
@@ -261,7 +271,7 @@ impl Tensor {
         let n = self.numel();
         // SAFETY: as in as_slice, with exclusive access through &mut self.
         Ok(unsafe {
-            std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().add(HEADER_ROOM).cast::<T>(), n)
+            std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().add(self.at).cast::<T>(), n)
         })
     }
 
@@ -301,13 +311,13 @@ impl Tensor {
     /// Puts the header copy back in front of the payload.
     fn restore_header(&mut self) {
         let len = self.header_len;
-        self.buf.as_mut_slice()[HEADER_ROOM - len..HEADER_ROOM]
-            .copy_from_slice(&self.header[..len]);
+        let at = self.at;
+        self.buf.as_mut_slice()[at - len..at].copy_from_slice(&self.header[..len]);
     }
 
     /// The message a send puts on the wire: header then payload, contiguous.
     pub fn wire(&self) -> &[u8] {
-        &self.buf.as_slice()[HEADER_ROOM - self.header_len..HEADER_ROOM + self.nbytes()]
+        &self.buf.as_slice()[self.at - self.header_len..self.at + self.nbytes()]
     }
 
     /// Length of the message this tensor expects to receive.
@@ -318,19 +328,19 @@ impl Tensor {
     /// Where a receive lands: the expected message plus [`TAIL_ROOM`] bytes, so a longer
     /// message shows up as a longer count (or a truncation) instead of a silent overrun.
     pub fn receive_region(&mut self) -> &mut [u8] {
-        let start = HEADER_ROOM - self.header_len;
-        let end = HEADER_ROOM + self.nbytes() + TAIL_ROOM;
+        let start = self.at - self.header_len;
+        let end = self.at + self.nbytes() + TAIL_ROOM;
         &mut self.buf.as_mut_slice()[start..end]
     }
 
     /// Checks a received message of `got` bytes (possibly truncated) against this tensor.
     /// On a mismatch the payload is unspecified and the error names both sides.
     pub fn check_received(&mut self, got: usize, truncated: bool) -> Result<(), TensorError> {
-        let start = HEADER_ROOM - self.header_len;
+        let start = self.at - self.header_len;
         // Fast path: the expected length and our own header, byte for byte.
         if !truncated
             && got == self.wire_len()
-            && self.buf.as_slice()[start..HEADER_ROOM] == self.header[..self.header_len]
+            && self.buf.as_slice()[start..self.at] == self.header[..self.header_len]
         {
             return Ok(());
         }
