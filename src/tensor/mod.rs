@@ -456,6 +456,22 @@ mod tests {
     }
 
     #[test]
+    fn large_payloads_are_huge_page_aligned_and_travel_intact() {
+        let n = 600_000; // 2.4 MB
+        let data: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let a = Tensor::from_slice(&[n], &data).unwrap().named("big");
+        assert_eq!(
+            a.as_slice::<f32>().unwrap().as_ptr() as usize % buffer::HUGE,
+            0
+        );
+        let mut b = Tensor::zeros(DType::F32, &[n]).unwrap().named("big");
+        transfer(&a, &mut b).unwrap();
+        assert_eq!(b.as_slice::<f32>().unwrap(), &data[..]);
+        let mut c = Tensor::zeros(DType::F32, &[n - 1]).unwrap().named("big");
+        assert!(transfer(&a, &mut c).is_err());
+    }
+
+    #[test]
     fn long_names_and_scalars() {
         let long = "x".repeat(200);
         let a = Tensor::from_slice(&[], &[5i64]).unwrap().named(&long);
