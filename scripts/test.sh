@@ -18,7 +18,18 @@ fi
 
 echo "== cargo test (OpenMPI)"
 # One test thread: the mpirun tests must not run at once on 2 cores.
-timeout 1500 cargo test --release -- --test-threads=1
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+timeout 1500 cargo test --release -- --test-threads=1 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+if [[ $status -ne 0 ]]; then
+  exit "$status"
+fi
 
 echo "== MPICH build and smoke run"
-bash scripts/mpich-check.sh
+bash scripts/mpich-check.sh | tee -a "$log"
+
+# One closing line over everything that ran.
+passed=$(grep -Eo '([0-9]+) passed' "$log" | awk '{s += $1} END {print s + 0}')
+failed=$(grep -Eo '([0-9]+) failed' "$log" | awk '{s += $1} END {print s + 0}')
+echo "mpiflow: $passed passed, $failed failed"
