@@ -37,7 +37,7 @@ use super::optim::{Optimizer, Slots};
 use super::placement::{self, Shard, Strategy};
 use super::{layer_sizes, StepLog, TrainConfig};
 use crate::cluster::{Layout, TaskId};
-use crate::transport::comm::{Comm, TransportError};
+use crate::transport::comm::{Backoff, Comm, TransportError};
 
 const REQ: i32 = 100;
 const REP: i32 = 101;
@@ -176,7 +176,7 @@ fn receive_within<C: Comm>(
     deadline: Duration,
 ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
     let start = Instant::now();
-    let mut idle = 0u32;
+    let mut backoff = Backoff::new(Duration::from_micros(50));
     loop {
         if let Some(m) = c.try_receive(src, tag, deadline)? {
             return Ok(Some(m));
@@ -184,12 +184,7 @@ fn receive_within<C: Comm>(
         if start.elapsed() > deadline {
             return Ok(None);
         }
-        idle += 1;
-        if idle < 64 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50.min(u64::from(idle))));
-        }
+        backoff.idle();
     }
 }
 
@@ -224,7 +219,7 @@ fn send_within<C: Comm>(
     // SAFETY: `bytes` stays alive until the request completes, or forever if it does not.
     let mut req = unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag)? };
     let start = Instant::now();
-    let mut idle = 0u32;
+    let mut backoff = Backoff::new(Duration::from_micros(50));
     let mut early: Option<Vec<u8>> = None;
     loop {
         if c.test(&mut req)?.is_some() {
@@ -245,12 +240,7 @@ fn send_within<C: Comm>(
             std::mem::forget(req);
             return Ok(Sent::TimedOut);
         }
-        idle += 1;
-        if idle < 64 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50.min(u64::from(idle))));
-        }
+        backoff.idle();
     }
 }
 
@@ -699,7 +689,7 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn serve(mut self) -> Result<(), PsError> {
-        let mut idle = 0u32;
+        let mut backoff = Backoff::new(Duration::from_micros(200));
         while !self.done.iter().all(|d| *d) {
             let got =
                 match self
@@ -719,7 +709,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 };
             match got {
                 Some((from, bytes)) => {
-                    idle = 0;
+                    backoff.reset();
                     self.handle(from, &bytes)?;
                 }
                 None => {
@@ -733,12 +723,7 @@ impl<'a, C: Comm> Server<'a, C> {
                         self.abort_all(rank, &err);
                         return Err(err);
                     }
-                    idle += 1;
-                    if idle < 64 {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(u64::from(idle.min(200))));
-                    }
+                    backoff.idle();
                 }
             }
         }

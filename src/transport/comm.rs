@@ -211,3 +211,37 @@ pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
         })
     }
 }
+
+/// Waiting without burning a core: the first polls yield the CPU, later ones sleep a little
+/// longer each time, up to `max_sleep`. Busy waiting starves oversubscribed ranks (more
+/// ranks than cores is normal on small machines), so every polling loop uses this.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    polls: u32,
+    max_sleep: std::time::Duration,
+}
+
+impl Backoff {
+    pub fn new(max_sleep: std::time::Duration) -> Backoff {
+        Backoff {
+            polls: 0,
+            max_sleep,
+        }
+    }
+
+    /// After a poll that found nothing.
+    pub fn idle(&mut self) {
+        self.polls = self.polls.saturating_add(1);
+        if self.polls < 64 {
+            std::thread::yield_now();
+        } else {
+            let us = std::time::Duration::from_micros(u64::from(self.polls));
+            std::thread::sleep(us.min(self.max_sleep));
+        }
+    }
+
+    /// After a poll that found work.
+    pub fn reset(&mut self) {
+        self.polls = 0;
+    }
+}

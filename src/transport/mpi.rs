@@ -13,7 +13,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use super::comm::{check_peer, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
+use super::comm::{check_peer, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
 use crate::tensor::DType;
 
 /// A communicator for mpiflow's own traffic.
@@ -321,7 +321,7 @@ impl Comm for MpiComm {
         };
         self.check("MPI_Imrecv", rc)?;
         let start = std::time::Instant::now();
-        let mut idle = 0u32;
+        let mut backoff = Backoff::new(std::time::Duration::from_micros(50));
         loop {
             if self.test(&mut req)?.is_some() {
                 // SAFETY: the completed receive wrote all `len` bytes of the allocation.
@@ -338,12 +338,7 @@ impl Comm for MpiComm {
                     secs: complete_within.as_secs(),
                 });
             }
-            idle += 1;
-            if idle > 64 {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            } else {
-                std::thread::yield_now();
-            }
+            backoff.idle();
         }
     }
 
