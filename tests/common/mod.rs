@@ -196,13 +196,27 @@ fn kill_rank_when(
         v
     };
     let mpirun = children(&child.id().to_string());
-    // mpirun starts the ranks in order, so their PIDs follow the ranks.
-    let ranks = children(&mpirun.first().expect("mpirun runs").to_string());
+    let pids = children(&mpirun.first().expect("mpirun runs").to_string());
+    // Each rank's number, from the environment mpirun gave it.
+    let rank_of = |pid: u32| -> Option<usize> {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        env.split(|b| *b == 0)
+            .find_map(|kv| kv.strip_prefix(b"OMPI_COMM_WORLD_RANK="))
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+    };
+    let ranks: Vec<(usize, u32)> = pids
+        .iter()
+        .filter_map(|p| rank_of(*p).map(|r| (r, *p)))
+        .collect();
     let victim = victim.unwrap_or(ranks.len().saturating_sub(1));
-    assert!(victim < ranks.len(), "rank {victim} of {ranks:?}");
+    let pid = ranks
+        .iter()
+        .find(|(r, _)| *r == victim)
+        .unwrap_or_else(|| panic!("rank {victim} among {ranks:?}"))
+        .1;
     let killed = std::time::Instant::now();
     Command::new("kill")
-        .args(["-9", &ranks[victim].to_string()])
+        .args(["-9", &pid.to_string()])
         .status()
         .unwrap();
     let out = child.wait_with_output().unwrap();
