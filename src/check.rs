@@ -38,11 +38,7 @@ impl Report {
     }
 
     fn absorb(&mut self, bytes: &[u8]) {
-        self.digest = bytes
-            .iter()
-            .fold(self.digest ^ 0xcbf2_9ce4_8422_2325, |h, b| {
-                (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-            });
+        self.digest = crate::hash::fnv1a_from(self.digest ^ crate::hash::FNV_OFFSET, bytes);
     }
 
     /// One JSON line.

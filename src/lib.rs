@@ -9,6 +9,7 @@
 //! - [`tensor`]: tensors with their wire header in their own buffer.
 //! - [`check`]: `mpiflow check`, the data plane verified on a live job.
 //! - [`bench`]: OSU-style benchmarks, OSU 7.4's output format.
+//! - [`hash`]: the one stable hash (FNV-1a) ranks compare and checkpoints carry.
 //! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
 //!
 //! The `mpiflow` binary (`src/main.rs`) is a thin command-line layer over these.
@@ -16,6 +17,7 @@
 pub mod bench;
 pub mod check;
 pub mod cluster;
+pub mod hash;
 pub mod kernels;
 pub mod launch;
 pub mod tensor;

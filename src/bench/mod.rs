@@ -73,6 +73,19 @@ pub struct Row {
     pub iterations: usize,
 }
 
+impl Row {
+    /// A row with one measured value (min = max = value), as point-to-point tables have.
+    pub fn point(size: usize, value: f64, iterations: usize) -> Row {
+        Row {
+            size,
+            value,
+            min: value,
+            max: value,
+            iterations,
+        }
+    }
+}
+
 /// Seconds since `t`.
 pub(crate) fn secs(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()

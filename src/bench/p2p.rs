@@ -234,13 +234,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
             }
         }
         for (k, v) in best.into_iter().enumerate() {
-            tables[k].push(Row {
-                size,
-                value: v,
-                min: v,
-                max: v,
-                iterations: 0,
-            });
+            tables[k].push(Row::point(size, v, 0));
         }
     }
     coll.barrier()?;

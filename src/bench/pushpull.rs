@@ -11,27 +11,12 @@ use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
 use super::{BenchError, Row};
-use crate::cluster::mapping::{assign_roles, MappingOptions};
-use crate::cluster::Layout;
+use crate::cluster::{Layout, MappingOptions};
 use crate::tensor::DType;
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 const TAG: i32 = 7;
-
-fn layout(n: usize, ps: usize) -> Result<Layout, BenchError> {
-    let hosts = vec!["node".to_string(); n];
-    let tasks = assign_roles(
-        &hosts,
-        &MappingOptions {
-            ps,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| BenchError::Validation(e.to_string()))?;
-    let ports: Vec<u16> = (1..=n as u16).collect();
-    Layout::from_ranks(&hosts, &ports, tasks).map_err(|e| BenchError::Validation(e.to_string()))
-}
 
 /// The plain-MPI path: returns mean seconds per round on workers, `None` on ps ranks.
 fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) -> Option<f64> {
@@ -119,7 +104,14 @@ pub fn run(
     let n = comm.size();
     let ps = opts.ps.max(1);
     let workers = n - ps;
-    let l = layout(n, ps)?;
+    let l = Layout::single_host(
+        n,
+        &MappingOptions {
+            ps,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| BenchError::Validation(e.to_string()))?;
     let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
     let (paths, rounds) = opts.plan();
     let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
@@ -141,13 +133,7 @@ pub fn run(
             }
         }
         for (k, v) in best.into_iter().enumerate() {
-            tables[k].push(Row {
-                size,
-                value: v,
-                min: v,
-                max: v,
-                iterations: iters,
-            });
+            tables[k].push(Row::point(size, v, iters));
         }
     }
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps)");

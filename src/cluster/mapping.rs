@@ -184,6 +184,14 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// `n` ranks on one host named `node` with ports `1..=n`: the layout of in-process
+    /// runs and benchmarks, whose tasks need roles but never addresses.
+    pub fn single_host(n: usize, opts: &MappingOptions) -> Result<Layout, MappingError> {
+        let hosts = vec!["node".to_string(); n];
+        let ports: Vec<u16> = (1..=n as u16).collect();
+        Layout::from_ranks(&hosts, &ports, assign_roles(&hosts, opts)?)
+    }
+
     /// Builds the layout of ranks `0..n` from their hosts, ports and tasks.
     pub fn from_ranks(
         hosts: &[String],

@@ -172,13 +172,6 @@ pub struct Resolved {
     pub port_guard: Option<TcpListener>,
 }
 
-/// 64-bit FNV-1a: a hash that is the same in every build and process.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 fn render_args(args: &[(String, String)]) -> String {
     args.iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -190,7 +183,7 @@ fn render_args(args: &[(String, String)]) -> String {
 /// Cheap in the common case (one 8-byte allgather); the full flags only on mismatch.
 fn check_same_args(ctx: &Context, args: &[(String, String)]) -> Result<(), ResolveError> {
     let text = render_args(args);
-    let hash = fnv1a(text.as_bytes());
+    let hash = crate::hash::fnv1a(text.as_bytes());
     let hashes = ctx.all_gather_bytes(&hash.to_le_bytes());
     if hashes.iter().all(|h| *h == hashes[0]) {
         return Ok(());
@@ -415,11 +408,5 @@ mod tests {
             again.to_string(),
             "port 30500 of ps:1 on node2 is already in use"
         );
-    }
-
-    #[test]
-    fn fnv_is_stable() {
-        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
     }
 }

@@ -92,9 +92,7 @@ fn wire_name(name: &str) -> Vec<u8> {
     if b.len() <= MAX_WIRE_NAME {
         return b.to_vec();
     }
-    let hash = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-        (h ^ u64::from(*x)).wrapping_mul(0x0100_0000_01b3)
-    });
+    let hash = crate::hash::fnv1a(b);
     let mut out = b[..31].to_vec();
     out.extend_from_slice(format!("#{hash:016x}").as_bytes());
     out

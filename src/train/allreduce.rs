@@ -431,7 +431,7 @@ fn write_checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::mapping::{assign_roles, MappingOptions};
+    use crate::cluster::MappingOptions;
     use crate::transport::local::LocalComm;
 
     #[test]
@@ -445,10 +445,7 @@ mod tests {
         };
         let local = super::super::train_local(&tc, &train, &test, |_| {}).unwrap();
         for n in [2usize, 3, 4] {
-            let hosts = vec!["h".to_string(); n];
-            let tasks = assign_roles(&hosts, &MappingOptions::default()).unwrap();
-            let layout =
-                Layout::from_ranks(&hosts, &(1..=n as u16).collect::<Vec<_>>(), tasks).unwrap();
+            let layout = Layout::single_host(n, &MappingOptions::default()).unwrap();
             let out =
                 std::env::temp_dir().join(format!("mpiflow-ar-eq-{}-{n}.bin", std::process::id()));
             for overlap in [false, true] {

@@ -41,11 +41,9 @@ fn corrupt(path: &Path, why: impl Into<String>) -> CheckpointError {
     }
 }
 
-/// 64-bit FNV-1a.
+/// The checksum of checkpoint files (64-bit FNV-1a).
 pub fn checksum(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    crate::hash::fnv1a(bytes)
 }
 
 /// Named float arrays with a little metadata: what a shard file holds.

@@ -1097,20 +1097,18 @@ pub fn bench_pushpull<C: Comm>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::mapping::{assign_roles, MappingOptions};
+    use crate::cluster::MappingOptions;
     use crate::transport::local::LocalComm;
 
     fn layout(n: usize, ps: usize) -> Layout {
-        let hosts = vec!["h".to_string(); n];
-        let tasks = assign_roles(
-            &hosts,
+        Layout::single_host(
+            n,
             &MappingOptions {
                 ps,
                 ..Default::default()
             },
         )
-        .unwrap();
-        Layout::from_ranks(&hosts, &(1..=n as u16).collect::<Vec<_>>(), tasks).unwrap()
+        .unwrap()
     }
 
     fn cfg(steps: u64, sync: bool) -> PsConfig {

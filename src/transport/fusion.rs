@@ -67,16 +67,10 @@ fn signature(op: ReduceOp, tensors: &[&mut Tensor]) -> Vec<String> {
         .collect()
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// Collective: Ok if every rank submitted the same list; otherwise the same error on all.
 pub fn negotiate<C: Comm>(coll: &Collectives<C>, entries: &[String]) -> Result<(), FusionError> {
     let joined = entries.join("\n");
-    let h = fnv1a(joined.as_bytes());
+    let h = crate::hash::fnv1a(joined.as_bytes());
     let mut probe = AlignedBuf::zeroed(16);
     probe.as_mut_slice()[..8].copy_from_slice(&(h as i64).to_le_bytes());
     probe.as_mut_slice()[8..16].copy_from_slice(&(!h as i64).to_le_bytes());

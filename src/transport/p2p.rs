@@ -301,16 +301,11 @@ mod tests {
 
     #[test]
     fn tasks_and_tags() {
-        let hosts = vec!["h".to_string(); 3];
-        let tasks = crate::cluster::mapping::assign_roles(
-            &hosts,
-            &crate::cluster::MappingOptions {
-                ps: 1,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let layout = Layout::from_ranks(&hosts, &[1, 2, 3], tasks).unwrap();
+        let opts = crate::cluster::MappingOptions {
+            ps: 1,
+            ..Default::default()
+        };
+        let layout = Layout::single_host(3, &opts).unwrap();
         let t = Tasks::from_layout(&layout);
         assert_eq!(t.rank(&Peer::Task(TaskId::new("worker", 1))).unwrap(), 2);
         assert_eq!(t.rank(&Peer::Rank(7)).unwrap(), 7);
