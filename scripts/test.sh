@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs what is missing and runs every test: formatting, lints, unit tests, and the
 # integration tests under real mpirun (one at a time, each under a timeout), the
-# multi-host test in network namespaces (as root), and the MPICH build.
+# multi-host test in network namespaces and the Slurm tests on a private Slurm (as root),
+# and the MPICH build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MPIFLOW_WITH_MPICH=1 bash scripts/setup.sh
+MPIFLOW_WITH_MPICH=1 MPIFLOW_WITH_SLURM=1 bash scripts/setup.sh
 source scripts/env.sh
+# The Slurm tests (tests/slurm.rs) start a private Slurm; as root they must run, not skip.
+if [[ $(id -u) -eq 0 ]]; then export MPIFLOW_REQUIRE_SLURM=1; fi
 
 if cargo fmt --version >/dev/null 2>&1; then
   echo "== cargo fmt --check"

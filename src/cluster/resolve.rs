@@ -4,7 +4,7 @@
 //!   rank are gathered over MPI; each rank probes a free port on its own host; all ranks
 //!   first check that they were started with the same mapping flags.
 //! - **Slurm** (`srun` without MPI): see [`super::slurm`]; ports are `port_base + local
-//!   task offset`, and this task's port is checked to be free.
+//!   task offset`, and this task's port is checked to be free (when the node name is this host's).
 //! - **Hostfile** (`--hostfile H -np N`, no MPI): a preview of what `mpirun` would do.
 //! - **TF_CONFIG** and the **legacy flags**: the cluster as the user wrote it.
 //!
@@ -145,6 +145,13 @@ pub enum ResolveError {
     },
     #[error("{0}")]
     Mapping(#[from] MappingError),
+    #[error("Slurm job {job} has {ntasks} tasks, too few for {what}: ask for at least {need} (sbatch/srun -n {need})")]
+    SmallAllocation {
+        job: String,
+        ntasks: usize,
+        what: String,
+        need: usize,
+    },
     #[error("{0}")]
     Hostfile(#[from] HostfileError),
     #[error("{0}")]
@@ -207,6 +214,38 @@ fn check_same_args(ctx: &Context, args: &[(String, String)]) -> Result<(), Resol
     })
 }
 
+/// The roles of `hosts`. Inside a Slurm job, too few tasks for the requested jobs is the
+/// allocation's fault: the error says which job and how many tasks to ask for.
+fn roles(
+    hosts: &[String],
+    req: &Request,
+    slurm_job: Option<String>,
+) -> Result<Vec<TaskId>, ResolveError> {
+    assign_roles(hosts, &req.mapping).map_err(|e| match (slurm_job, e) {
+        (Some(job), MappingError::TooManyPs { ps, ranks }) => ResolveError::SmallAllocation {
+            job,
+            ntasks: ranks,
+            what: format!("--ps {ps}"),
+            need: ps + 1,
+        },
+        (
+            Some(job),
+            MappingError::TooFewRanks {
+                ranks,
+                ps,
+                extra,
+                need,
+            },
+        ) => ResolveError::SmallAllocation {
+            job,
+            ntasks: ranks,
+            what: format!("--ps {ps}{extra}"),
+            need,
+        },
+        (_, e) => e.into(),
+    })
+}
+
 /// The MPI resolver (collective over the world communicator).
 pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveError> {
     check_same_args(ctx, &req.canonical_args())?;
@@ -215,7 +254,7 @@ pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveErro
     let host = std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| ctx.processor_name());
     let hosts = ctx.all_gather_strings(&host);
     // Every rank has the same hosts and flags, so a mapping error is the same everywhere.
-    let tasks = assign_roles(&hosts, &req.mapping)?;
+    let tasks = roles(&hosts, req, std::env::var("SLURM_JOB_ID").ok())?;
     let rank = ctx.rank();
     let locals = super::mapping::local_ranks(&hosts);
     let local_count = hosts.iter().filter(|h| **h == host).count();
@@ -270,17 +309,24 @@ pub fn resolve_offline(
         }
         Source::Slurm => {
             let step = SlurmStep::from_env(env)?;
-            let tasks = assign_roles(&step.hosts, &req.mapping)?;
+            let tasks = roles(&step.hosts, req, env.get("SLURM_JOB_ID").cloned())?;
             let ports = sequential_ports(&step.hosts, req.port_base)?;
             let layout = req.built(Layout::from_ranks(&step.hosts, &ports, tasks)?);
             let me = &layout.ranks[step.rank];
-            let guard = own_port(me.address.port, &me.task, &me.host)?;
+            // A node whose Slurm name is not this machine's host name (a fake node of
+            // Slurm's multiple-slurmd mode, or NodeName differing from NodeHostname) is not
+            // the host the port would be checked on: there the check is skipped.
+            let guard = if is_this_host(&me.host) {
+                Some(own_port(me.address.port, &me.task, &me.host)?)
+            } else {
+                None
+            };
             Ok(Resolved {
                 source,
                 me: Some(step.rank),
                 size: Some(step.hosts.len()),
                 layout,
-                port_guard: Some(guard),
+                port_guard: guard,
             })
         }
         Source::TfConfig | Source::Flags => {
@@ -402,11 +448,20 @@ mod tests {
             r.layout.spec.to_string(),
             r#"{"ps":["node1:30500","node2:30500"],"worker":["node1:30501","node2:30501"]}"#
         );
-        // The port this task needs is held: a second resolve of the same task fails.
-        let again = resolve_offline(&req, Source::Slurm, &e).unwrap_err();
+        // node2 is not this machine: no port to check or hold here.
+        assert!(r.port_guard.is_none());
+        // On this machine's own node, the port this task needs is held: a second resolve
+        // of the same task fails.
+        let me = hostname().unwrap();
+        let mut here = e.clone();
+        here.insert("SLURM_JOB_NODELIST".into(), format!("{me},other"));
+        here.insert("SLURM_PROCID".into(), "0".into());
+        let held = resolve_offline(&req, Source::Slurm, &here).unwrap();
+        assert!(held.port_guard.is_some());
+        let again = resolve_offline(&req, Source::Slurm, &here).unwrap_err();
         assert_eq!(
             again.to_string(),
-            "port 30500 of ps:1 on node2 is already in use"
+            format!("port 30500 of ps:0 on {me} is already in use")
         );
     }
 }

@@ -35,6 +35,12 @@ pub enum SlurmError {
     TaskMismatch { requested: usize, assigned: usize },
     #[error("Slurm: SLURM_PROCID={rank} is not below the number of tasks {ntasks}")]
     RankOutOfRange { rank: usize, ntasks: usize },
+    #[error("Slurm: this process was started by mpirun ({var}={rank}), where SLURM_PROCID={procid} numbers nodes, not ranks; take the cluster from MPI (--from mpi)")]
+    StartedByMpirun {
+        var: String,
+        rank: String,
+        procid: String,
+    },
     #[error("Slurm: rank {rank}: distribution {dist:?} is not supported without MPI (use srun --mpi=pmix)")]
     Distribution { rank: usize, dist: String },
     #[error("Slurm: rank {rank} runs on {actual} but the {dist} distribution puts it on {expected}; launch with srun --mpi=pmix so hosts come from MPI")]
@@ -83,6 +89,18 @@ impl SlurmStep {
     /// Reads the step from environment variables (pass `std::env::vars().collect()`).
     pub fn from_env(env: &BTreeMap<String, String>) -> Result<SlurmStep, SlurmError> {
         let rank = number(env, &["SLURM_PROCID"])?;
+        // mpirun inside an allocation starts one daemon per node with srun: its ranks see
+        // that daemon's step (SLURM_PROCID = node index, one task per node).
+        if let Some((var, r)) = ["OMPI_COMM_WORLD_RANK", "MPI_LOCALNRANKS"]
+            .iter()
+            .find_map(|v| env.get(*v).map(|r| (*v, r)))
+        {
+            return Err(SlurmError::StartedByMpirun {
+                var: var.into(),
+                rank: r.clone(),
+                procid: rank.to_string(),
+            });
+        }
         let ntasks = number(env, &["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"])?;
         let nodes = expand_hosts(first(
             env,
@@ -223,6 +241,8 @@ mod tests {
         );
         assert!(with("SLURM_JOB_NODELIST", Some("node[1-")).contains("unclosed"));
         assert!(with("SLURM_TASKS_PER_NODE", Some("2(x")).contains("not N or N(xM)"));
+        assert!(with("OMPI_COMM_WORLD_RANK", Some("5"))
+            .contains("started by mpirun (OMPI_COMM_WORLD_RANK=5), where SLURM_PROCID=0"));
         assert!(with("SLURM_DISTRIBUTION", Some("plane=2")).contains("not supported without MPI"));
         assert!(with("SLURMD_NODENAME", Some("node2"))
             .contains("rank 0 runs on node2 but the block distribution puts it on node1"));

@@ -1,0 +1,471 @@
+//! Real Slurm: a private slurmctld, four slurmd daemons as fake nodes `node[1-4]` and munge,
+//! started by `launcher/local-slurm.sh` for each test and stopped by their pidfiles when
+//! the test ends, passed or failed. Jobs are real `sbatch` submissions, mostly of the
+//! templates in `launcher/slurm/`, polled until they end.
+//!
+//! Needs root and the Slurm packages (`MPIFLOW_WITH_SLURM=1 scripts/setup.sh`, which the
+//! test command runs). Without them the tests are skipped, unless `MPIFLOW_REQUIRE_SLURM=1`
+//! (set by `scripts/test.sh`), which makes a missing Slurm a failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Numbers the files of one test's jobs.
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn next() -> usize {
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// One private Slurm; dropping it stops every daemon (also when a test panics).
+struct LocalSlurm {
+    dir: PathBuf,
+}
+
+/// A finished batch job.
+#[derive(Debug)]
+struct Job {
+    state: String,
+    exit_code: i32,
+    output: String,
+}
+
+impl Job {
+    fn json_lines(&self) -> Vec<Value> {
+        let mut v: Vec<Value> = self
+            .output
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+            .collect();
+        v.sort_by_key(|l| l["rank"].as_u64());
+        v
+    }
+
+    /// The part of the output between `=== name` and the next `===` line.
+    fn section(&self, name: &str) -> Job {
+        let start = format!("=== {name}\n");
+        let (_, rest) = self
+            .output
+            .split_once(&start)
+            .unwrap_or_else(|| panic!("no section {name}: {self:?}"));
+        let body = rest.split("\n===").next().unwrap_or("");
+        Job {
+            state: self.state.clone(),
+            exit_code: self.exit_code,
+            output: body.to_string(),
+        }
+    }
+
+    fn assert_completed(&self) {
+        assert!(
+            self.state == "COMPLETED" && self.exit_code == 0,
+            "job did not complete: {self:?}"
+        );
+        assert!(
+            !self.output.contains("panicked"),
+            "panic in job: {}",
+            self.output
+        );
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn script() -> String {
+    format!("{}/launcher/local-slurm.sh", common::root())
+}
+
+fn template(name: &str) -> String {
+    format!("{}/launcher/slurm/{name}", common::root())
+}
+
+impl LocalSlurm {
+    /// Starts a private Slurm, or `None` (test skipped) where it cannot run.
+    fn start(name: &str) -> Option<LocalSlurm> {
+        let have = Command::new("sh")
+            .args([
+                "-c",
+                "command -v slurmctld && command -v slurmd && command -v munged",
+            ])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !is_root() || !have {
+            assert!(
+                std::env::var("MPIFLOW_REQUIRE_SLURM").as_deref() != Ok("1"),
+                "Slurm tests required but root={} slurm installed={have}",
+                is_root()
+            );
+            eprintln!("skipped: needs root and slurmctld/slurmd/munge");
+            return None;
+        }
+        let dir = common::tmpdir(&format!("slurm-{name}"));
+        let slurm = LocalSlurm { dir };
+        let up = common::run_bounded(60, &[&script(), "up", slurm.dir.to_str().unwrap()], &[]);
+        assert_eq!(up.code, 0, "local Slurm did not start: {up:?}");
+        Some(slurm)
+    }
+
+    fn conf(&self) -> String {
+        self.dir.join("slurm.conf").display().to_string()
+    }
+
+    /// A Slurm client command (sinfo, scontrol, ...), which must succeed.
+    fn client(&self, args: &[&str]) -> String {
+        let run = common::run_bounded(30, args, &[("SLURM_CONF", &self.conf())]);
+        assert_eq!(run.code, 0, "{args:?}: {run:?}");
+        run.stdout
+    }
+
+    /// Submits `script ARGS` with `sbatch OPTIONS` and waits (at most `secs`) until it ends.
+    fn sbatch(&self, options: &[&str], script: &str, args: &[&str], env: &[(&str, &str)]) -> Job {
+        let out = self.dir.join(format!("job-{}.out", next()));
+        let bin_dir = Path::new(common::mpiflow()).parent().unwrap();
+        let path = format!(
+            "{}:{}",
+            bin_dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let ckpt = self.dir.join("checkpoints").display().to_string();
+        let mut all_env = vec![
+            ("SLURM_CONF", self.conf()),
+            ("PATH", path),
+            ("MPIFLOW_CHECKPOINT_DIR", ckpt),
+        ];
+        all_env.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
+        let env_refs: Vec<(&str, &str)> = all_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let out_s = out.display().to_string();
+        let mut cmd = vec!["sbatch", "--parsable", "-o", &out_s];
+        cmd.extend_from_slice(options);
+        cmd.push(script);
+        cmd.extend_from_slice(args);
+        let sub = common::run_bounded(30, &cmd, &env_refs);
+        assert_eq!(sub.code, 0, "sbatch failed: {sub:?}");
+        let id = sub.stdout.trim().split(';').next().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let show = self.client(&["scontrol", "show", "job", "-o", &id]);
+            let field = |k: &str| {
+                show.split_whitespace()
+                    .find_map(|f| f.strip_prefix(&format!("{k}=")))
+                    .unwrap_or("")
+                    .to_string()
+            };
+            let state = field("JobState");
+            if !matches!(
+                state.as_str(),
+                "PENDING" | "CONFIGURING" | "RUNNING" | "COMPLETING"
+            ) {
+                let exit_code = field("ExitCode")
+                    .split(':')
+                    .next()
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(-1);
+                let output = std::fs::read_to_string(&out).unwrap_or_default();
+                return Job {
+                    state,
+                    exit_code,
+                    output,
+                };
+            }
+            if Instant::now() > deadline {
+                let _ = self.client(&["scancel", &id]);
+                let output = std::fs::read_to_string(&out).unwrap_or_default();
+                panic!("job {id} still {state} after 120 s (a hang): {output}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Submits a batch script given as text.
+    fn sbatch_text(&self, options: &[&str], text: &str) -> Job {
+        let path = self.dir.join(format!("script-{}.sh", next()));
+        std::fs::write(&path, format!("#!/bin/bash\n{text}\n")).unwrap();
+        self.sbatch(options, path.to_str().unwrap(), &[], &[])
+    }
+}
+
+impl Drop for LocalSlurm {
+    fn drop(&mut self) {
+        let down = Command::new("timeout")
+            .args(["-k", "5", "60", &script(), "down"])
+            .arg(&self.dir)
+            .status();
+        let stopped = matches!(down, Ok(s) if s.success());
+        if !stopped || std::thread::panicking() {
+            // Keep the daemons' logs and the jobs' output for whoever reads the failure.
+            eprintln!("local Slurm state and logs kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Asserts the JSON lines of one `mpiflow spec` over `want_hosts` (host of each rank):
+/// every rank present once, on its node, all with the same cluster, ps tasks first.
+fn assert_spec(lines: &[Value], want_hosts: &[&str], source: &str, ps: usize) {
+    assert_eq!(lines.len(), want_hosts.len(), "{lines:#?}");
+    for (r, (l, host)) in lines.iter().zip(want_hosts).enumerate() {
+        assert_eq!(l["rank"].as_u64(), Some(r as u64), "{l}");
+        assert_eq!(l["size"].as_u64(), Some(want_hosts.len() as u64), "{l}");
+        assert_eq!(l["host"].as_str(), Some(*host), "rank {r}: {l}");
+        assert_eq!(l["source"].as_str(), Some(source), "rank {r}: {l}");
+        assert_eq!(l["cluster"], lines[0]["cluster"], "rank {r}");
+        assert!(l["address"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{host}:")));
+        let want_type = if r < ps { "ps" } else { "worker" };
+        assert_eq!(l["task"]["type"].as_str(), Some(want_type), "rank {r}: {l}");
+    }
+    assert_eq!(lines[0]["cluster"]["ps"].as_array().unwrap().len(), ps);
+}
+
+#[test]
+fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
+    let Some(slurm) = LocalSlurm::start("spec") else {
+        return;
+    };
+    let job = slurm.sbatch_text(
+        &["-N4", "-n8"],
+        "set -e\n\
+         echo '=== srun'; srun --mpi=none mpiflow spec --ps 2 --format json\n\
+         echo '=== pmix'; srun --mpi=pmix mpiflow spec --ps 2 --format json\n\
+         echo '=== mpirun'; mpirun mpiflow spec --ps 2 --format json\n\
+         echo '=== table'; srun --mpi=none mpiflow spec --ps 2 --format table\n\
+         echo '=== launch'; srun --mpi=none mpiflow launch --ps 2 -- sh -c 'echo \"{\\\"rank\\\": $SLURM_PROCID, \\\"tf\\\": $TF_CONFIG}\"'\n\
+         echo '=== end'",
+    );
+    job.assert_completed();
+    let hosts = [
+        "node1", "node1", "node2", "node2", "node3", "node3", "node4", "node4",
+    ];
+    assert_spec(&job.section("srun").json_lines(), &hosts, "slurm", 2);
+    assert_spec(&job.section("pmix").json_lines(), &hosts, "mpi", 2);
+    // Under mpirun SLURM_PROCID is the node index (0 0 1 1 ...): ranks come from MPI.
+    assert_spec(&job.section("mpirun").json_lines(), &hosts, "mpi", 2);
+    let table = job.section("table").output;
+    assert!(
+        table.contains("# mpiflow cluster (slurm): 8 tasks on 4 hosts: ps=2 worker=6"),
+        "{table}"
+    );
+    assert!(
+        table.contains("7     node4 1     worker    5    node4:2223"),
+        "{table}"
+    );
+    // The program each task exec'd saw its own task in TF_CONFIG.
+    let launched = job.section("launch").json_lines();
+    assert_eq!(launched.len(), 8, "{job:?}");
+    for (r, l) in launched.iter().enumerate() {
+        let (t, i) = if r < 2 { ("ps", r) } else { ("worker", r - 2) };
+        assert_eq!(l["tf"]["task"]["type"].as_str(), Some(t), "{l}");
+        assert_eq!(l["tf"]["task"]["index"].as_u64(), Some(i as u64), "{l}");
+        assert_eq!(l["tf"]["cluster"]["ps"][0].as_str(), Some("node1:2222"));
+    }
+}
+
+#[test]
+fn ps_training_template_by_srun_pmix_on_four_nodes_reaches_accuracy() {
+    let Some(slurm) = LocalSlurm::start("ps") else {
+        return;
+    };
+    // Fake nodes share this machine's 2 cores, and Slurm binds task k of every node to the
+    // same real core: 4 ranks on one core made OpenMPI 4.1's TCP connection setup time
+    // out and crash (open-mpi/ompi#11508). Real nodes have cores of their own; here the
+    // template's binding is turned off.
+    let job = slurm.sbatch(
+        &[],
+        &template("train-srun.sbatch"),
+        &["--mode", "ps", "--ps", "2", "--placement", "spread"],
+        &[("MPIFLOW_CPU_BIND", "none")],
+    );
+    job.assert_completed();
+    // 4 nodes x 2 tasks: ps on node1 and node2 (spread), 6 workers.
+    assert!(
+        job.output
+            .contains("# ranks: 0=ps:0 1=worker:0 2=ps:1 3=worker:1 4=worker:2"),
+        "{}",
+        job.output
+    );
+    let acc = common::accuracy(&job.output);
+    assert!(acc >= 0.95, "accuracy {acc}: {}", job.output);
+    assert!(job.output.contains("# checkpoint "), "{}", job.output);
+}
+
+#[test]
+fn allreduce_template_by_mpirun_inside_sbatch_reaches_accuracy() {
+    let Some(slurm) = LocalSlurm::start("mpirun") else {
+        return;
+    };
+    let job = slurm.sbatch(&[], &template("train-mpirun.sbatch"), &[], &[]);
+    job.assert_completed();
+    let acc = common::accuracy(&job.output);
+    assert!(acc >= 0.95, "accuracy {acc}: {}", job.output);
+}
+
+#[test]
+fn tf_launch_template_gives_each_task_its_role() {
+    let Some(slurm) = LocalSlurm::start("tf") else {
+        return;
+    };
+    let checker = format!("{}/launcher/examples/check_role.py", common::root());
+    let job = slurm.sbatch(
+        &[],
+        &template("tf-launch.sbatch"),
+        &["python3", &checker],
+        &[("MPIFLOW_LEGACY_FLAGS", "1"), ("MPIFLOW_CPU_BIND", "none")],
+    );
+    job.assert_completed();
+    let roles = job.json_lines();
+    assert_eq!(roles.len(), 4, "{job:?}");
+    // 2 nodes x 2 tasks, --placement spread: ps:0 on node1, then workers.
+    let want = [("ps", 0), ("worker", 0), ("worker", 1), ("worker", 2)];
+    for (l, (t, i)) in roles.iter().zip(want) {
+        assert_eq!(l["type"].as_str(), Some(t), "{l}");
+        assert_eq!(l["index"].as_u64(), Some(i), "{l}");
+        assert_eq!(l["legacy_flags"].as_bool(), Some(true), "{l}");
+    }
+    assert_eq!(roles[1]["is_chief"].as_bool(), Some(true));
+}
+
+#[test]
+fn unusual_allocations_drained_node_binding_and_too_few_tasks() {
+    let Some(slurm) = LocalSlurm::start("unusual") else {
+        return;
+    };
+    // -N3 -n5: SLURM_TASKS_PER_NODE=2(x2),1.
+    let job = slurm.sbatch_text(
+        &["-N3", "-n5"],
+        "set -e; echo \"=== env\"; echo \"$SLURM_TASKS_PER_NODE\"\n\
+         echo '=== srun'; srun --mpi=none mpiflow spec --ps 1 --format json\n\
+         echo '=== pmix'; srun --mpi=pmix mpiflow spec --ps 1 --format json\n\
+         echo '=== end'",
+    );
+    job.assert_completed();
+    assert_eq!(job.section("env").output.trim(), "2(x2),1");
+    let hosts = ["node1", "node1", "node2", "node2", "node3"];
+    assert_spec(&job.section("srun").json_lines(), &hosts, "slurm", 1);
+    assert_spec(&job.section("pmix").json_lines(), &hosts, "mpi", 1);
+
+    // A drained node: the allocation skips it (node[1,3-4]).
+    slurm.client(&[
+        "scontrol",
+        "update",
+        "NodeName=node2",
+        "State=DRAIN",
+        "Reason=test",
+    ]);
+    let job = slurm.sbatch_text(
+        &["-N3", "-n3"],
+        "set -e; echo \"=== env\"; echo \"$SLURM_JOB_NODELIST\"\n\
+         echo '=== srun'; srun --mpi=none mpiflow spec --ps 1 --format json\n\
+         echo '=== end'",
+    );
+    job.assert_completed();
+    assert_eq!(job.section("env").output.trim(), "node[1,3-4]");
+    assert_spec(
+        &job.section("srun").json_lines(),
+        &["node1", "node3", "node4"],
+        "slurm",
+        1,
+    );
+    slurm.client(&["scontrol", "update", "NodeName=node2", "State=RESUME"]);
+
+    // Slurm's binding (--cpu-bind) is the one mpiflow keeps.
+    let job = slurm.sbatch_text(
+        &["-N1", "-n2"],
+        "srun --mpi=pmix --cpu-bind=map_cpu:1,0 mpiflow topo --format json",
+    );
+    job.assert_completed();
+    let topo = job.json_lines();
+    assert_eq!(topo.len(), 2, "{job:?}");
+    assert_eq!(topo[0]["cpus"].as_str(), Some("1"), "{job:?}");
+    assert_eq!(topo[1]["cpus"].as_str(), Some("0"), "{job:?}");
+    for t in &topo {
+        assert_eq!(t["bound_by"].as_str(), Some("launcher"), "{t}");
+    }
+
+    // Too few tasks for --ps: one clear line, a failed job, no hang.
+    for command in [
+        "srun --mpi=none mpiflow spec --ps 2",
+        "srun --mpi=pmix mpiflow train --mode ps --ps 2",
+    ] {
+        let job = slurm.sbatch_text(&["-N2", "-n2"], command);
+        assert_ne!(job.exit_code, 0, "{job:?}");
+        let errors: Vec<&str> = job
+            .output
+            .lines()
+            .filter(|l| l.starts_with("mpiflow: error"))
+            .collect();
+        assert!(!errors.is_empty(), "{job:?}");
+        assert!(
+            errors.iter().all(|e| e.contains(
+                "has 2 tasks, too few for --ps 2: ask for at least 3 (sbatch/srun -n 3)"
+            )),
+            "{errors:?}"
+        );
+        // With MPI the ranks agree on the error and one of them prints it.
+        if command.contains("pmix") {
+            assert_eq!(errors.len(), 1, "{errors:?}");
+        }
+        assert!(!job.output.contains("panicked"), "{job:?}");
+    }
+}
+
+#[test]
+fn daemons_stop_by_pidfile_with_a_job_still_running() {
+    let Some(slurm) = LocalSlurm::start("stop") else {
+        return;
+    };
+    let id = common::run_bounded(
+        30,
+        &["sbatch", "--parsable", "-N2", "--wrap", "sleep 300"],
+        &[("SLURM_CONF", &slurm.conf())],
+    );
+    assert_eq!(id.code, 0, "{id:?}");
+    let pids: Vec<String> = std::fs::read_dir(slurm.dir.join("run"))
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            (p.extension().is_some_and(|x| x == "pid"))
+                .then(|| std::fs::read_to_string(&p).unwrap().trim().to_string())
+        })
+        .collect();
+    assert_eq!(pids.len(), 6, "munged, slurmctld and four slurmd: {pids:?}");
+    let dir = slurm.dir.clone();
+    drop(slurm);
+    for pid in &pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "daemon {pid} still runs"
+        );
+    }
+    // Nothing the instance started (step daemons, the job's sleep) is left.
+    let marker = format!("MPIFLOW_LOCAL_SLURM={}", dir.display());
+    let left = Command::new("sh")
+        .args([
+            "-c",
+            &format!("grep -lzxF '{marker}' /proc/[0-9]*/environ 2>/dev/null"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        left.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+    let sleeping = Command::new("pgrep")
+        .args(["-fx", "sleep 300"])
+        .output()
+        .unwrap();
+    assert!(sleeping.stdout.is_empty(), "the job's sleep survived");
+}
