@@ -332,3 +332,130 @@ pub fn run<C: Comm>(
     rep.digest = before;
     Ok(rep)
 }
+
+/// One-sided checks (MPI only): windows of different length on every rank, `get` of
+/// every rank's window, `put` to the right neighbour, `accumulate` from every rank,
+/// atomic `fetch_and_add` (every returned ticket is unique), `compare_and_swap` (exactly
+/// one winner), a batch of gets, and out-of-range and unknown-rank errors.
+pub fn run_rma(comm: &crate::transport::mpi::MpiComm, rep: &mut Report) -> Result<(), String> {
+    use crate::transport::rma::Window;
+    use mpi::collective::SystemOperation;
+    use mpi::traits::*;
+    let world = comm.raw();
+    let (n, r) = (world.size() as usize, world.rank() as usize);
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    let value = |rank: usize, i: usize| (rank * 100 + i) as f32;
+    let len_of = |rank: usize| 8 * (rank + 1);
+
+    let mut data = Window::<f32>::allocate(comm, len_of(r)).map_err(|x| e(&x))?;
+    // SAFETY: no rank opens an epoch before the barrier below.
+    for (i, x) in unsafe { data.local_mut() }.iter_mut().enumerate() {
+        *x = value(r, i);
+    }
+    world.barrier();
+    let mut counters = Window::<i64>::allocate(comm, 2).map_err(|x| e(&x))?;
+    let mut sums = Window::<f64>::allocate(comm, 8).map_err(|x| e(&x))?;
+    {
+        let ep = data.lock_all().map_err(|x| e(&x))?;
+        for t in 0..n {
+            let mut got = vec![0f32; len_of(t)];
+            ep.get_into(t, 0, &mut got).map_err(|x| e(&x))?;
+            let want: Vec<f32> = (0..len_of(t)).map(|i| value(t, i)).collect();
+            rep.expect(got == want, || format!("rma get from rank {t}: {got:?}"));
+            rep.absorb(
+                &got.iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            );
+        }
+        // Two halves of rank 0's window in one batch.
+        let mut both = vec![0f32; 8];
+        let (a, b) = both.split_at_mut(4);
+        ep.batch(|bt| -> Result<(), String> {
+            bt.get_into(0, 4, b).map_err(|x| e(&x))?;
+            bt.get_into(0, 0, a).map_err(|x| e(&x))
+        })
+        .map_err(|x| e(&x))??;
+        let want: Vec<f32> = (0..8).map(|i| value(0, i)).collect();
+        rep.expect(both == want, || format!("rma batch of gets: {both:?}"));
+        // Errors, named, with nothing sent.
+        let mut big = vec![0f32; len_of(0) + 1];
+        let err = ep
+            .get_into(0, 0, &mut big)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        rep.expect(err.contains("are outside rank 0's window of 8"), || {
+            format!("rma out-of-range error: {err}")
+        });
+        let err = ep.put(n, 0, &[1.0]).unwrap_err().to_string();
+        rep.expect(
+            err.contains(&format!("rank {n} is not in the window's group of {n}")),
+            || format!("rma unknown-rank error: {err}"),
+        );
+        world.barrier();
+        // Everyone puts its rank into the first 4 elements of its right neighbour.
+        ep.put((r + 1) % n, 0, &[r as f32; 4]).map_err(|x| e(&x))?;
+    }
+    world.barrier();
+    {
+        let mut ep = data.lock_all().map_err(|x| e(&x))?;
+        // SAFETY: every put was flushed before the barrier, and no rank touches this
+        // window again before the next barrier.
+        let mine = unsafe { ep.with_local(|m| m[..4].to_vec()) }.map_err(|x| e(&x))?;
+        let left = ((r + n - 1) % n) as f32;
+        rep.expect(mine == vec![left; 4], || {
+            format!("rma put from the left: {mine:?}")
+        });
+        drop(ep);
+        world.barrier();
+    }
+    {
+        let mut ep = sums.lock_all().map_err(|x| e(&x))?;
+        for t in 0..n {
+            ep.accumulate_sum(t, 0, &[(r + 1) as f64; 8])
+                .map_err(|x| e(&x))?;
+        }
+        world.barrier();
+        // SAFETY: all accumulates were flushed before the barrier; none follow.
+        let mine = unsafe { ep.with_local(|m| m.to_vec()) }.map_err(|x| e(&x))?;
+        let want = (n * (n + 1) / 2) as f64;
+        rep.expect(mine == vec![want; 8], || {
+            format!("rma accumulate: {mine:?}, want {want}")
+        });
+        drop(ep);
+        world.barrier();
+    }
+    {
+        let ep = counters.lock_all().map_err(|x| e(&x))?;
+        let tickets: Vec<i64> = (0..10)
+            .map(|_| ep.fetch_and_add(0, 0, 1))
+            .collect::<Result<_, _>>()
+            .map_err(|x| e(&x))?;
+        let mut all = vec![0i64; 10 * n];
+        world.all_gather_into(&tickets[..], &mut all[..]);
+        all.sort_unstable();
+        rep.expect(all == (0..10 * n as i64).collect::<Vec<_>>(), || {
+            format!("rma fetch_and_add tickets not unique: {all:?}")
+        });
+        world.barrier();
+        let old = ep
+            .compare_and_swap(0, 1, 0, r as i64 + 1)
+            .map_err(|x| e(&x))?;
+        let mut winners = 0i64;
+        world.all_reduce_into(&i64::from(old == 0), &mut winners, SystemOperation::sum());
+        rep.expect(winners == 1, || {
+            format!("rma compare_and_swap: {winners} winners")
+        });
+        world.barrier();
+        let now = ep.fetch_and_add(0, 1, 0).map_err(|x| e(&x))?;
+        rep.expect((1..=n as i64).contains(&now), || {
+            format!("rma cas value {now}")
+        });
+    }
+    world.barrier();
+    for w in [data.free(), counters.free(), sums.free()] {
+        w.map_err(|x| e(&x))?;
+    }
+    Ok(())
+}

@@ -401,17 +401,22 @@ fn cmd_check(args: &CheckArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     drop(resolved.port_guard);
     let coll =
         mpiflow::transport::Collectives::new(mpiflow::transport::mpi::MpiComm::new(ctx.world()));
-    let report = mpiflow::check::run(&coll, &resolved.layout, args.mismatch_rank).and_then(|rep| {
-        emit(&(rep.json(ctx.rank(), ctx.size()) + "\n"));
-        match rep.failures.first() {
-            Some(f) => Err(format!(
-                "{} of {} checks failed, first: {f}",
-                rep.failures.len(),
-                rep.checks
-            )),
-            None => Ok(rep),
-        }
-    });
+    let report = mpiflow::check::run(&coll, &resolved.layout, args.mismatch_rank)
+        .and_then(|mut rep| {
+            mpiflow::check::run_rma(coll.comm(), &mut rep)?;
+            Ok(rep)
+        })
+        .and_then(|rep| {
+            emit(&(rep.json(ctx.rank(), ctx.size()) + "\n"));
+            match rep.failures.first() {
+                Some(f) => Err(format!(
+                    "{} of {} checks failed, first: {f}",
+                    rep.failures.len(),
+                    rep.checks
+                )),
+                None => Ok(rep),
+            }
+        });
     let rep = ctx.agree(report).map_err(|e| Failure::agreed(e, &ctx))?;
     if ctx.rank() == 0 {
         eprintln!(
@@ -701,27 +706,41 @@ fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
     out
 }
 
-/// OpenBLAS sizes its thread pool and picks its kernels when the library loads, before
-/// `main`, from `OPENBLAS_NUM_THREADS` (default: every core) and `OPENBLAS_CORETYPE` (see
-/// [`mpiflow::kernels::openblas_coretype`]). Threads it then does not use still compete
-/// with the other ranks of the node (measured: 2 pinned ranks train 1.4x faster with the
-/// variable set). So for the commands that compute, when the variable is unset, this sets
-/// it from the rank's share of the node (the launcher's binding, or cores divided by the
-/// ranks the launcher put on this node) and re-executes the same process (same PID, so
-/// mpirun and srun keep tracking it), before MPI is initialised.
-fn size_blas_pool_then_reexec(env: &BTreeMap<String, String>) {
+/// Variables that must be set before the libraries read them (OpenBLAS when it loads,
+/// before `main`; OpenMPI in `MPI_Init`), for the commands that compute. Empty when the
+/// environment already has them (a user's own choice is inherited as it is).
+///
+/// - `OPENBLAS_NUM_THREADS` (default: every core) and `OPENBLAS_CORETYPE` (see
+///   [`mpiflow::kernels::openblas_coretype`]): threads OpenBLAS does not use still compete
+///   with the other ranks of the node (measured: 2 pinned ranks train 1.4x faster with the
+///   variable set). Set from the rank's share of the node: the launcher's binding, or
+///   cores divided by the ranks the launcher put on this node.
+/// - `OMPI_MCA_osc` (one-sided windows), when the machine has no RDMA device: OpenMPI's
+///   default `osc rdma` then emulates atomics over shared memory and crashes in
+///   `MPI_Compare_and_swap` (OpenMPI 4.1.4), and fails over TCP. `sm,pt2pt` picks shared
+///   memory within a node and point-to-point emulation across nodes.
+fn env_before_init(env: &BTreeMap<String, String>) -> Vec<(&'static str, String)> {
     let computes = std::env::args()
         .nth(1)
         .is_some_and(|c| matches!(c.as_str(), "train" | "bench" | "check" | "topo"));
-    if !computes || env.contains_key("OPENBLAS_NUM_THREADS") {
-        return;
+    let mut set = Vec::new();
+    if !computes {
+        return set;
     }
-    // A user's own choice is inherited as it is.
-    let coretype = if env.contains_key("OPENBLAS_CORETYPE") {
-        None
-    } else {
-        mpiflow::kernels::openblas_coretype()
-    };
+    if !env.contains_key("OMPI_MCA_osc") && mpiflow::transport::rma::rdma_devices().is_empty() {
+        set.push((
+            "OMPI_MCA_osc",
+            mpiflow::transport::rma::OSC_WITHOUT_RDMA.to_string(),
+        ));
+    }
+    if env.contains_key("OPENBLAS_NUM_THREADS") {
+        return set;
+    }
+    if !env.contains_key("OPENBLAS_CORETYPE") {
+        if let Some(c) = mpiflow::kernels::openblas_coretype() {
+            set.push(("OPENBLAS_CORETYPE", c.to_string()));
+        }
+    }
     let all = mpiflow::topology::Machine::detect().map_or(1, |m| m.cores().len().max(1));
     let mine = mpiflow::topology::current_affinity().len().max(1);
     let local = [
@@ -738,23 +757,30 @@ fn size_blas_pool_then_reexec(env: &BTreeMap<String, String>) {
     } else {
         (all / local).max(1)
     };
+    set.push(("OPENBLAS_NUM_THREADS", threads.to_string()));
+    set
+}
+
+/// Sets [`env_before_init`]'s variables by re-executing the same process (same PID, so
+/// mpirun and srun keep tracking it), before MPI is initialised.
+fn reexec_with_env(env: &BTreeMap<String, String>) {
+    let set = env_before_init(env);
+    if set.is_empty() {
+        return;
+    }
     let Ok(exe) = std::env::current_exe() else {
         return;
     };
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(std::env::args_os().skip(1))
-        .env("OPENBLAS_NUM_THREADS", threads.to_string());
-    if let Some(c) = coretype {
-        cmd.env("OPENBLAS_CORETYPE", c);
-    }
+    cmd.args(std::env::args_os().skip(1)).envs(set);
     let err = cmd.exec();
-    // Could not re-execute: carry on with the pool as it is.
-    eprintln!("mpiflow: warning: could not re-execute to size the BLAS pool: {err}");
+    // Could not re-execute: carry on with the environment as it is.
+    eprintln!("mpiflow: warning: could not re-execute to set the environment: {err}");
 }
 
 fn main() -> ExitCode {
     let env: BTreeMap<String, String> = std::env::vars().collect();
-    size_blas_pool_then_reexec(&env);
+    reexec_with_env(&env);
     let prefix = launcher_rank_hint(&env)
         .map(|r| format!("rank {r}: "))
         .unwrap_or_default();

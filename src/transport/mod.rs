@@ -10,6 +10,7 @@
 //! - [`collectives`]: allreduce (MPI's, ring, recursive doubling), broadcast, allgather,
 //!   barrier, written once over [`Comm`].
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
+//! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
 
 pub mod collectives;
 pub mod comm;
@@ -18,6 +19,7 @@ pub mod fusion;
 pub mod local;
 pub mod mpi;
 pub mod p2p;
+pub mod rma;
 
 pub use collectives::{Algorithm, Collectives};
 pub use comm::{Comm, ReduceOp, TransportError};

@@ -50,6 +50,15 @@ fn library_in_place() -> Option<*mut c_void> {
     }
 }
 
+/// The MPI library's text for an error code (`MPI_Error_string`).
+pub(crate) fn error_string(rc: c_int) -> String {
+    let mut buf = vec![0u8; 512];
+    let mut len: c_int = 0;
+    // SAFETY: buf holds MPI_MAX_ERROR_STRING (at most 512 in OpenMPI and MPICH) bytes.
+    unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
+    String::from_utf8_lossy(&buf[..len.max(0) as usize]).into_owned()
+}
+
 fn dtype_raw(d: DType) -> ffi::MPI_Datatype {
     // SAFETY: the RSMPI_* handles are constants initialised by the MPI library.
     unsafe {
@@ -92,14 +101,10 @@ impl MpiComm {
         if rc == ffi::MPI_SUCCESS as c_int {
             return Ok(());
         }
-        let mut buf = vec![0u8; 512];
-        let mut len: c_int = 0;
-        // SAFETY: buf holds MPI_MAX_ERROR_STRING (at most 512 in OpenMPI and MPICH) bytes.
-        unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
         Err(TransportError::Mpi {
             call,
             rank: self.rank,
-            message: String::from_utf8_lossy(&buf[..len.max(0) as usize]).into_owned(),
+            message: error_string(rc),
         })
     }
 
