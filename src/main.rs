@@ -80,6 +80,10 @@ struct TrainArgs {
     /// Asynchronous updates: each push is applied as it arrives.
     #[arg(long = "async")]
     async_: bool,
+    /// How ps-mode workers reach the ps: messages (p2p), or one-sided MPI windows (rma:
+    /// MPI_Get / MPI_Accumulate, the RDMA path).
+    #[arg(long, value_enum, default_value_t)]
+    transport: mpiflow::train::ps::PsTransport,
     /// Gradients per update in sync mode (default: all workers; fewer makes backup workers).
     #[arg(long)]
     replicas_to_aggregate: Option<usize>,
@@ -495,7 +499,7 @@ fn train_config(args: &TrainArgs) -> mpiflow::train::TrainConfig {
 fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::allreduce::{self, AllreduceConfig};
     use mpiflow::train::data::Dataset;
-    use mpiflow::train::ps::{self, PsConfig};
+    use mpiflow::train::ps::{self, PsConfig, PsTransport};
     let overlap = args.mode == Mode::Allreduce && args.overlap;
     let (resolved, ctx, multiple) = resolve_with(&args.cluster, env, overlap)?;
     let Some(ctx) = ctx else {
@@ -520,6 +524,10 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             Mode::Ps if args.async_ => "ps, async",
             Mode::Ps => "ps, sync",
             _ => "allreduce",
+        };
+        let mode = match (args.mode, args.transport) {
+            (Mode::Ps, PsTransport::Rma) => format!("{mode}, one-sided (rma)"),
+            _ => mode.to_string(),
         };
         emit(&format!(
             "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, BLAS threads {} per rank\n",
@@ -551,7 +559,16 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
                 save_params: args.save_params.clone(),
             };
-            ps::run(&comm, layout, &cfg, &train, &test, &mut log).map_err(|e| e.to_string())
+            match args.transport {
+                PsTransport::P2p => ps::run(&comm, layout, &cfg, &train, &test, &mut log),
+                PsTransport::Rma => {
+                    use mpiflow::train::rma_ps;
+                    ctx.agree(rma_ps::check_config(&cfg, layout))
+                        .map_err(|e| Failure::agreed(e, &ctx))?;
+                    rma_ps::run(&comm, layout, &cfg, &train, &test, &mut log)
+                }
+            }
+            .map_err(|e| e.to_string())
         }
         _ => {
             let cfg = AllreduceConfig {

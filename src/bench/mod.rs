@@ -19,6 +19,7 @@ pub mod collective;
 pub mod osu;
 pub mod p2p;
 pub mod pushpull;
+pub mod rma;
 
 use std::time::Instant;
 
@@ -45,7 +46,7 @@ pub enum BenchError {
         have: usize,
     },
     #[error(
-        "unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused, pushpull)"
+        "unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused, pushpull, put_latency, get_latency, acc_latency, get_bw)"
     )]
     Unknown(String),
     #[error("data validation failed: {0}")]
@@ -53,7 +54,7 @@ pub enum BenchError {
 }
 
 /// The benchmarks `run` knows.
-pub const NAMES: [&str; 7] = [
+pub const NAMES: [&str; 11] = [
     "latency",
     "bw",
     "bibw",
@@ -61,6 +62,10 @@ pub const NAMES: [&str; 7] = [
     "bcast",
     "allreduce-fused",
     "pushpull",
+    "put_latency",
+    "get_latency",
+    "acc_latency",
+    "get_bw",
 ];
 
 /// One measured row: per-size statistics over ranks, in microseconds or MB/s.
@@ -103,7 +108,9 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
     if !NAMES.contains(&name) {
         return Err(BenchError::Unknown(name.into()));
     }
-    if matches!(name, "latency" | "bw" | "bibw" | "pushpull") && ranks < 2 {
+    if (matches!(name, "latency" | "bw" | "bibw" | "pushpull") || rma::NAMES.contains(&name))
+        && ranks < 2
+    {
         return Err(BenchError::Ranks {
             name: name.into(),
             need: "at least 2".into(),
@@ -120,6 +127,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchE
     let out = match name {
         "latency" | "bw" | "bibw" => p2p::run(comm, name, opts)?,
         "pushpull" => pushpull::run(comm, &coll, opts)?,
+        n if rma::NAMES.contains(&n) => rma::run(comm, n, opts)?,
         "allreduce" | "bcast" | "allreduce-fused" => collective::run(&coll, name, opts)?,
         other => return Err(BenchError::Unknown(other.into())),
     };

@@ -53,6 +53,9 @@ pub struct BenchOptions {
     /// Parameter-server tasks in pushpull (the first ranks).
     #[arg(long, default_value_t = 1)]
     pub ps: usize,
+    /// How pushpull's mpiflow path reaches the ps: messages, or one-sided windows.
+    #[arg(long, value_enum, default_value_t)]
+    pub transport: crate::train::ps::PsTransport,
 }
 
 impl Default for BenchOptions {
@@ -69,6 +72,7 @@ impl Default for BenchOptions {
             algorithm: Algorithm::Auto,
             count: 100,
             ps: 1,
+            transport: Default::default(),
         }
     }
 }
@@ -156,7 +160,19 @@ pub fn preamble(title: &str, datatype: &str) -> String {
 
 /// A point-to-point table: `# Size` and one value column.
 pub fn p2p_table(title: &str, datatype: &str, column: &str, rows: &[Row]) -> String {
-    let mut out = preamble(title, datatype);
+    value_rows(preamble(title, datatype), column, rows)
+}
+
+/// A table of OMB's one-sided tests (`osu_put_latency` ...): the title names the MPI call
+/// (`MPI_Put Latency Test`), then how the window was made and synchronised.
+pub fn one_sided_table(title: &str, datatype: &str, column: &str, rows: &[Row]) -> String {
+    let head = format!(
+        "# OSU {title} v7.4\n# Window creation: MPI_Win_allocate\n# Synchronization: MPI_Win_flush\n# Datatype: {datatype}.\n"
+    );
+    value_rows(head, column, rows)
+}
+
+fn value_rows(mut out: String, column: &str, rows: &[Row]) -> String {
     let _ = writeln!(out, "{:<10}{:>20}", "# Size", column);
     for r in rows {
         let _ = writeln!(out, "{:<10}{:>20.2}", r.size, r.value);

@@ -17,6 +17,7 @@ pub mod model;
 pub mod optim;
 pub mod placement;
 pub mod ps;
+pub mod rma_ps;
 pub mod rng;
 
 use std::time::Instant;
@@ -85,6 +86,16 @@ pub struct StepLog {
     pub loss: f32,
     pub steps_per_sec: f64,
     pub samples_per_sec: f64,
+}
+
+impl StepLog {
+    /// The log line (`step N loss L steps/s S samples/s R`).
+    pub fn line(&self) -> String {
+        format!(
+            "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}",
+            self.step, self.loss, self.steps_per_sec, self.samples_per_sec
+        )
+    }
 }
 
 /// Errors of [`finish`].

@@ -42,6 +42,17 @@ use crate::transport::comm::{Backoff, Comm, TransportError};
 const REQ: i32 = 100;
 const REP: i32 = 101;
 
+/// How workers reach the ps tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PsTransport {
+    /// Two-sided messages: the ps serves each request (this module).
+    #[default]
+    P2p,
+    /// One-sided MPI windows: workers get and accumulate; the ps works once per step
+    /// ([`super::rma_ps`]).
+    Rma,
+}
+
 /// Settings of ps training.
 #[derive(Debug, Clone)]
 pub struct PsConfig {
@@ -79,14 +90,14 @@ pub enum PsError {
 }
 
 /// Who is who in ps mode.
-struct Roles {
-    ps: Vec<usize>,
-    workers: Vec<usize>,
+pub(crate) struct Roles {
+    pub(crate) ps: Vec<usize>,
+    pub(crate) workers: Vec<usize>,
     tasks: BTreeMap<usize, TaskId>,
 }
 
 impl Roles {
-    fn new(layout: &Layout) -> Result<Roles, PsError> {
+    pub(crate) fn new(layout: &Layout) -> Result<Roles, PsError> {
         let mut ps: Vec<(usize, usize)> = Vec::new();
         let mut workers: Vec<(usize, usize)> = Vec::new();
         let mut tasks = BTreeMap::new();
@@ -117,7 +128,7 @@ impl Roles {
         })
     }
 
-    fn task(&self, rank: usize) -> String {
+    pub(crate) fn task(&self, rank: usize) -> String {
         self.tasks
             .get(&rank)
             .map_or(format!("rank {rank}"), |t| format!("{t} (rank {rank})"))
@@ -245,7 +256,7 @@ fn send_within<C: Comm>(
 }
 
 /// The variables of the model: name and element count, in creation order.
-fn variables(model: &Mlp) -> Vec<(String, usize)> {
+pub(crate) fn variables(model: &Mlp) -> Vec<(String, usize)> {
     model
         .params
         .iter()
@@ -970,10 +981,7 @@ impl<C: Comm> Worker<'_, C> {
                         steps_per_sec: window_steps as f64 / secs,
                         samples_per_sec: (window_steps * per_step as u64) as f64 / secs,
                     };
-                    log(&format!(
-                        "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}",
-                        l.step, l.loss, l.steps_per_sec, l.samples_per_sec
-                    ));
+                    log(&l.line());
                     (window, window_steps) = (Instant::now(), 0);
                 }
                 if self.cfg.checkpoint_every > 0

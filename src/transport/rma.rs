@@ -13,7 +13,7 @@
 //!   atomics [`Epoch::fetch_and_add`], [`Epoch::compare_and_swap`]) complete at the target
 //!   (`MPI_Win_flush`) before they return.
 //! - Non-blocking calls exist only inside [`Epoch::batch`]: buffers lent to a batch must
-//!   outlive it, and the batch ends with `MPI_Win_flush_all`, even when its closure panics,
+//!   outlive it, and the batch ends with a flush of every rank it touched, even when its closure panics,
 //!   so no buffer is reused or freed with an operation on it in flight. This is the
 //!   pattern of `std::thread::scope`: unlike a request guard, it cannot be skipped with
 //!   `mem::forget`.
@@ -24,6 +24,7 @@
 //! dropped without it (an error path, where the other ranks may never free theirs) is left
 //! to process exit, because freeing it alone could wait forever.
 
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
@@ -84,6 +85,7 @@ macro_rules! rma_type {
         }
     };
 }
+rma_type!(u8, RSMPI_UINT8_T);
 rma_type!(f32, RSMPI_FLOAT);
 rma_type!(f64, RSMPI_DOUBLE);
 rma_type!(i32, RSMPI_INT32_T);
@@ -333,18 +335,62 @@ impl<'w, T: RmaType> Epoch<'w, T> {
 
     /// `MPI_Get` of `buf.len()` elements from `target` at element `offset`, completed.
     pub fn get_into(&self, target: usize, offset: usize, buf: &mut [T]) -> Result<(), RmaError> {
-        self.batch(|b| b.get_into(target, offset, buf))?
+        // SAFETY: buf is borrowed until the flush below completes the get.
+        unsafe { self.start(Op::Get, target, offset, buf.as_mut_ptr(), buf.len()) }?;
+        self.flush(target)
     }
 
     /// `MPI_Put` of `buf` to `target` at element `offset`, completed at the target.
     pub fn put(&self, target: usize, offset: usize, buf: &[T]) -> Result<(), RmaError> {
-        self.batch(|b| b.put(target, offset, buf))?
+        // SAFETY: buf is borrowed until the flush below; MPI only reads it.
+        unsafe { self.start(Op::Put, target, offset, buf.as_ptr().cast_mut(), buf.len()) }?;
+        self.flush(target)
     }
 
     /// `MPI_Accumulate` with `MPI_SUM` of `buf` into `target` at element `offset`
     /// (element-wise atomic with respect to other accumulates), completed at the target.
     pub fn accumulate_sum(&self, target: usize, offset: usize, buf: &[T]) -> Result<(), RmaError> {
-        self.batch(|b| b.accumulate_sum(target, offset, buf))?
+        // SAFETY: buf is borrowed until the flush below; MPI only reads it.
+        unsafe {
+            self.start(
+                Op::AccumulateSum,
+                target,
+                offset,
+                buf.as_ptr().cast_mut(),
+                buf.len(),
+            )
+        }?;
+        self.flush(target)
+    }
+
+    /// Starts one operation on `count` elements at `buf` (range-checked first).
+    ///
+    /// # Safety
+    /// `buf` must point to `count` elements that stay valid (and, for `Get`, unaliased)
+    /// until a flush of `target` completes the operation.
+    unsafe fn start(
+        &self,
+        op: Op,
+        target: usize,
+        offset: usize,
+        buf: *mut T,
+        count: usize,
+    ) -> Result<(), RmaError> {
+        let call = op.call();
+        let (t, disp, n) = self.range(call, target, offset, count)?;
+        let (dt, win) = (T::datatype(), self.win.win);
+        // SAFETY: the caller keeps buf valid until the completing flush; the target range
+        // was checked against the target's window; the window is locked by this epoch.
+        let rc = unsafe {
+            match op {
+                Op::Get => ffi::MPI_Get(buf.cast(), n, dt, t, disp, n, dt, win),
+                Op::Put => ffi::MPI_Put(buf.cast(), n, dt, t, disp, n, dt, win),
+                Op::AccumulateSum => {
+                    ffi::MPI_Accumulate(buf.cast(), n, dt, t, disp, n, dt, ffi::RSMPI_SUM, win)
+                }
+            }
+        };
+        check(call, self.win.rank, rc)
     }
 
     /// `MPI_Fetch_and_op` with `MPI_SUM`: atomically adds `value` to one element of
@@ -418,8 +464,12 @@ impl<'w, T: RmaType> Epoch<'w, T> {
     }
 
     /// Runs `f`, in which operations are only started (`MPI_Get`, `MPI_Put`,
-    /// `MPI_Accumulate`), then completes them all (`MPI_Win_flush_all`) before returning,
-    /// also if `f` panics. Buffers lent to the batch must outlive it.
+    /// `MPI_Accumulate`), then completes them (`MPI_Win_flush` of each rank the batch
+    /// touched) before returning, also if `f` panics (then `MPI_Win_flush_all`). Buffers
+    /// lent to the batch must outlive it.
+    ///
+    /// Flushing only the touched ranks matters where one-sided operations are emulated
+    /// (OpenMPI's `osc pt2pt`): a flush of a rank waits until that rank calls into MPI.
     pub fn batch<'e, F, R>(&'e self, f: F) -> Result<R, RmaError>
     where
         F: for<'s> FnOnce(&'s Batch<'s, 'e, 'w, T>) -> R,
@@ -434,13 +484,22 @@ impl<'w, T: RmaType> Epoch<'w, T> {
         }
         let batch = Batch {
             epoch: self,
+            first: Cell::new(None),
+            more: RefCell::new(Vec::new()),
             _scope: PhantomData,
             _env: PhantomData,
         };
         let guard = FlushOnExit(self);
         let r = f(&batch);
         std::mem::forget(guard);
-        self.flush_all()?;
+        // Ranks touched: usually one, kept without allocating.
+        let mut touched = std::mem::take(&mut *batch.more.borrow_mut());
+        touched.extend(batch.first.get());
+        touched.sort_unstable();
+        touched.dedup();
+        for t in touched {
+            self.flush(t)?;
+        }
         Ok(r)
     }
 }
@@ -448,51 +507,44 @@ impl<'w, T: RmaType> Epoch<'w, T> {
 /// Operations started inside [`Epoch::batch`]; they complete when the batch ends.
 pub struct Batch<'s, 'e: 's, 'w: 'e, T: RmaType> {
     epoch: &'e Epoch<'w, T>,
+    /// Ranks with an operation started (flushed when the batch ends): the first one,
+    /// and any others.
+    first: Cell<Option<usize>>,
+    more: RefCell<Vec<usize>>,
     // Invariant in 's, as std::thread::Scope: buffers must live for the whole batch.
     _scope: PhantomData<&'s mut &'s ()>,
     _env: PhantomData<&'e mut &'e ()>,
 }
 
 impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
+    fn started(&self, target: usize) {
+        if self.first.get().is_none_or(|f| f == target) {
+            self.first.set(Some(target));
+        } else {
+            self.more.borrow_mut().push(target);
+        }
+    }
+
     /// Starts `MPI_Get` into `buf` (filled when the batch ends).
     pub fn get_into(&self, target: usize, offset: usize, buf: &'s mut [T]) -> Result<(), RmaError> {
-        let e = self.epoch;
-        let (t, disp, count) = e.range("MPI_Get", target, offset, buf.len())?;
-        // SAFETY: buf stays borrowed until the batch's flush completes the get; range
-        // checked; count elements of T at buf.
-        let rc = unsafe {
-            ffi::MPI_Get(
-                buf.as_mut_ptr().cast::<c_void>(),
-                count,
-                T::datatype(),
-                t,
-                disp,
-                count,
-                T::datatype(),
-                e.win.win,
-            )
-        };
-        check("MPI_Get", e.win.rank, rc)
+        // SAFETY: buf stays borrowed for the whole batch, which flushes before it ends.
+        unsafe {
+            self.epoch
+                .start(Op::Get, target, offset, buf.as_mut_ptr(), buf.len())
+        }?;
+        self.started(target);
+        Ok(())
     }
 
     /// Starts `MPI_Put` from `buf`.
     pub fn put(&self, target: usize, offset: usize, buf: &'s [T]) -> Result<(), RmaError> {
-        let e = self.epoch;
-        let (t, disp, count) = e.range("MPI_Put", target, offset, buf.len())?;
-        // SAFETY: buf stays borrowed (unchanged) until the batch's flush; range checked.
-        let rc = unsafe {
-            ffi::MPI_Put(
-                buf.as_ptr().cast::<c_void>(),
-                count,
-                T::datatype(),
-                t,
-                disp,
-                count,
-                T::datatype(),
-                e.win.win,
-            )
-        };
-        check("MPI_Put", e.win.rank, rc)
+        // SAFETY: buf stays borrowed (MPI only reads it) until the batch's flush.
+        unsafe {
+            self.epoch
+                .start(Op::Put, target, offset, buf.as_ptr().cast_mut(), buf.len())
+        }?;
+        self.started(target);
+        Ok(())
     }
 
     /// Starts `MPI_Accumulate` with `MPI_SUM` from `buf`.
@@ -502,22 +554,35 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
         offset: usize,
         buf: &'s [T],
     ) -> Result<(), RmaError> {
-        let e = self.epoch;
-        let (t, disp, count) = e.range("MPI_Accumulate", target, offset, buf.len())?;
-        // SAFETY: buf stays borrowed (unchanged) until the batch's flush; range checked.
-        let rc = unsafe {
-            ffi::MPI_Accumulate(
-                buf.as_ptr().cast::<c_void>(),
-                count,
-                T::datatype(),
-                t,
-                disp,
-                count,
-                T::datatype(),
-                ffi::RSMPI_SUM,
-                e.win.win,
+        // SAFETY: buf stays borrowed (MPI only reads it) until the batch's flush.
+        unsafe {
+            self.epoch.start(
+                Op::AccumulateSum,
+                target,
+                offset,
+                buf.as_ptr().cast_mut(),
+                buf.len(),
             )
-        };
-        check("MPI_Accumulate", e.win.rank, rc)
+        }?;
+        self.started(target);
+        Ok(())
+    }
+}
+
+/// The operations a batch or a blocking call starts.
+#[derive(Clone, Copy)]
+enum Op {
+    Get,
+    Put,
+    AccumulateSum,
+}
+
+impl Op {
+    fn call(self) -> &'static str {
+        match self {
+            Op::Get => "MPI_Get",
+            Op::Put => "MPI_Put",
+            Op::AccumulateSum => "MPI_Accumulate",
+        }
     }
 }
