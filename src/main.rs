@@ -5,6 +5,16 @@
 //! [`mpiflow::transport::Context::agree`]), printed once by rank 0, and every rank exits
 //! non-zero, so `mpirun` ends the whole job instead of leaving ranks waiting.
 
+/// `eprintln!` in one `write`: Rust's stderr is unbuffered and `eprintln!` writes its
+/// pieces separately, so under mpirun the lines of several ranks could splice together.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        let mut line = format!($($t)*);
+        line.push('\n');
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    }};
+}
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -263,7 +273,7 @@ impl Failure {
     /// initialised, so no rank can exit (and make mpirun end the job) before it is printed.
     fn agreed(e: impl std::fmt::Display, ctx: &Context) -> Self {
         if ctx.rank() == 0 {
-            eprintln!("mpiflow: error: {e}");
+            say!("mpiflow: error: {e}");
         }
         Failure(None)
     }
@@ -423,7 +433,7 @@ fn cmd_check(args: &CheckArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
         });
     let rep = ctx.agree(report).map_err(|e| Failure::agreed(e, &ctx))?;
     if ctx.rank() == 0 {
-        eprintln!(
+        say!(
             "mpiflow check: {} checks passed on each of {} ranks",
             rep.checks,
             ctx.size()
@@ -439,7 +449,7 @@ fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     }
     let pin = pin_rank(args, 0, 1);
     if let Some(w) = &pin.warning {
-        eprintln!("mpiflow: warning: {w}");
+        say!("mpiflow: warning: {w}");
     }
     let data = Dataset::load(&args.data, args.seed).map_err(Failure::local)?;
     let (train, test) = data.split_holdout(args.seed);
@@ -508,7 +518,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         ));
     };
     if overlap && !multiple && ctx.rank() == 0 {
-        eprintln!("mpiflow: warning: MPI did not grant MPI_THREAD_MULTIPLE; gradients are reduced after the backward pass");
+        say!("mpiflow: warning: MPI did not grant MPI_THREAD_MULTIPLE; gradients are reduced after the backward pass");
     }
     drop(resolved.port_guard);
     let layout = &resolved.layout;
@@ -586,7 +596,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     if let Err(e) = result {
         // Peers may be gone or waiting: no collective and no MPI_Finalize, which could
         // wait for a dead rank; exiting non-zero ends the job.
-        eprintln!("mpiflow: error: {e}");
+        say!("mpiflow: error: {e}");
         std::process::exit(1);
     }
     Ok(())
@@ -661,7 +671,7 @@ fn cmd_bench(args: &BenchArgs) -> Result<(), Failure> {
     if let Err(e) = mpiflow::bench::run(&comm, &args.name, &args.options) {
         // The peer may be blocked in a transfer with this rank: no collective agreement and
         // no MPI_Finalize, which could wait forever; exiting makes mpirun end the job.
-        eprintln!("mpiflow: error: rank {}: {e}", ctx.rank());
+        say!("mpiflow: error: rank {}: {e}", ctx.rank());
         std::process::exit(1);
     }
     Ok(())
@@ -792,7 +802,7 @@ fn reexec_with_env(env: &BTreeMap<String, String>) {
     cmd.args(std::env::args_os().skip(1)).envs(set);
     let err = cmd.exec();
     // Could not re-execute: carry on with the environment as it is.
-    eprintln!("mpiflow: warning: could not re-execute to set the environment: {err}");
+    say!("mpiflow: warning: could not re-execute to set the environment: {err}");
 }
 
 fn main() -> ExitCode {
@@ -805,7 +815,7 @@ fn main() -> ExitCode {
     // exiting ends this rank, and mpirun then ends the job.
     let panic_prefix = prefix.clone();
     std::panic::set_hook(Box::new(move |info| {
-        eprintln!("mpiflow: internal error: {panic_prefix}{info}");
+        say!("mpiflow: internal error: {panic_prefix}{info}");
         std::process::exit(70);
     }));
     let cli = match Cli::try_parse_from(normalise_args(std::env::args())) {
@@ -817,7 +827,7 @@ fn main() -> ExitCode {
         Err(e) => {
             let text = e.render().to_string();
             let first = text.lines().next().unwrap_or("bad arguments");
-            eprintln!(
+            say!(
                 "mpiflow: {prefix}{} (see mpiflow --help)",
                 first.trim_start_matches("error: ").trim()
             );
@@ -836,7 +846,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
             if let Some(message) = f.0 {
-                eprintln!("mpiflow: error: {prefix}{message}");
+                say!("mpiflow: error: {prefix}{message}");
             }
             ExitCode::from(1)
         }

@@ -3,25 +3,13 @@
 
 mod common;
 
-use common::{
-    accuracy, kill_one_rank_when, max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir,
-};
+use common::{accuracy, kill_one_rank_when, max_relative_difference, mpiflow, mpirun, tmpdir};
 
 #[test]
 fn n_replicas_equal_local_training_on_the_global_batch() {
     let dir = tmpdir("ar-equal");
     let local = dir.join("local.bin");
-    let run = mpiflow_alone(
-        &[
-            "train",
-            "--steps",
-            "80",
-            "--save-params",
-            local.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(run.code, 0, "{run:?}");
+    common::train_local_reference("80", &local, &[]);
     for (np, overlap) in [
         ("2", false),
         ("3", false),

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{accuracy, max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir};
+use common::{accuracy, max_relative_difference, mpiflow, mpirun, tmpdir};
 use mpiflow::train::checkpoint;
 
 #[test]
@@ -33,19 +33,7 @@ fn digits_reach_95_percent_sync_and_async_with_one_and_two_ps() {
 fn sync_training_equals_local_training_on_the_combined_batch() {
     let dir = tmpdir("ps-equal");
     let (a, b) = (dir.join("local.bin"), dir.join("ps.bin"));
-    let local = mpiflow_alone(
-        &[
-            "train",
-            "--mode",
-            "local",
-            "--steps",
-            "60",
-            "--save-params",
-            a.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert_eq!(local.code, 0, "{local:?}");
+    common::train_local_reference("60", &a, &[]);
     // Three workers share a batch of 64 unevenly (21, 21, 22): the ps weights by samples.
     let ps = mpirun(&[
         "-np",

@@ -85,3 +85,36 @@ fn spread_places_ps_on_distinct_namespace_hosts() {
         "namespaces left behind"
     );
 }
+
+#[test]
+fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
+    if !is_root() {
+        eprintln!("skipped: the multi-host test needs root for network namespaces");
+        return;
+    }
+    let script = format!("{}/tests/netns/cluster.sh", common::root());
+    let dir = common::tmpdir("netns-rma");
+    let (p2p, rma) = (dir.join("p2p.bin"), dir.join("rma.bin"));
+    let m = mpiflow();
+    // No `--mca osc` given: mpiflow picks the one-sided component itself (no RDMA device
+    // here, so OpenMPI's emulation over the TCP messages between the hosts).
+    let train = |transport: &str, out: &std::path::Path| {
+        format!(
+            "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 4 --map-by node \
+             {m} train --mode ps --ps 1 --transport {transport} --steps 30 --log-every 10 \
+             --save-params {}",
+            out.display()
+        )
+    };
+    let inner = format!("set -e; {}; {}", train("p2p", &p2p), train("rma", &rma));
+    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("# one-sided: no RDMA device, so OpenMPI's osc sm,pt2pt"),
+        "{}",
+        run.stdout
+    );
+    let worst = common::max_relative_difference(&p2p, &rma);
+    assert!(worst < 1e-4, "p2p and rma parameters differ by {worst}");
+}

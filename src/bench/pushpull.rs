@@ -3,7 +3,9 @@
 //! - `mpi`: plain rsmpi messages of the same pattern (push: S/P bytes to each ps, a
 //!   1-byte ack back; pull: a 1-byte request, S/P bytes back), served by a matched-probe
 //!   loop that does nothing else: the transfer ceiling;
-//! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps).
+//! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps)
+//!   with `--transport p2p`; with `--transport rma`, one-sided accumulate and get on the
+//!   ps tasks' windows ([`crate::train::rma_ps::bench_pushpull`]).
 //!
 //! Bandwidth is the bytes all workers move per second: `W x 2S / mean round time`.
 
@@ -13,6 +15,7 @@ use super::osu::{self, BenchOptions, Path};
 use super::{BenchError, Row};
 use crate::cluster::{Layout, MappingOptions};
 use crate::tensor::DType;
+use crate::train::ps::PsTransport;
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
@@ -124,8 +127,15 @@ pub fn run(
                 coll.barrier()?;
                 let mine = match path {
                     Path::Mpi => raw(comm, ps, size, iters, warmup),
-                    _ => crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
-                        .map_err(|e| BenchError::Validation(e.to_string()))?,
+                    _ => match opts.transport {
+                        PsTransport::P2p => {
+                            crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                        }
+                        PsTransport::Rma => {
+                            crate::train::rma_ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                        }
+                    }
+                    .map_err(|e| BenchError::Validation(e.to_string()))?,
                 };
                 let secs = mean_over_workers(coll, mine)?;
                 let mbps = (workers * 2 * size) as f64 / 1e6 / secs;
@@ -136,7 +146,11 @@ pub fn run(
             tables[k].push(Row::point(size, v, iters));
         }
     }
-    let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps)");
+    let how = match opts.transport {
+        PsTransport::P2p => "p2p",
+        PsTransport::Rma => "rma",
+    };
+    let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps, transport {how})");
     Ok(osu::render(&osu::by_path(&paths, tables), |rows| {
         osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows)
     }))

@@ -246,9 +246,13 @@ fn measure(
 
 /// Runs one of [`NAMES`] over the sizes; returns the text rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, BenchError> {
-    let (min, max) = opts
-        .sizes
-        .unwrap_or((if name == "acc_latency" { 4 } else { 1 }, 1 << 22));
+    let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
+    // Accumulate moves 32-bit integers: 4 bytes is the smallest message.
+    let min = if name == "acc_latency" {
+        min.max(4)
+    } else {
+        min
+    };
     let (paths, rounds) = opts.plan();
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let bw = name == "get_bw";

@@ -5,7 +5,7 @@
 //! Windows, on each ps `k` (workers expose empty ones):
 //! - `data` (f32): `[params | gradient sum | loss sum, sample sum]`, the parameters of
 //!   ps `k`'s shards back to back, in placement order;
-//! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, pushes of worker 0, 1, ...]`.
+//! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, ABORT, pushes of worker 0, 1, ...]`.
 //!
 //! `--sync` (SyncReplicas semantics with every worker aggregated): a worker waits until
 //! every ps has published step `s` (`STEP >= s`, read with an atomic `fetch_and_add` of
@@ -25,7 +25,8 @@
 //! `MPI_Accumulate`, element-wise atomic); ps processes only wait for `DONE`.
 //!
 //! Every wait has a deadline (`--peer-timeout`): a ps that stops receiving pushes names
-//! the worker that did not push; a worker that sees no new step names the ps.
+//! the worker that did not push, and leaves its number in `ABORT` so that the workers
+//! waiting on it stop with the same diagnosis; a worker that sees no new step names the ps.
 
 use std::time::{Duration, Instant};
 
@@ -45,7 +46,8 @@ const STEP: usize = 0;
 const ARRIVALS: usize = 1;
 const DONE: usize = 2;
 const LOSS: usize = 3;
-const PUSHES: usize = 4;
+const ABORT: usize = 4;
+const PUSHES: usize = 5;
 
 impl From<RmaError> for PsError {
     fn from(e: RmaError) -> PsError {
@@ -277,6 +279,8 @@ impl Rma<'_> {
                                 .is_ok_and(|c| c <= step as i64)
                         })
                         .unwrap_or(0);
+                    // Tell the others why (best effort: this ps stops either way).
+                    let _ = ctl.put(me, ABORT, &[late as i64 + 1]);
                     self.lost(
                         self.roles.task(me),
                         self.roles.task(self.roles.workers[late]),
@@ -356,7 +360,18 @@ impl Rma<'_> {
                 for (k, r) in roles.ps.iter().enumerate() {
                     wait_until(
                         cfg.peer_timeout * 2,
-                        || Ok(ctl.fetch_and_add(*r, STEP, 0)?),
+                        || match ctl.fetch_and_add(*r, ABORT, 0)? {
+                            0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
+                            late => Err(PsError::Remote {
+                                task: me.clone(),
+                                message: self
+                                    .lost(
+                                        self.ps_task(k),
+                                        roles.task(roles.workers[(late - 1) as usize]),
+                                    )
+                                    .to_string(),
+                            }),
+                        },
                         |v| v >= step as i64,
                         || self.lost(me.clone(), self.ps_task(k)),
                     )?;
@@ -484,6 +499,60 @@ impl Rma<'_> {
         }
         .line()
     }
+}
+
+/// Benchmark support (`mpiflow bench pushpull --transport rma`): a model of `floats`
+/// floats sliced evenly over the ps tasks' windows; each worker runs `warmup + rounds`
+/// rounds of one push (`MPI_Accumulate` of its gradient into every slice) and one pull
+/// (`MPI_Get` of every slice), as asynchronous SGD does. The ps ranks do nothing but wait
+/// in a barrier. Workers return the mean seconds of a timed round; ps ranks `None`.
+pub fn bench_pushpull(
+    comm: &MpiComm,
+    layout: &Layout,
+    floats: usize,
+    rounds: usize,
+    warmup: usize,
+) -> Result<Option<f64>, PsError> {
+    let roles = Roles::new(layout)?;
+    let me = comm.rank();
+    let np = roles.ps.len();
+    let slice = floats.div_ceil(np).max(1);
+    let range = |k: usize| (k * slice).min(floats)..((k + 1) * slice).min(floats);
+    let mine = roles
+        .ps
+        .iter()
+        .position(|r| *r == me)
+        .map_or(0, |k| range(k).len());
+    let mut w = Window::<f32>::allocate(comm, mine).map_err(|e| PsError::Setup(e.to_string()))?;
+    let mut secs = None;
+    if roles.workers.contains(&me) {
+        let grads = vec![0f32; floats];
+        let mut params = vec![0f32; floats];
+        let ep = w.lock_all()?;
+        let mut start = Instant::now();
+        for i in 0..warmup + rounds {
+            if i == warmup {
+                start = Instant::now();
+            }
+            ep.batch(|b| -> Result<(), RmaError> {
+                for (k, r) in roles.ps.iter().enumerate() {
+                    b.accumulate_sum(*r, 0, &grads[range(k)])?;
+                }
+                Ok(())
+            })??;
+            ep.batch(|b| -> Result<(), RmaError> {
+                for ((k, r), dst) in roles.ps.iter().enumerate().zip(params.chunks_mut(slice)) {
+                    debug_assert_eq!(dst.len(), range(k).len());
+                    b.get_into(*r, 0, dst)?;
+                }
+                Ok(())
+            })??;
+        }
+        secs = Some(start.elapsed().as_secs_f64() / rounds.max(1) as f64);
+    }
+    mpi::traits::CommunicatorCollectives::barrier(comm.raw());
+    w.free()?;
+    Ok(secs)
 }
 
 #[cfg(test)]

@@ -108,6 +108,23 @@ pub fn mpiflow_alone(args: &[&str], env: &[(&str, &str)]) -> Run {
     run_bounded(60, &cmd, env)
 }
 
+/// `mpiflow train --mode local --steps STEPS --save-params OUT`, which must succeed: the
+/// reference distributed training is compared with.
+pub fn train_local_reference(steps: &str, out: &std::path::Path, extra: &[&str]) {
+    let mut args = vec![
+        "train",
+        "--mode",
+        "local",
+        "--steps",
+        steps,
+        "--save-params",
+    ];
+    args.push(out.to_str().unwrap());
+    args.extend_from_slice(extra);
+    let run = mpiflow_alone(&args, &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+}
+
 /// This machine's host name, as MPI reports it.
 pub fn hostname() -> String {
     mpiflow::cluster::resolve::hostname().expect("gethostname")

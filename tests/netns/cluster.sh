@@ -59,7 +59,7 @@ up() {
 
 run() {
   export MPIFLOW_NETNS_PREFIX=$PREFIX
-  export MPIFLOW_NETNS_MCA="--mca plm_rsh_agent $HERE/rsh-agent.sh --mca oob_tcp_if_include $SUBNET.0/24 --mca btl tcp,self --mca btl_tcp_if_include $SUBNET.0/24 --mca osc pt2pt"
+  export MPIFLOW_NETNS_MCA="--mca plm_rsh_agent $HERE/rsh-agent.sh --mca oob_tcp_if_include $SUBNET.0/24 --mca btl tcp,self --mca btl_tcp_if_include $SUBNET.0/24"
   ip netns exec "$(ns h1)" unshare --uts sh -c 'hostname h1; exec "$@"' sh "$@"
 }
 

@@ -1,0 +1,233 @@
+//! One-sided (RMA) parameter server and benchmarks under real `mpirun`: equality with
+//! local training, accuracy sync and async, a dead task named, refused settings, and the
+//! OSU one-sided tables. (The RMA layer itself is checked by `mpiflow check` at 1 to 6
+//! ranks in `tests/mpirun_transport.rs`.)
+
+mod common;
+
+use common::{accuracy, max_relative_difference, mpiflow, mpirun, tmpdir};
+
+fn train(np: &str, extra: &[&str]) -> common::Run {
+    let mut args = vec![
+        "-np",
+        np,
+        mpiflow(),
+        "train",
+        "--mode",
+        "ps",
+        "--transport",
+        "rma",
+    ];
+    args.extend_from_slice(extra);
+    mpirun(&args)
+}
+
+#[test]
+fn rma_sync_training_equals_local_training_on_the_combined_batch() {
+    let dir = tmpdir("rma-equal");
+    let (a, b) = (dir.join("local.bin"), dir.join("rma.bin"));
+    common::train_local_reference("60", &a, &[]);
+    // Three workers share a batch of 64 unevenly (21, 21, 22); variables sliced over 2 ps.
+    let run = train(
+        "5",
+        &[
+            "--ps",
+            "2",
+            "--steps",
+            "60",
+            "--var-placement",
+            "partition",
+            "--partition-bytes",
+            "8192",
+            "--save-params",
+            b.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("one-sided (rma)"), "{}", run.stdout);
+    let worst = max_relative_difference(&a, &b);
+    // The ps sums n_i x gradient_i by MPI_Accumulate in arrival order, then divides:
+    // float32 rounding only (Adam carries it through 60 steps).
+    assert!(worst < 1e-4, "largest relative difference {worst}");
+}
+
+#[test]
+fn rma_digits_reach_95_percent_sync_and_async() {
+    for (np, ps) in [("4", "1"), ("6", "2")] {
+        for mode in [
+            &["--sync"][..],
+            &["--async", "--optimizer", "sgd", "--lr", "0.1"][..],
+        ] {
+            let mut extra = vec!["--ps", ps];
+            extra.extend_from_slice(mode);
+            let run = train(np, &extra);
+            assert_eq!(run.code, 0, "{run:?}");
+            let acc = accuracy(&run.stdout);
+            assert!(
+                acc >= 0.95,
+                "np {np} ps {ps} {mode:?}: {acc}\n{}",
+                run.stdout
+            );
+            assert!(run.stdout.contains("# one-sided: "), "{}", run.stdout);
+        }
+    }
+}
+
+#[test]
+fn rma_dead_worker_or_ps_is_named_within_30_seconds() {
+    let run = |victim: usize| {
+        common::kill_rank_after_start(
+            &[
+                "--mca",
+                "orte_enable_recovery",
+                "1",
+                "-np",
+                "4",
+                mpiflow(),
+                "train",
+                "--mode",
+                "ps",
+                "--transport",
+                "rma",
+                "--ps",
+                "1",
+                "--steps",
+                "100000000",
+                "--peer-timeout",
+                "5",
+            ],
+            victim,
+        )
+    };
+    let (err, secs, _) = run(3);
+    assert!(secs < 30.0, "took {secs} s");
+    assert!(
+        err.contains("mpiflow: error: ps:0 (rank 0): lost worker:2 (rank 3)"),
+        "{err}"
+    );
+    // The waiting workers read the ps's diagnosis from its window.
+    assert!(
+        err.contains(
+            "mpiflow: error: worker:0 (rank 1): stopped by a ps: ps:0 (rank 0): lost worker:2 (rank 3)"
+        ),
+        "{err}"
+    );
+    let (err, secs, _) = run(0);
+    assert!(secs < 30.0, "took {secs} s");
+    assert!(err.contains("lost ps:0 (rank 0)"), "{err}");
+}
+
+#[test]
+fn rma_refuses_what_it_does_not_implement_with_one_line() {
+    for (extra, want) in [
+        (
+            &["--async"][..],
+            "--transport rma --async applies plain SGD with MPI_Accumulate",
+        ),
+        (
+            &["--replicas-to-aggregate", "2"][..],
+            "--replicas-to-aggregate must be 3",
+        ),
+    ] {
+        let mut args = vec!["--ps", "1"];
+        args.extend_from_slice(extra);
+        let run = train("4", &args);
+        run.assert_one_line_error(want);
+    }
+}
+
+/// The rows of every one-sided table in `out`: (size, value).
+fn one_sided_tables(out: &str, title: &str, column: &str) -> Vec<Vec<(usize, f64)>> {
+    let head = format!(
+        "# OSU {title} v7.4\n# Window creation: MPI_Win_allocate\n# Synchronization: MPI_Win_flush\n"
+    );
+    out.split(&head)
+        .skip(1)
+        .map(|t| {
+            let mut lines = t.lines();
+            assert!(lines.next().unwrap().starts_with("# Datatype: MPI_"), "{t}");
+            assert_eq!(
+                lines.next().unwrap(),
+                format!("{:<10}{:>20}", "# Size", column)
+            );
+            lines
+                .take_while(|l| !l.starts_with('#'))
+                .map(|l| {
+                    assert_eq!(l.len(), 30, "row {l:?}");
+                    let (s, v) = l.split_at(10);
+                    (s.trim().parse().unwrap(), v.trim().parse().unwrap())
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn one_sided_benchmarks_print_osu_tables_for_both_paths() {
+    for (name, title, column, min) in [
+        ("put_latency", "MPI_Put Latency Test", "Latency (us)", 1),
+        ("get_latency", "MPI_Get latency Test", "Latency (us)", 1),
+        (
+            "acc_latency",
+            "MPI_Accumulate latency Test",
+            "Latency (us)",
+            4,
+        ),
+        ("get_bw", "MPI_Get Bandwidth Test", "Bandwidth (MB/s)", 1),
+    ] {
+        let run = mpirun(&[
+            "-np",
+            "2",
+            mpiflow(),
+            "bench",
+            name,
+            "-m",
+            "64",
+            "-i",
+            "20",
+            "-x",
+            "2",
+            "-W",
+            "4",
+            "--rounds",
+            "1",
+        ]);
+        assert_eq!(run.code, 0, "{run:?}");
+        let tables = one_sided_tables(&run.stdout, title, column);
+        assert_eq!(tables.len(), 2, "mpi and mpiflow paths: {}", run.stdout);
+        for t in &tables {
+            let sizes: Vec<usize> = t.iter().map(|r| r.0).collect();
+            let want: Vec<usize> = std::iter::successors(Some(min), |s| Some(s * 2))
+                .take_while(|s| *s <= 64)
+                .collect();
+            assert_eq!(sizes, want, "{name}");
+            assert!(t.iter().all(|r| r.1 > 0.0 && r.1.is_finite()), "{t:?}");
+        }
+        assert!(run.stdout.contains("# ratio mpiflow/mpi"), "{}", run.stdout);
+    }
+    // Push-pull through the windows, beside the plain-MPI pattern.
+    let run = mpirun(&[
+        "-np",
+        "3",
+        mpiflow(),
+        "bench",
+        "pushpull",
+        "--transport",
+        "rma",
+        "-m",
+        "4096:8192",
+        "-i",
+        "5",
+        "-x",
+        "1",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("# OSU MPI Push-Pull Bandwidth Test (2 workers, 1 ps, transport rma) v7.4"),
+        "{}",
+        run.stdout
+    );
+}
