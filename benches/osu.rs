@@ -1,7 +1,8 @@
 //! `cargo bench`: runs mpiflow's OSU-style benchmarks under a real `mpirun`.
 //!
-//! With no arguments: latency, bw, bibw, bcast and allreduce-fused at 2 ranks, allreduce at
-//! 2 and 4 ranks, each with both paths (plain MPI and mpiflow) alternating in one job.
+//! With no arguments: latency, bw, bibw, bcast, allreduce-fused and the one-sided
+//! put/get/acc latency and get_bw at 2 ranks, allreduce at 2 and 4 ranks, pushpull (p2p
+//! and rma) at 4 ranks, each with both paths (plain MPI and mpiflow) alternating in one job.
 //! `cargo bench -- NAME [OSU options]` runs one benchmark (e.g. `cargo bench -- latency -m
 //! 1:4096`); `MPIFLOW_BENCH_NP` sets the rank count. Under an MPI launcher already (e.g.
 //! `mpirun -np 4 target/release/deps/osu-*`), the benchmark runs in place instead.
@@ -62,6 +63,12 @@ fn main() {
             ("4".into(), s(&["allreduce", "-m", "4:16777216"])),
             ("2".into(), s(&["bcast"])),
             ("2".into(), s(&["allreduce-fused"])),
+            ("2".into(), s(&["put_latency"])),
+            ("2".into(), s(&["get_latency"])),
+            ("2".into(), s(&["acc_latency"])),
+            ("2".into(), s(&["get_bw"])),
+            ("4".into(), s(&["pushpull", "--transport", "p2p"])),
+            ("4".into(), s(&["pushpull", "--transport", "rma"])),
         ]
     } else {
         vec![(np, args)]

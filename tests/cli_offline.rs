@@ -306,18 +306,33 @@ fn slurm_table_and_bad_slurm_variables() {
     let env = slurm_env("7", &[]);
     run(&["spec"], &with_env(&env))
         .assert_one_line_error("SLURM_PROCID=7 is not below the number of tasks 5");
-    run(&["spec", "--ps", "5"], &with_env(&slurm_env("0", &[])))
-        .assert_one_line_error("--ps 5 must be smaller than the number of ranks (5)");
+    run(&["spec", "--ps", "5"], &with_env(&slurm_env("0", &[]))).assert_one_line_error(
+        "Slurm job 42 has 5 tasks, too few for --ps 5: ask for at least 6 (sbatch/srun -n 6)",
+    );
 }
 
 #[test]
 fn slurm_port_in_use_is_an_error_naming_the_task() {
     let held = TcpListener::bind(("0.0.0.0", 0)).unwrap();
     let port = held.local_addr().unwrap().port().to_string();
-    let env = slurm_env("0", &[]);
+    // The check runs where the node is this machine (a node list naming this host).
+    let me = common::hostname();
+    let mut env = slurm_env("0", &[]);
+    for (k, v) in env.iter_mut() {
+        match *k {
+            "SLURM_JOB_NODELIST" | "SLURM_STEP_NODELIST" => *v = format!("{me},other"),
+            "SLURM_TASKS_PER_NODE" | "SLURM_STEP_TASKS_PER_NODE" => *v = "3,2".into(),
+            "SLURMD_NODENAME" => *v = me.clone(),
+            _ => {}
+        }
+    }
     run(&["spec", "--port-base", &port], &with_env(&env)).assert_one_line_error(&format!(
-        "rank 0: port {port} of worker:0 on node1 is already in use"
+        "rank 0: port {port} of worker:0 on {me} is already in use"
     ));
+    // On a node that is not this machine (a fake node) there is nothing to check.
+    let env = slurm_env("0", &[]);
+    let r = run(&["spec", "--port-base", &port], &with_env(&env));
+    assert_eq!(r.code, 0, "{r:?}");
 }
 
 #[test]
