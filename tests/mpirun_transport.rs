@@ -212,7 +212,7 @@ fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
     }
     assert!(run
         .stdout
-        .contains("Push-Pull Bandwidth Test (2 workers, 2 ps)"));
+        .contains("Push-Pull Bandwidth Test (2 workers, 2 ps, transport p2p)"));
     mpirun(&["-np", "2", mpiflow(), "bench", "pushpull", "--ps", "2"]).assert_one_line_error(
         "all ranks: benchmark pushpull needs more than --ps 2 ranks, the job has 2",
     );
