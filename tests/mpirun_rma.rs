@@ -1,13 +1,14 @@
 //! One-sided (RMA) parameter server and benchmarks under real `mpirun`: equality with
-//! local training, accuracy sync and async, a dead task named, refused settings, and the
-//! OSU one-sided tables. (The RMA layer itself is checked by `mpiflow check` at 1 to 6
+//! local training, accuracy sync and async, a dead task named, refused settings, resume
+//! after SIGKILL from the newest checkpoint, and the OSU one-sided tables. (The RMA layer itself is checked by `mpiflow check` at 1 to 6
 //! ranks in `tests/mpirun_transport.rs`.)
 
 mod common;
 
 use common::{accuracy, max_relative_difference, mpiflow, mpirun, tmpdir};
 
-fn train(np: &str, extra: &[&str]) -> common::Run {
+/// `-np NP mpiflow train --mode ps --transport rma EXTRA...` (mpirun's arguments).
+fn rma_args<'a>(np: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "-np",
         np,
@@ -19,7 +20,11 @@ fn train(np: &str, extra: &[&str]) -> common::Run {
         "rma",
     ];
     args.extend_from_slice(extra);
-    mpirun(&args)
+    args
+}
+
+fn train(np: &str, extra: &[&str]) -> common::Run {
+    mpirun(&rma_args(np, extra))
 }
 
 #[test]
@@ -78,24 +83,13 @@ fn rma_dead_worker_or_ps_is_named_within_30_seconds() {
     let run = |victim: usize| {
         common::kill_rank_after_start(
             &[
-                "--mca",
-                "orte_enable_recovery",
-                "1",
-                "-np",
-                "4",
-                mpiflow(),
-                "train",
-                "--mode",
-                "ps",
-                "--transport",
-                "rma",
-                "--ps",
-                "1",
-                "--steps",
-                "100000000",
-                "--peer-timeout",
-                "5",
-            ],
+                &["--mca", "orte_enable_recovery", "1"][..],
+                &rma_args(
+                    "4",
+                    &["--ps", "1", "--steps", "100000000", "--peer-timeout", "5"],
+                ),
+            ]
+            .concat(),
             victim,
         )
     };
@@ -127,6 +121,16 @@ fn rma_refuses_what_it_does_not_implement_with_one_line() {
         (
             &["--replicas-to-aggregate", "2"][..],
             "--replicas-to-aggregate must be 3",
+        ),
+        (
+            &[
+                "--async",
+                "--optimizer",
+                "sgd",
+                "--checkpoint-dir",
+                "/tmp/x",
+            ][..],
+            "--transport rma --async does not write checkpoints",
         ),
     ] {
         let mut args = vec!["--ps", "1"];
@@ -230,4 +234,53 @@ fn one_sided_benchmarks_print_osu_tables_for_both_paths() {
         "{}",
         run.stdout
     );
+}
+
+#[test]
+fn rma_job_killed_in_the_middle_resumes_from_its_newest_checkpoint() {
+    let dir = tmpdir("rma-resume");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let args = rma_args(
+        "4",
+        &[
+            "--ps",
+            "1",
+            "--steps",
+            "20000",
+            "--log-every",
+            "5000",
+            "--checkpoint-every",
+            "500",
+            "--checkpoint-dir",
+            c,
+        ],
+    );
+    assert!(
+        !common::kill_one_rank_when(&args, &ckpt.join("ckpt-1000")),
+        "the killed job must fail"
+    );
+    assert!(!ckpt.join("ckpt-20000").exists(), "killed before the end");
+    let again = mpirun(&args);
+    assert_eq!(again.code, 0, "{again:?}");
+    let restored: u64 = again
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("# restored "))
+        .and_then(|l| l.split("(global step ").nth(1))
+        .and_then(|s| s.trim_end_matches(')').parse().ok())
+        .unwrap_or_else(|| panic!("no restore line: {}", again.stdout));
+    assert!(
+        restored >= 1000 && restored.is_multiple_of(500),
+        "restored step {restored}"
+    );
+    // The resumed run reaches the last step, and its final checkpoint verifies.
+    assert!(
+        again.stdout.contains("step  20000 loss"),
+        "{}",
+        again.stdout
+    );
+    let last = mpiflow::train::checkpoint::verify(&ckpt.join("ckpt-20000")).unwrap();
+    assert_eq!(last.step, 20000);
+    assert!(accuracy(&again.stdout) >= 0.95, "{}", again.stdout);
 }

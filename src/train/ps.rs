@@ -309,6 +309,77 @@ pub fn run<C: Comm>(
     .run(log)
 }
 
+/// ps `k`'s checkpoint file contents: each shard's parameters and optimizer state, by
+/// `var@offset` (the format both ps transports write and read).
+pub(crate) fn shard_arrays(
+    k: usize,
+    shards: &[Shard],
+    params: &[&[f32]],
+    slots: &[Slots],
+    step: u64,
+) -> Arrays {
+    let mut arrays = Vec::new();
+    for ((s, p), sl) in shards.iter().zip(params).zip(slots) {
+        let key = format!("{}@{}", s.var, s.offset);
+        arrays.push((format!("{key}/param"), p.to_vec()));
+        arrays.push((format!("{key}/m"), sl.m.clone()));
+        arrays.push((format!("{key}/v"), sl.v.clone()));
+    }
+    Arrays {
+        step,
+        meta: json!({"ps": k, "t": slots.first().map_or(0, |s| s.t)}),
+        arrays,
+    }
+}
+
+/// The file name of ps `k`'s shard in a checkpoint.
+pub(crate) fn shard_file(k: usize) -> String {
+    format!("shard-ps{k}.bin")
+}
+
+/// One ps's restored state: parameters and optimizer state per shard, and the step.
+pub(crate) type ShardContents = (Vec<Vec<f32>>, Vec<Slots>, u64);
+
+/// Reads ps `k`'s shard from checkpoint `dir`; an error (never a partial result) if
+/// anything is missing or mis-sized.
+pub(crate) fn read_shard(
+    dir: &std::path::Path,
+    k: usize,
+    shards: &[Shard],
+) -> Result<ShardContents, String> {
+    let a = checkpoint::read_file(&dir.join(shard_file(k)), None).map_err(|e| e.to_string())?;
+    let t = a.meta["t"].as_u64().unwrap_or(a.step);
+    let mut params = Vec::new();
+    let mut slots = Vec::new();
+    for s in shards {
+        let key = format!("{}@{}", s.var, s.offset);
+        let get = |suffix: &str| {
+            a.get(&format!("{key}/{suffix}"))
+                .map(<[f32]>::to_vec)
+                .ok_or(format!(
+                    "checkpoint {} has no {key}/{suffix} (written with another placement?)",
+                    dir.display()
+                ))
+        };
+        let p = get("param")?;
+        if p.len() != s.len {
+            return Err(format!(
+                "checkpoint {}: {key} has {} elements, expected {}",
+                dir.display(),
+                p.len(),
+                s.len
+            ));
+        }
+        params.push(p);
+        slots.push(Slots {
+            m: get("m")?,
+            v: get("v")?,
+            t,
+        });
+    }
+    Ok((params, slots, a.step))
+}
+
 // ---------------------------------------------------------------------------------------
 // The server.
 
@@ -611,7 +682,7 @@ impl<'a, C: Comm> Server<'a, C> {
             }
             "save" => {
                 let dir = PathBuf::from(h["dir"].as_str().unwrap_or_default());
-                let file = format!("shard-ps{}.bin", self.k);
+                let file = shard_file(self.k);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
                     Ok((bytes, sum)) => self.reply(from, json!({"ok": true, "file": file, "bytes": bytes, "checksum": sum.to_string()}), &[]),
                     Err(e) => self.error(from, e.to_string()),
@@ -626,56 +697,16 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn snapshot(&self) -> Arrays {
-        let mut arrays = Vec::new();
-        for ((s, p), sl) in self.shards.iter().zip(&self.params).zip(&self.slots) {
-            let key = format!("{}@{}", s.var, s.offset);
-            arrays.push((format!("{key}/param"), p.clone()));
-            arrays.push((format!("{key}/m"), sl.m.clone()));
-            arrays.push((format!("{key}/v"), sl.v.clone()));
-        }
-        Arrays {
-            step: self.global_step,
-            meta: json!({"ps": self.k, "t": self.slots.first().map_or(0, |s| s.t)}),
-            arrays,
-        }
+        let params: Vec<&[f32]> = self.params.iter().map(Vec::as_slice).collect();
+        shard_arrays(self.k, &self.shards, &params, &self.slots, self.global_step)
     }
 
     fn restore(&mut self, dir: &std::path::Path) -> Result<(), String> {
-        let a = checkpoint::read_file(&dir.join(format!("shard-ps{}.bin", self.k)), None)
-            .map_err(|e| e.to_string())?;
-        let t = a.meta["t"].as_u64().unwrap_or(a.step);
-        let mut params = Vec::new();
-        let mut slots = Vec::new();
-        for s in &self.shards {
-            let key = format!("{}@{}", s.var, s.offset);
-            let get = |suffix: &str| {
-                a.get(&format!("{key}/{suffix}"))
-                    .map(<[f32]>::to_vec)
-                    .ok_or(format!(
-                        "checkpoint {} has no {key}/{suffix} (written with another placement?)",
-                        dir.display()
-                    ))
-            };
-            let p = get("param")?;
-            if p.len() != s.len {
-                return Err(format!(
-                    "checkpoint {}: {key} has {} elements, expected {}",
-                    dir.display(),
-                    p.len(),
-                    s.len
-                ));
-            }
-            params.push(p);
-            slots.push(Slots {
-                m: get("m")?,
-                v: get("v")?,
-                t,
-            });
-        }
+        let (params, slots, step) = read_shard(dir, self.k, &self.shards)?;
         // All or nothing: only now replace the live state.
         self.params = params;
         self.slots = slots;
-        self.global_step = a.step;
+        self.global_step = step;
         self.initialized = true;
         Ok(())
     }

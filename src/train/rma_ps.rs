@@ -5,7 +5,8 @@
 //! Windows, on each ps `k` (workers expose empty ones):
 //! - `data` (f32): `[params | gradient sum | loss sum, sample sum]`, the parameters of
 //!   ps `k`'s shards back to back, in placement order;
-//! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, ABORT, pushes of worker 0, 1, ...]`.
+//! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, ABORT, SAVED step, its bytes, its
+//!   checksum, pushes of worker 0, 1, ...]`.
 //!
 //! `--sync` (SyncReplicas semantics with every worker aggregated): a worker waits until
 //! every ps has published step `s` (`STEP >= s`, read with an atomic `fetch_and_add` of
@@ -23,6 +24,12 @@
 //! `--async`: workers claim steps with `fetch_and_add` on ps 0's `STEP`, get the latest
 //! parameters and accumulate `-lr x gradient` into them (plain SGD applied by
 //! `MPI_Accumulate`, element-wise atomic); ps processes only wait for `DONE`.
+//!
+//! Checkpoints (`--sync`): every ps restores its shard from the newest valid checkpoint
+//! before the windows open, and after applying a checkpoint step writes its shard file
+//! (parameters and optimizer state, the two-sided ps's format) into the checkpoint's
+//! staging directory before publishing the step, then its size and checksum in `ctl`; the
+//! chief commits the manifest when every ps has saved that step.
 //!
 //! Every wait has a deadline (`--peer-timeout`): a ps that stops receiving pushes names
 //! the worker that did not push, and leaves its number in `ABORT` so that the workers
@@ -47,7 +54,10 @@ const ARRIVALS: usize = 1;
 const DONE: usize = 2;
 const LOSS: usize = 3;
 const ABORT: usize = 4;
-const PUSHES: usize = 5;
+const SAVED: usize = 5;
+const SAVED_BYTES: usize = 6;
+const SAVED_SUM: usize = 7;
+const PUSHES: usize = 8;
 
 impl From<RmaError> for PsError {
     fn from(e: RmaError) -> PsError {
@@ -154,9 +164,10 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
             "--transport rma --async applies plain SGD with MPI_Accumulate: use --optimizer sgd, or --sync".into(),
         ));
     }
-    if cfg.checkpoint_dir.is_some() {
+    if cfg.checkpoint_dir.is_some() && !cfg.sync {
         return Err(PsError::Setup(
-            "--transport rma does not write checkpoints yet: use --transport p2p with --checkpoint-dir".into(),
+            "--transport rma --async does not write checkpoints: use --sync, or --transport p2p"
+                .into(),
         ));
     }
     Ok(())
@@ -194,17 +205,52 @@ pub fn run(
         Window::<f32>::allocate(comm, data_len).map_err(|e| PsError::Setup(e.to_string()))?;
     let mut ctl =
         Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
+    let restored = newest_checkpoint(cfg, roles.ps.len())?;
+    let mut state = None;
     if let Some(k) = ps_index {
-        // The initial parameters: the same seeded initialiser as every other mode.
+        let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
+        let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
         // SAFETY: no rank opens an epoch before the barrier below.
         let mem = unsafe { data.local_mut() };
-        for (p, src) in slices(&model.params, &pieces) {
-            if p.ps == k {
-                mem[p.at..p.at + p.len].copy_from_slice(src);
+        let (slots, start) = match &restored {
+            Some(found) => {
+                let (params, slots, step) =
+                    super::ps::read_shard(&found.path, k, &mine).map_err(PsError::Setup)?;
+                let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
+                for (a, p) in at.zip(&params) {
+                    mem[a..a + p.len()].copy_from_slice(p);
+                }
+                (slots, step)
             }
-        }
+            None => {
+                // The same seeded initialiser as every other mode.
+                for (p, src) in slices(&model.params, &pieces) {
+                    if p.ps == k {
+                        mem[p.at..p.at + p.len].copy_from_slice(src);
+                    }
+                }
+                (mine.iter().map(|s| opt.state(s.len)).collect(), 0)
+            }
+        };
+        // SAFETY: as above.
+        let c = unsafe { ctl.local_mut() };
+        c[STEP] = start as i64;
+        c[SAVED] = start as i64;
+        c[PUSHES..].fill(start as i64);
+        state = Some(ShardState {
+            shards: mine,
+            slots,
+            start,
+        });
     }
     if me == roles.workers.first().copied().unwrap_or(0) {
+        if let Some(f) = &restored {
+            log(&format!(
+                "# restored {} (global step {})",
+                f.path.display(),
+                f.step
+            ));
+        }
         log(&placement::report(&shards, &vars, roles.ps.len()));
         log(&crate::transport::rma::path_note());
         let hosts: std::collections::BTreeSet<&str> =
@@ -228,7 +274,9 @@ pub fn run(
         let mut d = data.lock_all()?;
         let c = ctl.lock_all()?;
         match (ps_index, roles.workers.iter().position(|r| *r == me)) {
-            (Some(k), _) if cfg.sync => ctx.serve_sync(k, &mut d, &c),
+            (Some(k), _) if cfg.sync => {
+                ctx.serve_sync(k, &mut d, &c, state.take().expect("ps state"))
+            }
             (Some(k), _) => ctx.serve_async(k, &c),
             (None, Some(w)) => ctx.work(w, &mut model, &d, &c, train, test, log),
             (None, None) => Ok(()),
@@ -239,6 +287,45 @@ pub fn run(
     data.free()?;
     ctl.free()?;
     Ok(())
+}
+
+/// A sync ps's own state: its shards, their optimizer state, the step it starts from.
+struct ShardState {
+    shards: Vec<Shard>,
+    slots: Vec<Slots>,
+    start: u64,
+}
+
+/// The newest valid checkpoint of `--checkpoint-dir` (every rank finds the same one), or
+/// `None`; warnings about newer, broken ones are logged by the chief.
+fn newest_checkpoint(
+    cfg: &PsConfig,
+    num_ps: usize,
+) -> Result<Option<super::checkpoint::Found>, PsError> {
+    let Some(dir) = &cfg.checkpoint_dir else {
+        return Ok(None);
+    };
+    std::fs::create_dir_all(dir)
+        .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
+    let (found, _) = super::checkpoint::latest(dir);
+    if let Some(f) = &found {
+        let n = f.meta["num_ps"].as_u64().unwrap_or(0) as usize;
+        if n != num_ps {
+            return Err(PsError::Setup(format!(
+                "checkpoint {} was written by {n} ps tasks, this job has {num_ps}",
+                f.path.display()
+            )));
+        }
+    }
+    Ok(found)
+}
+
+/// Whether global step `s` (reached in a run that started at `start`) is checkpointed.
+fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
+    let every = cfg.checkpoint_every;
+    cfg.checkpoint_dir.is_some()
+        && s > start
+        && ((every > 0 && s.is_multiple_of(every)) || s == cfg.train.steps)
 }
 
 struct Rma<'a> {
@@ -267,15 +354,20 @@ impl Rma<'_> {
         k: usize,
         data: &mut Epoch<'_, f32>,
         ctl: &Epoch<'_, i64>,
+        state: ShardState,
     ) -> Result<(), PsError> {
         let nw = self.roles.workers.len() as i64;
         let me = self.roles.ps[k];
         let opt = Optimizer::new(self.cfg.train.optimizer, self.cfg.train.lr);
         let mine: Vec<&Piece> = self.pieces.iter().filter(|p| p.ps == k).collect();
-        let mut slots: Vec<Slots> = mine.iter().map(|p| opt.state(p.len)).collect();
+        let ShardState {
+            shards,
+            mut slots,
+            start,
+        } = state;
         let n = self.held;
-        for step in 0..self.cfg.train.steps {
-            let want = (step as i64 + 1) * nw;
+        for step in start..self.cfg.train.steps {
+            let want = (step - start + 1) as i64 * nw;
             wait_until(
                 self.cfg.peer_timeout,
                 || Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?),
@@ -315,12 +407,72 @@ impl Rma<'_> {
                     }
                     grads.fill(0.0);
                     tail.fill(0.0);
-                    loss
+                    // Copied while no rank can touch the window (see above).
+                    let snapshot = checkpoint_due(self.cfg, start, step + 1).then(|| {
+                        let views: Vec<&[f32]> =
+                            mine.iter().map(|p| &params[p.at..p.at + p.len]).collect();
+                        super::ps::shard_arrays(k, &shards, &views, &slots, step + 1)
+                    });
+                    (loss, snapshot)
                 })
             }?;
+            let (loss, snapshot) = loss;
+            if let Some(arrays) = snapshot {
+                self.save_shard(k, ctl, step + 1, &arrays)?;
+            }
             ctl.put(me, LOSS, &[i64::from(loss.to_bits())])?;
             ctl.fetch_and_add(me, STEP, 1)?;
         }
+        Ok(())
+    }
+
+    /// Writes this ps's shard of checkpoint `step` into its staging directory and
+    /// publishes its size and checksum, then the step, in `ctl` for the chief.
+    fn save_shard(
+        &self,
+        k: usize,
+        ctl: &Epoch<'_, i64>,
+        step: u64,
+        arrays: &super::checkpoint::Arrays,
+    ) -> Result<(), PsError> {
+        let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
+        let stage = super::checkpoint::staging_dir(dir, step);
+        std::fs::create_dir_all(&stage)
+            .map_err(|e| PsError::Setup(format!("{}: {e}", stage.display())))?;
+        let (bytes, sum) =
+            super::checkpoint::write_file(&stage.join(super::ps::shard_file(k)), arrays)?;
+        let me = self.roles.ps[k];
+        ctl.put(me, SAVED_BYTES, &[bytes as i64, sum as i64])?;
+        let before = ctl.fetch_and_add(me, SAVED, 0)?;
+        ctl.fetch_and_add(me, SAVED, step as i64 - before)?;
+        Ok(())
+    }
+
+    /// The chief: commits checkpoint `step` once every ps saved its shard.
+    fn commit(
+        &self,
+        ctl: &Epoch<'_, i64>,
+        step: u64,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(), PsError> {
+        let me = self.roles.task(self.roles.workers[0]);
+        let mut files = Vec::new();
+        for (k, r) in self.roles.ps.iter().enumerate() {
+            wait_until(
+                self.cfg.peer_timeout * 2,
+                || Ok(ctl.fetch_and_add(*r, SAVED, 0)?),
+                |v| v >= step as i64,
+                || self.lost(me.clone(), self.ps_task(k)),
+            )?;
+            let bytes = ctl.fetch_and_add(*r, SAVED_BYTES, 0)? as u64;
+            let sum = ctl.fetch_and_add(*r, SAVED_SUM, 0)? as u64;
+            files.push((super::ps::shard_file(k), bytes, sum));
+        }
+        let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
+        let num_ps = self.roles.ps.len();
+        let path =
+            super::checkpoint::commit(dir, step, &files, serde_json::json!({"num_ps": num_ps}))?;
+        log(&format!("# checkpoint {} written", path.display()));
         Ok(())
     }
 
@@ -362,8 +514,10 @@ impl Rma<'_> {
         let chief = w == 0;
         let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
         let mut grads = model.zeros_like();
-        let (mut window, mut logged, mut last_loss) = (Instant::now(), 0u64, f32::NAN);
-        let mut step = 0u64;
+        // Where training starts: step 0, or the restored checkpoint's step.
+        let start = ctl.fetch_and_add(roles.ps[0], STEP, 0)? as u64;
+        let (mut window, mut logged, mut last_loss) = (Instant::now(), start, f32::NAN);
+        let mut step = if cfg.sync { start } else { 0 };
         loop {
             let s = if cfg.sync {
                 for (k, r) in roles.ps.iter().enumerate() {
@@ -399,6 +553,9 @@ impl Rma<'_> {
                 };
                 log(&self.step_line(s, loss, window.elapsed(), s - logged));
                 (window, logged) = (Instant::now(), s);
+            }
+            if chief && cfg.sync && checkpoint_due(cfg, start, s) {
+                self.commit(ctl, s, log)?;
             }
             step = s + u64::from(cfg.sync);
             if s >= cfg.train.steps {
