@@ -206,8 +206,10 @@ pub fn run(
     let mut ctl =
         Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
     let restored = newest_checkpoint(cfg, roles.ps.len())?;
-    let mut state = None;
-    if let Some(k) = ps_index {
+    let mut prepare = || -> Result<Option<ShardState>, PsError> {
+        let Some(k) = ps_index else {
+            return Ok(None);
+        };
         let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
         let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
         // SAFETY: no rank opens an epoch before the barrier below.
@@ -237,11 +239,27 @@ pub fn run(
         c[STEP] = start as i64;
         c[SAVED] = start as i64;
         c[PUSHES..].fill(start as i64);
-        state = Some(ShardState {
+        Ok(Some(ShardState {
             shards: mine,
             slots,
             start,
-        });
+        }))
+    };
+    // A ps that cannot restore must not leave the others in the barrier below: every
+    // rank learns whether all are ready (MPI_Allreduce of a flag) before it.
+    let prepared = prepare();
+    let mut failed = 0i32;
+    mpi::traits::CommunicatorCollectives::all_reduce_into(
+        comm.raw(),
+        &i32::from(prepared.is_err()),
+        &mut failed,
+        mpi::collective::SystemOperation::max(),
+    );
+    let mut state = prepared?;
+    if failed != 0 {
+        return Err(PsError::Setup(
+            "another rank could not set up one-sided training (its error says why)".into(),
+        ));
     }
     if me == roles.workers.first().copied().unwrap_or(0) {
         if let Some(f) = &restored {
