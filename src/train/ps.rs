@@ -309,6 +309,45 @@ pub fn run<C: Comm>(
     .run(log)
 }
 
+/// The newest valid checkpoint of `--checkpoint-dir` (created if missing), refused if
+/// another number of ps tasks wrote it, and a warning for each newer one that did not
+/// verify. Both ps transports restore from it.
+pub(crate) fn newest_checkpoint(
+    cfg: &PsConfig,
+    num_ps: usize,
+) -> Result<(Option<checkpoint::Found>, Vec<String>), PsError> {
+    let Some(dir) = &cfg.checkpoint_dir else {
+        return Ok((None, Vec::new()));
+    };
+    std::fs::create_dir_all(dir)
+        .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
+    let (found, warnings) = checkpoint::latest(dir);
+    if let Some(f) = &found {
+        let n = f.meta["num_ps"].as_u64().unwrap_or(0) as usize;
+        if n != num_ps {
+            return Err(PsError::Setup(format!(
+                "checkpoint {} was written by {n} ps tasks, this job has {num_ps}",
+                f.path.display()
+            )));
+        }
+    }
+    Ok((found, warnings))
+}
+
+/// The chief's last act of a checkpoint: the manifest over every ps's shard file (name,
+/// bytes, checksum), committed atomically, and the log line.
+pub(crate) fn commit_checkpoint(
+    dir: &std::path::Path,
+    step: u64,
+    files: &[(String, u64, u64)],
+    num_ps: usize,
+    log: &mut dyn FnMut(&str),
+) -> Result<(), PsError> {
+    let path = checkpoint::commit(dir, step, files, json!({"num_ps": num_ps}))?;
+    log(&format!("# checkpoint {} written", path.display()));
+    Ok(())
+}
+
 /// ps `k`'s checkpoint file contents: each shard's parameters and optimizer state, by
 /// `var@offset` (the format both ps transports write and read).
 pub(crate) fn shard_arrays(
@@ -330,6 +369,31 @@ pub(crate) fn shard_arrays(
         meta: json!({"ps": k, "t": slots.first().map_or(0, |s| s.t)}),
         arrays,
     }
+}
+
+/// The chief's log line for `steps` global steps that took `took` (both ps transports).
+pub(crate) fn step_line(
+    cfg: &PsConfig,
+    workers: usize,
+    step: u64,
+    loss: f32,
+    steps: u64,
+    took: Duration,
+) -> String {
+    let secs = took.as_secs_f64().max(1e-9);
+    // A sync step uses a global batch; an async one a worker's shard of it.
+    let per_step = if cfg.sync {
+        cfg.train.batch
+    } else {
+        cfg.train.batch / workers.max(1)
+    };
+    StepLog {
+        step,
+        loss,
+        steps_per_sec: steps as f64 / secs,
+        samples_per_sec: (steps * per_step as u64) as f64 / secs,
+    }
+    .line()
 }
 
 /// The file name of ps `k`'s shard in a checkpoint.
@@ -909,31 +973,19 @@ impl<C: Comm> Worker<'_, C> {
 
     /// Chief: restore the newest valid checkpoint, or initialise.
     fn init_or_restore(&self, log: &mut dyn FnMut(&str)) -> Result<(), PsError> {
-        if let Some(dir) = &self.cfg.checkpoint_dir {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
-            let (found, warnings) = checkpoint::latest(dir);
-            for w in warnings {
-                log(&format!("# warning: {w}"));
-            }
-            if let Some(f) = found {
-                let ps_n = f.meta["num_ps"].as_u64().unwrap_or(0) as usize;
-                if ps_n != self.roles.ps.len() {
-                    return Err(PsError::Setup(format!(
-                        "checkpoint {} was written by {ps_n} ps tasks, this job has {}",
-                        f.path.display(),
-                        self.roles.ps.len()
-                    )));
-                }
-                let path = f.path.display().to_string();
-                self.round(|_| json!({"op": "restore", "path": path}), |_| Vec::new())?;
-                log(&format!(
-                    "# restored {} (global step {})",
-                    f.path.display(),
-                    f.step
-                ));
-                return Ok(());
-            }
+        let (found, warnings) = newest_checkpoint(self.cfg, self.roles.ps.len())?;
+        for w in warnings {
+            log(&format!("# warning: {w}"));
+        }
+        if let Some(f) = found {
+            let path = f.path.display().to_string();
+            self.round(|_| json!({"op": "restore", "path": path}), |_| Vec::new())?;
+            log(&format!(
+                "# restored {} (global step {})",
+                f.path.display(),
+                f.step
+            ));
+            return Ok(());
         }
         let init = &self.model.params;
         self.round(
@@ -963,9 +1015,7 @@ impl<C: Comm> Worker<'_, C> {
                 )
             })
             .collect();
-        let path = checkpoint::commit(dir, step, &files, json!({"num_ps": self.roles.ps.len()}))?;
-        log(&format!("# checkpoint {} written", path.display()));
-        Ok(())
+        commit_checkpoint(dir, step, &files, self.roles.ps.len(), log)
     }
 
     fn run(mut self, log: &mut dyn FnMut(&str)) -> Result<(), PsError> {
@@ -999,20 +1049,14 @@ impl<C: Comm> Worker<'_, C> {
             if chief {
                 let every = self.cfg.train.log_every;
                 if every > 0 && step / every > prev / every {
-                    let secs = window.elapsed().as_secs_f64().max(1e-9);
-                    // A sync step uses a global batch; an async one a worker's shard of it.
-                    let per_step = if self.cfg.sync {
-                        self.cfg.train.batch
-                    } else {
-                        self.cfg.train.batch / nw
-                    };
-                    let l = StepLog {
+                    log(&step_line(
+                        self.cfg,
+                        nw,
                         step,
-                        loss: applied_loss,
-                        steps_per_sec: window_steps as f64 / secs,
-                        samples_per_sec: (window_steps * per_step as u64) as f64 / secs,
-                    };
-                    log(&l.line());
+                        applied_loss,
+                        window_steps,
+                        window.elapsed(),
+                    ));
                     (window, window_steps) = (Instant::now(), 0);
                 }
                 if self.cfg.checkpoint_every > 0

@@ -38,11 +38,11 @@
 use std::time::{Duration, Instant};
 
 use super::data::{shard, Batches, Dataset};
+use super::layer_sizes;
 use super::model::Mlp;
 use super::optim::{Optimizer, OptimizerKind, Slots};
 use super::placement::{self, Shard};
 use super::ps::{variables, PsConfig, PsError, Roles};
-use super::{layer_sizes, StepLog};
 use crate::cluster::Layout;
 use crate::tensor::Tensor;
 use crate::transport::comm::{Backoff, Comm};
@@ -192,20 +192,21 @@ pub fn run(
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let pieces = pieces(&shards);
     let ps_index = roles.ps.iter().position(|r| *r == me);
-    let held: usize = pieces
-        .iter()
-        .filter(|p| Some(p.ps) == ps_index)
-        .map(|p| p.len)
-        .sum();
+    // Elements of each ps's parameters (also where its gradient sum starts).
+    let mut held = vec![0; roles.ps.len()];
+    for p in &pieces {
+        held[p.ps] += p.len;
+    }
     let (data_len, ctl_len) = match ps_index {
-        Some(_) => (2 * held + 2, PUSHES + nw),
+        Some(k) => (2 * held[k] + 2, PUSHES + nw),
         None => (0, 0),
     };
     let mut data =
         Window::<f32>::allocate(comm, data_len).map_err(|e| PsError::Setup(e.to_string()))?;
     let mut ctl =
         Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
-    let restored = newest_checkpoint(cfg, roles.ps.len())?;
+    // Every rank finds the same one: the directory does not change before training.
+    let (restored, warnings) = super::ps::newest_checkpoint(cfg, roles.ps.len())?;
     let mut prepare = || -> Result<Option<ShardState>, PsError> {
         let Some(k) = ps_index else {
             return Ok(None);
@@ -262,6 +263,9 @@ pub fn run(
         ));
     }
     if me == roles.workers.first().copied().unwrap_or(0) {
+        for w in &warnings {
+            log(&format!("# warning: {w}"));
+        }
         if let Some(f) = &restored {
             log(&format!(
                 "# restored {} (global step {})",
@@ -314,30 +318,6 @@ struct ShardState {
     start: u64,
 }
 
-/// The newest valid checkpoint of `--checkpoint-dir` (every rank finds the same one), or
-/// `None`; warnings about newer, broken ones are logged by the chief.
-fn newest_checkpoint(
-    cfg: &PsConfig,
-    num_ps: usize,
-) -> Result<Option<super::checkpoint::Found>, PsError> {
-    let Some(dir) = &cfg.checkpoint_dir else {
-        return Ok(None);
-    };
-    std::fs::create_dir_all(dir)
-        .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
-    let (found, _) = super::checkpoint::latest(dir);
-    if let Some(f) = &found {
-        let n = f.meta["num_ps"].as_u64().unwrap_or(0) as usize;
-        if n != num_ps {
-            return Err(PsError::Setup(format!(
-                "checkpoint {} was written by {n} ps tasks, this job has {num_ps}",
-                f.path.display()
-            )));
-        }
-    }
-    Ok(found)
-}
-
 /// Whether global step `s` (reached in a run that started at `start`) is checkpointed.
 fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
     let every = cfg.checkpoint_every;
@@ -350,7 +330,8 @@ struct Rma<'a> {
     roles: &'a Roles,
     cfg: &'a PsConfig,
     pieces: &'a [Piece],
-    held: usize,
+    /// Elements of each ps's parameters (the offset of its gradient sum).
+    held: Vec<usize>,
 }
 
 impl Rma<'_> {
@@ -383,7 +364,7 @@ impl Rma<'_> {
             mut slots,
             start,
         } = state;
-        let n = self.held;
+        let n = self.held[k];
         for step in start..self.cfg.train.steps {
             let want = (step - start + 1) as i64 * nw;
             wait_until(
@@ -487,11 +468,7 @@ impl Rma<'_> {
             files.push((super::ps::shard_file(k), bytes, sum));
         }
         let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
-        let num_ps = self.roles.ps.len();
-        let path =
-            super::checkpoint::commit(dir, step, &files, serde_json::json!({"num_ps": num_ps}))?;
-        log(&format!("# checkpoint {} written", path.display()));
-        Ok(())
+        super::ps::commit_checkpoint(dir, step, &files, self.roles.ps.len(), log)
     }
 
     /// The async ps: nothing to do per request; wait until every worker is done.
@@ -569,7 +546,14 @@ impl Rma<'_> {
                 } else {
                     last_loss
                 };
-                log(&self.step_line(s, loss, window.elapsed(), s - logged));
+                log(&super::ps::step_line(
+                    cfg,
+                    nw,
+                    s,
+                    loss,
+                    s - logged,
+                    window.elapsed(),
+                ));
                 (window, logged) = (Instant::now(), s);
             }
             if chief && cfg.sync && checkpoint_due(cfg, start, s) {
@@ -601,7 +585,7 @@ impl Rma<'_> {
                 for (p, g) in slices(&grads, self.pieces) {
                     let r = roles.ps[p.ps];
                     let at = if cfg.sync {
-                        self.held_of(p.ps) + p.at
+                        self.held[p.ps] + p.at
                     } else {
                         p.at
                     };
@@ -609,7 +593,7 @@ impl Rma<'_> {
                 }
                 if cfg.sync {
                     for (k, r) in roles.ps.iter().enumerate() {
-                        b.accumulate_sum(*r, 2 * self.held_of(k), &tail)?;
+                        b.accumulate_sum(*r, 2 * self.held[k], &tail)?;
                     }
                 }
                 Ok(())
@@ -647,15 +631,6 @@ impl Rma<'_> {
         Ok(())
     }
 
-    /// Elements of ps `k`'s parameters (the offset of its gradient sum).
-    fn held_of(&self, k: usize) -> usize {
-        self.pieces
-            .iter()
-            .filter(|p| p.ps == k)
-            .map(|p| p.len)
-            .sum()
-    }
-
     /// Gets every shard straight into the model's tensors (one `MPI_Get` each).
     fn pull(&self, model: &mut Mlp, data: &Epoch<'_, f32>) -> Result<(), PsError> {
         let targets = slices_mut(&mut model.params, self.pieces);
@@ -666,22 +641,6 @@ impl Rma<'_> {
             Ok(())
         })??;
         Ok(())
-    }
-
-    fn step_line(&self, step: u64, loss: f32, took: Duration, steps: u64) -> String {
-        let secs = took.as_secs_f64().max(1e-9);
-        let per_step = if self.cfg.sync {
-            self.cfg.train.batch
-        } else {
-            self.cfg.train.batch / self.roles.workers.len().max(1)
-        };
-        StepLog {
-            step,
-            loss,
-            steps_per_sec: steps as f64 / secs,
-            samples_per_sec: (steps * per_step as u64) as f64 / secs,
-        }
-        .line()
     }
 }
 
