@@ -96,6 +96,53 @@ pub(crate) fn secs(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// Which of two measurements is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Better {
+    /// Latencies.
+    Lower,
+    /// Bandwidths.
+    Higher,
+}
+
+/// The alternation every point-to-point style table uses: at each size, each path in
+/// turn, `rounds` times, a barrier before every measurement, keeping each path's best
+/// value; returns one table of rows per path. `measure(path, size)` runs on every rank
+/// (ranks that take no part return anything: only rank 0's tables are printed).
+pub(crate) fn best_of_rounds(
+    coll: &Collectives<MpiComm>,
+    sizes: impl IntoIterator<Item = usize>,
+    paths: &[Path],
+    rounds: usize,
+    better: Better,
+    mut measure: impl FnMut(Path, usize) -> Result<f64, BenchError>,
+) -> Result<Vec<Vec<Row>>, BenchError> {
+    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
+    for size in sizes {
+        let mut best = vec![
+            match better {
+                Better::Lower => f64::INFINITY,
+                Better::Higher => 0.0,
+            };
+            paths.len()
+        ];
+        for _ in 0..rounds {
+            for (k, path) in paths.iter().enumerate() {
+                coll.barrier()?;
+                let v = measure(*path, size)?;
+                best[k] = match better {
+                    Better::Lower => best[k].min(v),
+                    Better::Higher => best[k].max(v),
+                };
+            }
+        }
+        for (table, v) in tables.iter_mut().zip(best) {
+            table.push(Row::point(size, v, 0));
+        }
+    }
+    Ok(tables)
+}
+
 /// Checks a benchmark name and its options against the job size (before anything is sent).
 pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), BenchError> {
     if name == "pushpull" && ranks <= opts.ps.max(1) {

@@ -5,7 +5,7 @@ use std::time::Instant;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{secs, BenchError, Row};
+use super::{best_of_rounds, secs, BenchError, Better};
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::mpi::MpiComm;
 use crate::transport::{p2p, Collectives, Comm};
@@ -216,27 +216,25 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
     let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
     let (paths, rounds) = opts.plan();
     let coll = Collectives::new(MpiComm::new(comm.raw()));
-    let latency = name == "latency";
-    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
-    for size in osu::sizes(min, max) {
-        let mut best = vec![if latency { f64::INFINITY } else { 0.0 }; paths.len()];
-        for _ in 0..rounds {
-            for (k, path) in paths.iter().enumerate() {
-                coll.barrier()?;
-                if comm.rank() < 2 {
-                    let v = measure(comm, name, *path, size, opts)?;
-                    best[k] = if latency {
-                        best[k].min(v)
-                    } else {
-                        best[k].max(v)
-                    };
-                }
+    let better = if name == "latency" {
+        Better::Lower
+    } else {
+        Better::Higher
+    };
+    let tables = best_of_rounds(
+        &coll,
+        osu::sizes(min, max),
+        &paths,
+        rounds,
+        better,
+        |path, size| {
+            // Ranks 0 and 1 measure; the others only keep the barriers company.
+            match comm.rank() {
+                0 | 1 => measure(comm, name, path, size, opts),
+                _ => Ok(0.0),
             }
-        }
-        for (k, v) in best.into_iter().enumerate() {
-            tables[k].push(Row::point(size, v, 0));
-        }
-    }
+        },
+    )?;
     coll.barrier()?;
     let (title, column) = match name {
         "latency" => ("Latency Test", "Avg Latency(us)"),

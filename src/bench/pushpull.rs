@@ -12,7 +12,7 @@
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{BenchError, Row};
+use super::{best_of_rounds, BenchError, Better};
 use crate::cluster::{Layout, MappingOptions};
 use crate::tensor::DType;
 use crate::train::ps::PsTransport;
@@ -117,35 +117,25 @@ pub fn run(
     .map_err(|e| BenchError::Validation(e.to_string()))?;
     let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
     let (paths, rounds) = opts.plan();
-    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
-    for size in osu::sizes(min.max(4), max) {
-        let size = size / 4 * 4;
+    // Whole floats.
+    let sizes = osu::sizes(min.max(4), max).into_iter().map(|s| s / 4 * 4);
+    let tables = best_of_rounds(coll, sizes, &paths, rounds, Better::Higher, |path, size| {
         let (iters, warmup) = osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20);
-        let mut best = vec![0.0f64; paths.len()];
-        for _ in 0..rounds {
-            for (k, path) in paths.iter().enumerate() {
-                coll.barrier()?;
-                let mine = match path {
-                    Path::Mpi => raw(comm, ps, size, iters, warmup),
-                    _ => match opts.transport {
-                        PsTransport::P2p => {
-                            crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
-                        }
-                        PsTransport::Rma => {
-                            crate::train::rma_ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
-                        }
-                    }
-                    .map_err(|e| BenchError::Validation(e.to_string()))?,
-                };
-                let secs = mean_over_workers(coll, mine)?;
-                let mbps = (workers * 2 * size) as f64 / 1e6 / secs;
-                best[k] = best[k].max(mbps);
+        let mine = match path {
+            Path::Mpi => raw(comm, ps, size, iters, warmup),
+            _ => match opts.transport {
+                PsTransport::P2p => {
+                    crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                }
+                PsTransport::Rma => {
+                    crate::train::rma_ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                }
             }
-        }
-        for (k, v) in best.into_iter().enumerate() {
-            tables[k].push(Row::point(size, v, iters));
-        }
-    }
+            .map_err(|e| BenchError::Validation(e.to_string()))?,
+        };
+        let secs = mean_over_workers(coll, mine)?;
+        Ok((workers * 2 * size) as f64 / 1e6 / secs)
+    })?;
     let how = match opts.transport {
         PsTransport::P2p => "p2p",
         PsTransport::Rma => "rma",

@@ -19,7 +19,7 @@ use mpi::raw::AsRaw;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{secs, BenchError, Row};
+use super::{best_of_rounds, secs, BenchError, Better};
 use crate::transport::mpi::MpiComm;
 use crate::transport::rma::{RmaError, RmaType, Window};
 use crate::transport::{Collectives, Comm};
@@ -255,21 +255,19 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
     };
     let (paths, rounds) = opts.plan();
     let coll = Collectives::new(MpiComm::new(comm.raw()));
-    let bw = name == "get_bw";
-    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
-    for size in osu::sizes(min, max) {
-        let mut best = vec![if bw { 0.0 } else { f64::INFINITY }; paths.len()];
-        for _ in 0..rounds {
-            for (k, path) in paths.iter().enumerate() {
-                coll.barrier()?;
-                let v = measure(comm, name, *path, size, opts)?;
-                best[k] = if bw { best[k].max(v) } else { best[k].min(v) };
-            }
-        }
-        for (k, v) in best.into_iter().enumerate() {
-            tables[k].push(Row::point(size, v, 0));
-        }
-    }
+    let better = if name == "get_bw" {
+        Better::Higher
+    } else {
+        Better::Lower
+    };
+    let tables = best_of_rounds(
+        &coll,
+        osu::sizes(min, max),
+        &paths,
+        rounds,
+        better,
+        |path, size| measure(comm, name, path, size, opts),
+    )?;
     let (title, datatype, column) = match name {
         "put_latency" => ("MPI_Put Latency Test", "MPI_CHAR", "Latency (us)"),
         "get_latency" => ("MPI_Get latency Test", "MPI_CHAR", "Latency (us)"),
