@@ -20,6 +20,9 @@
 #   MPIFLOW_HOST there.
 # - OMPI_MCA_mpi_yield_when_idle=1, because the fake nodes oversubscribe the real cores,
 #   and OpenMPI's TCP kept on loopback.
+# And no default CPU binding (TaskPluginParam=None): Slurm would bind task k of every fake
+# node to the same real core, and 4-8 ranks on one core made OpenMPI's TCP connection
+# setup time out and crash (open-mpi/ompi#11508). An explicit --cpu-bind still applies.
 #
 # Ports: slurmctld on $MPIFLOW_SLURM_PORT (default 16817), slurmd on the next four.
 set -euo pipefail
@@ -58,6 +61,7 @@ SlurmctldLogFile=$d/log/slurmctld.log
 SlurmdLogFile=$d/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
+TaskPluginParam=None
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=pmix

@@ -136,14 +136,10 @@ impl LocalSlurm {
             std::env::var("PATH").unwrap_or_default()
         );
         let ckpt = self.dir.join("checkpoints").display().to_string();
-        // srun's default binding off: Slurm binds task k of every fake node to the same
-        // real core, and 4 ranks on one core made OpenMPI's TCP connection setup time out
-        // and crash (open-mpi/ompi#11508). An explicit --cpu-bind still applies.
         let mut all_env = vec![
             ("SLURM_CONF", self.conf()),
             ("PATH", path),
             ("MPIFLOW_CHECKPOINT_DIR", ckpt),
-            ("SLURM_CPU_BIND", "none".to_string()),
         ];
         all_env.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
         let env_refs: Vec<(&str, &str)> = all_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
