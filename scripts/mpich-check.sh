@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds mpiflow against MPICH (beside the default OpenMPI build) and runs under MPICH's
 # mpiexec: a 3-rank `mpiflow spec` (every rank's task), `mpiflow check` (the data plane,
-# one-sided included) and a 4-rank one-sided ps training that must reach 95%.
+# shared memory and one-sided included) and a 4-rank one-sided ps training that must reach 95%.
 # mpi-sys must be rebuilt for another MPI, hence the separate target directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +17,12 @@ got=$(echo "$out" | grep -o '"task":{[^}]*}' | sort)
 if [[ "$got" != "$want" ]]; then
   echo "MPICH check failed: tasks were:"; echo "$got"; exit 1
 fi
-# The whole data plane (point-to-point, collectives, one-sided) under MPICH.
-timeout 120 mpiexec.mpich -n 3 "$CARGO_TARGET_DIR/release/mpiflow" check >/dev/null
+# The whole data plane (point-to-point, collectives, shared memory, one-sided) under MPICH.
+checked=$(timeout 120 mpiexec.mpich -n 3 "$CARGO_TARGET_DIR/release/mpiflow" check)
+if [[ $(grep -c '"shm":true' <<<"$checked") != 3 ]]; then
+  echo "MPICH check failed: the shared-memory allreduce did not run on every rank:"
+  echo "$checked"; exit 1
+fi
 # One-sided ps training under MPICH (its ch4 RMA; mpiflow's OpenMPI settings unused).
 acc=$(timeout 120 mpiexec.mpich -n 4 "$CARGO_TARGET_DIR/release/mpiflow" train --mode ps --ps 1 \
   --transport rma --steps 300 | awk '/^accuracy/ {print $2}')

@@ -27,6 +27,8 @@ pub struct Report {
     pub checks: usize,
     pub digest: u64,
     pub failures: Vec<String>,
+    /// Whether `--algorithm shm` ran through shared memory (all ranks on one node).
+    pub shm: Option<bool>,
 }
 
 impl Report {
@@ -43,7 +45,7 @@ impl Report {
 
     /// One JSON line.
     pub fn json(&self, rank: usize, size: usize) -> String {
-        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "failures": self.failures}).to_string()
+        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "failures": self.failures}).to_string()
     }
 }
 
@@ -232,11 +234,15 @@ pub fn run<C: Comm>(
                 Algorithm::Mpi,
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
+                Algorithm::Shm,
                 Algorithm::Auto,
             ] {
                 for len in [1usize, 7, 1000, 65537] {
                     let mut t = tensor_of(dtype, r, len);
-                    coll.allreduce_tensor(&mut t, op, algo).map_err(|x| e(&x))?;
+                    let ran = coll.allreduce_tensor(&mut t, op, algo).map_err(|x| e(&x))?;
+                    if algo == Algorithm::Shm && n > 1 {
+                        rep.shm = Some(ran == Algorithm::Shm);
+                    }
                     check_reduced(
                         &mut rep,
                         &format!("allreduce {dtype} {op:?} {algo:?} {len}"),

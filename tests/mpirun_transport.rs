@@ -1,5 +1,6 @@
 //! The data plane under real `mpirun`: `mpiflow check` at 1 to 6 ranks (point-to-point,
-//! every collective, op, dtype and algorithm, identical bits everywhere), the negotiation's
+//! every collective, op, dtype and algorithm including shared memory, identical bits
+//! everywhere), the negotiation's
 //! error path, and the benchmarks' OSU output format.
 
 mod common;
@@ -32,6 +33,9 @@ fn every_collective_gives_identical_correct_bits_at_1_to_6_ranks() {
             );
             assert_eq!(l["checks"], lines[0]["checks"]);
             assert!(l["checks"].as_u64().unwrap() > 300);
+            // One host: the shared-memory allreduce really ran (checked like the others).
+            let shm = if n > 1 { json!(true) } else { json!(null) };
+            assert_eq!(l["shm"], shm, "np {np}: {l}");
         }
         assert!(
             run.stderr

@@ -71,6 +71,8 @@ pub struct Tensor {
     header_len: usize,
     /// A copy of the wire header, to check a receive with one comparison.
     header: [u8; HEADER_ROOM],
+    /// FNV-1a of the wire header: name, dtype and shape in one number.
+    signature: u64,
     /// Offset of the payload in `buf`: [`HEADER_ROOM`], or a whole huge page for payloads
     /// of 2 MiB and more, so that they start on a huge-page boundary like a plain buffer.
     at: usize,
@@ -160,6 +162,7 @@ impl Tensor {
             name: String::new(),
             header_len: 0,
             header: [0; HEADER_ROOM],
+            signature: 0,
             at,
         };
         t.write_header();
@@ -303,7 +306,14 @@ impl Tensor {
         let at = 16 + 8 * self.shape.len();
         h[at..at + name.len()].copy_from_slice(&name);
         self.header_len = len;
+        self.signature = crate::hash::fnv1a(&self.header[..len]);
         self.restore_header();
+    }
+
+    /// A hash of name, dtype and shape (of the wire header), kept up to date: ranks compare
+    /// lists of tensors by it without formatting them.
+    pub fn signature(&self) -> u64 {
+        self.signature
     }
 
     /// Puts the header copy back in front of the payload.

@@ -178,7 +178,8 @@ impl<'s> Reducer<'s> {
                 ..
             } => {
                 // Same negotiation as the fused path: every replica, the same list.
-                crate::transport::fusion::negotiate(coll, signature)?;
+                let h = crate::transport::fusion::list_hash(signature);
+                crate::transport::fusion::negotiate(coll, h, || signature.clone())?;
                 let mut sent = 0;
                 let loss = model
                     .gradients_with(x, y, grads, &mut |layer, g| {

@@ -36,6 +36,22 @@ pub enum TransportError {
     },
     #[error("rank {rank}: message of {len} bytes is larger than MPI can count (2^31-1)")]
     TooLarge { rank: usize, len: usize },
+    #[error("rank {rank}: rank {peer} did not reach {what} within {} s", *millis as f64 / 1000.0)]
+    Stalled {
+        rank: usize,
+        peer: usize,
+        what: &'static str,
+        millis: u64,
+    },
+    #[error(
+        "rank {rank}: allreduce mismatch: rank {peer} passed {theirs} where rank 0 passed {ours}"
+    )]
+    CallMismatch {
+        rank: usize,
+        peer: usize,
+        theirs: String,
+        ours: String,
+    },
 }
 
 /// How a receive completed.
@@ -129,6 +145,21 @@ pub trait Comm {
         tag: i32,
         complete_within: std::time::Duration,
     ) -> Result<Option<(usize, Vec<u8>)>, TransportError>;
+
+    /// One zero-filled segment of `len` bytes per rank that every rank can load and store,
+    /// when all ranks share one node (`MPI_Win_allocate_shared`); `None` otherwise.
+    /// Collective: every rank calls it, with the same `len`.
+    fn shared_segments(
+        &self,
+        _len: usize,
+    ) -> Result<Option<super::shm::SharedSegments>, TransportError> {
+        Ok(None)
+    }
+
+    /// How long a collective waits for a peer before failing; `None`: the caller's default.
+    fn wait_limit(&self) -> Option<std::time::Duration> {
+        None
+    }
 
     /// True if the native_* collectives are implemented (by an MPI library).
     fn has_native(&self) -> bool {

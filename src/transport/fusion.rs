@@ -7,9 +7,10 @@
 //! first rank and position that differ, instead of the hang other tools are known for.
 //!
 //! Fusion: tensors of one dtype are packed, in order, into a fusion buffer of at most
-//! `threshold_bytes` (default 64 MiB, like Horovod), reduced as one message, and unpacked.
-//! A tensor larger than the threshold is reduced in place on its own. Buffers are kept
-//! between calls.
+//! `threshold_bytes` (default 64 MiB, like Horovod) and reduced as one message
+//! ([`Collectives::allreduce_parts`]: the shared-memory algorithm streams straight from and
+//! into the tensors, the others pack them into one buffer kept between calls). A tensor
+//! larger than the threshold is reduced in place on its own.
 
 use super::collectives::{Algorithm, Collectives};
 use super::comm::{Comm, ReduceOp, TransportError};
@@ -57,20 +58,37 @@ pub struct FusionStats {
 #[derive(Default)]
 pub struct Fusion {
     pub config: FusionConfig,
-    buffers: Vec<AlignedBuf>,
 }
 
-/// One entry of the negotiated list, as text for messages and bytes for hashing.
+/// One entry of the negotiated list per tensor (after the op), as text for messages.
 fn signature(op: ReduceOp, tensors: &[&mut Tensor]) -> Vec<String> {
     std::iter::once(format!("op {op:?}"))
         .chain(tensors.iter().map(|t| t.describe()))
         .collect()
 }
 
-/// Collective: Ok if every rank submitted the same list; otherwise the same error on all.
-pub fn negotiate<C: Comm>(coll: &Collectives<C>, entries: &[String]) -> Result<(), FusionError> {
-    let joined = entries.join("\n");
-    let h = crate::hash::fnv1a(joined.as_bytes());
+/// The hash ranks compare: of the op and every tensor's [`Tensor::signature`].
+fn signature_hash(op: ReduceOp, tensors: &[&mut Tensor]) -> u64 {
+    let op_text = format!("op {op:?}");
+    tensors
+        .iter()
+        .fold(crate::hash::fnv1a(op_text.as_bytes()), |h, t| {
+            crate::hash::fnv1a_from(h, &t.signature().to_le_bytes())
+        })
+}
+
+/// A hash of a list given as text (for callers that keep their list as text).
+pub fn list_hash(entries: &[String]) -> u64 {
+    crate::hash::fnv1a(entries.join("\n").as_bytes())
+}
+
+/// Collective: Ok if every rank submitted the same list (equal `hash`es); otherwise the
+/// same error on all, from the lists `entries` makes (called only on a mismatch).
+pub fn negotiate<C: Comm>(
+    coll: &Collectives<C>,
+    h: u64,
+    entries: impl FnOnce() -> Vec<String>,
+) -> Result<(), FusionError> {
     let mut probe = AlignedBuf::zeroed(16);
     probe.as_mut_slice()[..8].copy_from_slice(&(h as i64).to_le_bytes());
     probe.as_mut_slice()[8..16].copy_from_slice(&(!h as i64).to_le_bytes());
@@ -87,6 +105,7 @@ pub fn negotiate<C: Comm>(coll: &Collectives<C>, entries: &[String]) -> Result<(
     if max_h == h && max_not_h == !h {
         return Ok(());
     }
+    let joined = entries().join("\n");
     let lists: Vec<Vec<String>> = coll
         .allgather_varlen(joined.as_bytes())?
         .into_iter()
@@ -122,20 +141,7 @@ pub fn negotiate<C: Comm>(coll: &Collectives<C>, entries: &[String]) -> Result<(
 
 impl Fusion {
     pub fn new(config: FusionConfig) -> Self {
-        Fusion {
-            config,
-            buffers: Vec::new(),
-        }
-    }
-
-    fn buffer(&mut self, i: usize, len: usize) -> &mut AlignedBuf {
-        while self.buffers.len() <= i {
-            self.buffers.push(AlignedBuf::zeroed(64));
-        }
-        if self.buffers[i].len() < len {
-            self.buffers[i] = AlignedBuf::zeroed(len);
-        }
-        &mut self.buffers[i]
+        Fusion { config }
     }
 
     /// Negotiates, then allreduces every tensor in place.
@@ -145,7 +151,7 @@ impl Fusion {
         tensors: &mut [&mut Tensor],
         op: ReduceOp,
     ) -> Result<FusionStats, FusionError> {
-        negotiate(coll, &signature(op, tensors))?;
+        negotiate(coll, signature_hash(op, tensors), || signature(op, tensors))?;
         self.allreduce_unchecked(coll, tensors, op)
     }
 
@@ -160,7 +166,6 @@ impl Fusion {
         let limit = self.config.threshold_bytes.max(1);
         let mut stats = FusionStats::default();
         let mut i = 0;
-        let mut group_no = 0;
         while i < tensors.len() {
             let dtype = tensors[i].dtype();
             if tensors[i].nbytes() > limit {
@@ -179,22 +184,11 @@ impl Fusion {
                 bytes += tensors[j].nbytes();
                 j += 1;
             }
-            let buf = self.buffer(group_no % 2, bytes);
-            let mut off = 0;
-            for t in tensors[i..j].iter() {
-                buf.as_mut_slice()[off..off + t.nbytes()].copy_from_slice(t.bytes());
-                off += t.nbytes();
-            }
-            coll.allreduce(&mut buf.as_mut_slice()[..bytes], dtype, op, algo)?;
-            let mut off = 0;
-            for t in tensors[i..j].iter_mut() {
-                let n = t.nbytes();
-                t.bytes_mut().copy_from_slice(&buf.as_slice()[off..off + n]);
-                off += n;
-            }
+            let mut parts: Vec<&mut [u8]> =
+                tensors[i..j].iter_mut().map(|t| t.bytes_mut()).collect();
+            coll.allreduce_parts(&mut parts, dtype, op, algo)?;
             stats.messages += 1;
             stats.bytes += bytes;
-            group_no += 1;
             i = j;
         }
         Ok(stats)

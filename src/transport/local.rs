@@ -18,6 +18,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
+use super::shm::SharedSegments;
+use crate::tensor::AlignedBuf;
 
 struct Message {
     src: usize,
@@ -37,7 +39,11 @@ struct Hub {
     timeout: Duration,
     /// Sub-communicators being created by `split`, by (split number, color).
     splits: Mutex<BTreeMap<(u64, u32), Arc<Hub>>>,
+    /// Shared segments by allocation number: the buffers and their addresses.
+    segments: Mutex<BTreeMap<u64, SharedAlloc>>,
 }
+
+type SharedAlloc = Arc<(Vec<AlignedBuf>, Vec<usize>)>;
 
 impl Hub {
     fn new(size: usize, timeout: Duration) -> Arc<Hub> {
@@ -45,6 +51,7 @@ impl Hub {
             boxes: (0..size).map(|_| Mailbox::default()).collect(),
             timeout,
             splits: Mutex::new(BTreeMap::new()),
+            segments: Mutex::new(BTreeMap::new()),
         })
     }
 }
@@ -54,6 +61,7 @@ pub struct LocalComm {
     rank: usize,
     hub: Arc<Hub>,
     splits_done: std::cell::Cell<u64>,
+    segments_done: std::cell::Cell<u64>,
 }
 
 /// A request of the in-process transport.
@@ -77,6 +85,7 @@ impl LocalComm {
                 rank,
                 hub: hub.clone(),
                 splits_done: 0.into(),
+                segments_done: 0.into(),
             })
             .collect()
     }
@@ -230,6 +239,35 @@ impl Comm for LocalComm {
         }
     }
 
+    fn shared_segments(&self, len: usize) -> Result<Option<SharedSegments>, TransportError> {
+        // Threads share an address space: the first rank to arrive allocates for all.
+        let seq = self.segments_done.get();
+        self.segments_done.set(seq + 1);
+        let alloc = self
+            .hub
+            .segments
+            .lock()
+            .expect("segments lock")
+            .entry(seq)
+            .or_insert_with(|| {
+                let mut bufs: Vec<AlignedBuf> =
+                    (0..self.size()).map(|_| AlignedBuf::zeroed(len)).collect();
+                let addrs = bufs.iter_mut().map(|b| b.as_mut_ptr() as usize).collect();
+                Arc::new((bufs, addrs))
+            })
+            .clone();
+        let ptrs = alloc.1.iter().map(|&a| a as *mut u8).collect();
+        // SAFETY: every rank gets the addresses of the same zero-filled, 64-byte aligned
+        // buffers of `len` bytes, kept alive by the Arc the segments own.
+        Ok(Some(unsafe {
+            SharedSegments::new(ptrs, len, Box::new(alloc))
+        }))
+    }
+
+    fn wait_limit(&self) -> Option<Duration> {
+        Some(self.hub.timeout)
+    }
+
     fn split(&self, color: u32, key: usize) -> Result<LocalComm, TransportError> {
         // Everyone learns everyone's (color, key) through rank 0's hub, the same way an
         // MPI library does it with an allgather.
@@ -271,6 +309,7 @@ impl Comm for LocalComm {
             rank: new_rank,
             hub,
             splits_done: 0.into(),
+            segments_done: 0.into(),
         })
     }
 }

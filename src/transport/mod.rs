@@ -9,6 +9,7 @@
 //! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory.
 //! - [`collectives`]: allreduce (MPI's, ring, recursive doubling), broadcast, allgather,
 //!   barrier, written once over [`Comm`].
+//! - [`shm`]: allreduce through memory shared by the ranks of one node.
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
 
@@ -20,6 +21,7 @@ pub mod local;
 pub mod mpi;
 pub mod p2p;
 pub mod rma;
+pub mod shm;
 
 pub use collectives::{Algorithm, Collectives};
 pub use comm::{Comm, ReduceOp, TransportError};
