@@ -85,7 +85,7 @@ fn osu_tables(out: &str, header: &str) -> Vec<Vec<(usize, f64)>> {
 }
 
 #[test]
-fn benchmarks_print_osu_tables_for_both_paths() {
+fn benchmarks_print_osu_tables_for_every_path() {
     let run = mpirun(&[
         "-np",
         "2",
@@ -104,7 +104,12 @@ fn benchmarks_print_osu_tables_for_both_paths() {
     ]);
     assert_eq!(run.code, 0, "{run:?}");
     let t = osu_tables(&run.stdout, "# Size         Avg Latency(us)");
-    assert_eq!(t.len(), 2, "mpi and mpiflow tables: {}", run.stdout);
+    assert_eq!(
+        t.len(),
+        3,
+        "mpi, mpiflow and channel tables: {}",
+        run.stdout
+    );
     for rows in &t {
         assert_eq!(
             rows.iter().map(|r| r.0).collect::<Vec<_>>(),
@@ -113,6 +118,7 @@ fn benchmarks_print_osu_tables_for_both_paths() {
         assert!(rows.iter().all(|r| r.1 > 0.0 && r.1.is_finite()));
     }
     assert!(run.stdout.contains("# ratio mpiflow/mpi"));
+    assert!(run.stdout.contains("# ratio channel/mpi"));
 
     let run = mpirun(&[
         "-np",
@@ -134,7 +140,7 @@ fn benchmarks_print_osu_tables_for_both_paths() {
     assert_eq!(run.code, 0, "{run:?}");
     assert_eq!(
         osu_tables(&run.stdout, "# Size        Bandwidth (MB/s)").len(),
-        2
+        3
     );
 
     let run = mpirun(&[
@@ -231,4 +237,14 @@ fn bad_benchmark_requests_are_one_line_errors() {
     );
     common::mpiflow_alone(&["bench", "latency", "-m", "64:4"], &[])
         .assert_one_line_error("MIN 64 is larger than MAX 4");
+    mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "allreduce",
+        "--path",
+        "channel",
+    ])
+    .assert_one_line_error("all ranks: --path channel is for latency, bw and bibw, not allreduce");
 }

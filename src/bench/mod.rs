@@ -39,6 +39,8 @@ pub enum BenchError {
     Fusion(#[from] crate::transport::fusion::FusionError),
     #[error("{0}")]
     Tensor(#[from] crate::tensor::TensorError),
+    #[error("{0}")]
+    Option(String),
     #[error("benchmark {name} needs {need} ranks, the job has {have}")]
     Ranks {
         name: String,
@@ -154,6 +156,11 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
     }
     if !NAMES.contains(&name) {
         return Err(BenchError::Unknown(name.into()));
+    }
+    if opts.path == osu::Path::Channel && !matches!(name, "latency" | "bw" | "bibw") {
+        return Err(BenchError::Option(format!(
+            "--path channel is for latency, bw and bibw, not {name}"
+        )));
     }
     if (matches!(name, "latency" | "bw" | "bibw" | "pushpull") || rma::NAMES.contains(&name))
         && ranks < 2

@@ -12,6 +12,9 @@ pub enum Path {
     Mpi,
     /// mpiflow's tensor API.
     Mpiflow,
+    /// mpiflow's persistent channels (latency, bw, bibw): the header crosses once, when
+    /// the channel opens; messages carry the payload alone.
+    Channel,
     /// Both, alternating at every size.
     #[default]
     Both,
@@ -96,16 +99,18 @@ pub fn by_path(paths: &[Path], tables: Vec<Vec<Row>>) -> Vec<(String, Vec<Row>)>
         .collect()
 }
 
-/// Every path's table after a `# mpiflow path: LABEL` line, then the ratio of the second
-/// path to the first when two ran.
+/// Every path's table after a `# mpiflow path: LABEL` line, then the ratio of every other
+/// path to the first (`mpiflow/mpi`, `channel/mpi`) when the first is `mpi`.
 pub fn render(paths: &[(String, Vec<Row>)], table: impl Fn(&[Row]) -> String) -> String {
     let mut out = String::new();
     for (label, rows) in paths {
         let _ = writeln!(out, "# mpiflow path: {label}");
         out.push_str(&table(rows));
     }
-    if let [(_, a), (_, b)] = paths {
-        out.push_str(&ratio_table("mpiflow/mpi", a, b));
+    if let [(first, a), rest @ ..] = paths {
+        for (label, b) in rest.iter().filter(|_| first == "mpi") {
+            out.push_str(&ratio_table(&format!("{label}/mpi"), a, b));
+        }
     }
     out
 }

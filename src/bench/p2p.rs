@@ -7,7 +7,9 @@ use mpi::traits::*;
 use super::osu::{self, BenchOptions, Path};
 use super::{best_of_rounds, secs, BenchError, Better};
 use crate::tensor::{AlignedBuf, DType, Tensor};
+use crate::transport::channel::{self, Channel};
 use crate::transport::mpi::MpiComm;
+use crate::transport::p2p::P2pError;
 use crate::transport::{p2p, Collectives, Comm};
 
 const TAG: i32 = 1;
@@ -15,6 +17,80 @@ const ACK_TAG: i32 = 2;
 
 fn pattern(size: usize, seed: usize) -> Vec<u8> {
     (0..size).map(|i| ((i * 7 + seed) % 251) as u8).collect()
+}
+
+/// How the mpiflow paths move a tensor: a header on every message, or an open channel.
+enum Via {
+    Headers,
+    Channel(Channel),
+}
+
+/// A transfer in flight on either mpiflow path.
+enum Pending<'a> {
+    Send(p2p::SendRequest<'a, MpiComm>),
+    Receive(p2p::RecvRequest<'a, MpiComm>),
+    ChannelSend(channel::ChannelSend<'a, MpiComm>),
+    ChannelReceive(channel::ChannelReceive<'a, MpiComm>),
+}
+
+impl Pending<'_> {
+    fn wait(self) -> Result<(), P2pError> {
+        match self {
+            Pending::Send(r) => r.wait(),
+            Pending::Receive(r) => r.wait(),
+            Pending::ChannelSend(r) => r.wait(),
+            Pending::ChannelReceive(r) => r.wait(),
+        }
+    }
+}
+
+impl Via {
+    /// The way `path` goes between ranks 0 and 1 for tensors like `t` (opening a channel
+    /// is collective between the two).
+    fn open(comm: &MpiComm, path: Path, t: &Tensor, peer: usize) -> Result<Via, P2pError> {
+        Ok(match path {
+            Path::Channel => Via::Channel(Channel::open(comm, t, peer, TAG)?),
+            _ => Via::Headers,
+        })
+    }
+
+    fn send(&self, c: &MpiComm, t: &Tensor, peer: usize) -> Result<(), P2pError> {
+        match self {
+            Via::Headers => p2p::send(c, t, peer, TAG),
+            Via::Channel(ch) => ch.send(c, t),
+        }
+    }
+
+    fn receive_into(&self, c: &MpiComm, t: &mut Tensor, peer: usize) -> Result<(), P2pError> {
+        match self {
+            Via::Headers => p2p::receive_into(c, t, peer, TAG),
+            Via::Channel(ch) => ch.receive_into(c, t),
+        }
+    }
+
+    fn immediate_send<'a>(
+        &'a self,
+        c: &'a MpiComm,
+        t: &'a Tensor,
+        peer: usize,
+    ) -> Result<Pending<'a>, P2pError> {
+        Ok(match self {
+            Via::Headers => Pending::Send(p2p::immediate_send(c, t, peer, TAG)?),
+            Via::Channel(ch) => Pending::ChannelSend(ch.immediate_send(c, t)?),
+        })
+    }
+
+    fn immediate_receive_into<'a>(
+        &'a self,
+        c: &'a MpiComm,
+        t: &'a mut Tensor,
+        peer: usize,
+    ) -> Result<Pending<'a>, P2pError> {
+        Ok(match self {
+            Via::Headers => Pending::Receive(p2p::immediate_receive_into(c, t, peer, TAG)?),
+            Via::Channel(ch) => Pending::ChannelReceive(ch.immediate_receive_into(c, t)?),
+        })
+    }
 }
 
 /// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or MB/s.
@@ -47,6 +123,7 @@ fn measure(
     let mut ack = [0u8; 4];
     let ack_t = Tensor::zeros(DType::U8, &[4])?.named("ack");
     let mut ack_r = ack_t.clone();
+    let via = Via::open(comm, path, &tensors[0], peer)?;
     let mut start = Instant::now();
     for i in 0..warmup + iters {
         if i == warmup {
@@ -66,11 +143,11 @@ fn measure(
             ("latency", _) => {
                 let t = &mut tensors[0];
                 if me == 0 {
-                    p2p::send(comm, t, peer, TAG)?;
-                    p2p::receive_into(comm, t, peer, TAG)?;
+                    via.send(comm, t, peer)?;
+                    via.receive_into(comm, t, peer)?;
                 } else {
-                    p2p::receive_into(comm, t, peer, TAG)?;
-                    p2p::send(comm, t, peer, TAG)?;
+                    via.receive_into(comm, t, peer)?;
+                    via.send(comm, t, peer)?;
                 }
             }
             (_, Path::Mpi) => {
@@ -130,11 +207,11 @@ fn measure(
                 if me == 1 || bibw {
                     let recvs = rt
                         .iter_mut()
-                        .map(|t| p2p::immediate_receive_into(comm, t, peer, TAG))
+                        .map(|t| via.immediate_receive_into(comm, t, peer))
                         .collect::<Result<Vec<_>, _>>()?;
                     let sends = if bibw {
                         st.iter()
-                            .map(|t| p2p::immediate_send(comm, t, peer, TAG))
+                            .map(|t| via.immediate_send(comm, t, peer))
                             .collect::<Result<Vec<_>, _>>()?
                     } else {
                         Vec::new()
@@ -148,7 +225,7 @@ fn measure(
                 } else {
                     let sends = rt
                         .iter()
-                        .map(|t| p2p::immediate_send(comm, t, peer, TAG))
+                        .map(|t| via.immediate_send(comm, t, peer))
                         .collect::<Result<Vec<_>, _>>()?;
                     for s in sends {
                         s.wait()?;
@@ -194,11 +271,12 @@ fn validate(comm: &MpiComm, path: Path, size: usize) -> Result<(), BenchError> {
         }
         _ => {
             let mut t = Tensor::from_slice(&[size], &want)?.named("bench");
+            let via = Via::open(comm, path, &t, 1 - me)?;
             if me == 0 {
-                p2p::send(comm, &t, 1, TAG)?;
+                via.send(comm, &t, 1)?;
             } else {
                 t.bytes_mut().fill(0);
-                p2p::receive_into(comm, &mut t, 0, TAG)?;
+                via.receive_into(comm, &mut t, 0)?;
             }
             t.bytes().to_vec()
         }
@@ -214,7 +292,10 @@ fn validate(comm: &MpiComm, path: Path, size: usize) -> Result<(), BenchError> {
 /// Runs latency, bw or bibw over the sizes; returns the text rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, BenchError> {
     let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
-    let (paths, rounds) = opts.plan();
+    let (mut paths, rounds) = opts.plan();
+    if opts.path == Path::Both {
+        paths.push(Path::Channel);
+    }
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let better = if name == "latency" {
         Better::Lower

@@ -143,6 +143,23 @@ fn decode_header(bytes: &[u8]) -> Option<WireHeader> {
     })
 }
 
+/// What a received wire header describes, for messages: `'name' dtype[dims]`.
+pub fn describe_header(bytes: &[u8]) -> String {
+    match decode_header(bytes) {
+        Some(WireHeader {
+            dtype: Some(d),
+            shape,
+            name,
+            ..
+        }) => describe(&name, d, &shape),
+        Some(h) => format!("'{}' of unknown dtype", h.name),
+        None => format!(
+            "{} bytes that are not an mpiflow tensor header",
+            bytes.len()
+        ),
+    }
+}
+
 impl Tensor {
     /// A zero-filled tensor.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor, TensorError> {
@@ -308,6 +325,11 @@ impl Tensor {
         self.header_len = len;
         self.signature = crate::hash::fnv1a(&self.header[..len]);
         self.restore_header();
+    }
+
+    /// The wire header alone (what a [`crate::transport::channel::Channel`] exchanges once).
+    pub fn wire_header(&self) -> &[u8] {
+        &self.header[..self.header_len]
     }
 
     /// A hash of name, dtype and shape (of the wire header), kept up to date: ranks compare

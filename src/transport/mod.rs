@@ -7,12 +7,14 @@
 //!   collectives. Implemented by [`mpi::MpiComm`] (real MPI, errors returned, never fatal)
 //!   and [`local::LocalComm`] (threads in one process, for `cargo test`).
 //! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory.
+//! - [`channel`]: persistent channels: one tensor again and again, header checked once.
 //! - [`collectives`]: allreduce (MPI's, ring, recursive doubling), broadcast, allgather,
 //!   barrier, written once over [`Comm`].
 //! - [`shm`]: allreduce through memory shared by the ranks of one node.
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
 
+pub mod channel;
 pub mod collectives;
 pub mod comm;
 pub mod context;

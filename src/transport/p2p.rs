@@ -35,6 +35,16 @@ pub enum P2pError {
     UnknownTask(TaskId),
     #[error("tag {0} is out of range 0..={MAX_USER_TAG}")]
     BadTag(i32),
+    #[error(
+        "rank {rank}: channel with rank {peer} (tag {tag}) was opened for {opened}, not {given}"
+    )]
+    Channel {
+        rank: usize,
+        peer: usize,
+        tag: i32,
+        opened: String,
+        given: String,
+    },
 }
 
 /// A peer: a rank, or a task of the cluster.
@@ -85,7 +95,7 @@ impl Tasks {
     }
 }
 
-fn check_tag(tag: i32) -> Result<(), P2pError> {
+pub(crate) fn check_tag(tag: i32) -> Result<(), P2pError> {
     if (0..=MAX_USER_TAG).contains(&tag) {
         Ok(())
     } else {

@@ -156,10 +156,12 @@ impl ShmAllreduce {
             "slot size"
         );
         assert!(segs.len >= segment_bytes(slot_bytes), "segment too small");
+        // A PAUSE is ~40 ns here: 256 of them cover a peer's chunk copy, and then the core
+        // goes to whoever needs it (a training's compute thread, say).
         let spins = if segs.ptrs.len() > online_cpus() {
             0
         } else {
-            2048
+            256
         };
         ShmAllreduce {
             segs,
