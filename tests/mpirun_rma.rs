@@ -61,7 +61,17 @@ fn rma_digits_reach_95_percent_sync_and_async() {
     for (np, ps) in [("4", "1"), ("6", "2")] {
         for mode in [
             &["--sync"][..],
-            &["--async", "--optimizer", "sgd", "--lr", "0.1"][..],
+            // Async SGD is racy by design: 1500 steps reached 0.950-0.975 in repeated runs,
+            // 3000 reached 0.975-0.983.
+            &[
+                "--async",
+                "--optimizer",
+                "sgd",
+                "--lr",
+                "0.1",
+                "--steps",
+                "3000",
+            ][..],
         ] {
             let mut extra = vec!["--ps", ps];
             extra.extend_from_slice(mode);
