@@ -85,6 +85,8 @@ EOF
 #!/bin/sh
 echo "export TMPDIR=$d/tmp/\$SLURMD_NODENAME"
 echo "export MPIFLOW_HOST=\$SLURMD_NODENAME"
+# The daemons' marker, so that \`down\` also finds what the jobs started.
+echo "export MPIFLOW_LOCAL_SLURM=$d"
 # Four fake nodes of 2 CPUs share 2 real cores: OpenMPI must yield while it waits, as it
 # does by itself when it knows a node is oversubscribed (busy-polling ranks ran 60x slower).
 echo "export OMPI_MCA_mpi_yield_when_idle=1"
@@ -181,12 +183,20 @@ down() {
     done
   fi
   stop_pidfiles "$d"/run/slurmd-*.pid "$d/run/slurmctld.pid"
-  # Step daemons (and what they started) that outlived their slurmd.
-  local p
+  # Step daemons and job tasks (all carry the marker) that outlived their slurmd; then
+  # wait until they are gone, not merely signalled.
+  local p left=()
   for p in /proc/[0-9]*; do
     if grep -qxzF "MPIFLOW_LOCAL_SLURM=$d" "$p/environ" 2>/dev/null; then
       kill -9 "${p#/proc/}" 2>/dev/null || true
+      left+=("$p")
     fi
+  done
+  for _ in $(seq 50); do
+    local alive=0
+    for p in "${left[@]}"; do [[ -d "$p" ]] && alive=1; done
+    ((alive)) || break
+    sleep 0.1
   done
   stop_pidfiles "$d/run/munged.pid"
 }
