@@ -426,9 +426,19 @@ fn daemons_stop_by_pidfile_with_a_job_still_running() {
     let Some(slurm) = LocalSlurm::start("stop") else {
         return;
     };
+    // Its output goes to the instance's directory, not the checkout.
+    let out = slurm.dir.join("sleep-%j.out");
     let id = common::run_bounded(
         30,
-        &["sbatch", "--parsable", "-N2", "--wrap", "sleep 300"],
+        &[
+            "sbatch",
+            "--parsable",
+            "-N2",
+            "-o",
+            out.to_str().unwrap(),
+            "--wrap",
+            "sleep 300",
+        ],
         &[("SLURM_CONF", &slurm.conf())],
     );
     assert_eq!(id.code, 0, "{id:?}");
