@@ -29,7 +29,6 @@ enum Via {
 enum Pending<'a> {
     Send(p2p::SendRequest<'a, MpiComm>),
     Receive(p2p::RecvRequest<'a, MpiComm>),
-    ChannelSend(channel::ChannelSend<'a, MpiComm>),
     ChannelReceive(channel::ChannelReceive<'a, MpiComm>),
 }
 
@@ -38,7 +37,6 @@ impl Pending<'_> {
         match self {
             Pending::Send(r) => r.wait(),
             Pending::Receive(r) => r.wait(),
-            Pending::ChannelSend(r) => r.wait(),
             Pending::ChannelReceive(r) => r.wait(),
         }
     }
@@ -76,7 +74,7 @@ impl Via {
     ) -> Result<Pending<'a>, P2pError> {
         Ok(match self {
             Via::Headers => Pending::Send(p2p::immediate_send(c, t, peer, TAG)?),
-            Via::Channel(ch) => Pending::ChannelSend(ch.immediate_send(c, t)?),
+            Via::Channel(ch) => Pending::Send(ch.immediate_send(c, t)?),
         })
     }
 

@@ -101,6 +101,8 @@ enum Reducer<'s> {
         to_comm: std::sync::mpsc::Sender<(usize, Tensor)>,
         from_comm: std::sync::mpsc::Receiver<(usize, Result<Tensor, TransportError>)>,
         signature: Vec<String>,
+        /// Its hash, computed once: the list is the same at every step.
+        signature_hash: u64,
         _thread: std::thread::ScopedJoinHandle<'s, ()>,
     },
 }
@@ -132,12 +134,13 @@ impl<'s> Reducer<'s> {
                 }
             }
         });
-        let signature = std::iter::once("op Sum (layer buckets)".to_string())
+        let signature: Vec<String> = std::iter::once("op Sum (layer buckets)".to_string())
             .chain(model.params.iter().map(Tensor::describe))
             .collect();
         Reducer::Overlapped {
             to_comm,
             from_comm,
+            signature_hash: crate::transport::fusion::list_hash(&signature),
             signature,
             _thread: thread,
         }
@@ -175,11 +178,11 @@ impl<'s> Reducer<'s> {
                 to_comm,
                 from_comm,
                 signature,
+                signature_hash,
                 ..
             } => {
                 // Same negotiation as the fused path: every replica, the same list.
-                let h = crate::transport::fusion::list_hash(signature);
-                crate::transport::fusion::negotiate(coll, h, || signature.clone())?;
+                crate::transport::fusion::negotiate(coll, *signature_hash, || signature.clone())?;
                 let mut sent = 0;
                 let loss = model
                     .gradients_with(x, y, grads, &mut |layer, g| {

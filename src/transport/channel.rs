@@ -12,8 +12,8 @@
 //!
 //! A channel owns its (peer, tag): no other traffic between the two ranks may use that tag.
 
-use super::comm::{Comm, TransportError};
-use super::p2p::{check_tag, P2pError};
+use super::comm::Comm;
+use super::p2p::{check_tag, immediate_send_bytes, P2pError, SendRequest};
 use crate::tensor::{Tensor, TensorError};
 
 /// A checked, header-free connection for one tensor signature between two ranks.
@@ -119,17 +119,9 @@ impl Channel {
         &self,
         c: &'a C,
         t: &'a Tensor,
-    ) -> Result<ChannelSend<'a, C>, P2pError> {
+    ) -> Result<SendRequest<'a, C>, P2pError> {
         self.check_tensor(c, t)?;
-        let b = t.bytes();
-        // SAFETY: the request borrows `t` for 'a, so the payload stays valid and unmodified
-        // until it is waited on (by `wait` or by the destructor).
-        let req = unsafe { c.isend(b.as_ptr(), b.len(), self.peer, self.tag)? };
-        Ok(ChannelSend {
-            comm: c,
-            req: Some(req),
-            _tensor: std::marker::PhantomData,
-        })
+        immediate_send_bytes(c, t.bytes(), self.peer, self.tag)
     }
 
     /// Starts receiving into `t`'s payload (`MPI_Irecv`).
@@ -149,29 +141,6 @@ impl Channel {
             req: Some(req),
             _tensor: std::marker::PhantomData,
         })
-    }
-}
-
-/// A channel send in flight; the tensor stays borrowed until it completes.
-pub struct ChannelSend<'a, C: Comm> {
-    comm: &'a C,
-    req: Option<C::Request>,
-    _tensor: std::marker::PhantomData<&'a Tensor>,
-}
-
-impl<C: Comm> ChannelSend<'_, C> {
-    pub fn wait(mut self) -> Result<(), P2pError> {
-        let req = self.req.take().expect("not yet waited");
-        self.comm.wait(req)?;
-        Ok(())
-    }
-}
-
-impl<C: Comm> Drop for ChannelSend<'_, C> {
-    fn drop(&mut self) {
-        if let Some(r) = self.req.take() {
-            let _ = self.comm.wait(r);
-        }
     }
 }
 
@@ -195,7 +164,7 @@ impl<C: Comm> ChannelReceive<'_, C> {
 impl<C: Comm> Drop for ChannelReceive<'_, C> {
     fn drop(&mut self) {
         if let Some(r) = self.req.take() {
-            let _: Result<_, TransportError> = self.comm.wait(r);
+            let _ = self.comm.wait(r);
         }
     }
 }

@@ -424,18 +424,10 @@ impl<C: Comm> Collectives<C> {
             *packed = AlignedBuf::zeroed(total);
         }
         let buf = &mut packed.as_mut_slice()[..total];
-        let mut off = 0;
-        for p in parts.iter() {
-            buf[off..off + p.len()].copy_from_slice(p);
-            off += p.len();
-        }
+        let mut stream = shm::Stream::new(parts);
+        stream.read_into(0, buf);
         self.allreduce_one(buf, dtype, op, algo)?;
-        let mut off = 0;
-        for p in parts.iter_mut() {
-            let n = p.len();
-            p.copy_from_slice(&buf[off..off + n]);
-            off += n;
-        }
+        stream.write_from(0, buf);
         Ok(algo)
     }
 

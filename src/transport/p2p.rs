@@ -170,10 +170,20 @@ pub fn immediate_send<'a, C: Comm>(
     tag: i32,
 ) -> Result<SendRequest<'a, C>, P2pError> {
     check_tag(tag)?;
-    let wire = t.wire();
-    // SAFETY: the request borrows `t` for 'a, so the wire bytes stay valid and unmodified
-    // until it is waited on (by `wait` or by the destructor).
-    let req = unsafe { c.isend(wire.as_ptr(), wire.len(), dst, tag)? };
+    immediate_send_bytes(c, t.wire(), dst, tag)
+}
+
+/// Starts sending bytes of a tensor (`MPI_Isend`): its wire message here, its payload alone
+/// on a [`super::channel::Channel`].
+pub(crate) fn immediate_send_bytes<'a, C: Comm>(
+    c: &'a C,
+    bytes: &'a [u8],
+    dst: usize,
+    tag: i32,
+) -> Result<SendRequest<'a, C>, P2pError> {
+    // SAFETY: the request borrows the bytes for 'a, so they stay valid and unmodified until
+    // it is waited on (by `wait` or by the destructor).
+    let req = unsafe { c.isend(bytes.as_ptr(), bytes.len(), dst, tag)? };
     Ok(SendRequest {
         comm: c,
         req: Some(req),

@@ -377,7 +377,7 @@ impl ShmAllreduce {
 }
 
 /// A list of buffers read and written as one byte stream.
-struct Stream<'a, 'b> {
+pub(crate) struct Stream<'a, 'b> {
     parts: &'a mut [&'b mut [u8]],
     /// Stream offset where each part starts, and the total at the end.
     bounds: Vec<usize>,
@@ -405,7 +405,7 @@ fn visit(
 }
 
 impl<'a, 'b> Stream<'a, 'b> {
-    fn new(parts: &'a mut [&'b mut [u8]]) -> Self {
+    pub(crate) fn new(parts: &'a mut [&'b mut [u8]]) -> Self {
         let mut bounds = vec![0];
         for p in parts.iter() {
             bounds.push(bounds[bounds.len() - 1] + p.len());
@@ -413,13 +413,15 @@ impl<'a, 'b> Stream<'a, 'b> {
         Stream { parts, bounds }
     }
 
-    fn read_into(&self, off: usize, dst: &mut [u8]) {
+    /// Copies stream bytes `off..off + dst.len()` into `dst`.
+    pub(crate) fn read_into(&self, off: usize, dst: &mut [u8]) {
         visit(&self.bounds, off, dst.len(), |i, r, at| {
             dst[at..at + r.len()].copy_from_slice(&self.parts[i][r]);
         });
     }
 
-    fn write_from(&mut self, off: usize, src: &[u8]) {
+    /// Copies `src` over stream bytes `off..off + src.len()`.
+    pub(crate) fn write_from(&mut self, off: usize, src: &[u8]) {
         let parts = &mut *self.parts;
         visit(&self.bounds, off, src.len(), |i, r, at| {
             let l = r.len();
