@@ -213,12 +213,12 @@ pub fn run(
         out.push_str(&osu::ratio_table(
             "one-by-one/fused (speed-up of fusion)",
             &tables[2],
-            &tables[1],
+            &osu::quotients(&tables[2], &tables[1]),
         ));
         out.push_str(&osu::ratio_table(
             "mpi one-by-one/fused",
             &tables[2],
-            &tables[0],
+            &osu::quotients(&tables[2], &tables[0]),
         ));
         return Ok(out);
     }

@@ -107,10 +107,14 @@ pub(crate) enum Better {
     Higher,
 }
 
-/// The alternation every point-to-point style table uses: at each size, each path in
-/// turn, `rounds` times, a barrier before every measurement, keeping each path's best
-/// value; returns one table of rows per path. `measure(path, size)` runs on every rank
-/// (ranks that take no part return anything: only rank 0's tables are printed).
+/// The alternation every point-to-point style table uses: `rounds` passes over all sizes,
+/// each path in turn at each size (the first path rotating from round to round), a
+/// barrier before every measurement, keeping each path's best value; returns one table of
+/// rows per path. Rounds go over all sizes rather than repeating one size, so that each
+/// size's samples spread over the whole run: on a shared machine slow phases last
+/// seconds, and a size measured only inside one would show the phase, not the code.
+/// `measure(path, size)` runs on every rank (ranks that take no part return anything:
+/// only rank 0's tables are printed).
 pub(crate) fn best_of_rounds(
     coll: &Collectives<MpiComm>,
     sizes: impl IntoIterator<Item = usize>,
@@ -118,31 +122,66 @@ pub(crate) fn best_of_rounds(
     rounds: usize,
     better: Better,
     mut measure: impl FnMut(Path, usize) -> Result<f64, BenchError>,
-) -> Result<Vec<Vec<Row>>, BenchError> {
-    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
-    for size in sizes {
-        let mut best = vec![
-            match better {
-                Better::Lower => f64::INFINITY,
-                Better::Higher => 0.0,
-            };
-            paths.len()
-        ];
-        for _ in 0..rounds {
-            for (k, path) in paths.iter().enumerate() {
+) -> Result<Rounds, BenchError> {
+    let sizes: Vec<usize> = sizes.into_iter().collect();
+    // samples[i][k]: every round's value of path k at size i.
+    let mut samples = vec![vec![Vec::with_capacity(rounds); paths.len()]; sizes.len()];
+    for round in 0..rounds {
+        for (i, &size) in sizes.iter().enumerate() {
+            for j in 0..paths.len() {
+                let k = (j + round) % paths.len();
                 coll.barrier()?;
-                let v = measure(*path, size)?;
-                best[k] = match better {
-                    Better::Lower => best[k].min(v),
-                    Better::Higher => best[k].max(v),
-                };
+                samples[i][k].push(measure(paths[k], size)?);
             }
         }
-        for (table, v) in tables.iter_mut().zip(best) {
-            table.push(Row::point(size, v, 0));
-        }
     }
-    Ok(tables)
+    let best = |v: &[f64]| match better {
+        Better::Lower => v.iter().copied().fold(f64::INFINITY, f64::min),
+        Better::Higher => v.iter().copied().fold(0.0, f64::max),
+    };
+    let tables = (0..paths.len())
+        .map(|k| {
+            sizes
+                .iter()
+                .zip(&samples)
+                .map(|(&size, s)| Row::point(size, best(&s[k]), 0))
+                .collect()
+        })
+        .collect();
+    let paired = (0..paths.len())
+        .map(|k| {
+            samples
+                .iter()
+                .map(|s| {
+                    let mut r: Vec<f64> = s[k].iter().zip(&s[0]).map(|(a, b)| a / b).collect();
+                    r.sort_by(f64::total_cmp);
+                    r[r.len() / 2]
+                })
+                .collect()
+        })
+        .collect();
+    Ok(Rounds {
+        tables: osu::by_path(paths, tables),
+        paired,
+    })
+}
+
+/// What [`best_of_rounds`] measured.
+pub(crate) struct Rounds {
+    /// Per path, its name (`mpi`, `mpiflow`) and a row per size: the best value of all
+    /// rounds.
+    pub tables: Vec<(String, Vec<Row>)>,
+    /// Per path, per size: the median over rounds of its value divided by the first
+    /// path's value in the same round. Paired in time, so a slow phase of the machine
+    /// slows both sides of a ratio; the ratio lines print these.
+    pub paired: Vec<Vec<f64>>,
+}
+
+impl Rounds {
+    /// The OSU tables of every path, then the paired ratios to the first path.
+    pub fn render(&self, table: impl Fn(&[Row]) -> String) -> String {
+        osu::render_paired(&self.tables, Some(&self.paired), table)
+    }
 }
 
 /// Checks a benchmark name and its options against the job size (before anything is sent).

@@ -102,14 +102,33 @@ pub fn by_path(paths: &[Path], tables: Vec<Vec<Row>>) -> Vec<(String, Vec<Row>)>
 /// Every path's table after a `# mpiflow path: LABEL` line, then the ratio of every other
 /// path to the first (`mpiflow/mpi`, `channel/mpi`) when the first is `mpi`.
 pub fn render(paths: &[(String, Vec<Row>)], table: impl Fn(&[Row]) -> String) -> String {
+    render_paired(paths, None, table)
+}
+
+/// [`render`], with ratio lines from `paired` (per path, per size) when given, instead of
+/// the quotient of the tables' values.
+pub fn render_paired(
+    paths: &[(String, Vec<Row>)],
+    paired: Option<&[Vec<f64>]>,
+    table: impl Fn(&[Row]) -> String,
+) -> String {
     let mut out = String::new();
     for (label, rows) in paths {
         let _ = writeln!(out, "# mpiflow path: {label}");
         out.push_str(&table(rows));
     }
     if let [(first, a), rest @ ..] = paths {
-        for (label, b) in rest.iter().filter(|_| first == "mpi") {
-            out.push_str(&ratio_table(&format!("{label}/mpi"), a, b));
+        for (k, (label, b)) in rest.iter().enumerate().filter(|_| first == "mpi") {
+            let ratios: Vec<f64> = match paired {
+                Some(p) => p[k + 1].clone(),
+                None => quotients(a, b),
+            };
+            let how = if paired.is_some() {
+                " (median over rounds of the ratio within a round)"
+            } else {
+                ""
+            };
+            out.push_str(&ratio_table(&format!("{label}/mpi{how}"), a, &ratios));
         }
     }
     out
@@ -210,10 +229,15 @@ pub fn collective_table(title: &str, datatype: &str, rows: &[Row], full: bool) -
 }
 
 /// Comment lines comparing two tables of the same sizes: `b / a` per size.
-pub fn ratio_table(label: &str, a: &[Row], b: &[Row]) -> String {
+/// `b`'s values over `a`'s, row by row.
+pub fn quotients(a: &[Row], b: &[Row]) -> Vec<f64> {
+    a.iter().zip(b).map(|(x, y)| y.value / x.value).collect()
+}
+
+pub fn ratio_table(label: &str, a: &[Row], ratios: &[f64]) -> String {
     let mut out = format!("# ratio {label}\n{:<10}{:>20}\n", "# Size", "Ratio");
-    for (x, y) in a.iter().zip(b) {
-        let _ = writeln!(out, "# {:<8}{:>20.3}", x.size, y.value / x.value);
+    for (x, r) in a.iter().zip(ratios) {
+        let _ = writeln!(out, "# {:<8}{:>20.3}", x.size, r);
     }
     out
 }

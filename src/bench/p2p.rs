@@ -92,6 +92,22 @@ impl Via {
 }
 
 /// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or MB/s.
+/// Seconds for `iters` calls of `step` after `warmup` untimed ones.
+fn timed(
+    warmup: usize,
+    iters: usize,
+    mut step: impl FnMut() -> Result<(), BenchError>,
+) -> Result<f64, BenchError> {
+    for _ in 0..warmup {
+        step()?;
+    }
+    let start = Instant::now();
+    for _ in 0..iters {
+        step()?;
+    }
+    Ok(secs(start))
+}
+
 fn measure(
     comm: &MpiComm,
     name: &str,
@@ -122,124 +138,120 @@ fn measure(
     let ack_t = Tensor::zeros(DType::U8, &[4])?.named("ack");
     let mut ack_r = ack_t.clone();
     let via = Via::open(comm, path, &tensors[0], peer)?;
-    let mut start = Instant::now();
-    for i in 0..warmup + iters {
-        if i == warmup {
-            start = Instant::now();
-        }
-        match (name, path) {
-            ("latency", Path::Mpi) => {
-                let b = &mut bufs[0].as_mut_slice()[..size];
-                if me == 0 {
-                    other.send_with_tag(&b[..], TAG);
-                    other.receive_into_with_tag(b, TAG);
-                } else {
-                    other.receive_into_with_tag(&mut b[..], TAG);
-                    other.send_with_tag(&b[..], TAG);
-                }
+    // One tight loop per path, as OSU's: no per-iteration dispatch in the timed code.
+    let elapsed = match (name, path) {
+        ("latency", Path::Mpi) => timed(warmup, iters, || {
+            let b = &mut bufs[0].as_mut_slice()[..size];
+            if me == 0 {
+                other.send_with_tag(&b[..], TAG);
+                other.receive_into_with_tag(b, TAG);
+            } else {
+                other.receive_into_with_tag(&mut b[..], TAG);
+                other.send_with_tag(&b[..], TAG);
             }
-            ("latency", _) => {
-                let t = &mut tensors[0];
-                if me == 0 {
-                    via.send(comm, t, peer)?;
-                    via.receive_into(comm, t, peer)?;
-                } else {
-                    via.receive_into(comm, t, peer)?;
-                    via.send(comm, t, peer)?;
-                }
+            Ok(())
+        })?,
+        ("latency", _) => timed(warmup, iters, || {
+            let t = &mut tensors[0];
+            if me == 0 {
+                via.send(comm, t, peer)?;
+                via.receive_into(comm, t, peer)?;
+            } else {
+                via.receive_into(comm, t, peer)?;
+                via.send(comm, t, peer)?;
             }
-            (_, Path::Mpi) => {
-                let bibw = name == "bibw";
-                let (send, recv) = (me == 0 || bibw, me == 1 || bibw);
-                if recv {
-                    let (rb, sb) = bufs.split_at_mut(window);
-                    mpi::request::scope(|sc| {
-                        let recvs: Vec<_> = rb
-                            .iter_mut()
-                            .map(|b| {
-                                other.immediate_receive_into_with_tag(
-                                    sc,
-                                    &mut b.as_mut_slice()[..size],
-                                    TAG,
-                                )
-                            })
-                            .collect();
-                        let sends: Vec<_> = if send {
-                            sb.iter()
-                                .map(|b| {
-                                    other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG)
-                                })
-                                .collect()
-                        } else {
-                            Vec::new()
-                        };
-                        recvs.into_iter().for_each(|r| {
-                            r.wait();
-                        });
-                        sends.into_iter().for_each(|r| {
-                            r.wait();
-                        });
-                    });
-                } else {
-                    mpi::request::scope(|sc| {
-                        let sends: Vec<_> = bufs
-                            .iter()
-                            .map(|b| other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG))
-                            .collect();
-                        sends.into_iter().for_each(|r| {
-                            r.wait();
-                        });
-                    });
-                }
-                if !bibw {
-                    if me == 0 {
-                        other.receive_into_with_tag(&mut ack[..], ACK_TAG);
-                    } else {
-                        other.send_with_tag(&ack[..], ACK_TAG);
-                    }
-                }
-            }
-            (_, _) => {
-                let bibw = name == "bibw";
-                let (rt, st) = tensors.split_at_mut(window);
-                if me == 1 || bibw {
-                    let recvs = rt
+            Ok(())
+        })?,
+        (_, Path::Mpi) => timed(warmup, iters, || {
+            let bibw = name == "bibw";
+            let (send, recv) = (me == 0 || bibw, me == 1 || bibw);
+            if recv {
+                let (rb, sb) = bufs.split_at_mut(window);
+                mpi::request::scope(|sc| {
+                    let recvs: Vec<_> = rb
                         .iter_mut()
-                        .map(|t| via.immediate_receive_into(comm, t, peer))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let sends = if bibw {
-                        st.iter()
-                            .map(|t| via.immediate_send(comm, t, peer))
-                            .collect::<Result<Vec<_>, _>>()?
+                        .map(|b| {
+                            other.immediate_receive_into_with_tag(
+                                sc,
+                                &mut b.as_mut_slice()[..size],
+                                TAG,
+                            )
+                        })
+                        .collect();
+                    let sends: Vec<_> = if send {
+                        sb.iter()
+                            .map(|b| other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG))
+                            .collect()
                     } else {
                         Vec::new()
                     };
-                    for r in recvs {
-                        r.wait()?;
-                    }
-                    for s in sends {
-                        s.wait()?;
-                    }
-                } else {
-                    let sends = rt
+                    recvs.into_iter().for_each(|r| {
+                        r.wait();
+                    });
+                    sends.into_iter().for_each(|r| {
+                        r.wait();
+                    });
+                });
+            } else {
+                mpi::request::scope(|sc| {
+                    let sends: Vec<_> = bufs
                         .iter()
-                        .map(|t| via.immediate_send(comm, t, peer))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    for s in sends {
-                        s.wait()?;
-                    }
-                }
-                if !bibw {
-                    if me == 0 {
-                        p2p::receive_into(comm, &mut ack_r, peer, ACK_TAG)?;
-                    } else {
-                        p2p::send(comm, &ack_t, peer, ACK_TAG)?;
-                    }
+                        .map(|b| other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG))
+                        .collect();
+                    sends.into_iter().for_each(|r| {
+                        r.wait();
+                    });
+                });
+            }
+            if !bibw {
+                if me == 0 {
+                    other.receive_into_with_tag(&mut ack[..], ACK_TAG);
+                } else {
+                    other.send_with_tag(&ack[..], ACK_TAG);
                 }
             }
-        }
-    }
-    let elapsed = secs(start);
+            Ok(())
+        })?,
+        (_, _) => timed(warmup, iters, || {
+            let bibw = name == "bibw";
+            let (rt, st) = tensors.split_at_mut(window);
+            if me == 1 || bibw {
+                let recvs = rt
+                    .iter_mut()
+                    .map(|t| via.immediate_receive_into(comm, t, peer))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let sends = if bibw {
+                    st.iter()
+                        .map(|t| via.immediate_send(comm, t, peer))
+                        .collect::<Result<Vec<_>, _>>()?
+                } else {
+                    Vec::new()
+                };
+                for r in recvs {
+                    r.wait()?;
+                }
+                for s in sends {
+                    s.wait()?;
+                }
+            } else {
+                let sends = rt
+                    .iter()
+                    .map(|t| via.immediate_send(comm, t, peer))
+                    .collect::<Result<Vec<_>, _>>()?;
+                for s in sends {
+                    s.wait()?;
+                }
+            }
+            if !bibw {
+                if me == 0 {
+                    p2p::receive_into(comm, &mut ack_r, peer, ACK_TAG)?;
+                } else {
+                    p2p::send(comm, &ack_t, peer, ACK_TAG)?;
+                }
+            }
+            Ok(())
+        })?,
+    };
     if opts.validate {
         validate(comm, path, size)?;
     }
@@ -290,7 +302,7 @@ fn validate(comm: &MpiComm, path: Path, size: usize) -> Result<(), BenchError> {
 /// Runs latency, bw or bibw over the sizes; returns the text rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, BenchError> {
     let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
-    let (mut paths, rounds) = opts.plan();
+    let (mut paths, nrounds) = opts.plan();
     if opts.path == Path::Both {
         paths.push(Path::Channel);
     }
@@ -300,11 +312,11 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
     } else {
         Better::Higher
     };
-    let tables = best_of_rounds(
+    let rounds = best_of_rounds(
         &coll,
         osu::sizes(min, max),
         &paths,
-        rounds,
+        nrounds,
         better,
         |path, size| {
             // Ranks 0 and 1 measure; the others only keep the barriers company.
@@ -320,7 +332,5 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         "bw" => ("Bandwidth Test", "Bandwidth (MB/s)"),
         _ => ("Bi-Directional Bandwidth Test", "Bandwidth (MB/s)"),
     };
-    Ok(osu::render(&osu::by_path(&paths, tables), |rows| {
-        osu::p2p_table(title, "MPI_CHAR", column, rows)
-    }))
+    Ok(rounds.render(|rows| osu::p2p_table(title, "MPI_CHAR", column, rows)))
 }

@@ -119,7 +119,7 @@ pub fn run(
     let (paths, rounds) = opts.plan();
     // Whole floats.
     let sizes = osu::sizes(min.max(4), max).into_iter().map(|s| s / 4 * 4);
-    let tables = best_of_rounds(coll, sizes, &paths, rounds, Better::Higher, |path, size| {
+    let measured = best_of_rounds(coll, sizes, &paths, rounds, Better::Higher, |path, size| {
         let (iters, warmup) = osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20);
         let mine = match path {
             Path::Mpi => raw(comm, ps, size, iters, warmup),
@@ -141,7 +141,5 @@ pub fn run(
         PsTransport::Rma => "rma",
     };
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps, transport {how})");
-    Ok(osu::render(&osu::by_path(&paths, tables), |rows| {
-        osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows)
-    }))
+    Ok(measured.render(|rows| osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows)))
 }

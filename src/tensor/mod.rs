@@ -30,6 +30,9 @@ pub use dtype::{DType, Element};
 pub const HEADER_ROOM: usize = 128;
 /// Bytes after the payload that let a receive detect a longer message than expected.
 pub const TAIL_ROOM: usize = 128;
+/// Bytes a sender may put after a whole message so that its length differs from that of
+/// a payload-only message (see [`crate::transport::p2p`]); receivers accept and ignore them.
+pub const WIRE_PAD: usize = 8;
 /// At most this many dimensions.
 pub const MAX_DIMS: usize = 8;
 /// Names up to this many bytes travel as they are.
@@ -339,7 +342,7 @@ impl Tensor {
     }
 
     /// Puts the header copy back in front of the payload.
-    fn restore_header(&mut self) {
+    pub(crate) fn restore_header(&mut self) {
         let len = self.header_len;
         let at = self.at;
         self.buf.as_mut_slice()[at - len..at].copy_from_slice(&self.header[..len]);
@@ -363,45 +366,124 @@ impl Tensor {
         &mut self.buf.as_mut_slice()[start..end]
     }
 
+    /// Where a receive of a payload alone lands: the payload plus [`TAIL_ROOM`] bytes, so
+    /// that a whole message arriving instead (a header in front) shows up by its length.
+    pub fn payload_region(&mut self) -> &mut [u8] {
+        let (at, end) = (self.at, self.at + self.nbytes() + TAIL_ROOM);
+        &mut self.buf.as_mut_slice()[at..end]
+    }
+
+    /// The whole message with [`WIRE_PAD`] bytes after it, for a sender that must not send
+    /// a message of one particular length (see [`crate::transport::p2p`]).
+    pub fn wire_padded(&self) -> &[u8] {
+        &self.buf.as_slice()[self.at - self.header_len..self.at + self.nbytes() + WIRE_PAD]
+    }
+
     /// Checks a received message of `got` bytes (possibly truncated) against this tensor.
     /// On a mismatch the payload is unspecified and the error names both sides.
     pub fn check_received(&mut self, got: usize, truncated: bool) -> Result<(), TensorError> {
-        let start = self.at - self.header_len;
-        // Fast path: the expected length and our own header, byte for byte.
-        if !truncated
-            && got == self.wire_len()
-            && self.buf.as_slice()[start..self.at] == self.header[..self.header_len]
-        {
-            return Ok(());
+        self.check_arrival(Landing::Whole, got, truncated)
+            .map_err(|u| u.error)
+    }
+
+    /// Checks a message of `got` bytes that landed as `landing` says. A whole message that
+    /// landed at the payload's place is moved into place when it is this tensor's; anything
+    /// else is an error naming both sides, with the sender's header when one arrived.
+    pub fn check_arrival(
+        &mut self,
+        landing: Landing,
+        got: usize,
+        truncated: bool,
+    ) -> Result<(), Unexpected> {
+        let (h, n) = (self.header_len, self.nbytes());
+        let start = match landing {
+            Landing::Whole => self.at - h,
+            Landing::Payload => self.at,
+        };
+        // Fast paths: exactly the payload, or exactly our header and length.
+        let whole_len = |got: usize| got == h + n || got == h + n + WIRE_PAD;
+        match landing {
+            Landing::Payload if !truncated && got == n => return Ok(()),
+            Landing::Whole
+                if !truncated
+                    && whole_len(got)
+                    && self.buf.as_slice()[start..self.at] == self.header[..h] =>
+            {
+                return Ok(())
+            }
+            _ => {}
         }
-        let region = &self.buf.as_slice()[start..start + got.min(self.wire_len() + TAIL_ROOM)];
-        let theirs = decode_header(region).ok_or(TensorError::NotATensor { got })?;
+        let result = self.judge(&self.buf.as_slice()[start..start + got], truncated);
+        match landing {
+            // A different header may have landed over ours (and beyond): put ours back.
+            Landing::Whole => self.restore_header(),
+            Landing::Payload if result.is_ok() => {
+                let at = self.at;
+                self.buf.as_mut_slice().copy_within(at + h..at + h + n, at);
+            }
+            Landing::Payload => {}
+        }
+        result
+    }
+
+    /// Whether `msg`, a whole message, is this tensor's.
+    fn judge(&self, msg: &[u8], truncated: bool) -> Result<(), Unexpected> {
+        let got = msg.len();
+        let Some(theirs) = decode_header(msg) else {
+            return Err(Unexpected {
+                error: TensorError::NotATensor { got },
+                header: None,
+            });
+        };
         let ours_name = String::from_utf8_lossy(&wire_name(&self.name)).into_owned();
         let same = theirs.dtype == Some(self.dtype)
             && theirs.shape == self.shape
             && theirs.name == ours_name
             && theirs.numel == self.numel();
         let expected_len = theirs.header_len + theirs.numel * theirs.dtype.map_or(1, DType::size);
-        let result = if same && !truncated && got == expected_len {
-            Ok(())
-        } else {
-            let theirs_desc = match theirs.dtype {
-                Some(d) => describe(&theirs.name, d, &theirs.shape),
-                None => format!("'{}' of unknown dtype", theirs.name),
-            };
-            Err(TensorError::Mismatch {
+        if same && !truncated && (got == expected_len || got == expected_len + WIRE_PAD) {
+            return Ok(());
+        }
+        let theirs_desc = match theirs.dtype {
+            Some(d) => describe(&theirs.name, d, &theirs.shape),
+            None => format!("'{}' of unknown dtype", theirs.name),
+        };
+        Err(Unexpected {
+            error: TensorError::Mismatch {
                 ours: self.describe(),
                 theirs: if same {
                     format!("{theirs_desc} with {got} bytes instead of {expected_len}")
                 } else {
                     theirs_desc
                 },
-            })
-        };
-        // A different header may have landed over ours (and beyond): put ours back.
-        self.restore_header();
-        result
+            },
+            header: Some(msg[..theirs.header_len].to_vec()),
+        })
     }
+}
+
+/// Where a receive put a message in the tensor's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landing {
+    /// At the header's place: a whole message `[header | payload]` is expected.
+    Whole,
+    /// At the payload's place: the payload alone is expected, its header having been
+    /// checked on an earlier message (see [`crate::transport::p2p`]).
+    Payload,
+}
+
+/// A received message that is not the expected tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unexpected {
+    pub error: TensorError,
+    /// The sender's wire header, when a whole message arrived.
+    pub header: Option<Vec<u8>>,
+}
+
+/// The payload length a wire header announces; `None` if `header` is not one.
+pub fn header_payload_len(header: &[u8]) -> Option<usize> {
+    let h = decode_header(header)?;
+    Some(h.numel * h.dtype?.size())
 }
 
 #[cfg(test)]

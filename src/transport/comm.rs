@@ -86,6 +86,10 @@ pub trait Comm {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
 
+    /// The tensors last sent to and received from each (peer, tag), for
+    /// [`super::p2p`]'s header-free repeats.
+    fn links(&self) -> &super::p2p::Links;
+
     /// Starts sending `len` bytes at `buf` to `dst`.
     ///
     /// # Safety

@@ -62,6 +62,7 @@ pub struct LocalComm {
     hub: Arc<Hub>,
     splits_done: std::cell::Cell<u64>,
     segments_done: std::cell::Cell<u64>,
+    links: super::p2p::Links,
 }
 
 /// A request of the in-process transport.
@@ -86,6 +87,7 @@ impl LocalComm {
                 hub: hub.clone(),
                 splits_done: 0.into(),
                 segments_done: 0.into(),
+                links: Default::default(),
             })
             .collect()
     }
@@ -113,6 +115,10 @@ impl Comm for LocalComm {
 
     fn size(&self) -> usize {
         self.hub.boxes.len()
+    }
+
+    fn links(&self) -> &super::p2p::Links {
+        &self.links
     }
 
     unsafe fn isend(
@@ -310,6 +316,7 @@ impl Comm for LocalComm {
             hub,
             splits_done: 0.into(),
             segments_done: 0.into(),
+            links: Default::default(),
         })
     }
 }

@@ -14,6 +14,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::comm::{check_peer, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
+use super::p2p::Links;
 use super::shm::SharedSegments;
 use crate::tensor::DType;
 
@@ -23,6 +24,9 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     in_place: Option<*mut c_void>,
+    /// See [`count_offset`].
+    count_at: Option<usize>,
+    links: Links,
 }
 
 // SAFETY: MPI handles are process-wide values, valid in any thread. Using communicators
@@ -38,10 +42,9 @@ pub struct MpiRequest {
     len: usize,
 }
 
-fn library_in_place() -> Option<*mut c_void> {
+fn library_in_place(v: &str) -> Option<*mut c_void> {
     // MPI_IN_PLACE is a macro, absent from the bindings: OpenMPI defines it as (void *) 1
     // and MPICH as (void *) -1. With another library, in-place collectives copy instead.
-    let v = mpi::environment::library_version().unwrap_or_default();
     if v.contains("Open MPI") {
         Some(std::ptr::without_provenance_mut(1))
     } else if v.contains("MPICH") {
@@ -58,6 +61,71 @@ pub(crate) fn error_string(rc: c_int) -> String {
     // SAFETY: buf holds MPI_MAX_ERROR_STRING (at most 512 in OpenMPI and MPICH) bytes.
     unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
     String::from_utf8_lossy(&buf[..len.max(0) as usize]).into_owned()
+}
+
+/// The low 32 bits of the `MPI_Status` field at byte offset `at`.
+fn status_u32(status: &ffi::MPI_Status, at: usize) -> u32 {
+    // SAFETY: the status is plain data of size_of::<MPI_Status>() bytes, and callers only
+    // pass offsets with 4 bytes inside it (checked in count_offset).
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (status as *const ffi::MPI_Status).cast::<u8>(),
+            std::mem::size_of::<ffi::MPI_Status>(),
+        )
+    };
+    u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Where the library keeps a receive's byte count in `MPI_Status`: OpenMPI's `_ucount`
+/// (after four ints), MPICH's `count_lo` (first). Trusted only after two messages to
+/// ourselves showed it equal to `MPI_Get_count`'s answer. Reading it saves that call's
+/// ~8 ns on every receive, a twentieth of a small message's latency on shared memory.
+/// `None`: receives ask `MPI_Get_count`.
+fn count_offset(comm: &SimpleCommunicator, version: &str) -> Option<usize> {
+    let at = if version.contains("Open MPI") {
+        16
+    } else if version.contains("MPICH") {
+        0
+    } else {
+        return None;
+    };
+    if at + 4 > std::mem::size_of::<ffi::MPI_Status>() {
+        return None;
+    }
+    let me = comm.rank();
+    for n in [5usize, 1003] {
+        let out = vec![0u8; n];
+        let mut inb = vec![0u8; n];
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: both buffers hold n bytes; a message to ourselves completes locally.
+        let rc = unsafe {
+            ffi::MPI_Sendrecv(
+                out.as_ptr().cast(),
+                n as c_int,
+                byte(),
+                me,
+                0,
+                inb.as_mut_ptr().cast(),
+                n as c_int,
+                byte(),
+                me,
+                0,
+                comm.as_raw(),
+                &mut status,
+            )
+        };
+        let mut count: c_int = -1;
+        // SAFETY: status was filled by the completed call.
+        unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
+        if rc != ffi::MPI_SUCCESS as c_int
+            || count != n as c_int
+            || status_u32(&status, at) != n as u32
+        {
+            return None;
+        }
+    }
+    Some(at)
 }
 
 fn dtype_raw(d: DType) -> ffi::MPI_Datatype {
@@ -85,11 +153,14 @@ impl MpiComm {
         // SAFETY: dup is a valid communicator owned by us; MPI_ERRORS_RETURN is a constant.
         let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
         assert_eq!(rc, ffi::MPI_SUCCESS as c_int, "MPI_Comm_set_errhandler");
+        let version = mpi::environment::library_version().unwrap_or_default();
         MpiComm {
             rank: dup.rank() as usize,
             size: dup.size() as usize,
+            count_at: count_offset(&dup, &version),
+            in_place: library_in_place(&version),
             comm: dup,
-            in_place: library_in_place(),
+            links: Links::default(),
         }
     }
 
@@ -126,9 +197,15 @@ impl MpiComm {
         if !truncated {
             self.check(call, rc)?;
         }
-        let mut count: c_int = 0;
-        // SAFETY: status was filled by the completed call.
-        unsafe { ffi::MPI_Get_count(status, byte(), &mut count) };
+        let count = match self.count_at {
+            Some(at) => status_u32(status, at) as i64,
+            None => {
+                let mut count: c_int = 0;
+                // SAFETY: status was filled by the completed call.
+                unsafe { ffi::MPI_Get_count(status, byte(), &mut count) };
+                i64::from(count)
+            }
+        };
         // After a truncation some libraries report the full length, others the buffer's.
         let count = if count < 0 {
             len
@@ -169,6 +246,10 @@ impl Comm for MpiComm {
 
     fn size(&self) -> usize {
         self.size
+    }
+
+    fn links(&self) -> &Links {
+        &self.links
     }
 
     unsafe fn isend(
