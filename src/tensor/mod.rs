@@ -5,7 +5,8 @@
 //! contiguous message `[header | payload]` straight from the tensor's memory: no
 //! serialisation copy, one MPI message, and MPI's zero-copy paths for large payloads. A
 //! receive lands the same way, and the header that arrived is checked against the
-//! tensor's own before the call returns.
+//! tensor's own before the call returns. (Repeats of the same tensor between the same two
+//! ranks go as the payload alone, see [`crate::transport::p2p`].)
 //!
 //! Payloads of 2 MiB and more start a whole huge page into their allocation (the header sits
 //! at the end of the first one), so they are huge-page aligned like a plain MPI buffer: with

@@ -1,14 +1,13 @@
 //! Persistent channels: the same tensor between two ranks again and again, checked once.
 //!
-//! [`super::p2p`] puts a header in front of every message, so every receive can name what
-//! arrived. For a tensor that crosses between the same two ranks at every step (a
-//! gradient shard, a loss, a step counter) the header says the same thing each time, and
-//! for a few bytes it costs: OpenMPI's shared-memory transport moves a 1-8 byte message
-//! measurably faster than a 33-byte one. A channel is MPI's persistent-request idea
-//! (`MPI_Send_init`/`MPI_Recv_init`) for tensors: [`Channel::open`] exchanges the two
-//! sides' headers once (the mismatch error names both sides, on both ranks), and then
-//! messages carry the payload alone. Each send or receive still checks, locally, that the
-//! tensor is the one the channel was opened for, and that exactly its bytes arrived.
+//! [`super::p2p`] sends a tensor's header on the first message of a (peer, tag) link and
+//! whenever the tensor changes, and the payload alone otherwise. A channel is the explicit
+//! form, MPI's persistent-request idea (`MPI_Send_init`/`MPI_Recv_init`) for tensors:
+//! [`Channel::open`] exchanges the two sides' headers before any data moves (the mismatch
+//! error names both sides, on both ranks, at open), and then messages carry the payload
+//! alone, with no per-message bookkeeping beyond a signature comparison. Each send or
+//! receive checks, locally, that the tensor is the one the channel was opened for, and
+//! that exactly its bytes arrived.
 //!
 //! A channel owns its (peer, tag): no other traffic between the two ranks may use that tag.
 
