@@ -387,7 +387,13 @@ impl<C: Comm> RecvRequest<'_, C> {
 impl<C: Comm> Drop for RecvRequest<'_, C> {
     fn drop(&mut self) {
         if let Some(r) = self.req.take() {
-            let _ = self.comm.wait(r);
+            // Unchecked for the caller, but the link must still learn what arrived.
+            if let (Ok(done), Some(arrival)) = (self.comm.wait(r), self.arrival.take()) {
+                let _ = self
+                    .comm
+                    .links()
+                    .settle(self.comm, arrival, self.tensor, done);
+            }
         }
     }
 }
