@@ -77,6 +77,9 @@ pub struct Tensor {
     header: [u8; HEADER_ROOM],
     /// FNV-1a of the wire header: name, dtype and shape in one number.
     signature: u64,
+    /// Payload bytes (numel x dtype size; neither changes after construction), kept
+    /// because every send and receive asks.
+    nbytes: usize,
     /// Offset of the payload in `buf`: [`HEADER_ROOM`], or a whole huge page for payloads
     /// of 2 MiB and more, so that they start on a huge-page boundary like a plain buffer.
     at: usize,
@@ -184,6 +187,7 @@ impl Tensor {
             header_len: 0,
             header: [0; HEADER_ROOM],
             signature: 0,
+            nbytes,
             at,
         };
         t.write_header();
@@ -247,7 +251,7 @@ impl Tensor {
     }
 
     pub fn nbytes(&self) -> usize {
-        self.numel() * self.dtype.size()
+        self.nbytes
     }
 
     /// `'name' f32[2,3]`, as error messages show tensors.

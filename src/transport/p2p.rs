@@ -168,6 +168,7 @@ impl Hasher for LinkHasher {
     }
 }
 
+#[inline]
 fn mix(v: u64) -> u64 {
     let x = (v ^ (v >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     x ^ (x >> 29)
@@ -200,11 +201,13 @@ impl Default for Side {
 }
 
 impl Side {
+    #[inline]
     fn slot(&self, key: u64) -> &Cell<(u64, u64)> {
         &self.hot[(mix(key) >> 58) as usize % HOT]
     }
 
     /// True if the link `key` holds the tensor of `signature`.
+    #[inline]
     fn holds(&self, key: u64, signature: u64) -> bool {
         let slot = self.slot(key);
         if slot.get() == (key, signature) {
@@ -249,6 +252,7 @@ pub struct Links {
     received: Side,
 }
 
+#[inline]
 fn link_key(peer: usize, tag: i32) -> u64 {
     ((peer as u64) << 32) | u64::from(tag as u32)
 }
@@ -257,6 +261,7 @@ impl Links {
     /// The bytes that carry `t` to `dst` on `tag`: its payload alone when the link's last
     /// tensor was this one, else the whole message, padded if its length would be that of
     /// the link's last payload. The link holds `t` afterwards.
+    #[inline]
     fn outgoing<'t>(&self, t: &'t Tensor, dst: usize, tag: i32) -> &'t [u8] {
         let key = link_key(dst, tag);
         if self.sent.holds(key, t.signature()) {
@@ -275,6 +280,7 @@ impl Links {
     /// last tensor was this one, else the whole message; then what the link held before,
     /// to recognise (and name) a payload-only message of that tensor. The link holds `t`
     /// afterwards, as the sender's will once it sends `t`.
+    #[inline]
     fn incoming(&self, t: &Tensor, src: usize, tag: i32) -> (Landing, Option<Last>) {
         let key = link_key(src, tag);
         if self.received.holds(key, t.signature()) {
@@ -398,6 +404,7 @@ impl<C: Comm> Drop for RecvRequest<'_, C> {
     }
 }
 
+#[inline]
 fn check_link<C: Comm>(c: &C, peer: usize, tag: i32) -> Result<(), P2pError> {
     check_tag(tag)?;
     if peer == ANY_SOURCE {
@@ -435,6 +442,7 @@ pub(crate) fn immediate_send_bytes<'a, C: Comm>(
     })
 }
 
+#[inline]
 fn landing_region(t: &mut Tensor, landing: Landing) -> &mut [u8] {
     match landing {
         Landing::Whole => t.receive_region(),
