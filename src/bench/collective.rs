@@ -183,16 +183,26 @@ pub fn run(
     if name == "allreduce-fused" {
         let (min, max) = opts.sizes.unwrap_or((10240, 10240));
         let mut tables: [Vec<Row>; 3] = Default::default();
+        // Per size, the median over rounds of (one-by-one / fused) within a round, for
+        // MPI's and mpiflow's one-by-one: paired in time, as best_of_rounds does.
+        let mut speedups: [Vec<f64>; 2] = Default::default();
         for size in osu::sizes(min.max(4), max) {
             let mut best: [Option<Row>; 3] = [None; 3];
+            let mut ratios: [Vec<f64>; 2] = Default::default();
             for _ in 0..opts.rounds.max(1) {
                 let rows = measure_fused(coll, size, opts)?;
                 for k in 0..3 {
                     best[k] = Some(better(best[k], rows[k]));
                 }
+                for k in 0..2 {
+                    ratios[k].push(rows[k].value / rows[2].value);
+                }
             }
             for k in 0..3 {
                 tables[k].push(best[k].expect("at least one round"));
+            }
+            for k in 0..2 {
+                speedups[k].push(super::median(&mut ratios[k]));
             }
         }
         let title = format!(
@@ -211,14 +221,14 @@ pub fn run(
             out.push_str(&osu::collective_table(&title, "MPI_FLOAT", rows, opts.full));
         }
         out.push_str(&osu::ratio_table(
-            "one-by-one/fused (speed-up of fusion)",
+            "one-by-one/fused (speed-up of fusion; median over rounds of the ratio within a round)",
             &tables[2],
-            &osu::quotients(&tables[2], &tables[1]),
+            &speedups[1],
         ));
         out.push_str(&osu::ratio_table(
-            "mpi one-by-one/fused",
+            "mpi one-by-one/fused (median over rounds of the ratio within a round)",
             &tables[2],
-            &osu::quotients(&tables[2], &tables[0]),
+            &speedups[0],
         ));
         return Ok(out);
     }
@@ -230,6 +240,9 @@ pub fn run(
     let (min, max) = opts.sizes.unwrap_or((default_min, 1 << 20));
     let (paths, rounds) = opts.plan();
     let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
+    // Per path and size: the median over rounds of its ratio to the first path within a
+    // round (see best_of_rounds).
+    let mut paired: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
     for size in osu::sizes(min, max) {
         if name == "allreduce" && size < 4 {
             continue; // OSU skips sizes below one element
@@ -240,14 +253,20 @@ pub fn run(
             size
         };
         let mut best: Vec<Option<Row>> = vec![None; paths.len()];
+        let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
         for _ in 0..rounds {
+            let mut first = None;
             for (k, path) in paths.iter().enumerate() {
                 coll.barrier()?;
-                best[k] = Some(better(best[k], measure(coll, name, *path, size, opts)?));
+                let row = measure(coll, name, *path, size, opts)?;
+                let base = *first.get_or_insert(row.value);
+                ratios[k].push(row.value / base);
+                best[k] = Some(better(best[k], row));
             }
         }
         for (k, b) in best.into_iter().enumerate() {
             tables[k].push(b.expect("at least one round"));
+            paired[k].push(super::median(&mut ratios[k]));
         }
     }
     let label = |path: &Path| match path {
@@ -257,7 +276,7 @@ pub fn run(
         p => format!("{p:?}").to_lowercase(),
     };
     let labelled: Vec<(String, Vec<Row>)> = paths.iter().map(label).zip(tables).collect();
-    out.push_str(&osu::render(&labelled, |rows| {
+    out.push_str(&osu::render(&labelled, &paired, |rows| {
         osu::collective_table(title, datatype, rows, opts.full)
     }));
     Ok(out)

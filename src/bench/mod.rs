@@ -154,8 +154,7 @@ pub(crate) fn best_of_rounds(
                 .iter()
                 .map(|s| {
                     let mut r: Vec<f64> = s[k].iter().zip(&s[0]).map(|(a, b)| a / b).collect();
-                    r.sort_by(f64::total_cmp);
-                    r[r.len() / 2]
+                    median(&mut r)
                 })
                 .collect()
         })
@@ -164,6 +163,12 @@ pub(crate) fn best_of_rounds(
         tables: osu::by_path(paths, tables),
         paired,
     })
+}
+
+/// The middle value (the upper one of an even count).
+pub(crate) fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// What [`best_of_rounds`] measured.
@@ -180,7 +185,7 @@ pub(crate) struct Rounds {
 impl Rounds {
     /// The OSU tables of every path, then the paired ratios to the first path.
     pub fn render(&self, table: impl Fn(&[Row]) -> String) -> String {
-        osu::render_paired(&self.tables, Some(&self.paired), table)
+        osu::render(&self.tables, &self.paired, table)
     }
 }
 

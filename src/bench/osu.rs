@@ -99,17 +99,12 @@ pub fn by_path(paths: &[Path], tables: Vec<Vec<Row>>) -> Vec<(String, Vec<Row>)>
         .collect()
 }
 
-/// Every path's table after a `# mpiflow path: LABEL` line, then the ratio of every other
-/// path to the first (`mpiflow/mpi`, `channel/mpi`) when the first is `mpi`.
-pub fn render(paths: &[(String, Vec<Row>)], table: impl Fn(&[Row]) -> String) -> String {
-    render_paired(paths, None, table)
-}
-
-/// [`render`], with ratio lines from `paired` (per path, per size) when given, instead of
-/// the quotient of the tables' values.
-pub fn render_paired(
+/// Every path's table after a `# mpiflow path: LABEL` line, then, when the first path is
+/// `mpi`, each other path's ratio to it (`mpiflow/mpi`, `channel/mpi`) from `paired`:
+/// per path, per size, the median over rounds of the ratio within a round.
+pub fn render(
     paths: &[(String, Vec<Row>)],
-    paired: Option<&[Vec<f64>]>,
+    paired: &[Vec<f64>],
     table: impl Fn(&[Row]) -> String,
 ) -> String {
     let mut out = String::new();
@@ -118,17 +113,9 @@ pub fn render_paired(
         out.push_str(&table(rows));
     }
     if let [(first, a), rest @ ..] = paths {
-        for (k, (label, b)) in rest.iter().enumerate().filter(|_| first == "mpi") {
-            let ratios: Vec<f64> = match paired {
-                Some(p) => p[k + 1].clone(),
-                None => quotients(a, b),
-            };
-            let how = if paired.is_some() {
-                " (median over rounds of the ratio within a round)"
-            } else {
-                ""
-            };
-            out.push_str(&ratio_table(&format!("{label}/mpi{how}"), a, &ratios));
+        for (k, (label, _)) in rest.iter().enumerate().filter(|_| first == "mpi") {
+            let label = format!("{label}/mpi (median over rounds of the ratio within a round)");
+            out.push_str(&ratio_table(&label, a, &paired[k + 1]));
         }
     }
     out
@@ -229,11 +216,6 @@ pub fn collective_table(title: &str, datatype: &str, rows: &[Row], full: bool) -
 }
 
 /// Comment lines comparing two tables of the same sizes: `b / a` per size.
-/// `b`'s values over `a`'s, row by row.
-pub fn quotients(a: &[Row], b: &[Row]) -> Vec<f64> {
-    a.iter().zip(b).map(|(x, y)| y.value / x.value).collect()
-}
-
 pub fn ratio_table(label: &str, a: &[Row], ratios: &[f64]) -> String {
     let mut out = format!("# ratio {label}\n{:<10}{:>20}\n", "# Size", "Ratio");
     for (x, r) in a.iter().zip(ratios) {
