@@ -152,6 +152,65 @@ fn check_reduced(rep: &mut Report, label: &str, t: &Tensor, op: ReduceOp, ranks:
 ///
 /// `mismatch_rank`: that rank submits its fused list in another order, to exercise the
 /// negotiation's error path (every rank must then fail with the same message).
+/// Repeats, changes and mismatches on p2p links (headers travel only when the tensor
+/// changes): every transfer's bytes, and the errors, are what a header on every message
+/// would give. Tag 7 holds 'grad/w' f32[8] from the mismatch before.
+fn links_follow_changes<C: Comm>(
+    c: &C,
+    rep: &mut Report,
+    (left, right): (usize, usize),
+) -> Result<(), String> {
+    let r = c.rank();
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    // (tag, what is sent, what is expected): repeats (payload alone), a change, a
+    // receiver that still expects the old tensor, and a change whose whole message has
+    // the length of the previous payload (f32[8] = 32 bytes; u8[8] with a 24-byte header).
+    let a = |k: usize| tensor_of(DType::F32, r + k, 8).named("grad/w");
+    let b = |k: usize| tensor_of(DType::U8, r + k, 8);
+    let plan: [(Tensor, Tensor, bool); 6] = [
+        (a(1), a(1), true),
+        (a(2), a(2), true),
+        (
+            a(3),
+            Tensor::zeros(DType::F32, &[4])
+                .map_err(|x| e(&x))?
+                .named("grad/b"),
+            false,
+        ),
+        (b(4), b(4), true),
+        (b(5), a(5), false),
+        (b(6), b(6), true),
+    ];
+    for (step, (out, mut want, ok)) in plan.into_iter().enumerate() {
+        // What rank `left` sent at this step, as `want` would hold it.
+        let expect_bytes = tensor_of(want.dtype(), left + step + 1, want.numel())
+            .bytes()
+            .to_vec();
+        let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
+        let got = p2p::receive_into(c, &mut want, left, 7);
+        send.wait().map_err(|x| e(&x))?;
+        match (got, ok) {
+            (Ok(()), true) => rep.expect(want.bytes() == expect_bytes, || {
+                format!("p2p link step {step}: data from rank {left} differs")
+            }),
+            (Err(x), false) => {
+                let sent = if step == 2 {
+                    "'grad/w' f32[8]"
+                } else {
+                    "'' u8[8]"
+                };
+                let msg = x.to_string();
+                rep.expect(
+                    msg.contains(&format!("received {sent} but expected")),
+                    || format!("p2p link step {step}: error {msg:?} does not name {sent}"),
+                )
+            }
+            (got, _) => rep.expect(false, || format!("p2p link step {step}: {got:?}")),
+        }
+    }
+    Ok(())
+}
+
 pub fn run<C: Comm>(
     coll: &Collectives<C>,
     layout: &Layout,
@@ -220,6 +279,7 @@ pub fn run<C: Comm>(
         rep.expect(err == want, || {
             format!("mismatch: got {err:?}, want {want:?}")
         });
+        links_follow_changes(c, &mut rep, (left, right))?;
     }
 
     // Allreduce: every dtype, op, algorithm, and awkward sizes.
