@@ -29,8 +29,10 @@ pub use dtype::{DType, Element};
 
 /// Bytes reserved before the payload for the wire header.
 pub const HEADER_ROOM: usize = 128;
-/// Bytes after the payload that let a receive detect a longer message than expected.
-pub const TAIL_ROOM: usize = 128;
+/// Bytes after the payload that let a receive detect a longer message than expected, and
+/// hold a whole padded message that lands at the payload's place (see
+/// [`crate::transport::p2p`]).
+pub const TAIL_ROOM: usize = HEADER_ROOM + WIRE_PAD;
 /// Bytes a sender may put after a whole message so that its length differs from that of
 /// a payload-only message (see [`crate::transport::p2p`]); receivers accept and ignore them.
 pub const WIRE_PAD: usize = 8;
@@ -418,7 +420,8 @@ impl Tensor {
             }
             _ => {}
         }
-        let result = self.judge(&self.buf.as_slice()[start..start + got], truncated);
+        let end = (start + got).min(self.buf.len());
+        let result = self.judge(&self.buf.as_slice()[start..end], truncated);
         match landing {
             // A different header may have landed over ours (and beyond): put ours back.
             Landing::Whole => self.restore_header(),
