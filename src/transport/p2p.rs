@@ -370,6 +370,8 @@ pub struct RecvRequest<'a, C: Comm> {
     comm: &'a C,
     req: Option<C::Request>,
     tensor: &'a mut Tensor,
+    peer: usize,
+    /// Taken when the receive is checked.
     arrival: Option<Arrival>,
 }
 
@@ -386,7 +388,7 @@ impl<C: Comm> RecvRequest<'_, C> {
 
     /// The rank this receive listens to.
     pub fn peer(&self) -> usize {
-        self.arrival.as_ref().map_or(0, |a| a.src)
+        self.peer
     }
 }
 
@@ -467,6 +469,7 @@ pub fn immediate_receive_into<'a, C: Comm>(
         comm: c,
         req: Some(req),
         tensor: t,
+        peer: src,
         arrival: Some(Arrival {
             src,
             tag,
