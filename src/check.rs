@@ -148,10 +148,6 @@ fn check_reduced(rep: &mut Report, label: &str, t: &Tensor, op: ReduceOp, ranks:
     rep.absorb(t.bytes());
 }
 
-/// Runs every check on this rank (collective over `coll`).
-///
-/// `mismatch_rank`: that rank submits its fused list in another order, to exercise the
-/// negotiation's error path (every rank must then fail with the same message).
 /// Repeats, changes and mismatches on p2p links (headers travel only when the tensor
 /// changes): every transfer's bytes, and the errors, are what a header on every message
 /// would give. Tag 7 holds 'grad/w' f32[8] from the mismatch before.
@@ -162,26 +158,27 @@ fn links_follow_changes<C: Comm>(
 ) -> Result<(), String> {
     let r = c.rank();
     let e = |x: &dyn std::fmt::Display| x.to_string();
-    // (tag, what is sent, what is expected): repeats (payload alone), a change, a
-    // receiver that still expects the old tensor, and a change whose whole message has
-    // the length of the previous payload (f32[8] = 32 bytes; u8[8] with a 24-byte header).
+    // (what is sent, what is expected, the sender's tensor an error must name, if one is
+    // due): repeats (payload alone), a receiver that expects another tensor, a change
+    // whose whole message has the length of the previous payload (f32[8] = 32 bytes; u8[8]
+    // with a 24-byte header), a sender switching back, and repeats again.
     let a = |k: usize| tensor_of(DType::F32, r + k, 8).named("grad/w");
     let b = |k: usize| tensor_of(DType::U8, r + k, 8);
-    let plan: [(Tensor, Tensor, bool); 6] = [
-        (a(1), a(1), true),
-        (a(2), a(2), true),
+    let plan: [(Tensor, Tensor, Option<&str>); 6] = [
+        (a(1), a(1), None),
+        (a(2), a(2), None),
         (
             a(3),
             Tensor::zeros(DType::F32, &[4])
                 .map_err(|x| e(&x))?
                 .named("grad/b"),
-            false,
+            Some("'grad/w' f32[8]"),
         ),
-        (b(4), b(4), true),
-        (b(5), a(5), false),
-        (b(6), b(6), true),
+        (b(4), b(4), None),
+        (b(5), a(5), Some("'' u8[8]")),
+        (b(6), b(6), None),
     ];
-    for (step, (out, mut want, ok)) in plan.into_iter().enumerate() {
+    for (step, (out, mut want, error)) in plan.into_iter().enumerate() {
         // What rank `left` sent at this step, as `want` would hold it.
         let expect_bytes = tensor_of(want.dtype(), left + step + 1, want.numel())
             .bytes()
@@ -189,16 +186,11 @@ fn links_follow_changes<C: Comm>(
         let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
         let got = p2p::receive_into(c, &mut want, left, 7);
         send.wait().map_err(|x| e(&x))?;
-        match (got, ok) {
-            (Ok(()), true) => rep.expect(want.bytes() == expect_bytes, || {
+        match (got, error) {
+            (Ok(()), None) => rep.expect(want.bytes() == expect_bytes, || {
                 format!("p2p link step {step}: data from rank {left} differs")
             }),
-            (Err(x), false) => {
-                let sent = if step == 2 {
-                    "'grad/w' f32[8]"
-                } else {
-                    "'' u8[8]"
-                };
+            (Err(x), Some(sent)) => {
                 let msg = x.to_string();
                 rep.expect(
                     msg.contains(&format!("received {sent} but expected")),
@@ -211,6 +203,10 @@ fn links_follow_changes<C: Comm>(
     Ok(())
 }
 
+/// Runs every check on this rank (collective over `coll`).
+///
+/// `mismatch_rank`: that rank submits its fused list in another order, to exercise the
+/// negotiation's error path (every rank must then fail with the same message).
 pub fn run<C: Comm>(
     coll: &Collectives<C>,
     layout: &Layout,

@@ -221,12 +221,12 @@ pub fn run(
             out.push_str(&osu::collective_table(&title, "MPI_FLOAT", rows, opts.full));
         }
         out.push_str(&osu::ratio_table(
-            "one-by-one/fused (speed-up of fusion; median over rounds of the ratio within a round)",
+            &format!("one-by-one/fused (speed-up of fusion) {}", osu::PAIRED),
             &tables[2],
             &speedups[1],
         ));
         out.push_str(&osu::ratio_table(
-            "mpi one-by-one/fused (median over rounds of the ratio within a round)",
+            &format!("mpi one-by-one/fused {}", osu::PAIRED),
             &tables[2],
             &speedups[0],
         ));

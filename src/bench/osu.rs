@@ -99,6 +99,9 @@ pub fn by_path(paths: &[Path], tables: Vec<Vec<Row>>) -> Vec<(String, Vec<Row>)>
         .collect()
 }
 
+/// How ratio lines computed from paired samples say so.
+pub const PAIRED: &str = "(median over rounds of the ratio within a round)";
+
 /// Every path's table after a `# mpiflow path: LABEL` line, then, when the first path is
 /// `mpi`, each other path's ratio to it (`mpiflow/mpi`, `channel/mpi`) from `paired`:
 /// per path, per size, the median over rounds of the ratio within a round.
@@ -114,7 +117,7 @@ pub fn render(
     }
     if let [(first, a), rest @ ..] = paths {
         for (k, (label, _)) in rest.iter().enumerate().filter(|_| first == "mpi") {
-            let label = format!("{label}/mpi (median over rounds of the ratio within a round)");
+            let label = format!("{label}/mpi {PAIRED}");
             out.push_str(&ratio_table(&label, a, &paired[k + 1]));
         }
     }

@@ -91,7 +91,6 @@ impl Via {
     }
 }
 
-/// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or MB/s.
 /// Seconds for `iters` calls of `step` after `warmup` untimed ones.
 fn timed(
     warmup: usize,
@@ -108,6 +107,7 @@ fn timed(
     Ok(secs(start))
 }
 
+/// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or MB/s.
 fn measure(
     comm: &MpiComm,
     name: &str,
