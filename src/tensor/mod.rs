@@ -262,6 +262,7 @@ impl Tensor {
     }
 
     /// The payload bytes.
+    #[inline]
     pub fn bytes(&self) -> &[u8] {
         &self.buf.as_slice()[self.at..self.at + self.nbytes()]
     }
@@ -356,6 +357,7 @@ impl Tensor {
     }
 
     /// The message a send puts on the wire: header then payload, contiguous.
+    #[inline]
     pub fn wire(&self) -> &[u8] {
         &self.buf.as_slice()[self.at - self.header_len..self.at + self.nbytes()]
     }
@@ -367,6 +369,7 @@ impl Tensor {
 
     /// Where a receive lands: the expected message plus [`TAIL_ROOM`] bytes, so a longer
     /// message shows up as a longer count (or a truncation) instead of a silent overrun.
+    #[inline]
     pub fn receive_region(&mut self) -> &mut [u8] {
         let start = self.at - self.header_len;
         let end = self.at + self.nbytes() + TAIL_ROOM;
@@ -375,6 +378,7 @@ impl Tensor {
 
     /// Where a receive of a payload alone lands: the payload plus [`TAIL_ROOM`] bytes, so
     /// that a whole message arriving instead (a header in front) shows up by its length.
+    #[inline]
     pub fn payload_region(&mut self) -> &mut [u8] {
         let (at, end) = (self.at, self.at + self.nbytes() + TAIL_ROOM);
         &mut self.buf.as_mut_slice()[at..end]
@@ -382,6 +386,7 @@ impl Tensor {
 
     /// The whole message with [`WIRE_PAD`] bytes after it, for a sender that must not send
     /// a message of one particular length (see [`crate::transport::p2p`]).
+    #[inline]
     pub fn wire_padded(&self) -> &[u8] {
         &self.buf.as_slice()[self.at - self.header_len..self.at + self.nbytes() + WIRE_PAD]
     }

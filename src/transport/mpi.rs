@@ -169,6 +169,7 @@ impl MpiComm {
         &self.comm
     }
 
+    #[inline]
     fn check(&self, call: &'static str, rc: c_int) -> Result<(), TransportError> {
         if rc == ffi::MPI_SUCCESS as c_int {
             return Ok(());
@@ -181,6 +182,7 @@ impl MpiComm {
     }
 
     /// Reads a finished receive's status: a truncation is reported, not an error.
+    #[inline]
     fn completion(
         &self,
         call: &'static str,
@@ -219,6 +221,7 @@ impl MpiComm {
         })
     }
 
+    #[inline]
     fn count(&self, len: usize) -> Result<c_int, TransportError> {
         c_int::try_from(len).map_err(|_| TransportError::TooLarge {
             rank: self.rank,
@@ -226,6 +229,7 @@ impl MpiComm {
         })
     }
 
+    #[inline]
     fn peer(&self, p: usize) -> Result<c_int, TransportError> {
         check_peer(self, p)?;
         Ok(if p == ANY_SOURCE {
@@ -324,6 +328,7 @@ impl Comm for MpiComm {
         self.completion("MPI_Test", rc, &status, r.len).map(Some)
     }
 
+    #[inline]
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         let (n, dst) = (self.count(buf.len())?, self.peer(dst)?);
         // SAFETY: buf is valid for n bytes for the duration of the blocking call.
@@ -332,6 +337,7 @@ impl Comm for MpiComm {
         self.check("MPI_Send", rc)
     }
 
+    #[inline]
     fn recv_blocking(
         &self,
         buf: &mut [u8],

@@ -113,6 +113,7 @@ impl Tasks {
     }
 }
 
+#[inline]
 pub(crate) fn check_tag(tag: i32) -> Result<(), P2pError> {
     if (0..=MAX_USER_TAG).contains(&tag) {
         Ok(())
@@ -291,6 +292,7 @@ impl Links {
 
     /// Checks what a receive brought; on a mismatch the link holds what the sender sent
     /// (as the sender's link does), so the next message is still understood.
+    #[inline]
     fn settle<C: Comm>(
         &self,
         c: &C,
@@ -301,6 +303,20 @@ impl Links {
         if arrival.landing == Landing::Payload && !done.truncated && done.count == t.nbytes() {
             return Ok(());
         }
+        self.settle_whole(c, arrival, t, done)
+    }
+
+    /// [`Links::settle`] for all but an exact repeat: out of line, so the repeat's path
+    /// stays a few instructions (its stack frame and spills cost more than its checks).
+    #[cold]
+    #[inline(never)]
+    fn settle_whole<C: Comm>(
+        &self,
+        c: &C,
+        arrival: Arrival,
+        t: &mut Tensor,
+        done: Completion,
+    ) -> Result<(), P2pError> {
         let Arrival {
             src,
             tag,
