@@ -207,11 +207,16 @@ impl Side {
         &self.hot[(mix(key) >> 58) as usize % HOT]
     }
 
-    /// True if the link `key` holds the tensor of `signature`.
+    /// True if the memo says the link `key` holds the tensor of `signature` (false may
+    /// still be a hold: ask [`Side::holds`]).
     #[inline]
+    fn memo_holds(&self, key: u64, signature: u64) -> bool {
+        self.slot(key).get() == (key, signature)
+    }
+
+    /// True if the link `key` holds the tensor of `signature`.
     fn holds(&self, key: u64, signature: u64) -> bool {
-        let slot = self.slot(key);
-        if slot.get() == (key, signature) {
+        if self.memo_holds(key, signature) {
             return true;
         }
         let held = self
@@ -220,7 +225,7 @@ impl Side {
             .get(&key)
             .is_some_and(|l| l.signature == signature);
         if held {
-            slot.set((key, signature));
+            self.slot(key).set((key, signature));
         }
         held
     }
@@ -265,6 +270,17 @@ impl Links {
     #[inline]
     fn outgoing<'t>(&self, t: &'t Tensor, dst: usize, tag: i32) -> &'t [u8] {
         let key = link_key(dst, tag);
+        if self.sent.memo_holds(key, t.signature()) {
+            return t.bytes();
+        }
+        self.outgoing_slow(t, key)
+    }
+
+    /// [`Links::outgoing`] past the memo: out of line, so that a repeat's send is a few
+    /// instructions before `MPI_Send`.
+    #[cold]
+    #[inline(never)]
+    fn outgoing_slow<'t>(&self, t: &'t Tensor, key: u64) -> &'t [u8] {
         if self.sent.holds(key, t.signature()) {
             return t.bytes();
         }
@@ -284,6 +300,16 @@ impl Links {
     #[inline]
     fn incoming(&self, t: &Tensor, src: usize, tag: i32) -> (Landing, Option<Last>) {
         let key = link_key(src, tag);
+        if self.received.memo_holds(key, t.signature()) {
+            return (Landing::Payload, None);
+        }
+        self.incoming_slow(t, key)
+    }
+
+    /// [`Links::incoming`] past the memo, out of line.
+    #[cold]
+    #[inline(never)]
+    fn incoming_slow(&self, t: &Tensor, key: u64) -> (Landing, Option<Last>) {
         if self.received.holds(key, t.signature()) {
             return (Landing::Payload, None);
         }
