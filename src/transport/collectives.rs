@@ -666,14 +666,15 @@ mod tests {
 
     #[test]
     fn parts_reduce_as_one_message_across_chunks() {
-        // 3 ranks, parts of odd lengths (one empty) crossing 4 KiB chunks and slot reuse.
-        let lens = [1usize, 1500, 0, 3001, 7, 2048];
-        let out = LocalComm::run(3, |c| {
-            let mut coll = Collectives::new(c);
-            coll.tuning.shm_slot_bytes = 4096;
-            let r = coll.rank();
-            let mut res = Vec::new();
-            for algo in [Algorithm::Shm, Algorithm::Ring] {
+        // 3 ranks, parts of odd lengths (one empty) crossing 4 KiB chunks and slot reuse;
+        // then 64 KiB slots, where a rank's sub-slice of one chunk spans several parts.
+        let lens = [1usize, 1500, 0, 3001, 7, 2048, 9000];
+        let run = |algo: Algorithm, slot: usize| {
+            LocalComm::run(3, move |c| {
+                // A fresh communicator per slot size: the segments are made once.
+                let mut coll = Collectives::new(c);
+                coll.tuning.shm_slot_bytes = slot;
+                let r = coll.rank();
                 let mut ts: Vec<Tensor> = lens
                     .iter()
                     .enumerate()
@@ -684,26 +685,31 @@ mod tests {
                     .allreduce_parts(&mut parts, DType::F32, ReduceOp::Average, algo)
                     .unwrap();
                 assert_eq!(ran, algo);
-                res.push(
-                    ts.iter()
-                        .map(|t| t.as_slice::<f32>().unwrap().to_vec())
-                        .collect::<Vec<_>>(),
-                );
-            }
-            res
-        });
+                ts.iter()
+                    .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let runs = [
+            run(Algorithm::Shm, 4096),
+            run(Algorithm::Shm, 64 << 10),
+            run(Algorithm::Ring, 4096),
+        ];
         for (k, &l) in lens.iter().enumerate() {
             for i in 0..l {
                 let want: f64 = (0..3).map(|r| input(r + 10 * k, l)[i] as f64).sum::<f64>() / 3.0;
-                for rank in &out {
-                    for algo in rank {
-                        assert!((algo[k][i] as f64 - want).abs() < 1e-4, "part {k} elem {i}");
+                for (j, out) in runs.iter().enumerate() {
+                    for rank in out {
+                        let got = rank[k][i] as f64;
+                        assert!((got - want).abs() < 1e-4, "run {j} part {k} elem {i}");
                     }
                 }
             }
         }
         // Shared memory: one rank reduces each element, so all ranks hold the same bits.
-        assert!(out.iter().all(|o| o[0] == out[0][0]));
+        for out in &runs[..2] {
+            assert!(out.iter().all(|o| o == &out[0]));
+        }
     }
 
     #[test]
