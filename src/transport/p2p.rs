@@ -329,16 +329,17 @@ impl Links {
         if arrival.landing == Landing::Payload && !done.truncated && done.count == t.nbytes() {
             return Ok(());
         }
-        self.settle_whole(c, arrival, t, done)
+        self.settle_whole(c.rank(), arrival, t, done)
     }
 
-    /// [`Links::settle`] for all but an exact repeat: out of line, so the repeat's path
-    /// stays a few instructions (its stack frame and spills cost more than its checks).
+    /// [`Links::settle`] for all but an exact repeat, on rank `rank`: out of line (and
+    /// one copy for every transport), so the repeat's path stays a few instructions (its
+    /// stack frame and spills cost more than its checks).
     #[cold]
     #[inline(never)]
-    fn settle_whole<C: Comm>(
+    fn settle_whole(
         &self,
-        c: &C,
+        rank: usize,
         arrival: Arrival,
         t: &mut Tensor,
         done: Completion,
@@ -351,7 +352,7 @@ impl Links {
         } = arrival;
         let key = link_key(src, tag);
         let error = |source| P2pError::Tensor {
-            rank: c.rank(),
+            rank,
             peer: src,
             source,
         };
