@@ -208,17 +208,15 @@ impl Side {
     }
 
     /// True if the memo says the link `key` holds the tensor of `signature` (false may
-    /// still be a hold: ask [`Side::holds`]).
+    /// still be a hold: ask [`Side::map_holds`]).
     #[inline]
     fn memo_holds(&self, key: u64, signature: u64) -> bool {
         self.slot(key).get() == (key, signature)
     }
 
-    /// True if the link `key` holds the tensor of `signature`.
-    fn holds(&self, key: u64, signature: u64) -> bool {
-        if self.memo_holds(key, signature) {
-            return true;
-        }
+    /// True if the map says the link `key` holds the tensor of `signature` (after the
+    /// memo said no: its slot went to another link); a hold goes back into the memo.
+    fn map_holds(&self, key: u64, signature: u64) -> bool {
         let held = self
             .map
             .borrow()
@@ -281,7 +279,7 @@ impl Links {
     #[cold]
     #[inline(never)]
     fn outgoing_slow<'t>(&self, t: &'t Tensor, key: u64) -> &'t [u8] {
-        if self.sent.holds(key, t.signature()) {
+        if self.sent.map_holds(key, t.signature()) {
             return t.bytes();
         }
         let pad = self.sent.nbytes(key) == Some(t.wire_len());
@@ -294,23 +292,30 @@ impl Links {
     }
 
     /// How a receive of `t` from `src` on `tag` lands: its payload alone when the link's
-    /// last tensor was this one, else the whole message; then what the link held before,
-    /// to recognise (and name) a payload-only message of that tensor. The link holds `t`
+    /// last tensor was this one, else the whole message, with what the link held before
+    /// (to recognise, and name, a payload-only message of that tensor). The link holds `t`
     /// afterwards, as the sender's will once it sends `t`.
     #[inline]
-    fn incoming(&self, t: &Tensor, src: usize, tag: i32) -> (Landing, Option<Last>) {
+    fn incoming(&self, t: &Tensor, src: usize, tag: i32) -> Arrival {
         let key = link_key(src, tag);
-        if self.received.memo_holds(key, t.signature()) {
-            return (Landing::Payload, None);
+        let (landing, before) = if self.received.memo_holds(key, t.signature()) {
+            (Landing::Payload, None)
+        } else {
+            self.incoming_slow(t, key)
+        };
+        Arrival {
+            src,
+            tag,
+            landing,
+            before,
         }
-        self.incoming_slow(t, key)
     }
 
     /// [`Links::incoming`] past the memo, out of line.
     #[cold]
     #[inline(never)]
     fn incoming_slow(&self, t: &Tensor, key: u64) -> (Landing, Option<Last>) {
-        if self.received.holds(key, t.signature()) {
+        if self.received.map_holds(key, t.signature()) {
             return (Landing::Payload, None);
         }
         (Landing::Whole, self.received.set(key, Last::of(t)))
@@ -503,8 +508,8 @@ pub fn immediate_receive_into<'a, C: Comm>(
     tag: i32,
 ) -> Result<RecvRequest<'a, C>, P2pError> {
     check_link(c, src, tag)?;
-    let (landing, before) = c.links().incoming(t, src, tag);
-    let region = landing_region(t, landing);
+    let arrival = c.links().incoming(t, src, tag);
+    let region = landing_region(t, arrival.landing);
     // SAFETY: the request holds `t` mutably for 'a, so nothing else touches the region
     // until it is waited on (by `wait` or by the destructor).
     let req = unsafe { c.irecv(region.as_mut_ptr(), region.len(), src, tag)? };
@@ -513,12 +518,7 @@ pub fn immediate_receive_into<'a, C: Comm>(
         req: Some(req),
         tensor: t,
         peer: src,
-        arrival: Some(Arrival {
-            src,
-            tag,
-            landing,
-            before,
-        }),
+        arrival: Some(arrival),
     })
 }
 
@@ -533,14 +533,8 @@ pub fn send<C: Comm>(c: &C, t: &Tensor, dst: usize, tag: i32) -> Result<(), P2pE
 pub fn receive_into<C: Comm>(c: &C, t: &mut Tensor, src: usize, tag: i32) -> Result<(), P2pError> {
     check_link(c, src, tag)?;
     let links = c.links();
-    let (landing, before) = links.incoming(t, src, tag);
-    let done = c.recv_blocking(landing_region(t, landing), src, tag)?;
-    let arrival = Arrival {
-        src,
-        tag,
-        landing,
-        before,
-    };
+    let arrival = links.incoming(t, src, tag);
+    let done = c.recv_blocking(landing_region(t, arrival.landing), src, tag)?;
     links.settle(c, arrival, t, done)
 }
 
