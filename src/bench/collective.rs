@@ -6,7 +6,7 @@ use mpi::collective::SystemOperation;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{secs, BenchError, Row};
+use super::{best_of_rounds, secs, BenchError, Better, Row};
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig};
 use crate::transport::mpi::MpiComm;
@@ -239,45 +239,23 @@ pub fn run(
     };
     let (min, max) = opts.sizes.unwrap_or((default_min, 1 << 20));
     let (paths, rounds) = opts.plan();
-    let mut tables: Vec<Vec<Row>> = vec![Vec::new(); paths.len()];
-    // Per path and size: the median over rounds of its ratio to the first path within a
-    // round (see best_of_rounds).
-    let mut paired: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
-    for size in osu::sizes(min, max) {
-        if name == "allreduce" && size < 4 {
-            continue; // OSU skips sizes below one element
-        }
-        let size = if name == "allreduce" {
-            size / 4 * 4
-        } else {
-            size
-        };
-        let mut best: Vec<Option<Row>> = vec![None; paths.len()];
-        let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
-        for _ in 0..rounds {
-            let mut first = None;
-            for (k, path) in paths.iter().enumerate() {
-                coll.barrier()?;
-                let row = measure(coll, name, *path, size, opts)?;
-                let base = *first.get_or_insert(row.value);
-                ratios[k].push(row.value / base);
-                best[k] = Some(better(best[k], row));
+    let sizes = osu::sizes(min, max)
+        .into_iter()
+        .filter_map(|size| match name {
+            "allreduce" if size < 4 => None, // OSU skips sizes below one element
+            "allreduce" => Some(size / 4 * 4),
+            _ => Some(size),
+        });
+    let mut measured = best_of_rounds(coll, sizes, &paths, rounds, Better::Lower, |path, size| {
+        measure(coll, name, path, size, opts)
+    })?;
+    if name == "allreduce" {
+        for (path, (label, _)) in paths.iter().zip(measured.tables.iter_mut()) {
+            if *path == Path::Mpiflow {
+                *label = format!("mpiflow (algorithm {:?})", opts.algorithm).to_lowercase();
             }
         }
-        for (k, b) in best.into_iter().enumerate() {
-            tables[k].push(b.expect("at least one round"));
-            paired[k].push(super::median(&mut ratios[k]));
-        }
     }
-    let label = |path: &Path| match path {
-        Path::Mpiflow if name == "allreduce" => {
-            format!("mpiflow (algorithm {:?})", opts.algorithm).to_lowercase()
-        }
-        p => format!("{p:?}").to_lowercase(),
-    };
-    let labelled: Vec<(String, Vec<Row>)> = paths.iter().map(label).zip(tables).collect();
-    out.push_str(&osu::render(&labelled, &paired, |rows| {
-        osu::collective_table(title, datatype, rows, opts.full)
-    }));
+    out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
     Ok(out)
 }

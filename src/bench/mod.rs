@@ -107,24 +107,26 @@ pub(crate) enum Better {
     Higher,
 }
 
-/// The alternation every point-to-point style table uses: `rounds` passes over all sizes,
-/// each path in turn at each size (the first path rotating from round to round), a
-/// barrier before every measurement, keeping each path's best value; returns one table of
-/// rows per path. Rounds go over all sizes rather than repeating one size, so that each
-/// size's samples spread over the whole run: on a shared machine slow phases last
-/// seconds, and a size measured only inside one would show the phase, not the code.
-/// `measure(path, size)` runs on every rank (ranks that take no part return anything:
-/// only rank 0's tables are printed).
+/// The alternation every table uses: `rounds` passes over all sizes, each path in turn
+/// at each size (the first path rotating from round to round), a barrier before every
+/// measurement, keeping each path's best value; returns one table of rows per path.
+/// Rounds go over all sizes rather than repeating one size, so that each size's samples
+/// spread over the whole run: on a shared machine slow phases last seconds, and a size
+/// measured only inside one would show the phase, not the code. `measure(path, size)`
+/// runs on every rank (ranks that take no part return anything: only rank 0's tables are
+/// printed) and gives a row: one value for point-to-point tables ([`Row::point`]), the
+/// average with its minimum, maximum and iterations for collectives; a path's best row is
+/// the one of best value.
 pub(crate) fn best_of_rounds(
     coll: &Collectives<MpiComm>,
     sizes: impl IntoIterator<Item = usize>,
     paths: &[Path],
     rounds: usize,
     better: Better,
-    mut measure: impl FnMut(Path, usize) -> Result<f64, BenchError>,
+    mut measure: impl FnMut(Path, usize) -> Result<Row, BenchError>,
 ) -> Result<Rounds, BenchError> {
     let sizes: Vec<usize> = sizes.into_iter().collect();
-    // samples[i][k]: every round's value of path k at size i.
+    // samples[i][k]: every round's row of path k at size i.
     let mut samples = vec![vec![Vec::with_capacity(rounds); paths.len()]; sizes.len()];
     for round in 0..rounds {
         for (i, &size) in sizes.iter().enumerate() {
@@ -135,25 +137,27 @@ pub(crate) fn best_of_rounds(
             }
         }
     }
-    let best = |v: &[f64]| match better {
-        Better::Lower => v.iter().copied().fold(f64::INFINITY, f64::min),
-        Better::Higher => v.iter().copied().fold(0.0, f64::max),
+    let best = |v: &[Row]| {
+        let rows = v.iter().copied();
+        match better {
+            Better::Lower => rows.min_by(|a, b| a.value.total_cmp(&b.value)),
+            Better::Higher => rows.max_by(|a, b| a.value.total_cmp(&b.value)),
+        }
+        .expect("at least one round")
     };
     let tables = (0..paths.len())
-        .map(|k| {
-            sizes
-                .iter()
-                .zip(&samples)
-                .map(|(&size, s)| Row::point(size, best(&s[k]), 0))
-                .collect()
-        })
+        .map(|k| samples.iter().map(|s| best(&s[k])).collect())
         .collect();
     let paired = (0..paths.len())
         .map(|k| {
             samples
                 .iter()
                 .map(|s| {
-                    let mut r: Vec<f64> = s[k].iter().zip(&s[0]).map(|(a, b)| a / b).collect();
+                    let mut r: Vec<f64> = s[k]
+                        .iter()
+                        .zip(&s[0])
+                        .map(|(a, b)| a.value / b.value)
+                        .collect();
                     median(&mut r)
                 })
                 .collect()

@@ -5,7 +5,7 @@ use std::time::Instant;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{best_of_rounds, secs, BenchError, Better};
+use super::{best_of_rounds, secs, BenchError, Better, Row};
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::channel::{self, Channel};
 use crate::transport::mpi::MpiComm;
@@ -324,6 +324,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
                 0 | 1 => measure(comm, name, path, size, opts),
                 _ => Ok(0.0),
             }
+            .map(|v| Row::point(size, v, 0))
         },
     )?;
     coll.barrier()?;

@@ -12,7 +12,7 @@
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{best_of_rounds, BenchError, Better};
+use super::{best_of_rounds, BenchError, Better, Row};
 use crate::cluster::{Layout, MappingOptions};
 use crate::tensor::DType;
 use crate::train::ps::PsTransport;
@@ -134,7 +134,11 @@ pub fn run(
             .map_err(|e| BenchError::Validation(e.to_string()))?,
         };
         let secs = mean_over_workers(coll, mine)?;
-        Ok((workers * 2 * size) as f64 / 1e6 / secs)
+        Ok(Row::point(
+            size,
+            (workers * 2 * size) as f64 / 1e6 / secs,
+            0,
+        ))
     })?;
     let how = match opts.transport {
         PsTransport::P2p => "p2p",

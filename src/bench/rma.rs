@@ -19,7 +19,7 @@ use mpi::raw::AsRaw;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{best_of_rounds, secs, BenchError, Better};
+use super::{best_of_rounds, secs, BenchError, Better, Row};
 use crate::transport::mpi::MpiComm;
 use crate::transport::rma::{RmaError, RmaType, Window};
 use crate::transport::{Collectives, Comm};
@@ -266,7 +266,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         &paths,
         rounds,
         better,
-        |path, size| measure(comm, name, path, size, opts),
+        |path, size| Ok(Row::point(size, measure(comm, name, path, size, opts)?, 0)),
     )?;
     let (title, datatype, column) = match name {
         "put_latency" => ("MPI_Put Latency Test", "MPI_CHAR", "Latency (us)"),
