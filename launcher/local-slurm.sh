@@ -75,6 +75,9 @@ AccountingStorageType=accounting_storage/none
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
+# A task that dies ends its step (srun -K for every step): the other ranks would otherwise
+# wait in MPI for it until the job's time limit.
+KillOnBadExit=1
 KillWait=5
 MinJobAge=300
 NodeName=node[1-$NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$((PORT + 1))-$((PORT + NODES))] CPUs=2 State=UNKNOWN

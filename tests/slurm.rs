@@ -76,6 +76,22 @@ impl Job {
     }
 }
 
+/// Whether a rank of the job died of SIGSEGV, as srun or mpirun report it.
+///
+/// Debian's OpenMPI 4.1.4 sometimes crashes inside `MPI_Init` here: eight ranks of four
+/// fake nodes wire up over loopback TCP on two cores, a connect times out under the load
+/// ("failed to TCP connect ... Operation now in progress", open-mpi/ompi#11508, the error
+/// misreported until open-mpi/ompi#13110) and the TCP BTL then calls a null function
+/// pointer (`mca_btl_tcp.so` <- `opal_progress` <- `ompi_mpi_init` in the core dump).
+/// Measured with the `spec` step in a loop, two CPU hogs beside it: 4 crashes in 60 steps,
+/// none unloaded in 30. A crash of mpiflow's own that repeats fails the second job too.
+fn crashed_by_signal(output: &str) -> bool {
+    output.lines().any(|l| {
+        (l.starts_with("srun: error: ") && l.contains("Segmentation fault"))
+            || l.contains("exited on signal 11")
+    })
+}
+
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
@@ -126,8 +142,28 @@ impl LocalSlurm {
         run.stdout
     }
 
-    /// Submits `script ARGS` with `sbatch OPTIONS` and waits (at most `secs`) until it ends.
+    /// Submits `script ARGS` with `sbatch OPTIONS` and waits until it ends; submits it once
+    /// more if a rank died of SIGSEGV (see [`crashed_by_signal`]).
     fn sbatch(&self, options: &[&str], script: &str, args: &[&str], env: &[(&str, &str)]) -> Job {
+        let job = self.sbatch_once(options, script, args, env);
+        if job.state == "COMPLETED" || !crashed_by_signal(&job.output) {
+            return job;
+        }
+        eprintln!(
+            "a rank died of SIGSEGV, submitting the job once more; its output:\n{}",
+            job.output
+        );
+        self.sbatch_once(options, script, args, env)
+    }
+
+    /// Submits `script ARGS` with `sbatch OPTIONS` and waits (at most 120 s) until it ends.
+    fn sbatch_once(
+        &self,
+        options: &[&str],
+        script: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Job {
         let out = self.dir.join(format!("job-{}.out", next()));
         let bin_dir = Path::new(common::mpiflow()).parent().unwrap();
         let path = format!(
