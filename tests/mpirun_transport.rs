@@ -157,17 +157,30 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "2",
         "-f",
         "--rounds",
-        "1",
+        "2",
+        "--algorithm",
+        "auto,recursive-doubling",
     ]);
     assert_eq!(run.code, 0, "{run:?}");
     let header =
         "# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations";
     let t = osu_tables(&run.stdout, header);
-    assert_eq!(t.len(), 2);
-    assert_eq!(
-        t[0].iter().map(|r| r.0).collect::<Vec<_>>(),
-        [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    );
+    // Plain MPI, then one mpiflow table per algorithm, each with its ratio to MPI.
+    assert_eq!(t.len(), 3, "{}", run.stdout);
+    for rows in &t {
+        assert_eq!(
+            rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+            [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+        );
+    }
+    for line in [
+        "# mpiflow path: mpi\n",
+        "# mpiflow path: mpiflow (algorithm auto)\n",
+        "# mpiflow path: mpiflow (algorithm recursive-doubling)\n",
+        "# ratio mpiflow (algorithm recursive-doubling)/mpi (median over rounds",
+    ] {
+        assert!(run.stdout.contains(line), "{line}: {}", run.stdout);
+    }
 
     let run = mpirun(&[
         "-np",
@@ -247,4 +260,16 @@ fn bad_benchmark_requests_are_one_line_errors() {
         "channel",
     ])
     .assert_one_line_error("all ranks: --path channel is for latency, bw and bibw, not allreduce");
+    mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "allreduce-fused",
+        "--algorithm",
+        "ring,shm",
+    ])
+    .assert_one_line_error(
+        "all ranks: --algorithm takes a list for allreduce only, not allreduce-fused",
+    );
 }

@@ -2,11 +2,12 @@
 
 use std::time::Instant;
 
+use clap::ValueEnum;
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
-use super::{best_of_rounds, secs, BenchError, Better, Row};
+use super::{best_of_rounds, secs, BenchError, Better, Label, Row};
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig};
 use crate::transport::mpi::MpiComm;
@@ -71,18 +72,56 @@ fn floats(b: &mut AlignedBuf, n: usize) -> &mut [f32] {
     &mut mid[..n]
 }
 
+/// A path of the allreduce and bcast tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arm {
+    /// Plain `MPI_Allreduce` / `MPI_Bcast`.
+    Mpi,
+    /// mpiflow's bcast.
+    Mpiflow,
+    /// mpiflow's allreduce with this algorithm.
+    Allreduce(Algorithm),
+}
+
+impl Label for Arm {
+    fn label(&self) -> String {
+        match self {
+            Arm::Mpi => "mpi".into(),
+            Arm::Mpiflow => "mpiflow".into(),
+            Arm::Allreduce(a) => {
+                let name = a.to_possible_value().expect("no skipped variants");
+                format!("mpiflow (algorithm {})", name.get_name())
+            }
+        }
+    }
+}
+
+/// The arms of `name` for the paths asked for: allreduce has one mpiflow arm per
+/// `--algorithm`.
+fn arms(name: &str, paths: &[Path], opts: &BenchOptions) -> Vec<Arm> {
+    let mut out = Vec::new();
+    for path in paths {
+        match (path, name) {
+            (Path::Mpi, _) => out.push(Arm::Mpi),
+            (_, "allreduce") => out.extend(opts.algorithms.iter().map(|&a| Arm::Allreduce(a))),
+            _ => out.push(Arm::Mpiflow),
+        }
+    }
+    out
+}
+
 /// One measurement of allreduce or bcast on one path.
 fn measure(
     coll: &Collectives<MpiComm>,
     name: &str,
-    path: Path,
+    arm: Arm,
     size: usize,
     opts: &BenchOptions,
 ) -> Result<Row, BenchError> {
     let (iters, warmup) = osu::iterations(opts, size, (1000, 100), (100, 10), 8192);
     let world = coll.comm().raw();
-    let us = match (name, path) {
-        ("allreduce", Path::Mpi) => {
+    let us = match (name, arm) {
+        ("allreduce", Arm::Mpi) => {
             let n = size / 4;
             let (mut s, mut r) = (AlignedBuf::zeroed(size), AlignedBuf::zeroed(size));
             floats(&mut s, n)
@@ -96,14 +135,14 @@ fn measure(
                 Ok(())
             })?
         }
-        ("allreduce", _) => {
+        (_, Arm::Allreduce(algorithm)) => {
             let mut t = Tensor::zeros(DType::F32, &[size / 4])?.named("bench");
             time_loop(iters, warmup, || {
-                coll.allreduce_tensor(&mut t, ReduceOp::Sum, opts.algorithm)?;
+                coll.allreduce_tensor(&mut t, ReduceOp::Sum, algorithm)?;
                 Ok(())
             })?
         }
-        (_, Path::Mpi) => {
+        (_, Arm::Mpi) => {
             let mut b = AlignedBuf::zeroed(size);
             let root = world.process_at_rank(0);
             time_loop(iters, warmup, || {
@@ -111,7 +150,7 @@ fn measure(
                 Ok(())
             })?
         }
-        (_, _) => {
+        (_, Arm::Mpiflow) => {
             let mut t = Tensor::zeros(DType::U8, &[size])?.named("bench");
             time_loop(iters, warmup, || {
                 coll.bcast_tensor(&mut t, 0)?;
@@ -131,6 +170,8 @@ fn measure_fused(
 ) -> Result<[Row; 3], BenchError> {
     let (iters, warmup) = osu::iterations(opts, size, (100, 10), (100, 10), 8192);
     let n = opts.count.max(1);
+    // One algorithm (checked by `validate`).
+    let algorithm = opts.algorithms[0];
     let world = coll.comm().raw();
     let elems = size / 4;
     let mut tensors: Vec<Tensor> = (0..n)
@@ -146,12 +187,12 @@ fn measure_fused(
     })?;
     let single = time_loop(iters, warmup, || {
         for t in tensors.iter_mut() {
-            coll.allreduce_tensor(t, ReduceOp::Sum, opts.algorithm)?;
+            coll.allreduce_tensor(t, ReduceOp::Sum, algorithm)?;
         }
         Ok(())
     })?;
     let mut fusion = Fusion::new(FusionConfig {
-        algorithm: opts.algorithm,
+        algorithm,
         ..FusionConfig::default()
     });
     let fused = time_loop(iters, warmup, || {
@@ -246,16 +287,10 @@ pub fn run(
             "allreduce" => Some(size / 4 * 4),
             _ => Some(size),
         });
-    let mut measured = best_of_rounds(coll, sizes, &paths, rounds, Better::Lower, |path, size| {
-        measure(coll, name, path, size, opts)
+    let arms = arms(name, &paths, opts);
+    let measured = best_of_rounds(coll, sizes, &arms, rounds, Better::Lower, |arm, size| {
+        measure(coll, name, arm, size, opts)
     })?;
-    if name == "allreduce" {
-        for (path, (label, _)) in paths.iter().zip(measured.tables.iter_mut()) {
-            if *path == Path::Mpiflow {
-                *label = format!("mpiflow (algorithm {:?})", opts.algorithm).to_lowercase();
-            }
-        }
-    }
     out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
     Ok(out)
 }

@@ -117,13 +117,13 @@ pub(crate) enum Better {
 /// printed) and gives a row: one value for point-to-point tables ([`Row::point`]), the
 /// average with its minimum, maximum and iterations for collectives; a path's best row is
 /// the one of best value.
-pub(crate) fn best_of_rounds(
+pub(crate) fn best_of_rounds<P: Copy + Label>(
     coll: &Collectives<MpiComm>,
     sizes: impl IntoIterator<Item = usize>,
-    paths: &[Path],
+    paths: &[P],
     rounds: usize,
     better: Better,
-    mut measure: impl FnMut(Path, usize) -> Result<Row, BenchError>,
+    mut measure: impl FnMut(P, usize) -> Result<Row, BenchError>,
 ) -> Result<Rounds, BenchError> {
     let sizes: Vec<usize> = sizes.into_iter().collect();
     // samples[i][k]: every round's row of path k at size i.
@@ -145,7 +145,7 @@ pub(crate) fn best_of_rounds(
         }
         .expect("at least one round")
     };
-    let tables = (0..paths.len())
+    let tables: Vec<Vec<Row>> = (0..paths.len())
         .map(|k| samples.iter().map(|s| best(&s[k])).collect())
         .collect();
     let paired = (0..paths.len())
@@ -164,9 +164,21 @@ pub(crate) fn best_of_rounds(
         })
         .collect();
     Ok(Rounds {
-        tables: osu::by_path(paths, tables),
+        tables: paths.iter().map(Label::label).zip(tables).collect(),
         paired,
     })
+}
+
+/// What a table's `# mpiflow path:` line calls the path it measured.
+pub(crate) trait Label {
+    fn label(&self) -> String;
+}
+
+impl Label for Path {
+    /// `mpi`, `mpiflow`, `channel`.
+    fn label(&self) -> String {
+        format!("{self:?}").to_lowercase()
+    }
 }
 
 /// The middle value (the upper one of an even count).
@@ -209,6 +221,15 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
         return Err(BenchError::Option(format!(
             "--path channel is for latency, bw and bibw, not {name}"
         )));
+    }
+    match (name, opts.algorithms.len()) {
+        (_, 0) => return Err(BenchError::Option("--algorithm needs a value".into())),
+        ("allreduce", _) | (_, 1) => {}
+        _ => {
+            return Err(BenchError::Option(format!(
+                "--algorithm takes a list for allreduce only, not {name}"
+            )))
+        }
     }
     if (matches!(name, "latency" | "bw" | "bibw" | "pushpull") || rma::NAMES.contains(&name))
         && ranks < 2

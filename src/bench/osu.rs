@@ -47,9 +47,15 @@ pub struct BenchOptions {
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
-    /// Allreduce algorithm of the mpiflow path.
-    #[arg(long, value_enum, default_value_t)]
-    pub algorithm: Algorithm,
+    /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
+    /// path of its own in the same job, all paired with `mpi` (allreduce only).
+    #[arg(
+        long = "algorithm",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "auto"
+    )]
+    pub algorithms: Vec<Algorithm>,
     /// Tensors per round in allreduce-fused.
     #[arg(long, default_value_t = 100)]
     pub count: usize,
@@ -72,7 +78,7 @@ impl Default for BenchOptions {
             validate: false,
             path: Path::Both,
             rounds: 3,
-            algorithm: Algorithm::Auto,
+            algorithms: vec![Algorithm::Auto],
             count: 100,
             ps: 1,
             transport: Default::default(),
@@ -88,15 +94,6 @@ impl BenchOptions {
             p => (vec![p], 1),
         }
     }
-}
-
-/// Tables labelled by their path's name (`mpi`, `mpiflow`).
-pub fn by_path(paths: &[Path], tables: Vec<Vec<Row>>) -> Vec<(String, Vec<Row>)> {
-    paths
-        .iter()
-        .map(|p| format!("{p:?}").to_lowercase())
-        .zip(tables)
-        .collect()
 }
 
 /// How ratio lines computed from paired samples say so.

@@ -64,11 +64,13 @@ pub struct AutoTuning {
     pub segment_bytes: usize,
     /// `auto` takes the shared-memory allreduce when every rank is on one node...
     pub shm: bool,
-    /// ...from `shm_min_bytes` up to `shm_max_bytes`, or for every size when the node has
-    /// more ranks than cores. With a core per rank the library's own is faster below (0.6
-    /// against 0.75 us at 2 ranks here) and the ring above (its messages cross in one copy,
-    /// by the library's single-copy path: 0.55-0.74x of `MPI_Allreduce` from 2 MiB at 2
-    /// ranks against 0.8-1.0x for shm, measured in alternating runs).
+    /// ...from `shm_min_bytes` up to and including `shm_max_bytes`, or for every size when
+    /// the node has more ranks than cores. With a core per rank the library's own is
+    /// faster below (0.6 against 0.75 us at 2 ranks here) and the ring above (its messages
+    /// cross in one copy, by the library's single-copy path: 0.55-0.74x of `MPI_Allreduce`
+    /// from 2 MiB at 2 ranks against 0.8-1.0x for shm, measured in alternating runs). At
+    /// 1 MiB shm is the faster: 0.64-0.81x against the ring's 0.86-0.92x, four jobs with
+    /// both as paths (`bench allreduce --algorithm auto,ring,recursive-doubling,shm`).
     pub shm_min_bytes: usize,
     pub shm_max_bytes: usize,
     /// Bytes per shared-memory slot (the pipeline's chunk).
@@ -360,7 +362,7 @@ impl<C: Comm> Collectives<C> {
             && self.shm()?.is_some_and(|s| {
                 s.oversubscribed()
                     || (bytes >= t.shm_min_bytes || !native)
-                        && (bytes < t.shm_max_bytes || self.size() > t.ring_max_ranks)
+                        && (bytes <= t.shm_max_bytes || self.size() > t.ring_max_ranks)
             })
         {
             Algorithm::Shm
