@@ -69,7 +69,7 @@ pub struct AutoTuning {
     /// faster below (0.6 against 0.75 us at 2 ranks here) and the ring above (its messages
     /// cross in one copy, by the library's single-copy path: 0.55-0.74x of `MPI_Allreduce`
     /// from 2 MiB at 2 ranks against 0.8-1.0x for shm, measured in alternating runs). At
-    /// 1 MiB shm is the faster: 0.64-0.81x against the ring's 0.86-0.92x, four jobs with
+    /// 1 MiB shm is the faster: 0.64-0.81x against the ring's 0.86-0.90x, four jobs with
     /// both as paths (`bench allreduce --algorithm auto,ring,recursive-doubling,shm`).
     pub shm_min_bytes: usize,
     pub shm_max_bytes: usize,
