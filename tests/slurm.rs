@@ -79,10 +79,10 @@ impl Job {
 /// Whether a rank of the job died of SIGSEGV, as srun or mpirun report it.
 ///
 /// Debian's OpenMPI 4.1.4 sometimes crashes inside `MPI_Init` here: eight ranks of four
-/// fake nodes wire up over loopback TCP on two cores, a connect times out under the load
-/// ("failed to TCP connect ... Operation now in progress", open-mpi/ompi#11508, the error
-/// misreported until open-mpi/ompi#13110) and the TCP BTL then calls a null function
-/// pointer (`mca_btl_tcp.so` <- `opal_progress` <- `ompi_mpi_init` in the core dump).
+/// fake nodes wire up over loopback TCP on two cores, a connect fails under the load
+/// ("failed to TCP connect ... Operation now in progress": the real error is misreported
+/// until open-mpi/ompi#13110; see also open-mpi/ompi#11508) and the TCP BTL then calls a
+/// null function pointer (`mca_btl_tcp.so` <- `opal_progress` <- `ompi_mpi_init` in the core dump).
 /// Measured with the `spec` step in a loop, two CPU hogs beside it: 4 crashes in 60 steps,
 /// none unloaded in 30. A crash of mpiflow's own that repeats fails the second job too.
 fn crashed_by_signal(output: &str) -> bool {
