@@ -187,19 +187,26 @@ down() {
   fi
   stop_pidfiles "$d"/run/slurmd-*.pid "$d/run/slurmctld.pid"
   # Step daemons and job tasks (all carry the marker) that outlived their slurmd; then
-  # wait until they are gone, not merely signalled.
-  local p left=()
-  for p in /proc/[0-9]*; do
-    if grep -qxzF "MPIFLOW_LOCAL_SLURM=$d" "$p/environ" 2>/dev/null; then
-      kill -9 "${p#/proc/}" 2>/dev/null || true
-      left+=("$p")
-    fi
-  done
-  for _ in $(seq 50); do
-    local alive=0
-    for p in "${left[@]}"; do [[ -d "$p" ]] && alive=1; done
-    ((alive)) || break
-    sleep 0.1
+  # wait until they are gone, not merely signalled. Pass after pass until one finds none:
+  # a step daemon can fork a job's task after a pass has listed /proc and before it is
+  # killed (a job's `sleep` once survived a single pass).
+  local p alive found
+  for _ in $(seq 10); do
+    local left=()
+    for p in /proc/[0-9]*; do
+      if grep -qxzF "MPIFLOW_LOCAL_SLURM=$d" "$p/environ" 2>/dev/null; then
+        kill -9 "${p#/proc/}" 2>/dev/null || true
+        left+=("$p")
+      fi
+    done
+    found=${#left[@]}
+    ((found)) || break
+    for _ in $(seq 50); do
+      alive=0
+      for p in "${left[@]}"; do [[ -d "$p" ]] && alive=1; done
+      ((alive)) || break
+      sleep 0.1
+    done
   done
   stop_pidfiles "$d/run/munged.pid"
 }
