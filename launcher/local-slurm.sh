@@ -190,7 +190,7 @@ down() {
   # wait until they are gone, not merely signalled. Pass after pass until one finds none:
   # a step daemon can fork a job's task after a pass has listed /proc and before it is
   # killed (a job's `sleep` once survived a single pass).
-  local p alive found
+  local p alive
   for _ in $(seq 10); do
     local left=()
     for p in /proc/[0-9]*; do
@@ -199,8 +199,7 @@ down() {
         left+=("$p")
       fi
     done
-    found=${#left[@]}
-    ((found)) || break
+    ((${#left[@]})) || break
     for _ in $(seq 50); do
       alive=0
       for p in "${left[@]}"; do [[ -d "$p" ]] && alive=1; done

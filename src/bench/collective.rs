@@ -207,14 +207,6 @@ fn measure_fused(
     ])
 }
 
-/// Keeps the better of two rows (lower average latency).
-fn better(a: Option<Row>, b: Row) -> Row {
-    match a {
-        Some(a) if a.value <= b.value => a,
-        _ => b,
-    }
-}
-
 pub fn run(
     coll: &Collectives<MpiComm>,
     name: &str,
@@ -228,19 +220,19 @@ pub fn run(
         // MPI's and mpiflow's one-by-one: paired in time, as best_of_rounds does.
         let mut speedups: [Vec<f64>; 2] = Default::default();
         for size in osu::sizes(min.max(4), max) {
-            let mut best: [Option<Row>; 3] = [None; 3];
+            let mut rounds: [Vec<Row>; 3] = Default::default();
             let mut ratios: [Vec<f64>; 2] = Default::default();
             for _ in 0..opts.rounds.max(1) {
                 let rows = measure_fused(coll, size, opts)?;
                 for k in 0..3 {
-                    best[k] = Some(better(best[k], rows[k]));
+                    rounds[k].push(rows[k]);
                 }
                 for k in 0..2 {
                     ratios[k].push(rows[k].value / rows[2].value);
                 }
             }
             for k in 0..3 {
-                tables[k].push(best[k].expect("at least one round"));
+                tables[k].push(Better::Lower.best(&rounds[k]));
             }
             for k in 0..2 {
                 speedups[k].push(super::median(&mut ratios[k]));

@@ -107,6 +107,18 @@ pub(crate) enum Better {
     Higher,
 }
 
+impl Better {
+    /// The row of best value among a path's rounds.
+    pub(crate) fn best(self, rounds: &[Row]) -> Row {
+        let rows = rounds.iter().copied();
+        match self {
+            Better::Lower => rows.min_by(|a, b| a.value.total_cmp(&b.value)),
+            Better::Higher => rows.max_by(|a, b| a.value.total_cmp(&b.value)),
+        }
+        .expect("at least one round")
+    }
+}
+
 /// The alternation every table uses: `rounds` passes over all sizes, each path in turn
 /// at each size (the first path rotating from round to round), a barrier before every
 /// measurement, keeping each path's best value; returns one table of rows per path.
@@ -137,16 +149,8 @@ pub(crate) fn best_of_rounds<P: Copy + Label>(
             }
         }
     }
-    let best = |v: &[Row]| {
-        let rows = v.iter().copied();
-        match better {
-            Better::Lower => rows.min_by(|a, b| a.value.total_cmp(&b.value)),
-            Better::Higher => rows.max_by(|a, b| a.value.total_cmp(&b.value)),
-        }
-        .expect("at least one round")
-    };
     let tables: Vec<Vec<Row>> = (0..paths.len())
-        .map(|k| samples.iter().map(|s| best(&s[k])).collect())
+        .map(|k| samples.iter().map(|s| better.best(&s[k])).collect())
         .collect();
     let paired = (0..paths.len())
         .map(|k| {
