@@ -7,7 +7,7 @@
 //! - allreduce for every dtype, op and algorithm at sizes 1, 7, 1000 and 65 537 elements,
 //!   compared with a serial reduction (exact for integers, min and max; within float
 //!   rounding for sums of floats), with a digest of the result bits that must be equal on
-//!   all ranks;
+//!   all ranks; the shared-memory allreduce again with cached and with streaming stores;
 //! - broadcast, allgather, barrier, a fused allreduce of ten named tensors, and an
 //!   allreduce within each job's own communicator (split by job).
 //!
@@ -19,6 +19,7 @@ use crate::cluster::{Layout, TaskId};
 use crate::tensor::{DType, Element, Tensor};
 use crate::transport::fusion::Fusion;
 use crate::transport::p2p::{self, Peer, Tasks};
+use crate::transport::stores::StoreMode;
 use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 /// The outcome on one rank.
@@ -309,6 +310,27 @@ pub fn run<C: Comm>(
                 }
             }
         }
+    }
+
+    // The shared-memory allreduce with either kind of store forced (it otherwise picks by
+    // measuring, so a run need not exercise both).
+    for mode in [StoreMode::Cached, StoreMode::Streaming] {
+        if !coll.force_shm_stores(Some(mode)).map_err(|x| e(&x))? {
+            break;
+        }
+        for dtype in [DType::F32, DType::F64, DType::I32] {
+            for op in [ReduceOp::Sum, ReduceOp::Average] {
+                for len in [1000usize, 65537] {
+                    let mut t = tensor_of(dtype, r, len);
+                    coll.allreduce_tensor(&mut t, op, Algorithm::Shm)
+                        .map_err(|x| e(&x))?;
+                    let what = format!("allreduce {dtype} {op:?} shm {mode:?} stores {len}");
+                    check_reduced(&mut rep, &what, &t, op, &all);
+                }
+            }
+        }
+        coll.force_shm_stores(coll.tuning.shm_stores)
+            .map_err(|x| e(&x))?;
     }
 
     // Broadcast from the last rank, allgather, barrier.

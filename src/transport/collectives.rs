@@ -10,15 +10,16 @@
 //! - `recursive-doubling`: log2(n) exchanges of the whole buffer; best for small tensors.
 //!   Ranks beyond the largest power of two first fold into a partner and get the result
 //!   back at the end.
-//! - `shm`: through memory shared by the ranks of one node ([`super::shm`]): copied once
-//!   into a slot, reduced once, copied once out, pipelined in 64 KiB chunks; one step for
-//!   calls up to 16 KiB. Where ranks span nodes, `shm` runs as `auto` among the others.
+//! - `shm`: through memory shared by the ranks of one node ([`super::shm`]): what peers
+//!   reduce is copied once into a slot, each rank reduces its sub-slice in place and
+//!   publishes it, peers copy it out; pipelined in 64 KiB chunks; one step for calls up to
+//!   16 KiB. Where ranks span nodes, `shm` runs as `auto` among the others.
 //! - `auto` (default): by size, rank count and placement, from the thresholds in
-//!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B to 1 MiB, the
-//!   ring above, the library's own below; more ranks than cores: `shm` at every size
-//!   (measured here against OpenMPI 4.1's `MPI_Allreduce`: shm 0.4-0.9x of its time from
-//!   512 B to 1 MiB at 2 ranks, ring 0.55-0.74x above; shm 0.22-0.71x at every size at 4
-//!   ranks on 2 cores). Across nodes: the ring from 256 KiB at up to 8 ranks, the library's
+//!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B up, the
+//!   library's own below; more ranks than cores: `shm` at every size (measured here
+//!   against OpenMPI 4.1's `MPI_Allreduce`: shm 0.24-0.68x of its time from 16 KiB to
+//!   16 MiB at 2 ranks; 0.22-0.71x at every size at 4 ranks on 2 cores). Across nodes:
+//!   the ring from 256 KiB at up to 8 ranks, the library's
 //!   own below (the ring is 0.54-0.82x of OpenMPI's time from 256 KiB to 16 MiB, slower
 //!   below 64 KiB). Re-measure on other machines with
 //!   `mpiflow bench allreduce --algorithm shm` (and `ring`, `recursive-doubling`).
@@ -31,6 +32,7 @@ use std::cell::RefCell;
 
 use super::comm::{recv, send, sendrecv, Comm, ReduceOp, TransportError};
 use super::shm::{self, ShmAllreduce};
+use super::stores::StoreMode;
 use crate::tensor::{AlignedBuf, DType, Element, Tensor};
 
 /// Tags of collective traffic, above any user tag.
@@ -64,17 +66,19 @@ pub struct AutoTuning {
     pub segment_bytes: usize,
     /// `auto` takes the shared-memory allreduce when every rank is on one node...
     pub shm: bool,
-    /// ...from `shm_min_bytes` up to and including `shm_max_bytes`, or for every size when
-    /// the node has more ranks than cores. With a core per rank the library's own is
-    /// faster below (0.6 against 0.75 us at 2 ranks here) and the ring above (its messages
-    /// cross in one copy, by the library's single-copy path: 0.55-0.74x of `MPI_Allreduce`
-    /// from 2 MiB at 2 ranks against 0.8-1.0x for shm, measured in alternating runs). At
-    /// 1 MiB shm is the faster: 0.64-0.81x against the ring's 0.86-0.90x, four jobs with
-    /// both as paths (`bench allreduce --algorithm auto,ring,recursive-doubling,shm`).
+    /// ...from `shm_min_bytes` up to and including `shm_max_bytes` (default: no limit),
+    /// or for every size when the node has more ranks than cores. With a core per rank the
+    /// library's own is faster below (0.6 against 0.75 us at 2 ranks here). Above, shm was
+    /// the faster in 14 of 15 pairs from 1 to 16 MiB against the ring (0.34-0.68x of
+    /// `MPI_Allreduce` against 0.56-0.92x; three jobs with both as paths, `bench allreduce
+    /// --algorithm ring,shm`), since it copies each rank's sub-slice once and stores by
+    /// measured mode ([`super::stores`]).
     pub shm_min_bytes: usize,
     pub shm_max_bytes: usize,
     /// Bytes per shared-memory slot (the pipeline's chunk).
     pub shm_slot_bytes: usize,
+    /// How ranks store into shared memory: `None` measures per rank ([`super::stores`]).
+    pub shm_stores: Option<StoreMode>,
 }
 
 impl Default for AutoTuning {
@@ -86,8 +90,9 @@ impl Default for AutoTuning {
             segment_bytes: 256 << 10,
             shm: true,
             shm_min_bytes: 512,
-            shm_max_bytes: 1 << 20,
+            shm_max_bytes: usize::MAX,
             shm_slot_bytes: 64 << 10,
+            shm_stores: None,
         }
     }
 }
@@ -343,12 +348,20 @@ impl<C: Comm> Collectives<C> {
                 .shared_segments(shm::segment_bytes(slot))?
                 .map(|segs| {
                     let patience = self.comm.wait_limit().unwrap_or(SHM_PATIENCE);
-                    ShmAllreduce::new(segs, self.rank(), slot, patience)
+                    let shm = ShmAllreduce::new(segs, self.rank(), slot, patience);
+                    shm.stores.force(self.tuning.shm_stores);
+                    shm
                 })
         } else {
             None
         };
         Ok(self.shm.get_or_init(|| made).as_ref())
+    }
+
+    /// Makes the shared-memory allreduce store by `mode` from now on (`None`: as measured);
+    /// `false` where there is none. Collective the first time, like [`Self::choose`].
+    pub fn force_shm_stores(&self, mode: Option<StoreMode>) -> Result<bool, TransportError> {
+        Ok(self.shm()?.map(|s| s.stores.force(mode)).is_some())
     }
 
     /// The algorithm `auto` picks for `bytes` bytes on this communicator (collective the
@@ -427,7 +440,7 @@ impl<C: Comm> Collectives<C> {
         }
         let buf = &mut packed.as_mut_slice()[..total];
         let mut stream = shm::Stream::new(parts);
-        stream.read_into(0, buf);
+        stream.read_into(0, buf, StoreMode::Cached);
         self.allreduce_one(buf, dtype, op, algo)?;
         stream.write_from(0, buf);
         Ok(algo)
@@ -671,11 +684,12 @@ mod tests {
         // 3 ranks, parts of odd lengths (one empty) crossing 4 KiB chunks and slot reuse;
         // then 64 KiB slots, where a rank's sub-slice of one chunk spans several parts.
         let lens = [1usize, 1500, 0, 3001, 7, 2048, 9000];
-        let run = |algo: Algorithm, slot: usize| {
+        let run = |algo: Algorithm, slot: usize, stores: Option<StoreMode>| {
             LocalComm::run(3, move |c| {
                 // A fresh communicator per slot size: the segments are made once.
                 let mut coll = Collectives::new(c);
                 coll.tuning.shm_slot_bytes = slot;
+                coll.tuning.shm_stores = stores;
                 let r = coll.rank();
                 let mut ts: Vec<Tensor> = lens
                     .iter()
@@ -693,9 +707,12 @@ mod tests {
             })
         };
         let runs = [
-            run(Algorithm::Shm, 4096),
-            run(Algorithm::Shm, 64 << 10),
-            run(Algorithm::Ring, 4096),
+            run(Algorithm::Shm, 4096, Some(StoreMode::Cached)),
+            run(Algorithm::Shm, 64 << 10, Some(StoreMode::Cached)),
+            run(Algorithm::Shm, 4096, Some(StoreMode::Streaming)),
+            run(Algorithm::Shm, 64 << 10, Some(StoreMode::Streaming)),
+            run(Algorithm::Shm, 4096, None),
+            run(Algorithm::Ring, 4096, None),
         ];
         for (k, &l) in lens.iter().enumerate() {
             for i in 0..l {
@@ -708,9 +725,12 @@ mod tests {
                 }
             }
         }
-        // Shared memory: one rank reduces each element, so all ranks hold the same bits.
-        for out in &runs[..2] {
-            assert!(out.iter().all(|o| o == &out[0]));
+        // Shared memory: one rank reduces each element, so all ranks hold the same bits,
+        // and the same whichever stores carried them (for one slot size: the slot size
+        // decides which rank reduces an element, so the order of operands).
+        for (i, out) in runs[..5].iter().enumerate() {
+            let first = &runs[i % 2][0];
+            assert!(out.iter().all(|o| o == first), "run {i}");
         }
     }
 

@@ -11,6 +11,7 @@
 //! - [`collectives`]: allreduce (MPI's, ring, recursive doubling), broadcast, allgather,
 //!   barrier, written once over [`Comm`].
 //! - [`shm`]: allreduce through memory shared by the ranks of one node.
+//! - [`stores`]: how a rank copies into that memory (cached or streaming stores, measured).
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
 
@@ -24,6 +25,7 @@ pub mod mpi;
 pub mod p2p;
 pub mod rma;
 pub mod shm;
+pub mod stores;
 
 pub use collectives::{Algorithm, Collectives};
 pub use comm::{Comm, ReduceOp, TransportError};

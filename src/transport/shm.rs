@@ -5,24 +5,31 @@
 //! (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)` + `MPI_Win_allocate_shared`, or plain
 //! shared allocations in the in-process transport). On this 2-core machine a message
 //! costs two copies through OpenMPI's shared-memory transport plus a handshake; here a
-//! byte is copied once into a slot, reduced once, and copied once out.
+//! byte that a peer needs is copied once into a slot, and the result once out.
 //!
 //! Protocol: every rank's segment has three counters (`arrived`, `reduced`, `done`) and
 //! [`SLOTS`] slots. A buffer (or a list of buffers, as one stream: the fusion path packs
 //! nothing) streams through the slots in chunks, and chunk `g` of the communicator's life
-//! uses slot `g % SLOTS`:
+//! uses slot `g % SLOTS`. Rank `r` owns sub-slice `r * E / n .. (r + 1) * E / n` of a
+//! chunk of `E` elements:
 //! 1. wait until every rank is `done` with chunk `g - SLOTS` (the slot's previous use);
-//! 2. copy my part of the stream into my slot, with a header (total bytes, dtype, op);
-//!    publish `arrived = g + 1`;
+//! 2. copy the peers' sub-slices of my part of the stream into my slot (my own sub-slice
+//!    stays where it is), with a header (total bytes, dtype, op); publish `arrived = g + 1`;
 //! 3. wait until every rank has arrived; on a call's first chunk compare every header
 //!    with rank 0's, so a mismatched call is the same error on every rank;
-//! 4. reduce my sub-slice of the chunk (`r * E / n .. (r + 1) * E / n` elements) from
-//!    every slot into my slot; publish `reduced = g + 1`;
-//! 5. wait until every rank has reduced; copy every rank's sub-slice out of its slot;
+//! 4. reduce my sub-slice in place in my stream, mine first and then every other rank's
+//!    from its slot in rank order, and copy the result into my slot; publish
+//!    `reduced = g + 1`;
+//! 5. wait until every rank has reduced; copy every peer's sub-slice out of its slot;
 //!    publish `done = g + 1`.
 //!
-//! Calls of at most `direct_max_bytes` (16 KiB) take one step instead: after 3., every
-//! rank reduces the whole chunk from every slot in rank order, then publishes `done`.
+//! Copies into slots use cached or streaming stores, as each rank measures to be cheaper
+//! ([`super::stores`]): the slot was last read by peers, so on cores that share no cache
+//! a cached store must first take every line back.
+//!
+//! Calls of at most `direct_max_bytes` (16 KiB) take one step instead: in 2. a rank copies
+//! its whole part, and after 3. every rank reduces the whole chunk from every slot in rank
+//! order, then publishes `done`.
 //!
 //! Each element is reduced by one rank, so every rank ends with identical bits. The next
 //! chunk goes to another slot while slower ranks still copy out, so chunks pipeline.
@@ -32,7 +39,8 @@
 //! Maintainer note: counters are atomics in the shared memory; a `Release` store after
 //! writing data and an `Acquire` load before reading it order the plain copies, which is
 //! what `MPI_Win_sync` amounts to in MPI's unified memory model (the only model of
-//! `MPI_Win_allocate_shared` memory on cache-coherent nodes).
+//! `MPI_Win_allocate_shared` memory on cache-coherent nodes). Streaming stores are not
+//! ordered by it: [`stores::fence`] comes between them and the `Release` store.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +48,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::{divide_bytes, reduce_bytes};
 use super::comm::{ReduceOp, TransportError};
+use super::stores::{self, StoreChooser, StoreMode};
 use crate::tensor::{AlignedBuf, DType};
 
 /// Slots per rank: chunks in flight.
@@ -137,6 +146,8 @@ pub struct ShmAllreduce {
     spins: u32,
     /// The one-step protocol's accumulator.
     scratch: std::cell::RefCell<AlignedBuf>,
+    /// How this rank copies into its slots ([`super::stores`]).
+    pub stores: StoreChooser,
 }
 
 /// Online CPUs of this machine (`sysconf(_SC_NPROCESSORS_ONLN)`): ranks are often bound
@@ -172,6 +183,7 @@ impl ShmAllreduce {
             direct_max_bytes: 16 << 10,
             spins,
             scratch: std::cell::RefCell::new(AlignedBuf::zeroed(64)),
+            stores: StoreChooser::default(),
         }
     }
 
@@ -274,6 +286,7 @@ impl ShmAllreduce {
         let chunk_bytes = self.slot_bytes / es * es;
         // A call of zero bytes still takes one (empty) chunk: its header is compared.
         let chunks = total.div_ceil(chunk_bytes).max(1) as u64;
+        let direct = chunks == 1 && total <= self.direct_max_bytes;
         let base = self.next.get();
         let mut stream = Stream::new(parts);
         for c in 0..chunks {
@@ -284,13 +297,35 @@ impl ShmAllreduce {
                 self.wait_all(Counter::Done, g + 1 - SLOTS as u64)?;
             }
             let mine = self.slot(me, g);
+            let elems = len / es;
+            let sub = |r: usize| (r * elems / n) * es..((r + 1) * elems / n) * es;
+            let own = sub(me);
+            // Peers read this slot next: the copy is timed, to choose how to store.
+            let mode = if direct {
+                StoreMode::Cached
+            } else {
+                self.stores.pick(len)
+            };
+            let start = Instant::now();
             // SAFETY: every rank is done with this slot's previous chunk (waited above) and
             // nobody reads it before `arrived` says so: it is ours to write.
             unsafe {
                 let h = self.slot_header(me, g);
                 h.write(header.bytes);
                 h.add(1).write(header.code());
-                stream.read_into(off, std::slice::from_raw_parts_mut(mine, len));
+                let slot = std::slice::from_raw_parts_mut(mine, len);
+                if direct {
+                    stream.read_into(off, slot, mode);
+                } else {
+                    // Only what peers reduce: this rank's own sub-slice is reduced from the
+                    // stream itself.
+                    stream.read_into(off, &mut slot[..own.start], mode);
+                    stream.read_into(off + own.end, &mut slot[own.end..], mode);
+                }
+            }
+            stores::fence(mode);
+            if !direct {
+                self.stores.record(mode, len - own.len(), start.elapsed());
             }
             self.counter(me, Counter::Arrived)
                 .store(g + 1, Ordering::Release);
@@ -307,31 +342,36 @@ impl ShmAllreduce {
                     return Err(e);
                 }
             }
-            if chunks == 1 && len <= self.direct_max_bytes {
+            if direct {
                 self.reduce_whole(&mut stream, g, len, dtype, op);
                 self.counter(me, Counter::Done)
                     .store(g + 1, Ordering::Release);
                 break;
             }
-            let elems = len / es;
-            let sub = |r: usize| (r * elems / n) * es..((r + 1) * elems / n) * es;
-            let own = sub(me);
-            // SAFETY: between `arrived` and `reduced` only this rank writes sub-slice `me` of
-            // any slot (its own), and every rank only reads its own sub-slice of the others.
-            unsafe {
-                let acc = std::slice::from_raw_parts_mut(mine.add(own.start), own.len());
+            // Reduce my sub-slice in place in the stream (its own values are there), in
+            // the order mine, then every other rank's; then publish it in my slot.
+            stream.for_each_mut(off + own.start, own.len(), |acc, at| {
+                let at = own.start + at;
                 for r in (0..n).filter(|&r| r != me) {
-                    let inc = std::slice::from_raw_parts(self.slot(r, g).add(own.start), own.len());
+                    // SAFETY: between `arrived` and `done` nobody writes rank r's slot
+                    // outside its own sub-slice, and `at..at + acc.len()` lies in mine.
+                    let inc =
+                        unsafe { std::slice::from_raw_parts(self.slot(r, g).add(at), acc.len()) };
                     reduce_bytes(dtype, op, acc, inc);
                 }
                 if op == ReduceOp::Average && n > 1 {
                     divide_bytes(dtype, acc, n);
                 }
-            }
+                // SAFETY: only this rank writes its own sub-slice of its slot, and peers
+                // read it only after `reduced`.
+                let out = unsafe { std::slice::from_raw_parts_mut(mine.add(at), acc.len()) };
+                stores::copy(mode, out, acc);
+            });
+            stores::fence(mode);
             self.counter(me, Counter::Reduced)
                 .store(g + 1, Ordering::Release);
             self.wait_all(Counter::Reduced, g + 1)?;
-            for r in 0..n {
+            for r in (0..n).filter(|&r| r != me) {
                 let s = sub(r);
                 // SAFETY: rank r finished its sub-slice (acquired above) and nobody writes
                 // any slot of chunk g until every rank is done with it.
@@ -413,11 +453,23 @@ impl<'a, 'b> Stream<'a, 'b> {
         Stream { parts, bounds }
     }
 
-    /// Copies stream bytes `off..off + dst.len()` into `dst`.
-    pub(crate) fn read_into(&self, off: usize, dst: &mut [u8]) {
+    /// Copies stream bytes `off..off + dst.len()` into `dst` with `mode`'s stores.
+    pub(crate) fn read_into(&self, off: usize, dst: &mut [u8], mode: StoreMode) {
         visit(&self.bounds, off, dst.len(), |i, r, at| {
-            dst[at..at + r.len()].copy_from_slice(&self.parts[i][r]);
+            stores::copy(mode, &mut dst[at..at + r.len()], &self.parts[i][r]);
         });
+    }
+
+    /// Calls `f(piece, at)` for the stream bytes `off..off + len`, piece by piece (one
+    /// per part they span), `at` being the piece's offset from `off`.
+    pub(crate) fn for_each_mut(
+        &mut self,
+        off: usize,
+        len: usize,
+        mut f: impl FnMut(&mut [u8], usize),
+    ) {
+        let parts = &mut *self.parts;
+        visit(&self.bounds, off, len, |i, r, at| f(&mut parts[i][r], at));
     }
 
     /// Copies `src` over stream bytes `off..off + src.len()`.
@@ -440,7 +492,7 @@ mod tests {
         let mut parts: Vec<&mut [u8]> = vec![&mut a, &mut b, &mut c];
         let mut s = Stream::new(&mut parts);
         let mut d = [0u8; 4];
-        s.read_into(1, &mut d);
+        s.read_into(1, &mut d, StoreMode::Cached);
         assert_eq!(d, [2, 3, 4, 5]);
         s.write_from(2, &[30, 40, 50]);
         assert_eq!((a, c), (vec![1, 2, 30], vec![40, 50, 6, 7]));
