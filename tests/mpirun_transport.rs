@@ -202,6 +202,15 @@ fn benchmarks_print_osu_tables_for_every_path() {
         osu_tables(&run.stdout, "# Size         Avg Latency(us)").len(),
         3
     );
+    // 200 KiB per fused call crosses several 64 KiB slots: both kinds of store were timed.
+    let stores = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("# shared-memory stores (rank 0, last measured): cached "))
+        .unwrap_or_else(|| panic!("no stores line: {}", run.stdout));
+    // (Streaming stores exist on x86-64 only.)
+    let both = stores.contains(" ns/B, streaming ") && stores.ends_with(" ns/B");
+    assert!(both || !cfg!(target_arch = "x86_64"), "{stores}");
 }
 
 #[test]

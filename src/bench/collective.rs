@@ -263,6 +263,7 @@ pub fn run(
             &tables[2],
             &speedups[0],
         ));
+        out.push_str(&stores_line(coll));
         return Ok(out);
     }
     let (title, datatype, default_min) = if name == "allreduce" {
@@ -284,5 +285,23 @@ pub fn run(
         measure(coll, name, arm, size, opts)
     })?;
     out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
+    if name == "allreduce" {
+        out.push_str(&stores_line(coll));
+    }
     Ok(out)
+}
+
+/// What this rank measured for the shared-memory allreduce's two kinds of store (see
+/// `transport::stores`), as a comment line; empty where it did not run.
+fn stores_line(coll: &Collectives<MpiComm>) -> String {
+    let Some((cached, streaming)) = coll.shm_store_costs() else {
+        return String::new();
+    };
+    let show = |c: Option<f64>| c.map_or("not measured".into(), |c| format!("{c:.3} ns/B"));
+    format!(
+        "# shared-memory stores (rank {}, last measured): cached {}, streaming {}\n",
+        coll.rank(),
+        show(cached),
+        show(streaming)
+    )
 }

@@ -364,6 +364,16 @@ impl<C: Comm> Collectives<C> {
         Ok(self.shm()?.map(|s| s.stores.force(mode)).is_some())
     }
 
+    /// The shared-memory allreduce's recent cost per byte of cached and of streaming
+    /// stores on this rank (`None` each until measured); `None` if it has not been made.
+    pub fn shm_store_costs(&self) -> Option<(Option<f64>, Option<f64>)> {
+        let shm = self.shm.get()?.as_ref()?;
+        Some((
+            shm.stores.cost(StoreMode::Cached),
+            shm.stores.cost(StoreMode::Streaming),
+        ))
+    }
+
     /// The algorithm `auto` picks for `bytes` bytes on this communicator (collective the
     /// first time: it finds out whether the ranks share a node).
     pub fn choose(&self, bytes: usize) -> Result<Algorithm, TransportError> {
