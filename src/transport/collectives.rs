@@ -17,8 +17,8 @@
 //! - `auto` (default): by size, rank count and placement, from the thresholds in
 //!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B up, the
 //!   library's own below; more ranks than cores: `shm` at every size (measured here
-//!   against OpenMPI 4.1's `MPI_Allreduce`: shm 0.24-0.68x of its time from 16 KiB to
-//!   16 MiB at 2 ranks; 0.22-0.71x at every size at 4 ranks on 2 cores). Across nodes:
+//!   against OpenMPI 4.1's `MPI_Allreduce`: shm 0.25-0.76x of its time from 8 KiB to
+//!   16 MiB at 2 ranks; 0.20-0.79x at every size at 4 ranks on 2 cores). Across nodes:
 //!   the ring from 256 KiB at up to 8 ranks, the library's
 //!   own below (the ring is 0.54-0.82x of OpenMPI's time from 256 KiB to 16 MiB, slower
 //!   below 64 KiB). Re-measure on other machines with
@@ -70,7 +70,7 @@ pub struct AutoTuning {
     /// or for every size when the node has more ranks than cores. With a core per rank the
     /// library's own is faster below (0.6 against 0.75 us at 2 ranks here). Above, shm was
     /// the faster in 14 of 15 pairs from 1 to 16 MiB against the ring (0.34-0.68x of
-    /// `MPI_Allreduce` against 0.56-0.92x; three jobs with both as paths, `bench allreduce
+    /// `MPI_Allreduce` against 0.55-0.92x; three jobs with both as paths, `bench allreduce
     /// --algorithm ring,shm`), since it copies each rank's sub-slice once and stores by
     /// measured mode ([`super::stores`]).
     pub shm_min_bytes: usize,
