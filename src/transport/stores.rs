@@ -111,7 +111,7 @@ fn index(mode: StoreMode) -> usize {
 }
 
 impl StoreChooser {
-    /// From now on always `mode`; `None`: measure again.
+    /// From now on always `mode`; `None`: choose by measurement again.
     pub fn force(&self, mode: Option<StoreMode>) {
         self.forced.set(mode);
     }
