@@ -329,8 +329,7 @@ pub fn run<C: Comm>(
                 }
             }
         }
-        coll.force_shm_stores(coll.tuning.shm_stores)
-            .map_err(|x| e(&x))?;
+        coll.force_shm_stores(None).map_err(|x| e(&x))?;
     }
 
     // Broadcast from the last rank, allgather, barrier.

@@ -77,8 +77,6 @@ pub struct AutoTuning {
     pub shm_max_bytes: usize,
     /// Bytes per shared-memory slot (the pipeline's chunk).
     pub shm_slot_bytes: usize,
-    /// How ranks store into shared memory: `None` measures per rank ([`super::stores`]).
-    pub shm_stores: Option<StoreMode>,
 }
 
 impl Default for AutoTuning {
@@ -92,7 +90,6 @@ impl Default for AutoTuning {
             shm_min_bytes: 512,
             shm_max_bytes: usize::MAX,
             shm_slot_bytes: 64 << 10,
-            shm_stores: None,
         }
     }
 }
@@ -348,9 +345,7 @@ impl<C: Comm> Collectives<C> {
                 .shared_segments(shm::segment_bytes(slot))?
                 .map(|segs| {
                     let patience = self.comm.wait_limit().unwrap_or(SHM_PATIENCE);
-                    let shm = ShmAllreduce::new(segs, self.rank(), slot, patience);
-                    shm.stores.force(self.tuning.shm_stores);
-                    shm
+                    ShmAllreduce::new(segs, self.rank(), slot, patience)
                 })
         } else {
             None
@@ -358,8 +353,9 @@ impl<C: Comm> Collectives<C> {
         Ok(self.shm.get_or_init(|| made).as_ref())
     }
 
-    /// Makes the shared-memory allreduce store by `mode` from now on (`None`: as measured);
-    /// `false` where there is none. Collective the first time, like [`Self::choose`].
+    /// Makes the shared-memory allreduce store by `mode` from now on (`None`, the default:
+    /// as each rank measures, [`super::stores`]); `false` where there is none. Collective
+    /// the first time, like [`Self::choose`]; afterwards local (ranks need not agree).
     pub fn force_shm_stores(&self, mode: Option<StoreMode>) -> Result<bool, TransportError> {
         Ok(self.shm()?.map(|s| s.stores.force(mode)).is_some())
     }
@@ -699,7 +695,7 @@ mod tests {
                 // A fresh communicator per slot size: the segments are made once.
                 let mut coll = Collectives::new(c);
                 coll.tuning.shm_slot_bytes = slot;
-                coll.tuning.shm_stores = stores;
+                coll.force_shm_stores(stores).unwrap();
                 let r = coll.rank();
                 let mut ts: Vec<Tensor> = lens
                     .iter()

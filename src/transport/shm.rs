@@ -306,7 +306,8 @@ impl ShmAllreduce {
             } else {
                 self.stores.pick(len)
             };
-            let start = Instant::now();
+            // Only timed where the mode was chosen: small calls need no clock reads.
+            let start = (!direct).then(Instant::now);
             // SAFETY: every rank is done with this slot's previous chunk (waited above) and
             // nobody reads it before `arrived` says so: it is ours to write.
             unsafe {
@@ -324,7 +325,7 @@ impl ShmAllreduce {
                 }
             }
             stores::fence(mode);
-            if !direct {
+            if let Some(start) = start {
                 self.stores.record(mode, len - own.len(), start.elapsed());
             }
             self.counter(me, Counter::Arrived)
