@@ -189,7 +189,7 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "bench",
         "allreduce-fused",
         "--count",
-        "20",
+        "40",
         "-i",
         "5",
         "-x",
@@ -202,14 +202,20 @@ fn benchmarks_print_osu_tables_for_every_path() {
         osu_tables(&run.stdout, "# Size         Avg Latency(us)").len(),
         3
     );
-    // 200 KiB per fused call crosses several 64 KiB slots: both kinds of store were timed.
+    // 400 KiB per fused call crosses two 256 KiB slots: steps with both kinds of store
+    // were timed.
     let stores = run
         .stdout
         .lines()
-        .find(|l| l.starts_with("# shared-memory stores (rank 0, last measured): cached "))
+        .find(|l| {
+            l.starts_with(
+                "# shared-memory allreduce, cost of a step per byte (rank 0, last measured): \
+                 cached stores ",
+            )
+        })
         .unwrap_or_else(|| panic!("no stores line: {}", run.stdout));
     // (Streaming stores exist on x86-64 only.)
-    let both = stores.contains(" ns/B, streaming ") && stores.ends_with(" ns/B");
+    let both = stores.contains(" ns/B, streaming stores ") && stores.ends_with(" ns/B");
     assert!(both || !cfg!(target_arch = "x86_64"), "{stores}");
 }
 

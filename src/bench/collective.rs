@@ -291,15 +291,15 @@ pub fn run(
     Ok(out)
 }
 
-/// What this rank measured for the shared-memory allreduce's two kinds of store (see
-/// `transport::stores`), as a comment line; empty where it did not run.
+/// What this rank measured for the shared-memory allreduce's steps with each kind of store
+/// (see `transport::stores`), as a comment line; empty where it did not run.
 fn stores_line(coll: &Collectives<MpiComm>) -> String {
     let Some((cached, streaming)) = coll.shm_store_costs() else {
         return String::new();
     };
     let show = |c: Option<f64>| c.map_or("not measured".into(), |c| format!("{c:.3} ns/B"));
     format!(
-        "# shared-memory stores (rank {}, last measured): cached {}, streaming {}\n",
+        "# shared-memory allreduce, cost of a step per byte (rank {}, last measured): cached stores {}, streaming stores {}\n",
         coll.rank(),
         show(cached),
         show(streaming)

@@ -12,7 +12,7 @@
 //!   back at the end.
 //! - `shm`: through memory shared by the ranks of one node ([`super::shm`]): what peers
 //!   reduce is copied once into a slot, each rank reduces its sub-slice in place and
-//!   publishes it, peers copy it out; pipelined in 64 KiB chunks; one step for calls up to
+//!   publishes it, peers copy it out; pipelined in 256 KiB chunks; one step for calls up to
 //!   16 KiB. Where ranks span nodes, `shm` runs as `auto` among the others.
 //! - `auto` (default): by size, rank count and placement, from the thresholds in
 //!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B up, the
@@ -75,7 +75,10 @@ pub struct AutoTuning {
     /// measured mode ([`super::stores`]).
     pub shm_min_bytes: usize,
     pub shm_max_bytes: usize,
-    /// Bytes per shared-memory slot (the pipeline's chunk).
+    /// Bytes per shared-memory slot (the pipeline's chunk). 256 KiB: against 64 KiB a
+    /// fused 1 MiB call took 80-98 us instead of 115-122 (fewer steps to wait for), and
+    /// plain calls from 16 KiB to 16 MiB were as fast or faster at 2 and 4 ranks; 512 KiB
+    /// and 1 MiB pipeline too little (`benches/results/2026-11-23b.md`).
     pub shm_slot_bytes: usize,
 }
 
@@ -89,7 +92,7 @@ impl Default for AutoTuning {
             shm: true,
             shm_min_bytes: 512,
             shm_max_bytes: usize::MAX,
-            shm_slot_bytes: 64 << 10,
+            shm_slot_bytes: 256 << 10,
         }
     }
 }

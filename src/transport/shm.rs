@@ -23,9 +23,9 @@
 //! 5. wait until every rank has reduced; copy every peer's sub-slice out of its slot;
 //!    publish `done = g + 1`.
 //!
-//! Copies into slots use cached or streaming stores, as each rank measures to be cheaper
-//! ([`super::stores`]): the slot was last read by peers, so on cores that share no cache
-//! a cached store must first take every line back.
+//! Copies into slots use cached or streaming stores, as measured to be cheaper
+//! ([`super::stores`], timing whole chunks): the slot was last read by peers, so on cores
+//! that share no cache a cached store must first take every line back.
 //!
 //! Calls of at most `direct_max_bytes` (16 KiB) take one step instead: in 2. a rank copies
 //! its whole part, and after 3. every rank reduces the whole chunk from every slot in rank
@@ -300,11 +300,12 @@ impl ShmAllreduce {
             let elems = len / es;
             let sub = |r: usize| (r * elems / n) * es..((r + 1) * elems / n) * es;
             let own = sub(me);
-            // Peers read this slot next: the copy is timed, to choose how to store.
+            // Peers read this slot next: the step is timed, copies to copies, to choose
+            // how to store (the peers' reads of what this rank stored are part of it).
             let mode = if direct {
                 StoreMode::Cached
             } else {
-                self.stores.pick(len)
+                self.stores.pick(g, len)
             };
             // Only timed where the mode was chosen: small calls need no clock reads.
             let start = (!direct).then(Instant::now);
@@ -325,9 +326,6 @@ impl ShmAllreduce {
                 }
             }
             stores::fence(mode);
-            if let Some(start) = start {
-                self.stores.record(mode, len - own.len(), start.elapsed());
-            }
             self.counter(me, Counter::Arrived)
                 .store(g + 1, Ordering::Release);
             self.wait_all(Counter::Arrived, g + 1)?;
@@ -379,6 +377,9 @@ impl ShmAllreduce {
                 let src =
                     unsafe { std::slice::from_raw_parts(self.slot(r, g).add(s.start), s.len()) };
                 stream.write_from(off + s.start, src);
+            }
+            if let Some(start) = start {
+                self.stores.record(mode, len, start.elapsed());
             }
             self.counter(me, Counter::Done)
                 .store(g + 1, Ordering::Release);
