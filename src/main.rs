@@ -117,6 +117,13 @@ struct TrainArgs {
     /// 2 ranks on 2 cores, it is 0.6x).
     #[arg(long)]
     overlap: bool,
+    /// allreduce mode: gradients are packed into fusion buffers of at most this many bytes,
+    /// one allreduce each (1: one allreduce per tensor).
+    #[arg(long, default_value_t = 64 << 20, value_parser = positive_usize)]
+    fusion_threshold: usize,
+    /// allreduce mode: the gradient allreduce's algorithm.
+    #[arg(long, value_enum, default_value_t)]
+    allreduce_algorithm: mpiflow::transport::Algorithm,
     /// Test-only: this replica changes a parameter after step 1 (allreduce mode).
     #[arg(long, hide = true)]
     perturb_rank: Option<usize>,
@@ -588,6 +595,10 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 check_every: args.check_every,
                 save_params: args.save_params.clone(),
                 overlap: overlap && multiple,
+                fusion: mpiflow::transport::fusion::FusionConfig {
+                    threshold_bytes: args.fusion_threshold,
+                    algorithm: args.allreduce_algorithm,
+                },
                 perturb_rank: args.perturb_rank,
             };
             allreduce::run(&comm, layout, &cfg, &train, &test, &mut log).map_err(|e| e.to_string())

@@ -466,3 +466,23 @@ fn unknown_flags_are_one_line() {
     run(&["launch", "--ps", "1"], &[])
         .assert_one_line_error("required arguments were not provided");
 }
+
+#[test]
+fn bad_fusion_settings_are_one_line() {
+    run(
+        &["train", "--mode", "allreduce", "--fusion-threshold", "0"],
+        &[],
+    )
+    .assert_one_line_error("\"0\" is not a positive integer");
+    run(
+        &[
+            "train",
+            "--mode",
+            "allreduce",
+            "--allreduce-algorithm",
+            "tree",
+        ],
+        &[],
+    )
+    .assert_one_line_error("invalid value 'tree' for '--allreduce-algorithm");
+}

@@ -10,14 +10,16 @@ fn n_replicas_equal_local_training_on_the_global_batch() {
     let dir = tmpdir("ar-equal");
     let local = dir.join("local.bin");
     common::train_local_reference("80", &local, &[]);
-    for (np, overlap) in [
-        ("2", false),
-        ("3", false),
-        ("4", false),
-        ("2", true),
-        ("3", true),
+    // (ranks, overlap, one allreduce per tensor by the ring instead of the fused default)
+    for (np, overlap, one_by_one) in [
+        ("2", false, false),
+        ("3", false, false),
+        ("4", false, false),
+        ("2", true, false),
+        ("3", true, false),
+        ("3", false, true),
     ] {
-        let out = dir.join(format!("ar{np}-{overlap}.bin"));
+        let out = dir.join(format!("ar{np}-{overlap}-{one_by_one}.bin"));
         let mut args = vec![
             "-np",
             np,
@@ -34,15 +36,26 @@ fn n_replicas_equal_local_training_on_the_global_batch() {
             // Layer buckets reduced on a communication thread (MPI_THREAD_MULTIPLE).
             args.push("--overlap");
         }
+        if one_by_one {
+            args.extend(["--fusion-threshold", "1", "--allreduce-algorithm", "ring"]);
+        }
         args.extend(["--save-params", out.to_str().unwrap()]);
         let run = mpirun(&args);
         assert_eq!(run.code, 0, "{run:?}");
         assert!(!run.stderr.contains("warning"), "{}", run.stderr);
+        // The chief says what a step's reduction took: 2 layers' weights and biases.
+        let said = match (overlap, one_by_one) {
+            (true, _) => "allreduce calls per step: 2 (one per layer, overlapped, algorithm auto",
+            (_, true) => "allreduce calls per step: 4 (fused up to 1 bytes, algorithm ring",
+            _ => "allreduce calls per step: 1 (fused up to 67108864 bytes, algorithm auto",
+        };
+        assert!(run.stdout.contains(said), "{said}: {}", run.stdout);
         // Float32 sums in another grouping (per replica, then across): rounding only.
         let worst = max_relative_difference(&local, &out);
         assert!(
             worst < 1e-4,
-            "{np} replicas (overlap {overlap}): largest relative difference {worst}"
+            "{np} replicas (overlap {overlap}, one by one {one_by_one}): largest relative \
+             difference {worst}"
         );
     }
 }

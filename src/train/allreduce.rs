@@ -11,8 +11,11 @@
 //! their parameters and stop with an error naming the rank that diverged. The chief alone
 //! writes checkpoints (the same atomic, verified format as ps mode).
 //!
-//! Not yet here: overlapping the allreduce of the last layers with the backward pass of
-//! the earlier ones (gradients are reduced after the whole backward pass, fused).
+//! Gradients are reduced after the whole backward pass as one fused allreduce (buffers of
+//! at most `fusion.threshold_bytes`, by `fusion.algorithm`: `mpiflow train
+//! --fusion-threshold --allreduce-algorithm`; a threshold of 1 byte reduces them one by
+//! one), or with `overlap` layer by layer during the backward pass, on a communication
+//! thread. The chief logs once what a step's reduction takes (allreduce calls and bytes).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -26,7 +29,7 @@ use super::optim::{Optimizer, Slots};
 use super::{layer_sizes, TrainConfig};
 use crate::cluster::Layout;
 use crate::tensor::Tensor;
-use crate::transport::fusion::{Fusion, FusionError};
+use crate::transport::fusion::{Fusion, FusionConfig, FusionError, FusionStats};
 use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
 
 /// Settings of allreduce training.
@@ -41,6 +44,8 @@ pub struct AllreduceConfig {
     /// Reduce each layer's gradients during the backward pass, on a communication thread
     /// (needs MPI_THREAD_MULTIPLE under MPI).
     pub overlap: bool,
+    /// How the fused path packs gradients, and the allreduce algorithm of either path.
+    pub fusion: FusionConfig,
     /// Test-only: this replica nudges one parameter after the first step, so the checksum
     /// check must catch it.
     pub perturb_rank: Option<usize>,
@@ -112,9 +117,10 @@ impl<'s> Reducer<'s> {
         scope: &'s std::thread::Scope<'s, 'e>,
         comm: Option<C>,
         model: &Mlp,
+        fusion: FusionConfig,
     ) -> Reducer<'s> {
         let Some(comm) = comm else {
-            return Reducer::Fused(Fusion::default());
+            return Reducer::Fused(Fusion::new(fusion));
         };
         let (to_comm, requests) = std::sync::mpsc::channel::<(usize, Tensor)>();
         let (results, from_comm) = std::sync::mpsc::channel();
@@ -123,11 +129,7 @@ impl<'s> Reducer<'s> {
             // Ends when the training loop drops its sender.
             while let Ok((layer, mut bucket)) = requests.recv() {
                 let r = coll
-                    .allreduce_tensor(
-                        &mut bucket,
-                        ReduceOp::Sum,
-                        crate::transport::Algorithm::Auto,
-                    )
+                    .allreduce_tensor(&mut bucket, ReduceOp::Sum, fusion.algorithm)
                     .map(|_| bucket);
                 if results.send((layer, r)).is_err() {
                     break;
@@ -147,7 +149,8 @@ impl<'s> Reducer<'s> {
     }
 
     /// Computes this replica's gradients (scaled by its `n` samples) and sums them over the
-    /// replicas into `grads`; returns the loss and the seconds spent waiting on the sum.
+    /// replicas into `grads`; returns the loss, the seconds spent waiting on the sum, and
+    /// what the sum took.
     fn step<C: Comm>(
         &mut self,
         coll: &Collectives<C>,
@@ -156,7 +159,7 @@ impl<'s> Reducer<'s> {
         y: &[u8],
         grads: &mut [Tensor],
         n: f32,
-    ) -> Result<(f32, f64), AllreduceError> {
+    ) -> Result<(f32, f64, FusionStats), AllreduceError> {
         let scale = |g: &mut Tensor| {
             g.as_mut_slice::<f32>()
                 .expect("f32")
@@ -171,8 +174,8 @@ impl<'s> Reducer<'s> {
                 grads.iter_mut().for_each(scale);
                 let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
                 let t = Instant::now();
-                fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
-                Ok((loss, t.elapsed().as_secs_f64()))
+                let stats = fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
+                Ok((loss, t.elapsed().as_secs_f64(), stats))
             }
             Reducer::Overlapped {
                 to_comm,
@@ -198,11 +201,14 @@ impl<'s> Reducer<'s> {
                     })
                     .map_err(|e| AllreduceError::Setup(e.to_string()))?;
                 let t = Instant::now();
+                let mut stats = FusionStats::default();
                 for _ in 0..sent {
                     let (layer, r) = from_comm.recv().map_err(|_| {
                         AllreduceError::Setup("communication thread stopped".into())
                     })?;
                     let bucket = r?;
+                    stats.messages += 1;
+                    stats.bytes += bucket.nbytes();
                     let summed = bucket.as_slice::<f32>().expect("f32");
                     let wlen = grads[2 * layer].numel();
                     grads[2 * layer]
@@ -214,7 +220,7 @@ impl<'s> Reducer<'s> {
                         .expect("f32")
                         .copy_from_slice(&summed[wlen..]);
                 }
-                Ok((loss, t.elapsed().as_secs_f64()))
+                Ok((loss, t.elapsed().as_secs_f64(), stats))
             }
         }
     }
@@ -326,7 +332,7 @@ pub fn run<C: Comm + Send>(
         None
     };
     std::thread::scope(|scope| -> Result<(), AllreduceError> {
-        let mut reducer = Reducer::new(scope, comm_thread, &model);
+        let mut reducer = Reducer::new(scope, comm_thread, &model, cfg.fusion);
         let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
         // Seconds of the current log window spent in the gradient allreduce.
         let mut comm_secs = 0.0f64;
@@ -339,8 +345,25 @@ pub fn run<C: Comm + Send>(
             let (x, y) = train.rows(mine);
             // Sum of (mean gradient x samples) over replicas, over the global batch: exact.
             let n = mine.len() as f32;
-            let (loss, secs) = reducer.step(&coll, &model, &x, &y, &mut grads, n)?;
+            let first = step == state.step;
+            let (loss, secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, n)?;
             comm_secs += secs;
+            if first && chief {
+                let how = if cfg.overlap {
+                    "one per layer, overlapped".to_string()
+                } else {
+                    format!("fused up to {} bytes", cfg.fusion.threshold_bytes)
+                };
+                let algorithm = clap::ValueEnum::to_possible_value(&cfg.fusion.algorithm)
+                    .map_or("?".into(), |v| v.get_name().to_string());
+                log(&format!(
+                    "# gradients: {} tensors, {} bytes, allreduce calls per step: {} ({how}, \
+                     algorithm {algorithm}, {nw} replicas)",
+                    grads.len(),
+                    stats.bytes,
+                    stats.messages,
+                ));
+            }
             let total = global.len() as f32;
             for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
                 let g = g.as_mut_slice::<f32>().expect("f32");
@@ -369,11 +392,7 @@ pub fn run<C: Comm + Send>(
                     .as_mut_slice::<f64>()
                     .expect("f64")
                     .copy_from_slice(&[f64::from(loss) * f64::from(n), f64::from(n)]);
-                coll.allreduce_tensor(
-                    &mut loss_buf,
-                    ReduceOp::Sum,
-                    crate::transport::Algorithm::Auto,
-                )?;
+                coll.allreduce_tensor(&mut loss_buf, ReduceOp::Sum, cfg.fusion.algorithm)?;
                 if chief {
                     let l = loss_buf.as_slice::<f64>().expect("f64");
                     let secs = window.elapsed().as_secs_f64().max(1e-9);
@@ -452,7 +471,17 @@ mod tests {
             let layout = Layout::single_host(n, &MappingOptions::default()).unwrap();
             let out =
                 std::env::temp_dir().join(format!("mpiflow-ar-eq-{}-{n}.bin", std::process::id()));
-            for overlap in [false, true] {
+            // Fused, overlapped, and one by one (a 1-byte threshold) by the ring.
+            let one_by_one = FusionConfig {
+                threshold_bytes: 1,
+                algorithm: crate::transport::Algorithm::Ring,
+            };
+            for (overlap, fusion) in [
+                (false, FusionConfig::default()),
+                (true, FusionConfig::default()),
+                (false, one_by_one),
+            ] {
+                let mut lines = Vec::new();
                 let cfg = AllreduceConfig {
                     train: tc.clone(),
                     checkpoint_dir: None,
@@ -460,11 +489,34 @@ mod tests {
                     check_every: 10,
                     save_params: Some(out.clone()),
                     overlap,
+                    fusion,
                     perturb_rank: None,
                 };
-                LocalComm::run(n, |c| {
-                    run(&c, &layout, &cfg, &train, &test, &mut |_| {}).unwrap()
+                let logs = LocalComm::run(n, |c| {
+                    let mut lines = Vec::new();
+                    run(&c, &layout, &cfg, &train, &test, &mut |l| {
+                        lines.push(l.to_string())
+                    })
+                    .unwrap();
+                    lines
                 });
+                lines.extend(logs.into_iter().flatten());
+                // Two layers: two weights and two biases, reduced as the settings say.
+                let calls = match (overlap, fusion.threshold_bytes) {
+                    (true, _) => 2,
+                    (false, 1) => 4,
+                    _ => 1,
+                };
+                let said = format!(
+                    "tensors, {} bytes, in {calls} allreduce calls",
+                    4 * (64 * 128 + 128 + 128 * 10 + 10)
+                );
+                assert!(
+                    lines
+                        .iter()
+                        .any(|l| l.starts_with("# gradients: 4 ") && l.contains(&said)),
+                    "{n} replicas, overlap {overlap}, {fusion:?}: {lines:?}"
+                );
                 let got = checkpoint::read_file(&out, None).unwrap();
                 let mut worst = 0.0f32;
                 for p in &local.model.params {
@@ -479,7 +531,7 @@ mod tests {
                 }
                 assert!(
                     worst < 1e-4,
-                    "{n} replicas, overlap {overlap}: largest relative difference {worst}"
+                    "{n} replicas, overlap {overlap}, {fusion:?}: largest relative difference {worst}"
                 );
             }
         }
