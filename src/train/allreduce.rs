@@ -508,7 +508,7 @@ mod tests {
                     _ => 1,
                 };
                 let said = format!(
-                    "tensors, {} bytes, in {calls} allreduce calls",
+                    "tensors, {} bytes, allreduce calls per step: {calls} (",
                     4 * (64 * 128 + 128 + 128 * 10 + 10)
                 );
                 assert!(
