@@ -481,7 +481,6 @@ mod tests {
                 (true, FusionConfig::default()),
                 (false, one_by_one),
             ] {
-                let mut lines = Vec::new();
                 let cfg = AllreduceConfig {
                     train: tc.clone(),
                     checkpoint_dir: None,
@@ -493,14 +492,14 @@ mod tests {
                     perturb_rank: None,
                 };
                 let logs = LocalComm::run(n, |c| {
-                    let mut lines = Vec::new();
+                    let mut said = Vec::new();
                     run(&c, &layout, &cfg, &train, &test, &mut |l| {
-                        lines.push(l.to_string())
+                        said.push(l.to_string())
                     })
                     .unwrap();
-                    lines
+                    said
                 });
-                lines.extend(logs.into_iter().flatten());
+                let lines: Vec<String> = logs.into_iter().flatten().collect();
                 // Two layers: two weights and two biases, reduced as the settings say.
                 let calls = match (overlap, fusion.threshold_bytes) {
                     (true, _) => 2,

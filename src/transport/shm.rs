@@ -300,8 +300,8 @@ impl ShmAllreduce {
             let elems = len / es;
             let sub = |r: usize| (r * elems / n) * es..((r + 1) * elems / n) * es;
             let own = sub(me);
-            // Peers read this slot next: the step is timed, copies to copies, to choose
-            // how to store (the peers' reads of what this rank stored are part of it).
+            // Peers read this slot next: the step is timed, from the copy in to the copy
+            // out, to choose how to store (the peers' reads of what was stored count).
             let mode = if direct {
                 StoreMode::Cached
             } else {
