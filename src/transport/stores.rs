@@ -159,9 +159,13 @@ impl StoreChooser {
         let sample = took.as_nanos() as f64 / bytes as f64;
         let cost = &self.cost[index(mode)];
         let old = cost.get();
-        // A moving average over ~4 steps; one preempted step (ranks share cores) moves
-        // it by at most its own value.
-        cost.set(if old == 0.0 {
+        // Down at once, up as a moving average over ~4 steps. A step only ever takes
+        // longer than its mode's cost (a peer preempted, ranks sharing cores), so a
+        // cheaper sample is news: one exploring step that finds the other mode cheaper
+        // (the phase changed) switches at once, where an average would keep the wrong
+        // mode for several explorations (~50 fused 1 MiB calls at 2x their time, seen
+        // here). A costlier sample moves the cost by at most its own value.
+        cost.set(if old == 0.0 || sample < old {
             sample.max(f64::MIN_POSITIVE)
         } else {
             old + (sample.min(5.0 * old) - old) / 4.0
@@ -212,12 +216,23 @@ mod tests {
             .collect();
         // On the steps numbered alike on every rank, whatever each measured.
         assert_eq!(explored, [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]);
-        // The phase turns: cached steps get cheap, and the explorations notice.
-        for _ in 0..16 {
-            c.record(StoreMode::Cached, kib, us(2));
-        }
+        // The phase turns: one exploring step that finds cached cheap switches at once.
+        assert_eq!(c.pick(EXPLORE_EVERY - 1, kib), StoreMode::Cached);
+        c.record(StoreMode::Cached, kib, us(1));
         assert!(c.cost(StoreMode::Cached) < c.cost(StoreMode::Streaming));
         assert_eq!(c.pick(5, kib), StoreMode::Cached);
+        // ...and back when the mode in use gets dearer: a few steps, not one outlier.
+        c.record(StoreMode::Cached, kib, us(40));
+        assert_eq!(
+            c.pick(6, kib),
+            StoreMode::Cached,
+            "one slow step is not news"
+        );
+        for _ in 0..4 {
+            c.record(StoreMode::Cached, kib, us(12));
+        }
+        assert_eq!(c.pick(7, kib), StoreMode::Streaming);
+        c.record(StoreMode::Cached, kib, us(2));
         assert_eq!(c.pick(EXPLORE_EVERY - 1, kib), StoreMode::Streaming);
         // Small steps are plain and untimed.
         assert_eq!(c.pick(EXPLORE_EVERY - 1, 100), StoreMode::Cached);
