@@ -215,8 +215,41 @@ fn benchmarks_print_osu_tables_for_every_path() {
         })
         .unwrap_or_else(|| panic!("no stores line: {}", run.stdout));
     // (Streaming stores exist on x86-64 only.)
-    let both = stores.contains(" ns/B, streaming stores ") && stores.ends_with(" ns/B");
+    let both =
+        stores.contains(" ns/B, streaming stores ") && stores.ends_with(" ns/B; 262144-byte slots");
     assert!(both || !cfg!(target_arch = "x86_64"), "{stores}");
+
+    // Re-tuning the shared-memory allreduce: slot size (rounded up to pages) and a forced
+    // store mode, many chunks per call.
+    let run = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "allreduce",
+        "-m",
+        "4096:1048576",
+        "--algorithm",
+        "shm",
+        "--shm-slot-bytes",
+        "5000",
+        "--shm-stores",
+        "streaming",
+        "-i",
+        "3",
+        "-x",
+        "1",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains(
+            "# shared-memory allreduce: 8192-byte slots, stores forced streaming (--shm-stores)"
+        ),
+        "{}",
+        run.stdout
+    );
 }
 
 #[test]
@@ -287,4 +320,19 @@ fn bad_benchmark_requests_are_one_line_errors() {
     .assert_one_line_error(
         "all ranks: --algorithm takes a list for allreduce only, not allreduce-fused",
     );
+    mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "latency",
+        "--shm-stores",
+        "cached",
+    ])
+    .assert_one_line_error(
+        "all ranks: --shm-slot-bytes and --shm-stores are for allreduce and \
+             allreduce-fused, not latency",
+    );
+    common::mpiflow_alone(&["bench", "allreduce", "--shm-slot-bytes", "0"], &[])
+        .assert_one_line_error("\"0\" is not a positive number of bytes");
 }

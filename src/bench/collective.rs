@@ -6,7 +6,7 @@ use clap::ValueEnum;
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 
-use super::osu::{self, BenchOptions, Path};
+use super::osu::{self, BenchOptions, Path, ShmStores};
 use super::{best_of_rounds, secs, BenchError, Better, Label, Row};
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig};
@@ -263,7 +263,7 @@ pub fn run(
             &tables[2],
             &speedups[0],
         ));
-        out.push_str(&stores_line(coll));
+        out.push_str(&stores_line(coll, opts));
         return Ok(out);
     }
     let (title, datatype, default_min) = if name == "allreduce" {
@@ -286,20 +286,30 @@ pub fn run(
     })?;
     out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
     if name == "allreduce" {
-        out.push_str(&stores_line(coll));
+        out.push_str(&stores_line(coll, opts));
     }
     Ok(out)
 }
 
 /// What this rank measured for the shared-memory allreduce's steps with each kind of store
-/// (see `transport::stores`), as a comment line; empty where it did not run.
-fn stores_line(coll: &Collectives<MpiComm>) -> String {
+/// (see `transport::stores`), or the mode `--shm-stores` forced, and the slot size, as a
+/// comment line; empty where it did not run.
+fn stores_line(coll: &Collectives<MpiComm>, opts: &BenchOptions) -> String {
     let Some((cached, streaming)) = coll.shm_store_costs() else {
         return String::new();
     };
+    // As the shared-memory allreduce rounds it.
+    let slot = coll.tuning.shm_slot_bytes.next_multiple_of(4096).max(4096);
+    if opts.shm_stores != ShmStores::Auto {
+        return format!(
+            "# shared-memory allreduce: {slot}-byte slots, stores forced {:?} (--shm-stores)\n",
+            opts.shm_stores
+        )
+        .to_lowercase();
+    }
     let show = |c: Option<f64>| c.map_or("not measured".into(), |c| format!("{c:.3} ns/B"));
     format!(
-        "# shared-memory allreduce, cost of a step per byte (rank {}, last measured): cached stores {}, streaming stores {}\n",
+        "# shared-memory allreduce, cost of a step per byte (rank {}, last measured): cached stores {}, streaming stores {}; {slot}-byte slots\n",
         coll.rank(),
         show(cached),
         show(streaming)

@@ -235,6 +235,12 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
             )))
         }
     }
+    let shm_tuned = opts.shm_slot_bytes.is_some() || opts.shm_stores != osu::ShmStores::Auto;
+    if shm_tuned && !matches!(name, "allreduce" | "allreduce-fused") {
+        return Err(BenchError::Option(format!(
+            "--shm-slot-bytes and --shm-stores are for allreduce and allreduce-fused, not {name}"
+        )));
+    }
     if (matches!(name, "latency" | "bw" | "bibw" | "pushpull") || rma::NAMES.contains(&name))
         && ranks < 2
     {
@@ -250,7 +256,14 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
 /// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
     validate(name, comm.size(), opts)?;
-    let coll = Collectives::new(MpiComm::new(comm.raw()));
+    let mut coll = Collectives::new(MpiComm::new(comm.raw()));
+    if let Some(bytes) = opts.shm_slot_bytes {
+        coll.tuning.shm_slot_bytes = bytes;
+    }
+    if let Some(mode) = opts.shm_stores.forced() {
+        // Collective (it makes the shared segments): every rank has the same options.
+        coll.force_shm_stores(Some(mode))?;
+    }
     let out = match name {
         "latency" | "bw" | "bibw" => p2p::run(comm, name, opts)?,
         "pushpull" => pushpull::run(comm, &coll, opts)?,

@@ -65,6 +65,43 @@ pub struct BenchOptions {
     /// How pushpull's mpiflow path reaches the ps: messages, or one-sided windows.
     #[arg(long, value_enum, default_value_t)]
     pub transport: crate::train::ps::PsTransport,
+    /// Bytes per slot of the shared-memory allreduce, rounded up to 4096 (allreduce and
+    /// allreduce-fused; default: the library's, 256 KiB): to re-tune on another machine.
+    #[arg(long, value_parser = positive_bytes)]
+    pub shm_slot_bytes: Option<usize>,
+    /// Stores into the shared-memory allreduce's slots: as measured (auto), or always
+    /// cached or streaming (allreduce and allreduce-fused).
+    #[arg(long, value_enum, default_value_t)]
+    pub shm_stores: ShmStores,
+}
+
+/// `--shm-stores`: see [`crate::transport::stores`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ShmStores {
+    /// Whichever makes a step cheaper, as measured.
+    #[default]
+    Auto,
+    Cached,
+    Streaming,
+}
+
+impl ShmStores {
+    /// The forced mode, if any.
+    pub fn forced(self) -> Option<crate::transport::stores::StoreMode> {
+        use crate::transport::stores::StoreMode;
+        match self {
+            ShmStores::Auto => None,
+            ShmStores::Cached => Some(StoreMode::Cached),
+            ShmStores::Streaming => Some(StoreMode::Streaming),
+        }
+    }
+}
+
+fn positive_bytes(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?} is not a positive number of bytes")),
+    }
 }
 
 impl Default for BenchOptions {
@@ -82,6 +119,8 @@ impl Default for BenchOptions {
             count: 100,
             ps: 1,
             transport: Default::default(),
+            shm_slot_bytes: None,
+            shm_stores: ShmStores::Auto,
         }
     }
 }
