@@ -221,34 +221,19 @@ fn benchmarks_print_osu_tables_for_every_path() {
 
     // Re-tuning the shared-memory allreduce: slot size (rounded up to pages) and a forced
     // store mode, many chunks per call.
-    let run = mpirun(&[
-        "-np",
-        "2",
-        mpiflow(),
-        "bench",
-        "allreduce",
-        "-m",
-        "4096:1048576",
-        "--algorithm",
-        "shm",
-        "--shm-slot-bytes",
-        "5000",
-        "--shm-stores",
-        "streaming",
-        "-i",
-        "3",
-        "-x",
-        "1",
-        "--rounds",
-        "1",
-    ]);
-    assert_eq!(run.code, 0, "{run:?}");
+    let tuned = "bench allreduce -m 4096:1048576 --algorithm shm --shm-slot-bytes 5000 \
+                 --shm-stores streaming -i 3 -x 1 --rounds 1";
+    let run = mpirun(
+        &[
+            &["-np", "2", mpiflow()][..],
+            &tuned.split_whitespace().collect::<Vec<_>>(),
+        ]
+        .concat(),
+    );
+    let line = "# shared-memory allreduce: 8192-byte slots, stores forced streaming (--shm-stores)";
     assert!(
-        run.stdout.contains(
-            "# shared-memory allreduce: 8192-byte slots, stores forced streaming (--shm-stores)"
-        ),
-        "{}",
-        run.stdout
+        run.code == 0 && run.stdout.contains(line),
+        "{line}: {run:?}"
     );
 }
 
