@@ -298,8 +298,7 @@ fn stores_line(coll: &Collectives<MpiComm>, opts: &BenchOptions) -> String {
     let Some((cached, streaming)) = coll.shm_store_costs() else {
         return String::new();
     };
-    // As the shared-memory allreduce rounds it.
-    let slot = coll.tuning.shm_slot_bytes.next_multiple_of(4096).max(4096);
+    let slot = coll.tuning.shm_slot();
     if opts.shm_stores != ShmStores::Auto {
         return format!(
             "# shared-memory allreduce: {slot}-byte slots, stores forced {:?} (--shm-stores)\n",

@@ -97,6 +97,14 @@ impl Default for AutoTuning {
     }
 }
 
+impl AutoTuning {
+    /// The slot size the shared-memory allreduce uses: `shm_slot_bytes` rounded up to
+    /// whole pages (at least one).
+    pub fn shm_slot(&self) -> usize {
+        self.shm_slot_bytes.next_multiple_of(4096).max(4096)
+    }
+}
+
 /// Collective operations over one communicator, with reusable scratch memory.
 pub struct Collectives<C: Comm> {
     comm: C,
@@ -342,7 +350,7 @@ impl<C: Comm> Collectives<C> {
         if let Some(s) = self.shm.get() {
             return Ok(s.as_ref());
         }
-        let slot = self.tuning.shm_slot_bytes.next_multiple_of(4096).max(4096);
+        let slot = self.tuning.shm_slot();
         let made = if self.size() > 1 {
             self.comm
                 .shared_segments(shm::segment_bytes(slot))?
