@@ -11,7 +11,7 @@
 //! - broadcast, allgather, barrier, a fused allreduce of ten named tensors, and an
 //!   allreduce within each job's own communicator (split by job).
 //!
-//! Each rank prints one JSON line: rank, checks run, digest, failures.
+//! Each rank prints one JSON line: rank, checks run, digest, the tag bound, failures.
 
 use serde_json::json;
 
@@ -30,6 +30,8 @@ pub struct Report {
     pub failures: Vec<String>,
     /// Whether `--algorithm shm` ran through shared memory (all ranks on one node).
     pub shm: Option<bool>,
+    /// The tag bound every scheme ran under (`MPI_TAG_UB`, or `MPIFLOW_TAG_UB`).
+    pub tag_ub: i32,
 }
 
 impl Report {
@@ -46,7 +48,7 @@ impl Report {
 
     /// One JSON line.
     pub fn json(&self, rank: usize, size: usize) -> String {
-        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "failures": self.failures}).to_string()
+        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "tag_ub": self.tag_ub, "failures": self.failures}).to_string()
     }
 }
 
@@ -219,14 +221,17 @@ pub fn run<C: Comm>(
     let all: Vec<usize> = (0..n).collect();
     let e = |x: &dyn std::fmt::Display| x.to_string();
 
-    // Point-to-point ring, by rank.
+    // Point-to-point ring, by rank, on the highest tag left to callers under this job's
+    // MPI_TAG_UB (the collectives below use the reserved ones above it).
+    rep.tag_ub = c.tags().ub();
+    let top = c.tags().max_user();
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     let out = tensor_of(DType::F32, r, 1001).named("ring");
     let mut inc = Tensor::zeros(DType::F32, &[1001])
         .map_err(|x| e(&x))?
         .named("ring");
-    let send = p2p::immediate_send(c, &out, right, 5).map_err(|x| e(&x))?;
-    p2p::receive_into(c, &mut inc, left, 5).map_err(|x| e(&x))?;
+    let send = p2p::immediate_send(c, &out, right, top).map_err(|x| e(&x))?;
+    p2p::receive_into(c, &mut inc, left, top).map_err(|x| e(&x))?;
     send.wait().map_err(|x| e(&x))?;
     rep.expect(
         inc.bytes() == tensor_of(DType::F32, left, 1001).bytes(),

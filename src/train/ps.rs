@@ -6,7 +6,8 @@
 //! writes checkpoints and logs.
 //!
 //! Protocol: one message per request (`[u32 n | JSON header of n bytes | f32 payload]`,
-//! tag `REQ`, worker to ps) and one per reply (same framing, tag `REP`). A ps serves any
+//! tag [`Reserved::PsRequest`], worker to ps) and one per reply (same framing, tag
+//! [`Reserved::PsReply`]). A ps serves any
 //! worker's request as it arrives (`MPI_Improbe` + `MPI_Mrecv` on any source): pulls that
 //! must wait for a step are parked, never block the loop.
 //!
@@ -38,9 +39,17 @@ use super::placement::{self, Shard, Strategy};
 use super::{layer_sizes, StepLog, TrainConfig};
 use crate::cluster::{Layout, TaskId};
 use crate::transport::comm::{Backoff, Comm, TransportError};
+use crate::transport::tags::Reserved;
 
-const REQ: i32 = 100;
-const REP: i32 = 101;
+/// The tag of requests (worker to ps), reserved at the top of the tag range.
+fn req<C: Comm>(c: &C) -> i32 {
+    c.tags().reserved(Reserved::PsRequest)
+}
+
+/// The tag of replies (ps to worker).
+fn rep<C: Comm>(c: &C) -> i32 {
+    c.tags().reserved(Reserved::PsReply)
+}
 
 /// How workers reach the ps tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -216,7 +225,7 @@ fn is_error_reply(m: &[u8]) -> bool {
 }
 
 /// Sends `bytes` to `to`, waiting at most `deadline` for completion, and meanwhile takes a
-/// `REP` message from `watch` if one arrives (a ps that aborts while this worker is still
+/// reply from `watch` if one arrives (a ps that aborts while this worker is still
 /// pushing to it). A send that never completes keeps its buffer alive (leaked) for as
 /// long as MPI may read it: the process is about to stop anyway.
 fn send_within<C: Comm>(
@@ -237,7 +246,7 @@ fn send_within<C: Comm>(
             return Ok(Sent::Done(early));
         }
         if let (Some(w), None) = (watch, &early) {
-            if let Some((_, m)) = c.try_receive(w, REP, deadline)? {
+            if let Some((_, m)) = c.try_receive(w, rep(c), deadline)? {
                 if is_error_reply(&m) {
                     std::mem::forget(bytes);
                     std::mem::forget(req);
@@ -510,7 +519,9 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn send_reply(&self, to: usize, message: Vec<u8>) -> Result<(), PsError> {
-        if let Sent::Done(_) = send_within(self.comm, message, to, REP, self.timeout, None)? {
+        if let Sent::Done(_) =
+            send_within(self.comm, message, to, rep(self.comm), self.timeout, None)?
+        {
             return Ok(());
         }
         let err = PsError::Lost {
@@ -531,7 +542,7 @@ impl<'a, C: Comm> Server<'a, C> {
                     self.comm,
                     message.clone(),
                     *r,
-                    REP,
+                    rep(self.comm),
                     Duration::from_secs(1),
                     None,
                 );
@@ -797,22 +808,22 @@ impl<'a, C: Comm> Server<'a, C> {
     fn serve(mut self) -> Result<(), PsError> {
         let mut backoff = Backoff::new(Duration::from_micros(200));
         while !self.done.iter().all(|d| *d) {
-            let got =
-                match self
-                    .comm
-                    .try_receive(crate::transport::comm::ANY_SOURCE, REQ, self.timeout)
-                {
-                    Err(TransportError::Timeout { peer, .. }) => {
-                        let err = PsError::Lost {
-                            task: self.me(),
-                            lost: self.roles.task(peer),
-                            secs: self.timeout.as_secs(),
-                        };
-                        self.abort_all(peer, &err);
-                        return Err(err);
-                    }
-                    other => other?,
-                };
+            let got = match self.comm.try_receive(
+                crate::transport::comm::ANY_SOURCE,
+                req(self.comm),
+                self.timeout,
+            ) {
+                Err(TransportError::Timeout { peer, .. }) => {
+                    let err = PsError::Lost {
+                        task: self.me(),
+                        lost: self.roles.task(peer),
+                        secs: self.timeout.as_secs(),
+                    };
+                    self.abort_all(peer, &err);
+                    return Err(err);
+                }
+                other => other?,
+            };
             match got {
                 Some((from, bytes)) => {
                     backoff.reset();
@@ -901,7 +912,7 @@ impl<C: Comm> Worker<'_, C> {
                 self.comm,
                 encode_parts(&header(k), &payload(k)),
                 *r,
-                REQ,
+                req(self.comm),
                 deadline,
                 Some(*r),
             )? {
@@ -934,7 +945,7 @@ impl<C: Comm> Worker<'_, C> {
             };
             let got = match early
                 .map(|m| Ok(Some((*r, m))))
-                .unwrap_or_else(|| receive_within(self.comm, *r, REP, deadline))
+                .unwrap_or_else(|| receive_within(self.comm, *r, rep(self.comm), deadline))
             {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(TransportError::Timeout { .. }) => return Err(lost()),
@@ -1082,7 +1093,12 @@ impl<C: Comm> Worker<'_, C> {
             .map_err(|e| PsError::Setup(e.to_string()))?;
         }
         for r in &self.roles.ps {
-            crate::transport::comm::send(self.comm, &encode(&json!({"op": "done"}), &[]), *r, REQ)?;
+            crate::transport::comm::send(
+                self.comm,
+                &encode(&json!({"op": "done"}), &[]),
+                *r,
+                req(self.comm),
+            )?;
         }
         Ok(())
     }
@@ -1172,7 +1188,7 @@ pub fn bench_pushpull<C: Comm>(
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
     for r in &roles.ps {
-        crate::transport::comm::send(comm, &encode(&json!({"op": "done"}), &[]), *r, REQ)?;
+        crate::transport::comm::send(comm, &encode(&json!({"op": "done"}), &[]), *r, req(comm))?;
     }
     Ok(Some(secs))
 }
@@ -1263,10 +1279,10 @@ mod tests {
                             &vec![0.0; n],
                         ),
                         0,
-                        REQ,
+                        req(&comm),
                     )
                     .unwrap();
-                    let (_, r) = receive_within(&comm, 0, REP, Duration::from_secs(10))
+                    let (_, r) = receive_within(&comm, 0, rep(&comm), Duration::from_secs(10))
                         .unwrap()
                         .unwrap();
                     decode(&r).unwrap().0["error"].as_str().unwrap().to_string()

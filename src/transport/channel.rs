@@ -30,7 +30,7 @@ impl Channel {
     /// two headers). Both ranks call it; a peer that opened it for another tensor is an
     /// error on both, naming both sides.
     pub fn open<C: Comm>(c: &C, t: &Tensor, peer: usize, tag: i32) -> Result<Channel, P2pError> {
-        check_tag(tag)?;
+        check_tag(c, tag)?;
         let ours = t.wire_header();
         let mut theirs = [0u8; crate::tensor::HEADER_ROOM];
         let got = super::comm::sendrecv(c, ours, peer, &mut theirs, peer, tag)?;

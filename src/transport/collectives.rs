@@ -33,14 +33,14 @@ use std::cell::RefCell;
 use super::comm::{recv, send, sendrecv, Comm, ReduceOp, TransportError};
 use super::shm::{self, ShmAllreduce};
 use super::stores::StoreMode;
+use super::tags::Reserved;
 use crate::tensor::{AlignedBuf, DType, Element, Tensor};
 
-/// Tags of collective traffic, above any user tag.
-pub(crate) const TAG_BARRIER: i32 = 1 << 24;
-pub(crate) const TAG_BCAST: i32 = TAG_BARRIER + 1;
-pub(crate) const TAG_ALLGATHER: i32 = TAG_BARRIER + 2;
-pub(crate) const TAG_RING: i32 = TAG_BARRIER + 3;
-pub(crate) const TAG_RD: i32 = TAG_BARRIER + 4;
+/// The tag of one kind of collective traffic: reserved at the top of the communicator's
+/// tag range, above any caller's tag.
+fn tag<C: Comm>(c: &C, r: Reserved) -> i32 {
+    c.tags().reserved(r)
+}
 
 /// An allreduce algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -212,7 +212,7 @@ pub fn allgather_bytes<C: Comm>(c: &C, mine: &[u8], out: &mut [u8]) -> Result<()
             send_blk * b..(send_blk + 1) * b,
             recv_blk * b..(recv_blk + 1) * b,
         );
-        sendrecv(c, sb, right, rb, left, TAG_ALLGATHER)?;
+        sendrecv(c, sb, right, rb, left, tag(c, Reserved::Allgather))?;
     }
     Ok(())
 }
@@ -280,7 +280,7 @@ impl<C: Comm> Collectives<C> {
                 (r + k) % n,
                 &mut [],
                 (r + n - k) % n,
-                TAG_BARRIER,
+                tag(&self.comm, Reserved::Barrier),
             )?;
             k <<= 1;
         }
@@ -297,7 +297,12 @@ impl<C: Comm> Collectives<C> {
         let mut mask = 1;
         while mask < n {
             if vr & mask != 0 {
-                recv(&self.comm, buf, (r + n - mask) % n, TAG_BCAST)?;
+                recv(
+                    &self.comm,
+                    buf,
+                    (r + n - mask) % n,
+                    tag(&self.comm, Reserved::Bcast),
+                )?;
                 break;
             }
             mask <<= 1;
@@ -305,7 +310,12 @@ impl<C: Comm> Collectives<C> {
         mask >>= 1;
         while mask > 0 {
             if vr + mask < n {
-                send(&self.comm, buf, (r + mask) % n, TAG_BCAST)?;
+                send(
+                    &self.comm,
+                    buf,
+                    (r + mask) % n,
+                    tag(&self.comm, Reserved::Bcast),
+                )?;
             }
             mask >>= 1;
         }
@@ -510,6 +520,7 @@ impl<C: Comm> Collectives<C> {
         let max_chunk = chunk(0, n, elems, es).len() + es;
         let mut scratch = self.scratch(max_chunk);
         let c = &self.comm;
+        let ring_tag = tag(c, Reserved::Ring);
         // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1.
         for s in 0..n - 1 {
             let send_c = chunk((r + n - s) % n, n, elems, es);
@@ -523,7 +534,7 @@ impl<C: Comm> Collectives<C> {
             for (o, l) in &segs_in {
                 // SAFETY: each segment is a disjoint part of `incoming`, not touched until
                 // its request is waited on below; all requests are waited on.
-                recvs.push(unsafe { c.irecv(incoming.as_mut_ptr().add(*o), *l, left, TAG_RING)? });
+                recvs.push(unsafe { c.irecv(incoming.as_mut_ptr().add(*o), *l, left, ring_tag)? });
             }
             let mut sends = Vec::new();
             for o in (0..send_c.len()).step_by(seg) {
@@ -531,7 +542,7 @@ impl<C: Comm> Collectives<C> {
                 // SAFETY: the send chunk is disjoint from the receive chunk being reduced
                 // (different chunk indices) and is not modified before the sends complete.
                 sends.push(unsafe {
-                    c.isend(buf.as_ptr().add(send_c.start + o), l, right, TAG_RING)?
+                    c.isend(buf.as_ptr().add(send_c.start + o), l, right, ring_tag)?
                 });
             }
             for ((o, l), req) in segs_in.iter().zip(recvs) {
@@ -548,7 +559,7 @@ impl<C: Comm> Collectives<C> {
             let send_c = chunk((r + 1 + n - s) % n, n, elems, es);
             let recv_c = chunk((r + n - s) % n, n, elems, es);
             let (sb, rb) = disjoint(buf, send_c, recv_c);
-            sendrecv(c, sb, right, rb, left, TAG_RING)?;
+            sendrecv(c, sb, right, rb, left, ring_tag)?;
         }
         Ok(())
     }
@@ -571,10 +582,10 @@ impl<C: Comm> Collectives<C> {
         // Fold: among the first 2*rem ranks, evens hand their data to the next odd rank.
         let vrank = if r < 2 * rem {
             if r % 2 == 0 {
-                send(c, buf, r + 1, TAG_RD)?;
+                send(c, buf, r + 1, tag(c, Reserved::RecursiveDoubling))?;
                 None
             } else {
-                recv(c, tmp, r - 1, TAG_RD)?;
+                recv(c, tmp, r - 1, tag(c, Reserved::RecursiveDoubling))?;
                 reduce_bytes(dtype, op, buf, tmp);
                 Some(r / 2)
             }
@@ -586,7 +597,14 @@ impl<C: Comm> Collectives<C> {
             let mut mask = 1;
             while mask < p {
                 let partner = real(v ^ mask);
-                sendrecv(c, buf, partner, tmp, partner, TAG_RD)?;
+                sendrecv(
+                    c,
+                    buf,
+                    partner,
+                    tmp,
+                    partner,
+                    tag(c, Reserved::RecursiveDoubling),
+                )?;
                 reduce_bytes(dtype, op, buf, tmp);
                 mask <<= 1;
             }
@@ -594,9 +612,9 @@ impl<C: Comm> Collectives<C> {
         // Unfold: odd ranks give the result back to their even partner.
         if r < 2 * rem {
             if r % 2 == 0 {
-                recv(c, buf, r + 1, TAG_RD)?;
+                recv(c, buf, r + 1, tag(c, Reserved::RecursiveDoubling))?;
             } else {
-                send(c, buf, r - 1, TAG_RD)?;
+                send(c, buf, r - 1, tag(c, Reserved::RecursiveDoubling))?;
             }
         }
         Ok(())

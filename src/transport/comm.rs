@@ -86,6 +86,10 @@ pub trait Comm {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
 
+    /// The tag scheme under this communicator's `MPI_TAG_UB`: the library's own tags and
+    /// the range left to callers.
+    fn tags(&self) -> super::tags::Tags;
+
     /// The tensors last sent to and received from each (peer, tag), for
     /// [`super::p2p`]'s header-free repeats.
     fn links(&self) -> &super::p2p::Links;

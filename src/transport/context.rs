@@ -17,6 +17,8 @@ use mpi::traits::*;
 pub enum InitError {
     #[error("MPI is already initialised in this process")]
     AlreadyInitialised,
+    #[error("{0}")]
+    Tags(#[from] super::tags::TagError),
 }
 
 /// An error raised on one rank (or on all alike) and agreed by all.
@@ -41,10 +43,12 @@ impl Context {
     /// Initialises MPI (`MPI_Init`).
     pub fn init() -> Result<Context, InitError> {
         let universe = mpi::initialize().ok_or(InitError::AlreadyInitialised)?;
-        Ok(Context {
+        let ctx = Context {
             world: universe.world(),
             _universe: universe,
-        })
+        };
+        ctx.check_tags()?;
+        Ok(ctx)
     }
 
     /// Initialises MPI asking for `MPI_THREAD_MULTIPLE`; the flag says whether the library
@@ -56,7 +60,14 @@ impl Context {
             world: universe.world(),
             _universe: universe,
         };
+        ctx.check_tags()?;
         Ok((ctx, level == mpi::Threading::Multiple))
+    }
+
+    /// Refuses a tag bound no scheme fits (only `MPIFLOW_TAG_UB` can make one: MPI
+    /// guarantees 32767). Every rank reads the same variable and library, so all agree.
+    fn check_tags(&self) -> Result<super::tags::Tags, InitError> {
+        Ok(super::mpi::tag_scheme()?)
     }
 
     pub fn world(&self) -> &SimpleCommunicator {

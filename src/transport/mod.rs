@@ -14,6 +14,7 @@
 //! - [`stores`]: how a rank copies into that memory (cached or streaming stores, measured).
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
+//! - [`tags`]: every tag scheme inside the library's `MPI_TAG_UB`.
 
 pub mod channel;
 pub mod collectives;
@@ -26,6 +27,7 @@ pub mod p2p;
 pub mod rma;
 pub mod shm;
 pub mod stores;
+pub mod tags;
 
 pub use collectives::{Algorithm, Collectives};
 pub use comm::{Comm, ReduceOp, TransportError};

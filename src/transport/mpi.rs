@@ -16,6 +16,7 @@ use mpi::traits::*;
 use super::comm::{check_peer, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
 use super::p2p::Links;
 use super::shm::SharedSegments;
+use super::tags::{TagError, Tags, STANDARD_TAG_UB, TAG_UB_VAR};
 use crate::tensor::DType;
 
 /// A communicator for mpiflow's own traffic.
@@ -27,6 +28,7 @@ pub struct MpiComm {
     /// See [`count_offset`].
     count_at: Option<usize>,
     links: Links,
+    tags: Tags,
 }
 
 // SAFETY: MPI handles are process-wide values, valid in any thread. Using communicators
@@ -128,6 +130,33 @@ fn count_offset(comm: &SimpleCommunicator, version: &str) -> Option<usize> {
     Some(at)
 }
 
+/// The library's `MPI_TAG_UB` (an attribute of `MPI_COMM_WORLD`); the standard's
+/// minimum if the library does not say.
+pub fn library_tag_ub() -> i32 {
+    let mut value: *mut c_int = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: MPI is initialised (an MpiComm or Context exists); for a predefined integer
+    // attribute MPI stores a pointer to the int in `value`, valid for the process's life.
+    let rc = unsafe {
+        ffi::MPI_Comm_get_attr(
+            ffi::RSMPI_COMM_WORLD,
+            ffi::MPI_TAG_UB as c_int,
+            (&mut value as *mut *mut c_int).cast::<c_void>(),
+            &mut flag,
+        )
+    };
+    if rc != ffi::MPI_SUCCESS as c_int || flag == 0 || value.is_null() {
+        return STANDARD_TAG_UB;
+    }
+    // SAFETY: flag says the attribute is set, so value points to its int.
+    unsafe { *value }
+}
+
+/// The tag scheme of this job: the library's bound, lowered by `MPIFLOW_TAG_UB` if set.
+pub fn tag_scheme() -> Result<Tags, TagError> {
+    Tags::with_override(library_tag_ub(), std::env::var(TAG_UB_VAR).ok().as_deref())
+}
+
 fn dtype_raw(d: DType) -> ffi::MPI_Datatype {
     // SAFETY: the RSMPI_* handles are constants initialised by the MPI library.
     unsafe {
@@ -161,6 +190,9 @@ impl MpiComm {
             in_place: library_in_place(&version),
             comm: dup,
             links: Links::default(),
+            // Context::init refused a bad MPIFLOW_TAG_UB already; the fallback is the
+            // standard's minimum, which every library allows.
+            tags: tag_scheme().unwrap_or_default(),
         }
     }
 
@@ -250,6 +282,10 @@ impl Comm for MpiComm {
 
     fn size(&self) -> usize {
         self.size
+    }
+
+    fn tags(&self) -> Tags {
+        self.tags
     }
 
     fn links(&self) -> &Links {
@@ -478,7 +514,28 @@ impl Comm for MpiComm {
                 &mut win,
             )
         };
-        self.check("MPI_Win_allocate_shared", rc)?;
+        // Not every one-sided component makes shared windows (`--mca osc ucx` alone
+        // refuses with MPI_ERR_INTERN): then the node has no shared segments and the
+        // allreduce takes another algorithm. The ranks of the node decide together.
+        let mut ok: c_int = c_int::from(rc == ffi::MPI_SUCCESS as c_int);
+        // SAFETY: node is valid; MPI_IN_PLACE is not used (separate send and receive ints).
+        let send = ok;
+        let agreed = unsafe {
+            ffi::MPI_Allreduce(
+                (&send as *const c_int).cast(),
+                (&mut ok as *mut c_int).cast(),
+                1,
+                ffi::RSMPI_INT32_T,
+                ffi::RSMPI_MIN,
+                node,
+            )
+        };
+        self.check("MPI_Allreduce", agreed)?;
+        if ok == 0 {
+            // A window that did open on some rank stays until MPI_Finalize: freeing it is
+            // collective over ranks that have none.
+            return Ok(None);
+        }
         // SAFETY: base holds `room` bytes of ours; nobody reads them before the barrier below.
         unsafe { std::ptr::write_bytes(base, 0, room) };
         let mut ptrs = Vec::with_capacity(self.size);

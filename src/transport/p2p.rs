@@ -33,9 +33,6 @@ use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
 use crate::cluster::{Layout, TaskId};
 use crate::tensor::{describe_header, header_payload_len, Landing, Tensor, TensorError};
 
-/// Tags at or above this are reserved for collectives.
-pub const MAX_USER_TAG: i32 = (1 << 24) - 1;
-
 /// Errors from point-to-point tensor transfers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum P2pError {
@@ -49,8 +46,11 @@ pub enum P2pError {
     },
     #[error("task {0} is not in the cluster")]
     UnknownTask(TaskId),
-    #[error("tag {0} is out of range 0..={MAX_USER_TAG}")]
-    BadTag(i32),
+    #[error("rank {rank}: {source}")]
+    Tag {
+        rank: usize,
+        source: super::tags::TagError,
+    },
     #[error("rank {0}: tensor transfers name their peer rank (no ANY_SOURCE): headers are remembered per peer")]
     AnySource(usize),
     #[error(
@@ -114,12 +114,11 @@ impl Tasks {
 }
 
 #[inline]
-pub(crate) fn check_tag(tag: i32) -> Result<(), P2pError> {
-    if (0..=MAX_USER_TAG).contains(&tag) {
-        Ok(())
-    } else {
-        Err(P2pError::BadTag(tag))
-    }
+pub(crate) fn check_tag<C: Comm>(c: &C, tag: i32) -> Result<(), P2pError> {
+    c.tags().check_user(tag).map_err(|source| P2pError::Tag {
+        rank: c.rank(),
+        source,
+    })
 }
 
 /// What one side of a link last sent or received: enough to leave out the next header.
@@ -456,7 +455,7 @@ impl<C: Comm> Drop for RecvRequest<'_, C> {
 
 #[inline]
 fn check_link<C: Comm>(c: &C, peer: usize, tag: i32) -> Result<(), P2pError> {
-    check_tag(tag)?;
+    check_tag(c, tag)?;
     if peer == ANY_SOURCE {
         return Err(P2pError::AnySource(c.rank()));
     }
@@ -771,9 +770,14 @@ mod tests {
         ));
         let c = LocalComm::create(1, std::time::Duration::from_millis(10));
         let x = Tensor::zeros(DType::U8, &[1]).unwrap();
+        // The in-process transport runs under the standard's minimum bound, 32767, with
+        // mpiflow's own tags at its top.
+        let max = c[0].tags().max_user();
+        assert_eq!(max, 32767 - 7);
         assert_eq!(
-            send(&c[0], &x, 0, 1 << 24).unwrap_err(),
-            P2pError::BadTag(1 << 24)
+            send(&c[0], &x, 0, max + 1).unwrap_err().to_string(),
+            "rank 0: tag 32761 is out of range 0..=32760 (MPI_TAG_UB 32767; the 7 tags above are mpiflow's own)"
         );
+        send(&c[0], &x, 0, max).unwrap();
     }
 }

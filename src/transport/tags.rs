@@ -1,0 +1,193 @@
+//! Message tags within the MPI library's bound.
+//!
+//! MPI only guarantees tags up to 32767 (`MPI_TAG_UB`, MPI 4.0 section 8.1.2); the real
+//! bound depends on the library and its transport: OpenMPI's `pml ob1` allows 2^31-1, its
+//! `pml ucx` (the default on most InfiniBand clusters) 2^23-1, MPICH 2^31-1 or less with
+//! some netmods. mpiflow reads the bound when a communicator is made and builds every
+//! scheme inside it: [`Tags::reserved`] gives the library's own tags (collectives, the ps
+//! protocol) from the top of the range, and every tag a caller passes (tensor links,
+//! channels) must lie in `0..=Tags::max_user()`, below them.
+//!
+//! `MPIFLOW_TAG_UB` lowers the bound (never raises it): the tests run whole jobs under the
+//! standard's minimum with it.
+
+/// The smallest `MPI_TAG_UB` the MPI standard allows.
+pub const STANDARD_TAG_UB: i32 = 32767;
+
+/// The environment variable that lowers the tag bound (for tests).
+pub const TAG_UB_VAR: &str = "MPIFLOW_TAG_UB";
+
+/// The library's own tag uses, each one tag at the top of the range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reserved {
+    Barrier,
+    Bcast,
+    Allgather,
+    Ring,
+    RecursiveDoubling,
+    /// Parameter-server requests (worker to ps).
+    PsRequest,
+    /// Parameter-server replies (ps to worker).
+    PsReply,
+}
+
+impl Reserved {
+    /// Every reserved use, in the order they take tags down from the bound.
+    pub const ALL: [Reserved; 7] = [
+        Reserved::Barrier,
+        Reserved::Bcast,
+        Reserved::Allgather,
+        Reserved::Ring,
+        Reserved::RecursiveDoubling,
+        Reserved::PsRequest,
+        Reserved::PsReply,
+    ];
+}
+
+/// Tags kept below the reserved ones for callers: at least this many, or the bound is
+/// refused (a caller's tags 0..1023 must fit even under the standard's minimum).
+pub const MIN_USER_TAGS: i32 = 1024;
+
+/// Errors of the tag scheme.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TagError {
+    #[error(
+        "MPI_TAG_UB is {ub}: mpiflow needs at least {} tags ({} reserved and {MIN_USER_TAGS} for tensors)",
+        MIN_USER_TAGS + Reserved::ALL.len() as i32, Reserved::ALL.len()
+    )]
+    TooSmall { ub: i32 },
+    #[error("tag {tag} is out of range 0..={max} (MPI_TAG_UB {ub}; the {} tags above are mpiflow's own)", Reserved::ALL.len())]
+    OutOfRange { tag: i32, max: i32, ub: i32 },
+    #[error("{TAG_UB_VAR}={0:?} is not a positive integer")]
+    BadVariable(String),
+}
+
+/// The tag scheme of one communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tags {
+    ub: i32,
+}
+
+impl Tags {
+    /// The scheme under the bound `ub` (`MPI_TAG_UB`).
+    pub fn new(ub: i32) -> Result<Tags, TagError> {
+        if ub < MIN_USER_TAGS - 1 + Reserved::ALL.len() as i32 {
+            return Err(TagError::TooSmall { ub });
+        }
+        Ok(Tags { ub })
+    }
+
+    /// The scheme under `library_ub` lowered by [`TAG_UB_VAR`] if that is set.
+    pub fn with_override(library_ub: i32, var: Option<&str>) -> Result<Tags, TagError> {
+        let ub = match var {
+            None => library_ub,
+            Some(v) => {
+                let lowered = v
+                    .trim()
+                    .parse::<i32>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| TagError::BadVariable(v.to_string()))?;
+                lowered.min(library_ub)
+            }
+        };
+        Tags::new(ub)
+    }
+
+    /// The bound this scheme lives in.
+    pub fn ub(&self) -> i32 {
+        self.ub
+    }
+
+    /// The highest tag a caller may use.
+    pub fn max_user(&self) -> i32 {
+        self.ub - Reserved::ALL.len() as i32
+    }
+
+    /// The tag of one of the library's own uses.
+    pub fn reserved(&self, r: Reserved) -> i32 {
+        let i = Reserved::ALL
+            .iter()
+            .position(|x| *x == r)
+            .expect("listed in ALL") as i32;
+        self.ub - i
+    }
+
+    /// A caller's tag, checked against the range left to callers.
+    pub fn check_user(&self, tag: i32) -> Result<(), TagError> {
+        if (0..=self.max_user()).contains(&tag) {
+            Ok(())
+        } else {
+            Err(TagError::OutOfRange {
+                tag,
+                max: self.max_user(),
+                ub: self.ub,
+            })
+        }
+    }
+}
+
+impl Default for Tags {
+    /// The standard's minimum: a scheme that fits every MPI library.
+    fn default() -> Self {
+        Tags {
+            ub: STANDARD_TAG_UB,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_tags_are_distinct_within_the_bound_and_above_every_user_tag() {
+        for ub in [STANDARD_TAG_UB, (1 << 23) - 1, i32::MAX] {
+            let t = Tags::new(ub).unwrap();
+            let mut seen: Vec<i32> = Reserved::ALL.iter().map(|r| t.reserved(*r)).collect();
+            assert!(
+                seen.iter().all(|x| *x <= ub && *x > t.max_user()),
+                "{seen:?}"
+            );
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), Reserved::ALL.len());
+            assert!(t.check_user(t.max_user()).is_ok());
+            assert!(t.check_user(0).is_ok());
+            assert!(t.check_user(t.max_user() + 1).is_err());
+            assert!(t.check_user(-1).is_err());
+        }
+    }
+
+    #[test]
+    fn the_variable_lowers_never_raises_and_bad_values_are_named() {
+        assert_eq!(
+            Tags::with_override(i32::MAX, Some("32767")).unwrap().ub(),
+            32767
+        );
+        assert_eq!(
+            Tags::with_override(32767, Some("99999999")).unwrap().ub(),
+            32767
+        );
+        assert_eq!(
+            Tags::with_override(5000, None).unwrap().max_user(),
+            5000 - 7
+        );
+        let e = Tags::with_override(32767, Some("lots")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "MPIFLOW_TAG_UB=\"lots\" is not a positive integer"
+        );
+        let e = Tags::with_override(32767, Some("100")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("MPI_TAG_UB is 100: mpiflow needs"),
+            "{e}"
+        );
+        let e = Tags::new(32767).unwrap().check_user(40000).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tag 40000 is out of range 0..=32760 (MPI_TAG_UB 32767; the 7 tags above are mpiflow's own)"
+        );
+    }
+}
