@@ -107,7 +107,8 @@ fn main() {
         steps: if quick { 200 } else { 1500 },
         ..TrainConfig::default()
     };
-    let r = train_local(&cfg, &train, &test, |_| {}).expect("training runs");
+    let mlp = mpiflow::model::mlp(64, &[128], 10).expect("a valid MLP");
+    let r = train_local(&mlp, &cfg, &train, &test, |_| {}).expect("training runs");
     println!(
         "{:<8}{:>16.0}{:>12.4}",
         cfg.steps, r.samples_per_sec, r.accuracy

@@ -20,6 +20,8 @@ pub mod cluster;
 pub mod hash;
 pub mod kernels;
 pub mod launch;
+pub mod model;
+pub mod rng;
 pub mod tensor;
 pub mod topology;
 pub mod train;

@@ -29,6 +29,7 @@ use mpiflow::cluster::hostfile::MapBy;
 use mpiflow::cluster::resolve::{launcher_rank_hint, resolve_mpi, resolve_offline};
 use mpiflow::cluster::{MappingOptions, Placement, Request, Resolved, Source};
 use mpiflow::launch;
+use mpiflow::model::Model;
 use mpiflow::transport::Context;
 
 #[derive(Parser)]
@@ -50,7 +51,7 @@ enum Cmd {
     Launch(LaunchArgs),
     /// Verify point-to-point and every collective on this job (one JSON line per rank).
     Check(CheckArgs),
-    /// Train the MLP (`--mode local`: one process, the reference for distributed modes).
+    /// Train a model (`--mode local`: one process, the reference for distributed modes).
     Train(TrainArgs),
     /// This node's topology and, per rank, the CPU binding and BLAS threads applied.
     Topo(TopoArgs),
@@ -78,10 +79,23 @@ enum Mode {
     Allreduce,
 }
 
+/// The built-in models.
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+enum ModelChoice {
+    /// Dense layers of --hidden widths with ReLU.
+    #[default]
+    Mlp,
+    /// Two 5x5 convolution + max-pool blocks (16, 32 filters), dense 128, for images.
+    Cnn,
+}
+
 #[derive(Args)]
 struct TrainArgs {
     #[arg(long, value_enum, default_value_t)]
     mode: Mode,
+    /// The model to train.
+    #[arg(long, value_enum, default_value_t)]
+    model: ModelChoice,
     #[command(flatten)]
     cluster: ClusterArgs,
     /// Synchronous replicas (the default in ps mode).
@@ -133,10 +147,11 @@ struct TrainArgs {
     /// Write the final parameters to this file (mpiflow checkpoint format).
     #[arg(long)]
     save_params: Option<PathBuf>,
-    /// digits (the shipped UCI set), digits:PATH, synthetic, or idx:IMAGES,LABELS.
+    /// digits (the shipped UCI set), fashion-mnist (Debian's dataset-fashion-mnist, official
+    /// split), digits:PATH, fashion-mnist:DIR, synthetic, or idx:IMAGES,LABELS.
     #[arg(long, default_value = "digits")]
     data: String,
-    /// Hidden layer widths, comma-separated.
+    /// Hidden layer widths of the MLP, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
     hidden: Vec<usize>,
     /// Global batch size.
@@ -458,21 +473,21 @@ fn cmd_train(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Fai
     if let Some(w) = &pin.warning {
         say!("mpiflow: warning: {w}");
     }
-    let data = Dataset::load(&args.data, args.seed).map_err(Failure::local)?;
-    let (train, test) = data.split_holdout(args.seed);
+    let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
+    let model = build_model(args, &train).map_err(Failure::local)?;
     let cfg: TrainConfig = train_config(args);
     emit(&format!(
-        "# mpiflow train --mode local: {} train / {} held-out samples, layers {:?}, {:?} lr {}, batch {}, BLAS threads {} (CPUs {})\n",
+        "# mpiflow train --mode local: {} train / {} held-out samples, {}, {:?} lr {}, batch {}, BLAS threads {} (CPUs {})\n",
         train.len(),
         test.len(),
-        mpiflow::train::layer_sizes(&train, &cfg.hidden),
+        model.describe(),
         cfg.optimizer,
         cfg.lr,
         cfg.batch,
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
-    let report = train_local(&cfg, &train, &test, |l| {
+    let report = train_local(&model, &cfg, &train, &test, |l| {
         emit(&format!(
             "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}\n",
             l.step, l.loss, l.steps_per_sec, l.samples_per_sec
@@ -500,9 +515,28 @@ fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::
     pin
 }
 
+/// The model `--model` names, shaped for `train`'s samples and classes.
+fn build_model(
+    args: &TrainArgs,
+    train: &mpiflow::train::data::Dataset,
+) -> Result<mpiflow::model::Sequential, String> {
+    let built = match args.model {
+        ModelChoice::Mlp => mpiflow::model::mlp(train.features, &args.hidden, train.classes),
+        ModelChoice::Cnn => match train.shape[..] {
+            [h, w, c] => mpiflow::model::cnn([h, w, c], train.classes),
+            _ => {
+                return Err(format!(
+                    "--model cnn takes images; data {} has samples of shape {:?}",
+                    args.data, train.shape
+                ))
+            }
+        },
+    };
+    built.map_err(|e| e.to_string())
+}
+
 fn train_config(args: &TrainArgs) -> mpiflow::train::TrainConfig {
     mpiflow::train::TrainConfig {
-        hidden: args.hidden.clone(),
         batch: args.batch as usize,
         steps: args.steps,
         optimizer: args.optimizer,
@@ -532,10 +566,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let me = &layout.ranks[ctx.rank()];
     let count = layout.ranks.iter().filter(|r| r.host == me.host).count();
     let pin = pin_rank(args, me.local_rank.unwrap_or(0), count);
-    let data = ctx
-        .agree(Dataset::load(&args.data, args.seed))
+    let (train, test) = ctx
+        .agree(Dataset::load_split(&args.data, args.seed))
         .map_err(|e| Failure::agreed(e, &ctx))?;
-    let (train, test) = data.split_holdout(args.seed);
+    let model = ctx
+        .agree(build_model(args, &train))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
     if ctx.rank() == 0 {
         let mode = match args.mode {
             Mode::Ps if args.async_ => "ps, async",
@@ -547,10 +583,11 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             _ => mode.to_string(),
         };
         emit(&format!(
-            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, BLAS threads {} per rank\n",
+            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, {}, BLAS threads {} per rank\n",
             layout.ranks.len(),
             train.len(),
             test.len(),
+            model.describe(),
             pin.blas_threads
         ));
         // If mpirun reports a dead rank by number, this line names its task.
@@ -577,12 +614,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 save_params: args.save_params.clone(),
             };
             match args.transport {
-                PsTransport::P2p => ps::run(&comm, layout, &cfg, &train, &test, &mut log),
+                PsTransport::P2p => ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log),
                 PsTransport::Rma => {
                     use mpiflow::train::rma_ps;
                     ctx.agree(rma_ps::check_config(&cfg, layout))
                         .map_err(|e| Failure::agreed(e, &ctx))?;
-                    rma_ps::run(&comm, layout, &cfg, &train, &test, &mut log)
+                    rma_ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
                 }
             }
             .map_err(|e| e.to_string())
@@ -601,7 +638,8 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 },
                 perturb_rank: args.perturb_rank,
             };
-            allreduce::run(&comm, layout, &cfg, &train, &test, &mut log).map_err(|e| e.to_string())
+            allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
+                .map_err(|e| e.to_string())
         }
     };
     if let Err(e) = result {

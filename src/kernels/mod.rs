@@ -10,6 +10,8 @@ use cblas::{Layout, Transpose};
 // Link OpenBLAS (the `system` feature finds Debian's libopenblas).
 extern crate openblas_src;
 
+pub mod conv;
+
 /// Errors from kernel calls with inconsistent shapes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
@@ -22,9 +24,11 @@ pub enum KernelError {
     },
     #[error("{kernel}: dimension {dim} does not fit a 32-bit BLAS integer")]
     TooLarge { kernel: &'static str, dim: usize },
+    #[error("{0}")]
+    Layer(String),
 }
 
-fn need(
+pub(crate) fn need(
     kernel: &'static str,
     what: &'static str,
     len: usize,

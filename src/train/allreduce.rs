@@ -17,6 +17,7 @@
 //! one), or with `overlap` layer by layer during the backward pass, on a communication
 //! thread. The chief logs once what a step's reduction takes (allreduce calls and bytes).
 
+use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -24,10 +25,10 @@ use serde_json::json;
 
 use super::checkpoint::{self, Arrays};
 use super::data::{shard, Batches, Dataset};
-use super::model::Mlp;
 use super::optim::{Optimizer, Slots};
-use super::{layer_sizes, TrainConfig};
+use super::TrainConfig;
 use crate::cluster::Layout;
+use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
 use crate::transport::fusion::{Fusion, FusionConfig, FusionError, FusionStats};
 use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
@@ -72,14 +73,14 @@ pub enum AllreduceError {
     Setup(String),
 }
 
-fn params_checksum(model: &Mlp) -> u64 {
+fn params_checksum(model: &Replica<'_>) -> u64 {
     model
         .params
         .iter()
         .fold(0, |h, p| checkpoint::checksum(p.bytes()) ^ h.rotate_left(7))
 }
 
-fn snapshot(model: &Mlp, slots: &[Slots], step: u64) -> Arrays {
+fn snapshot(model: &Replica<'_>, slots: &[Slots], step: u64) -> Arrays {
     let mut arrays = Vec::new();
     for (p, s) in model.params.iter().zip(slots) {
         arrays.push((
@@ -100,11 +101,12 @@ fn snapshot(model: &Mlp, slots: &[Slots], step: u64) -> Arrays {
 enum Reducer<'s> {
     /// After the backward pass, as one fused allreduce.
     Fused(Fusion),
-    /// During the backward pass: each layer's gradients, last layer first, go to a
-    /// communication thread with its own communicator as soon as they are final.
+    /// During the backward pass: each group of gradients the model reports ready (a
+    /// layer's, last layer first) goes to a communication thread with its own
+    /// communicator as soon as they are final.
     Overlapped {
-        to_comm: std::sync::mpsc::Sender<(usize, Tensor)>,
-        from_comm: std::sync::mpsc::Receiver<(usize, Result<Tensor, TransportError>)>,
+        to_comm: std::sync::mpsc::Sender<(Range<usize>, Tensor)>,
+        from_comm: std::sync::mpsc::Receiver<(Range<usize>, Result<Tensor, TransportError>)>,
         signature: Vec<String>,
         /// Its hash, computed once: the list is the same at every step.
         signature_hash: u64,
@@ -116,22 +118,22 @@ impl<'s> Reducer<'s> {
     fn new<'e, C: Comm + Send + 's>(
         scope: &'s std::thread::Scope<'s, 'e>,
         comm: Option<C>,
-        model: &Mlp,
+        model: &Replica<'_>,
         fusion: FusionConfig,
     ) -> Reducer<'s> {
         let Some(comm) = comm else {
             return Reducer::Fused(Fusion::new(fusion));
         };
-        let (to_comm, requests) = std::sync::mpsc::channel::<(usize, Tensor)>();
+        let (to_comm, requests) = std::sync::mpsc::channel::<(Range<usize>, Tensor)>();
         let (results, from_comm) = std::sync::mpsc::channel();
         let thread = scope.spawn(move || {
             let coll = Collectives::new(comm);
             // Ends when the training loop drops its sender.
-            while let Ok((layer, mut bucket)) = requests.recv() {
+            while let Ok((range, mut bucket)) = requests.recv() {
                 let r = coll
                     .allreduce_tensor(&mut bucket, ReduceOp::Sum, fusion.algorithm)
                     .map(|_| bucket);
-                if results.send((layer, r)).is_err() {
+                if results.send((range, r)).is_err() {
                     break;
                 }
             }
@@ -154,7 +156,7 @@ impl<'s> Reducer<'s> {
     fn step<C: Comm>(
         &mut self,
         coll: &Collectives<C>,
-        model: &Mlp,
+        model: &Replica<'_>,
         x: &[f32],
         y: &[u8],
         grads: &mut [Tensor],
@@ -188,37 +190,33 @@ impl<'s> Reducer<'s> {
                 crate::transport::fusion::negotiate(coll, *signature_hash, || signature.clone())?;
                 let mut sent = 0;
                 let loss = model
-                    .gradients_with(x, y, grads, &mut |layer, g| {
-                        let (w, b) = (
-                            g[0].as_slice::<f32>().expect("f32"),
-                            g[1].as_slice::<f32>().expect("f32"),
-                        );
-                        let data: Vec<f32> = w.iter().chain(b).map(|v| v * n).collect();
+                    .gradients_with(x, y, grads, &mut |range, g| {
+                        let data: Vec<f32> = g[range.clone()]
+                            .iter()
+                            .flat_map(|t| t.as_slice::<f32>().expect("f32"))
+                            .map(|v| v * n)
+                            .collect();
                         let bucket = Tensor::from_slice(&[data.len()], &data)
                             .expect("1-D")
-                            .named(&format!("layer{layer}/grads"));
-                        sent += usize::from(to_comm.send((layer, bucket)).is_ok());
+                            .named(&format!("grads{}..{}", range.start, range.end));
+                        sent += usize::from(to_comm.send((range, bucket)).is_ok());
                     })
                     .map_err(|e| AllreduceError::Setup(e.to_string()))?;
                 let t = Instant::now();
                 let mut stats = FusionStats::default();
                 for _ in 0..sent {
-                    let (layer, r) = from_comm.recv().map_err(|_| {
+                    let (range, r) = from_comm.recv().map_err(|_| {
                         AllreduceError::Setup("communication thread stopped".into())
                     })?;
                     let bucket = r?;
                     stats.messages += 1;
                     stats.bytes += bucket.nbytes();
-                    let summed = bucket.as_slice::<f32>().expect("f32");
-                    let wlen = grads[2 * layer].numel();
-                    grads[2 * layer]
-                        .as_mut_slice::<f32>()
-                        .expect("f32")
-                        .copy_from_slice(&summed[..wlen]);
-                    grads[2 * layer + 1]
-                        .as_mut_slice::<f32>()
-                        .expect("f32")
-                        .copy_from_slice(&summed[wlen..]);
+                    let mut summed = bucket.as_slice::<f32>().expect("f32");
+                    for g in &mut grads[range] {
+                        let (mine, rest) = summed.split_at(g.numel());
+                        g.as_mut_slice::<f32>().expect("f32").copy_from_slice(mine);
+                        summed = rest;
+                    }
                 }
                 Ok((loss, t.elapsed().as_secs_f64(), stats))
             }
@@ -243,6 +241,7 @@ fn bcast_bytes<C: Comm>(coll: &Collectives<C>, mine: Vec<u8>) -> Result<Vec<u8>,
 pub fn run<C: Comm + Send>(
     comm: &C,
     layout: &Layout,
+    model: &dyn Model,
     cfg: &AllreduceConfig,
     train: &Dataset,
     test: &Dataset,
@@ -265,7 +264,9 @@ pub fn run<C: Comm + Send>(
     let coll = Collectives::new(sub);
     let (w, nw) = (coll.rank(), coll.size());
     let chief = w == 0;
-    let mut model = Mlp::new(&layer_sizes(train, &cfg.train.hidden), cfg.train.seed);
+    crate::model::check_data(model, "train", train.features, train.classes)
+        .map_err(|e| AllreduceError::Setup(e.to_string()))?;
+    let mut model = Replica::new(model, cfg.train.seed);
     let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut step = 0u64;
@@ -428,7 +429,7 @@ pub fn run<C: Comm + Send>(
 
 fn write_checkpoint(
     cfg: &AllreduceConfig,
-    model: &Mlp,
+    model: &Replica<'_>,
     slots: &[Slots],
     step: u64,
     log: &mut dyn FnMut(&str),
@@ -466,7 +467,8 @@ mod tests {
             log_every: 0,
             ..TrainConfig::default()
         };
-        let local = super::super::train_local(&tc, &train, &test, |_| {}).unwrap();
+        let mlp = crate::model::mlp(64, &[128], 10).unwrap();
+        let local = super::super::train_local(&mlp, &tc, &train, &test, |_| {}).unwrap();
         for n in [2usize, 3, 4] {
             let layout = Layout::single_host(n, &MappingOptions::default()).unwrap();
             let out =
@@ -493,7 +495,7 @@ mod tests {
                 };
                 let logs = LocalComm::run(n, |c| {
                     let mut said = Vec::new();
-                    run(&c, &layout, &cfg, &train, &test, &mut |l| {
+                    run(&c, &layout, &mlp, &cfg, &train, &test, &mut |l| {
                         said.push(l.to_string())
                     })
                     .unwrap();

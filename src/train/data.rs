@@ -1,11 +1,13 @@
-//! Training data: the UCI digits set (shipped in `data/digits.csv.gz`), the MNIST IDX
-//! format for users' own data, and a seeded synthetic generator; a fixed, seeded held-out
-//! fifth; and deterministic sharding of each global batch over replicas.
+//! Training data: the UCI digits set (shipped in `data/digits.csv.gz`), Fashion-MNIST
+//! (Debian's `dataset-fashion-mnist`, with its official 60,000 / 10,000 split), the MNIST
+//! IDX format for users' own data, and a seeded synthetic generator; a fixed, seeded
+//! held-out fifth for sets without a test split; and deterministic sharding of each
+//! global batch over replicas.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::rng::Rng;
+use crate::rng::Rng;
 
 /// Errors from loading data.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -20,9 +22,18 @@ pub enum DataError {
     },
     #[error("data {path}: {why}")]
     Format { path: String, why: String },
-    #[error("unknown data set {0:?} (digits, digits:PATH, synthetic, synthetic:FEATURES, or idx:IMAGES,LABELS)")]
+    #[error("unknown data set {0:?} (digits, digits:PATH, fashion-mnist, fashion-mnist:DIR, synthetic, synthetic:FEATURES, or idx:IMAGES,LABELS)")]
     Unknown(String),
+    #[error("data {name}: {path} is missing; install Debian's package {package} (apt-get install {package})")]
+    Missing {
+        name: String,
+        path: String,
+        package: String,
+    },
 }
+
+/// Where Debian's `dataset-fashion-mnist` puts the files.
+pub const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
 
 /// Samples as rows of `features` floats in 0..1, with labels below `classes`.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +42,9 @@ pub struct Dataset {
     pub y: Vec<u8>,
     pub features: usize,
     pub classes: usize,
+    /// The shape of one sample (`[28, 28, 1]` for images, channels last; `[features]`
+    /// for plain vectors): `features` values in all.
+    pub shape: Vec<usize>,
 }
 
 /// The project's own copy of the digits data.
@@ -89,6 +103,41 @@ impl Dataset {
         }
     }
 
+    /// `(train, test)` of the set `spec` names: Fashion-MNIST (`fashion-mnist`, or
+    /// `fashion-mnist:DIR` for a copy elsewhere) with its official split; any other set
+    /// (see [`Dataset::load`]) with a seeded fifth held out.
+    pub fn load_split(spec: &str, seed: u64) -> Result<(Dataset, Dataset), DataError> {
+        let dir = match spec.split_once(':') {
+            None if spec == "fashion-mnist" => Some(Path::new(FASHION_MNIST_DIR)),
+            Some(("fashion-mnist", dir)) => Some(Path::new(dir)),
+            _ => None,
+        };
+        let Some(dir) = dir else {
+            return Ok(Dataset::load(spec, seed)?.split_holdout(seed));
+        };
+        let file = |name: &str| -> Result<PathBuf, DataError> {
+            let p = dir.join(name);
+            if p.exists() {
+                Ok(p)
+            } else {
+                Err(DataError::Missing {
+                    name: "fashion-mnist".into(),
+                    path: p.display().to_string(),
+                    package: "dataset-fashion-mnist".into(),
+                })
+            }
+        };
+        let part = |stem: &str| -> Result<Dataset, DataError> {
+            let mut d = Dataset::idx(
+                &file(&format!("{stem}-images-idx3-ubyte.gz"))?,
+                &file(&format!("{stem}-labels-idx1-ubyte.gz"))?,
+            )?;
+            d.classes = 10;
+            Ok(d)
+        };
+        Ok((part("train")?, part("t10k")?))
+    }
+
     /// The digits CSV (optionally gzipped): 64 pixels 0..16 then the label, per line.
     pub fn digits(path: &Path) -> Result<Dataset, DataError> {
         let text = read_all(path)?;
@@ -140,6 +189,7 @@ impl Dataset {
             y,
             features: 64,
             classes: 10,
+            shape: vec![8, 8, 1],
         })
     }
 
@@ -187,6 +237,7 @@ impl Dataset {
             y,
             features: rows * cols,
             classes,
+            shape: vec![rows, cols, 1],
         })
     }
 
@@ -211,6 +262,7 @@ impl Dataset {
             y,
             features,
             classes,
+            shape: vec![features],
         }
     }
 
@@ -234,6 +286,7 @@ impl Dataset {
                 y,
                 features: self.features,
                 classes: self.classes,
+                shape: self.shape.clone(),
             }
         };
         (pick(&perm[test_n..]), pick(&perm[..test_n]))
@@ -333,5 +386,29 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains(":1: 2 fields"));
+    }
+
+    #[test]
+    fn fashion_mnist_has_its_official_split_or_names_the_package() {
+        let e = Dataset::load_split("fashion-mnist:/nonexistent", 0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "data fashion-mnist: /nonexistent/train-images-idx3-ubyte.gz is missing; install Debian's package dataset-fashion-mnist (apt-get install dataset-fashion-mnist)"
+        );
+        if !Path::new(FASHION_MNIST_DIR).exists() {
+            return; // the test script installs it; plain `cargo test` may run without
+        }
+        let (train, test) = Dataset::load_split("fashion-mnist", 0).unwrap();
+        assert_eq!((train.len(), test.len()), (60_000, 10_000));
+        assert_eq!(
+            (train.features, train.classes, &train.shape[..]),
+            (784, 10, &[28, 28, 1][..])
+        );
+        assert!(train.x.iter().all(|v| (0.0..=1.0).contains(v)));
+        // Balanced classes: 6,000 of each in train, 1,000 in test.
+        for c in 0..10u8 {
+            assert_eq!(train.y.iter().filter(|y| **y == c).count(), 6000);
+            assert_eq!(test.y.iter().filter(|y| **y == c).count(), 1000);
+        }
     }
 }

@@ -1,11 +1,11 @@
 //! Training: the model, its data, the optimizers, and the training loop.
 //!
-//! - [`model`]: the MLP (named parameter tensors, forward and backward on BLAS).
 //! - [`data`]: digits, MNIST IDX, synthetic; the held-out fifth; batch sharding.
 //! - [`optim`]: SGD, momentum, Adagrad, Adam as pure update rules.
-//! - [`rng`]: the seeded generator behind every random choice.
 //! - [`placement`], [`ps`], [`checkpoint`]: parameter-server training and its checkpoints.
 //! - [`allreduce`]: synchronous replica training by fused allreduce.
+//!
+//! Every mode trains any [`crate::model::Model`].
 //!
 //! [`train_local`] is single-process training (`mpiflow train --mode local`): the
 //! reference the distributed modes are compared with.
@@ -13,26 +13,21 @@
 pub mod allreduce;
 pub mod checkpoint;
 pub mod data;
-pub mod model;
 pub mod optim;
 pub mod placement;
 pub mod ps;
 pub mod rma_ps;
-pub mod rng;
 
 use std::time::Instant;
 
 use data::{Batches, Dataset};
-use model::Mlp;
 use optim::{Optimizer, OptimizerKind, Slots};
 
-use crate::kernels::KernelError;
+use crate::model::{Model, ModelError, Replica};
 
-/// What to train and how.
+/// How to train (the model is given apart: every mode trains any model).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
-    /// Hidden layer widths; input and output come from the data.
-    pub hidden: Vec<usize>,
     /// Global batch size.
     pub batch: usize,
     pub steps: u64,
@@ -46,7 +41,6 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            hidden: vec![128],
             batch: 64,
             steps: 1500,
             optimizer: OptimizerKind::Adam,
@@ -58,25 +52,15 @@ impl Default for TrainConfig {
 }
 
 /// What a training run reached.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainReport {
+#[derive(Debug, Clone)]
+pub struct TrainReport<'m> {
     pub steps: u64,
     pub final_loss: f32,
     pub accuracy: f64,
     pub test_samples: usize,
     pub samples_per_sec: f64,
-    pub model: Mlp,
-}
-
-impl PartialEq for Mlp {
-    fn eq(&self, other: &Self) -> bool {
-        self.sizes == other.sizes
-            && self
-                .params
-                .iter()
-                .zip(&other.params)
-                .all(|(a, b)| a.bytes() == b.bytes())
-    }
+    /// The trained parameters.
+    pub model: Replica<'m>,
 }
 
 /// One logged step.
@@ -102,7 +86,7 @@ impl StepLog {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FinishError {
     #[error("{0}")]
-    Kernel(#[from] KernelError),
+    Model(#[from] ModelError),
     #[error("{0}")]
     Checkpoint(#[from] checkpoint::CheckpointError),
 }
@@ -110,7 +94,7 @@ pub enum FinishError {
 /// The chief's last act in every distributed mode: the held-out accuracy line, and the
 /// final parameters written to `save` if asked.
 pub fn finish(
-    model: &Mlp,
+    model: &Replica<'_>,
     test: &Dataset,
     step: u64,
     save: Option<&std::path::Path>,
@@ -130,7 +114,7 @@ pub fn finish(
 
 /// Writes a model's parameters (by name) in the checkpoint file format.
 pub fn save_params(
-    model: &Mlp,
+    model: &Replica<'_>,
     path: &std::path::Path,
     step: u64,
 ) -> Result<(), checkpoint::CheckpointError> {
@@ -155,22 +139,17 @@ pub fn save_params(
     .map(|_| ())
 }
 
-/// Layer widths for `data` with `hidden` layers.
-pub fn layer_sizes(data: &Dataset, hidden: &[usize]) -> Vec<usize> {
-    std::iter::once(data.features)
-        .chain(hidden.iter().copied())
-        .chain(std::iter::once(data.classes))
-        .collect()
-}
-
-/// Trains in this process on `train`, evaluates on `test`; `log` sees every `log_every`-th step.
-pub fn train_local(
+/// Trains `model` in this process on `train`, evaluates on `test`; `log` sees every
+/// `log_every`-th step.
+pub fn train_local<'m>(
+    model: &'m dyn Model,
     cfg: &TrainConfig,
     train: &Dataset,
     test: &Dataset,
     mut log: impl FnMut(StepLog),
-) -> Result<TrainReport, KernelError> {
-    let mut model = Mlp::new(&layer_sizes(train, &cfg.hidden), cfg.seed);
+) -> Result<TrainReport<'m>, ModelError> {
+    crate::model::check_data(model, "train", train.features, train.classes)?;
+    let mut model = Replica::new(model, cfg.seed);
     let opt = Optimizer::new(cfg.optimizer, cfg.lr);
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut grads = model.zeros_like();
@@ -221,15 +200,19 @@ mod tests {
         let data = Dataset::load("digits", 0).unwrap();
         let (train, test) = data.split_holdout(1);
         let cfg = TrainConfig::default();
+        let mlp = crate::model::mlp(64, &[128], 10).unwrap();
         let mut losses = Vec::new();
-        let a = train_local(&cfg, &train, &test, |l| losses.push(l.loss)).unwrap();
+        let a = train_local(&mlp, &cfg, &train, &test, |l| losses.push(l.loss)).unwrap();
         assert!(a.accuracy >= 0.95, "held-out accuracy {}", a.accuracy);
         assert!(
             losses.first().unwrap() > losses.last().unwrap(),
             "{losses:?}"
         );
-        let b = train_local(&cfg, &train, &test, |_| {}).unwrap();
-        assert_eq!(a.model, b.model, "same seed, same parameters bit for bit");
+        let b = train_local(&mlp, &cfg, &train, &test, |_| {}).unwrap();
+        assert!(
+            a.model.same_parameters(&b.model),
+            "same seed, same parameters bit for bit"
+        );
         assert_eq!(a.accuracy, b.accuracy);
     }
 }

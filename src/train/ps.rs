@@ -33,11 +33,11 @@ use serde_json::{json, Value};
 
 use super::checkpoint::{self, Arrays};
 use super::data::{shard, Batches, Dataset};
-use super::model::Mlp;
 use super::optim::{Optimizer, Slots};
 use super::placement::{self, Shard, Strategy};
-use super::{layer_sizes, StepLog, TrainConfig};
+use super::{StepLog, TrainConfig};
 use crate::cluster::{Layout, TaskId};
+use crate::model::{Model, Replica};
 use crate::transport::comm::{Backoff, Comm, TransportError};
 use crate::transport::tags::Reserved;
 
@@ -265,7 +265,7 @@ fn send_within<C: Comm>(
 }
 
 /// The variables of the model: name and element count, in creation order.
-pub(crate) fn variables(model: &Mlp) -> Vec<(String, usize)> {
+pub(crate) fn variables(model: &Replica<'_>) -> Vec<(String, usize)> {
     model
         .params
         .iter()
@@ -277,6 +277,7 @@ pub(crate) fn variables(model: &Mlp) -> Vec<(String, usize)> {
 pub fn run<C: Comm>(
     comm: &C,
     layout: &Layout,
+    model: &dyn Model,
     cfg: &PsConfig,
     train: &Dataset,
     test: &Dataset,
@@ -284,7 +285,9 @@ pub fn run<C: Comm>(
 ) -> Result<(), PsError> {
     let roles = Roles::new(layout)?;
     let me = comm.rank();
-    let model = Mlp::new(&layer_sizes(train, &cfg.train.hidden), cfg.train.seed);
+    crate::model::check_data(model, "train", train.features, train.classes)
+        .map_err(|e| PsError::Setup(e.to_string()))?;
+    let model = Replica::new(model, cfg.train.seed);
     let vars = variables(&model);
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let rta = cfg
@@ -857,7 +860,7 @@ struct Worker<'a, C: Comm> {
     w: usize,
     shards: &'a [Shard],
     cfg: &'a PsConfig,
-    model: Mlp,
+    model: Replica<'a>,
     train: &'a Dataset,
     test: &'a Dataset,
 }
@@ -1104,6 +1107,53 @@ impl<C: Comm> Worker<'_, C> {
     }
 }
 
+/// The benchmark's model: one flat parameter tensor and no computation (its gradients
+/// are never asked for: the benchmark pushes zeros).
+struct Flat(usize);
+
+impl Model for Flat {
+    fn describe(&self) -> String {
+        format!("flat {}", self.0)
+    }
+
+    fn input_shape(&self) -> Vec<usize> {
+        vec![1]
+    }
+
+    fn classes(&self) -> usize {
+        1
+    }
+
+    fn parameters(&self) -> Vec<crate::model::ParamSpec> {
+        vec![crate::model::ParamSpec::new(
+            "model",
+            &[self.0],
+            crate::model::Init::Zeros,
+        )]
+    }
+
+    fn logits(
+        &self,
+        _params: &[crate::tensor::Tensor],
+        _x: &[f32],
+        rows: usize,
+    ) -> Result<Vec<f32>, crate::model::ModelError> {
+        Ok(vec![0.0; rows])
+    }
+
+    fn loss_and_gradients(
+        &self,
+        _params: &[crate::tensor::Tensor],
+        _x: &[f32],
+        _y: &[u8],
+        grads: &mut [crate::tensor::Tensor],
+        ready: &mut dyn FnMut(std::ops::Range<usize>, &[crate::tensor::Tensor]),
+    ) -> Result<f32, crate::model::ModelError> {
+        ready(0..grads.len(), grads);
+        Ok(0.0)
+    }
+}
+
 /// Benchmark support (`mpiflow bench pushpull`): ps ranks serve, workers run `warmup +
 /// rounds` rounds of one push and one pull of a model of `floats` floats, sliced evenly
 /// over the ps tasks, through the real protocol (async, SGD). Workers return the mean
@@ -1144,19 +1194,14 @@ pub fn bench_pushpull<C: Comm>(
     let Some(w) = roles.workers.iter().position(|r| *r == me) else {
         return Ok(None);
     };
-    let model = Mlp {
-        sizes: vec![],
-        params: vec![
-            crate::tensor::Tensor::zeros(crate::tensor::DType::F32, &[floats])
-                .expect("1-D")
-                .named("model"),
-        ],
-    };
+    let flat = Flat(floats);
+    let model = Replica::new(&flat, 0);
     let empty = Dataset {
         x: vec![],
         y: vec![],
         features: 0,
         classes: 0,
+        shape: vec![0],
     };
     let mut worker = Worker {
         comm,
@@ -1233,8 +1278,9 @@ mod tests {
         let data = Dataset::load("digits", 0).unwrap();
         let (train, test) = data.split_holdout(1);
         let steps = 40;
-        let local =
-            super::super::train_local(&cfg(steps, true).train, &train, &test, |_| {}).unwrap();
+        let mlp = crate::model::mlp(64, &[128], 10).unwrap();
+        let local = super::super::train_local(&mlp, &cfg(steps, true).train, &train, &test, |_| {})
+            .unwrap();
         let dir = std::env::temp_dir().join(format!("mpiflow-ps-eq-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("params.bin");
@@ -1244,7 +1290,7 @@ mod tests {
         c.strategy = Strategy::Partition;
         c.partition_bytes = 4096; // slices, so partitioned variables are exercised too
         LocalComm::run(5, |comm| {
-            run(&comm, &l, &c, &train, &test, &mut |_| {}).unwrap()
+            run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap()
         });
         let ps = checkpoint::read_file(&out, None).unwrap();
         let mut worst = 0.0f32;
@@ -1266,8 +1312,8 @@ mod tests {
         let data = Dataset::synthetic(200, 8, 3, 1);
         let (train, test) = data.split_holdout(1);
         let l = layout(3, 1);
-        let mut c = cfg(5, true);
-        c.train.hidden = vec![4];
+        let c = cfg(5, true);
+        let mlp = crate::model::mlp(8, &[4], 3).unwrap();
         let out = LocalComm::run(3, |comm| {
             if comm.rank() == 2 {
                 // worker:1 misbehaves before taking part: an unknown variable, a wrong length.
@@ -1289,10 +1335,10 @@ mod tests {
                 };
                 let e1 = bad(json!([["nope@0", 3]]), 3);
                 let e2 = bad(json!([["layer0/w@0", 5]]), 5);
-                run(&comm, &l, &c, &train, &test, &mut |_| {}).unwrap();
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap();
                 format!("{e1}\n{e2}")
             } else {
-                run(&comm, &l, &c, &train, &test, &mut |_| {}).unwrap();
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap();
                 String::new()
             }
         });

@@ -38,12 +38,11 @@
 use std::time::{Duration, Instant};
 
 use super::data::{shard, Batches, Dataset};
-use super::layer_sizes;
-use super::model::Mlp;
 use super::optim::{Optimizer, OptimizerKind, Slots};
 use super::placement::{self, Shard};
 use super::ps::{variables, PsConfig, PsError, Roles};
 use crate::cluster::Layout;
+use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
 use crate::transport::comm::{Backoff, Comm};
 use crate::transport::mpi::MpiComm;
@@ -178,6 +177,7 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
 pub fn run(
     comm: &MpiComm,
     layout: &Layout,
+    model: &dyn Model,
     cfg: &PsConfig,
     train: &Dataset,
     test: &Dataset,
@@ -187,7 +187,9 @@ pub fn run(
     let roles = Roles::new(layout)?;
     let nw = roles.workers.len();
     let me = comm.rank();
-    let mut model = Mlp::new(&layer_sizes(train, &cfg.train.hidden), cfg.train.seed);
+    crate::model::check_data(model, "train", train.features, train.classes)
+        .map_err(|e| PsError::Setup(e.to_string()))?;
+    let mut model = Replica::new(model, cfg.train.seed);
     let vars = variables(&model);
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let pieces = pieces(&shards);
@@ -495,7 +497,7 @@ impl Rma<'_> {
     fn work(
         &self,
         w: usize,
-        model: &mut Mlp,
+        model: &mut Replica<'_>,
         data: &Epoch<'_, f32>,
         ctl: &Epoch<'_, i64>,
         train: &Dataset,
@@ -632,7 +634,7 @@ impl Rma<'_> {
     }
 
     /// Gets every shard straight into the model's tensors (one `MPI_Get` each).
-    fn pull(&self, model: &mut Mlp, data: &Epoch<'_, f32>) -> Result<(), PsError> {
+    fn pull(&self, model: &mut Replica<'_>, data: &Epoch<'_, f32>) -> Result<(), PsError> {
         let targets = slices_mut(&mut model.params, self.pieces);
         data.batch(|b| -> Result<(), RmaError> {
             for (p, dst) in targets {

@@ -1,0 +1,402 @@
+//! Layers: each a forward and a backward pass over a batch, on the kernels.
+//!
+//! Activations are row-major with the batch first and channels last (NHWC for images), so
+//! a dense layer's input is any activation flattened per sample, and a convolution's
+//! output is a matrix product's output as it is. A layer keeps nothing between calls:
+//! what its backward pass needs from the forward pass comes back as [`Saved`].
+
+use super::Init;
+use crate::kernels::conv::{self, Window2d};
+use crate::kernels::{self, KernelError};
+
+/// What a layer's forward pass keeps for its backward pass.
+#[derive(Debug, Clone, Default)]
+pub enum Saved {
+    #[default]
+    Nothing,
+    /// A convolution's im2col columns.
+    Columns(Vec<f32>),
+    /// Max pooling's winners, as indices into the input.
+    Argmax(Vec<u32>),
+}
+
+/// One backward call's inputs.
+pub struct Backward<'a> {
+    /// The layer's input and output of the forward pass.
+    pub x: &'a [f32],
+    pub y: &'a [f32],
+    pub saved: &'a Saved,
+    /// Samples in the batch.
+    pub n: usize,
+    /// The loss gradient with respect to the output.
+    pub dy: &'a [f32],
+    /// Whether the gradient with respect to the input is wanted (not for the first layer).
+    pub want_dx: bool,
+}
+
+/// A layer of a [`super::Sequential`] model.
+pub trait Layer: Send + Sync {
+    /// `conv 5x5x16/1 pad 2`, `dense 128`, `relu`.
+    fn describe(&self) -> String;
+
+    /// The shape of one sample's output for one sample's `input`, or why it does not fit.
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String>;
+
+    /// Parameters (short name, shape, initialiser) for `input`; empty for most layers.
+    fn params(&self, _input: &[usize]) -> Vec<(&'static str, Vec<usize>, Init)> {
+        Vec::new()
+    }
+
+    /// The output of `n` samples `x`, and what the backward pass needs.
+    fn forward(
+        &self,
+        p: &[&[f32]],
+        input: &[usize],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(Vec<f32>, Saved), KernelError>;
+
+    /// Writes the parameter gradients into `grads` and returns the input gradient if
+    /// `b.want_dx`.
+    fn backward(
+        &self,
+        p: &[&[f32]],
+        input: &[usize],
+        b: Backward<'_>,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Vec<f32>>, KernelError>;
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// A fully connected layer: `y = x W + b`, `W` is `in x out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dense {
+    pub units: usize,
+}
+
+impl Layer for Dense {
+    fn describe(&self) -> String {
+        format!("dense {}", self.units)
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        match input {
+            [_] if self.units > 0 => Ok(vec![self.units]),
+            [_] => Err("a dense layer needs at least one unit".into()),
+            _ => Err(format!(
+                "dense takes a flat input; put a flatten before it (input {input:?})"
+            )),
+        }
+    }
+
+    fn params(&self, input: &[usize]) -> Vec<(&'static str, Vec<usize>, Init)> {
+        let fan_in = numel(input);
+        vec![
+            ("w", vec![fan_in, self.units], Init::HeNormal { fan_in }),
+            ("b", vec![self.units], Init::Zeros),
+        ]
+    }
+
+    fn forward(
+        &self,
+        p: &[&[f32]],
+        input: &[usize],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        let fi = numel(input);
+        let mut out = vec![0.0f32; n * self.units];
+        kernels::gemm(false, false, n, self.units, fi, 1.0, x, p[0], 0.0, &mut out)?;
+        kernels::bias_add(&mut out, p[1]);
+        Ok((out, Saved::Nothing))
+    }
+
+    fn backward(
+        &self,
+        p: &[&[f32]],
+        input: &[usize],
+        b: Backward<'_>,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Vec<f32>>, KernelError> {
+        let (fi, fo) = (numel(input), self.units);
+        kernels::gemm(true, false, fi, fo, b.n, 1.0, b.x, b.dy, 0.0, grads[0])?;
+        kernels::sum_rows(b.dy, grads[1]);
+        if !b.want_dx {
+            return Ok(None);
+        }
+        let mut dx = vec![0.0f32; b.n * fi];
+        kernels::gemm(false, true, b.n, fi, fo, 1.0, b.dy, p[0], 0.0, &mut dx)?;
+        Ok(Some(dx))
+    }
+}
+
+/// A 2-D convolution over NHWC images: `filters` windows of `kh x kw`, `stride`, zero
+/// `pad` on every side; weights `[kh, kw, in_channels, filters]` (TensorFlow's layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2d {
+    pub kh: usize,
+    pub kw: usize,
+    pub filters: usize,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl Conv2d {
+    fn window(&self, input: &[usize]) -> Result<Window2d, String> {
+        let [h, w, c] = input else {
+            return Err(format!(
+                "conv takes images of height x width x channels (input {input:?})"
+            ));
+        };
+        Window2d::new([*h, *w, *c], [self.kh, self.kw], self.stride, self.pad)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl Layer for Conv2d {
+    fn describe(&self) -> String {
+        format!(
+            "conv {}x{}x{}/{} pad {}",
+            self.kh, self.kw, self.filters, self.stride, self.pad
+        )
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        if self.filters == 0 {
+            return Err("a convolution needs at least one filter".into());
+        }
+        let g = self.window(input)?;
+        Ok(vec![g.oh, g.ow, self.filters])
+    }
+
+    fn params(&self, input: &[usize]) -> Vec<(&'static str, Vec<usize>, Init)> {
+        let c = input.get(2).copied().unwrap_or(1);
+        let fan_in = self.kh * self.kw * c;
+        vec![
+            (
+                "w",
+                vec![self.kh, self.kw, c, self.filters],
+                Init::HeNormal { fan_in },
+            ),
+            ("b", vec![self.filters], Init::Zeros),
+        ]
+    }
+
+    fn forward(
+        &self,
+        p: &[&[f32]],
+        input: &[usize],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        let g = self.window(input).map_err(shape_error)?;
+        let rows = n * g.pixels();
+        let mut cols = vec![0.0f32; rows * g.k()];
+        conv::im2col(&g, x, n, &mut cols)?;
+        let mut out = vec![0.0f32; rows * self.filters];
+        kernels::gemm(
+            false,
+            false,
+            rows,
+            self.filters,
+            g.k(),
+            1.0,
+            &cols,
+            p[0],
+            0.0,
+            &mut out,
+        )?;
+        kernels::bias_add(&mut out, p[1]);
+        Ok((out, Saved::Columns(cols)))
+    }
+
+    fn backward(
+        &self,
+        p: &[&[f32]],
+        input: &[usize],
+        b: Backward<'_>,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Vec<f32>>, KernelError> {
+        let g = self.window(input).map_err(shape_error)?;
+        let Saved::Columns(cols) = b.saved else {
+            return Err(shape_error("conv backward without its columns".into()));
+        };
+        let rows = b.n * g.pixels();
+        kernels::gemm(
+            true,
+            false,
+            g.k(),
+            self.filters,
+            rows,
+            1.0,
+            cols,
+            b.dy,
+            0.0,
+            grads[0],
+        )?;
+        kernels::sum_rows(b.dy, grads[1]);
+        if !b.want_dx {
+            return Ok(None);
+        }
+        let mut dcols = vec![0.0f32; rows * g.k()];
+        kernels::gemm(
+            false,
+            true,
+            rows,
+            g.k(),
+            self.filters,
+            1.0,
+            b.dy,
+            p[0],
+            0.0,
+            &mut dcols,
+        )?;
+        let mut dx = vec![0.0f32; b.n * g.input_len()];
+        conv::col2im_add(&g, &dcols, b.n, &mut dx)?;
+        Ok(Some(dx))
+    }
+}
+
+fn shape_error(why: String) -> KernelError {
+    KernelError::Layer(why)
+}
+
+/// Max pooling over `size x size` windows moved by `stride`, per channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxPool2d {
+    pub size: usize,
+    pub stride: usize,
+}
+
+impl MaxPool2d {
+    fn window(&self, input: &[usize]) -> Result<Window2d, String> {
+        let [h, w, c] = input else {
+            return Err(format!(
+                "max pooling takes images of height x width x channels (input {input:?})"
+            ));
+        };
+        Window2d::new([*h, *w, *c], [self.size, self.size], self.stride, 0)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl Layer for MaxPool2d {
+    fn describe(&self) -> String {
+        format!("maxpool {}/{}", self.size, self.stride)
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        let g = self.window(input)?;
+        Ok(vec![g.oh, g.ow, g.c])
+    }
+
+    fn forward(
+        &self,
+        _p: &[&[f32]],
+        input: &[usize],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        let g = self.window(input).map_err(shape_error)?;
+        let len = n * g.pixels() * g.c;
+        let (mut out, mut arg) = (vec![0.0f32; len], vec![0u32; len]);
+        conv::max_pool(&g, x, n, &mut out, &mut arg)?;
+        Ok((out, Saved::Argmax(arg)))
+    }
+
+    fn backward(
+        &self,
+        _p: &[&[f32]],
+        _input: &[usize],
+        b: Backward<'_>,
+        _grads: &mut [&mut [f32]],
+    ) -> Result<Option<Vec<f32>>, KernelError> {
+        let Saved::Argmax(arg) = b.saved else {
+            return Err(shape_error("max pool backward without its winners".into()));
+        };
+        if !b.want_dx {
+            return Ok(None);
+        }
+        let mut dx = vec![0.0f32; b.x.len()];
+        conv::max_pool_backward(arg, b.dy, &mut dx)?;
+        Ok(Some(dx))
+    }
+}
+
+/// `max(x, 0)`, element-wise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Relu;
+
+impl Layer for Relu {
+    fn describe(&self) -> String {
+        "relu".into()
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        Ok(input.to_vec())
+    }
+
+    fn forward(
+        &self,
+        _p: &[&[f32]],
+        _input: &[usize],
+        x: &[f32],
+        _n: usize,
+    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        let mut out = x.to_vec();
+        kernels::relu(&mut out);
+        Ok((out, Saved::Nothing))
+    }
+
+    fn backward(
+        &self,
+        _p: &[&[f32]],
+        _input: &[usize],
+        b: Backward<'_>,
+        _grads: &mut [&mut [f32]],
+    ) -> Result<Option<Vec<f32>>, KernelError> {
+        if !b.want_dx {
+            return Ok(None);
+        }
+        let mut dx = b.dy.to_vec();
+        kernels::relu_backward(b.y, &mut dx);
+        Ok(Some(dx))
+    }
+}
+
+/// Reshapes each sample to one dimension (the data stay as they are in memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flatten;
+
+impl Layer for Flatten {
+    fn describe(&self) -> String {
+        "flatten".into()
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+        Ok(vec![numel(input)])
+    }
+
+    fn forward(
+        &self,
+        _p: &[&[f32]],
+        _input: &[usize],
+        x: &[f32],
+        _n: usize,
+    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        Ok((x.to_vec(), Saved::Nothing))
+    }
+
+    fn backward(
+        &self,
+        _p: &[&[f32]],
+        _input: &[usize],
+        b: Backward<'_>,
+        _grads: &mut [&mut [f32]],
+    ) -> Result<Option<Vec<f32>>, KernelError> {
+        Ok(b.want_dx.then(|| b.dy.to_vec()))
+    }
+}

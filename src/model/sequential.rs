@@ -1,0 +1,373 @@
+//! A model that is a stack of [`Layer`]s ending in softmax cross-entropy, and the two
+//! built-in ones: [`mlp`] and [`cnn`].
+//!
+//! Parameters are named by the layer that owns them, counting only layers with
+//! parameters: `layer0/w`, `layer0/b`, `layer1/w`, ... (so ps placement and gradient
+//! fusion address them by name).
+
+use std::ops::Range;
+
+use super::layers::{Backward, Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, Saved};
+use super::{Model, ModelError, ParamSpec};
+use crate::kernels;
+use crate::tensor::Tensor;
+
+/// Layers applied in order; the last one's output is the logits.
+pub struct Sequential {
+    name: String,
+    input: Vec<usize>,
+    layers: Vec<Box<dyn Layer>>,
+    /// `shapes[i]` is layer `i`'s input shape; the last is the logits' shape.
+    shapes: Vec<Vec<usize>>,
+    /// Each layer's parameters, as a range of [`Model::parameters`].
+    ranges: Vec<Range<usize>>,
+    specs: Vec<ParamSpec>,
+}
+
+impl Sequential {
+    /// A model called `name` of `layers` over samples of `input` shape. Refuses layers
+    /// whose shapes do not chain, or a last layer that is not flat.
+    pub fn new(
+        name: &str,
+        input: &[usize],
+        layers: Vec<Box<dyn Layer>>,
+    ) -> Result<Sequential, ModelError> {
+        let bad = |why: String| ModelError::Shape {
+            model: name.to_string(),
+            why,
+        };
+        if input.is_empty() || input.contains(&0) {
+            return Err(bad(format!("input shape {input:?} is empty")));
+        }
+        let mut shapes = vec![input.to_vec()];
+        let (mut ranges, mut specs) = (Vec::new(), Vec::new());
+        for (i, l) in layers.iter().enumerate() {
+            let at = shapes.last().expect("input");
+            let out = l
+                .output_shape(at)
+                .map_err(|e| bad(format!("layer {i} ({}): {e}", l.describe())))?;
+            let start = specs.len();
+            let own = l.params(at);
+            let k = ranges
+                .iter()
+                .filter(|r: &&Range<usize>| !r.is_empty())
+                .count();
+            for (short, shape, init) in own {
+                specs.push(ParamSpec::new(&format!("layer{k}/{short}"), &shape, init));
+            }
+            ranges.push(start..specs.len());
+            shapes.push(out);
+        }
+        match shapes.last().map(Vec::as_slice) {
+            Some([c]) if *c > 0 && !layers.is_empty() => {}
+            last => {
+                return Err(bad(format!(
+                    "the last layer must give one flat row of logits, not {last:?}"
+                )))
+            }
+        }
+        Ok(Sequential {
+            name: name.to_string(),
+            input: input.to_vec(),
+            layers,
+            shapes,
+            ranges,
+            specs,
+        })
+    }
+
+    /// Every layer's output for `n` samples `x`: `(outputs, saved)`, the logits last.
+    fn forward(
+        &self,
+        params: &[Tensor],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(Vec<Vec<f32>>, Vec<Saved>), ModelError> {
+        let mut outs: Vec<Vec<f32>> = Vec::with_capacity(self.layers.len());
+        let mut saved = Vec::with_capacity(self.layers.len());
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = slices(&params[self.ranges[i].clone()])?;
+            let input = if i == 0 { x } else { &outs[i - 1] };
+            let (out, s) = l.forward(&p, &self.shapes[i], input, n)?;
+            outs.push(out);
+            saved.push(s);
+        }
+        Ok((outs, saved))
+    }
+}
+
+fn slices(ts: &[Tensor]) -> Result<Vec<&[f32]>, ModelError> {
+    ts.iter()
+        .map(|t| t.as_slice::<f32>().map_err(ModelError::from))
+        .collect()
+}
+
+impl Model for Sequential {
+    fn describe(&self) -> String {
+        let layers: Vec<String> = self.layers.iter().map(|l| l.describe()).collect();
+        format!(
+            "{}: input {}, {}",
+            self.name,
+            self.input
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join("x"),
+            layers.join(", ")
+        )
+    }
+
+    fn input_shape(&self) -> Vec<usize> {
+        self.input.clone()
+    }
+
+    fn classes(&self) -> usize {
+        self.shapes.last().expect("checked in new")[0]
+    }
+
+    fn parameters(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+
+    fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
+        let (mut outs, _) = self.forward(params, x, rows)?;
+        Ok(outs.pop().expect("at least one layer"))
+    }
+
+    fn loss_and_gradients(
+        &self,
+        params: &[Tensor],
+        x: &[f32],
+        y: &[u8],
+        grads: &mut [Tensor],
+        ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
+    ) -> Result<f32, ModelError> {
+        let n = y.len();
+        let classes = self.classes();
+        if let Some(bad) = y.iter().find(|l| usize::from(**l) >= classes) {
+            return Err(ModelError::Shape {
+                model: self.name.clone(),
+                why: format!("label {bad} is not below the model's {classes} classes"),
+            });
+        }
+        let (outs, saved) = self.forward(params, x, n)?;
+        let mut delta = vec![0.0f32; n * classes];
+        let loss =
+            kernels::softmax_cross_entropy(outs.last().expect("logits"), y, classes, &mut delta);
+        for i in (0..self.layers.len()).rev() {
+            let range = self.ranges[i].clone();
+            let p = slices(&params[range.clone()])?;
+            let dx = {
+                let mut g: Vec<&mut [f32]> = grads[range.clone()]
+                    .iter_mut()
+                    .map(|t| t.as_mut_slice::<f32>())
+                    .collect::<Result<_, _>>()?;
+                self.layers[i].backward(
+                    &p,
+                    &self.shapes[i],
+                    Backward {
+                        x: if i == 0 { x } else { &outs[i - 1] },
+                        y: &outs[i],
+                        saved: &saved[i],
+                        n,
+                        dy: &delta,
+                        want_dx: i > 0,
+                    },
+                    &mut g,
+                )?
+            };
+            if !range.is_empty() {
+                ready(range, grads);
+            }
+            match dx {
+                Some(d) => delta = d,
+                None => break,
+            }
+        }
+        Ok(loss)
+    }
+}
+
+/// A multilayer perceptron: dense layers of `hidden` widths with ReLU between them, and a
+/// dense layer of `classes` logits.
+pub fn mlp(features: usize, hidden: &[usize], classes: usize) -> Result<Sequential, ModelError> {
+    let mut layers: Vec<Box<dyn Layer>> = Vec::new();
+    for h in hidden {
+        layers.push(Box::new(Dense { units: *h }));
+        layers.push(Box::new(Relu));
+    }
+    layers.push(Box::new(Dense { units: classes }));
+    Sequential::new("mlp", &[features], layers)
+}
+
+/// The built-in convolutional network, for images of `[height, width, channels]`:
+/// two blocks of 5x5 convolution (16 then 32 filters, padding 2), ReLU and 2x2 max
+/// pooling, then a dense layer of 128 with ReLU and one of `classes` logits.
+pub fn cnn(image: [usize; 3], classes: usize) -> Result<Sequential, ModelError> {
+    let conv = |filters| Conv2d {
+        kh: 5,
+        kw: 5,
+        filters,
+        stride: 1,
+        pad: 2,
+    };
+    let pool = MaxPool2d { size: 2, stride: 2 };
+    Sequential::new(
+        "cnn",
+        &image,
+        vec![
+            Box::new(conv(16)),
+            Box::new(Relu),
+            Box::new(pool),
+            Box::new(conv(32)),
+            Box::new(Relu),
+            Box::new(pool),
+            Box::new(Flatten),
+            Box::new(Dense { units: 128 }),
+            Box::new(Relu),
+            Box::new(Dense { units: classes }),
+        ],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Replica;
+    use crate::rng::Rng;
+
+    /// The mean loss in f64 from the model's own logits.
+    fn loss(r: &Replica<'_>, x: &[f32], y: &[u8]) -> f64 {
+        let logits = r.logits(x, y.len()).unwrap();
+        let c = r.model.classes();
+        logits
+            .chunks(c)
+            .zip(y)
+            .map(|(row, l)| {
+                let max = row.iter().copied().fold(f32::MIN, f32::max) as f64;
+                let s: f64 = row.iter().map(|v| (*v as f64 - max).exp()).sum();
+                s.ln() - (row[*l as usize] as f64 - max)
+            })
+            .sum::<f64>()
+            / y.len() as f64
+    }
+
+    /// Central differences on every `stride`-th element of every parameter.
+    fn check_gradients(model: &dyn Model, n: usize, stride: usize, eps: f32) -> usize {
+        let r = Replica::new(model, 11);
+        let mut rng = Rng::new(2);
+        let per = crate::model::sample_len(model);
+        let x: Vec<f32> = (0..n * per).map(|_| rng.normal() as f32).collect();
+        let y: Vec<u8> = (0..n).map(|i| (i % model.classes()) as u8).collect();
+        let mut grads = r.zeros_like();
+        let mut seen = Vec::new();
+        let got = r
+            .gradients_with(&x, &y, &mut grads, &mut |range, _| seen.push(range))
+            .unwrap();
+        assert!((got as f64 - loss(&r, &x, &y)).abs() < 1e-5);
+        // Every parameter reported ready exactly once, last layer first.
+        let mut all: Vec<usize> = seen.iter().flat_map(|r| r.clone()).collect();
+        assert_eq!(seen.first().unwrap().end, r.params.len());
+        all.sort_unstable();
+        assert_eq!(all, (0..r.params.len()).collect::<Vec<_>>());
+        let mut checked = 0;
+        for (pi, p) in r.params.iter().enumerate() {
+            for i in (pi % stride..p.numel()).step_by(stride) {
+                let mut plus = r.clone();
+                plus.params[pi].as_mut_slice::<f32>().unwrap()[i] += eps;
+                let mut minus = r.clone();
+                minus.params[pi].as_mut_slice::<f32>().unwrap()[i] -= eps;
+                let fd = (loss(&plus, &x, &y) - loss(&minus, &x, &y)) / (2.0 * eps as f64);
+                let an = grads[pi].as_slice::<f32>().unwrap()[i] as f64;
+                assert!(
+                    (fd - an).abs() < 3e-3 + 3e-2 * an.abs(),
+                    "{} [{i}]: fd {fd} analytic {an}",
+                    p.name()
+                );
+                checked += 1;
+            }
+        }
+        checked
+    }
+
+    #[test]
+    fn mlp_gradients_match_finite_differences() {
+        let m = mlp(5, &[7, 6], 3).unwrap();
+        assert!(check_gradients(&m, 4, 3, 1e-2) > 20);
+        let names: Vec<String> = m.parameters().into_iter().map(|p| p.name).collect();
+        assert_eq!(
+            names,
+            ["layer0/w", "layer0/b", "layer1/w", "layer1/b", "layer2/w", "layer2/b"]
+        );
+    }
+
+    #[test]
+    fn conv_pool_dense_gradients_match_finite_differences_on_odd_shapes() {
+        // Odd image, stride 2 with padding, a pool that drops the last row, two channels in.
+        let m = Sequential::new(
+            "odd",
+            &[7, 9, 2],
+            vec![
+                Box::new(Conv2d {
+                    kh: 3,
+                    kw: 2,
+                    filters: 3,
+                    stride: 2,
+                    pad: 1,
+                }),
+                Box::new(Relu),
+                Box::new(Conv2d {
+                    kh: 2,
+                    kw: 3,
+                    filters: 4,
+                    stride: 1,
+                    pad: 1,
+                }),
+                Box::new(MaxPool2d { size: 2, stride: 2 }),
+                Box::new(Flatten),
+                Box::new(Dense { units: 5 }),
+                Box::new(Relu),
+                Box::new(Dense { units: 3 }),
+            ],
+        )
+        .unwrap();
+        assert!(check_gradients(&m, 3, 2, 5e-3) > 100);
+    }
+
+    #[test]
+    fn the_builtin_cnn_fits_28x28_images_and_names_its_layers() {
+        let m = cnn([28, 28, 1], 10).unwrap();
+        let specs = m.parameters();
+        let shapes: Vec<(String, Vec<usize>)> =
+            specs.into_iter().map(|p| (p.name, p.shape)).collect();
+        assert_eq!(
+            shapes,
+            vec![
+                ("layer0/w".into(), vec![5, 5, 1, 16]),
+                ("layer0/b".into(), vec![16]),
+                ("layer1/w".into(), vec![5, 5, 16, 32]),
+                ("layer1/b".into(), vec![32]),
+                ("layer2/w".into(), vec![7 * 7 * 32, 128]),
+                ("layer2/b".into(), vec![128]),
+                ("layer3/w".into(), vec![128, 10]),
+                ("layer3/b".into(), vec![10]),
+            ]
+        );
+        assert!(m
+            .describe()
+            .starts_with("cnn: input 28x28x1, conv 5x5x16/1 pad 2, relu"));
+    }
+
+    #[test]
+    fn layers_that_do_not_chain_are_refused_naming_the_layer() {
+        let e = Sequential::new("bad", &[8, 8, 1], vec![Box::new(Dense { units: 3 })])
+            .err()
+            .unwrap();
+        assert_eq!(
+            e.to_string(),
+            "model bad: layer 0 (dense 3): dense takes a flat input; put a flatten before it (input [8, 8, 1])"
+        );
+        let e = cnn([3, 3, 1], 10).err().unwrap();
+        assert!(e.to_string().contains("layer 5 (maxpool 2/2)"), "{e}");
+    }
+}
