@@ -3,9 +3,11 @@
 //! - [`cluster`]: ClusterSpec, TF_CONFIG, legacy flags, and the resolvers that turn an
 //!   `mpirun`, Slurm or hostfile job into a cluster with one task per rank.
 //! - [`transport`]: the MPI context and the data plane.
-//! - [`kernels`]: BLAS (OpenBLAS through cblas) and the MLP's element-wise layers.
+//! - [`kernels`]: BLAS (OpenBLAS through cblas), element-wise and convolution kernels.
+//! - [`model`]: the model interface every mode trains through; layers, the MLP, the CNN.
 //! - [`topology`]: hwloc topology, pinning plans, BLAS threads per rank.
-//! - [`train`]: the MLP, data sets, optimizers, the training loop.
+//! - [`train`]: data sets, optimizers, and the training modes (local, ps, allreduce).
+//! - [`rng`]: the seeded generator behind every random choice.
 //! - [`tensor`]: tensors with their wire header in their own buffer.
 //! - [`check`]: `mpiflow check`, the data plane verified on a live job.
 //! - [`bench`]: OSU-style benchmarks, OSU 7.4's output format.
