@@ -88,33 +88,44 @@ impl Window2d {
     }
 }
 
-/// Lays out the receptive fields of `n` images `x` (`n x h x w x c`) as rows of `cols`
-/// (`n * oh * ow` rows of `k` values; padding reads as zero).
-pub fn im2col(g: &Window2d, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(), KernelError> {
-    super::need("im2col", "input", x.len(), n * g.input_len())?;
-    super::need("im2col", "columns", cols.len(), n * g.pixels() * g.k())?;
-    let (c, k) = (g.c, g.k());
-    let mut rows = cols.chunks_exact_mut(k);
-    for img in x.chunks_exact(g.input_len()).take(n) {
+/// Visits every (output pixel, window offset) of `n` images in column-matrix order:
+/// `f(at, from)` with `at` the offset of the tap's `c` values in the column matrix and
+/// `from` the offset of the `c` input values under it (`None` in the zero padding). The
+/// one loop both [`im2col`] and its adjoint [`col2im_add`] run.
+#[inline]
+fn for_each_tap(g: &Window2d, n: usize, mut f: impl FnMut(usize, Option<usize>)) {
+    let mut at = 0;
+    for b in 0..n {
+        let base = b * g.input_len();
         for oy in 0..g.oh {
             for ox in 0..g.ow {
-                let row = rows.next().expect("sized above");
                 for dy in 0..g.kh {
                     for dx in 0..g.kw {
-                        let at = (dy * g.kw + dx) * c;
-                        let dst = &mut row[at..at + c];
-                        match g.source(oy, ox, dy, dx) {
-                            Some((iy, ix)) => {
-                                let from = (iy * g.w + ix) * c;
-                                dst.copy_from_slice(&img[from..from + c]);
-                            }
-                            None => dst.fill(0.0),
-                        }
+                        let from = g
+                            .source(oy, ox, dy, dx)
+                            .map(|(iy, ix)| base + (iy * g.w + ix) * g.c);
+                        f(at, from);
+                        at += g.c;
                     }
                 }
             }
         }
     }
+}
+
+/// Lays out the receptive fields of `n` images `x` (`n x h x w x c`) as rows of `cols`
+/// (`n * oh * ow` rows of `k` values; padding reads as zero).
+pub fn im2col(g: &Window2d, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(), KernelError> {
+    super::need("im2col", "input", x.len(), n * g.input_len())?;
+    super::need("im2col", "columns", cols.len(), n * g.pixels() * g.k())?;
+    let c = g.c;
+    for_each_tap(g, n, |at, from| {
+        let dst = &mut cols[at..at + c];
+        match from {
+            Some(i) => dst.copy_from_slice(&x[i..i + c]),
+            None => dst.fill(0.0),
+        }
+    });
     Ok(())
 }
 
@@ -123,27 +134,15 @@ pub fn im2col(g: &Window2d, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(),
 pub fn col2im_add(g: &Window2d, cols: &[f32], n: usize, dx: &mut [f32]) -> Result<(), KernelError> {
     super::need("col2im", "columns", cols.len(), n * g.pixels() * g.k())?;
     super::need("col2im", "input gradient", dx.len(), n * g.input_len())?;
-    let (c, k) = (g.c, g.k());
-    let mut rows = cols.chunks_exact(k);
-    for img in dx.chunks_exact_mut(g.input_len()).take(n) {
-        for oy in 0..g.oh {
-            for ox in 0..g.ow {
-                let row = rows.next().expect("sized above");
-                for dy in 0..g.kh {
-                    for dxw in 0..g.kw {
-                        if let Some((iy, ix)) = g.source(oy, ox, dy, dxw) {
-                            let at = (dy * g.kw + dxw) * c;
-                            let to = (iy * g.w + ix) * c;
-                            img[to..to + c]
-                                .iter_mut()
-                                .zip(&row[at..at + c])
-                                .for_each(|(d, s)| *d += s);
-                        }
-                    }
-                }
-            }
+    let c = g.c;
+    for_each_tap(g, n, |at, from| {
+        if let Some(i) = from {
+            dx[i..i + c]
+                .iter_mut()
+                .zip(&cols[at..at + c])
+                .for_each(|(d, s)| *d += s);
         }
-    }
+    });
     Ok(())
 }
 

@@ -264,9 +264,8 @@ pub fn run<C: Comm + Send>(
     let coll = Collectives::new(sub);
     let (w, nw) = (coll.rank(), coll.size());
     let chief = w == 0;
-    crate::model::check_data(model, "train", train.features, train.classes)
+    let mut model = super::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-    let mut model = Replica::new(model, cfg.train.seed);
     let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut step = 0u64;

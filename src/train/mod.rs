@@ -139,6 +139,17 @@ pub fn save_params(
     .map(|_| ())
 }
 
+/// The replica every mode starts from: `model`'s initial parameters from `seed`, after
+/// checking that `train`'s samples and classes fit it (an error naming both sides).
+pub fn initial_replica<'m>(
+    model: &'m dyn Model,
+    train: &Dataset,
+    seed: u64,
+) -> Result<Replica<'m>, ModelError> {
+    crate::model::check_data(model, "train", train.features, train.classes)?;
+    Ok(Replica::new(model, seed))
+}
+
 /// Trains `model` in this process on `train`, evaluates on `test`; `log` sees every
 /// `log_every`-th step.
 pub fn train_local<'m>(
@@ -148,8 +159,7 @@ pub fn train_local<'m>(
     test: &Dataset,
     mut log: impl FnMut(StepLog),
 ) -> Result<TrainReport<'m>, ModelError> {
-    crate::model::check_data(model, "train", train.features, train.classes)?;
-    let mut model = Replica::new(model, cfg.seed);
+    let mut model = initial_replica(model, train, cfg.seed)?;
     let opt = Optimizer::new(cfg.optimizer, cfg.lr);
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut grads = model.zeros_like();

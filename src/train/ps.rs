@@ -285,9 +285,8 @@ pub fn run<C: Comm>(
 ) -> Result<(), PsError> {
     let roles = Roles::new(layout)?;
     let me = comm.rank();
-    crate::model::check_data(model, "train", train.features, train.classes)
+    let model = super::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
-    let model = Replica::new(model, cfg.train.seed);
     let vars = variables(&model);
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let rta = cfg

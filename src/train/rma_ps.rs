@@ -187,9 +187,8 @@ pub fn run(
     let roles = Roles::new(layout)?;
     let nw = roles.workers.len();
     let me = comm.rank();
-    crate::model::check_data(model, "train", train.features, train.classes)
+    let mut model = super::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
-    let mut model = Replica::new(model, cfg.train.seed);
     let vars = variables(&model);
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let pieces = pieces(&shards);

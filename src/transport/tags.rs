@@ -32,7 +32,8 @@ pub enum Reserved {
 }
 
 impl Reserved {
-    /// Every reserved use, in the order they take tags down from the bound.
+    /// Every reserved use, in declaration order: the order they take tags down from the
+    /// bound.
     pub const ALL: [Reserved; 7] = [
         Reserved::Barrier,
         Reserved::Bcast,
@@ -106,11 +107,8 @@ impl Tags {
 
     /// The tag of one of the library's own uses.
     pub fn reserved(&self, r: Reserved) -> i32 {
-        let i = Reserved::ALL
-            .iter()
-            .position(|x| *x == r)
-            .expect("listed in ALL") as i32;
-        self.ub - i
+        // Declaration order is the order in ALL: each use is its position below the bound.
+        self.ub - r as i32
     }
 
     /// A caller's tag, checked against the range left to callers.
