@@ -1,12 +1,16 @@
 //! `cargo bench --bench compute`: sgemm GFLOP/s through `mpiflow::kernels::gemm` beside
 //! `cblas_sgemm` called directly (alternating, best of 5 rounds each), at one BLAS thread
-//! and at the machine's cores; then single-process training samples/s on digits.
+//! and at the machine's cores; the built-in CNN's convolution layers (forward and
+//! backward, im2col and col2im included) beside the same three matrix products alone;
+//! then single-process training samples/s on digits.
 //!
 //! `MPIFLOW_BENCH_QUICK=1` runs one small size only.
 
 use std::time::Instant;
 
 use mpiflow::kernels;
+use mpiflow::kernels::conv::Window2d;
+use mpiflow::model::layers::{Backward, Conv2d, Layer, Saved};
 use mpiflow::train::data::Dataset;
 use mpiflow::train::{train_local, TrainConfig};
 
@@ -97,6 +101,7 @@ fn main() {
             );
         }
     }
+    conv_layers(quick);
     kernels::set_blas_threads(cores);
     let data = Dataset::load("digits", 0).expect("digits ship with the project");
     let (train, test) = data.split_holdout(1);
@@ -113,4 +118,109 @@ fn main() {
         "{:<8}{:>16.0}{:>12.4}",
         cfg.steps, r.samples_per_sec, r.accuracy
     );
+}
+
+/// Seconds of the best of `rounds` rounds of `reps` calls of `f`.
+fn best_secs(rounds: usize, reps: usize, f: &mut dyn FnMut()) -> f64 {
+    f();
+    (0..rounds)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            t.elapsed().as_secs_f64() / reps as f64
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// The CNN's two convolutions (and a wider one) at batch 64, one BLAS thread (a rank's
+/// share): a layer's forward and backward through `Layer`, beside its products (`cols W`,
+/// `cols^T dY`, and `dY W^T` where the input gradient is wanted: not for the CNN's first
+/// layer) by sgemm alone on the same shapes, rounds alternating. GFLOP/s count the
+/// products' FLOPs for both.
+fn conv_layers(quick: bool) {
+    kernels::set_blas_threads(1);
+    let n = if quick { 8 } else { 64 };
+    println!("# conv layer forward+backward vs its sgemm alone, batch {n}, 1 thread");
+    println!(
+        "{:<28}{:>12}{:>16}{:>16}{:>10}",
+        "# layer", "GFLOP", "sgemm GFLOP/s", "layer GFLOP/s", "ratio"
+    );
+    for (input, layer, want_dx) in [
+        ([28, 28, 1], conv(16), false),
+        ([14, 14, 16], conv(32), true),
+        ([14, 14, 16], conv(64), true),
+    ] {
+        let g = Window2d::new(input, [layer.kh, layer.kw], layer.stride, layer.pad)
+            .expect("the layer fits");
+        let (rows, k, oc) = (n * g.pixels(), g.k(), layer.filters);
+        let x = fill(n * g.input_len());
+        let (w, b) = (fill(k * oc), fill(oc));
+        let dy = fill(rows * oc);
+        let (mut gw, mut gb) = (vec![0.0f32; k * oc], vec![0.0f32; oc]);
+        let (mut out, mut saved, mut dx) = (Vec::new(), Saved::Nothing, Vec::new());
+        let (mut cols, mut y) = (fill(rows * k), vec![0.0f32; rows * oc]);
+        let products = if want_dx { 3.0 } else { 2.0 };
+        let flops = products * 2.0 * (rows * k * oc) as f64;
+        let reps = (3e9 / flops).clamp(2.0, 200.0) as usize;
+        let (mut alone, mut whole) = (f64::INFINITY, f64::INFINITY);
+        let shape = [input[0], input[1], input[2]];
+        for _ in 0..if quick { 1 } else { 5 } {
+            alone = alone.min(best_secs(1, reps, &mut || {
+                kernels::gemm(false, false, rows, oc, k, 1.0, &cols, &w, 0.0, &mut y).unwrap();
+                kernels::gemm(true, false, k, oc, rows, 1.0, &cols, &dy, 0.0, &mut gw).unwrap();
+                if want_dx {
+                    kernels::gemm(false, true, rows, k, oc, 1.0, &dy, &w, 0.0, &mut cols).unwrap();
+                }
+            }));
+            whole = whole.min(best_secs(1, reps, &mut || {
+                let p = [&w[..], &b[..]];
+                layer
+                    .forward_into(&p, &shape, &x, n, &mut out, &mut saved)
+                    .unwrap();
+                let back = Backward {
+                    x: &x,
+                    y: &out,
+                    saved: &mut saved,
+                    n,
+                    dy: &dy,
+                };
+                layer
+                    .backward_into(
+                        &p,
+                        &shape,
+                        back,
+                        &mut [&mut gw, &mut gb],
+                        want_dx.then_some(&mut dx),
+                    )
+                    .unwrap();
+            }));
+        }
+        println!(
+            "{:<28}{:>12.3}{:>16.1}{:>16.1}{:>10.3}",
+            format!(
+                "{} on {}x{}x{}{}",
+                layer.describe(),
+                shape[0],
+                shape[1],
+                shape[2],
+                if want_dx { "" } else { ", no dx" }
+            ),
+            flops / 1e9,
+            flops / alone / 1e9,
+            flops / whole / 1e9,
+            alone / whole
+        );
+    }
+}
+
+fn conv(filters: usize) -> Conv2d {
+    Conv2d {
+        kh: 5,
+        kw: 5,
+        filters,
+        stride: 1,
+        pad: 2,
+    }
 }

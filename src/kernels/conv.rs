@@ -88,25 +88,43 @@ impl Window2d {
     }
 }
 
-/// Visits every (output pixel, window offset) of `n` images in column-matrix order:
-/// `f(at, from)` with `at` the offset of the tap's `c` values in the column matrix and
-/// `from` the offset of the `c` input values under it (`None` in the zero padding). The
-/// one loop both [`im2col`] and its adjoint [`col2im_add`] run.
+/// Visits the column matrix of `n` images in order, one window row at a time, in runs:
+/// `f(at, from, len)` says that the `len` values at offset `at` of the column matrix are
+/// the `len` consecutive input values at offset `from`, or zero padding (`from` is
+/// `None`). A window row's taps read consecutive input pixels whatever the stride, so a
+/// row is at most three runs (left padding, the image, right padding). The one loop both
+/// [`im2col`] and its adjoint [`col2im_add`] run.
 #[inline]
-fn for_each_tap(g: &Window2d, n: usize, mut f: impl FnMut(usize, Option<usize>)) {
+fn for_each_run(g: &Window2d, n: usize, mut f: impl FnMut(usize, Option<usize>, usize)) {
+    let (c, row) = (g.c, g.kw * g.c);
     let mut at = 0;
     for b in 0..n {
         let base = b * g.input_len();
         for oy in 0..g.oh {
             for ox in 0..g.ow {
+                // Window columns `lo..hi` fall on the image; padded column `x0 + dx` is
+                // input column `x0 + dx - pad`.
+                let x0 = ox * g.stride;
+                let lo = g.pad.saturating_sub(x0).min(g.kw);
+                let hi = (g.w + g.pad).saturating_sub(x0).clamp(lo, g.kw);
                 for dy in 0..g.kh {
-                    for dx in 0..g.kw {
-                        let from = g
-                            .source(oy, ox, dy, dx)
-                            .map(|(iy, ix)| base + (iy * g.w + ix) * g.c);
-                        f(at, from);
-                        at += g.c;
+                    let iy = (oy * g.stride + dy)
+                        .checked_sub(g.pad)
+                        .filter(|iy| *iy < g.h);
+                    match iy {
+                        Some(iy) if hi > lo => {
+                            if lo > 0 {
+                                f(at, None, lo * c);
+                            }
+                            let from = base + (iy * g.w + x0 + lo - g.pad) * c;
+                            f(at + lo * c, Some(from), (hi - lo) * c);
+                            if hi < g.kw {
+                                f(at + hi * c, None, (g.kw - hi) * c);
+                            }
+                        }
+                        _ => f(at, None, row),
                     }
+                    at += row;
                 }
             }
         }
@@ -118,11 +136,10 @@ fn for_each_tap(g: &Window2d, n: usize, mut f: impl FnMut(usize, Option<usize>))
 pub fn im2col(g: &Window2d, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(), KernelError> {
     super::need("im2col", "input", x.len(), n * g.input_len())?;
     super::need("im2col", "columns", cols.len(), n * g.pixels() * g.k())?;
-    let c = g.c;
-    for_each_tap(g, n, |at, from| {
-        let dst = &mut cols[at..at + c];
+    for_each_run(g, n, |at, from, len| {
+        let dst = &mut cols[at..at + len];
         match from {
-            Some(i) => dst.copy_from_slice(&x[i..i + c]),
+            Some(i) => dst.copy_from_slice(&x[i..i + len]),
             None => dst.fill(0.0),
         }
     });
@@ -134,12 +151,11 @@ pub fn im2col(g: &Window2d, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(),
 pub fn col2im_add(g: &Window2d, cols: &[f32], n: usize, dx: &mut [f32]) -> Result<(), KernelError> {
     super::need("col2im", "columns", cols.len(), n * g.pixels() * g.k())?;
     super::need("col2im", "input gradient", dx.len(), n * g.input_len())?;
-    let c = g.c;
-    for_each_tap(g, n, |at, from| {
+    for_each_run(g, n, |at, from, len| {
         if let Some(i) = from {
-            dx[i..i + c]
+            dx[i..i + len]
                 .iter_mut()
-                .zip(&cols[at..at + c])
+                .zip(&cols[at..at + len])
                 .for_each(|(d, s)| *d += s);
         }
     });
@@ -258,9 +274,12 @@ mod tests {
     #[test]
     fn im2col_and_sgemm_equal_the_naive_convolution_on_odd_shapes() {
         // (h, w, c, kh, kw, stride, pad, oc, n): odd sizes, strides that skip, padding
-        // wider than needed, a window as large as the padded input.
+        // wider than needed, wider than the window (windows all padding), a window as
+        // large as the padded input.
         for (h, w, c, kh, kw, s, p, oc, n) in [
             (5, 7, 3, 3, 3, 1, 1, 4, 2),
+            (2, 3, 2, 2, 2, 1, 3, 2, 2),
+            (5, 4, 1, 3, 2, 3, 4, 3, 1),
             (9, 6, 2, 5, 3, 2, 2, 3, 3),
             (4, 4, 1, 2, 2, 2, 0, 5, 1),
             (7, 5, 5, 3, 1, 3, 0, 2, 2),
@@ -269,7 +288,8 @@ mod tests {
             let g = Window2d::new([h, w, c], [kh, kw], s, p).unwrap();
             let x = data(n * g.input_len(), 1);
             let wts = data(g.k() * oc, 2);
-            let mut cols = vec![0.0; n * g.pixels() * g.k()];
+            // Reused buffers hold stale values: im2col must write every one.
+            let mut cols = vec![f32::NAN; n * g.pixels() * g.k()];
             im2col(&g, &x, n, &mut cols).unwrap();
             let mut out = vec![0.0; n * g.pixels() * oc];
             gemm(
@@ -295,17 +315,21 @@ mod tests {
     #[test]
     fn col2im_is_the_adjoint_of_im2col() {
         // <im2col(x), y> == <x, col2im(y)> for any x, y: the backward pass is exact.
-        let g = Window2d::new([6, 5, 3], [3, 2], 2, 1).unwrap();
-        let n = 2;
-        let x = data(n * g.input_len(), 3);
-        let y = data(n * g.pixels() * g.k(), 4);
-        let mut cols = vec![0.0; y.len()];
-        im2col(&g, &x, n, &mut cols).unwrap();
-        let mut back = vec![0.0; x.len()];
-        col2im_add(&g, &y, n, &mut back).unwrap();
-        let lhs: f64 = cols.iter().zip(&y).map(|(a, b)| f64::from(a * b)).sum();
-        let rhs: f64 = x.iter().zip(&back).map(|(a, b)| f64::from(a * b)).sum();
-        assert!((lhs - rhs).abs() < 1e-3, "{lhs} vs {rhs}");
+        for g in [
+            Window2d::new([6, 5, 3], [3, 2], 2, 1).unwrap(),
+            Window2d::new([3, 2, 2], [2, 3], 1, 3).unwrap(),
+        ] {
+            let n = 2;
+            let x = data(n * g.input_len(), 3);
+            let y = data(n * g.pixels() * g.k(), 4);
+            let mut cols = vec![0.0; y.len()];
+            im2col(&g, &x, n, &mut cols).unwrap();
+            let mut back = vec![0.0; x.len()];
+            col2im_add(&g, &y, n, &mut back).unwrap();
+            let lhs: f64 = cols.iter().zip(&y).map(|(a, b)| f64::from(a * b)).sum();
+            let rhs: f64 = x.iter().zip(&back).map(|(a, b)| f64::from(a * b)).sum();
+            assert!((lhs - rhs).abs() < 1e-3, "{g:?}: {lhs} vs {rhs}");
+        }
     }
 
     #[test]

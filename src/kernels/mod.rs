@@ -195,10 +195,11 @@ pub fn dot(x: &[f32], y: &[f32]) -> Result<f32, KernelError> {
     Ok(unsafe { cblas::sdot(n, x, 1, y, 1) })
 }
 
-/// Adds `bias` (length `cols`) to every row of `x` (`rows x cols`).
-pub fn bias_add(x: &mut [f32], bias: &[f32]) {
+/// Sets every row of `x` to `bias`: the start of `x = bias + A B` by [`gemm`] with
+/// `beta = 1`, which adds the product in the same pass that would otherwise clear `x`.
+pub fn broadcast_rows(x: &mut [f32], bias: &[f32]) {
     for row in x.chunks_exact_mut(bias.len()) {
-        row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        row.copy_from_slice(bias);
     }
 }
 
@@ -210,9 +211,9 @@ pub fn sum_rows(g: &[f32], out: &mut [f32]) {
     }
 }
 
-/// ReLU in place.
-pub fn relu(x: &mut [f32]) {
-    x.iter_mut().for_each(|v| *v = v.max(0.0));
+/// `out = max(x, 0)`, element-wise (`out` as long as `x`).
+pub fn relu_into(x: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(x).for_each(|(o, v)| *o = v.max(0.0));
 }
 
 /// ReLU's backward: zeroes `grad` where the forward output was not positive.

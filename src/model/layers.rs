@@ -3,13 +3,15 @@
 //! Activations are row-major with the batch first and channels last (NHWC for images), so
 //! a dense layer's input is any activation flattened per sample, and a convolution's
 //! output is a matrix product's output as it is. A layer keeps nothing between calls:
-//! what its backward pass needs from the forward pass comes back as [`Saved`].
+//! what its backward pass needs from the forward pass goes to a [`Saved`], and every
+//! output goes into a buffer the caller owns and passes again on the next step (`_into`),
+//! so a training step allocates nothing once the buffers have grown to the batch.
 
 use super::Init;
 use crate::kernels::conv::{self, Window2d};
 use crate::kernels::{self, KernelError};
 
-/// What a layer's forward pass keeps for its backward pass.
+/// What a layer's forward pass keeps for its backward pass; reused from step to step.
 #[derive(Debug, Clone, Default)]
 pub enum Saved {
     #[default]
@@ -20,18 +22,48 @@ pub enum Saved {
     Argmax(Vec<u32>),
 }
 
+impl Saved {
+    /// The column buffer, made one if this held something else.
+    pub fn columns(&mut self) -> &mut Vec<f32> {
+        if !matches!(self, Saved::Columns(_)) {
+            *self = Saved::Columns(Vec::new());
+        }
+        match self {
+            Saved::Columns(c) => c,
+            _ => unreachable!("set above"),
+        }
+    }
+
+    /// The winners' buffer, made one if this held something else.
+    pub fn argmax(&mut self) -> &mut Vec<u32> {
+        if !matches!(self, Saved::Argmax(_)) {
+            *self = Saved::Argmax(Vec::new());
+        }
+        match self {
+            Saved::Argmax(a) => a,
+            _ => unreachable!("set above"),
+        }
+    }
+}
+
+/// `buf` as exactly `len` values, keeping its allocation: values already there stay (the
+/// kernels that write into it overwrite them), new ones are zero.
+pub fn sized<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
+    buf.resize(len, T::default());
+    &mut buf[..]
+}
+
 /// One backward call's inputs.
 pub struct Backward<'a> {
     /// The layer's input and output of the forward pass.
     pub x: &'a [f32],
     pub y: &'a [f32],
-    pub saved: &'a Saved,
+    /// What the forward pass saved; the layer may use it as workspace once read.
+    pub saved: &'a mut Saved,
     /// Samples in the batch.
     pub n: usize,
     /// The loss gradient with respect to the output.
     pub dy: &'a [f32],
-    /// Whether the gradient with respect to the input is wanted (not for the first layer).
-    pub want_dx: bool,
 }
 
 /// A layer of a [`super::Sequential`] model.
@@ -47,24 +79,28 @@ pub trait Layer: Send + Sync {
         Vec::new()
     }
 
-    /// The output of `n` samples `x`, and what the backward pass needs.
-    fn forward(
+    /// Writes the output of `n` samples `x` into `out` (resized to fit) and what the
+    /// backward pass needs into `saved`.
+    fn forward_into(
         &self,
         p: &[&[f32]],
         input: &[usize],
         x: &[f32],
         n: usize,
-    ) -> Result<(Vec<f32>, Saved), KernelError>;
+        out: &mut Vec<f32>,
+        saved: &mut Saved,
+    ) -> Result<(), KernelError>;
 
-    /// Writes the parameter gradients into `grads` and returns the input gradient if
-    /// `b.want_dx`.
-    fn backward(
+    /// Writes the parameter gradients into `grads` and, if `dx` is given (not for the
+    /// first layer), the input gradient into it (resized to fit).
+    fn backward_into(
         &self,
         p: &[&[f32]],
         input: &[usize],
         b: Backward<'_>,
         grads: &mut [&mut [f32]],
-    ) -> Result<Option<Vec<f32>>, KernelError>;
+        dx: Option<&mut Vec<f32>>,
+    ) -> Result<(), KernelError>;
 }
 
 fn numel(shape: &[usize]) -> usize {
@@ -100,36 +136,37 @@ impl Layer for Dense {
         ]
     }
 
-    fn forward(
+    fn forward_into(
         &self,
         p: &[&[f32]],
         input: &[usize],
         x: &[f32],
         n: usize,
-    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        out: &mut Vec<f32>,
+        _saved: &mut Saved,
+    ) -> Result<(), KernelError> {
         let fi = numel(input);
-        let mut out = vec![0.0f32; n * self.units];
-        kernels::gemm(false, false, n, self.units, fi, 1.0, x, p[0], 0.0, &mut out)?;
-        kernels::bias_add(&mut out, p[1]);
-        Ok((out, Saved::Nothing))
+        let out = sized(out, n * self.units);
+        kernels::broadcast_rows(out, p[1]);
+        kernels::gemm(false, false, n, self.units, fi, 1.0, x, p[0], 1.0, out)
     }
 
-    fn backward(
+    fn backward_into(
         &self,
         p: &[&[f32]],
         input: &[usize],
         b: Backward<'_>,
         grads: &mut [&mut [f32]],
-    ) -> Result<Option<Vec<f32>>, KernelError> {
+        dx: Option<&mut Vec<f32>>,
+    ) -> Result<(), KernelError> {
         let (fi, fo) = (numel(input), self.units);
         kernels::gemm(true, false, fi, fo, b.n, 1.0, b.x, b.dy, 0.0, grads[0])?;
         kernels::sum_rows(b.dy, grads[1]);
-        if !b.want_dx {
-            return Ok(None);
+        if let Some(dx) = dx {
+            let dx = sized(dx, b.n * fi);
+            kernels::gemm(false, true, b.n, fi, fo, 1.0, b.dy, p[0], 0.0, dx)?;
         }
-        let mut dx = vec![0.0f32; b.n * fi];
-        kernels::gemm(false, true, b.n, fi, fo, 1.0, b.dy, p[0], 0.0, &mut dx)?;
-        Ok(Some(dx))
+        Ok(())
     }
 }
 
@@ -185,18 +222,21 @@ impl Layer for Conv2d {
         ]
     }
 
-    fn forward(
+    fn forward_into(
         &self,
         p: &[&[f32]],
         input: &[usize],
         x: &[f32],
         n: usize,
-    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        out: &mut Vec<f32>,
+        saved: &mut Saved,
+    ) -> Result<(), KernelError> {
         let g = self.window(input).map_err(shape_error)?;
         let rows = n * g.pixels();
-        let mut cols = vec![0.0f32; rows * g.k()];
-        conv::im2col(&g, x, n, &mut cols)?;
-        let mut out = vec![0.0f32; rows * self.filters];
+        let cols = sized(saved.columns(), rows * g.k());
+        conv::im2col(&g, x, n, cols)?;
+        let out = sized(out, rows * self.filters);
+        kernels::broadcast_rows(out, p[1]);
         kernels::gemm(
             false,
             false,
@@ -204,26 +244,26 @@ impl Layer for Conv2d {
             self.filters,
             g.k(),
             1.0,
-            &cols,
+            cols,
             p[0],
-            0.0,
-            &mut out,
-        )?;
-        kernels::bias_add(&mut out, p[1]);
-        Ok((out, Saved::Columns(cols)))
+            1.0,
+            out,
+        )
     }
 
-    fn backward(
+    fn backward_into(
         &self,
         p: &[&[f32]],
         input: &[usize],
         b: Backward<'_>,
         grads: &mut [&mut [f32]],
-    ) -> Result<Option<Vec<f32>>, KernelError> {
+        dx: Option<&mut Vec<f32>>,
+    ) -> Result<(), KernelError> {
         let g = self.window(input).map_err(shape_error)?;
         let Saved::Columns(cols) = b.saved else {
             return Err(shape_error("conv backward without its columns".into()));
         };
+        let cols: &mut Vec<f32> = cols;
         let rows = b.n * g.pixels();
         kernels::gemm(
             true,
@@ -232,16 +272,18 @@ impl Layer for Conv2d {
             self.filters,
             rows,
             1.0,
-            cols,
+            &cols[..],
             b.dy,
             0.0,
             grads[0],
         )?;
         kernels::sum_rows(b.dy, grads[1]);
-        if !b.want_dx {
-            return Ok(None);
-        }
-        let mut dcols = vec![0.0f32; rows * g.k()];
+        let Some(dx) = dx else {
+            return Ok(());
+        };
+        // The columns are read; their buffer takes the column gradient `dY W^T`, which
+        // is then scattered back onto the image.
+        let dcols = &mut cols[..];
         kernels::gemm(
             false,
             true,
@@ -252,11 +294,12 @@ impl Layer for Conv2d {
             b.dy,
             p[0],
             0.0,
-            &mut dcols,
+            dcols,
         )?;
-        let mut dx = vec![0.0f32; b.n * g.input_len()];
-        conv::col2im_add(&g, &dcols, b.n, &mut dx)?;
-        Ok(Some(dx))
+        let dx = sized(dx, b.n * g.input_len());
+        dx.fill(0.0);
+        conv::col2im_add(&g, dcols, b.n, dx)?;
+        Ok(())
     }
 }
 
@@ -293,36 +336,35 @@ impl Layer for MaxPool2d {
         Ok(vec![g.oh, g.ow, g.c])
     }
 
-    fn forward(
+    fn forward_into(
         &self,
         _p: &[&[f32]],
         input: &[usize],
         x: &[f32],
         n: usize,
-    ) -> Result<(Vec<f32>, Saved), KernelError> {
+        out: &mut Vec<f32>,
+        saved: &mut Saved,
+    ) -> Result<(), KernelError> {
         let g = self.window(input).map_err(shape_error)?;
         let len = n * g.pixels() * g.c;
-        let (mut out, mut arg) = (vec![0.0f32; len], vec![0u32; len]);
-        conv::max_pool(&g, x, n, &mut out, &mut arg)?;
-        Ok((out, Saved::Argmax(arg)))
+        conv::max_pool(&g, x, n, sized(out, len), sized(saved.argmax(), len))
     }
 
-    fn backward(
+    fn backward_into(
         &self,
         _p: &[&[f32]],
         _input: &[usize],
         b: Backward<'_>,
         _grads: &mut [&mut [f32]],
-    ) -> Result<Option<Vec<f32>>, KernelError> {
+        dx: Option<&mut Vec<f32>>,
+    ) -> Result<(), KernelError> {
         let Saved::Argmax(arg) = b.saved else {
             return Err(shape_error("max pool backward without its winners".into()));
         };
-        if !b.want_dx {
-            return Ok(None);
+        match dx {
+            Some(dx) => conv::max_pool_backward(arg, b.dy, sized(dx, b.x.len())),
+            None => Ok(()),
         }
-        let mut dx = vec![0.0f32; b.x.len()];
-        conv::max_pool_backward(arg, b.dy, &mut dx)?;
-        Ok(Some(dx))
     }
 }
 
@@ -339,31 +381,34 @@ impl Layer for Relu {
         Ok(input.to_vec())
     }
 
-    fn forward(
+    fn forward_into(
         &self,
         _p: &[&[f32]],
         _input: &[usize],
         x: &[f32],
         _n: usize,
-    ) -> Result<(Vec<f32>, Saved), KernelError> {
-        let mut out = x.to_vec();
-        kernels::relu(&mut out);
-        Ok((out, Saved::Nothing))
+        out: &mut Vec<f32>,
+        _saved: &mut Saved,
+    ) -> Result<(), KernelError> {
+        let out = sized(out, x.len());
+        kernels::relu_into(x, out);
+        Ok(())
     }
 
-    fn backward(
+    fn backward_into(
         &self,
         _p: &[&[f32]],
         _input: &[usize],
         b: Backward<'_>,
         _grads: &mut [&mut [f32]],
-    ) -> Result<Option<Vec<f32>>, KernelError> {
-        if !b.want_dx {
-            return Ok(None);
+        dx: Option<&mut Vec<f32>>,
+    ) -> Result<(), KernelError> {
+        if let Some(dx) = dx {
+            let dx = sized(dx, b.dy.len());
+            dx.copy_from_slice(b.dy);
+            kernels::relu_backward(b.y, dx);
         }
-        let mut dx = b.dy.to_vec();
-        kernels::relu_backward(b.y, &mut dx);
-        Ok(Some(dx))
+        Ok(())
     }
 }
 
@@ -380,23 +425,30 @@ impl Layer for Flatten {
         Ok(vec![numel(input)])
     }
 
-    fn forward(
+    fn forward_into(
         &self,
         _p: &[&[f32]],
         _input: &[usize],
         x: &[f32],
         _n: usize,
-    ) -> Result<(Vec<f32>, Saved), KernelError> {
-        Ok((x.to_vec(), Saved::Nothing))
+        out: &mut Vec<f32>,
+        _saved: &mut Saved,
+    ) -> Result<(), KernelError> {
+        sized(out, x.len()).copy_from_slice(x);
+        Ok(())
     }
 
-    fn backward(
+    fn backward_into(
         &self,
         _p: &[&[f32]],
         _input: &[usize],
         b: Backward<'_>,
         _grads: &mut [&mut [f32]],
-    ) -> Result<Option<Vec<f32>>, KernelError> {
-        Ok(b.want_dx.then(|| b.dy.to_vec()))
+        dx: Option<&mut Vec<f32>>,
+    ) -> Result<(), KernelError> {
+        if let Some(dx) = dx {
+            sized(dx, b.dy.len()).copy_from_slice(b.dy);
+        }
+        Ok(())
     }
 }

@@ -6,8 +6,9 @@
 //! fusion address them by name).
 
 use std::ops::Range;
+use std::sync::Mutex;
 
-use super::layers::{Backward, Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, Saved};
+use super::layers::{sized, Backward, Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, Saved};
 use super::{Model, ModelError, ParamSpec};
 use crate::kernels;
 use crate::tensor::Tensor;
@@ -22,6 +23,18 @@ pub struct Sequential {
     /// Each layer's parameters, as a range of [`Model::parameters`].
     ranges: Vec<Range<usize>>,
     specs: Vec<ParamSpec>,
+    /// Buffers of finished passes, taken by the next (one per concurrent caller).
+    spare: Mutex<Vec<Scratch>>,
+}
+
+/// One pass's buffers: every layer's output and saved values, and the running gradient.
+/// Kept between steps, so a step allocates nothing once they have grown to the batch.
+#[derive(Default)]
+struct Scratch {
+    outs: Vec<Vec<f32>>,
+    saved: Vec<Saved>,
+    delta: Vec<f32>,
+    dx: Vec<f32>,
 }
 
 impl Sequential {
@@ -73,26 +86,85 @@ impl Sequential {
             shapes,
             ranges,
             specs,
+            spare: Mutex::new(Vec::new()),
         })
     }
 
-    /// Every layer's output for `n` samples `x`: `(outputs, saved)`, the logits last.
+    /// Spare buffers sized for this model's layers, or new ones.
+    fn take_scratch(&self) -> Scratch {
+        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut s = spare.unwrap_or_default();
+        s.outs.resize_with(self.layers.len(), Vec::new);
+        s.saved.resize_with(self.layers.len(), Saved::default);
+        s
+    }
+
+    fn give_back(&self, s: Scratch) {
+        self.spare.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+    }
+
+    /// Every layer's output for `n` samples `x` into `s.outs` (the logits last), and what
+    /// each saves into `s.saved`.
     fn forward(
         &self,
         params: &[Tensor],
         x: &[f32],
         n: usize,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Saved>), ModelError> {
-        let mut outs: Vec<Vec<f32>> = Vec::with_capacity(self.layers.len());
-        let mut saved = Vec::with_capacity(self.layers.len());
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
         for (i, l) in self.layers.iter().enumerate() {
             let p = slices(&params[self.ranges[i].clone()])?;
-            let input = if i == 0 { x } else { &outs[i - 1] };
-            let (out, s) = l.forward(&p, &self.shapes[i], input, n)?;
-            outs.push(out);
-            saved.push(s);
+            let (before, rest) = s.outs.split_at_mut(i);
+            let input = if i == 0 { x } else { &before[i - 1] };
+            l.forward_into(&p, &self.shapes[i], input, n, &mut rest[0], &mut s.saved[i])?;
         }
-        Ok((outs, saved))
+        Ok(())
+    }
+
+    /// The forward pass, the loss, and the backward pass layer by layer (last first),
+    /// calling `ready` as each layer's parameter gradients are written.
+    fn backward(
+        &self,
+        params: &[Tensor],
+        x: &[f32],
+        y: &[u8],
+        grads: &mut [Tensor],
+        ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
+        s: &mut Scratch,
+    ) -> Result<f32, ModelError> {
+        let (n, classes) = (y.len(), self.classes());
+        self.forward(params, x, n, s)?;
+        let delta = sized(&mut s.delta, n * classes);
+        let loss =
+            kernels::softmax_cross_entropy(s.outs.last().expect("logits"), y, classes, delta);
+        for i in (0..self.layers.len()).rev() {
+            let range = self.ranges[i].clone();
+            let p = slices(&params[range.clone()])?;
+            {
+                let mut g: Vec<&mut [f32]> = grads[range.clone()]
+                    .iter_mut()
+                    .map(|t| t.as_mut_slice::<f32>())
+                    .collect::<Result<_, _>>()?;
+                self.layers[i].backward_into(
+                    &p,
+                    &self.shapes[i],
+                    Backward {
+                        x: if i == 0 { x } else { &s.outs[i - 1] },
+                        y: &s.outs[i],
+                        saved: &mut s.saved[i],
+                        n,
+                        dy: &s.delta,
+                    },
+                    &mut g,
+                    (i > 0).then_some(&mut s.dx),
+                )?;
+            }
+            if !range.is_empty() {
+                ready(range, grads);
+            }
+            std::mem::swap(&mut s.delta, &mut s.dx);
+        }
+        Ok(loss)
     }
 }
 
@@ -130,8 +202,11 @@ impl Model for Sequential {
     }
 
     fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
-        let (mut outs, _) = self.forward(params, x, rows)?;
-        Ok(outs.pop().expect("at least one layer"))
+        let mut s = self.take_scratch();
+        let done = self.forward(params, x, rows, &mut s);
+        let logits = s.outs.last().cloned().unwrap_or_default();
+        self.give_back(s);
+        done.map(|()| logits)
     }
 
     fn loss_and_gradients(
@@ -142,7 +217,6 @@ impl Model for Sequential {
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
-        let n = y.len();
         let classes = self.classes();
         if let Some(bad) = y.iter().find(|l| usize::from(**l) >= classes) {
             return Err(ModelError::Shape {
@@ -150,41 +224,10 @@ impl Model for Sequential {
                 why: format!("label {bad} is not below the model's {classes} classes"),
             });
         }
-        let (outs, saved) = self.forward(params, x, n)?;
-        let mut delta = vec![0.0f32; n * classes];
-        let loss =
-            kernels::softmax_cross_entropy(outs.last().expect("logits"), y, classes, &mut delta);
-        for i in (0..self.layers.len()).rev() {
-            let range = self.ranges[i].clone();
-            let p = slices(&params[range.clone()])?;
-            let dx = {
-                let mut g: Vec<&mut [f32]> = grads[range.clone()]
-                    .iter_mut()
-                    .map(|t| t.as_mut_slice::<f32>())
-                    .collect::<Result<_, _>>()?;
-                self.layers[i].backward(
-                    &p,
-                    &self.shapes[i],
-                    Backward {
-                        x: if i == 0 { x } else { &outs[i - 1] },
-                        y: &outs[i],
-                        saved: &saved[i],
-                        n,
-                        dy: &delta,
-                        want_dx: i > 0,
-                    },
-                    &mut g,
-                )?
-            };
-            if !range.is_empty() {
-                ready(range, grads);
-            }
-            match dx {
-                Some(d) => delta = d,
-                None => break,
-            }
-        }
-        Ok(loss)
+        let mut s = self.take_scratch();
+        let loss = self.backward(params, x, y, grads, ready, &mut s);
+        self.give_back(s);
+        loss
     }
 }
 
