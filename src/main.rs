@@ -89,6 +89,51 @@ enum ModelChoice {
     Cnn,
 }
 
+/// `--optimizer` (the library's `OptimizerKind`, spelled for the command line).
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+enum OptimizerArg {
+    Sgd,
+    Momentum,
+    Adagrad,
+    #[default]
+    Adam,
+}
+
+impl From<OptimizerArg> for mpiflow::train::optim::OptimizerKind {
+    fn from(a: OptimizerArg) -> Self {
+        use mpiflow::train::optim::OptimizerKind as K;
+        match a {
+            OptimizerArg::Sgd => K::Sgd,
+            OptimizerArg::Momentum => K::Momentum,
+            OptimizerArg::Adagrad => K::Adagrad,
+            OptimizerArg::Adam => K::Adam,
+        }
+    }
+}
+
+/// `--var-placement` (the library's placement `Strategy`).
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+enum PlacementArg {
+    /// Variables to ps tasks in creation order (TensorFlow's default).
+    RoundRobin,
+    /// Each variable to the ps with the fewest bytes so far, largest first.
+    #[default]
+    Greedy,
+    /// Like greedy, with variables above --partition-bytes cut into slices.
+    Partition,
+}
+
+impl From<PlacementArg> for mpiflow::train::ps::placement::Strategy {
+    fn from(a: PlacementArg) -> Self {
+        use mpiflow::train::ps::placement::Strategy as S;
+        match a {
+            PlacementArg::RoundRobin => S::RoundRobin,
+            PlacementArg::Greedy => S::Greedy,
+            PlacementArg::Partition => S::Partition,
+        }
+    }
+}
+
 #[derive(Args)]
 struct TrainArgs {
     #[arg(long, value_enum, default_value_t)]
@@ -113,7 +158,7 @@ struct TrainArgs {
     replicas_to_aggregate: Option<usize>,
     /// How variables are placed on ps tasks.
     #[arg(long, value_enum, default_value_t)]
-    var_placement: mpiflow::train::placement::Strategy,
+    var_placement: PlacementArg,
     /// Slice size for --var-placement partition.
     #[arg(long, default_value_t = 4 << 20)]
     partition_bytes: usize,
@@ -161,7 +206,7 @@ struct TrainArgs {
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
     #[arg(long, value_enum, default_value_t)]
-    optimizer: mpiflow::train::optim::OptimizerKind,
+    optimizer: OptimizerArg,
     /// Learning rate.
     #[arg(long, default_value_t = 0.003, value_parser = positive_f32)]
     lr: f32,
@@ -539,7 +584,7 @@ fn train_config(args: &TrainArgs) -> mpiflow::train::TrainConfig {
     mpiflow::train::TrainConfig {
         batch: args.batch as usize,
         steps: args.steps,
-        optimizer: args.optimizer,
+        optimizer: args.optimizer.into(),
         lr: args.lr,
         seed: args.seed,
         log_every: args.log_every,
@@ -606,7 +651,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 train: train_config(args),
                 sync: !args.async_,
                 replicas_to_aggregate: args.replicas_to_aggregate,
-                strategy: args.var_placement,
+                strategy: args.var_placement.into(),
                 partition_bytes: args.partition_bytes,
                 checkpoint_dir: args.checkpoint_dir.clone(),
                 checkpoint_every: args.checkpoint_every,
@@ -616,10 +661,10 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             match args.transport {
                 PsTransport::P2p => ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log),
                 PsTransport::Rma => {
-                    use mpiflow::train::rma_ps;
-                    ctx.agree(rma_ps::check_config(&cfg, layout))
+                    use mpiflow::train::ps::rma;
+                    ctx.agree(rma::check_config(&cfg, layout))
                         .map_err(|e| Failure::agreed(e, &ctx))?;
-                    rma_ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
+                    rma::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
                 }
             }
             .map_err(|e| e.to_string())

@@ -5,7 +5,7 @@
 //!   loop that does nothing else: the transfer ceiling;
 //! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps)
 //!   with `--transport p2p`; with `--transport rma`, one-sided accumulate and get on the
-//!   ps tasks' windows ([`crate::train::rma_ps::bench_pushpull`]).
+//!   ps tasks' windows ([`crate::train::ps::rma::bench_pushpull`]).
 //!
 //! Bandwidth is the bytes all workers move per second: `W x 2S / mean round time`.
 
@@ -128,7 +128,7 @@ pub fn run(
                     crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
                 }
                 PsTransport::Rma => {
-                    crate::train::rma_ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                    crate::train::ps::rma::bench_pushpull(comm, &l, size / 4, iters, warmup)
                 }
             }
             .map_err(|e| BenchError::Validation(e.to_string()))?,

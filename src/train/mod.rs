@@ -2,7 +2,10 @@
 //!
 //! - [`data`]: digits, MNIST IDX, synthetic; the held-out fifth; batch sharding.
 //! - [`optim`]: SGD, momentum, Adagrad, Adam as pure update rules.
-//! - [`placement`], [`ps`], [`checkpoint`]: parameter-server training and its checkpoints.
+//! - [`ps`], [`session`], [`checkpoint`]: parameter-server training (placement, protocol,
+//!   server, worker, the one-sided variant), the monitored session workers train in, and
+//!   checkpoints.
+//! - [`events`]: what training reports, as typed values.
 //! - [`allreduce`]: synchronous replica training by fused allreduce.
 //!
 //! Every mode trains any [`crate::model::Model`].
@@ -13,10 +16,10 @@
 pub mod allreduce;
 pub mod checkpoint;
 pub mod data;
+pub mod events;
 pub mod optim;
-pub mod placement;
 pub mod ps;
-pub mod rma_ps;
+pub mod session;
 
 use std::time::Instant;
 

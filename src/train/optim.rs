@@ -7,7 +7,8 @@
 //! correction of Kingma and Ba with `eps` outside the square root.
 
 /// Which rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum OptimizerKind {
     Sgd,
     Momentum,

@@ -12,7 +12,8 @@
 use std::fmt::Write as _;
 
 /// A placement strategy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Strategy {
     RoundRobin,
     #[default]
@@ -21,7 +22,7 @@ pub enum Strategy {
 }
 
 /// A slice of one variable (elements `offset..offset+len` of the flattened tensor) on one ps.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Shard {
     pub var: String,
     /// Index of the variable in creation order.
@@ -39,6 +40,30 @@ impl Shard {
         } else {
             format!("{}[{}:{}]", self.var, self.offset, self.offset + self.len)
         }
+    }
+}
+
+/// TensorFlow's `replica_device_setter`: where a model's variables go on the ps tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSetter {
+    pub strategy: Strategy,
+    /// With [`Strategy::Partition`], the largest slice of a variable, in bytes.
+    pub partition_bytes: usize,
+}
+
+impl Default for DeviceSetter {
+    fn default() -> Self {
+        DeviceSetter {
+            strategy: Strategy::Greedy,
+            partition_bytes: 4 << 20,
+        }
+    }
+}
+
+impl DeviceSetter {
+    /// The shards of `vars` (name, elements) on `num_ps` ps tasks.
+    pub fn place(&self, vars: &[(String, usize)], num_ps: usize) -> Vec<Shard> {
+        place(vars, num_ps, self.strategy, self.partition_bytes)
     }
 }
 

@@ -37,13 +37,13 @@
 
 use std::time::{Duration, Instant};
 
-use super::data::{shard, Batches, Dataset};
-use super::optim::{Optimizer, OptimizerKind, Slots};
 use super::placement::{self, Shard};
-use super::ps::{variables, PsConfig, PsError, Roles};
+use super::{variables, PsConfig, PsError, Roles};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
+use crate::train::data::{shard, Batches, Dataset};
+use crate::train::optim::{Optimizer, OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm};
 use crate::transport::mpi::MpiComm;
 use crate::transport::rma::{Epoch, RmaError, Window};
@@ -187,7 +187,7 @@ pub fn run(
     let roles = Roles::new(layout)?;
     let nw = roles.workers.len();
     let me = comm.rank();
-    let mut model = super::initial_replica(model, train, cfg.train.seed)
+    let mut model = crate::train::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
     let vars = variables(&model);
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
@@ -207,7 +207,8 @@ pub fn run(
     let mut ctl =
         Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
     // Every rank finds the same one: the directory does not change before training.
-    let (restored, warnings) = super::ps::newest_checkpoint(cfg, roles.ps.len())?;
+    let (restored, warnings) =
+        super::shards::newest(cfg.checkpoint_dir.as_deref(), roles.ps.len())?;
     let mut prepare = || -> Result<Option<ShardState>, PsError> {
         let Some(k) = ps_index else {
             return Ok(None);
@@ -219,7 +220,7 @@ pub fn run(
         let (slots, start) = match &restored {
             Some(found) => {
                 let (params, slots, step) =
-                    super::ps::read_shard(&found.path, k, &mine).map_err(PsError::Setup)?;
+                    super::shards::read(&found.path, k, &mine).map_err(PsError::Setup)?;
                 let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
                 for (a, p) in at.zip(&params) {
                     mem[a..a + p.len()].copy_from_slice(p);
@@ -411,7 +412,7 @@ impl Rma<'_> {
                     let snapshot = checkpoint_due(self.cfg, start, step + 1).then(|| {
                         let views: Vec<&[f32]> =
                             mine.iter().map(|p| &params[p.at..p.at + p.len]).collect();
-                        super::ps::shard_arrays(k, &shards, &views, &slots, step + 1)
+                        super::shards::arrays(k, &shards, &views, &slots, step + 1)
                     });
                     (loss, snapshot)
                 })
@@ -433,14 +434,14 @@ impl Rma<'_> {
         k: usize,
         ctl: &Epoch<'_, i64>,
         step: u64,
-        arrays: &super::checkpoint::Arrays,
+        arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
         let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
-        let stage = super::checkpoint::staging_dir(dir, step);
+        let stage = crate::train::checkpoint::staging_dir(dir, step);
         std::fs::create_dir_all(&stage)
             .map_err(|e| PsError::Setup(format!("{}: {e}", stage.display())))?;
         let (bytes, sum) =
-            super::checkpoint::write_file(&stage.join(super::ps::shard_file(k)), arrays)?;
+            crate::train::checkpoint::write_file(&stage.join(super::shards::file(k)), arrays)?;
         let me = self.roles.ps[k];
         ctl.put(me, SAVED_BYTES, &[bytes as i64, sum as i64])?;
         let before = ctl.fetch_and_add(me, SAVED, 0)?;
@@ -466,10 +467,10 @@ impl Rma<'_> {
             )?;
             let bytes = ctl.fetch_and_add(*r, SAVED_BYTES, 0)? as u64;
             let sum = ctl.fetch_and_add(*r, SAVED_SUM, 0)? as u64;
-            files.push((super::ps::shard_file(k), bytes, sum));
+            files.push((super::shards::file(k), bytes, sum));
         }
         let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
-        super::ps::commit_checkpoint(dir, step, &files, self.roles.ps.len(), log)
+        super::shards::commit(dir, step, &files, self.roles.ps.len(), log)
     }
 
     /// The async ps: nothing to do per request; wait until every worker is done.
@@ -547,7 +548,7 @@ impl Rma<'_> {
                 } else {
                     last_loss
                 };
-                log(&super::ps::step_line(
+                log(&super::step_line(
                     cfg,
                     nw,
                     s,
@@ -620,7 +621,7 @@ impl Rma<'_> {
                 )?;
             }
             self.pull(model, data)?;
-            super::finish(
+            crate::train::finish(
                 model,
                 test,
                 cfg.train.steps,

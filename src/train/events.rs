@@ -1,0 +1,37 @@
+//! What training reports, as typed values: a sink turns them into log lines (their
+//! `Display`), and metrics or timelines can read the fields.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use super::StepLog;
+
+/// One thing a training run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A logged step.
+    Step(StepLog),
+    /// Where the variables went (a table).
+    Placement(String),
+    /// Restored from a checkpoint.
+    Restored { path: PathBuf, step: u64 },
+    /// Something worth a look that does not stop training.
+    Warning(String),
+    /// Any other note (a comment line).
+    Note(String),
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Event::Step(s) => write!(f, "{}", s.line()),
+            Event::Placement(table) => write!(f, "{}", table.trim_end()),
+            Event::Restored { path, step } => {
+                write!(f, "# restored {} (global step {step})", path.display())
+            }
+            Event::Warning(w) => write!(f, "# warning: {w}"),
+            Event::Note(n) if n.starts_with('#') => write!(f, "{n}"),
+            Event::Note(n) => write!(f, "# {n}"),
+        }
+    }
+}

@@ -1,0 +1,395 @@
+//! Parameter-server training (`mpiflow train --mode ps`).
+//!
+//! ps tasks hold the variables (placed by a [`placement::DeviceSetter`]) and apply the
+//! optimizer; workers pull parameters, compute gradients on their shard of each global
+//! batch, and push them. The chief (`chief:0`, else `worker:0`) initialises or restores
+//! the variables, writes checkpoints and logs.
+//!
+//! - [`protocol`]: the typed requests and replies, and their framing.
+//! - [`wire`]: sends and receives with deadlines.
+//! - [`server`]: a ps task's server (what `Server::join` runs).
+//! - [`worker`]: a worker's client of the ps tasks.
+//! - [`rma`]: the same training over one-sided MPI windows.
+//! - [`shards`]: the checkpoint both transports write: one file per ps and a manifest.
+//!
+//! Semantics (TensorFlow's `SyncReplicasOptimizer`, plus):
+//! - sync: a step's update is applied when `replicas_to_aggregate` fresh gradients have
+//!   arrived, averaged weighted by each worker's sample count (so the update equals the
+//!   gradient of the combined batch) and summed in worker order (so it is reproducible);
+//!   late gradients of a finished step are dropped as stale (the other workers are
+//!   backups); `global_step` counts updates; pulls for step `s` wait until
+//!   `global_step >= s`.
+//! - async: each push is applied as it arrives; pulls return the latest values.
+//! - Failure: every wait has a deadline. A ps that stops hearing from a worker it needs
+//!   tells every worker and stops, naming the lost task; a worker whose ps does not answer
+//!   stops naming that ps; a worker that stops with an error (a non-finite loss, a model
+//!   error) tells the ps tasks, which tell every other worker. (Run OpenMPI with
+//!   `--mca orte_enable_recovery 1` to let mpiflow report a dead process; by default
+//!   mpirun ends the whole job at once itself.)
+//! - Bad requests (unknown variable, wrong length) are answered with an error to that
+//!   worker; the ps keeps serving the others.
+
+pub mod placement;
+pub mod protocol;
+pub mod rma;
+pub mod roles;
+pub mod server;
+pub mod shards;
+pub mod wire;
+pub mod worker;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use self::placement::{DeviceSetter, Strategy};
+use self::protocol::SyncReplicas;
+pub use self::roles::Roles;
+use super::checkpoint;
+use super::data::{shard, Batches, Dataset};
+use super::session::{MonitoredSession, SessionOptions};
+use super::{StepLog, TrainConfig};
+use crate::cluster::Layout;
+use crate::model::Model;
+use crate::transport::comm::{Comm, TransportError};
+
+/// How workers reach the ps tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PsTransport {
+    /// Two-sided messages: the ps serves each request ([`server`]).
+    #[default]
+    P2p,
+    /// One-sided MPI windows: workers get and accumulate; the ps works once per step
+    /// ([`rma`]).
+    Rma,
+}
+
+/// Settings of ps training.
+#[derive(Debug, Clone)]
+pub struct PsConfig {
+    pub train: TrainConfig,
+    pub sync: bool,
+    /// Default: the number of workers.
+    pub replicas_to_aggregate: Option<usize>,
+    pub strategy: Strategy,
+    pub partition_bytes: usize,
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N global steps (0: only at the end).
+    pub checkpoint_every: u64,
+    pub peer_timeout: Duration,
+    /// The chief writes the final parameters here.
+    pub save_params: Option<PathBuf>,
+}
+
+impl PsConfig {
+    /// The placement these settings ask for.
+    pub fn device_setter(&self) -> DeviceSetter {
+        DeviceSetter {
+            strategy: self.strategy,
+            partition_bytes: self.partition_bytes,
+        }
+    }
+
+    /// The synchronous-replicas setting for `workers` workers (`None`: async).
+    pub fn sync_replicas(&self, workers: usize) -> Option<SyncReplicas> {
+        self.sync.then(|| SyncReplicas {
+            replicas_to_aggregate: self
+                .replicas_to_aggregate
+                .unwrap_or(workers)
+                .clamp(1, workers.max(1)),
+        })
+    }
+}
+
+/// Errors of ps training.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PsError {
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+    #[error("{0}")]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("{task}: lost {lost}: no message for {secs} s (it died or hangs); stopping")]
+    Lost {
+        task: String,
+        lost: String,
+        secs: u64,
+    },
+    #[error("{task}: stopped by a ps: {message}")]
+    Remote { task: String, message: String },
+    #[error("{task}: loss is {loss} at global step {step}; stopping")]
+    NonFinite { task: String, loss: f32, step: u64 },
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Runs this rank's part (ps, worker or chief) of ps training over two-sided messages:
+/// a ps task serves, a worker trains in a [`MonitoredSession`] on its shard of each
+/// global batch, and the chief finally evaluates on `test` and saves the parameters.
+pub fn run<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    model: &dyn Model,
+    cfg: &PsConfig,
+    train: &Dataset,
+    test: &Dataset,
+    log: &mut dyn FnMut(&str),
+) -> Result<(), PsError> {
+    let roles = Roles::new(layout)?;
+    let me = comm.rank();
+    crate::model::check_data(model, "train", train.features, train.classes)
+        .map_err(|e| PsError::Setup(e.to_string()))?;
+    if let Some(k) = roles.ps_index(me) {
+        return server::serve(comm, &roles, k, cfg.peer_timeout);
+    }
+    let Some(w) = roles.worker_index(me) else {
+        log(&format!(
+            "# {}: not part of ps training (evaluator); idle",
+            roles.task(me)
+        ));
+        return Ok(());
+    };
+    let nw = roles.workers.len();
+    let opts = SessionOptions {
+        optimizer: cfg.train.optimizer,
+        lr: cfg.train.lr,
+        sync: cfg.sync_replicas(nw),
+        placement: cfg.device_setter(),
+        seed: cfg.train.seed,
+        checkpoint_dir: cfg.checkpoint_dir.clone(),
+        stop_at_step: Some(cfg.train.steps),
+        checkpoint_every_steps: cfg.checkpoint_every,
+        checkpoint_every_secs: None,
+        log_every: cfg.train.log_every,
+        peer_timeout: cfg.peer_timeout,
+    };
+    let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+    let mut sess =
+        MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| log(&e.to_string()));
+    while !sess.should_stop() {
+        let global = batches.global(sess.global_step());
+        let (x, y) = train.rows(shard(&global, w, nw));
+        sess.run(&x, &y)?;
+    }
+    let (chief, step) = (sess.is_chief(), sess.global_step());
+    let trained = sess.close()?;
+    if chief {
+        super::finish(&trained, test, step, cfg.save_params.as_deref(), log)
+            .map_err(|e| PsError::Setup(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// The chief's log line for `steps` global steps that took `took` (the one-sided ps).
+pub(crate) fn step_line(
+    cfg: &PsConfig,
+    workers: usize,
+    step: u64,
+    loss: f32,
+    steps: u64,
+    took: Duration,
+) -> String {
+    let secs = took.as_secs_f64().max(1e-9);
+    // A sync step uses a global batch; an async one a worker's shard of it.
+    let per_step = if cfg.sync {
+        cfg.train.batch
+    } else {
+        cfg.train.batch / workers.max(1)
+    };
+    StepLog {
+        step,
+        loss,
+        steps_per_sec: steps as f64 / secs,
+        samples_per_sec: (steps * per_step as u64) as f64 / secs,
+    }
+    .line()
+}
+
+/// The variables of a replica: name and element count, in creation order.
+pub(crate) fn variables(model: &crate::model::Replica<'_>) -> Vec<(String, usize)> {
+    model
+        .params
+        .iter()
+        .map(|p| (p.name().to_string(), p.numel()))
+        .collect()
+}
+
+/// Benchmark support (`mpiflow bench pushpull`): ps ranks serve, workers run `warmup +
+/// rounds` rounds of one push and one pull of `floats` floats, sliced evenly over the ps
+/// tasks, through the real protocol (async, SGD). Workers return the mean seconds of a
+/// timed round; ps ranks return `None`.
+pub fn bench_pushpull<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    floats: usize,
+    rounds: usize,
+    warmup: usize,
+) -> Result<Option<f64>, PsError> {
+    use crate::tensor::Tensor;
+    let roles = Roles::new(layout)?;
+    let timeout = Duration::from_secs(60);
+    let me = comm.rank();
+    if let Some(k) = roles.ps_index(me) {
+        return server::serve(comm, &roles, k, timeout).map(|_| None);
+    }
+    let Some(w) = roles.worker_index(me) else {
+        return Ok(None);
+    };
+    let vars = vec![("model".to_string(), floats)];
+    let setter = DeviceSetter {
+        strategy: Strategy::Partition,
+        partition_bytes: floats.div_ceil(roles.ps.len()).max(1) * 4,
+    };
+    let client = worker::Client {
+        comm,
+        roles: &roles,
+        shards: setter.place(&vars, roles.ps.len()),
+        timeout,
+    };
+    let zeros = Tensor::zeros(crate::tensor::DType::F32, &[floats])
+        .map_err(|e| PsError::Setup(e.to_string()))?
+        .named("model");
+    let mut params = vec![zeros];
+    let grads = params.clone();
+    if w == 0 {
+        let setup = protocol::Setup {
+            shards: client.shards.clone(),
+            optimizer: super::optim::OptimizerKind::Sgd,
+            lr: 1e-12,
+            sync: None,
+        };
+        client.init(&setup, &params)?;
+    }
+    // Like training: every worker's first pull waits for the chief's initialisation.
+    client.pull(0, &mut params)?;
+    let mut start = Instant::now();
+    for i in 0..warmup + rounds {
+        if i == warmup {
+            start = Instant::now();
+        }
+        client.push(0, 1, 0.0, &grads)?;
+        client.pull(0, &mut params)?;
+    }
+    let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
+    client.done()?;
+    Ok(Some(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::MappingOptions;
+    use crate::transport::local::LocalComm;
+
+    fn layout(n: usize, ps: usize) -> Layout {
+        Layout::single_host(
+            n,
+            &MappingOptions {
+                ps,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    fn cfg(steps: u64, sync: bool) -> PsConfig {
+        PsConfig {
+            train: TrainConfig {
+                steps,
+                log_every: 0,
+                ..TrainConfig::default()
+            },
+            sync,
+            replicas_to_aggregate: None,
+            strategy: Strategy::Greedy,
+            partition_bytes: 4 << 20,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            peer_timeout: Duration::from_secs(10),
+            save_params: None,
+        }
+    }
+
+    #[test]
+    fn sync_ps_training_equals_local_training_of_the_combined_batch() {
+        let data = Dataset::load("digits", 0).unwrap();
+        let (train, test) = data.split_holdout(1);
+        let steps = 40;
+        let mlp = crate::model::mlp(64, &[128], 10).unwrap();
+        let local = super::super::train_local(&mlp, &cfg(steps, true).train, &train, &test, |_| {})
+            .unwrap();
+        let dir = std::env::temp_dir().join(format!("mpiflow-ps-eq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("params.bin");
+        let l = layout(5, 2);
+        let mut c = cfg(steps, true);
+        c.save_params = Some(out.clone());
+        c.strategy = Strategy::Partition;
+        c.partition_bytes = 4096; // slices, so partitioned variables are exercised too
+        LocalComm::run(5, |comm| {
+            run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap()
+        });
+        let ps = checkpoint::read_file(&out, None).unwrap();
+        let mut worst = 0.0f32;
+        for p in &local.model.params {
+            for (a, b) in p
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(ps.get(p.name()).unwrap())
+            {
+                worst = worst.max((a - b).abs() / (1.0 + a.abs()));
+            }
+        }
+        assert!(worst < 1e-4, "largest relative difference {worst}");
+    }
+
+    #[test]
+    fn bad_pushes_are_rejected_and_the_ps_keeps_serving() {
+        let data = Dataset::synthetic(200, 8, 3, 1);
+        let (train, test) = data.split_holdout(1);
+        let l = layout(3, 1);
+        let c = cfg(5, true);
+        let mlp = crate::model::mlp(8, &[4], 3).unwrap();
+        let out = LocalComm::run(3, |comm| {
+            if comm.rank() == 2 {
+                // worker:1 waits for the chief's initialisation, then misbehaves before
+                // taking part: an unknown variable, a wrong length.
+                let pull = protocol::encode(&protocol::Request::Pull { step: 0 }, &[]);
+                let req = protocol::request_tag(&comm);
+                crate::transport::comm::send(&comm, &pull, 0, req).unwrap();
+                let reply = protocol::reply_tag(&comm);
+                wire::receive_within(&comm, 0, reply, Duration::from_secs(10))
+                    .unwrap()
+                    .unwrap();
+                let bad = |vars: Vec<(String, usize)>, n: usize| {
+                    let push = protocol::Request::Push {
+                        step: 0,
+                        samples: 1,
+                        loss: Some(0.0),
+                        vars,
+                    };
+                    let m = protocol::encode(&push, &[&vec![0.0; n]]);
+                    let req = protocol::request_tag(&comm);
+                    crate::transport::comm::send(&comm, &m, 0, req).unwrap();
+                    let reply = protocol::reply_tag(&comm);
+                    let (_, r) = wire::receive_within(&comm, 0, reply, Duration::from_secs(10))
+                        .unwrap()
+                        .unwrap();
+                    wire::error_of(&r).unwrap()
+                };
+                let e1 = bad(vec![("nope@0".into(), 3)], 3);
+                let e2 = bad(vec![("layer0/w@0".into(), 5)], 5);
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap();
+                format!("{e1}\n{e2}")
+            } else {
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap();
+                String::new()
+            }
+        });
+        assert!(out[2].contains("unknown variable 'nope@0'"), "{}", out[2]);
+        assert!(
+            out[2].contains("'layer0/w@0' has 32 elements on ps:0, the push has 5"),
+            "{}",
+            out[2]
+        );
+    }
+}

@@ -1,0 +1,68 @@
+//! Who is who in ps training: the ps ranks and the worker ranks (the chief first), from
+//! the cluster layout.
+
+use std::collections::BTreeMap;
+
+use super::PsError;
+use crate::cluster::{Layout, TaskId};
+
+/// The ps and worker ranks of a layout, each in task order.
+#[derive(Debug, Clone)]
+pub struct Roles {
+    /// Rank of `ps:k` at `k`.
+    pub ps: Vec<usize>,
+    /// Rank of worker `w` at `w`: the chief (`chief:0`, else `worker:0`) is worker 0.
+    pub workers: Vec<usize>,
+    tasks: BTreeMap<usize, TaskId>,
+}
+
+impl Roles {
+    /// The roles of `layout`; an error without ranks (not under MPI) or without ps tasks.
+    pub fn new(layout: &Layout) -> Result<Roles, PsError> {
+        let mut ps: Vec<(usize, usize)> = Vec::new();
+        let mut workers: Vec<(usize, usize)> = Vec::new();
+        let mut tasks = BTreeMap::new();
+        for r in &layout.ranks {
+            let rank = r
+                .rank
+                .ok_or_else(|| PsError::Setup("ps mode needs ranks (run under mpirun)".into()))?;
+            tasks.insert(rank, r.task.clone());
+            match r.task.job.as_str() {
+                "ps" => ps.push((r.task.index, rank)),
+                "chief" | "worker" => {
+                    workers.push((layout.spec.worker_id(&r.task).expect("a worker"), rank))
+                }
+                _ => {}
+            }
+        }
+        if ps.is_empty() {
+            return Err(PsError::Setup(
+                "ps mode needs at least one ps task (--ps N)".into(),
+            ));
+        }
+        ps.sort_unstable();
+        workers.sort_unstable();
+        Ok(Roles {
+            ps: ps.into_iter().map(|x| x.1).collect(),
+            workers: workers.into_iter().map(|x| x.1).collect(),
+            tasks,
+        })
+    }
+
+    /// `worker:1 (rank 2)`: how errors and logs name a rank.
+    pub fn task(&self, rank: usize) -> String {
+        self.tasks
+            .get(&rank)
+            .map_or(format!("rank {rank}"), |t| format!("{t} (rank {rank})"))
+    }
+
+    /// This rank's ps index, if it is a ps task.
+    pub fn ps_index(&self, rank: usize) -> Option<usize> {
+        self.ps.iter().position(|r| *r == rank)
+    }
+
+    /// This rank's worker index (0 is the chief), if it is a worker.
+    pub fn worker_index(&self, rank: usize) -> Option<usize> {
+        self.workers.iter().position(|r| *r == rank)
+    }
+}

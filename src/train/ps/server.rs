@@ -1,0 +1,472 @@
+//! A ps task's server: holds its shards of the variables, applies the optimizer, and
+//! answers workers' requests as they arrive (`MPI_Improbe` + `MPI_Mrecv` on any source);
+//! pulls that must wait for a step are parked, never block the loop.
+//!
+//! It needs no model and no settings of its own: the chief's `Init` or `Restore` says
+//! which shards it holds, the optimizer and whether replicas are synchronous (see
+//! [`super::protocol::Setup`]). It serves until every worker is done, or stops, telling
+//! every worker why, when one is lost or aborts.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::placement::Shard;
+use super::protocol::{decode, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
+use super::roles::Roles;
+use super::wire::{send_within, Sent};
+use super::{shards, PsError};
+use crate::train::checkpoint;
+use crate::train::optim::{Optimizer, OptimizerKind, Slots};
+use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
+
+/// Serves ps task `k` (this rank) until every worker is done; the error names the lost
+/// or aborting task.
+pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> Result<(), PsError> {
+    Server::new(comm, roles, k, timeout).serve()
+}
+
+/// One step's gradient from one worker: samples, loss, per-shard gradients.
+type Pushed = (f32, f32, Vec<Vec<f32>>);
+
+struct Server<'a, C: Comm> {
+    comm: &'a C,
+    roles: &'a Roles,
+    k: usize,
+    shards: Vec<Shard>,
+    params: Vec<Vec<f32>>,
+    slots: Vec<Slots>,
+    opt: Optimizer,
+    /// Gradients per update when synchronous.
+    sync: Option<usize>,
+    global_step: u64,
+    initialized: bool,
+    /// Parked pulls: (worker rank, step wanted).
+    pending: Vec<(usize, u64)>,
+    /// Gradients of the current step by worker index.
+    accum: BTreeMap<usize, Pushed>,
+    last_loss: f32,
+    done: Vec<bool>,
+    heard: Vec<Instant>,
+    timeout: Duration,
+}
+
+impl<'a, C: Comm> Server<'a, C> {
+    fn new(comm: &'a C, roles: &'a Roles, k: usize, timeout: Duration) -> Self {
+        let nw = roles.workers.len();
+        Server {
+            comm,
+            roles,
+            k,
+            shards: Vec::new(),
+            params: Vec::new(),
+            slots: Vec::new(),
+            opt: Optimizer::new(OptimizerKind::Sgd, 0.0),
+            sync: None,
+            global_step: 0,
+            initialized: false,
+            pending: Vec::new(),
+            accum: BTreeMap::new(),
+            last_loss: f32::NAN,
+            done: vec![false; nw],
+            heard: vec![Instant::now(); nw],
+            timeout,
+        }
+    }
+
+    fn me(&self) -> String {
+        self.roles.task(self.comm.rank())
+    }
+
+    fn reply(&self, to: usize, reply: &Reply, payload: &[&[f32]]) -> Result<(), PsError> {
+        self.send_reply(to, encode(reply, payload))
+    }
+
+    fn send_reply(&self, to: usize, message: Vec<u8>) -> Result<(), PsError> {
+        let sent = send_within(
+            self.comm,
+            message,
+            to,
+            reply_tag(self.comm),
+            self.timeout,
+            None,
+        )?;
+        if let Sent::Done(_) = sent {
+            return Ok(());
+        }
+        let err = PsError::Lost {
+            task: self.me(),
+            lost: self.roles.task(to),
+            secs: self.timeout.as_secs(),
+        };
+        self.abort_all(to, &err.to_string());
+        Err(err)
+    }
+
+    /// Tells every worker but `except` (and those done) that training stops, and why.
+    fn abort_all(&self, except: usize, message: &str) {
+        let m = encode(
+            &Reply::Error {
+                message: message.to_string(),
+            },
+            &[],
+        );
+        for (i, r) in self.roles.workers.iter().enumerate() {
+            if *r != except && !self.done[i] {
+                let _ = send_within(
+                    self.comm,
+                    m.clone(),
+                    *r,
+                    reply_tag(self.comm),
+                    Duration::from_secs(1),
+                    None,
+                );
+            }
+        }
+    }
+
+    fn error(&self, to: usize, message: String) -> Result<(), PsError> {
+        self.reply(to, &Reply::Error { message }, &[])
+    }
+
+    fn ok(&self, to: usize) -> Result<(), PsError> {
+        let step = self.global_step;
+        self.reply(to, &Reply::Ok { step }, &[])
+    }
+
+    fn labels(&self) -> Vec<(String, usize)> {
+        self.shards
+            .iter()
+            .map(|s| (format!("{}@{}", s.var, s.offset), s.len))
+            .collect()
+    }
+
+    /// Checks a push's variable list and payload against this ps's shards.
+    fn check_vars(&self, got: &[(String, usize)], payload: &[f32]) -> Result<(), String> {
+        let want = self.labels();
+        for (name, len) in got {
+            match want.iter().find(|(n, _)| n == name) {
+                None => {
+                    return Err(format!(
+                        "unknown variable '{name}' (ps:{} holds {})",
+                        self.k,
+                        want.iter()
+                            .map(|w| w.0.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                }
+                Some((_, l)) if l != len => {
+                    return Err(format!(
+                        "variable '{name}' has {l} elements on ps:{}, the push has {len}",
+                        self.k
+                    ))
+                }
+                _ => {}
+            }
+        }
+        if got.len() != want.len() || got.iter().zip(&want).any(|(a, b)| a.0 != b.0) {
+            return Err(format!(
+                "push must list ps:{}'s variables in order: {:?}",
+                self.k,
+                want.iter().map(|w| &w.0).collect::<Vec<_>>()
+            ));
+        }
+        let total: usize = want.iter().map(|w| w.1).sum();
+        if payload.len() != total {
+            return Err(format!(
+                "push carries {} floats, the variables need {total}",
+                payload.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes the chief's setup: this ps's shards, fresh optimizer state.
+    fn configure(&mut self, setup: &Setup) -> Result<(), String> {
+        let mine: Vec<Shard> = setup
+            .shards
+            .iter()
+            .filter(|s| s.ps == self.k)
+            .cloned()
+            .collect();
+        if setup.shards.iter().any(|s| s.ps >= self.roles.ps.len()) {
+            return Err(format!(
+                "the placement uses more ps tasks than the job's {}",
+                self.roles.ps.len()
+            ));
+        }
+        if let Some(rta) = setup.sync.map(|s| s.replicas_to_aggregate) {
+            let nw = self.roles.workers.len();
+            if rta == 0 || rta > nw {
+                return Err(format!(
+                    "replicas_to_aggregate {rta} is not between 1 and the {nw} workers"
+                ));
+            }
+        }
+        self.opt = Optimizer::new(setup.optimizer, setup.lr);
+        self.sync = setup.sync.map(|s| s.replicas_to_aggregate);
+        self.params = mine.iter().map(|s| vec![0.0; s.len]).collect();
+        self.slots = mine.iter().map(|s| self.opt.state(s.len)).collect();
+        self.shards = mine;
+        self.accum.clear();
+        self.global_step = 0;
+        Ok(())
+    }
+
+    fn ready(&self, step: u64) -> bool {
+        self.initialized && (self.sync.is_none() || self.global_step >= step)
+    }
+
+    fn answer_pending(&mut self) -> Result<(), PsError> {
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            self.pending.iter().partition(|(_, s)| self.ready(*s));
+        self.pending = waiting;
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let parts: Vec<&[f32]> = self.params.iter().map(Vec::as_slice).collect();
+        let header = Reply::Params {
+            step: self.global_step,
+            loss: finite(self.last_loss),
+        };
+        let message = encode(&header, &parts);
+        for (to, _) in ready {
+            self.send_reply(to, message.clone())?;
+        }
+        Ok(())
+    }
+
+    fn split(&self, flat: &[f32]) -> Vec<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.shards.len());
+        let mut off = 0;
+        for s in &self.shards {
+            out.push(flat[off..off + s.len].to_vec());
+            off += s.len;
+        }
+        out
+    }
+
+    /// Handles one request; `Err` stops the server (the workers were told).
+    fn handle(&mut self, from: usize, bytes: &[u8]) -> Result<(), PsError> {
+        let Some(w) = self.roles.worker_index(from) else {
+            return Ok(()); // not a worker: ignore
+        };
+        self.heard[w] = Instant::now();
+        let Some((request, payload)) = decode::<Request>(bytes) else {
+            return self.error(from, "malformed request".into());
+        };
+        match request {
+            Request::Init { setup } => {
+                if let Err(e) = self.configure(&setup) {
+                    return self.error(from, e);
+                }
+                let vars = self.labels();
+                if let Err(e) = self.check_vars(&vars, &payload) {
+                    return self.error(from, e);
+                }
+                self.params = self.split(&payload);
+                self.initialized = true;
+                self.ok(from)?;
+                self.answer_pending()
+            }
+            Request::Restore { setup, path } => {
+                let restored = self.configure(&setup).and_then(|()| self.restore(&path));
+                match restored {
+                    Ok(()) => {
+                        self.ok(from)?;
+                        self.answer_pending()
+                    }
+                    Err(e) => self.error(from, e),
+                }
+            }
+            Request::Pull { step } => {
+                self.pending.push((from, step));
+                self.answer_pending()
+            }
+            Request::Push {
+                step,
+                samples,
+                loss,
+                vars,
+            } => self.push(from, w, step, samples, loss, &vars, &payload),
+            Request::Save { dir } => {
+                let file = shards::file(self.k);
+                match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
+                    Ok((bytes, checksum)) => self.reply(
+                        from,
+                        &Reply::Saved {
+                            file,
+                            bytes,
+                            checksum,
+                        },
+                        &[],
+                    ),
+                    Err(e) => self.error(from, e.to_string()),
+                }
+            }
+            Request::Abort { message } => {
+                self.done[w] = true;
+                self.abort_all(from, &message);
+                Err(PsError::Remote {
+                    task: self.me(),
+                    message,
+                })
+            }
+            Request::Done => {
+                self.done[w] = true;
+                Ok(())
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        from: usize,
+        w: usize,
+        step: u64,
+        samples: usize,
+        loss: Option<f32>,
+        vars: &[(String, usize)],
+        payload: &[f32],
+    ) -> Result<(), PsError> {
+        if !self.initialized {
+            return self.error(from, "push before the variables were initialised".into());
+        }
+        if let Err(e) = self.check_vars(vars, payload) {
+            return self.error(from, e);
+        }
+        let loss = loss.unwrap_or(f32::NAN);
+        let Some(rta) = self.sync else {
+            let mut off = 0;
+            for ((p, s), sh) in self
+                .params
+                .iter_mut()
+                .zip(&mut self.slots)
+                .zip(&self.shards)
+            {
+                self.opt.apply(p, &payload[off..off + sh.len], s);
+                off += sh.len;
+            }
+            self.global_step += 1;
+            self.last_loss = loss;
+            self.ok(from)?;
+            return self.answer_pending();
+        };
+        if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
+            let step = self.global_step;
+            return self.reply(from, &Reply::Stale { step }, &[]);
+        }
+        if step > self.global_step {
+            return self.error(
+                from,
+                format!(
+                    "push for step {step} ahead of global step {}",
+                    self.global_step
+                ),
+            );
+        }
+        self.accum
+            .insert(w, (samples as f32, loss, self.split(payload)));
+        self.ok(from)?;
+        if self.accum.len() >= rta {
+            self.apply_accumulated();
+            self.answer_pending()?;
+        }
+        Ok(())
+    }
+
+    /// One update from the step's gradients, averaged weighted by each worker's samples
+    /// (the gradient of the combined batch) and summed in worker order (reproducible
+    /// whatever order pushes arrived in).
+    fn apply_accumulated(&mut self) {
+        let total: f32 = self.accum.values().map(|a| a.0).sum();
+        let mut avg: Vec<Vec<f32>> = self.shards.iter().map(|s| vec![0.0; s.len]).collect();
+        let mut loss = 0.0;
+        for (n, l, g) in self.accum.values() {
+            loss += l * n / total;
+            for (a, gi) in avg.iter_mut().zip(g) {
+                a.iter_mut()
+                    .zip(gi)
+                    .for_each(|(x, y)| *x += y * (n / total));
+            }
+        }
+        self.accum.clear();
+        for ((p, g), s) in self.params.iter_mut().zip(&avg).zip(&mut self.slots) {
+            self.opt.apply(p, g, s);
+        }
+        self.global_step += 1;
+        self.last_loss = loss;
+    }
+
+    fn snapshot(&self) -> checkpoint::Arrays {
+        let params: Vec<&[f32]> = self.params.iter().map(Vec::as_slice).collect();
+        shards::arrays(self.k, &self.shards, &params, &self.slots, self.global_step)
+    }
+
+    fn restore(&mut self, dir: &Path) -> Result<(), String> {
+        let (params, slots, step) = shards::read(dir, self.k, &self.shards)?;
+        // All or nothing: only now replace the live state.
+        self.params = params;
+        self.slots = slots;
+        self.global_step = step;
+        self.initialized = true;
+        Ok(())
+    }
+
+    /// A worker this ps waits on and has not heard from within the timeout.
+    fn lost(&self) -> Option<usize> {
+        let waiting_on = |w: usize| -> bool {
+            if self.done[w] {
+                return false;
+            }
+            if !self.initialized {
+                return w == 0 && !self.pending.is_empty();
+            }
+            if self.sync.is_some() {
+                // Only a step in progress needs gradients.
+                (!self.accum.is_empty() || !self.pending.is_empty()) && !self.accum.contains_key(&w)
+            } else {
+                true
+            }
+        };
+        (0..self.done.len()).find(|w| waiting_on(*w) && self.heard[*w].elapsed() > self.timeout)
+    }
+
+    fn lose(&self, rank: usize) -> PsError {
+        let err = PsError::Lost {
+            task: self.me(),
+            lost: self.roles.task(rank),
+            secs: self.timeout.as_secs(),
+        };
+        self.abort_all(rank, &err.to_string());
+        err
+    }
+
+    fn serve(mut self) -> Result<(), PsError> {
+        let mut backoff = Backoff::new(Duration::from_micros(200));
+        while !self.done.iter().all(|d| *d) {
+            let got = match self
+                .comm
+                .try_receive(ANY_SOURCE, request_tag(self.comm), self.timeout)
+            {
+                Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
+                other => other?,
+            };
+            match got {
+                Some((from, bytes)) => {
+                    backoff.reset();
+                    self.handle(from, &bytes)?;
+                }
+                None => {
+                    if let Some(w) = self.lost() {
+                        return Err(self.lose(self.roles.workers[w]));
+                    }
+                    backoff.idle();
+                }
+            }
+        }
+        Ok(())
+    }
+}

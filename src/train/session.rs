@@ -1,0 +1,387 @@
+//! The monitored training session of a ps worker: TensorFlow's
+//! `MonitoredTrainingSession`, over the ps protocol.
+//!
+//! The chief (worker 0) initialises the variables on the ps tasks, or restores them from
+//! the newest valid checkpoint; the other workers wait for it in their first pull. Each
+//! [`MonitoredSession::run`] is one step: gradients of the caller's batch, pushed to the
+//! ps tasks, and the parameters pulled back (in synchronous mode, those of the next
+//! global step). Hooks run after each step: stop at a step, checkpoint every N steps or
+//! seconds (the chief), log every N steps (the chief), and always a stop with a one-line
+//! error, on every rank, at the first non-finite loss. [`MonitoredSession::close`] writes
+//! the last checkpoint and tells the ps tasks this worker is done.
+//!
+//! ```no_run
+//! # use mpiflow::train::session::{MonitoredSession, SessionOptions};
+//! # fn batch(step: u64) -> (Vec<f32>, Vec<u8>) { unimplemented!() }
+//! # fn f(comm: &mpiflow::transport::local::LocalComm, roles: &mpiflow::train::ps::Roles,
+//! #      model: &dyn mpiflow::model::Model) -> Result<(), mpiflow::train::ps::PsError> {
+//! let opts = SessionOptions { stop_at_step: Some(1000), ..SessionOptions::default() };
+//! let mut sess = MonitoredSession::new(comm, roles, model, opts)?;
+//! while !sess.should_stop() {
+//!     let (x, y) = batch(sess.global_step());
+//!     sess.run(&x, &y)?;
+//! }
+//! let trained = sess.close()?;
+//! # Ok(()) }
+//! ```
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use super::events::Event;
+use super::optim::OptimizerKind;
+use super::ps::placement::DeviceSetter;
+use super::ps::protocol::{Setup, SyncReplicas};
+use super::ps::roles::Roles;
+use super::ps::worker::Client;
+use super::ps::{shards, PsError};
+use super::StepLog;
+use crate::model::{Model, Replica};
+use crate::transport::comm::Comm;
+
+/// How a session trains and what its hooks do.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    pub optimizer: OptimizerKind,
+    pub lr: f32,
+    /// Synchronous replicas, or `None` for asynchronous training.
+    pub sync: Option<SyncReplicas>,
+    /// Where the variables go on the ps tasks.
+    pub placement: DeviceSetter,
+    /// Seed of the initial values (the chief's).
+    pub seed: u64,
+    /// Where the chief checkpoints and restores from; `None`: no checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Stop-at-step hook: stop once the global step reaches this.
+    pub stop_at_step: Option<u64>,
+    /// Checkpoint hook: every this many global steps (0: only at close).
+    pub checkpoint_every_steps: u64,
+    /// Checkpoint hook: at least this often.
+    pub checkpoint_every_secs: Option<Duration>,
+    /// Logging hook: every this many global steps (0: never).
+    pub log_every: u64,
+    /// How long to wait for a ps before calling it lost.
+    pub peer_timeout: Duration,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            optimizer: OptimizerKind::Adam,
+            lr: 0.003,
+            sync: None,
+            placement: DeviceSetter::default(),
+            seed: 1,
+            checkpoint_dir: None,
+            stop_at_step: None,
+            checkpoint_every_steps: 0,
+            checkpoint_every_secs: None,
+            log_every: 0,
+            peer_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What a hook sees after each step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInfo {
+    /// The global step after this worker's step.
+    pub global_step: u64,
+    /// This worker's loss of the step.
+    pub loss: f32,
+    /// The loss of the update the pulled parameters came from (NaN if unknown).
+    pub applied_loss: f32,
+}
+
+/// A user's hook: runs after each step; `true` asks the session to stop.
+pub trait Hook {
+    fn after_step(&mut self, step: &StepInfo) -> bool;
+}
+
+impl<F: FnMut(&StepInfo) -> bool> Hook for F {
+    fn after_step(&mut self, step: &StepInfo) -> bool {
+        self(step)
+    }
+}
+
+/// A worker's training session: `'s` borrows the cluster and the model, `'e` the event
+/// sink and hooks.
+pub struct MonitoredSession<'s, 'e, C: Comm> {
+    client: Client<'s, C>,
+    replica: Replica<'s>,
+    grads: Vec<crate::tensor::Tensor>,
+    opts: SessionOptions,
+    chief: bool,
+    step: u64,
+    stop: bool,
+    closed: bool,
+    hooks: Vec<Box<dyn Hook + 'e>>,
+    events: Box<dyn FnMut(&Event) + 'e>,
+    last_ckpt: (u64, Instant),
+    /// Global steps and samples since the last log line, and since when.
+    window: (u64, u64, Instant),
+}
+
+impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
+    /// Starts this worker's session (`roles` says which worker; worker 0 is the chief).
+    /// The chief initialises or restores the variables; every worker then pulls them.
+    pub fn new(
+        comm: &'s C,
+        roles: &'s Roles,
+        model: &'s dyn Model,
+        opts: SessionOptions,
+    ) -> Result<Self, PsError> {
+        let w = roles.worker_index(comm.rank()).ok_or_else(|| {
+            PsError::Setup(format!(
+                "{} is not a worker: only workers run a training session",
+                roles.task(comm.rank())
+            ))
+        })?;
+        let replica = Replica::new(model, opts.seed);
+        let vars: Vec<(String, usize)> = replica
+            .params
+            .iter()
+            .map(|p| (p.name().to_string(), p.numel()))
+            .collect();
+        let client = Client {
+            comm,
+            roles,
+            shards: opts.placement.place(&vars, roles.ps.len()),
+            timeout: opts.peer_timeout,
+        };
+        let grads = replica.zeros_like();
+        let mut sess = MonitoredSession {
+            client,
+            replica,
+            grads,
+            opts,
+            chief: w == 0,
+            step: 0,
+            stop: false,
+            closed: false,
+            hooks: Vec::new(),
+            events: Box::new(|e| {
+                println!("{e}");
+            }),
+            last_ckpt: (0, Instant::now()),
+            window: (0, 0, Instant::now()),
+        };
+        if sess.chief {
+            let vars = sess.variables();
+            sess.emit(&Event::Placement(super::ps::placement::report(
+                &sess.client.shards,
+                &vars,
+                roles.ps.len(),
+            )));
+            if let Err(e) = sess.init_or_restore() {
+                sess.client.abort(&e.to_string());
+                sess.closed = true;
+                return Err(e);
+            }
+        }
+        let (step, _) = sess.client.pull(0, &mut sess.replica.params)?;
+        sess.step = step;
+        sess.last_ckpt = (step, Instant::now());
+        sess.window = (0, 0, Instant::now());
+        Ok(sess)
+    }
+
+    /// Sends the session's events (log lines, checkpoints, warnings) to `sink` instead of
+    /// stdout.
+    pub fn with_events(mut self, sink: impl FnMut(&Event) + 'e) -> Self {
+        self.events = Box::new(sink);
+        self
+    }
+
+    /// Adds a hook run after every step.
+    pub fn with_hook(mut self, hook: impl Hook + 'e) -> Self {
+        self.hooks.push(Box::new(hook));
+        self
+    }
+
+    fn variables(&self) -> Vec<(String, usize)> {
+        self.replica
+            .params
+            .iter()
+            .map(|p| (p.name().to_string(), p.numel()))
+            .collect()
+    }
+
+    fn emit(&mut self, e: &Event) {
+        if self.chief {
+            (self.events)(e);
+        }
+    }
+
+    fn setup(&self) -> Setup {
+        Setup {
+            shards: self.client.shards.clone(),
+            optimizer: self.opts.optimizer,
+            lr: self.opts.lr,
+            sync: self.opts.sync,
+        }
+    }
+
+    /// The chief: restore the newest valid checkpoint, or initialise.
+    fn init_or_restore(&mut self) -> Result<(), PsError> {
+        let dir = self.opts.checkpoint_dir.clone();
+        let (found, warnings) = shards::newest(dir.as_deref(), self.client.roles.ps.len())?;
+        for w in warnings {
+            self.emit(&Event::Warning(w));
+        }
+        match found {
+            Some(f) => {
+                self.client.restore(&self.setup(), &f.path)?;
+                self.emit(&Event::Restored {
+                    path: f.path,
+                    step: f.step,
+                });
+            }
+            None => self.client.init(&self.setup(), &self.replica.params)?,
+        }
+        Ok(())
+    }
+
+    /// Whether training is over: a hook asked, or the stop step is reached.
+    pub fn should_stop(&self) -> bool {
+        self.stop || self.opts.stop_at_step.is_some_and(|s| self.step >= s)
+    }
+
+    /// The global step of the parameters this worker holds.
+    pub fn global_step(&self) -> u64 {
+        self.step
+    }
+
+    /// True on the chief.
+    pub fn is_chief(&self) -> bool {
+        self.chief
+    }
+
+    /// The parameters this worker holds (the latest pulled).
+    pub fn replica(&self) -> &Replica<'s> {
+        &self.replica
+    }
+
+    /// One training step on this worker's batch `x`, `y`; returns its loss. Any error
+    /// stops training on every rank: the ps tasks are told and tell the other workers.
+    pub fn run(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
+        let result = self.step_once(x, y);
+        if let Err(e) = &result {
+            self.client.abort(&e.to_string());
+            self.closed = true;
+        }
+        result
+    }
+
+    fn step_once(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
+        let loss = self
+            .replica
+            .gradients_into(x, y, &mut self.grads)
+            .map_err(|e| PsError::Setup(format!("{}: {e}", self.client.me())))?;
+        if !loss.is_finite() {
+            return Err(PsError::NonFinite {
+                task: self.client.me(),
+                loss,
+                step: self.step,
+            });
+        }
+        self.client.push(self.step, y.len(), loss, &self.grads)?;
+        let want = if self.opts.sync.is_some() {
+            self.step + 1
+        } else {
+            0
+        };
+        let (next, applied_loss) = self.client.pull(want, &mut self.replica.params)?;
+        let prev = std::mem::replace(&mut self.step, next);
+        let per_step =
+            y.len() as u64 * self.opts.sync.map_or(1, |s| s.replicas_to_aggregate as u64);
+        self.window.0 += next.saturating_sub(prev);
+        self.window.1 += next.saturating_sub(prev) * per_step;
+        let info = StepInfo {
+            global_step: next,
+            loss,
+            applied_loss,
+        };
+        for h in &mut self.hooks {
+            self.stop |= h.after_step(&info);
+        }
+        if self.chief {
+            self.chief_hooks(prev, applied_loss)?;
+        }
+        Ok(loss)
+    }
+
+    /// Logging and checkpoint hooks, on the chief after each step.
+    fn chief_hooks(&mut self, prev: u64, loss: f32) -> Result<(), PsError> {
+        let step = self.step;
+        let every = self.opts.log_every;
+        if every > 0 && step / every > prev / every {
+            let secs = self.window.2.elapsed().as_secs_f64().max(1e-9);
+            let log = StepLog {
+                step,
+                loss,
+                steps_per_sec: self.window.0 as f64 / secs,
+                samples_per_sec: self.window.1 as f64 / secs,
+            };
+            self.emit(&Event::Step(log));
+            self.window = (0, 0, Instant::now());
+        }
+        let by_steps = self.opts.checkpoint_every_steps;
+        let due = (by_steps > 0 && step / by_steps > self.last_ckpt.0 / by_steps)
+            || self
+                .opts
+                .checkpoint_every_secs
+                .is_some_and(|d| self.last_ckpt.1.elapsed() >= d);
+        if due && !self.should_stop() {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    fn checkpoint(&mut self) -> Result<(), PsError> {
+        let Some(dir) = self.opts.checkpoint_dir.clone() else {
+            return Ok(());
+        };
+        let step = self.step;
+        let tmp = super::checkpoint::begin(&dir, step)?;
+        let files = self.client.save(&tmp)?;
+        let num_ps = self.client.roles.ps.len();
+        let mut lines = Vec::new();
+        shards::commit(&dir, step, &files, num_ps, &mut |l| {
+            lines.push(l.to_string())
+        })?;
+        for l in lines {
+            self.emit(&Event::Note(l));
+        }
+        self.last_ckpt = (step, Instant::now());
+        Ok(())
+    }
+
+    /// Ends this worker's session: the chief writes the last checkpoint (if any steps
+    /// came since one); every ps is told this worker is done. Returns the parameters.
+    pub fn close(mut self) -> Result<Replica<'s>, PsError> {
+        if self.chief && self.last_ckpt.0 != self.step {
+            if let Err(e) = self.checkpoint() {
+                self.client.abort(&e.to_string());
+                self.closed = true;
+                return Err(e);
+            }
+        }
+        self.closed = true;
+        self.client.done()?;
+        Ok(self.replica.clone())
+    }
+}
+
+impl<C: Comm> Drop for MonitoredSession<'_, '_, C> {
+    /// A session dropped unclosed (an early return, a panic) stops the job at once
+    /// instead of leaving the ps tasks to time out.
+    fn drop(&mut self) {
+        if !self.closed {
+            self.client.abort(&format!(
+                "{} left its training session without closing it",
+                self.client.me()
+            ));
+        }
+    }
+}
