@@ -26,7 +26,8 @@ pub enum FlagsError {
     Spec(#[from] SpecError),
 }
 
-const FLAG_NAMES: [&str; 4] = ["--ps_hosts", "--worker_hosts", "--job_name", "--task_index"];
+/// The seeds' flags: `--ps_hosts --worker_hosts --job_name --task_index`.
+pub const FLAG_NAMES: [&str; 4] = ["--ps_hosts", "--worker_hosts", "--job_name", "--task_index"];
 
 /// Parses the four legacy flags out of `args` (as `--f=v` or `--f v`); other arguments are ignored.
 pub fn parse(args: &[String]) -> Result<TfConfig, FlagsError> {

@@ -389,6 +389,56 @@ pub fn hostname() -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
+/// Collective: gives the tasks of a cluster that came from TF_CONFIG or flags (which know
+/// no ranks) the MPI ranks whose processes took them. Every rank must have the same
+/// cluster, and the world must hold each task exactly once; otherwise every rank stops
+/// with the same error naming the rank or task at fault.
+pub fn bind_ranks(ctx: &Context, resolved: Resolved) -> Result<Layout, ResolveError> {
+    let layout = resolved.layout;
+    let mine = resolved
+        .me
+        .map(|i| layout.ranks[i].task.to_string())
+        .ok_or_else(|| ResolveError::Usage("this process's task is not in its cluster".into()));
+    let mine = ctx.agree(mine)?;
+    let spec = format!("{:?}", layout.spec);
+    let hashes = ctx.all_gather_bytes(&crate::hash::fnv1a(spec.as_bytes()).to_le_bytes());
+    if let Some(r) = hashes.iter().position(|h| *h != hashes[0]) {
+        return Err(ResolveError::Usage(format!(
+            "rank {r} was given another cluster than rank 0 (TF_CONFIG or --ps_hosts/--worker_hosts differ)"
+        )));
+    }
+    let tasks = ctx.all_gather_strings(&mine);
+    let mut ranks = Vec::with_capacity(tasks.len());
+    for (rank, task) in tasks.iter().enumerate() {
+        if let Some(first) = tasks[..rank].iter().position(|t| t == task) {
+            return Err(ResolveError::Usage(format!(
+                "ranks {first} and {rank} both run task {task}"
+            )));
+        }
+        let mut info = layout
+            .ranks
+            .iter()
+            .find(|r| r.task.to_string() == *task)
+            .expect("every rank's task is in the shared cluster")
+            .clone();
+        info.rank = Some(rank);
+        ranks.push(info);
+    }
+    if let Some(missing) = layout
+        .ranks
+        .iter()
+        .find(|r| !tasks.contains(&r.task.to_string()))
+    {
+        return Err(ResolveError::Usage(format!(
+            "task {} of the cluster has no process: {} tasks, {} MPI ranks",
+            missing.task,
+            layout.ranks.len(),
+            tasks.len()
+        )));
+    }
+    Ok(Layout { ranks, ..layout })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

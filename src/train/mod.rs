@@ -19,6 +19,7 @@ pub mod data;
 pub mod events;
 pub mod optim;
 pub mod ps;
+pub mod server;
 pub mod session;
 
 use std::time::Instant;

@@ -1,0 +1,95 @@
+//! The seeds' `trainer.py`, in Rust with mpiflow: the same program on every task.
+//!
+//! ```text
+//! mpirun -np 4 target/release/examples/trainer                     # roles from MPI: 1 ps, 3 workers
+//! mpirun -np 1 trainer --ps_hosts=localhost:2222 --worker_hosts=localhost:2223 \
+//!        --job_name=ps --task_index=0 : -np 1 trainer ... --job_name=worker --task_index=0
+//! TF_CONFIG='{"cluster": ..., "task": ...}' trainer                 # per process, under an MPI launcher
+//! ```
+//! Options: `--steps N` (default 1000), `--async`, `--checkpoint_dir DIR`, `--data SPEC`
+//! (default digits). Prints `accuracy X` on the chief at the end.
+
+use std::process::ExitCode;
+
+use mpiflow::cluster::MappingOptions;
+use mpiflow::model::layers::{Dense, Flatten, Layer, Relu};
+use mpiflow::model::Sequential;
+use mpiflow::train::data::{shard, Batches, Dataset};
+use mpiflow::train::ps::protocol::SyncReplicas;
+use mpiflow::train::server::Server;
+use mpiflow::train::session::SessionOptions;
+
+/// This program's own model: a small MLP over any sample shape.
+fn model(data: &Dataset) -> Result<Sequential, String> {
+    let layers: Vec<Box<dyn Layer>> = vec![
+        Box::new(Flatten),
+        Box::new(Dense { units: 64 }),
+        Box::new(Relu),
+        Box::new(Dense {
+            units: data.classes,
+        }),
+    ];
+    Sequential::new("trainer-mlp", &data.shape, layers).map_err(|e| e.to_string())
+}
+
+fn value(args: &[String], name: &str) -> Option<String> {
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).cloned()
+}
+
+fn run(args: &[String]) -> Result<(), String> {
+    let mapping = MappingOptions {
+        ps: 1,
+        ..MappingOptions::default()
+    };
+    let server = Server::start(args, mapping).map_err(|e| e.to_string())?;
+    if server.is_ps() {
+        return server.join().map_err(|e| e.to_string());
+    }
+    let steps: u64 = value(args, "--steps").map_or(Ok(1000), |s| {
+        s.parse().map_err(|_| format!("--steps {s}: not a number"))
+    })?;
+    let spec = value(args, "--data").unwrap_or_else(|| "digits".into());
+    let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;
+    let net = model(&train)?;
+    let (w, workers) = server
+        .worker()
+        .ok_or_else(|| format!("{} is neither ps nor worker", server.task()))?;
+    let opts = SessionOptions {
+        sync: (!args.iter().any(|a| a == "--async")).then_some(SyncReplicas {
+            replicas_to_aggregate: workers,
+        }),
+        checkpoint_dir: value(args, "--checkpoint_dir").map(Into::into),
+        stop_at_step: Some(steps),
+        checkpoint_every_steps: 200,
+        log_every: 200,
+        ..SessionOptions::default()
+    };
+    let batches = Batches::new(train.len(), 64, 1);
+    let mut sess = server.session(&net, opts).map_err(|e| e.to_string())?;
+    while !sess.should_stop() {
+        let global = batches.global(sess.global_step());
+        let (x, y) = train.rows(shard(&global, w, workers));
+        sess.run(&x, &y).map_err(|e| e.to_string())?;
+    }
+    let chief = sess.is_chief();
+    let trained = sess.close().map_err(|e| e.to_string())?;
+    if chief {
+        let acc = trained
+            .accuracy(&test.x, &test.y)
+            .map_err(|e| e.to_string())?;
+        println!("accuracy {acc:.4}");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("trainer: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

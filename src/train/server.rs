@@ -1,0 +1,209 @@
+//! A task's server: TensorFlow's `tf.train.Server` on MPI.
+//!
+//! Every process of the job runs the same program and starts one. The cluster and this
+//! process's task come from wherever the job was described: the seeds' flags
+//! (`--ps_hosts --worker_hosts --job_name --task_index`), `TF_CONFIG`, or, under
+//! `mpirun`/`srun` with neither, mpiflow's mapping of ranks onto jobs (`--ps N` tasks
+//! first). Tensors travel by MPI in every case, so the job runs under an MPI launcher.
+//! A ps task calls [`Server::join`], which serves the variables until every worker is
+//! done; workers train in a [`MonitoredSession`].
+//!
+//! ```no_run
+//! use mpiflow::train::server::Server;
+//! use mpiflow::train::session::SessionOptions;
+//! # fn model() -> mpiflow::model::Sequential { unimplemented!() }
+//! # fn batch(step: u64) -> (Vec<f32>, Vec<u8>) { unimplemented!() }
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let args: Vec<String> = std::env::args().skip(1).collect();
+//! let mapping = mpiflow::cluster::MappingOptions { ps: 1, ..Default::default() };
+//! let server = Server::start(&args, mapping)?;
+//! if server.is_ps() {
+//!     server.join()?;
+//!     return Ok(());
+//! }
+//! let model = model();
+//! let opts = SessionOptions { stop_at_step: Some(1000), ..SessionOptions::default() };
+//! let mut sess = server.session(&model, opts)?;
+//! while !sess.should_stop() {
+//!     let (x, y) = batch(sess.global_step());
+//!     sess.run(&x, &y)?;
+//! }
+//! sess.close()?;
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::ps::{server, PsError, Roles};
+use super::session::{MonitoredSession, SessionOptions};
+use crate::cluster::resolve::{bind_ranks, resolve_mpi, resolve_offline};
+use crate::cluster::{Layout, MappingOptions, Request, ResolveError, Source, TaskId};
+use crate::model::Model;
+use crate::transport::mpi::MpiComm;
+use crate::transport::{Context, InitError};
+
+/// Errors of starting or running a server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("{0}")]
+    Init(#[from] InitError),
+    #[error("{0}")]
+    Resolve(#[from] ResolveError),
+    #[error("{0}")]
+    Ps(#[from] PsError),
+    #[error("{task} (rank {rank}): {what}")]
+    Role {
+        task: String,
+        rank: usize,
+        what: String,
+    },
+}
+
+/// This process's server: its MPI communicator, the cluster, its task.
+pub struct Server {
+    // Field order matters: the communicator is freed before MPI is finalised.
+    comm: MpiComm,
+    layout: Layout,
+    roles: Option<Roles>,
+    rank: usize,
+    /// How long a ps waits for a worker (and a worker for a ps) before calling it lost.
+    pub peer_timeout: Duration,
+    _ctx: Context,
+}
+
+impl Server {
+    /// Starts this process's server: initialises MPI and resolves the cluster from the
+    /// seeds' flags if `args` has them (other arguments are ignored), else `TF_CONFIG`,
+    /// else the MPI mapping of ranks onto `mapping`'s jobs.
+    pub fn start(args: &[String], mapping: MappingOptions) -> Result<Server, ServerError> {
+        let env: BTreeMap<String, String> = std::env::vars().collect();
+        let seeds_flag = |a: &String| {
+            let name = a.split('=').next().unwrap_or_default();
+            crate::cluster::flags::FLAG_NAMES.contains(&name)
+        };
+        let source = if args.iter().any(seeds_flag) {
+            Source::Flags
+        } else if env.contains_key("TF_CONFIG") {
+            Source::TfConfig
+        } else {
+            Source::Mpi
+        };
+        let req = Request {
+            source,
+            mapping,
+            legacy_flags: args.to_vec(),
+            // TensorFlow's port: the first one the MPI mapping probes on each host.
+            port_base: 2222,
+            ..Request::default()
+        };
+        Server::start_with(&req, &env)
+    }
+
+    /// Starts the server of the cluster `req` describes (`req.source` picked as
+    /// [`Request::pick_source`] does for `Auto`).
+    pub fn start_with(
+        req: &Request,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Server, ServerError> {
+        let ctx = Context::init()?;
+        let layout = match req.pick_source(env) {
+            Source::Mpi | Source::Auto => resolve_mpi(&ctx, req)?.layout,
+            Source::Slurm => resolve_offline(req, Source::Slurm, env)?.layout,
+            Source::Hostfile => {
+                return Err(ResolveError::Usage(
+                    "a hostfile previews a cluster; a server needs MPI, TF_CONFIG or flags".into(),
+                )
+                .into())
+            }
+            s => {
+                let offline = ctx
+                    .agree(resolve_offline(req, s, env))
+                    .map_err(ResolveError::from)?;
+                bind_ranks(&ctx, offline)?
+            }
+        };
+        let roles = layout
+            .ranks
+            .iter()
+            .any(|r| r.task.job == "ps")
+            .then(|| Roles::new(&layout))
+            .transpose()?;
+        Ok(Server {
+            comm: MpiComm::new(ctx.world()),
+            rank: ctx.rank(),
+            layout,
+            roles,
+            peer_timeout: Duration::from_secs(60),
+            _ctx: ctx,
+        })
+    }
+
+    /// This process's task (`ps:0`, `worker:2`, ...).
+    pub fn task(&self) -> &TaskId {
+        &self.layout.ranks[self.rank].task
+    }
+
+    /// The whole cluster.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The communicator every task shares.
+    pub fn comm(&self) -> &MpiComm {
+        &self.comm
+    }
+
+    pub fn is_ps(&self) -> bool {
+        self.task().job == "ps"
+    }
+
+    /// True for the chief: `chief:0`, or `worker:0` if the cluster has no chief job.
+    pub fn is_chief(&self) -> bool {
+        self.roles
+            .as_ref()
+            .and_then(|r| r.worker_index(self.rank))
+            .map_or(self.rank == 0, |w| w == 0)
+    }
+
+    /// This worker's index (the chief is 0) and the number of workers; `None` on a task
+    /// that is no worker. Each worker trains on its shard of each global batch.
+    pub fn worker(&self) -> Option<(usize, usize)> {
+        let roles = self.roles.as_ref()?;
+        Some((roles.worker_index(self.rank)?, roles.workers.len()))
+    }
+
+    fn role_error(&self, what: &str) -> ServerError {
+        ServerError::Role {
+            task: self.task().to_string(),
+            rank: self.rank,
+            what: what.into(),
+        }
+    }
+
+    /// A ps task: serves its variables until every worker is done (or one is lost or
+    /// stops with an error, which this returns).
+    pub fn join(&self) -> Result<(), ServerError> {
+        let roles = self
+            .roles
+            .as_ref()
+            .ok_or_else(|| self.role_error("no ps job"))?;
+        let k = roles
+            .ps_index(self.rank)
+            .ok_or_else(|| self.role_error("join() serves ps tasks; this is not one"))?;
+        Ok(server::serve(&self.comm, roles, k, self.peer_timeout)?)
+    }
+
+    /// A worker's monitored training session of `model` against the ps tasks.
+    pub fn session<'s>(
+        &'s self,
+        model: &'s dyn Model,
+        opts: SessionOptions,
+    ) -> Result<MonitoredSession<'s, 's, MpiComm>, ServerError> {
+        let roles = self
+            .roles
+            .as_ref()
+            .ok_or_else(|| self.role_error("a training session needs a ps job"))?;
+        Ok(MonitoredSession::new(&self.comm, roles, model, opts)?)
+    }
+}

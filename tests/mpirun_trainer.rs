@@ -1,0 +1,115 @@
+//! `examples/trainer.rs`, the seeds' trainer written with mpiflow's library, under real
+//! `mpirun -np 4` (1 ps, 3 workers), with its role from each of the three sources: the
+//! MPI mapping, the seeds' flags (one app context per task, ranks not in task order),
+//! and TF_CONFIG per process. The chief prints `accuracy X`.
+
+mod common;
+
+use common::{accuracy, mpirun};
+
+/// The example's binary, built beside mpiflow's by `cargo test`.
+fn trainer() -> String {
+    let bin = std::path::Path::new(common::mpiflow());
+    bin.parent()
+        .expect("a target directory")
+        .join("examples/trainer")
+        .display()
+        .to_string()
+}
+
+fn assert_trained(out: &common::Run, what: &str) {
+    assert_eq!(out.code, 0, "{what}: {out:?}");
+    let acc = accuracy(&out.stdout);
+    assert!(acc >= 0.95, "{what}: accuracy {acc}\n{}", out.stdout);
+    // Only the chief reports.
+    assert_eq!(out.stdout.matches("accuracy").count(), 1, "{}", out.stdout);
+}
+
+#[test]
+fn the_trainer_reaches_the_target_with_roles_from_mpi() {
+    let t = trainer();
+    let out = mpirun(&["-np", "4", &t, "--steps", "400"]);
+    assert_trained(&out, "MPI roles");
+    assert!(
+        out.stdout.contains("# bytes per ps: ps:0="),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn the_trainer_takes_its_role_from_the_seeds_flags_and_from_tf_config() {
+    let t = trainer();
+    let hosts =
+        "--ps_hosts=localhost:23100 --worker_hosts=localhost:23101,localhost:23102,localhost:23103";
+    let mut args: Vec<String> = Vec::new();
+    // Ranks 0..3 get ps:0, worker:2, worker:0, worker:1: the task order is the flags'.
+    for (i, (job, index)) in [("ps", 0), ("worker", 2), ("worker", 0), ("worker", 1)]
+        .iter()
+        .enumerate()
+    {
+        if i > 0 {
+            args.push(":".into());
+        }
+        args.extend(["-np".into(), "1".into(), t.clone()]);
+        args.extend(hosts.split(' ').map(String::from));
+        args.extend([
+            format!("--job_name={job}"),
+            format!("--task_index={index}"),
+            "--steps".into(),
+            "400".into(),
+        ]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_trained(&mpirun(&refs), "seeds' flags");
+
+    let cluster = r#""cluster": {"ps": ["localhost:23200"], "worker": ["localhost:23201", "localhost:23202", "localhost:23203"]}"#;
+    let mut args: Vec<String> = Vec::new();
+    for (i, (job, index)) in [("worker", 1), ("ps", 0), ("worker", 0), ("worker", 2)]
+        .iter()
+        .enumerate()
+    {
+        if i > 0 {
+            args.push(":".into());
+        }
+        let tf =
+            format!(r#"TF_CONFIG={{{cluster}, "task": {{"type": "{job}", "index": {index}}}}}"#);
+        args.extend(["-np".into(), "1".into(), "-x".into(), tf, t.clone()]);
+        args.extend(["--steps".into(), "400".into()]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_trained(&mpirun(&refs), "TF_CONFIG");
+}
+
+#[test]
+fn a_task_missing_from_the_job_is_one_error_on_every_rank() {
+    // The flags name three workers but the job has two worker processes.
+    let t = trainer();
+    let hosts =
+        "--ps_hosts=localhost:23300 --worker_hosts=localhost:23301,localhost:23302,localhost:23303";
+    let mut args: Vec<String> = Vec::new();
+    for (i, (job, index)) in [("ps", 0), ("worker", 0), ("worker", 1)].iter().enumerate() {
+        if i > 0 {
+            args.push(":".into());
+        }
+        args.extend(["-np".into(), "1".into(), t.clone()]);
+        args.extend(hosts.split(' ').map(String::from));
+        args.extend([format!("--job_name={job}"), format!("--task_index={index}")]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = mpirun(&refs);
+    assert_ne!(out.code, 0, "{out:?}");
+    let lines: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("trainer:"))
+        .collect();
+    assert_eq!(lines.len(), 3, "one line per rank: {}", out.stderr);
+    for l in lines {
+        assert!(
+            l.contains("task worker:2 of the cluster has no process"),
+            "{l}"
+        );
+        assert!(!l.contains("panicked"), "{l}");
+    }
+}
