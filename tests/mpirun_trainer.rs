@@ -82,7 +82,7 @@ fn the_trainer_takes_its_role_from_the_seeds_flags_and_from_tf_config() {
 }
 
 #[test]
-fn a_task_missing_from_the_job_is_one_error_on_every_rank() {
+fn a_task_missing_from_the_job_is_the_same_one_line_error_on_every_rank() {
     // The flags name three workers but the job has two worker processes.
     let t = trainer();
     let hosts =
@@ -104,7 +104,13 @@ fn a_task_missing_from_the_job_is_one_error_on_every_rank() {
         .lines()
         .filter(|l| l.starts_with("trainer:"))
         .collect();
-    assert_eq!(lines.len(), 3, "one line per rank: {}", out.stderr);
+    // Every rank reaches the same verdict, but mpirun ends the job as soon as the first
+    // rank exits non-zero, so 1 to 3 of the lines get printed.
+    assert!(
+        (1..=3).contains(&lines.len()),
+        "one line per rank at most: {}",
+        out.stderr
+    );
     for l in lines {
         assert!(
             l.contains("task worker:2 of the cluster has no process"),
