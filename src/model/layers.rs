@@ -107,6 +107,66 @@ fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// `out = x W + b` for `rows` rows of `fin` values (`W` is `fin x fout`): a dense layer's
+/// product, and a convolution's over its im2col columns.
+#[allow(clippy::too_many_arguments)]
+fn affine(
+    x: &[f32],
+    w: &[f32],
+    b: &[f32],
+    rows: usize,
+    fin: usize,
+    fout: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    kernels::broadcast_rows(out, b);
+    kernels::gemm(false, false, rows, fout, fin, 1.0, x, w, 1.0, out)
+}
+
+/// [`affine`]'s parameter gradients from its output gradient `dy`: `x^T dy` into
+/// `grads[0]`, the column sums of `dy` into `grads[1]`.
+fn affine_param_grads(
+    x: &[f32],
+    dy: &[f32],
+    rows: usize,
+    fin: usize,
+    fout: usize,
+    grads: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    kernels::gemm(true, false, fin, fout, rows, 1.0, x, dy, 0.0, grads[0])?;
+    kernels::sum_rows(dy, grads[1]);
+    Ok(())
+}
+
+/// [`affine`]'s input gradient: `dx = dy W^T`.
+fn affine_input_grad(
+    dy: &[f32],
+    w: &[f32],
+    rows: usize,
+    fin: usize,
+    fout: usize,
+    dx: &mut [f32],
+) -> Result<(), KernelError> {
+    kernels::gemm(false, true, rows, fin, fout, 1.0, dy, w, 0.0, dx)
+}
+
+/// The geometry of a `k` window over `input` images (height x width x channels), or why
+/// they do not fit; `layer` names the layer in the error.
+fn image_window(
+    layer: &str,
+    input: &[usize],
+    k: [usize; 2],
+    stride: usize,
+    pad: usize,
+) -> Result<Window2d, String> {
+    let [h, w, c] = input else {
+        return Err(format!(
+            "{layer} takes images of height x width x channels (input {input:?})"
+        ));
+    };
+    Window2d::new([*h, *w, *c], k, stride, pad).map_err(|e| e.to_string())
+}
+
 /// A fully connected layer: `y = x W + b`, `W` is `in x out`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dense {
@@ -147,8 +207,7 @@ impl Layer for Dense {
     ) -> Result<(), KernelError> {
         let fi = numel(input);
         let out = sized(out, n * self.units);
-        kernels::broadcast_rows(out, p[1]);
-        kernels::gemm(false, false, n, self.units, fi, 1.0, x, p[0], 1.0, out)
+        affine(x, p[0], p[1], n, fi, self.units, out)
     }
 
     fn backward_into(
@@ -160,13 +219,11 @@ impl Layer for Dense {
         dx: Option<&mut Vec<f32>>,
     ) -> Result<(), KernelError> {
         let (fi, fo) = (numel(input), self.units);
-        kernels::gemm(true, false, fi, fo, b.n, 1.0, b.x, b.dy, 0.0, grads[0])?;
-        kernels::sum_rows(b.dy, grads[1]);
-        if let Some(dx) = dx {
-            let dx = sized(dx, b.n * fi);
-            kernels::gemm(false, true, b.n, fi, fo, 1.0, b.dy, p[0], 0.0, dx)?;
+        affine_param_grads(b.x, b.dy, b.n, fi, fo, grads)?;
+        match dx {
+            Some(dx) => affine_input_grad(b.dy, p[0], b.n, fi, fo, sized(dx, b.n * fi)),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -183,13 +240,7 @@ pub struct Conv2d {
 
 impl Conv2d {
     fn window(&self, input: &[usize]) -> Result<Window2d, String> {
-        let [h, w, c] = input else {
-            return Err(format!(
-                "conv takes images of height x width x channels (input {input:?})"
-            ));
-        };
-        Window2d::new([*h, *w, *c], [self.kh, self.kw], self.stride, self.pad)
-            .map_err(|e| e.to_string())
+        image_window("conv", input, [self.kh, self.kw], self.stride, self.pad)
     }
 }
 
@@ -236,19 +287,7 @@ impl Layer for Conv2d {
         let cols = sized(saved.columns(), rows * g.k());
         conv::im2col(&g, x, n, cols)?;
         let out = sized(out, rows * self.filters);
-        kernels::broadcast_rows(out, p[1]);
-        kernels::gemm(
-            false,
-            false,
-            rows,
-            self.filters,
-            g.k(),
-            1.0,
-            cols,
-            p[0],
-            1.0,
-            out,
-        )
+        affine(cols, p[0], p[1], rows, g.k(), self.filters, out)
     }
 
     fn backward_into(
@@ -263,39 +302,15 @@ impl Layer for Conv2d {
         let Saved::Columns(cols) = b.saved else {
             return Err(shape_error("conv backward without its columns".into()));
         };
-        let cols: &mut Vec<f32> = cols;
         let rows = b.n * g.pixels();
-        kernels::gemm(
-            true,
-            false,
-            g.k(),
-            self.filters,
-            rows,
-            1.0,
-            &cols[..],
-            b.dy,
-            0.0,
-            grads[0],
-        )?;
-        kernels::sum_rows(b.dy, grads[1]);
+        affine_param_grads(cols, b.dy, rows, g.k(), self.filters, grads)?;
         let Some(dx) = dx else {
             return Ok(());
         };
         // The columns are read; their buffer takes the column gradient `dY W^T`, which
         // is then scattered back onto the image.
         let dcols = &mut cols[..];
-        kernels::gemm(
-            false,
-            true,
-            rows,
-            g.k(),
-            self.filters,
-            1.0,
-            b.dy,
-            p[0],
-            0.0,
-            dcols,
-        )?;
+        affine_input_grad(b.dy, p[0], rows, g.k(), self.filters, dcols)?;
         let dx = sized(dx, b.n * g.input_len());
         dx.fill(0.0);
         conv::col2im_add(&g, dcols, b.n, dx)?;
@@ -316,13 +331,7 @@ pub struct MaxPool2d {
 
 impl MaxPool2d {
     fn window(&self, input: &[usize]) -> Result<Window2d, String> {
-        let [h, w, c] = input else {
-            return Err(format!(
-                "max pooling takes images of height x width x channels (input {input:?})"
-            ));
-        };
-        Window2d::new([*h, *w, *c], [self.size, self.size], self.stride, 0)
-            .map_err(|e| e.to_string())
+        image_window("max pooling", input, [self.size; 2], self.stride, 0)
     }
 }
 

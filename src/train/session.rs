@@ -138,11 +138,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             ))
         })?;
         let replica = Replica::new(model, opts.seed);
-        let vars: Vec<(String, usize)> = replica
-            .params
-            .iter()
-            .map(|p| (p.name().to_string(), p.numel()))
-            .collect();
+        let vars = super::ps::variables(&replica);
         let client = Client {
             comm,
             roles,
@@ -167,7 +163,6 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             window: (0, 0, Instant::now()),
         };
         if sess.chief {
-            let vars = sess.variables();
             sess.emit(&Event::Placement(super::ps::placement::report(
                 &sess.client.shards,
                 &vars,
@@ -197,14 +192,6 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     pub fn with_hook(mut self, hook: impl Hook + 'e) -> Self {
         self.hooks.push(Box::new(hook));
         self
-    }
-
-    fn variables(&self) -> Vec<(String, usize)> {
-        self.replica
-            .params
-            .iter()
-            .map(|p| (p.name().to_string(), p.numel()))
-            .collect()
     }
 
     fn emit(&mut self, e: &Event) {

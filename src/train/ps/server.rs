@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use super::placement::Shard;
 use super::protocol::{decode, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
 use super::roles::Roles;
-use super::wire::{send_within, Sent};
+use super::wire::{notify, send_within, Sent};
 use super::{shards, PsError};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
@@ -111,18 +111,10 @@ impl<'a, C: Comm> Server<'a, C> {
             },
             &[],
         );
-        for (i, r) in self.roles.workers.iter().enumerate() {
-            if *r != except && !self.done[i] {
-                let _ = send_within(
-                    self.comm,
-                    m.clone(),
-                    *r,
-                    reply_tag(self.comm),
-                    Duration::from_secs(1),
-                    None,
-                );
-            }
-        }
+        let others = (self.roles.workers.iter().enumerate())
+            .filter(|(i, r)| **r != except && !self.done[*i])
+            .map(|(_, r)| *r);
+        notify(self.comm, &m, others, reply_tag(self.comm));
     }
 
     fn error(&self, to: usize, message: String) -> Result<(), PsError> {

@@ -85,3 +85,11 @@ pub fn send_within<C: Comm>(
         backoff.idle();
     }
 }
+
+/// Best effort: sends `message` to each of `ranks` on `tag`, giving each a second (the
+/// notice that training stops; a rank that is gone does not hold up the others).
+pub fn notify<C: Comm>(c: &C, message: &[u8], ranks: impl IntoIterator<Item = usize>, tag: i32) {
+    for r in ranks {
+        let _ = send_within(c, message.to_vec(), r, tag, Duration::from_secs(1), None);
+    }
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::placement::Shard;
 use super::protocol::{decode, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
 use super::roles::Roles;
-use super::wire::{error_of, receive_within, send_within, Sent};
+use super::wire::{error_of, notify, receive_within, send_within, Sent};
 use super::PsError;
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, TransportError};
@@ -205,16 +205,12 @@ impl<C: Comm> Client<'_, C> {
             },
             &[],
         );
-        for r in &self.roles.ps {
-            let _ = send_within(
-                self.comm,
-                m.clone(),
-                *r,
-                request_tag(self.comm),
-                Duration::from_secs(1),
-                None,
-            );
-        }
+        notify(
+            self.comm,
+            &m,
+            self.roles.ps.iter().copied(),
+            request_tag(self.comm),
+        );
     }
 
     /// Tells every ps this worker is done.
