@@ -58,11 +58,14 @@ fn the_cnn_in_every_synchronous_mode_equals_local_training() {
 
 #[test]
 fn the_cnn_learns_digits_asynchronously_and_by_allreduce() {
-    for mode in [
-        &["--mode", "ps", "--ps", "1", "--async"][..],
-        &["--mode", "allreduce"][..],
+    // Asynchronous updates are stale and arrive in any order, so the run's accuracy
+    // varies: at 400 steps it read 0.950-0.983 over seven runs (one CI run 0.9499), at
+    // 800 steps 0.972-0.983 over six. Allreduce is deterministic: 0.9833 at 400.
+    for (steps, mode) in [
+        ("800", &["--mode", "ps", "--ps", "1", "--async"][..]),
+        ("400", &["--mode", "allreduce"][..]),
     ] {
-        let mut args = vec!["-np", "4", mpiflow(), "train", "--steps", "400"];
+        let mut args = vec!["-np", "4", mpiflow(), "train", "--steps", steps];
         args.extend_from_slice(&CNN);
         args.extend_from_slice(mode);
         let run = mpirun(&args);
