@@ -13,6 +13,7 @@
 //! - [`bench`]: OSU-style benchmarks, OSU 7.4's output format.
 //! - [`hash`]: the one stable hash (FNV-1a) ranks compare and checkpoints carry.
 //! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
+//! - [`named`]: the names users pick enum values by (command line, job scripts).
 //!
 //! The `mpiflow` binary (`src/main.rs`) is a thin command-line layer over these.
 
@@ -23,6 +24,7 @@ pub mod hash;
 pub mod kernels;
 pub mod launch;
 pub mod model;
+pub mod named;
 pub mod rng;
 pub mod tensor;
 pub mod topology;

@@ -2,12 +2,12 @@
 
 use std::time::Instant;
 
-use clap::ValueEnum;
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path, ShmStores};
 use super::{best_of_rounds, secs, BenchError, Better, Label, Row};
+use crate::named::Named;
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig};
 use crate::transport::mpi::MpiComm;
@@ -88,10 +88,7 @@ impl Label for Arm {
         match self {
             Arm::Mpi => "mpi".into(),
             Arm::Mpiflow => "mpiflow".into(),
-            Arm::Allreduce(a) => {
-                let name = a.to_possible_value().expect("no skipped variants");
-                format!("mpiflow (algorithm {})", name.get_name())
-            }
+            Arm::Allreduce(a) => format!("mpiflow (algorithm {})", a.name()),
         }
     }
 }

@@ -6,7 +6,7 @@ use super::Row;
 use crate::transport::Algorithm;
 
 /// Which implementation a benchmark measures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Path {
     /// Plain rsmpi calls on raw buffers (the baseline).
     Mpi,
@@ -20,69 +20,83 @@ pub enum Path {
     Both,
 }
 
-/// OSU's options, plus mpiflow's.
-#[derive(Debug, Clone, clap::Args)]
+impl crate::named::Named for Path {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Path::Mpi,
+            "mpi",
+            "Plain rsmpi calls on raw buffers (the baseline)",
+        ),
+        (Path::Mpiflow, "mpiflow", "mpiflow's tensor API"),
+        (
+            Path::Channel,
+            "channel",
+            "mpiflow's persistent channels (latency, bw, bibw)",
+        ),
+        (
+            Path::Both,
+            "both",
+            "mpi and mpiflow, alternating at every size",
+        ),
+    ];
+}
+
+/// OSU's options, plus mpiflow's (`mpiflow bench --help` spells them).
+#[derive(Debug, Clone, PartialEq)]
 pub struct BenchOptions {
     /// Message sizes in bytes, `[MIN:]MAX`, doubling from MIN.
-    #[arg(short = 'm', long = "message-size", value_parser = parse_sizes)]
     pub sizes: Option<(usize, usize)>,
     /// Timed iterations per size (default: OSU's, by benchmark and size).
-    #[arg(short = 'i', long = "iterations")]
     pub iterations: Option<usize>,
     /// Warm-up iterations per size (default: OSU's).
-    #[arg(short = 'x', long = "warmup")]
     pub warmup: Option<usize>,
     /// Window of non-blocking sends (bw, bibw).
-    #[arg(short = 'W', long = "window-size", default_value_t = 64)]
     pub window: usize,
     /// Full statistics for collectives: min, max, iterations.
-    #[arg(short = 'f', long = "full")]
     pub full: bool,
     /// Check the data that arrived (outside the timed loop).
-    #[arg(short = 'c', long = "validation")]
     pub validate: bool,
     /// Which path to measure.
-    #[arg(long, value_enum, default_value_t)]
     pub path: Path,
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
-    #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
     /// path of its own in the same job, all paired with `mpi` (allreduce only).
-    #[arg(
-        long = "algorithm",
-        value_enum,
-        value_delimiter = ',',
-        default_value = "auto"
-    )]
     pub algorithms: Vec<Algorithm>,
     /// Tensors per round in allreduce-fused.
-    #[arg(long, default_value_t = 100)]
     pub count: usize,
     /// Parameter-server tasks in pushpull (the first ranks).
-    #[arg(long, default_value_t = 1)]
     pub ps: usize,
     /// How pushpull's mpiflow path reaches the ps: messages, or one-sided windows.
-    #[arg(long, value_enum, default_value_t)]
     pub transport: crate::train::ps::PsTransport,
     /// Bytes per slot of the shared-memory allreduce, rounded up to 4096 (allreduce and
     /// allreduce-fused; default: the library's, 256 KiB): to re-tune on another machine.
-    #[arg(long, value_parser = positive_bytes)]
     pub shm_slot_bytes: Option<usize>,
     /// Stores into the shared-memory allreduce's slots: as measured (auto), or always
     /// cached or streaming (allreduce and allreduce-fused).
-    #[arg(long, value_enum, default_value_t)]
     pub shm_stores: ShmStores,
 }
 
 /// `--shm-stores`: see [`crate::transport::stores`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmStores {
     /// Whichever makes a step cheaper, as measured.
     #[default]
     Auto,
     Cached,
     Streaming,
+}
+
+impl crate::named::Named for ShmStores {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            ShmStores::Auto,
+            "auto",
+            "Whichever makes a step cheaper, as measured",
+        ),
+        (ShmStores::Cached, "cached", ""),
+        (ShmStores::Streaming, "streaming", ""),
+    ];
 }
 
 impl ShmStores {
@@ -94,13 +108,6 @@ impl ShmStores {
             ShmStores::Cached => Some(StoreMode::Cached),
             ShmStores::Streaming => Some(StoreMode::Streaming),
         }
-    }
-}
-
-fn positive_bytes(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("{s:?} is not a positive number of bytes")),
     }
 }
 

@@ -45,13 +45,24 @@ pub struct HostSlots {
 }
 
 /// How `mpirun` deals ranks to hosts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MapBy {
     /// Fill each host's slots before the next (OpenMPI's default).
     #[default]
     Slot,
     /// One rank per host in turn.
     Node,
+}
+
+impl crate::named::Named for MapBy {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            MapBy::Slot,
+            "slot",
+            "Fill each host's slots before the next (OpenMPI's default)",
+        ),
+        (MapBy::Node, "node", "One rank per host in turn"),
+    ];
 }
 
 /// A parsed hostfile.

@@ -40,13 +40,24 @@ pub enum MappingError {
 }
 
 /// Where ps tasks go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Placement {
     /// The first N ranks.
     #[default]
     Block,
     /// One per host first, round-robin over hosts.
     Spread,
+}
+
+impl crate::named::Named for Placement {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (Placement::Block, "block", "The first N ranks"),
+        (
+            Placement::Spread,
+            "spread",
+            "One per host first, round-robin over hosts",
+        ),
+    ];
 }
 
 /// The mapping flags every rank must agree on.

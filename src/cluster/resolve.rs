@@ -23,10 +23,11 @@ use super::ports::{self, PortError};
 use super::slurm::{self, SlurmError, SlurmStep};
 use super::spec::TaskId;
 use super::tf_config::{TfConfig, TfConfigError};
+use crate::named::Named;
 use crate::transport::{Context, RankError};
 
 /// Where the cluster comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Source {
     /// Pick from the environment (see the module docs).
     #[default]
@@ -38,17 +39,23 @@ pub enum Source {
     Flags,
 }
 
-impl Source {
-    pub fn name(self) -> &'static str {
-        match self {
-            Source::Auto => "auto",
-            Source::Mpi => "mpi",
-            Source::Slurm => "slurm",
-            Source::Hostfile => "hostfile",
-            Source::TfConfig => "tf-config",
-            Source::Flags => "flags",
-        }
-    }
+impl crate::named::Named for Source {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (Source::Auto, "auto", "Pick from the environment"),
+        (Source::Mpi, "mpi", "The ranks of the running MPI job"),
+        (Source::Slurm, "slurm", "Slurm's variables (SLURM_*)"),
+        (
+            Source::Hostfile,
+            "hostfile",
+            "Preview what mpirun --hostfile would start",
+        ),
+        (Source::TfConfig, "tf-config", "TF_CONFIG of each process"),
+        (
+            Source::Flags,
+            "flags",
+            "The seeds' --ps_hosts --worker_hosts --job_name --task_index",
+        ),
+    ];
 }
 
 /// Environment variables that MPI launchers set in every process they start.

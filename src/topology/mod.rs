@@ -49,12 +49,32 @@ pub struct Machine {
 }
 
 /// A pinning policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Policy {
     #[default]
     Compact,
     Scatter,
     None,
+}
+
+impl crate::named::Named for Policy {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Policy::Compact,
+            "compact",
+            "Consecutive cores per rank (the default)",
+        ),
+        (
+            Policy::Scatter,
+            "scatter",
+            "Ranks spread over packages and NUMA nodes",
+        ),
+        (
+            Policy::None,
+            "none",
+            "No binding; BLAS threads from the launcher's CPU set",
+        ),
+    ];
 }
 
 /// The plan for one local rank.

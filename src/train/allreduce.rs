@@ -18,14 +18,13 @@
 //! thread. The chief logs once what a step's reduction takes (allreduce calls and bytes).
 
 use std::ops::Range;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use serde_json::json;
 
 use super::checkpoint::{self, Arrays};
 use super::data::{shard, Batches, Dataset};
-use super::optim::{Optimizer, Slots};
+use super::optim::Slots;
 use super::TrainConfig;
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
@@ -37,11 +36,8 @@ use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
 #[derive(Debug, Clone)]
 pub struct AllreduceConfig {
     pub train: TrainConfig,
-    pub checkpoint_dir: Option<PathBuf>,
-    pub checkpoint_every: u64,
     /// Compare parameter checksums every N steps (0: never).
     pub check_every: u64,
-    pub save_params: Option<PathBuf>,
     /// Reduce each layer's gradients during the backward pass, on a communication thread
     /// (needs MPI_THREAD_MULTIPLE under MPI).
     pub overlap: bool,
@@ -266,14 +262,14 @@ pub fn run<C: Comm + Send>(
     let chief = w == 0;
     let mut model = super::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-    let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
+    let opt = cfg.train.optimizer;
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut step = 0u64;
 
     // The chief's starting point (fresh or restored) goes to every replica.
     let mut start_bytes = Vec::new();
     if chief {
-        if let Some(dir) = &cfg.checkpoint_dir {
+        if let Some(dir) = &cfg.train.checkpoint_dir {
             std::fs::create_dir_all(dir).map_err(|e| {
                 AllreduceError::Setup(format!("checkpoint dir {}: {e}", dir.display()))
             })?;
@@ -354,8 +350,7 @@ pub fn run<C: Comm + Send>(
                 } else {
                     format!("fused up to {} bytes", cfg.fusion.threshold_bytes)
                 };
-                let algorithm = clap::ValueEnum::to_possible_value(&cfg.fusion.algorithm)
-                    .map_or("?".into(), |v| v.get_name().to_string());
+                let algorithm = crate::named::Named::name(cfg.fusion.algorithm);
                 log(&format!(
                     "# gradients: {} tensors, {} bytes, allreduce calls per step: {} ({how}, \
                      algorithm {algorithm}, {nw} replicas)",
@@ -407,8 +402,8 @@ pub fn run<C: Comm + Send>(
                 (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
             }
             if chief
-                && cfg.checkpoint_every > 0
-                && step.is_multiple_of(cfg.checkpoint_every)
+                && cfg.train.checkpoint_every > 0
+                && step.is_multiple_of(cfg.train.checkpoint_every)
                 && step < cfg.train.steps
             {
                 write_checkpoint(cfg, &model, &slots, step, log)?;
@@ -419,7 +414,7 @@ pub fn run<C: Comm + Send>(
             if last_ckpt != step {
                 write_checkpoint(cfg, &model, &slots, step, log)?;
             }
-            super::finish(&model, test, step, cfg.save_params.as_deref(), log)
+            super::finish(&model, test, step, cfg.train.save_params.as_deref(), log)
                 .map_err(|e| AllreduceError::Setup(e.to_string()))?;
         }
         Ok(())
@@ -433,7 +428,7 @@ fn write_checkpoint(
     step: u64,
     log: &mut dyn FnMut(&str),
 ) -> Result<(), AllreduceError> {
-    let Some(dir) = &cfg.checkpoint_dir else {
+    let Some(dir) = &cfg.train.checkpoint_dir else {
         return Ok(());
     };
     let tmp = checkpoint::begin(dir, step)?;
@@ -483,11 +478,11 @@ mod tests {
                 (false, one_by_one),
             ] {
                 let cfg = AllreduceConfig {
-                    train: tc.clone(),
-                    checkpoint_dir: None,
-                    checkpoint_every: 0,
+                    train: TrainConfig {
+                        save_params: Some(out.clone()),
+                        ..tc.clone()
+                    },
                     check_every: 10,
-                    save_params: Some(out.clone()),
                     overlap,
                     fusion,
                     perturb_rank: None,

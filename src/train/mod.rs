@@ -22,6 +22,7 @@ pub mod ps;
 pub mod server;
 pub mod session;
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use data::{Batches, Dataset};
@@ -29,17 +30,27 @@ use optim::{Optimizer, OptimizerKind, Slots};
 
 use crate::model::{Model, ModelError, Replica};
 
-/// How to train (the model is given apart: every mode trains any model).
+/// How to train, in every mode (the model is given apart: every mode trains any model;
+/// a mode's own settings wrap this, as [`ps::PsConfig`] and [`allreduce::AllreduceConfig`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
     /// Global batch size.
     pub batch: usize,
+    /// Train until this global step.
     pub steps: u64,
-    pub optimizer: OptimizerKind,
-    pub lr: f32,
+    /// The update rule, its learning rate and decay.
+    pub optimizer: Optimizer,
+    /// Seed of the initial values and of the batch order.
     pub seed: u64,
     /// Log every this many steps (0: never).
     pub log_every: u64,
+    /// Where the chief checkpoints, and restores the newest valid checkpoint from at start
+    /// (`None`: no checkpoints).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many global steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// The chief writes the final parameters here (the checkpoint file format).
+    pub save_params: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -47,10 +58,12 @@ impl Default for TrainConfig {
         TrainConfig {
             batch: 64,
             steps: 1500,
-            optimizer: OptimizerKind::Adam,
-            lr: 0.003,
+            optimizer: Optimizer::new(OptimizerKind::Adam, 0.003),
             seed: 1,
             log_every: 250,
+            checkpoint_dir: None,
+            checkpoint_every: 500,
+            save_params: None,
         }
     }
 }
@@ -164,7 +177,7 @@ pub fn train_local<'m>(
     mut log: impl FnMut(StepLog),
 ) -> Result<TrainReport<'m>, ModelError> {
     let mut model = initial_replica(model, train, cfg.seed)?;
-    let opt = Optimizer::new(cfg.optimizer, cfg.lr);
+    let opt = cfg.optimizer;
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut grads = model.zeros_like();
     let batches = Batches::new(train.len(), cfg.batch, cfg.seed);

@@ -17,11 +17,48 @@ pub enum OptimizerKind {
     Adam,
 }
 
-/// Hyper-parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+impl crate::named::Named for OptimizerKind {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (OptimizerKind::Sgd, "sgd", ""),
+        (OptimizerKind::Momentum, "momentum", "Momentum 0.9"),
+        (OptimizerKind::Adagrad, "adagrad", ""),
+        (OptimizerKind::Adam, "adam", ""),
+    ];
+}
+
+/// How the learning rate changes over the updates (TensorFlow's `tf.train.*_decay`).
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Decay {
+    /// The base rate throughout.
+    #[default]
+    Constant,
+    /// `tf.train.cosine_decay` with alpha 0: the rate falls along half a cosine from the
+    /// base rate at the first update to 0 at update `steps`, and stays 0 after it.
+    Cosine { steps: u64 },
+}
+
+impl Decay {
+    /// The factor on the base rate for update `t` (1-based, as [`Slots::t`] after it).
+    pub fn factor(&self, t: u64) -> f32 {
+        match *self {
+            Decay::Constant => 1.0,
+            Decay::Cosine { steps } => {
+                let done = (t.saturating_sub(1) as f64 / steps.max(1) as f64).min(1.0);
+                (0.5 * (1.0 + (std::f64::consts::PI * done).cos())) as f32
+            }
+        }
+    }
+}
+
+/// Hyper-parameters: everything a ps or a replica needs to apply updates, sent as is by
+/// the chief to the ps tasks.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Optimizer {
     pub kind: OptimizerKind,
+    /// The base learning rate.
     pub lr: f32,
+    pub decay: Decay,
     pub momentum: f32,
     pub beta1: f32,
     pub beta2: f32,
@@ -34,12 +71,23 @@ impl Optimizer {
         Optimizer {
             kind,
             lr,
+            decay: Decay::Constant,
             momentum: 0.9,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             adagrad_init: 0.1,
         }
+    }
+
+    /// The same rule with the learning rate following `decay`.
+    pub fn with_decay(self, decay: Decay) -> Optimizer {
+        Optimizer { decay, ..self }
+    }
+
+    /// The learning rate of update `t` (1-based).
+    pub fn lr_at(&self, t: u64) -> f32 {
+        self.lr * self.decay.factor(t)
     }
 
     /// Fresh state for a parameter of `n` elements.
@@ -64,7 +112,7 @@ impl Optimizer {
     /// Applies one update to `param` with `grad`, advancing `state`.
     pub fn apply(&self, param: &mut [f32], grad: &[f32], state: &mut Slots) {
         state.t += 1;
-        let lr = self.lr;
+        let lr = self.lr_at(state.t);
         match self.kind {
             OptimizerKind::Sgd => param.iter_mut().zip(grad).for_each(|(p, g)| *p -= lr * g),
             OptimizerKind::Momentum => {
@@ -159,5 +207,21 @@ mod tests {
             (q[0] - 0.9).abs() < 1e-4,
             "Adam's first step is lr * sign(g): {q:?}"
         );
+    }
+
+    #[test]
+    fn cosine_decay_falls_from_the_base_rate_to_zero() {
+        let sgd = Optimizer::new(OptimizerKind::Sgd, 0.4).with_decay(Decay::Cosine { steps: 4 });
+        let rates: Vec<f32> = (1..=6).map(|t| sgd.lr_at(t)).collect();
+        let want = [0.4, 0.341_421_36, 0.2, 0.058_578_64, 0.0, 0.0];
+        for (got, want) in rates.iter().zip(want) {
+            assert!((got - want).abs() < 1e-6, "{rates:?}");
+        }
+        // The update uses the rate of its own step: the third moves by 0.2 * g.
+        let mut p = [0.0f32];
+        let mut s = sgd.state(1);
+        s.t = 2;
+        sgd.apply(&mut p, &[1.0], &mut s);
+        assert!((p[0] + 0.2).abs() < 1e-6, "{p:?}");
     }
 }

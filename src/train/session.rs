@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::events::Event;
-use super::optim::OptimizerKind;
+use super::optim::{Optimizer, OptimizerKind};
 use super::ps::placement::DeviceSetter;
 use super::ps::protocol::{Setup, SyncReplicas};
 use super::ps::roles::Roles;
@@ -42,8 +42,8 @@ use crate::transport::comm::Comm;
 /// How a session trains and what its hooks do.
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
-    pub optimizer: OptimizerKind,
-    pub lr: f32,
+    /// The update rule the ps tasks apply (with its learning rate and decay).
+    pub optimizer: Optimizer,
     /// Synchronous replicas, or `None` for asynchronous training.
     pub sync: Option<SyncReplicas>,
     /// Where the variables go on the ps tasks.
@@ -67,8 +67,7 @@ pub struct SessionOptions {
 impl Default for SessionOptions {
     fn default() -> Self {
         SessionOptions {
-            optimizer: OptimizerKind::Adam,
-            lr: 0.003,
+            optimizer: Optimizer::new(OptimizerKind::Adam, 0.003),
             sync: None,
             placement: DeviceSetter::default(),
             seed: 1,
@@ -204,7 +203,6 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         Setup {
             shards: self.client.shards.clone(),
             optimizer: self.opts.optimizer,
-            lr: self.opts.lr,
             sync: self.opts.sync,
         }
     }

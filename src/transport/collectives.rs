@@ -43,7 +43,7 @@ fn tag<C: Comm>(c: &C, r: Reserved) -> i32 {
 }
 
 /// An allreduce algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Algorithm {
     #[default]
     Auto,
@@ -52,6 +52,32 @@ pub enum Algorithm {
     RecursiveDoubling,
     /// Through memory shared by the ranks of one node (see [`super::shm`]).
     Shm,
+}
+
+impl crate::named::Named for Algorithm {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Algorithm::Auto,
+            "auto",
+            "By message size and ranks (see AutoTuning)",
+        ),
+        (Algorithm::Mpi, "mpi", "The MPI library's MPI_Allreduce"),
+        (
+            Algorithm::Ring,
+            "ring",
+            "Reduce-scatter and allgather around a ring",
+        ),
+        (
+            Algorithm::RecursiveDoubling,
+            "recursive-doubling",
+            "Pairwise exchanges, log2 ranks rounds",
+        ),
+        (
+            Algorithm::Shm,
+            "shm",
+            "Through memory shared by the ranks of one node",
+        ),
+    ];
 }
 
 /// When `auto` picks which algorithm.

@@ -69,7 +69,7 @@ pub struct Completion {
 pub const ANY_SOURCE: usize = usize::MAX;
 
 /// A reduction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     Sum,
     /// Sum divided by the number of ranks (integers truncate).

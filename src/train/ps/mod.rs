@@ -38,7 +38,6 @@ pub mod shards;
 pub mod wire;
 pub mod worker;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use self::placement::{DeviceSetter, Strategy};
@@ -53,7 +52,7 @@ use crate::model::Model;
 use crate::transport::comm::{Comm, TransportError};
 
 /// How workers reach the ps tasks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PsTransport {
     /// Two-sided messages: the ps serves each request ([`server`]).
     #[default]
@@ -61,6 +60,21 @@ pub enum PsTransport {
     /// One-sided MPI windows: workers get and accumulate; the ps works once per step
     /// ([`rma`]).
     Rma,
+}
+
+impl crate::named::Named for PsTransport {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            PsTransport::P2p,
+            "p2p",
+            "Two-sided messages: the ps serves each request",
+        ),
+        (
+            PsTransport::Rma,
+            "rma",
+            "One-sided MPI windows: workers get and accumulate",
+        ),
+    ];
 }
 
 /// Settings of ps training.
@@ -72,12 +86,7 @@ pub struct PsConfig {
     pub replicas_to_aggregate: Option<usize>,
     pub strategy: Strategy,
     pub partition_bytes: usize,
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Checkpoint every N global steps (0: only at the end).
-    pub checkpoint_every: u64,
     pub peer_timeout: Duration,
-    /// The chief writes the final parameters here.
-    pub save_params: Option<PathBuf>,
 }
 
 impl PsConfig {
@@ -150,13 +159,12 @@ pub fn run<C: Comm>(
     let nw = roles.workers.len();
     let opts = SessionOptions {
         optimizer: cfg.train.optimizer,
-        lr: cfg.train.lr,
         sync: cfg.sync_replicas(nw),
         placement: cfg.device_setter(),
         seed: cfg.train.seed,
-        checkpoint_dir: cfg.checkpoint_dir.clone(),
+        checkpoint_dir: cfg.train.checkpoint_dir.clone(),
         stop_at_step: Some(cfg.train.steps),
-        checkpoint_every_steps: cfg.checkpoint_every,
+        checkpoint_every_steps: cfg.train.checkpoint_every,
         checkpoint_every_secs: None,
         log_every: cfg.train.log_every,
         peer_timeout: cfg.peer_timeout,
@@ -172,7 +180,7 @@ pub fn run<C: Comm>(
     let (chief, step) = (sess.is_chief(), sess.global_step());
     let trained = sess.close()?;
     if chief {
-        super::finish(&trained, test, step, cfg.save_params.as_deref(), log)
+        super::finish(&trained, test, step, cfg.train.save_params.as_deref(), log)
             .map_err(|e| PsError::Setup(e.to_string()))?;
     }
     Ok(())
@@ -252,8 +260,7 @@ pub fn bench_pushpull<C: Comm>(
     if w == 0 {
         let setup = protocol::Setup {
             shards: client.shards.clone(),
-            optimizer: super::optim::OptimizerKind::Sgd,
-            lr: 1e-12,
+            optimizer: super::optim::Optimizer::new(super::optim::OptimizerKind::Sgd, 1e-12),
             sync: None,
         };
         client.init(&setup, &params)?;
@@ -301,10 +308,7 @@ mod tests {
             replicas_to_aggregate: None,
             strategy: Strategy::Greedy,
             partition_bytes: 4 << 20,
-            checkpoint_dir: None,
-            checkpoint_every: 0,
             peer_timeout: Duration::from_secs(10),
-            save_params: None,
         }
     }
 
@@ -321,7 +325,7 @@ mod tests {
         let out = dir.join("params.bin");
         let l = layout(5, 2);
         let mut c = cfg(steps, true);
-        c.save_params = Some(out.clone());
+        c.train.save_params = Some(out.clone());
         c.strategy = Strategy::Partition;
         c.partition_bytes = 4096; // slices, so partitioned variables are exercised too
         LocalComm::run(5, |comm| {

@@ -21,6 +21,26 @@ pub enum Strategy {
     Partition,
 }
 
+impl crate::named::Named for Strategy {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Strategy::RoundRobin,
+            "round-robin",
+            "Variables to ps tasks in creation order (TensorFlow's default)",
+        ),
+        (
+            Strategy::Greedy,
+            "greedy",
+            "Each variable to the ps with the fewest bytes so far, largest first",
+        ),
+        (
+            Strategy::Partition,
+            "partition",
+            "Like greedy, with variables above --partition-bytes cut into slices",
+        ),
+    ];
+}
+
 /// A slice of one variable (elements `offset..offset+len` of the flattened tensor) on one ps.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Shard {

@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::placement::Shard;
-use crate::train::optim::OptimizerKind;
+use crate::train::optim::Optimizer;
 use crate::transport::comm::Comm;
 use crate::transport::tags::Reserved;
 
@@ -22,8 +22,7 @@ use crate::transport::tags::Reserved;
 pub struct Setup {
     /// Every shard of every variable, on every ps (each ps keeps its own).
     pub shards: Vec<Shard>,
-    pub optimizer: OptimizerKind,
-    pub lr: f32,
+    pub optimizer: Optimizer,
     /// Synchronous replicas, or `None` for asynchronous updates.
     pub sync: Option<SyncReplicas>,
 }

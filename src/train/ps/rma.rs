@@ -43,7 +43,7 @@ use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
 use crate::train::data::{shard, Batches, Dataset};
-use crate::train::optim::{Optimizer, OptimizerKind, Slots};
+use crate::train::optim::{OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm};
 use crate::transport::mpi::MpiComm;
 use crate::transport::rma::{Epoch, RmaError, Window};
@@ -158,12 +158,12 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
             "--transport rma aggregates every worker's gradient each step: --replicas-to-aggregate must be {nw} (or left out)"
         )));
     }
-    if !cfg.sync && cfg.train.optimizer != OptimizerKind::Sgd {
+    if !cfg.sync && cfg.train.optimizer.kind != OptimizerKind::Sgd {
         return Err(PsError::Setup(
             "--transport rma --async applies plain SGD with MPI_Accumulate: use --optimizer sgd, or --sync".into(),
         ));
     }
-    if cfg.checkpoint_dir.is_some() && !cfg.sync {
+    if cfg.train.checkpoint_dir.is_some() && !cfg.sync {
         return Err(PsError::Setup(
             "--transport rma --async does not write checkpoints: use --sync, or --transport p2p"
                 .into(),
@@ -208,13 +208,13 @@ pub fn run(
         Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
     // Every rank finds the same one: the directory does not change before training.
     let (restored, warnings) =
-        super::shards::newest(cfg.checkpoint_dir.as_deref(), roles.ps.len())?;
+        super::shards::newest(cfg.train.checkpoint_dir.as_deref(), roles.ps.len())?;
     let mut prepare = || -> Result<Option<ShardState>, PsError> {
         let Some(k) = ps_index else {
             return Ok(None);
         };
         let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
-        let opt = Optimizer::new(cfg.train.optimizer, cfg.train.lr);
+        let opt = cfg.train.optimizer;
         // SAFETY: no rank opens an epoch before the barrier below.
         let mem = unsafe { data.local_mut() };
         let (slots, start) = match &restored {
@@ -322,8 +322,8 @@ struct ShardState {
 
 /// Whether global step `s` (reached in a run that started at `start`) is checkpointed.
 fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
-    let every = cfg.checkpoint_every;
-    cfg.checkpoint_dir.is_some()
+    let every = cfg.train.checkpoint_every;
+    cfg.train.checkpoint_dir.is_some()
         && s > start
         && ((every > 0 && s.is_multiple_of(every)) || s == cfg.train.steps)
 }
@@ -359,7 +359,7 @@ impl Rma<'_> {
     ) -> Result<(), PsError> {
         let nw = self.roles.workers.len() as i64;
         let me = self.roles.ps[k];
-        let opt = Optimizer::new(self.cfg.train.optimizer, self.cfg.train.lr);
+        let opt = self.cfg.train.optimizer;
         let mine: Vec<&Piece> = self.pieces.iter().filter(|p| p.ps == k).collect();
         let ShardState {
             shards,
@@ -436,7 +436,7 @@ impl Rma<'_> {
         step: u64,
         arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
-        let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
+        let dir = self.cfg.train.checkpoint_dir.as_ref().expect("checkpoint due");
         let stage = crate::train::checkpoint::staging_dir(dir, step);
         std::fs::create_dir_all(&stage)
             .map_err(|e| PsError::Setup(format!("{}: {e}", stage.display())))?;
@@ -469,7 +469,7 @@ impl Rma<'_> {
             let sum = ctl.fetch_and_add(*r, SAVED_SUM, 0)? as u64;
             files.push((super::shards::file(k), bytes, sum));
         }
-        let dir = self.cfg.checkpoint_dir.as_ref().expect("checkpoint due");
+        let dir = self.cfg.train.checkpoint_dir.as_ref().expect("checkpoint due");
         super::shards::commit(dir, step, &files, self.roles.ps.len(), log)
     }
 
@@ -575,7 +575,12 @@ impl Rma<'_> {
             last_loss = loss;
             let n = mine.len() as f32;
             // In place: the sync ps divides the sum by the samples; async applies SGD.
-            let scale = if cfg.sync { n } else { -cfg.train.lr };
+            // (s is the global step this update counts as: the decay's update s + 1.)
+            let scale = if cfg.sync {
+                n
+            } else {
+                -cfg.train.optimizer.lr_at(s + 1)
+            };
             for g in grads.iter_mut() {
                 g.as_mut_slice::<f32>()
                     .expect("f32")
@@ -625,7 +630,7 @@ impl Rma<'_> {
                 model,
                 test,
                 cfg.train.steps,
-                cfg.save_params.as_deref(),
+                cfg.train.save_params.as_deref(),
                 log,
             )
             .map_err(|e| PsError::Setup(e.to_string()))?;

@@ -196,7 +196,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 ));
             }
         }
-        self.opt = Optimizer::new(setup.optimizer, setup.lr);
+        self.opt = setup.optimizer;
         self.sync = setup.sync.map(|s| s.replicas_to_aggregate);
         self.params = mine.iter().map(|s| vec![0.0; s.len]).collect();
         self.slots = mine.iter().map(|s| self.opt.state(s.len)).collect();

@@ -1,0 +1,474 @@
+//! The command line: every flag of every command, apart from what the commands do.
+//! Library enums are offered by their [`Named`] names.
+
+use std::path::PathBuf;
+
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use mpiflow::bench::osu::{BenchOptions, Path as BenchPath, ShmStores};
+use mpiflow::cluster::hostfile::MapBy;
+use mpiflow::cluster::{MappingOptions, Placement, Request, Source};
+use mpiflow::named::Named;
+use mpiflow::topology::Policy;
+use mpiflow::train::optim::{Decay, Optimizer, OptimizerKind};
+use mpiflow::train::ps::placement::Strategy;
+use mpiflow::train::ps::PsTransport;
+use mpiflow::transport::Algorithm;
+
+/// clap's parser for a library enum: its names as the possible values, with their help.
+fn named<T: Named + Send + Sync + Clone>() -> impl TypedValueParser<Value = T> {
+    let values = T::NAMES.iter().map(|(_, name, help)| {
+        let v = PossibleValue::new(*name);
+        if help.is_empty() {
+            v
+        } else {
+            v.help(*help)
+        }
+    });
+    PossibleValuesParser::new(values).map(|s| T::from_name(&s).expect("one of the names"))
+}
+
+#[derive(Parser)]
+#[command(
+    name = "mpiflow",
+    version,
+    about = "TensorFlow-style ps/worker clusters on MPI and Slurm"
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Cmd {
+    /// Show the cluster: every rank's job, task and address.
+    Spec(SpecArgs),
+    /// Run PROGRAM as this rank's task, with TF_CONFIG (and optionally legacy flags) set.
+    Launch(LaunchArgs),
+    /// Verify point-to-point and every collective on this job (one JSON line per rank).
+    Check(CheckArgs),
+    /// Train a model (`--mode local`: one process, the reference for distributed modes).
+    Train(TrainArgs),
+    /// This node's topology and, per rank, the CPU binding and BLAS threads applied.
+    Topo(TopoArgs),
+    /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct CheckArgs {
+    #[command(flatten)]
+    pub(crate) cluster: ClusterArgs,
+    /// Test-only: this rank submits a different fused-allreduce list.
+    #[arg(long, hide = true)]
+    pub(crate) mismatch_rank: Option<usize>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum Mode {
+    /// One process.
+    #[default]
+    Local,
+    /// Parameter servers and workers (under mpirun; --ps N sets the ps tasks).
+    Ps,
+    /// Synchronous replicas, gradients averaged by fused allreduce (under mpirun).
+    Allreduce,
+}
+
+/// The built-in models.
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum ModelChoice {
+    /// Dense layers of --hidden widths with ReLU.
+    #[default]
+    Mlp,
+    /// Two 5x5 convolution + max-pool blocks (16, 32 filters), dense 128, for images.
+    Cnn,
+}
+
+/// `--lr-decay` (the library's `Decay`, spelled for the command line).
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum DecayArg {
+    /// The same rate throughout.
+    #[default]
+    Constant,
+    /// Half a cosine from --lr to 0 over --steps.
+    Cosine,
+}
+
+#[derive(Args)]
+pub(crate) struct TrainArgs {
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) mode: Mode,
+    /// The model to train.
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) model: ModelChoice,
+    #[command(flatten)]
+    pub(crate) cluster: ClusterArgs,
+    /// Synchronous replicas (the default in ps mode).
+    #[arg(long, conflicts_with = "async_")]
+    pub(crate) sync: bool,
+    /// Asynchronous updates: each push is applied as it arrives.
+    #[arg(long = "async")]
+    pub(crate) async_: bool,
+    /// How ps-mode workers reach the ps: messages (p2p), or one-sided MPI windows (rma:
+    /// MPI_Get / MPI_Accumulate, the RDMA path).
+    #[arg(long, value_parser = named::<PsTransport>(), default_value = "p2p")]
+    pub(crate) transport: PsTransport,
+    /// Gradients per update in sync mode (default: all workers; fewer makes backup workers).
+    #[arg(long)]
+    pub(crate) replicas_to_aggregate: Option<usize>,
+    /// How variables are placed on ps tasks.
+    #[arg(long, value_parser = named::<Strategy>(), default_value = "greedy")]
+    pub(crate) var_placement: Strategy,
+    /// Slice size for --var-placement partition.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub(crate) partition_bytes: usize,
+    /// Write checkpoints here (and restore the newest valid one at start).
+    #[arg(long)]
+    pub(crate) checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N global steps (and at the end).
+    #[arg(long, default_value_t = 500)]
+    pub(crate) checkpoint_every: u64,
+    /// Seconds without a message from a needed peer before it counts as lost.
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) peer_timeout: u64,
+    /// allreduce mode: reduce each layer's gradients during the backward pass on a
+    /// communication thread (needs MPI_THREAD_MULTIPLE; pays off only when each rank has a
+    /// spare core for that thread).
+    #[arg(long)]
+    pub(crate) overlap: bool,
+    /// allreduce mode: gradients are packed into fusion buffers of at most this many bytes,
+    /// one allreduce each (1: one allreduce per tensor).
+    #[arg(long, default_value_t = 64 << 20, value_parser = positive_usize)]
+    pub(crate) fusion_threshold: usize,
+    /// allreduce mode: the gradient allreduce's algorithm.
+    #[arg(long, value_parser = named::<Algorithm>(), default_value = "auto")]
+    pub(crate) allreduce_algorithm: Algorithm,
+    /// Test-only: this replica changes a parameter after step 1 (allreduce mode).
+    #[arg(long, hide = true)]
+    pub(crate) perturb_rank: Option<usize>,
+    /// allreduce mode: compare the replicas' parameter checksums every N steps (0: never).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) check_every: u64,
+    /// Write the final parameters to this file (mpiflow checkpoint format).
+    #[arg(long)]
+    pub(crate) save_params: Option<PathBuf>,
+    /// digits (the shipped UCI set), fashion-mnist (Debian's dataset-fashion-mnist, official
+    /// split), digits:PATH, fashion-mnist:DIR, synthetic, or idx:IMAGES,LABELS.
+    #[arg(long, default_value = "digits")]
+    pub(crate) data: String,
+    /// Hidden layer widths of the MLP, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
+    pub(crate) hidden: Vec<usize>,
+    /// Global batch size.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) batch: u64,
+    /// Train until this global step.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) steps: u64,
+    #[arg(long, value_parser = named::<OptimizerKind>(), default_value = "adam")]
+    pub(crate) optimizer: OptimizerKind,
+    /// Learning rate (the base rate of a decay).
+    #[arg(long, default_value_t = 0.003, value_parser = positive_f32)]
+    pub(crate) lr: f32,
+    /// How the learning rate changes over the run: constant, or cosine (from --lr at the
+    /// first step to 0 at --steps, TensorFlow's cosine_decay).
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) lr_decay: DecayArg,
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Log every N steps (0: never).
+    #[arg(long, default_value_t = 250)]
+    pub(crate) log_every: u64,
+    /// CPU binding of each rank.
+    #[arg(long, value_parser = named::<Policy>(), default_value = "compact")]
+    pub(crate) bind: Policy,
+    /// OpenBLAS threads per rank (default: the cores of the rank's CPU set).
+    #[arg(long)]
+    pub(crate) blas_threads: Option<usize>,
+}
+
+/// `mpiflow bench`: OSU's options (`-m -i -x -W -f -c`), plus mpiflow's.
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// latency, bw, bibw, allreduce, bcast, allreduce-fused or pushpull.
+    pub(crate) name: String,
+    /// Message sizes in bytes, `[MIN:]MAX`, doubling from MIN.
+    #[arg(short = 'm', long = "message-size", value_parser = mpiflow::bench::osu::parse_sizes)]
+    sizes: Option<(usize, usize)>,
+    /// Timed iterations per size (default: OSU's, by benchmark and size).
+    #[arg(short = 'i', long = "iterations")]
+    iterations: Option<usize>,
+    /// Warm-up iterations per size (default: OSU's).
+    #[arg(short = 'x', long = "warmup")]
+    warmup: Option<usize>,
+    /// Window of non-blocking sends (bw, bibw).
+    #[arg(short = 'W', long = "window-size", default_value_t = 64)]
+    window: usize,
+    /// Full statistics for collectives: min, max, iterations.
+    #[arg(short = 'f', long = "full")]
+    full: bool,
+    /// Check the data that arrived (outside the timed loop).
+    #[arg(short = 'c', long = "validation")]
+    validate: bool,
+    /// Which path to measure.
+    #[arg(long, value_parser = named::<BenchPath>(), default_value = "both")]
+    path: BenchPath,
+    /// Alternating rounds per size with `--path both`; each table keeps the best round.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
+    /// path of its own in the same job, all paired with `mpi` (allreduce only).
+    #[arg(long = "algorithm", value_parser = named::<Algorithm>(), value_delimiter = ',', default_value = "auto")]
+    algorithms: Vec<Algorithm>,
+    /// Tensors per round in allreduce-fused.
+    #[arg(long, default_value_t = 100)]
+    count: usize,
+    /// Parameter-server tasks in pushpull (the first ranks).
+    #[arg(long, default_value_t = 1)]
+    ps: usize,
+    /// How pushpull's mpiflow path reaches the ps: messages, or one-sided windows.
+    #[arg(long, value_parser = named::<PsTransport>(), default_value = "p2p")]
+    transport: PsTransport,
+    /// Bytes per slot of the shared-memory allreduce, rounded up to 4096 (allreduce and
+    /// allreduce-fused; default: the library's, 256 KiB): to re-tune on another machine.
+    #[arg(long, value_parser = positive_usize)]
+    shm_slot_bytes: Option<usize>,
+    /// Stores into the shared-memory allreduce's slots: as measured (auto), or always
+    /// cached or streaming (allreduce and allreduce-fused).
+    #[arg(long, value_parser = named::<ShmStores>(), default_value = "auto")]
+    shm_stores: ShmStores,
+}
+
+impl BenchArgs {
+    /// The library's options these flags give.
+    pub(crate) fn options(&self) -> BenchOptions {
+        BenchOptions {
+            sizes: self.sizes,
+            iterations: self.iterations,
+            warmup: self.warmup,
+            window: self.window,
+            full: self.full,
+            validate: self.validate,
+            path: self.path,
+            rounds: self.rounds,
+            algorithms: self.algorithms.clone(),
+            count: self.count,
+            ps: self.ps,
+            transport: self.transport,
+            shm_slot_bytes: self.shm_slot_bytes,
+            shm_stores: self.shm_stores,
+        }
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct TopoArgs {
+    /// Pinning policy to apply.
+    #[arg(long, value_parser = named::<Policy>(), default_value = "compact")]
+    pub(crate) bind: Policy,
+    /// table (rank 0 prints all ranks) or json (one line per rank).
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) format: Format,
+}
+
+#[derive(Args)]
+pub(crate) struct ClusterArgs {
+    /// Where the cluster comes from.
+    #[arg(long, value_parser = named::<Source>(), default_value = "auto")]
+    pub(crate) from: Source,
+    /// Number of parameter-server tasks.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) ps: usize,
+    /// Give the cluster a separate chief job (chief:0); otherwise worker:0 is the chief.
+    #[arg(long)]
+    pub(crate) chief: bool,
+    /// Give the cluster an evaluator task (the highest remaining rank).
+    #[arg(long)]
+    pub(crate) evaluator: bool,
+    /// Where ps tasks go: the first ranks, or spread over hosts.
+    #[arg(long, value_parser = named::<Placement>(), default_value = "block")]
+    pub(crate) placement: Placement,
+    /// First port to try for each task (probed upward under MPI).
+    #[arg(long, default_value_t = 2222, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) port_base: u16,
+    /// Preview the layout `mpirun --hostfile H -np N` would give (no MPI needed).
+    #[arg(long)]
+    pub(crate) hostfile: Option<PathBuf>,
+    /// Number of ranks for a hostfile preview (`-np N` is accepted too).
+    #[arg(short = 'n', long = "np")]
+    pub(crate) np: Option<usize>,
+    /// Rank mapping of the previewed mpirun.
+    #[arg(long, value_parser = named::<MapBy>(), default_value = "slot")]
+    pub(crate) map_by: MapBy,
+    /// Allow more ranks than slots in the preview.
+    #[arg(long)]
+    pub(crate) oversubscribe: bool,
+    /// Slots of a hostfile line without `slots=` (OpenMPI uses the host's core count;
+    /// default: this machine's).
+    #[arg(long)]
+    pub(crate) default_slots: Option<usize>,
+    /// `rpc_layer` to put in TF_CONFIG (e.g. grpc); TF_CONFIG input keeps its own.
+    #[arg(long)]
+    pub(crate) rpc_layer: Option<String>,
+    /// Legacy TF flag: comma-separated ps addresses.
+    #[arg(long = "ps_hosts")]
+    pub(crate) ps_hosts: Option<String>,
+    /// Legacy TF flag: comma-separated worker addresses.
+    #[arg(long = "worker_hosts")]
+    pub(crate) worker_hosts: Option<String>,
+    /// Legacy TF flag: this task's job (ps or worker).
+    #[arg(long = "job_name")]
+    pub(crate) job_name: Option<String>,
+    /// Legacy TF flag: this task's index.
+    #[arg(long = "task_index")]
+    pub(crate) task_index: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum Format {
+    /// The whole mapping, printed once (rank 0).
+    #[default]
+    Table,
+    /// One JSON line per rank: rank, host, task, address, cluster.
+    Json,
+    /// One line per rank: its TF_CONFIG.
+    TfConfig,
+    /// One line per rank: its legacy flags.
+    Flags,
+}
+
+#[derive(Args)]
+pub(crate) struct SpecArgs {
+    #[command(flatten)]
+    pub(crate) cluster: ClusterArgs,
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) format: Format,
+}
+
+#[derive(Args)]
+pub(crate) struct LaunchArgs {
+    #[command(flatten)]
+    pub(crate) cluster: ClusterArgs,
+    /// Append --ps_hosts --worker_hosts --job_name --task_index to the program's arguments.
+    #[arg(long)]
+    pub(crate) legacy_flags: bool,
+    /// The program and its arguments.
+    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    pub(crate) program: Vec<String>,
+}
+
+impl ClusterArgs {
+    pub(crate) fn request(&self) -> Request {
+        let legacy_flags = [
+            ("--ps_hosts", &self.ps_hosts),
+            ("--worker_hosts", &self.worker_hosts),
+            ("--job_name", &self.job_name),
+            ("--task_index", &self.task_index),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k}={v}")))
+        .collect();
+        Request {
+            source: self.from,
+            mapping: MappingOptions {
+                ps: self.ps,
+                chief: self.chief,
+                evaluator: self.evaluator,
+                placement: self.placement,
+            },
+            port_base: self.port_base,
+            hostfile: self.hostfile.clone(),
+            np: self.np,
+            map_by: self.map_by,
+            oversubscribe: self.oversubscribe,
+            default_slots: self
+                .default_slots
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            legacy_flags,
+            rpc_layer: self.rpc_layer.clone(),
+        }
+    }
+}
+
+impl TrainArgs {
+    /// What every mode shares.
+    pub(crate) fn train_config(&self) -> mpiflow::train::TrainConfig {
+        let decay = match self.lr_decay {
+            DecayArg::Constant => Decay::Constant,
+            DecayArg::Cosine => Decay::Cosine { steps: self.steps },
+        };
+        mpiflow::train::TrainConfig {
+            batch: self.batch as usize,
+            steps: self.steps,
+            optimizer: Optimizer::new(self.optimizer, self.lr).with_decay(decay),
+            seed: self.seed,
+            log_every: self.log_every,
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            checkpoint_every: self.checkpoint_every,
+            save_params: self.save_params.clone(),
+        }
+    }
+}
+
+pub(crate) fn positive_usize(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?} is not a positive integer")),
+    }
+}
+
+pub(crate) fn positive_f32(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!("{s:?} is not a positive number")),
+    }
+}
+
+/// mpirun's `-np N` spelling, accepted as `--np N`.
+pub(crate) fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut after_dashdash = false;
+    for a in args {
+        if a == "--" {
+            after_dashdash = true;
+        }
+        if !after_dashdash && a == "-np" {
+            out.push("--np".to_string());
+        } else {
+            out.push(a);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    /// Every flag's default parses (clap checks defaults against the possible values).
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["mpiflow", "bench", "allreduce", "--algorithm", "ring,shm"])
+            .unwrap();
+        let Cmd::Bench(b) = cli.cmd else {
+            panic!("bench")
+        };
+        let o = b.options();
+        assert_eq!(o.algorithms, vec![Algorithm::Ring, Algorithm::Shm]);
+        assert_eq!(o.path, BenchPath::Both);
+        let cli = Cli::try_parse_from(["mpiflow", "train", "--lr-decay", "cosine", "--steps", "9"])
+            .unwrap();
+        let Cmd::Train(t) = cli.cmd else {
+            panic!("train")
+        };
+        let cfg = t.train_config();
+        assert_eq!(cfg.optimizer.kind, OptimizerKind::Adam);
+        assert_eq!(cfg.optimizer.decay, Decay::Cosine { steps: 9 });
+        assert_eq!(t.var_placement, Strategy::Greedy);
+    }
+}

@@ -1,0 +1,24 @@
+//! `mpiflow bench`: OSU-style benchmarks.
+
+use mpiflow::transport::Context;
+
+use crate::args::BenchArgs;
+use crate::out::{say, Failure};
+
+pub(crate) fn run(args: &BenchArgs) -> Result<(), Failure> {
+    let ctx = Context::init().map_err(Failure::local)?;
+    ctx.agree(mpiflow::bench::validate(
+        &args.name,
+        ctx.size(),
+        &args.options(),
+    ))
+    .map_err(|e| Failure::agreed(e, &ctx))?;
+    let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    if let Err(e) = mpiflow::bench::run(&comm, &args.name, &args.options()) {
+        // The peer may be blocked in a transfer with this rank: no collective agreement and
+        // no MPI_Finalize, which could wait forever; exiting makes mpirun end the job.
+        say!("mpiflow: error: rank {}: {e}", ctx.rank());
+        std::process::exit(1);
+    }
+    Ok(())
+}

@@ -1,0 +1,51 @@
+//! One module per command; the cluster resolution they share.
+
+pub(crate) mod bench;
+pub(crate) mod check;
+pub(crate) mod launch;
+pub(crate) mod spec;
+pub(crate) mod topo;
+pub(crate) mod train;
+
+use std::collections::BTreeMap;
+
+use mpiflow::cluster::resolve::{resolve_mpi, resolve_offline};
+use mpiflow::cluster::{Resolved, Source};
+use mpiflow::transport::Context;
+
+use crate::args::ClusterArgs;
+use crate::out::Failure;
+
+/// Resolves the cluster; under MPI returns the live context too.
+pub(crate) fn resolve(
+    args: &ClusterArgs,
+    env: &BTreeMap<String, String>,
+) -> Result<(Resolved, Option<Context>), Failure> {
+    resolve_with(args, env, false).map(|(r, c, _)| (r, c))
+}
+
+/// As [`resolve`]; with `threaded`, MPI is asked for `MPI_THREAD_MULTIPLE` and the last
+/// value says whether it was granted.
+pub(crate) fn resolve_with(
+    args: &ClusterArgs,
+    env: &BTreeMap<String, String>,
+    threaded: bool,
+) -> Result<(Resolved, Option<Context>, bool), Failure> {
+    let req = args.request();
+    match req.pick_source(env) {
+        Source::Mpi => {
+            let (ctx, multiple) = if threaded {
+                Context::init_threaded().map_err(Failure::local)?
+            } else {
+                (Context::init().map_err(Failure::local)?, false)
+            };
+            // Every error of the MPI resolver is collective: all ranks hold the same one.
+            let r = resolve_mpi(&ctx, &req).map_err(|e| Failure::agreed(e, &ctx))?;
+            Ok((r, Some(ctx), multiple))
+        }
+        source => {
+            let r = resolve_offline(&req, source, env).map_err(Failure::local)?;
+            Ok((r, None, false))
+        }
+    }
+}

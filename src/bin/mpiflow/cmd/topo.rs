@@ -1,0 +1,65 @@
+//! `mpiflow topo`: this node's topology and each rank's binding.
+
+use serde_json::json;
+
+use mpiflow::transport::Context;
+
+use crate::args::{Format, TopoArgs};
+use crate::out::{emit, Failure};
+
+pub(crate) fn run(args: &TopoArgs) -> Result<(), Failure> {
+    use mpiflow::topology::{cpu_list, pin, Machine};
+    let ctx = Context::init().map_err(Failure::local)?;
+    let host = std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| ctx.processor_name());
+    let hosts = ctx.all_gather_strings(&host);
+    let locals = mpiflow::cluster::mapping::local_ranks(&hosts);
+    let count = hosts.iter().filter(|h| **h == host).count();
+    let machine = ctx
+        .agree(Machine::detect())
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    let p = pin(locals[ctx.rank()], count, args.bind);
+    let line = json!({
+        "rank": ctx.rank(), "host": host, "local_rank": locals[ctx.rank()], "cpus": cpu_list(&p.cpus),
+        "blas_threads": p.blas_threads, "bound_by": p.bound_by, "warning": p.warning,
+    })
+    .to_string();
+    if args.format == Format::Json {
+        emit(&(line + "\n"));
+        return Ok(());
+    }
+    let lines = ctx.all_gather_strings(&line);
+    if ctx.rank() == 0 {
+        let mut out = format!(
+            "# node {host}: {}\n{:<5} {:<12} {:<5} {:<12} {:<5} {}\n",
+            machine.summary(),
+            "rank",
+            "host",
+            "local",
+            "cpus",
+            "blas",
+            "bound by"
+        );
+        for l in lines {
+            let v: serde_json::Value = serde_json::from_str(&l).expect("our own JSON");
+            let s = |k: &str| {
+                v[k].as_str()
+                    .map_or_else(|| v[k].to_string(), str::to_string)
+            };
+            out.push_str(&format!(
+                "{:<5} {:<12} {:<5} {:<12} {:<5} {}",
+                s("rank"),
+                s("host"),
+                s("local_rank"),
+                s("cpus"),
+                s("blas_threads"),
+                s("bound_by")
+            ));
+            if let Some(w) = v["warning"].as_str() {
+                out.push_str(&format!(" (warning: {w})"));
+            }
+            out.push('\n');
+        }
+        emit(&out);
+    }
+    Ok(())
+}

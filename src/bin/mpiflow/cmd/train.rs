@@ -1,0 +1,180 @@
+//! `mpiflow train`: the built-in models through every mode.
+
+use std::collections::BTreeMap;
+
+use mpiflow::model::Model;
+
+use super::resolve_with;
+use crate::args::{Mode, ModelChoice, TrainArgs};
+use crate::out::{emit, say, Failure};
+
+pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    use mpiflow::train::{data::Dataset, train_local, TrainConfig};
+    if args.mode != Mode::Local {
+        return cmd_train_distributed(args, env);
+    }
+    let pin = pin_rank(args, 0, 1);
+    if let Some(w) = &pin.warning {
+        say!("mpiflow: warning: {w}");
+    }
+    let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
+    let model = build_model(args, &train).map_err(Failure::local)?;
+    let cfg: TrainConfig = args.train_config();
+    emit(&format!(
+        "# mpiflow train --mode local: {} train / {} held-out samples, {}, {:?} lr {} {:?}, batch {}, BLAS threads {} (CPUs {})\n",
+        train.len(),
+        test.len(),
+        model.describe(),
+        cfg.optimizer.kind,
+        cfg.optimizer.lr,
+        cfg.optimizer.decay,
+        cfg.batch,
+        pin.blas_threads,
+        mpiflow::topology::cpu_list(&pin.cpus)
+    ));
+    let report = train_local(&model, &cfg, &train, &test, |l| {
+        emit(&format!(
+            "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}\n",
+            l.step, l.loss, l.steps_per_sec, l.samples_per_sec
+        ))
+    })
+    .map_err(Failure::local)?;
+    if let Some(p) = &args.save_params {
+        mpiflow::train::save_params(&report.model, p, report.steps).map_err(Failure::local)?;
+    }
+    let correct = (report.accuracy * report.test_samples as f64).round() as usize;
+    emit(&format!(
+        "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
+        report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
+    ));
+    Ok(())
+}
+
+/// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan).
+fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::Pinning {
+    let mut pin = mpiflow::topology::pin(local, count, args.bind);
+    if let Some(n) = args.blas_threads {
+        mpiflow::kernels::set_blas_threads(n);
+        pin.blas_threads = mpiflow::kernels::blas_threads();
+    }
+    pin
+}
+
+/// The model `--model` names, shaped for `train`'s samples and classes.
+fn build_model(
+    args: &TrainArgs,
+    train: &mpiflow::train::data::Dataset,
+) -> Result<mpiflow::model::Sequential, String> {
+    let built = match args.model {
+        ModelChoice::Mlp => mpiflow::model::mlp(train.features, &args.hidden, train.classes),
+        ModelChoice::Cnn => match train.shape[..] {
+            [h, w, c] => mpiflow::model::cnn([h, w, c], train.classes),
+            _ => {
+                return Err(format!(
+                    "--model cnn takes images; data {} has samples of shape {:?}",
+                    args.data, train.shape
+                ))
+            }
+        },
+    };
+    built.map_err(|e| e.to_string())
+}
+
+/// Distributed training (`--mode ps` or `--mode allreduce`) on this rank.
+fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    use mpiflow::train::allreduce::{self, AllreduceConfig};
+    use mpiflow::train::data::Dataset;
+    use mpiflow::train::ps::{self, PsConfig, PsTransport};
+    let overlap = args.mode == Mode::Allreduce && args.overlap;
+    let (resolved, ctx, multiple) = resolve_with(&args.cluster, env, overlap)?;
+    let Some(ctx) = ctx else {
+        return Err(Failure::local(
+            "distributed training runs under mpirun (or srun --mpi=pmix)",
+        ));
+    };
+    if overlap && !multiple && ctx.rank() == 0 {
+        say!("mpiflow: warning: MPI did not grant MPI_THREAD_MULTIPLE; gradients are reduced after the backward pass");
+    }
+    drop(resolved.port_guard);
+    let layout = &resolved.layout;
+    let me = &layout.ranks[ctx.rank()];
+    let count = layout.ranks.iter().filter(|r| r.host == me.host).count();
+    let pin = pin_rank(args, me.local_rank.unwrap_or(0), count);
+    let (train, test) = ctx
+        .agree(Dataset::load_split(&args.data, args.seed))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    let model = ctx
+        .agree(build_model(args, &train))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    if ctx.rank() == 0 {
+        let mode = match args.mode {
+            Mode::Ps if args.async_ => "ps, async",
+            Mode::Ps => "ps, sync",
+            _ => "allreduce",
+        };
+        let mode = match (args.mode, args.transport) {
+            (Mode::Ps, PsTransport::Rma) => format!("{mode}, one-sided (rma)"),
+            _ => mode.to_string(),
+        };
+        emit(&format!(
+            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, {}, BLAS threads {} per rank\n",
+            layout.ranks.len(),
+            train.len(),
+            test.len(),
+            model.describe(),
+            pin.blas_threads
+        ));
+        // If mpirun reports a dead rank by number, this line names its task.
+        let map: Vec<String> = layout
+            .ranks
+            .iter()
+            .map(|r| format!("{}={}", r.rank.unwrap_or(0), r.task))
+            .collect();
+        emit(&format!("# ranks: {}\n", map.join(" ")));
+    }
+    let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    let mut log = |line: &str| emit(&format!("{}\n", line.trim_end()));
+    let result = match args.mode {
+        Mode::Ps => {
+            let cfg = PsConfig {
+                train: args.train_config(),
+                sync: !args.async_,
+                replicas_to_aggregate: args.replicas_to_aggregate,
+                strategy: args.var_placement,
+                partition_bytes: args.partition_bytes,
+                peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
+            };
+            match args.transport {
+                PsTransport::P2p => ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log),
+                PsTransport::Rma => {
+                    use mpiflow::train::ps::rma;
+                    ctx.agree(rma::check_config(&cfg, layout))
+                        .map_err(|e| Failure::agreed(e, &ctx))?;
+                    rma::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
+                }
+            }
+            .map_err(|e| e.to_string())
+        }
+        _ => {
+            let cfg = AllreduceConfig {
+                train: args.train_config(),
+                check_every: args.check_every,
+                overlap: overlap && multiple,
+                fusion: mpiflow::transport::fusion::FusionConfig {
+                    threshold_bytes: args.fusion_threshold,
+                    algorithm: args.allreduce_algorithm,
+                },
+                perturb_rank: args.perturb_rank,
+            };
+            allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
+                .map_err(|e| e.to_string())
+        }
+    };
+    if let Err(e) = result {
+        // Peers may be gone or waiting: no collective and no MPI_Finalize, which could
+        // wait for a dead rank; exiting non-zero ends the job.
+        say!("mpiflow: error: {e}");
+        std::process::exit(1);
+    }
+    Ok(())
+}

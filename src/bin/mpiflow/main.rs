@@ -1,0 +1,71 @@
+//! The `mpiflow` command: a thin layer over the library, one module per command
+//! ([`cmd`]), its flags apart ([`args`]).
+//!
+//! Errors become one line on stderr (`mpiflow: error: ...`) and a non-zero exit. Under MPI,
+//! an error found on any rank is agreed by all ranks first (see
+//! [`mpiflow::transport::Context::agree`]), printed once by rank 0, and every rank exits
+//! non-zero, so `mpirun` ends the whole job instead of leaving ranks waiting.
+
+mod args;
+mod cmd;
+mod env;
+mod out;
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use mpiflow::cluster::resolve::launcher_rank_hint;
+
+use args::{Cli, Cmd};
+use out::say;
+
+fn main() -> ExitCode {
+    let env: BTreeMap<String, String> = std::env::vars().collect();
+    let prefix = launcher_rank_hint(&env)
+        .map(|r| format!("rank {r}: "))
+        .unwrap_or_default();
+    // A bug must still give one line and a non-zero exit, never a backtrace or a hang:
+    // exiting ends this rank, and mpirun then ends the job.
+    let panic_prefix = prefix.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        say!("mpiflow: internal error: {panic_prefix}{info}");
+        std::process::exit(70);
+    }));
+    let cli = match Cli::try_parse_from(args::normalise_args(std::env::args())) {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("bad arguments");
+            say!(
+                "mpiflow: {prefix}{} (see mpiflow --help)",
+                first.trim_start_matches("error: ").trim()
+            );
+            return ExitCode::from(2);
+        }
+    };
+    // Before MPI starts: what OpenBLAS and OpenMPI must find in the environment.
+    env::reexec_with_env(&cli.cmd, &env);
+    let result = match &cli.cmd {
+        Cmd::Spec(a) => cmd::spec::run(a, &env),
+        Cmd::Launch(a) => cmd::launch::run(a, &env),
+        Cmd::Check(a) => cmd::check::run(a, &env),
+        Cmd::Bench(a) => cmd::bench::run(a),
+        Cmd::Train(a) => cmd::train::run(a, &env),
+        Cmd::Topo(a) => cmd::topo::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            if let Some(message) = f.0 {
+                say!("mpiflow: error: {prefix}{message}");
+            }
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! What the command prints: lines written in one call (so ranks' lines do not splice),
+//! and failures as one line each.
+
+use mpiflow::transport::Context;
+
+/// `eprintln!` in one `write`: Rust's stderr is unbuffered and `eprintln!` writes its
+/// pieces separately, so under mpirun the lines of several ranks could splice together.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        let mut line = format!($($t)*);
+        line.push('\n');
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    }};
+}
+pub(crate) use say;
+
+/// Writes text in one `write` call, so lines of different ranks do not interleave.
+pub(crate) fn emit(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = std::io::Write::write_all(&mut out, text.as_bytes());
+    let _ = std::io::Write::flush(&mut out);
+}
+
+/// A failure to report: the message of a local error, which `main` prints with this rank's
+/// number first, or `None` for an error all ranks agreed on, which rank 0 has printed.
+pub(crate) struct Failure(pub(crate) Option<String>);
+
+impl Failure {
+    pub(crate) fn local(e: impl std::fmt::Display) -> Self {
+        Failure(Some(e.to_string()))
+    }
+
+    /// An error all ranks agreed on, printed once by rank 0, right away: while MPI is still
+    /// initialised, so no rank can exit (and make mpirun end the job) before it is printed.
+    pub(crate) fn agreed(e: impl std::fmt::Display, ctx: &Context) -> Self {
+        if ctx.rank() == 0 {
+            say!("mpiflow: error: {e}");
+        }
+        Failure(None)
+    }
+}
