@@ -20,9 +20,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use serde_json::json;
-
-use super::checkpoint::{self, Arrays};
+use super::checkpoint::{self, State};
 use super::data::{shard, Batches, Dataset};
 use super::optim::Slots;
 use super::TrainConfig;
@@ -74,23 +72,6 @@ fn params_checksum(model: &Replica<'_>) -> u64 {
         .params
         .iter()
         .fold(0, |h, p| checkpoint::checksum(p.bytes()) ^ h.rotate_left(7))
-}
-
-fn snapshot(model: &Replica<'_>, slots: &[Slots], step: u64) -> Arrays {
-    let mut arrays = Vec::new();
-    for (p, s) in model.params.iter().zip(slots) {
-        arrays.push((
-            format!("{}/param", p.name()),
-            p.as_slice::<f32>().expect("f32").to_vec(),
-        ));
-        arrays.push((format!("{}/m", p.name()), s.m.clone()));
-        arrays.push((format!("{}/v", p.name()), s.v.clone()));
-    }
-    Arrays {
-        step,
-        meta: json!({"t": slots.first().map_or(0, |s| s.t)}),
-        arrays,
-    }
 }
 
 /// How a step's gradients are summed over the replicas.
@@ -266,58 +247,22 @@ pub fn run<C: Comm + Send>(
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
     let mut step = 0u64;
 
-    // The chief's starting point (fresh or restored) goes to every replica.
+    // The chief's starting point (fresh or restored, from any mode's checkpoint) goes to
+    // every replica.
+    let vars = crate::train::ps::variables(&model);
     let mut start_bytes = Vec::new();
     if chief {
-        if let Some(dir) = &cfg.train.checkpoint_dir {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                AllreduceError::Setup(format!("checkpoint dir {}: {e}", dir.display()))
-            })?;
-            let (found, warnings) = checkpoint::latest(dir);
-            for wmsg in warnings {
-                log(&format!("# warning: {wmsg}"));
-            }
-            if let Some(f) = found {
-                start_bytes = std::fs::read(f.path.join("shard-replicas.bin"))
-                    .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-                log(&format!(
-                    "# restored {} (global step {})",
-                    f.path.display(),
-                    f.step
-                ));
-            }
-        }
-        if start_bytes.is_empty() {
-            let tmp = std::env::temp_dir().join(format!("mpiflow-init-{}.bin", std::process::id()));
-            checkpoint::write_file(&tmp, &snapshot(&model, &slots, 0))?;
-            start_bytes = std::fs::read(&tmp).map_err(|e| AllreduceError::Setup(e.to_string()))?;
-            let _ = std::fs::remove_file(&tmp);
-        }
+        let restored = match &cfg.train.checkpoint_dir {
+            Some(dir) => checkpoint::state::restore(dir, &vars, log)?,
+            None => None,
+        };
+        let start = restored.unwrap_or_else(|| State::of_replica(&model, &slots, 0));
+        start_bytes = checkpoint::encode(&start.arrays(&vars));
     }
     let start = bcast_bytes(&coll, start_bytes)?;
-    let state = checkpoint::parse(std::path::Path::new("<broadcast>"), &start, None)?;
-    let t = state.meta["t"].as_u64().unwrap_or(0);
-    for (p, s) in model.params.iter_mut().zip(&mut slots) {
-        let name = p.name().to_string();
-        let get = |suffix: &str| state.get(&format!("{name}/{suffix}")).map(<[f32]>::to_vec);
-        let values = get("param")
-            .ok_or_else(|| AllreduceError::Setup(format!("checkpoint has no {name}")))?;
-        if values.len() != p.numel() {
-            return Err(AllreduceError::Setup(format!(
-                "checkpoint's {name} has {} elements, the model {}",
-                values.len(),
-                p.numel()
-            )));
-        }
-        p.as_mut_slice::<f32>()
-            .expect("f32")
-            .copy_from_slice(&values);
-        *s = Slots {
-            m: get("m").unwrap_or_default(),
-            v: get("v").unwrap_or_default(),
-            t,
-        };
-    }
+    let arrays = checkpoint::parse(std::path::Path::new("<broadcast>"), &start, None)?;
+    let state = State::assemble(std::path::Path::new("<broadcast>"), &[arrays], &vars)?;
+    state.apply_to(&mut model, &mut slots);
     step = step.max(state.step);
 
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
@@ -431,17 +376,8 @@ fn write_checkpoint(
     let Some(dir) = &cfg.train.checkpoint_dir else {
         return Ok(());
     };
-    let tmp = checkpoint::begin(dir, step)?;
-    let (bytes, sum) = checkpoint::write_file(
-        &tmp.join("shard-replicas.bin"),
-        &snapshot(model, slots, step),
-    )?;
-    let path = checkpoint::commit(
-        dir,
-        step,
-        &[("shard-replicas.bin".into(), bytes, sum)],
-        json!({"mode": "allreduce"}),
-    )?;
+    let vars = crate::train::ps::variables(model);
+    let path = State::of_replica(model, slots, step).write(dir, &model.model.describe(), &vars)?;
     log(&format!("# checkpoint {} written", path.display()));
     Ok(())
 }
@@ -462,7 +398,8 @@ mod tests {
             ..TrainConfig::default()
         };
         let mlp = crate::model::mlp(64, &[128], 10).unwrap();
-        let local = super::super::train_local(&mlp, &tc, &train, &test, |_| {}).unwrap();
+        let local =
+            super::super::train_local(&mlp, &tc, &train, &test, |_| {}, &mut |_| {}).unwrap();
         for n in [2usize, 3, 4] {
             let layout = Layout::single_host(n, &MappingOptions::default()).unwrap();
             let out =

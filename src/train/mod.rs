@@ -168,23 +168,35 @@ pub fn initial_replica<'m>(
 }
 
 /// Trains `model` in this process on `train`, evaluates on `test`; `log` sees every
-/// `log_every`-th step.
+/// `log_every`-th step, `note` the checkpoint lines. With `checkpoint_dir` it resumes from
+/// the newest valid checkpoint there (any mode's) and checkpoints every
+/// `checkpoint_every` steps and at the end; with `save_params` it writes the final
+/// parameters.
 pub fn train_local<'m>(
     model: &'m dyn Model,
     cfg: &TrainConfig,
     train: &Dataset,
     test: &Dataset,
     mut log: impl FnMut(StepLog),
-) -> Result<TrainReport<'m>, ModelError> {
+    note: &mut dyn FnMut(&str),
+) -> Result<TrainReport<'m>, FinishError> {
     let mut model = initial_replica(model, train, cfg.seed)?;
     let opt = cfg.optimizer;
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
+    let vars = ps::variables(&model);
+    let mut first = 0;
+    if let Some(dir) = &cfg.checkpoint_dir {
+        if let Some(state) = checkpoint::state::restore(dir, &vars, note)? {
+            state.apply_to(&mut model, &mut slots);
+            first = state.step;
+        }
+    }
     let mut grads = model.zeros_like();
     let batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     let start = Instant::now();
     let (mut window_start, mut window_steps) = (Instant::now(), 0u64);
     let mut loss = f32::NAN;
-    for step in 0..cfg.steps {
+    for step in first..cfg.steps {
         let (x, y) = train.rows(&batches.global(step));
         loss = model.gradients_into(&x, &y, &mut grads)?;
         for ((p, g), s) in model.params.iter_mut().zip(&grads).zip(&mut slots) {
@@ -195,25 +207,39 @@ pub fn train_local<'m>(
             );
         }
         window_steps += 1;
-        if cfg.log_every > 0 && (step + 1) % cfg.log_every == 0 {
+        let done = step + 1;
+        if cfg.log_every > 0 && done % cfg.log_every == 0 {
             let secs = window_start.elapsed().as_secs_f64().max(1e-9);
             log(StepLog {
-                step: step + 1,
+                step: done,
                 loss,
                 steps_per_sec: window_steps as f64 / secs,
                 samples_per_sec: (window_steps * cfg.batch as u64) as f64 / secs,
             });
             (window_start, window_steps) = (Instant::now(), 0);
         }
+        let due = cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0;
+        if let (Some(dir), true) = (&cfg.checkpoint_dir, due || done == cfg.steps) {
+            let path = checkpoint::State::of_replica(&model, &slots, done).write(
+                dir,
+                &model.model.describe(),
+                &vars,
+            )?;
+            note(&format!("# checkpoint {} written", path.display()));
+        }
     }
     let secs = start.elapsed().as_secs_f64().max(1e-9);
     let accuracy = model.accuracy(&test.x, &test.y)?;
+    if let Some(p) = &cfg.save_params {
+        save_params(&model, p, cfg.steps.max(first))?;
+    }
+    let trained = cfg.steps.saturating_sub(first);
     Ok(TrainReport {
-        steps: cfg.steps,
+        steps: cfg.steps.max(first),
         final_loss: loss,
         accuracy,
         test_samples: test.len(),
-        samples_per_sec: (cfg.steps * cfg.batch as u64) as f64 / secs,
+        samples_per_sec: (trained * cfg.batch as u64) as f64 / secs,
         model,
     })
 }
@@ -229,13 +255,21 @@ mod tests {
         let cfg = TrainConfig::default();
         let mlp = crate::model::mlp(64, &[128], 10).unwrap();
         let mut losses = Vec::new();
-        let a = train_local(&mlp, &cfg, &train, &test, |l| losses.push(l.loss)).unwrap();
+        let a = train_local(
+            &mlp,
+            &cfg,
+            &train,
+            &test,
+            |l| losses.push(l.loss),
+            &mut |_| {},
+        )
+        .unwrap();
         assert!(a.accuracy >= 0.95, "held-out accuracy {}", a.accuracy);
         assert!(
             losses.first().unwrap() > losses.last().unwrap(),
             "{losses:?}"
         );
-        let b = train_local(&mlp, &cfg, &train, &test, |_| {}).unwrap();
+        let b = train_local(&mlp, &cfg, &train, &test, |_| {}, &mut |_| {}).unwrap();
         assert!(
             a.model.same_parameters(&b.model),
             "same seed, same parameters bit for bit"

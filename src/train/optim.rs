@@ -147,6 +147,18 @@ impl Optimizer {
     }
 }
 
+impl std::fmt::Display for Optimizer {
+    /// `adam lr 0.003` or `adam lr 0.003 cosine to 0 at step 2000`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::named::Named;
+        write!(f, "{} lr {}", self.kind.name(), self.lr)?;
+        match self.decay {
+            Decay::Constant => Ok(()),
+            Decay::Cosine { steps } => write!(f, " cosine to 0 at step {steps}"),
+        }
+    }
+}
+
 /// An optimizer's per-parameter state.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Slots {

@@ -210,7 +210,8 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     /// The chief: restore the newest valid checkpoint, or initialise.
     fn init_or_restore(&mut self) -> Result<(), PsError> {
         let dir = self.opts.checkpoint_dir.clone();
-        let (found, warnings) = shards::newest(dir.as_deref(), self.client.roles.ps.len())?;
+        let vars = super::ps::variables(&self.replica);
+        let (found, warnings) = shards::newest(dir.as_deref(), &vars)?;
         for w in warnings {
             self.emit(&Event::Warning(w));
         }
@@ -330,11 +331,12 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let step = self.step;
         let tmp = super::checkpoint::begin(&dir, step)?;
         let files = self.client.save(&tmp)?;
-        let num_ps = self.client.roles.ps.len();
+        let meta = super::checkpoint::state::model_meta(
+            &self.replica.model.describe(),
+            &super::ps::variables(&self.replica),
+        );
         let mut lines = Vec::new();
-        shards::commit(&dir, step, &files, num_ps, &mut |l| {
-            lines.push(l.to_string())
-        })?;
+        shards::commit(&dir, step, &files, meta, &mut |l| lines.push(l.to_string()))?;
         for l in lines {
             self.emit(&Event::Note(l));
         }

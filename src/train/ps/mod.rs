@@ -318,8 +318,15 @@ mod tests {
         let (train, test) = data.split_holdout(1);
         let steps = 40;
         let mlp = crate::model::mlp(64, &[128], 10).unwrap();
-        let local = super::super::train_local(&mlp, &cfg(steps, true).train, &train, &test, |_| {})
-            .unwrap();
+        let local = super::super::train_local(
+            &mlp,
+            &cfg(steps, true).train,
+            &train,
+            &test,
+            |_| {},
+            &mut |_| {},
+        )
+        .unwrap();
         let dir = std::env::temp_dir().join(format!("mpiflow-ps-eq-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("params.bin");

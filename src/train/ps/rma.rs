@@ -207,8 +207,7 @@ pub fn run(
     let mut ctl =
         Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
     // Every rank finds the same one: the directory does not change before training.
-    let (restored, warnings) =
-        super::shards::newest(cfg.train.checkpoint_dir.as_deref(), roles.ps.len())?;
+    let (restored, warnings) = super::shards::newest(cfg.train.checkpoint_dir.as_deref(), &vars)?;
     let mut prepare = || -> Result<Option<ShardState>, PsError> {
         let Some(k) = ps_index else {
             return Ok(None);
@@ -219,8 +218,7 @@ pub fn run(
         let mem = unsafe { data.local_mut() };
         let (slots, start) = match &restored {
             Some(found) => {
-                let (params, slots, step) =
-                    super::shards::read(&found.path, k, &mine).map_err(PsError::Setup)?;
+                let (params, slots, step) = super::shards::read(&found.path, &mine, &shards)?;
                 let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
                 for (a, p) in at.zip(&params) {
                     mem[a..a + p.len()].copy_from_slice(p);
@@ -293,6 +291,7 @@ pub fn run(
         cfg,
         pieces: &pieces,
         held,
+        model_meta: crate::train::checkpoint::state::model_meta(&model.model.describe(), &vars),
     };
     let result = {
         let mut d = data.lock_all()?;
@@ -334,6 +333,8 @@ struct Rma<'a> {
     pieces: &'a [Piece],
     /// Elements of each ps's parameters (the offset of its gradient sum).
     held: Vec<usize>,
+    /// The model's description for checkpoint manifests.
+    model_meta: serde_json::Value,
 }
 
 impl Rma<'_> {
@@ -436,7 +437,12 @@ impl Rma<'_> {
         step: u64,
         arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
-        let dir = self.cfg.train.checkpoint_dir.as_ref().expect("checkpoint due");
+        let dir = self
+            .cfg
+            .train
+            .checkpoint_dir
+            .as_ref()
+            .expect("checkpoint due");
         let stage = crate::train::checkpoint::staging_dir(dir, step);
         std::fs::create_dir_all(&stage)
             .map_err(|e| PsError::Setup(format!("{}: {e}", stage.display())))?;
@@ -469,8 +475,13 @@ impl Rma<'_> {
             let sum = ctl.fetch_and_add(*r, SAVED_SUM, 0)? as u64;
             files.push((super::shards::file(k), bytes, sum));
         }
-        let dir = self.cfg.train.checkpoint_dir.as_ref().expect("checkpoint due");
-        super::shards::commit(dir, step, &files, self.roles.ps.len(), log)
+        let dir = self
+            .cfg
+            .train
+            .checkpoint_dir
+            .as_ref()
+            .expect("checkpoint due");
+        super::shards::commit(dir, step, &files, self.model_meta.clone(), log)
     }
 
     /// The async ps: nothing to do per request; wait until every worker is done.

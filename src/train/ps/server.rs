@@ -263,7 +263,9 @@ impl<'a, C: Comm> Server<'a, C> {
                 self.answer_pending()
             }
             Request::Restore { setup, path } => {
-                let restored = self.configure(&setup).and_then(|()| self.restore(&path));
+                let restored = self
+                    .configure(&setup)
+                    .and_then(|()| self.restore(&path, &setup.shards));
                 match restored {
                     Ok(()) => {
                         self.ok(from)?;
@@ -397,8 +399,10 @@ impl<'a, C: Comm> Server<'a, C> {
         shards::arrays(self.k, &self.shards, &params, &self.slots, self.global_step)
     }
 
-    fn restore(&mut self, dir: &Path) -> Result<(), String> {
-        let (params, slots, step) = shards::read(dir, self.k, &self.shards)?;
+    /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
+    fn restore(&mut self, dir: &Path, all: &[Shard]) -> Result<(), String> {
+        let (params, slots, step) =
+            shards::read(dir, &self.shards, all).map_err(|e| e.to_string())?;
         // All or nothing: only now replace the live state.
         self.params = params;
         self.slots = slots;

@@ -8,14 +8,16 @@ use serde_json::json;
 
 use super::placement::Shard;
 use super::PsError;
+use crate::train::checkpoint::state::Variables;
 use crate::train::checkpoint::{self, Arrays};
 use crate::train::optim::Slots;
 
-/// The newest valid checkpoint of `dir` (created if missing), refused if another number
-/// of ps tasks wrote it, and a warning for each newer one that did not verify.
+/// The newest valid checkpoint of `dir` (created if missing), refused if it belongs to a
+/// model with other variables than `vars`, and a warning for each newer one that did not
+/// verify. Any mode's checkpoint will do (see [`checkpoint::state`]).
 pub fn newest(
     dir: Option<&Path>,
-    num_ps: usize,
+    vars: &Variables,
 ) -> Result<(Option<checkpoint::Found>, Vec<String>), PsError> {
     let Some(dir) = dir else {
         return Ok((None, Vec::new()));
@@ -24,29 +26,39 @@ pub fn newest(
         .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
     let (found, warnings) = checkpoint::latest(dir);
     if let Some(f) = &found {
-        let n = f.meta["num_ps"].as_u64().unwrap_or(0) as usize;
-        if n != num_ps {
-            return Err(PsError::Setup(format!(
-                "checkpoint {} was written by {n} ps tasks, this job has {num_ps}",
-                f.path.display()
-            )));
-        }
+        checkpoint::state::check_model(f, vars)?;
     }
     Ok((found, warnings))
 }
 
 /// The chief's last act of a checkpoint: the manifest over every ps's shard file (name,
-/// bytes, checksum), committed atomically, and the log line.
+/// bytes, checksum) and the model's description (`meta`, from
+/// [`checkpoint::state::model_meta`]), committed atomically, and the log line.
 pub fn commit(
     dir: &Path,
     step: u64,
     files: &[(String, u64, u64)],
-    num_ps: usize,
+    meta: serde_json::Value,
     log: &mut dyn FnMut(&str),
 ) -> Result<(), PsError> {
-    let path = checkpoint::commit(dir, step, files, json!({"num_ps": num_ps}))?;
+    let path = checkpoint::commit(dir, step, files, meta)?;
     log(&format!("# checkpoint {} written", path.display()));
     Ok(())
+}
+
+/// The variables `shards` (every shard of every variable) cut: name and elements, in
+/// creation order.
+pub fn variables(shards: &[Shard]) -> Vec<(String, usize)> {
+    let mut vars: Vec<(String, usize)> = Vec::new();
+    for s in shards {
+        if vars.len() <= s.var_index {
+            vars.resize(s.var_index + 1, (String::new(), 0));
+        }
+        let v = &mut vars[s.var_index];
+        v.0.clone_from(&s.var);
+        v.1 = v.1.max(s.offset + s.len);
+    }
+    vars
 }
 
 /// ps `k`'s checkpoint file contents: each shard's parameters and optimizer state.
@@ -73,38 +85,15 @@ pub fn file(k: usize) -> String {
 /// One ps's restored state: parameters and optimizer state per shard, and the step.
 pub type Contents = (Vec<Vec<f32>>, Vec<Slots>, u64);
 
-/// Reads ps `k`'s shard from checkpoint `dir`; an error (never a partial result) if
-/// anything is missing or mis-sized.
-pub fn read(dir: &Path, k: usize, shards: &[Shard]) -> Result<Contents, String> {
-    let a = checkpoint::read_file(&dir.join(file(k)), None).map_err(|e| e.to_string())?;
-    let t = a.meta["t"].as_u64().unwrap_or(a.step);
-    let mut params = Vec::new();
-    let mut slots = Vec::new();
-    for s in shards {
-        let key = format!("{}@{}", s.var, s.offset);
-        let get = |suffix: &str| {
-            a.get(&format!("{key}/{suffix}"))
-                .map(<[f32]>::to_vec)
-                .ok_or(format!(
-                    "checkpoint {} has no {key}/{suffix} (written with another placement?)",
-                    dir.display()
-                ))
-        };
-        let p = get("param")?;
-        if p.len() != s.len {
-            return Err(format!(
-                "checkpoint {}: {key} has {} elements, expected {}",
-                dir.display(),
-                p.len(),
-                s.len
-            ));
-        }
-        params.push(p);
-        slots.push(Slots {
-            m: get("m")?,
-            v: get("v")?,
-            t,
-        });
-    }
-    Ok((params, slots, a.step))
+/// Reads the shards `mine` of checkpoint `dir` for the variables `all` cut (every shard
+/// of every variable): whichever mode and placement wrote it; an error (never a partial
+/// result) if anything is missing or mis-sized.
+pub fn read(dir: &Path, mine: &[Shard], all: &[Shard]) -> Result<Contents, PsError> {
+    let found = checkpoint::verify(dir)?;
+    let state = checkpoint::State::load(&found, &variables(all))?;
+    let (params, slots) = mine
+        .iter()
+        .map(|s| state.slice(s.var_index, s.offset, s.len))
+        .unzip();
+    Ok((params, slots, state.step))
 }

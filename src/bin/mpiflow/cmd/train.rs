@@ -21,27 +21,24 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     let model = build_model(args, &train).map_err(Failure::local)?;
     let cfg: TrainConfig = args.train_config();
     emit(&format!(
-        "# mpiflow train --mode local: {} train / {} held-out samples, {}, {:?} lr {} {:?}, batch {}, BLAS threads {} (CPUs {})\n",
+        "# mpiflow train --mode local: {} train / {} held-out samples, {}, {}, batch {}, BLAS threads {} (CPUs {})\n",
         train.len(),
         test.len(),
         model.describe(),
-        cfg.optimizer.kind,
-        cfg.optimizer.lr,
-        cfg.optimizer.decay,
+        cfg.optimizer,
         cfg.batch,
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
-    let report = train_local(&model, &cfg, &train, &test, |l| {
-        emit(&format!(
-            "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}\n",
-            l.step, l.loss, l.steps_per_sec, l.samples_per_sec
-        ))
-    })
+    let report = train_local(
+        &model,
+        &cfg,
+        &train,
+        &test,
+        |l| emit(&format!("{}\n", l.line())),
+        &mut |line| emit(&format!("{line}\n")),
+    )
     .map_err(Failure::local)?;
-    if let Some(p) = &args.save_params {
-        mpiflow::train::save_params(&report.model, p, report.steps).map_err(Failure::local)?;
-    }
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
     emit(&format!(
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
@@ -117,11 +114,13 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             _ => mode.to_string(),
         };
         emit(&format!(
-            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, {}, BLAS threads {} per rank\n",
+            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, {}, {}, batch {}, BLAS threads {} per rank\n",
             layout.ranks.len(),
             train.len(),
             test.len(),
             model.describe(),
+            args.train_config().optimizer,
+            args.batch,
             pin.blas_threads
         ));
         // If mpirun reports a dead rank by number, this line names its task.

@@ -9,12 +9,18 @@
 //! everything before`. The manifest records each shard's size and checksum. On load, the
 //! newest checkpoint whose manifest and every shard verify is used; a corrupted or
 //! incomplete one is reported and the previous one tried.
+//!
+//! What the files hold, and how every mode restores from any mode's checkpoint: [`state`].
 
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+
+pub mod state;
+
+pub use state::State;
 
 const MAGIC: &[u8; 8] = b"MFCKPT01";
 
@@ -25,6 +31,8 @@ pub enum CheckpointError {
     Io { path: String, why: String },
     #[error("checkpoint {path}: corrupted: {why}")]
     Corrupt { path: String, why: String },
+    #[error("checkpoint {path} was written for another model: {why}")]
+    OtherModel { path: String, why: String },
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
@@ -65,6 +73,16 @@ impl Arrays {
 
 /// Writes `a` to `path` (fsynced); returns (bytes, checksum).
 pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError> {
+    let bytes = encode(a);
+    let sum = u64::from_le_bytes(bytes[bytes.len() - 8..].try_into().expect("8 bytes"));
+    let mut f = File::create(path).map_err(|e| io(path, e))?;
+    f.write_all(&bytes).map_err(|e| io(path, e))?;
+    f.sync_all().map_err(|e| io(path, e))?;
+    Ok((bytes.len() as u64, sum))
+}
+
+/// The bytes of a checkpoint file holding `a` (what [`parse`] reads).
+pub fn encode(a: &Arrays) -> Vec<u8> {
     let header = json!({
         "step": a.step,
         "meta": a.meta,
@@ -84,10 +102,7 @@ pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError
     }
     let sum = checksum(&bytes);
     bytes.extend_from_slice(&sum.to_le_bytes());
-    let mut f = File::create(path).map_err(|e| io(path, e))?;
-    f.write_all(&bytes).map_err(|e| io(path, e))?;
-    f.sync_all().map_err(|e| io(path, e))?;
-    Ok((bytes.len() as u64, sum))
+    bytes
 }
 
 /// Reads and verifies a shard file (`expect`: size and checksum from a manifest).
