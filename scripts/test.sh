@@ -19,6 +19,9 @@ if cargo clippy --version >/dev/null 2>&1; then
   cargo clippy --release --all-targets --quiet -- -D warnings
 fi
 
+echo "== cargo doc (no warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+
 echo "== cargo test (OpenMPI)"
 # One test thread: the mpirun tests must not run at once on 2 cores.
 log=$(mktemp)

@@ -10,12 +10,12 @@
 //! - [`rng`]: the seeded generator behind every random choice.
 //! - [`tensor`]: tensors with their wire header in their own buffer.
 //! - [`check`]: `mpiflow check`, the data plane verified on a live job.
-//! - [`bench`]: OSU-style benchmarks, OSU 7.4's output format.
+//! - [`bench`](mod@bench): OSU-style benchmarks, OSU 7.4's output format.
 //! - [`hash`]: the one stable hash (FNV-1a) ranks compare and checkpoints carry.
 //! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
 //! - [`named`]: the names users pick enum values by (command line, job scripts).
 //!
-//! The `mpiflow` binary (`src/main.rs`) is a thin command-line layer over these.
+//! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these.
 
 pub mod bench;
 pub mod check;
