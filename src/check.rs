@@ -15,11 +15,12 @@
 
 use serde_json::json;
 
+use crate::cluster::peers::{self, Peer, Tasks};
 use crate::cluster::{Layout, TaskId};
 use crate::tensor::{DType, Element, Tensor};
+use crate::transport::collectives::stores::StoreMode;
 use crate::transport::fusion::Fusion;
-use crate::transport::p2p::{self, Peer, Tasks};
-use crate::transport::stores::StoreMode;
+use crate::transport::p2p;
 use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 /// The outcome on one rank.
@@ -256,7 +257,7 @@ pub fn run<C: Comm>(
         6,
     )
     .map_err(|x| e(&x))?;
-    p2p::receive_from(c, &tasks, &mut inc, &Peer::Task(prev.clone()), 6).map_err(|x| e(&x))?;
+    peers::receive_from(c, &tasks, &mut inc, &Peer::Task(prev.clone()), 6).map_err(|x| e(&x))?;
     send.wait().map_err(|x| e(&x))?;
     rep.expect(
         inc.as_slice::<i64>().ok() == Some(&[left as i64, 42][..]),

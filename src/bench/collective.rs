@@ -289,7 +289,7 @@ pub fn run(
 }
 
 /// What this rank measured for the shared-memory allreduce's steps with each kind of store
-/// (see `transport::stores`), or the mode `--shm-stores` forced, and the slot size, as a
+/// (see `transport::collectives::stores`), or the mode `--shm-stores` forced, and the slot size, as a
 /// comment line; empty where it did not run.
 fn stores_line(coll: &Collectives<MpiComm>, opts: &BenchOptions) -> String {
     let Some((cached, streaming)) = coll.shm_store_costs() else {

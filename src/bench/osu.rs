@@ -77,7 +77,7 @@ pub struct BenchOptions {
     pub shm_stores: ShmStores,
 }
 
-/// `--shm-stores`: see [`crate::transport::stores`].
+/// `--shm-stores`: see [`crate::transport::collectives::stores`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmStores {
     /// Whichever makes a step cheaper, as measured.
@@ -101,8 +101,8 @@ impl crate::named::Named for ShmStores {
 
 impl ShmStores {
     /// The forced mode, if any.
-    pub fn forced(self) -> Option<crate::transport::stores::StoreMode> {
-        use crate::transport::stores::StoreMode;
+    pub fn forced(self) -> Option<crate::transport::collectives::stores::StoreMode> {
+        use crate::transport::collectives::stores::StoreMode;
         match self {
             ShmStores::Auto => None,
             ShmStores::Cached => Some(StoreMode::Cached),

@@ -4,6 +4,7 @@
 //! - [`tf_config`] and [`flags`]: the two ways TensorFlow programs learn their role.
 //! - [`hostlist`], [`hostfile`], [`slurm`]: the formats HPC schedulers describe jobs in.
 //! - [`mapping`]: rank-to-role policies and the resulting [`mapping::Layout`].
+//! - [`peers`]: tensors to and from tasks (`worker:1`) instead of ranks.
 //! - [`ports`]: free ports, found by binding them.
 //! - [`resolve`]: putting it together for MPI, Slurm, hostfile previews, TF_CONFIG and flags.
 
@@ -11,6 +12,7 @@ pub mod flags;
 pub mod hostfile;
 pub mod hostlist;
 pub mod mapping;
+pub mod peers;
 pub mod ports;
 pub mod resolve;
 pub mod slurm;

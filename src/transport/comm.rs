@@ -92,7 +92,7 @@ pub trait Comm {
 
     /// The tensors last sent to and received from each (peer, tag), for
     /// [`super::p2p`]'s header-free repeats.
-    fn links(&self) -> &super::p2p::Links;
+    fn links(&self) -> &super::links::Links;
 
     /// Starts sending `len` bytes at `buf` to `dst`.
     ///
@@ -160,7 +160,7 @@ pub trait Comm {
     fn shared_segments(
         &self,
         _len: usize,
-    ) -> Result<Option<super::shm::SharedSegments>, TransportError> {
+    ) -> Result<Option<super::segments::SharedSegments>, TransportError> {
         Ok(None)
     }
 

@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
-use super::shm::SharedSegments;
+use super::segments::SharedSegments;
 use super::tags::Tags;
 use crate::tensor::AlignedBuf;
 
@@ -63,7 +63,7 @@ pub struct LocalComm {
     hub: Arc<Hub>,
     splits_done: std::cell::Cell<u64>,
     segments_done: std::cell::Cell<u64>,
-    links: super::p2p::Links,
+    links: super::links::Links,
 }
 
 /// A request of the in-process transport.
@@ -124,7 +124,7 @@ impl Comm for LocalComm {
         Tags::default()
     }
 
-    fn links(&self) -> &super::p2p::Links {
+    fn links(&self) -> &super::links::Links {
         &self.links
     }
 

@@ -6,12 +6,14 @@
 //! - [`comm`]: the [`Comm`] trait: non-blocking byte send/receive and optional native
 //!   collectives. Implemented by [`mpi::MpiComm`] (real MPI, errors returned, never fatal)
 //!   and [`local::LocalComm`] (threads in one process, for `cargo test`).
+//! - [`links`]: each communicator's memory of what each (peer, tag) last carried.
 //! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory.
 //! - [`channel`]: persistent channels: one tensor again and again, header checked once.
-//! - [`collectives`]: allreduce (MPI's, ring, recursive doubling), broadcast, allgather,
-//!   barrier, written once over [`Comm`].
-//! - [`shm`]: allreduce through memory shared by the ranks of one node.
-//! - [`stores`]: how a rank copies into that memory (cached or streaming stores, measured).
+//! - [`reduce`]: element-wise reductions of byte buffers, below every algorithm.
+//! - [`segments`]: memory shared by the ranks of one communicator (from its backend).
+//! - [`collectives`]: allreduce (MPI's, ring, recursive doubling, shared memory: one file
+//!   each, and the choice among them), broadcast, allgather, barrier, written once over
+//!   [`Comm`].
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
 //! - [`tags`]: every tag scheme inside the library's `MPI_TAG_UB`.
@@ -21,12 +23,13 @@ pub mod collectives;
 pub mod comm;
 pub mod context;
 pub mod fusion;
+pub mod links;
 pub mod local;
 pub mod mpi;
 pub mod p2p;
+pub mod reduce;
 pub mod rma;
-pub mod shm;
-pub mod stores;
+pub mod segments;
 pub mod tags;
 
 pub use collectives::{Algorithm, Collectives};

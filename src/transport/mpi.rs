@@ -14,8 +14,8 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::comm::{check_peer, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
-use super::p2p::Links;
-use super::shm::SharedSegments;
+use super::links::Links;
+use super::segments::SharedSegments;
 use super::tags::{TagError, Tags, STANDARD_TAG_UB, TAG_UB_VAR};
 use crate::tensor::DType;
 

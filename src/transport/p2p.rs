@@ -1,4 +1,4 @@
-//! Tensors between two ranks, or two tasks of the cluster.
+//! Tensors between two ranks (by task: [`crate::cluster::peers`]).
 //!
 //! One message per tensor, straight from its memory (`MPI_Isend` of the header and payload
 //! that lie contiguous in the tensor, see [`crate::tensor`]), received straight into the
@@ -25,13 +25,9 @@
 //! A request that is dropped without `wait` waits in its destructor: the tensor it borrows
 //! is never freed or reused while MPI may still touch it.
 
-use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
-
 use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
-use crate::cluster::{Layout, TaskId};
-use crate::tensor::{describe_header, header_payload_len, Landing, Tensor, TensorError};
+use super::links::{link_key, Last, Links};
+use crate::tensor::{describe_header, Landing, Tensor, TensorError};
 
 /// Errors from point-to-point tensor transfers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -44,8 +40,6 @@ pub enum P2pError {
         peer: usize,
         source: TensorError,
     },
-    #[error("task {0} is not in the cluster")]
-    UnknownTask(TaskId),
     #[error("rank {rank}: {source}")]
     Tag {
         rank: usize,
@@ -65,199 +59,12 @@ pub enum P2pError {
     },
 }
 
-/// A peer: a rank, or a task of the cluster.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Peer {
-    Rank(usize),
-    Task(TaskId),
-}
-
-impl From<usize> for Peer {
-    fn from(r: usize) -> Self {
-        Peer::Rank(r)
-    }
-}
-
-impl From<TaskId> for Peer {
-    fn from(t: TaskId) -> Self {
-        Peer::Task(t)
-    }
-}
-
-/// Task-to-rank lookup, from the cluster layout.
-#[derive(Debug, Clone, Default)]
-pub struct Tasks {
-    ranks: BTreeMap<TaskId, usize>,
-}
-
-impl Tasks {
-    pub fn from_layout(layout: &Layout) -> Tasks {
-        Tasks {
-            ranks: layout
-                .ranks
-                .iter()
-                .filter_map(|r| r.rank.map(|rank| (r.task.clone(), rank)))
-                .collect(),
-        }
-    }
-
-    pub fn rank(&self, peer: &Peer) -> Result<usize, P2pError> {
-        match peer {
-            Peer::Rank(r) => Ok(*r),
-            Peer::Task(t) => self
-                .ranks
-                .get(t)
-                .copied()
-                .ok_or_else(|| P2pError::UnknownTask(t.clone())),
-        }
-    }
-}
-
 #[inline]
 pub(crate) fn check_tag<C: Comm>(c: &C, tag: i32) -> Result<(), P2pError> {
     c.tags().check_user(tag).map_err(|source| P2pError::Tag {
         rank: c.rank(),
         source,
     })
-}
-
-/// What one side of a link last sent or received: enough to leave out the next header.
-#[derive(Debug, Clone)]
-struct Last {
-    signature: u64,
-    nbytes: usize,
-    header: Vec<u8>,
-}
-
-impl Last {
-    fn of(t: &Tensor) -> Last {
-        Last {
-            signature: t.signature(),
-            nbytes: t.nbytes(),
-            header: t.wire_header().to_vec(),
-        }
-    }
-
-    fn from_header(header: Vec<u8>) -> Option<Last> {
-        Some(Last {
-            signature: crate::hash::fnv1a(&header),
-            nbytes: header_payload_len(&header)?,
-            header,
-        })
-    }
-}
-
-/// Hashes a link key (peer and tag in one `u64`) with one multiplication: SipHash would
-/// cost more than the header it saves on a small message.
-#[derive(Default)]
-struct LinkHasher(u64);
-
-impl Hasher for LinkHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b) ^ self.0.rotate_left(8));
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = mix(v);
-    }
-}
-
-#[inline]
-fn mix(v: u64) -> u64 {
-    let x = (v ^ (v >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x ^ (x >> 29)
-}
-
-type LinkMap = HashMap<u64, Last, BuildHasherDefault<LinkHasher>>;
-
-/// Slots of the direct-mapped memo in front of each side's map.
-const HOT: usize = 64;
-/// A memo slot that holds no link (no link has this key: tags are not negative).
-const NO_LINK: (u64, u64) = (u64::MAX, 0);
-
-/// One direction of a communicator's links: the tensor of each (peer, tag), and a memo of
-/// (key, signature) pairs in front of it, so that a repeat costs two loads, not a hash
-/// lookup (which was 10-25 ns on a 200 ns round trip). A memo slot is only ever a
-/// pair that the map holds.
-#[derive(Debug)]
-struct Side {
-    map: RefCell<LinkMap>,
-    hot: [Cell<(u64, u64)>; HOT],
-}
-
-impl Default for Side {
-    fn default() -> Side {
-        Side {
-            map: RefCell::default(),
-            hot: std::array::from_fn(|_| Cell::new(NO_LINK)),
-        }
-    }
-}
-
-impl Side {
-    #[inline]
-    fn slot(&self, key: u64) -> &Cell<(u64, u64)> {
-        &self.hot[(mix(key) >> 58) as usize % HOT]
-    }
-
-    /// True if the memo says the link `key` holds the tensor of `signature` (false may
-    /// still be a hold: ask [`Side::map_holds`]).
-    #[inline]
-    fn memo_holds(&self, key: u64, signature: u64) -> bool {
-        self.slot(key).get() == (key, signature)
-    }
-
-    /// True if the map says the link `key` holds the tensor of `signature` (after the
-    /// memo said no: its slot went to another link); a hold goes back into the memo.
-    fn map_holds(&self, key: u64, signature: u64) -> bool {
-        let held = self
-            .map
-            .borrow()
-            .get(&key)
-            .is_some_and(|l| l.signature == signature);
-        if held {
-            self.slot(key).set((key, signature));
-        }
-        held
-    }
-
-    /// Payload length of the link's tensor, if it has one.
-    fn nbytes(&self, key: u64) -> Option<usize> {
-        self.map.borrow().get(&key).map(|l| l.nbytes)
-    }
-
-    /// Makes the link hold `last`; returns what it held.
-    fn set(&self, key: u64, last: Last) -> Option<Last> {
-        self.slot(key).set((key, last.signature));
-        self.map.borrow_mut().insert(key, last)
-    }
-
-    fn forget(&self, key: u64) {
-        let slot = self.slot(key);
-        if slot.get().0 == key {
-            slot.set(NO_LINK);
-        }
-        self.map.borrow_mut().remove(&key);
-    }
-}
-
-/// A communicator's memory of the tensor last sent to and last received from each (peer,
-/// tag); see the module documentation.
-#[derive(Debug, Default)]
-pub struct Links {
-    sent: Side,
-    received: Side,
-}
-
-#[inline]
-fn link_key(peer: usize, tag: i32) -> u64 {
-    ((peer as u64) << 32) | u64::from(tag as u32)
 }
 
 impl Links {
@@ -537,28 +344,6 @@ pub fn receive_into<C: Comm>(c: &C, t: &mut Tensor, src: usize, tag: i32) -> Res
     links.settle(c, arrival, t, done)
 }
 
-/// Sends to a task or rank of the cluster.
-pub fn send_to<C: Comm>(
-    c: &C,
-    tasks: &Tasks,
-    t: &Tensor,
-    to: &Peer,
-    tag: i32,
-) -> Result<(), P2pError> {
-    send(c, t, tasks.rank(to)?, tag)
-}
-
-/// Receives from a task or rank of the cluster.
-pub fn receive_from<C: Comm>(
-    c: &C,
-    tasks: &Tasks,
-    t: &mut Tensor,
-    from: &Peer,
-    tag: i32,
-) -> Result<(), P2pError> {
-    receive_into(c, t, tasks.rank(from)?, tag)
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::local::LocalComm;
@@ -755,19 +540,7 @@ mod tests {
     }
 
     #[test]
-    fn tasks_and_tags() {
-        let opts = crate::cluster::MappingOptions {
-            ps: 1,
-            ..Default::default()
-        };
-        let layout = Layout::single_host(3, &opts).unwrap();
-        let t = Tasks::from_layout(&layout);
-        assert_eq!(t.rank(&Peer::Task(TaskId::new("worker", 1))).unwrap(), 2);
-        assert_eq!(t.rank(&Peer::Rank(7)).unwrap(), 7);
-        assert!(matches!(
-            t.rank(&Peer::Task(TaskId::new("ps", 3))),
-            Err(P2pError::UnknownTask(_))
-        ));
+    fn tags_above_the_bound_are_refused() {
         let c = LocalComm::create(1, std::time::Duration::from_millis(10));
         let x = Tensor::zeros(DType::U8, &[1]).unwrap();
         // The in-process transport runs under the standard's minimum bound, 32767, with

@@ -233,7 +233,7 @@ pub(crate) struct BenchArgs {
     transport: PsTransport,
     /// Bytes per slot of the shared-memory allreduce, rounded up to 4096 (allreduce and
     /// allreduce-fused; default: the library's, 256 KiB): to re-tune on another machine.
-    #[arg(long, value_parser = positive_usize)]
+    #[arg(long, value_parser = positive_bytes)]
     shm_slot_bytes: Option<usize>,
     /// Stores into the shared-memory allreduce's slots: as measured (auto), or always
     /// cached or streaming (allreduce and allreduce-fused).
@@ -416,6 +416,13 @@ pub(crate) fn positive_usize(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(format!("{s:?} is not a positive integer")),
+    }
+}
+
+fn positive_bytes(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?} is not a positive number of bytes")),
     }
 }
 

@@ -46,10 +46,11 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::collectives::{divide_bytes, reduce_bytes};
-use super::comm::{ReduceOp, TransportError};
 use super::stores::{self, StoreChooser, StoreMode};
 use crate::tensor::{AlignedBuf, DType};
+use crate::transport::comm::{ReduceOp, TransportError};
+use crate::transport::reduce::{divide_bytes, reduce_bytes};
+use crate::transport::segments::SharedSegments;
 
 /// Slots per rank: chunks in flight.
 pub const SLOTS: usize = 4;
@@ -58,37 +59,6 @@ pub const SLOTS: usize = 4;
 const CONTROL: usize = 4096;
 /// Where slot headers start in the control block.
 const HEADERS: usize = 192;
-
-/// One segment per rank of a communicator, each readable and writable by every rank.
-pub struct SharedSegments {
-    ptrs: Vec<*mut u8>,
-    len: usize,
-    /// Whatever keeps the memory alive (an MPI window, or the in-process allocations).
-    _owner: Box<dyn std::any::Any>,
-}
-
-impl SharedSegments {
-    /// # Safety
-    /// Every pointer must point to `len` bytes, 64-byte aligned and zero-filled, that stay
-    /// valid while `owner` lives, and rank `r` of the communicator must see the same
-    /// memory at `ptrs[r]` (in its own address space) as every other rank.
-    pub unsafe fn new(ptrs: Vec<*mut u8>, len: usize, owner: Box<dyn std::any::Any>) -> Self {
-        SharedSegments {
-            ptrs,
-            len,
-            _owner: owner,
-        }
-    }
-
-    /// Bytes per segment.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
 
 /// Segment bytes needed for slots of `slot_bytes`.
 pub fn segment_bytes(slot_bytes: usize) -> usize {
@@ -166,14 +136,10 @@ impl ShmAllreduce {
             slot_bytes.is_multiple_of(4096) && slot_bytes > 0,
             "slot size"
         );
-        assert!(segs.len >= segment_bytes(slot_bytes), "segment too small");
+        assert!(segs.len() >= segment_bytes(slot_bytes), "segment too small");
         // A PAUSE is ~40 ns here: 256 of them cover a peer's chunk copy, and then the core
         // goes to whoever needs it (a training's compute thread, say).
-        let spins = if segs.ptrs.len() > online_cpus() {
-            0
-        } else {
-            256
-        };
+        let spins = if segs.ranks() > online_cpus() { 0 } else { 256 };
         ShmAllreduce {
             segs,
             rank,
@@ -188,7 +154,7 @@ impl ShmAllreduce {
     }
 
     fn size(&self) -> usize {
-        self.segs.ptrs.len()
+        self.segs.ranks()
     }
 
     /// More ranks share the node than it has cores.
@@ -199,20 +165,20 @@ impl ShmAllreduce {
     fn counter(&self, r: usize, c: Counter) -> &AtomicU64 {
         // SAFETY: every segment starts with CONTROL bytes of 64-byte aligned counters
         // (one cache line each), valid while `segs` lives; only atomics touch them.
-        unsafe { &*self.segs.ptrs[r].add(64 * c as usize).cast::<AtomicU64>() }
+        unsafe { &*self.segs.ptr(r).add(64 * c as usize).cast::<AtomicU64>() }
     }
 
     fn slot(&self, r: usize, g: u64) -> *mut u8 {
         let s = (g % SLOTS as u64) as usize;
         // SAFETY: slot s of segment r lies within the segment (checked in `new`).
-        unsafe { self.segs.ptrs[r].add(CONTROL + s * self.slot_bytes) }
+        unsafe { self.segs.ptr(r).add(CONTROL + s * self.slot_bytes) }
     }
 
     /// The header of the slot of chunk `g` on rank `r`: two u64.
     fn slot_header(&self, r: usize, g: u64) -> *mut u64 {
         let s = (g % SLOTS as u64) as usize;
         // SAFETY: the headers lie in the control block of segment r.
-        unsafe { self.segs.ptrs[r].add(HEADERS + 64 * s).cast() }
+        unsafe { self.segs.ptr(r).add(HEADERS + 64 * s).cast() }
     }
 
     /// Waits until every rank's counter `c` is at least `at`.

@@ -10,7 +10,7 @@
 //! - `recursive-doubling`: log2(n) exchanges of the whole buffer; best for small tensors.
 //!   Ranks beyond the largest power of two first fold into a partner and get the result
 //!   back at the end.
-//! - `shm`: through memory shared by the ranks of one node ([`super::shm`]): what peers
+//! - `shm`: through memory shared by the ranks of one node ([`shm`]): what peers
 //!   reduce is copied once into a slot, each rank reduces its sub-slice in place and
 //!   publishes it, peers copy it out; pipelined in 256 KiB chunks; one step for calls up to
 //!   16 KiB. Where ranks span nodes, `shm` runs as `auto` among the others.
@@ -30,105 +30,25 @@
 
 use std::cell::RefCell;
 
+mod recursive_doubling;
+mod ring;
+pub mod shm;
+pub mod stores;
+mod tuning;
+
+pub use tuning::{Algorithm, AutoTuning};
+
+use self::shm::ShmAllreduce;
+use self::stores::StoreMode;
 use super::comm::{recv, send, sendrecv, Comm, ReduceOp, TransportError};
-use super::shm::{self, ShmAllreduce};
-use super::stores::StoreMode;
+use super::reduce::divide_bytes;
 use super::tags::Reserved;
-use crate::tensor::{AlignedBuf, DType, Element, Tensor};
+use crate::tensor::{AlignedBuf, DType, Tensor};
 
 /// The tag of one kind of collective traffic: reserved at the top of the communicator's
 /// tag range, above any caller's tag.
 fn tag<C: Comm>(c: &C, r: Reserved) -> i32 {
     c.tags().reserved(r)
-}
-
-/// An allreduce algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Algorithm {
-    #[default]
-    Auto,
-    Mpi,
-    Ring,
-    RecursiveDoubling,
-    /// Through memory shared by the ranks of one node (see [`super::shm`]).
-    Shm,
-}
-
-impl crate::named::Named for Algorithm {
-    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
-        (
-            Algorithm::Auto,
-            "auto",
-            "By message size and ranks (see AutoTuning)",
-        ),
-        (Algorithm::Mpi, "mpi", "The MPI library's MPI_Allreduce"),
-        (
-            Algorithm::Ring,
-            "ring",
-            "Reduce-scatter and allgather around a ring",
-        ),
-        (
-            Algorithm::RecursiveDoubling,
-            "recursive-doubling",
-            "Pairwise exchanges, log2 ranks rounds",
-        ),
-        (
-            Algorithm::Shm,
-            "shm",
-            "Through memory shared by the ranks of one node",
-        ),
-    ];
-}
-
-/// When `auto` picks which algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AutoTuning {
-    /// Below this many bytes: the library's own (or recursive doubling without one).
-    pub small_bytes: usize,
-    /// From this many bytes, with at most `ring_max_ranks` ranks: the ring.
-    pub ring_min_bytes: usize,
-    pub ring_max_ranks: usize,
-    /// Ring segment size in bytes.
-    pub segment_bytes: usize,
-    /// `auto` takes the shared-memory allreduce when every rank is on one node...
-    pub shm: bool,
-    /// ...from `shm_min_bytes` up to and including `shm_max_bytes` (default: no limit),
-    /// or for every size when the node has more ranks than cores. With a core per rank the
-    /// library's own is faster below (0.6 against 0.75 us at 2 ranks here). Above, shm was
-    /// the faster in 14 of 15 pairs from 1 to 16 MiB against the ring (0.34-0.68x of
-    /// `MPI_Allreduce` against 0.55-0.92x; three jobs with both as paths, `bench allreduce
-    /// --algorithm ring,shm`), since it copies each rank's sub-slice once and stores by
-    /// measured mode ([`super::stores`]).
-    pub shm_min_bytes: usize,
-    pub shm_max_bytes: usize,
-    /// Bytes per shared-memory slot (the pipeline's chunk). 256 KiB: against 64 KiB a
-    /// fused 1 MiB call took 80-98 us instead of 115-122 (fewer steps to wait for), and
-    /// plain calls from 16 KiB to 16 MiB were as fast or faster at 2 and 4 ranks; 512 KiB
-    /// and 1 MiB pipeline too little (`benches/results/2026-11-23b.md`).
-    pub shm_slot_bytes: usize,
-}
-
-impl Default for AutoTuning {
-    fn default() -> Self {
-        AutoTuning {
-            small_bytes: 64 << 10,
-            ring_min_bytes: 256 << 10,
-            ring_max_ranks: 8,
-            segment_bytes: 256 << 10,
-            shm: true,
-            shm_min_bytes: 512,
-            shm_max_bytes: usize::MAX,
-            shm_slot_bytes: 256 << 10,
-        }
-    }
-}
-
-impl AutoTuning {
-    /// The slot size the shared-memory allreduce uses: `shm_slot_bytes` rounded up to
-    /// whole pages (at least one).
-    pub fn shm_slot(&self) -> usize {
-        self.shm_slot_bytes.next_multiple_of(4096).max(4096)
-    }
 }
 
 /// Collective operations over one communicator, with reusable scratch memory.
@@ -144,76 +64,6 @@ pub struct Collectives<C: Comm> {
 
 /// How long the shared-memory allreduce waits for a rank (unless the transport says).
 const SHM_PATIENCE: std::time::Duration = std::time::Duration::from_secs(300);
-
-/// Reinterprets an aligned byte slice as elements.
-fn typed<T: Element>(b: &[u8]) -> &[T] {
-    // SAFETY: align_to only yields a middle part that is correctly aligned; we require
-    // that part to cover the whole slice (all mpiflow buffers are 64-byte aligned and chunk
-    // boundaries are element multiples).
-    let (head, mid, tail) = unsafe { b.align_to::<T>() };
-    assert!(
-        head.is_empty() && tail.is_empty(),
-        "unaligned reduction buffer"
-    );
-    mid
-}
-
-fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
-    // SAFETY: as in `typed`.
-    let (head, mid, tail) = unsafe { b.align_to_mut::<T>() };
-    assert!(
-        head.is_empty() && tail.is_empty(),
-        "unaligned reduction buffer"
-    );
-    mid
-}
-
-fn reduce_typed<T: Element>(op: ReduceOp, acc: &mut [u8], inc: &[u8]) {
-    let (acc, inc) = (typed_mut::<T>(acc), typed::<T>(inc));
-    match op {
-        ReduceOp::Sum | ReduceOp::Average => {
-            acc.iter_mut().zip(inc).for_each(|(a, b)| *a = a.add(*b))
-        }
-        ReduceOp::Min => acc.iter_mut().zip(inc).for_each(|(a, b)| {
-            if *b < *a {
-                *a = *b
-            }
-        }),
-        ReduceOp::Max => acc.iter_mut().zip(inc).for_each(|(a, b)| {
-            if *b > *a {
-                *a = *b
-            }
-        }),
-    }
-}
-
-/// `acc = acc (op) inc`, element-wise.
-pub fn reduce_bytes(dtype: DType, op: ReduceOp, acc: &mut [u8], inc: &[u8]) {
-    match dtype {
-        DType::F32 => reduce_typed::<f32>(op, acc, inc),
-        DType::F64 => reduce_typed::<f64>(op, acc, inc),
-        DType::I32 => reduce_typed::<i32>(op, acc, inc),
-        DType::I64 => reduce_typed::<i64>(op, acc, inc),
-        DType::U8 => reduce_typed::<u8>(op, acc, inc),
-    }
-}
-
-fn divide_typed<T: Element>(buf: &mut [u8], n: usize) {
-    typed_mut::<T>(buf)
-        .iter_mut()
-        .for_each(|x| *x = x.div_count(n));
-}
-
-/// Divides every element by `n` (the second half of an average).
-pub fn divide_bytes(dtype: DType, buf: &mut [u8], n: usize) {
-    match dtype {
-        DType::F32 => divide_typed::<f32>(buf, n),
-        DType::F64 => divide_typed::<f64>(buf, n),
-        DType::I32 => divide_typed::<i32>(buf, n),
-        DType::I64 => divide_typed::<i64>(buf, n),
-        DType::U8 => divide_typed::<u8>(buf, n),
-    }
-}
 
 /// Byte range of chunk `i` of `n` over `elems` elements of `esize` bytes.
 fn chunk(i: usize, n: usize, elems: usize, esize: usize) -> std::ops::Range<usize> {
@@ -401,7 +251,7 @@ impl<C: Comm> Collectives<C> {
     }
 
     /// Makes the shared-memory allreduce store by `mode` from now on (`None`, the default:
-    /// as each rank measures, [`super::stores`]); `false` where there is none. Collective
+    /// as each rank measures, [`stores`]); `false` where there is none. Collective
     /// the first time, like [`Self::choose`]; afterwards local (ranks need not agree).
     pub fn force_shm_stores(&self, mode: Option<StoreMode>) -> Result<bool, TransportError> {
         Ok(self.shm()?.map(|s| s.stores.force(mode)).is_some())
@@ -415,43 +265,6 @@ impl<C: Comm> Collectives<C> {
             shm.stores.cost(StoreMode::Cached),
             shm.stores.cost(StoreMode::Streaming),
         ))
-    }
-
-    /// The algorithm `auto` picks for `bytes` bytes on this communicator (collective the
-    /// first time: it finds out whether the ranks share a node).
-    pub fn choose(&self, bytes: usize) -> Result<Algorithm, TransportError> {
-        let native = self.comm.has_native();
-        let t = &self.tuning;
-        Ok(if self.size() <= 1 {
-            Algorithm::RecursiveDoubling
-        } else if t.shm
-            && self.shm()?.is_some_and(|s| {
-                s.oversubscribed()
-                    || (bytes >= t.shm_min_bytes || !native)
-                        && (bytes <= t.shm_max_bytes || self.size() > t.ring_max_ranks)
-            })
-        {
-            Algorithm::Shm
-        } else if bytes >= t.ring_min_bytes && self.size() <= t.ring_max_ranks {
-            Algorithm::Ring
-        } else if bytes < t.small_bytes && !native {
-            Algorithm::RecursiveDoubling
-        } else if native {
-            Algorithm::Mpi
-        } else {
-            Algorithm::Ring
-        })
-    }
-
-    /// The algorithm that runs when `algo` is asked for: `auto` chosen by size, `shm`
-    /// only where the ranks share a node (otherwise as `auto`).
-    fn resolve(&self, algo: Algorithm, bytes: usize) -> Result<Algorithm, TransportError> {
-        match algo {
-            Algorithm::Auto => self.choose(bytes),
-            // Not on one node (or one rank): whatever auto picks among the others.
-            Algorithm::Shm if self.shm()?.is_none() => self.choose(bytes),
-            a => Ok(a),
-        }
     }
 
     /// In-place allreduce of `buf` (elements of `dtype`, 64-byte aligned). Returns the
@@ -533,117 +346,6 @@ impl<C: Comm> Collectives<C> {
     ) -> Result<Algorithm, TransportError> {
         let dtype = t.dtype();
         self.allreduce(t.bytes_mut(), dtype, op, algo)
-    }
-
-    fn ring(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), TransportError> {
-        let (n, r, es) = (self.size(), self.rank(), dtype.size());
-        if n == 1 {
-            return Ok(());
-        }
-        let elems = buf.len() / es;
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-        let seg = (self.tuning.segment_bytes / es).max(1) * es;
-        let max_chunk = chunk(0, n, elems, es).len() + es;
-        let mut scratch = self.scratch(max_chunk);
-        let c = &self.comm;
-        let ring_tag = tag(c, Reserved::Ring);
-        // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1.
-        for s in 0..n - 1 {
-            let send_c = chunk((r + n - s) % n, n, elems, es);
-            let recv_c = chunk((r + n - s - 1) % n, n, elems, es);
-            let incoming = &mut scratch.as_mut_slice()[..recv_c.len()];
-            let segs_in: Vec<(usize, usize)> = (0..recv_c.len())
-                .step_by(seg)
-                .map(|o| (o, seg.min(recv_c.len() - o)))
-                .collect();
-            let mut recvs = Vec::with_capacity(segs_in.len());
-            for (o, l) in &segs_in {
-                // SAFETY: each segment is a disjoint part of `incoming`, not touched until
-                // its request is waited on below; all requests are waited on.
-                recvs.push(unsafe { c.irecv(incoming.as_mut_ptr().add(*o), *l, left, ring_tag)? });
-            }
-            let mut sends = Vec::new();
-            for o in (0..send_c.len()).step_by(seg) {
-                let l = seg.min(send_c.len() - o);
-                // SAFETY: the send chunk is disjoint from the receive chunk being reduced
-                // (different chunk indices) and is not modified before the sends complete.
-                sends.push(unsafe {
-                    c.isend(buf.as_ptr().add(send_c.start + o), l, right, ring_tag)?
-                });
-            }
-            for ((o, l), req) in segs_in.iter().zip(recvs) {
-                c.wait(req)?;
-                let dst = &mut buf[recv_c.start + o..recv_c.start + o + l];
-                reduce_bytes(dtype, op, dst, &incoming[*o..o + l]);
-            }
-            for s in sends {
-                c.wait(s)?;
-            }
-        }
-        // Allgather of the reduced chunks, straight into place.
-        for s in 0..n - 1 {
-            let send_c = chunk((r + 1 + n - s) % n, n, elems, es);
-            let recv_c = chunk((r + n - s) % n, n, elems, es);
-            let (sb, rb) = disjoint(buf, send_c, recv_c);
-            sendrecv(c, sb, right, rb, left, ring_tag)?;
-        }
-        Ok(())
-    }
-
-    fn recursive_doubling(
-        &self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<(), TransportError> {
-        let (n, r) = (self.size(), self.rank());
-        if n == 1 {
-            return Ok(());
-        }
-        let c = &self.comm;
-        let p = 1 << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
-        let rem = n - p;
-        let mut scratch = self.scratch(buf.len());
-        let tmp = &mut scratch.as_mut_slice()[..buf.len()];
-        // Fold: among the first 2*rem ranks, evens hand their data to the next odd rank.
-        let vrank = if r < 2 * rem {
-            if r % 2 == 0 {
-                send(c, buf, r + 1, tag(c, Reserved::RecursiveDoubling))?;
-                None
-            } else {
-                recv(c, tmp, r - 1, tag(c, Reserved::RecursiveDoubling))?;
-                reduce_bytes(dtype, op, buf, tmp);
-                Some(r / 2)
-            }
-        } else {
-            Some(r - rem)
-        };
-        if let Some(v) = vrank {
-            let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
-            let mut mask = 1;
-            while mask < p {
-                let partner = real(v ^ mask);
-                sendrecv(
-                    c,
-                    buf,
-                    partner,
-                    tmp,
-                    partner,
-                    tag(c, Reserved::RecursiveDoubling),
-                )?;
-                reduce_bytes(dtype, op, buf, tmp);
-                mask <<= 1;
-            }
-        }
-        // Unfold: odd ranks give the result back to their even partner.
-        if r < 2 * rem {
-            if r % 2 == 0 {
-                recv(c, buf, r + 1, tag(c, Reserved::RecursiveDoubling))?;
-            } else {
-                send(c, buf, r - 1, tag(c, Reserved::RecursiveDoubling))?;
-            }
-        }
-        Ok(())
     }
 }
 
