@@ -60,13 +60,25 @@ fn every_scheme_runs_under_the_standard_minimum_tag_bound() {
     );
     let lines = check_passes(&run, |ub| ub == 32767);
     assert_eq!(lines[0]["shm"], json!(true));
-    for args in [
-        &["--mode", "ps", "--ps", "1", "--transport", "p2p"][..],
-        &["--mode", "ps", "--ps", "1", "--transport", "rma"][..],
-        &["--mode", "ps", "--ps", "1", "--async"][..],
-        &["--mode", "allreduce", "--fusion-threshold", "1"][..],
+    // Asynchronous updates are stale and arrive in any order: at 400 steps the accuracy
+    // read 0.916 (once, in a suite run) and 0.939-0.975 over six runs; at 1200 steps
+    // 0.981-0.986 over four.
+    for (steps, args) in [
+        (
+            "400",
+            &["--mode", "ps", "--ps", "1", "--transport", "p2p"][..],
+        ),
+        (
+            "400",
+            &["--mode", "ps", "--ps", "1", "--transport", "rma"][..],
+        ),
+        ("1200", &["--mode", "ps", "--ps", "1", "--async"][..]),
+        (
+            "400",
+            &["--mode", "allreduce", "--fusion-threshold", "1"][..],
+        ),
     ] {
-        let mut a = vec!["-np", "4", mpiflow(), "train", "--steps", "400"];
+        let mut a = vec!["-np", "4", mpiflow(), "train", "--steps", steps];
         a.extend_from_slice(args);
         let run = mpirun_with(Some("32767"), &[], &a);
         assert_eq!(run.code, 0, "{args:?}: {run:?}");

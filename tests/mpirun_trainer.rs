@@ -1,20 +1,26 @@
 //! `examples/trainer.rs`, the seeds' trainer written with mpiflow's library, under real
 //! `mpirun -np 4` (1 ps, 3 workers), with its role from each of the three sources: the
 //! MPI mapping, the seeds' flags (one app context per task, ranks not in task order),
-//! and TF_CONFIG per process. The chief prints `accuracy X`.
+//! and TF_CONFIG per process. The chief prints `accuracy X`. `examples/allreduce.rs`, a
+//! model of its own trained by allreduce, under `mpirun -np 3`.
 
 mod common;
 
 use common::{accuracy, mpirun};
 
-/// The example's binary, built beside mpiflow's by `cargo test`.
-fn trainer() -> String {
+/// An example's binary, built beside mpiflow's by `cargo test`.
+fn example(name: &str) -> String {
     let bin = std::path::Path::new(common::mpiflow());
     bin.parent()
         .expect("a target directory")
-        .join("examples/trainer")
+        .join("examples")
+        .join(name)
         .display()
         .to_string()
+}
+
+fn trainer() -> String {
+    example("trainer")
 }
 
 fn assert_trained(out: &common::Run, what: &str) {
@@ -118,4 +124,16 @@ fn a_task_missing_from_the_job_is_the_same_one_line_error_on_every_rank() {
         );
         assert!(!l.contains("panicked"), "{l}");
     }
+}
+
+#[test]
+fn the_allreduce_example_trains_its_own_model() {
+    let out = mpirun(&["-np", "3", &example("allreduce"), "--steps", "600"]);
+    assert_trained(&out, "allreduce example");
+    assert!(
+        out.stdout
+            .contains("example-cnn: input 8x8x1, conv 3x3x8/1 pad 1"),
+        "its own model: {}",
+        out.stdout
+    );
 }

@@ -9,17 +9,80 @@
 //!
 //! Bandwidth is the bytes all workers move per second: `W x 2S / mean round time`.
 
+use std::time::{Duration, Instant};
+
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path};
 use super::{best_of_rounds, BenchError, Better, Row};
 use crate::cluster::{Layout, MappingOptions};
-use crate::tensor::DType;
-use crate::train::ps::PsTransport;
+use crate::tensor::{DType, Tensor};
+use crate::train::optim::{Optimizer, OptimizerKind};
+use crate::train::ps::placement::{DeviceSetter, Strategy};
+use crate::train::ps::{self, PsError, PsTransport, Roles};
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 const TAG: i32 = 7;
+
+/// The mpiflow path over messages: ps ranks serve, workers run `warmup +
+/// rounds` rounds of one push and one pull of `floats` floats, sliced evenly over the ps
+/// tasks, through the real protocol (async, SGD). Workers return the mean seconds of a
+/// timed round; ps ranks return `None`.
+fn p2p_rounds<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    floats: usize,
+    rounds: usize,
+    warmup: usize,
+) -> Result<Option<f64>, PsError> {
+    let roles = Roles::new(layout)?;
+    let timeout = Duration::from_secs(60);
+    let me = comm.rank();
+    if let Some(k) = roles.ps_index(me) {
+        return ps::server::serve(comm, &roles, k, timeout).map(|_| None);
+    }
+    let Some(w) = roles.worker_index(me) else {
+        return Ok(None);
+    };
+    let vars = vec![("model".to_string(), floats)];
+    let setter = DeviceSetter {
+        strategy: Strategy::Partition,
+        partition_bytes: floats.div_ceil(roles.ps.len()).max(1) * 4,
+    };
+    let client = ps::worker::Client {
+        comm,
+        roles: &roles,
+        shards: setter.place(&vars, roles.ps.len()),
+        timeout,
+    };
+    let zeros = Tensor::zeros(crate::tensor::DType::F32, &[floats])
+        .map_err(|e| PsError::Setup(e.to_string()))?
+        .named("model");
+    let mut params = vec![zeros];
+    let grads = params.clone();
+    if w == 0 {
+        let setup = ps::protocol::Setup {
+            shards: client.shards.clone(),
+            optimizer: Optimizer::new(OptimizerKind::Sgd, 1e-12),
+            sync: None,
+        };
+        client.init(&setup, &params)?;
+    }
+    // Like training: every worker's first pull waits for the chief's initialisation.
+    client.pull(0, &mut params)?;
+    let mut start = Instant::now();
+    for i in 0..warmup + rounds {
+        if i == warmup {
+            start = Instant::now();
+        }
+        client.push(0, 1, 0.0, &grads)?;
+        client.pull(0, &mut params)?;
+    }
+    let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
+    client.done()?;
+    Ok(Some(secs))
+}
 
 /// The plain-MPI path: returns mean seconds per round on workers, `None` on ps ranks.
 fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) -> Option<f64> {
@@ -124,9 +187,7 @@ pub fn run(
         let mine = match path {
             Path::Mpi => raw(comm, ps, size, iters, warmup),
             _ => match opts.transport {
-                PsTransport::P2p => {
-                    crate::train::ps::bench_pushpull(comm, &l, size / 4, iters, warmup)
-                }
+                PsTransport::P2p => p2p_rounds(comm, &l, size / 4, iters, warmup),
                 PsTransport::Rma => {
                     crate::train::ps::rma::bench_pushpull(comm, &l, size / 4, iters, warmup)
                 }

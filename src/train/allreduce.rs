@@ -46,6 +46,20 @@ pub struct AllreduceConfig {
     pub perturb_rank: Option<usize>,
 }
 
+impl Default for AllreduceConfig {
+    /// The shared defaults, replicas compared every 100 steps, one fused allreduce after
+    /// the backward pass (the library's algorithm choice).
+    fn default() -> Self {
+        AllreduceConfig {
+            train: TrainConfig::default(),
+            check_every: 100,
+            overlap: false,
+            fusion: FusionConfig::default(),
+            perturb_rank: None,
+        }
+    }
+}
+
 /// Errors of allreduce training.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllreduceError {

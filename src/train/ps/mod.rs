@@ -38,7 +38,7 @@ pub mod shards;
 pub mod wire;
 pub mod worker;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use self::placement::{DeviceSetter, Strategy};
 use self::protocol::SyncReplicas;
@@ -46,7 +46,7 @@ pub use self::roles::Roles;
 use super::checkpoint;
 use super::data::{shard, Batches, Dataset};
 use super::session::{MonitoredSession, SessionOptions};
-use super::{StepLog, TrainConfig};
+use super::TrainConfig;
 use crate::cluster::Layout;
 use crate::model::Model;
 use crate::transport::comm::{Comm, TransportError};
@@ -186,31 +186,6 @@ pub fn run<C: Comm>(
     Ok(())
 }
 
-/// The chief's log line for `steps` global steps that took `took` (the one-sided ps).
-pub(crate) fn step_line(
-    cfg: &PsConfig,
-    workers: usize,
-    step: u64,
-    loss: f32,
-    steps: u64,
-    took: Duration,
-) -> String {
-    let secs = took.as_secs_f64().max(1e-9);
-    // A sync step uses a global batch; an async one a worker's shard of it.
-    let per_step = if cfg.sync {
-        cfg.train.batch
-    } else {
-        cfg.train.batch / workers.max(1)
-    };
-    StepLog {
-        step,
-        loss,
-        steps_per_sec: steps as f64 / secs,
-        samples_per_sec: (steps * per_step as u64) as f64 / secs,
-    }
-    .line()
-}
-
 /// The variables of a replica: name and element count, in creation order.
 pub(crate) fn variables(model: &crate::model::Replica<'_>) -> Vec<(String, usize)> {
     model
@@ -218,66 +193,6 @@ pub(crate) fn variables(model: &crate::model::Replica<'_>) -> Vec<(String, usize
         .iter()
         .map(|p| (p.name().to_string(), p.numel()))
         .collect()
-}
-
-/// Benchmark support (`mpiflow bench pushpull`): ps ranks serve, workers run `warmup +
-/// rounds` rounds of one push and one pull of `floats` floats, sliced evenly over the ps
-/// tasks, through the real protocol (async, SGD). Workers return the mean seconds of a
-/// timed round; ps ranks return `None`.
-pub fn bench_pushpull<C: Comm>(
-    comm: &C,
-    layout: &Layout,
-    floats: usize,
-    rounds: usize,
-    warmup: usize,
-) -> Result<Option<f64>, PsError> {
-    use crate::tensor::Tensor;
-    let roles = Roles::new(layout)?;
-    let timeout = Duration::from_secs(60);
-    let me = comm.rank();
-    if let Some(k) = roles.ps_index(me) {
-        return server::serve(comm, &roles, k, timeout).map(|_| None);
-    }
-    let Some(w) = roles.worker_index(me) else {
-        return Ok(None);
-    };
-    let vars = vec![("model".to_string(), floats)];
-    let setter = DeviceSetter {
-        strategy: Strategy::Partition,
-        partition_bytes: floats.div_ceil(roles.ps.len()).max(1) * 4,
-    };
-    let client = worker::Client {
-        comm,
-        roles: &roles,
-        shards: setter.place(&vars, roles.ps.len()),
-        timeout,
-    };
-    let zeros = Tensor::zeros(crate::tensor::DType::F32, &[floats])
-        .map_err(|e| PsError::Setup(e.to_string()))?
-        .named("model");
-    let mut params = vec![zeros];
-    let grads = params.clone();
-    if w == 0 {
-        let setup = protocol::Setup {
-            shards: client.shards.clone(),
-            optimizer: super::optim::Optimizer::new(super::optim::OptimizerKind::Sgd, 1e-12),
-            sync: None,
-        };
-        client.init(&setup, &params)?;
-    }
-    // Like training: every worker's first pull waits for the chief's initialisation.
-    client.pull(0, &mut params)?;
-    let mut start = Instant::now();
-    for i in 0..warmup + rounds {
-        if i == warmup {
-            start = Instant::now();
-        }
-        client.push(0, 1, 0.0, &grads)?;
-        client.pull(0, &mut params)?;
-    }
-    let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
-    client.done()?;
-    Ok(Some(secs))
 }
 
 #[cfg(test)]

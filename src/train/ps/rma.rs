@@ -44,6 +44,7 @@ use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
 use crate::train::data::{shard, Batches, Dataset};
 use crate::train::optim::{OptimizerKind, Slots};
+use crate::train::StepLog;
 use crate::transport::comm::{Backoff, Comm};
 use crate::transport::mpi::MpiComm;
 use crate::transport::rma::{Epoch, RmaError, Window};
@@ -327,6 +328,31 @@ fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
         && ((every > 0 && s.is_multiple_of(every)) || s == cfg.train.steps)
 }
 
+/// The chief's log line for `steps` global steps that took `took` (the one-sided ps).
+fn step_line(
+    cfg: &PsConfig,
+    workers: usize,
+    step: u64,
+    loss: f32,
+    steps: u64,
+    took: Duration,
+) -> String {
+    let secs = took.as_secs_f64().max(1e-9);
+    // A sync step uses a global batch; an async one a worker's shard of it.
+    let per_step = if cfg.sync {
+        cfg.train.batch
+    } else {
+        cfg.train.batch / workers.max(1)
+    };
+    StepLog {
+        step,
+        loss,
+        steps_per_sec: steps as f64 / secs,
+        samples_per_sec: (steps * per_step as u64) as f64 / secs,
+    }
+    .line()
+}
+
 struct Rma<'a> {
     roles: &'a Roles,
     cfg: &'a PsConfig,
@@ -559,14 +585,7 @@ impl Rma<'_> {
                 } else {
                     last_loss
                 };
-                log(&super::step_line(
-                    cfg,
-                    nw,
-                    s,
-                    loss,
-                    s - logged,
-                    window.elapsed(),
-                ));
+                log(&step_line(cfg, nw, s, loss, s - logged, window.elapsed()));
                 (window, logged) = (Instant::now(), s);
             }
             if chief && cfg.sync && checkpoint_due(cfg, start, s) {
