@@ -113,7 +113,7 @@ fn main() {
         ..TrainConfig::default()
     };
     let mlp = mpiflow::model::mlp(64, &[128], 10).expect("a valid MLP");
-    let r = train_local(&mlp, &cfg, &train, &test, |_| {}, &mut |_| {}).expect("training runs");
+    let r = train_local(&mlp, &cfg, &train, &test, &mut |_| {}).expect("training runs");
     println!(
         "{:<8}{:>16.0}{:>12.4}",
         cfg.steps, r.samples_per_sec, r.accuracy

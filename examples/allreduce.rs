@@ -13,6 +13,7 @@ use mpiflow::model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu};
 use mpiflow::model::{Model, Sequential};
 use mpiflow::train::allreduce::{self, AllreduceConfig};
 use mpiflow::train::data::Dataset;
+use mpiflow::train::events::Event;
 use mpiflow::train::server::Server;
 use mpiflow::train::TrainConfig;
 
@@ -61,7 +62,7 @@ fn run(args: &[String]) -> Result<(), String> {
         },
         ..AllreduceConfig::default()
     };
-    let mut log = |line: &str| println!("{line}");
+    let mut log = |e: &Event| println!("{e}");
     allreduce::run(
         server.comm(),
         server.layout(),

@@ -22,8 +22,9 @@ use std::time::Instant;
 
 use super::checkpoint::{self, State};
 use super::data::{shard, Batches, Dataset};
+use super::events::Event;
 use super::optim::Slots;
-use super::TrainConfig;
+use super::{StepLog, TrainConfig};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
@@ -228,7 +229,7 @@ fn bcast_bytes<C: Comm>(coll: &Collectives<C>, mine: Vec<u8>) -> Result<Vec<u8>,
     Ok(buf)
 }
 
-/// Runs this rank's part of allreduce training; `log` sees the chief's lines.
+/// Runs this rank's part of allreduce training; `events` sees what the chief reports.
 pub fn run<C: Comm + Send>(
     comm: &C,
     layout: &Layout,
@@ -236,7 +237,7 @@ pub fn run<C: Comm + Send>(
     cfg: &AllreduceConfig,
     train: &Dataset,
     test: &Dataset,
-    log: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<(), AllreduceError> {
     let me = &layout.ranks[comm.rank()];
     let worker_id = layout.spec.worker_id(&me.task);
@@ -245,11 +246,11 @@ pub fn run<C: Comm + Send>(
         worker_id.unwrap_or(comm.rank()),
     )?;
     let Some(_) = worker_id else {
-        log(&format!(
-            "# {} (rank {}): not a replica in allreduce mode; idle",
+        events(&Event::Note(format!(
+            "{} (rank {}): not a replica in allreduce mode; idle",
             me.task,
             comm.rank()
-        ));
+        )));
         return Ok(());
     };
     let coll = Collectives::new(sub);
@@ -267,7 +268,7 @@ pub fn run<C: Comm + Send>(
     let mut start_bytes = Vec::new();
     if chief {
         let restored = match &cfg.train.checkpoint_dir {
-            Some(dir) => checkpoint::state::restore(dir, &vars, log)?,
+            Some(dir) => checkpoint::state::restore(dir, &vars, events)?,
             None => None,
         };
         let start = restored.unwrap_or_else(|| State::of_replica(&model, &slots, 0));
@@ -310,13 +311,13 @@ pub fn run<C: Comm + Send>(
                     format!("fused up to {} bytes", cfg.fusion.threshold_bytes)
                 };
                 let algorithm = crate::named::Named::name(cfg.fusion.algorithm);
-                log(&format!(
-                    "# gradients: {} tensors, {} bytes, allreduce calls per step: {} ({how}, \
+                events(&Event::Note(format!(
+                    "gradients: {} tensors, {} bytes, allreduce calls per step: {} ({how}, \
                      algorithm {algorithm}, {nw} replicas)",
                     grads.len(),
                     stats.bytes,
                     stats.messages,
-                ));
+                )));
             }
             let total = global.len() as f32;
             for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
@@ -350,13 +351,13 @@ pub fn run<C: Comm + Send>(
                 if chief {
                     let l = loss_buf.as_slice::<f64>().expect("f64");
                     let secs = window.elapsed().as_secs_f64().max(1e-9);
-                    log(&format!(
-                        "step {step:>6} loss {:.4} steps/s {:.1} samples/s {:.0} comm {:.0}%",
-                        l[0] / l[1],
-                        window_steps as f64 / secs,
-                        (window_steps * cfg.train.batch as u64) as f64 / secs,
-                        100.0 * comm_secs / secs
-                    ));
+                    events(&Event::Step(StepLog {
+                        step,
+                        loss: (l[0] / l[1]) as f32,
+                        steps_per_sec: window_steps as f64 / secs,
+                        samples_per_sec: (window_steps * cfg.train.batch as u64) as f64 / secs,
+                        comm_fraction: Some(comm_secs / secs),
+                    }));
                 }
                 (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
             }
@@ -365,15 +366,15 @@ pub fn run<C: Comm + Send>(
                 && step.is_multiple_of(cfg.train.checkpoint_every)
                 && step < cfg.train.steps
             {
-                write_checkpoint(cfg, &model, &slots, step, log)?;
+                write_checkpoint(cfg, &model, &slots, step, events)?;
                 last_ckpt = step;
             }
         }
         if chief {
             if last_ckpt != step {
-                write_checkpoint(cfg, &model, &slots, step, log)?;
+                write_checkpoint(cfg, &model, &slots, step, events)?;
             }
-            super::finish(&model, test, step, cfg.train.save_params.as_deref(), log)
+            super::finish(&model, test, step, cfg.train.save_params.as_deref(), events)
                 .map_err(|e| AllreduceError::Setup(e.to_string()))?;
         }
         Ok(())
@@ -385,14 +386,14 @@ fn write_checkpoint(
     model: &Replica<'_>,
     slots: &[Slots],
     step: u64,
-    log: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<(), AllreduceError> {
     let Some(dir) = &cfg.train.checkpoint_dir else {
         return Ok(());
     };
     let vars = crate::train::ps::variables(model);
     let path = State::of_replica(model, slots, step).write(dir, &model.model.describe(), &vars)?;
-    log(&format!("# checkpoint {} written", path.display()));
+    events(&Event::Checkpoint { path, step });
     Ok(())
 }
 
@@ -412,8 +413,7 @@ mod tests {
             ..TrainConfig::default()
         };
         let mlp = crate::model::mlp(64, &[128], 10).unwrap();
-        let local =
-            super::super::train_local(&mlp, &tc, &train, &test, |_| {}, &mut |_| {}).unwrap();
+        let local = super::super::train_local(&mlp, &tc, &train, &test, &mut |_| {}).unwrap();
         for n in [2usize, 3, 4] {
             let layout = Layout::single_host(n, &MappingOptions::default()).unwrap();
             let out =

@@ -15,6 +15,15 @@ pub enum Event {
     Placement(String),
     /// Restored from a checkpoint.
     Restored { path: PathBuf, step: u64 },
+    /// A checkpoint committed.
+    Checkpoint { path: PathBuf, step: u64 },
+    /// The chief's evaluation on the held-out samples.
+    Accuracy {
+        accuracy: f64,
+        correct: usize,
+        total: usize,
+        step: u64,
+    },
     /// Something worth a look that does not stop training.
     Warning(String),
     /// Any other note (a comment line).
@@ -29,6 +38,16 @@ impl fmt::Display for Event {
             Event::Restored { path, step } => {
                 write!(f, "# restored {} (global step {step})", path.display())
             }
+            Event::Checkpoint { path, .. } => write!(f, "# checkpoint {} written", path.display()),
+            Event::Accuracy {
+                accuracy,
+                correct,
+                total,
+                step,
+            } => write!(
+                f,
+                "accuracy {accuracy:.4} ({correct}/{total} held-out samples) at global step {step}"
+            ),
             Event::Warning(w) => write!(f, "# warning: {w}"),
             Event::Note(n) if n.starts_with('#') => write!(f, "{n}"),
             Event::Note(n) => write!(f, "# {n}"),

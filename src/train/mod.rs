@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use data::{Batches, Dataset};
+use events::Event;
 use optim::{Optimizer, OptimizerKind, Slots};
 
 use crate::model::{Model, ModelError, Replica};
@@ -87,15 +88,21 @@ pub struct StepLog {
     pub loss: f32,
     pub steps_per_sec: f64,
     pub samples_per_sec: f64,
+    /// The share of the window spent in the gradient reduction (allreduce mode).
+    pub comm_fraction: Option<f64>,
 }
 
 impl StepLog {
-    /// The log line (`step N loss L steps/s S samples/s R`).
+    /// The log line (`step N loss L steps/s S samples/s R`, then `comm C%` if known).
     pub fn line(&self) -> String {
-        format!(
+        let mut line = format!(
             "step {:>6} loss {:.4} steps/s {:.1} samples/s {:.0}",
             self.step, self.loss, self.steps_per_sec, self.samples_per_sec
-        )
+        );
+        if let Some(c) = self.comm_fraction {
+            line.push_str(&format!(" comm {:.0}%", 100.0 * c));
+        }
+        line
     }
 }
 
@@ -108,21 +115,22 @@ pub enum FinishError {
     Checkpoint(#[from] checkpoint::CheckpointError),
 }
 
-/// The chief's last act in every distributed mode: the held-out accuracy line, and the
-/// final parameters written to `save` if asked.
+/// The chief's last act in every distributed mode: the held-out accuracy, and the final
+/// parameters written to `save` if asked.
 pub fn finish(
     model: &Replica<'_>,
     test: &Dataset,
     step: u64,
     save: Option<&std::path::Path>,
-    log: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<f64, FinishError> {
     let acc = model.accuracy(&test.x, &test.y)?;
-    let correct = (acc * test.len() as f64).round() as usize;
-    log(&format!(
-        "accuracy {acc:.4} ({correct}/{} held-out samples) at global step {step}",
-        test.len()
-    ));
+    events(&Event::Accuracy {
+        accuracy: acc,
+        correct: (acc * test.len() as f64).round() as usize,
+        total: test.len(),
+        step,
+    });
     if let Some(p) = save {
         save_params(model, p, step)?;
     }
@@ -167,8 +175,8 @@ pub fn initial_replica<'m>(
     Ok(Replica::new(model, seed))
 }
 
-/// Trains `model` in this process on `train`, evaluates on `test`; `log` sees every
-/// `log_every`-th step, `note` the checkpoint lines. With `checkpoint_dir` it resumes from
+/// Trains `model` in this process on `train`, evaluates on `test`; `events` sees every
+/// `log_every`-th step and the checkpoints. With `checkpoint_dir` it resumes from
 /// the newest valid checkpoint there (any mode's) and checkpoints every
 /// `checkpoint_every` steps and at the end; with `save_params` it writes the final
 /// parameters.
@@ -177,8 +185,7 @@ pub fn train_local<'m>(
     cfg: &TrainConfig,
     train: &Dataset,
     test: &Dataset,
-    mut log: impl FnMut(StepLog),
-    note: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<TrainReport<'m>, FinishError> {
     let mut model = initial_replica(model, train, cfg.seed)?;
     let opt = cfg.optimizer;
@@ -186,7 +193,7 @@ pub fn train_local<'m>(
     let vars = ps::variables(&model);
     let mut first = 0;
     if let Some(dir) = &cfg.checkpoint_dir {
-        if let Some(state) = checkpoint::state::restore(dir, &vars, note)? {
+        if let Some(state) = checkpoint::state::restore(dir, &vars, events)? {
             state.apply_to(&mut model, &mut slots);
             first = state.step;
         }
@@ -210,12 +217,13 @@ pub fn train_local<'m>(
         let done = step + 1;
         if cfg.log_every > 0 && done % cfg.log_every == 0 {
             let secs = window_start.elapsed().as_secs_f64().max(1e-9);
-            log(StepLog {
+            events(&Event::Step(StepLog {
                 step: done,
                 loss,
                 steps_per_sec: window_steps as f64 / secs,
                 samples_per_sec: (window_steps * cfg.batch as u64) as f64 / secs,
-            });
+                comm_fraction: None,
+            }));
             (window_start, window_steps) = (Instant::now(), 0);
         }
         let due = cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0;
@@ -225,7 +233,7 @@ pub fn train_local<'m>(
                 &model.model.describe(),
                 &vars,
             )?;
-            note(&format!("# checkpoint {} written", path.display()));
+            events(&Event::Checkpoint { path, step: done });
         }
     }
     let secs = start.elapsed().as_secs_f64().max(1e-9);
@@ -255,21 +263,18 @@ mod tests {
         let cfg = TrainConfig::default();
         let mlp = crate::model::mlp(64, &[128], 10).unwrap();
         let mut losses = Vec::new();
-        let a = train_local(
-            &mlp,
-            &cfg,
-            &train,
-            &test,
-            |l| losses.push(l.loss),
-            &mut |_| {},
-        )
-        .unwrap();
+        let mut record = |e: &Event| {
+            if let Event::Step(l) = e {
+                losses.push(l.loss)
+            }
+        };
+        let a = train_local(&mlp, &cfg, &train, &test, &mut record).unwrap();
         assert!(a.accuracy >= 0.95, "held-out accuracy {}", a.accuracy);
         assert!(
             losses.first().unwrap() > losses.last().unwrap(),
             "{losses:?}"
         );
-        let b = train_local(&mlp, &cfg, &train, &test, |_| {}, &mut |_| {}).unwrap();
+        let b = train_local(&mlp, &cfg, &train, &test, &mut |_| {}).unwrap();
         assert!(
             a.model.same_parameters(&b.model),
             "same seed, same parameters bit for bit"

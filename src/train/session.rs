@@ -308,6 +308,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 loss,
                 steps_per_sec: self.window.0 as f64 / secs,
                 samples_per_sec: self.window.1 as f64 / secs,
+                comm_fraction: None,
             };
             self.emit(&Event::Step(log));
             self.window = (0, 0, Instant::now());
@@ -335,11 +336,8 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             &self.replica.model.describe(),
             &super::ps::variables(&self.replica),
         );
-        let mut lines = Vec::new();
-        shards::commit(&dir, step, &files, meta, &mut |l| lines.push(l.to_string()))?;
-        for l in lines {
-            self.emit(&Event::Note(l));
-        }
+        let written = shards::commit(&dir, step, &files, meta)?;
+        self.emit(&written);
         self.last_ckpt = (step, Instant::now());
         Ok(())
     }

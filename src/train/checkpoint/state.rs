@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use super::{Arrays, CheckpointError, Found};
 use crate::model::Replica;
+use crate::train::events::Event;
 use crate::train::optim::Slots;
 
 /// The one file of a replica mode's checkpoint.
@@ -277,12 +278,12 @@ impl State {
 }
 
 /// The newest valid checkpoint in `dir` (created if missing), loaded for a model of
-/// `vars`, if there is one; `log` hears of each newer one that did not verify, and of the
-/// one restored. Any mode's checkpoint will do.
+/// `vars`, if there is one; `events` hears of each newer one that did not verify, and of
+/// the one restored. Any mode's checkpoint will do.
 pub fn restore(
     dir: &Path,
     vars: &Variables,
-    log: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<Option<State>, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io {
         path: dir.display().to_string(),
@@ -290,17 +291,16 @@ pub fn restore(
     })?;
     let (found, warnings) = super::latest(dir);
     for w in warnings {
-        log(&format!("# warning: {w}"));
+        events(&Event::Warning(w));
     }
     let Some(found) = found else {
         return Ok(None);
     };
     let state = State::load(&found, vars)?;
-    log(&format!(
-        "# restored {} (global step {})",
-        found.path.display(),
-        found.step
-    ));
+    events(&Event::Restored {
+        path: found.path,
+        step: found.step,
+    });
     Ok(Some(state))
 }
 

@@ -45,6 +45,7 @@ use self::protocol::SyncReplicas;
 pub use self::roles::Roles;
 use super::checkpoint;
 use super::data::{shard, Batches, Dataset};
+use super::events::Event;
 use super::session::{MonitoredSession, SessionOptions};
 use super::TrainConfig;
 use crate::cluster::Layout;
@@ -140,7 +141,7 @@ pub fn run<C: Comm>(
     cfg: &PsConfig,
     train: &Dataset,
     test: &Dataset,
-    log: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<(), PsError> {
     let roles = Roles::new(layout)?;
     let me = comm.rank();
@@ -150,10 +151,10 @@ pub fn run<C: Comm>(
         return server::serve(comm, &roles, k, cfg.peer_timeout);
     }
     let Some(w) = roles.worker_index(me) else {
-        log(&format!(
-            "# {}: not part of ps training (evaluator); idle",
+        events(&Event::Note(format!(
+            "{}: not part of ps training (evaluator); idle",
             roles.task(me)
-        ));
+        )));
         return Ok(());
     };
     let nw = roles.workers.len();
@@ -170,8 +171,7 @@ pub fn run<C: Comm>(
         peer_timeout: cfg.peer_timeout,
     };
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
-    let mut sess =
-        MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| log(&e.to_string()));
+    let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
         let (x, y) = train.rows(shard(&global, w, nw));
@@ -180,8 +180,14 @@ pub fn run<C: Comm>(
     let (chief, step) = (sess.is_chief(), sess.global_step());
     let trained = sess.close()?;
     if chief {
-        super::finish(&trained, test, step, cfg.train.save_params.as_deref(), log)
-            .map_err(|e| PsError::Setup(e.to_string()))?;
+        super::finish(
+            &trained,
+            test,
+            step,
+            cfg.train.save_params.as_deref(),
+            events,
+        )
+        .map_err(|e| PsError::Setup(e.to_string()))?;
     }
     Ok(())
 }
@@ -233,15 +239,9 @@ mod tests {
         let (train, test) = data.split_holdout(1);
         let steps = 40;
         let mlp = crate::model::mlp(64, &[128], 10).unwrap();
-        let local = super::super::train_local(
-            &mlp,
-            &cfg(steps, true).train,
-            &train,
-            &test,
-            |_| {},
-            &mut |_| {},
-        )
-        .unwrap();
+        let local =
+            super::super::train_local(&mlp, &cfg(steps, true).train, &train, &test, &mut |_| {})
+                .unwrap();
         let dir = std::env::temp_dir().join(format!("mpiflow-ps-eq-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("params.bin");

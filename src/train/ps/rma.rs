@@ -43,6 +43,7 @@ use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
 use crate::train::data::{shard, Batches, Dataset};
+use crate::train::events::Event;
 use crate::train::optim::{OptimizerKind, Slots};
 use crate::train::StepLog;
 use crate::transport::comm::{Backoff, Comm};
@@ -182,7 +183,7 @@ pub fn run(
     cfg: &PsConfig,
     train: &Dataset,
     test: &Dataset,
-    log: &mut dyn FnMut(&str),
+    events: &mut dyn FnMut(&Event),
 ) -> Result<(), PsError> {
     check_config(cfg, layout)?;
     let roles = Roles::new(layout)?;
@@ -265,25 +266,28 @@ pub fn run(
     }
     if me == roles.workers.first().copied().unwrap_or(0) {
         for w in &warnings {
-            log(&format!("# warning: {w}"));
+            events(&Event::Warning(w.clone()));
         }
         if let Some(f) = &restored {
-            log(&format!(
-                "# restored {} (global step {})",
-                f.path.display(),
-                f.step
-            ));
+            events(&Event::Restored {
+                path: f.path.clone(),
+                step: f.step,
+            });
         }
-        log(&placement::report(&shards, &vars, roles.ps.len()));
-        log(&crate::transport::rma::path_note());
+        events(&Event::Placement(placement::report(
+            &shards,
+            &vars,
+            roles.ps.len(),
+        )));
+        events(&Event::Note(crate::transport::rma::path_note()));
         let hosts: std::collections::BTreeSet<&str> =
             layout.ranks.iter().map(|r| r.host.as_str()).collect();
         if hosts.len() > 1 && crate::transport::rma::rdma_devices().is_empty() {
             // Measured across network-namespace hosts: 31 steps/s against 3100 for p2p.
-            log(&format!(
-                "# warning: {} hosts and no RDMA device: one-sided operations between hosts are emulated over TCP messages that each target must poll for; --transport p2p is about 100x faster there",
+            events(&Event::Warning(format!(
+                "{} hosts and no RDMA device: one-sided operations between hosts are emulated over TCP messages that each target must poll for; --transport p2p is about 100x faster there",
                 hosts.len()
-            ));
+            )));
         }
     }
     mpi::traits::CommunicatorCollectives::barrier(comm.raw());
@@ -302,7 +306,7 @@ pub fn run(
                 ctx.serve_sync(k, &mut d, &c, state.take().expect("ps state"))
             }
             (Some(k), _) => ctx.serve_async(k, &c),
-            (None, Some(w)) => ctx.work(w, &mut model, &d, &c, train, test, log),
+            (None, Some(w)) => ctx.work(w, &mut model, &d, &c, train, test, events),
             (None, None) => Ok(()),
         }
     };
@@ -328,15 +332,15 @@ fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
         && ((every > 0 && s.is_multiple_of(every)) || s == cfg.train.steps)
 }
 
-/// The chief's log line for `steps` global steps that took `took` (the one-sided ps).
-fn step_line(
+/// The chief's step report for `steps` global steps that took `took` (the one-sided ps).
+fn step_event(
     cfg: &PsConfig,
     workers: usize,
     step: u64,
     loss: f32,
     steps: u64,
     took: Duration,
-) -> String {
+) -> Event {
     let secs = took.as_secs_f64().max(1e-9);
     // A sync step uses a global batch; an async one a worker's shard of it.
     let per_step = if cfg.sync {
@@ -344,13 +348,13 @@ fn step_line(
     } else {
         cfg.train.batch / workers.max(1)
     };
-    StepLog {
+    Event::Step(StepLog {
         step,
         loss,
         steps_per_sec: steps as f64 / secs,
         samples_per_sec: (steps * per_step as u64) as f64 / secs,
-    }
-    .line()
+        comm_fraction: None,
+    })
 }
 
 struct Rma<'a> {
@@ -364,6 +368,12 @@ struct Rma<'a> {
 }
 
 impl Rma<'_> {
+    /// Where checkpoints go: called only when one is due, which needs a directory.
+    fn checkpoint_dir(&self) -> &std::path::Path {
+        let dir = self.cfg.train.checkpoint_dir.as_deref();
+        dir.expect("a checkpoint is due only with --checkpoint-dir")
+    }
+
     fn ps_task(&self, k: usize) -> String {
         self.roles.task(self.roles.ps[k])
     }
@@ -463,12 +473,7 @@ impl Rma<'_> {
         step: u64,
         arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
-        let dir = self
-            .cfg
-            .train
-            .checkpoint_dir
-            .as_ref()
-            .expect("checkpoint due");
+        let dir = self.checkpoint_dir();
         let stage = crate::train::checkpoint::staging_dir(dir, step);
         std::fs::create_dir_all(&stage)
             .map_err(|e| PsError::Setup(format!("{}: {e}", stage.display())))?;
@@ -486,7 +491,7 @@ impl Rma<'_> {
         &self,
         ctl: &Epoch<'_, i64>,
         step: u64,
-        log: &mut dyn FnMut(&str),
+        events: &mut dyn FnMut(&Event),
     ) -> Result<(), PsError> {
         let me = self.roles.task(self.roles.workers[0]);
         let mut files = Vec::new();
@@ -501,13 +506,14 @@ impl Rma<'_> {
             let sum = ctl.fetch_and_add(*r, SAVED_SUM, 0)? as u64;
             files.push((super::shards::file(k), bytes, sum));
         }
-        let dir = self
-            .cfg
-            .train
-            .checkpoint_dir
-            .as_ref()
-            .expect("checkpoint due");
-        super::shards::commit(dir, step, &files, self.model_meta.clone(), log)
+        let dir = self.checkpoint_dir();
+        events(&super::shards::commit(
+            dir,
+            step,
+            &files,
+            self.model_meta.clone(),
+        )?);
+        Ok(())
     }
 
     /// The async ps: nothing to do per request; wait until every worker is done.
@@ -539,7 +545,7 @@ impl Rma<'_> {
         ctl: &Epoch<'_, i64>,
         train: &Dataset,
         test: &Dataset,
-        log: &mut dyn FnMut(&str),
+        events: &mut dyn FnMut(&Event),
     ) -> Result<(), PsError> {
         let cfg = self.cfg;
         let roles = self.roles;
@@ -585,11 +591,11 @@ impl Rma<'_> {
                 } else {
                     last_loss
                 };
-                log(&step_line(cfg, nw, s, loss, s - logged, window.elapsed()));
+                events(&step_event(cfg, nw, s, loss, s - logged, window.elapsed()));
                 (window, logged) = (Instant::now(), s);
             }
             if chief && cfg.sync && checkpoint_due(cfg, start, s) {
-                self.commit(ctl, s, log)?;
+                self.commit(ctl, s, events)?;
             }
             step = s + u64::from(cfg.sync);
             if s >= cfg.train.steps {
@@ -661,7 +667,7 @@ impl Rma<'_> {
                 test,
                 cfg.train.steps,
                 cfg.train.save_params.as_deref(),
-                log,
+                events,
             )
             .map_err(|e| PsError::Setup(e.to_string()))?;
         }

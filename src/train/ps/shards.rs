@@ -10,6 +10,7 @@ use super::placement::Shard;
 use super::PsError;
 use crate::train::checkpoint::state::Variables;
 use crate::train::checkpoint::{self, Arrays};
+use crate::train::events::Event;
 use crate::train::optim::Slots;
 
 /// The newest valid checkpoint of `dir` (created if missing), refused if it belongs to a
@@ -33,17 +34,15 @@ pub fn newest(
 
 /// The chief's last act of a checkpoint: the manifest over every ps's shard file (name,
 /// bytes, checksum) and the model's description (`meta`, from
-/// [`checkpoint::state::model_meta`]), committed atomically, and the log line.
+/// [`checkpoint::state::model_meta`]), committed atomically; the event that says so.
 pub fn commit(
     dir: &Path,
     step: u64,
     files: &[(String, u64, u64)],
     meta: serde_json::Value,
-    log: &mut dyn FnMut(&str),
-) -> Result<(), PsError> {
+) -> Result<Event, PsError> {
     let path = checkpoint::commit(dir, step, files, meta)?;
-    log(&format!("# checkpoint {} written", path.display()));
-    Ok(())
+    Ok(Event::Checkpoint { path, step })
 }
 
 /// The variables `shards` (every shard of every variable) cut: name and elements, in

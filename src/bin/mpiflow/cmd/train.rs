@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use mpiflow::model::Model;
+use mpiflow::train::events::Event;
 
 use super::resolve_with;
 use crate::args::{Mode, ModelChoice, TrainArgs};
@@ -30,15 +31,8 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
-    let report = train_local(
-        &model,
-        &cfg,
-        &train,
-        &test,
-        |l| emit(&format!("{}\n", l.line())),
-        &mut |line| emit(&format!("{line}\n")),
-    )
-    .map_err(Failure::local)?;
+    let mut print = |e: &Event| emit(&format!("{e}\n"));
+    let report = train_local(&model, &cfg, &train, &test, &mut print).map_err(Failure::local)?;
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
     emit(&format!(
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
@@ -132,7 +126,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
-    let mut log = |line: &str| emit(&format!("{}\n", line.trim_end()));
+    let mut log = |e: &Event| emit(&format!("{e}\n"));
     let result = match args.mode {
         Mode::Ps => {
             let cfg = PsConfig {
