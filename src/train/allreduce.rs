@@ -277,7 +277,7 @@ pub fn run<C: Comm + Send>(
     let start = bcast_bytes(&coll, start_bytes)?;
     let arrays = checkpoint::parse(std::path::Path::new("<broadcast>"), &start, None)?;
     let state = State::assemble(std::path::Path::new("<broadcast>"), &[arrays], &vars)?;
-    state.apply_to(&mut model, &mut slots);
+    state.apply_to(&mut model, &mut slots, &opt);
     step = step.max(state.step);
 
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);

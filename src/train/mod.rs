@@ -194,7 +194,7 @@ pub fn train_local<'m>(
     let mut first = 0;
     if let Some(dir) = &cfg.checkpoint_dir {
         if let Some(state) = checkpoint::state::restore(dir, &vars, events)? {
-            state.apply_to(&mut model, &mut slots);
+            state.apply_to(&mut model, &mut slots, &opt);
             first = state.step;
         }
     }

@@ -109,6 +109,21 @@ impl Optimizer {
         }
     }
 
+    /// The state to resume a parameter of `n` elements from restored moments `m`, `v`
+    /// after `t` updates: kept where they are what this rule keeps (a checkpoint of the
+    /// same optimizer), fresh otherwise (one written by a rule that keeps other moments,
+    /// or none), so a changed optimizer starts its moments anew instead of updating
+    /// nothing.
+    pub fn resume(&self, n: usize, m: Vec<f32>, v: Vec<f32>, t: u64) -> Slots {
+        let fresh = self.state(n);
+        let fits = m.len() == fresh.m.len() && v.len() == fresh.v.len();
+        if fits {
+            Slots { m, v, t }
+        } else {
+            Slots { t, ..fresh }
+        }
+    }
+
     /// Applies one update to `param` with `grad`, advancing `state`.
     pub fn apply(&self, param: &mut [f32], grad: &[f32], state: &mut Slots) {
         state.t += 1;
@@ -219,6 +234,22 @@ mod tests {
             (q[0] - 0.9).abs() < 1e-4,
             "Adam's first step is lr * sign(g): {q:?}"
         );
+    }
+
+    #[test]
+    fn resumed_moments_are_kept_only_when_they_fit_the_rule() {
+        let adam = Optimizer::new(OptimizerKind::Adam, 0.1);
+        let kept = adam.resume(2, vec![1.0, 2.0], vec![3.0, 4.0], 9);
+        assert_eq!(
+            (kept.m, kept.v, kept.t),
+            (vec![1.0, 2.0], vec![3.0, 4.0], 9)
+        );
+        // From an SGD checkpoint (no moments): Adam starts them at zero and still moves.
+        let mut s = adam.resume(2, Vec::new(), Vec::new(), 9);
+        assert_eq!((s.m.len(), s.v.len(), s.t), (2, 2, 9));
+        let mut p = [1.0f32, 1.0];
+        adam.apply(&mut p, &[1.0, -1.0], &mut s);
+        assert!(p[0] < 1.0 && p[1] > 1.0, "{p:?}");
     }
 
     #[test]

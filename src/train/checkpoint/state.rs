@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use super::{Arrays, CheckpointError, Found};
 use crate::model::Replica;
 use crate::train::events::Event;
-use crate::train::optim::Slots;
+use crate::train::optim::{Optimizer, Slots};
 
 /// The one file of a replica mode's checkpoint.
 pub const REPLICA_FILE: &str = "shard-replicas.bin";
@@ -212,17 +212,14 @@ impl State {
         }
     }
 
-    /// Sets a replica's parameters and optimizer state to this state (of its variables).
-    pub fn apply_to(&self, model: &mut Replica<'_>, slots: &mut [Slots]) {
+    /// Sets a replica's parameters to this state's, and its optimizer state to what `opt`
+    /// resumes from (see [`Optimizer::resume`]).
+    pub fn apply_to(&self, model: &mut Replica<'_>, slots: &mut [Slots], opt: &Optimizer) {
         for ((p, s), v) in model.params.iter_mut().zip(slots).zip(&self.vars) {
             p.as_mut_slice::<f32>()
                 .expect("f32")
                 .copy_from_slice(&v.param);
-            *s = Slots {
-                m: v.m.clone(),
-                v: v.v.clone(),
-                t: self.t,
-            };
+            *s = opt.resume(v.param.len(), v.m.clone(), v.v.clone(), self.t);
         }
     }
 
@@ -259,8 +256,15 @@ impl State {
         )
     }
 
-    /// Elements `offset..offset + len` of variable `var`: values and optimizer state.
-    pub fn slice(&self, var: usize, offset: usize, len: usize) -> (Vec<f32>, Slots) {
+    /// Elements `offset..offset + len` of variable `var`: values, and the state `opt`
+    /// resumes from (see [`Optimizer::resume`]).
+    pub fn slice(
+        &self,
+        var: usize,
+        offset: usize,
+        len: usize,
+        opt: &Optimizer,
+    ) -> (Vec<f32>, Slots) {
         let v = &self.vars[var];
         let part = |x: &Vec<f32>| {
             x.get(offset..offset + len)
@@ -268,11 +272,7 @@ impl State {
         };
         (
             part(&v.param),
-            Slots {
-                m: part(&v.m),
-                v: part(&v.v),
-                t: self.t,
-            },
+            opt.resume(len, part(&v.m), part(&v.v), self.t),
         )
     }
 }
@@ -363,7 +363,8 @@ mod tests {
         assert_eq!(s.vars[0].m, [0.1, 0.2, 0.3, 0.4]);
         assert_eq!(s.vars[1].v, [0.05, 0.06]);
         // Restored by one replica, or by three ps tasks cutting w otherwise.
-        let (p, slots) = s.slice(0, 1, 2);
+        let adam = Optimizer::new(crate::train::optim::OptimizerKind::Adam, 0.1);
+        let (p, slots) = s.slice(0, 1, 2, &adam);
         assert_eq!(p, [2.0, 3.0]);
         assert_eq!(slots.v, [0.02, 0.03]);
         assert_eq!(slots.t, 7);

@@ -220,7 +220,7 @@ pub fn run(
         let mem = unsafe { data.local_mut() };
         let (slots, start) = match &restored {
             Some(found) => {
-                let (params, slots, step) = super::shards::read(&found.path, &mine, &shards)?;
+                let (params, slots, step) = super::shards::read(&found.path, &mine, &shards, &opt)?;
                 let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
                 for (a, p) in at.zip(&params) {
                     mem[a..a + p.len()].copy_from_slice(p);

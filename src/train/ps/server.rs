@@ -402,7 +402,7 @@ impl<'a, C: Comm> Server<'a, C> {
     /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
     fn restore(&mut self, dir: &Path, all: &[Shard]) -> Result<(), String> {
         let (params, slots, step) =
-            shards::read(dir, &self.shards, all).map_err(|e| e.to_string())?;
+            shards::read(dir, &self.shards, all, &self.opt).map_err(|e| e.to_string())?;
         // All or nothing: only now replace the live state.
         self.params = params;
         self.slots = slots;

@@ -11,7 +11,7 @@ use super::PsError;
 use crate::train::checkpoint::state::Variables;
 use crate::train::checkpoint::{self, Arrays};
 use crate::train::events::Event;
-use crate::train::optim::Slots;
+use crate::train::optim::{Optimizer, Slots};
 
 /// The newest valid checkpoint of `dir` (created if missing), refused if it belongs to a
 /// model with other variables than `vars`, and a warning for each newer one that did not
@@ -87,12 +87,17 @@ pub type Contents = (Vec<Vec<f32>>, Vec<Slots>, u64);
 /// Reads the shards `mine` of checkpoint `dir` for the variables `all` cut (every shard
 /// of every variable): whichever mode and placement wrote it; an error (never a partial
 /// result) if anything is missing or mis-sized.
-pub fn read(dir: &Path, mine: &[Shard], all: &[Shard]) -> Result<Contents, PsError> {
+pub fn read(
+    dir: &Path,
+    mine: &[Shard],
+    all: &[Shard],
+    opt: &Optimizer,
+) -> Result<Contents, PsError> {
     let found = checkpoint::verify(dir)?;
     let state = checkpoint::State::load(&found, &variables(all))?;
     let (params, slots) = mine
         .iter()
-        .map(|s| state.slice(s.var_index, s.offset, s.len))
+        .map(|s| state.slice(s.var_index, s.offset, s.len, opt))
         .unzip();
     Ok((params, slots, state.step))
 }
