@@ -16,8 +16,8 @@ use mpiflow::model::layers::{Dense, Flatten, Layer, Relu};
 use mpiflow::model::Sequential;
 use mpiflow::train::data::{shard, Batches, Dataset};
 use mpiflow::train::ps::protocol::SyncReplicas;
+use mpiflow::train::ps::session::SessionOptions;
 use mpiflow::train::server::Server;
-use mpiflow::train::session::SessionOptions;
 
 /// This program's own model: a small MLP over any sample shape.
 fn model(data: &Dataset) -> Result<Sequential, String> {

@@ -2,8 +2,8 @@
 //!
 //! - [`data`]: digits, MNIST IDX, synthetic; the held-out fifth; batch sharding.
 //! - [`optim`]: SGD, momentum, Adagrad, Adam as pure update rules.
-//! - [`ps`], [`session`], [`checkpoint`]: parameter-server training (placement, protocol,
-//!   server, worker, the one-sided variant), the monitored session workers train in, and
+//! - [`ps`], [`checkpoint`]: parameter-server training (placement, protocol, server,
+//!   worker, the one-sided variant, the monitored session workers train in), and
 //!   checkpoints.
 //! - [`events`]: what training reports, as typed values.
 //! - [`allreduce`]: synchronous replica training by fused allreduce.
@@ -20,7 +20,6 @@ pub mod events;
 pub mod optim;
 pub mod ps;
 pub mod server;
-pub mod session;
 
 use std::path::PathBuf;
 use std::time::Instant;

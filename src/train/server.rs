@@ -10,7 +10,7 @@
 //!
 //! ```no_run
 //! use mpiflow::train::server::Server;
-//! use mpiflow::train::session::SessionOptions;
+//! use mpiflow::train::ps::session::SessionOptions;
 //! # fn model() -> mpiflow::model::Sequential { unimplemented!() }
 //! # fn batch(step: u64) -> (Vec<f32>, Vec<u8>) { unimplemented!() }
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,8 +35,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use super::ps::session::{MonitoredSession, SessionOptions};
 use super::ps::{server, PsError, Roles};
-use super::session::{MonitoredSession, SessionOptions};
 use crate::cluster::resolve::{bind_ranks, resolve_mpi, resolve_offline};
 use crate::cluster::{Layout, MappingOptions, Request, ResolveError, Source, TaskId};
 use crate::model::Model;

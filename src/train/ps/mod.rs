@@ -9,6 +9,7 @@
 //! - [`wire`]: sends and receives with deadlines.
 //! - [`server`]: a ps task's server (what `Server::join` runs).
 //! - [`worker`]: a worker's client of the ps tasks.
+//! - [`session`]: the monitored session workers train in (chief init/restore, hooks).
 //! - [`rma`]: the same training over one-sided MPI windows.
 //! - [`shards`]: the checkpoint both transports write: one file per ps and a manifest.
 //!
@@ -34,6 +35,7 @@ pub mod protocol;
 pub mod rma;
 pub mod roles;
 pub mod server;
+pub mod session;
 pub mod shards;
 pub mod wire;
 pub mod worker;
@@ -43,10 +45,10 @@ use std::time::Duration;
 use self::placement::{DeviceSetter, Strategy};
 use self::protocol::SyncReplicas;
 pub use self::roles::Roles;
+use self::session::{MonitoredSession, SessionOptions};
 use super::checkpoint;
 use super::data::{shard, Batches, Dataset};
 use super::events::Event;
-use super::session::{MonitoredSession, SessionOptions};
 use super::TrainConfig;
 use crate::cluster::Layout;
 use crate::model::Model;

@@ -1,5 +1,5 @@
 //! A worker's side of the ps protocol: one request to every ps, every reply awaited,
-//! each with a deadline. The monitored session ([`crate::train::session`]) and the
+//! each with a deadline. The monitored session ([`super::session`]) and the
 //! push/pull benchmark drive it.
 
 use std::path::Path;

@@ -11,7 +11,7 @@
 //! the last checkpoint and tells the ps tasks this worker is done.
 //!
 //! ```no_run
-//! # use mpiflow::train::session::{MonitoredSession, SessionOptions};
+//! # use mpiflow::train::ps::session::{MonitoredSession, SessionOptions};
 //! # fn batch(step: u64) -> (Vec<f32>, Vec<u8>) { unimplemented!() }
 //! # fn f(comm: &mpiflow::transport::local::LocalComm, roles: &mpiflow::train::ps::Roles,
 //! #      model: &dyn mpiflow::model::Model) -> Result<(), mpiflow::train::ps::PsError> {
@@ -28,15 +28,15 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::events::Event;
-use super::optim::{Optimizer, OptimizerKind};
-use super::ps::placement::DeviceSetter;
-use super::ps::protocol::{Setup, SyncReplicas};
-use super::ps::roles::Roles;
-use super::ps::worker::Client;
-use super::ps::{shards, PsError};
-use super::StepLog;
+use super::placement::DeviceSetter;
+use super::protocol::{Setup, SyncReplicas};
+use super::roles::Roles;
+use super::worker::Client;
+use super::{shards, PsError};
 use crate::model::{Model, Replica};
+use crate::train::events::Event;
+use crate::train::optim::{Optimizer, OptimizerKind};
+use crate::train::StepLog;
 use crate::transport::comm::Comm;
 
 /// How a session trains and what its hooks do.
@@ -137,7 +137,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             ))
         })?;
         let replica = Replica::new(model, opts.seed);
-        let vars = super::ps::variables(&replica);
+        let vars = super::variables(&replica);
         let client = Client {
             comm,
             roles,
@@ -162,7 +162,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             window: (0, 0, Instant::now()),
         };
         if sess.chief {
-            sess.emit(&Event::Placement(super::ps::placement::report(
+            sess.emit(&Event::Placement(super::placement::report(
                 &sess.client.shards,
                 &vars,
                 roles.ps.len(),
@@ -210,7 +210,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     /// The chief: restore the newest valid checkpoint, or initialise.
     fn init_or_restore(&mut self) -> Result<(), PsError> {
         let dir = self.opts.checkpoint_dir.clone();
-        let vars = super::ps::variables(&self.replica);
+        let vars = super::variables(&self.replica);
         let (found, warnings) = shards::newest(dir.as_deref(), &vars)?;
         for w in warnings {
             self.emit(&Event::Warning(w));
@@ -330,11 +330,11 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             return Ok(());
         };
         let step = self.step;
-        let tmp = super::checkpoint::begin(&dir, step)?;
+        let tmp = crate::train::checkpoint::begin(&dir, step)?;
         let files = self.client.save(&tmp)?;
-        let meta = super::checkpoint::state::model_meta(
+        let meta = crate::train::checkpoint::state::model_meta(
             &self.replica.model.describe(),
-            &super::ps::variables(&self.replica),
+            &super::variables(&self.replica),
         );
         let written = shards::commit(&dir, step, &files, meta)?;
         self.emit(&written);
