@@ -463,18 +463,7 @@ mod tests {
                         .any(|l| l.starts_with("# gradients: 4 ") && l.contains(&said)),
                     "{n} replicas, overlap {overlap}, {fusion:?}: {lines:?}"
                 );
-                let got = checkpoint::read_file(&out, None).unwrap();
-                let mut worst = 0.0f32;
-                for p in &local.model.params {
-                    for (a, b) in p
-                        .as_slice::<f32>()
-                        .unwrap()
-                        .iter()
-                        .zip(got.get(p.name()).unwrap())
-                    {
-                        worst = worst.max((a - b).abs() / (1.0 + a.abs()));
-                    }
-                }
+                let worst = super::super::max_relative_difference(&local.model, &out);
                 assert!(
                     worst < 1e-4,
                     "{n} replicas, overlap {overlap}, {fusion:?}: largest relative difference {worst}"

@@ -251,6 +251,22 @@ pub fn train_local<'m>(
     })
 }
 
+/// Test support: the largest relative difference (`|a - b| / (1 + |a|)`) between `model`'s
+/// parameters and those saved by name at `saved` (`--save-params`' format).
+#[cfg(test)]
+pub(crate) fn max_relative_difference(model: &Replica<'_>, saved: &std::path::Path) -> f32 {
+    let got = checkpoint::read_file(saved, None).unwrap();
+    let mut worst = 0.0f32;
+    for p in &model.params {
+        let theirs = got.get(p.name()).unwrap();
+        assert_eq!(theirs.len(), p.numel(), "{}", p.name());
+        for (a, b) in p.as_slice::<f32>().unwrap().iter().zip(theirs) {
+            worst = worst.max((a - b).abs() / (1.0 + a.abs()));
+        }
+    }
+    worst
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -233,12 +233,19 @@ pub struct Found {
 
 /// Checks a checkpoint directory: manifest and every file.
 pub fn verify(path: &Path) -> Result<Found, CheckpointError> {
+    open(path).map(|(found, _)| found)
+}
+
+/// Reads and checks a checkpoint directory: its manifest, and every file it lists, each
+/// read once and returned in the manifest's order.
+pub fn open(path: &Path) -> Result<(Found, Vec<Arrays>), CheckpointError> {
     let mpath = path.join("manifest.json");
     let text = fs::read_to_string(&mpath)
         .map_err(|_| corrupt(path, "no manifest (incomplete checkpoint)"))?;
     let m: Value =
         serde_json::from_str(&text).map_err(|_| corrupt(&mpath, "manifest is not JSON"))?;
     let mut files = Vec::new();
+    let mut contents = Vec::new();
     for f in m["files"]
         .as_array()
         .ok_or_else(|| corrupt(&mpath, "manifest lists no files"))?
@@ -249,19 +256,29 @@ pub fn verify(path: &Path) -> Result<Found, CheckpointError> {
             .as_str()
             .and_then(|c| u64::from_str_radix(c, 16).ok())
             .unwrap_or(0);
-        read_file(&path.join(&name), Some((bytes, sum)))?;
+        contents.push(read_file(&path.join(&name), Some((bytes, sum)))?);
         files.push((name, bytes, sum));
     }
-    Ok(Found {
+    let found = Found {
         step: m["step"].as_u64().unwrap_or(0),
         path: path.to_path_buf(),
         meta: m["meta"].clone(),
         files,
-    })
+    };
+    Ok((found, contents))
 }
 
 /// The newest checkpoint in `dir` that verifies, and a warning for each newer one skipped.
 pub fn latest(dir: &Path) -> (Option<Found>, Vec<String>) {
+    latest_with(dir, verify)
+}
+
+/// The newest checkpoint in `dir` that `check` (reading it: [`verify`] or [`open`])
+/// accepts, as `check` returns it, and a warning for each newer one it refused.
+pub fn latest_with<T>(
+    dir: &Path,
+    mut check: impl FnMut(&Path) -> Result<T, CheckpointError>,
+) -> (Option<T>, Vec<String>) {
     let mut steps: Vec<(u64, PathBuf)> = fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -276,7 +293,7 @@ pub fn latest(dir: &Path) -> (Option<Found>, Vec<String>) {
     steps.sort_by_key(|s| std::cmp::Reverse(s.0));
     let mut warnings = Vec::new();
     for (_, p) in steps {
-        match verify(&p) {
+        match check(&p) {
             Ok(f) => return (Some(f), warnings),
             Err(e) => warnings.push(format!("{e}; trying the previous checkpoint")),
         }

@@ -108,19 +108,22 @@ fn parse_key(key: &str) -> Option<(&str, usize, &str)> {
 }
 
 impl State {
-    /// Reads checkpoint `found` (every file it lists, verified) for a model with
-    /// variables `vars`: an error, never a partial state, if it belongs to another model
-    /// or any element is missing.
-    pub fn load(found: &Found, vars: &Variables) -> Result<State, CheckpointError> {
+    /// Reads the checkpoint at `path` (every file it lists, verified, each read once) for
+    /// a model with variables `vars`: an error, never a partial state, if it belongs to
+    /// another model or any element is missing.
+    pub fn open(path: &Path, vars: &Variables) -> Result<State, CheckpointError> {
+        let (found, files) = super::open(path)?;
+        State::from_files(&found, &files, vars)
+    }
+
+    /// The state of checkpoint `found`, whose files hold `files`, for variables `vars`.
+    fn from_files(
+        found: &Found,
+        files: &[Arrays],
+        vars: &Variables,
+    ) -> Result<State, CheckpointError> {
         check_model(found, vars)?;
-        let files = found
-            .files
-            .iter()
-            .map(|(file, bytes, sum)| {
-                super::read_file(&found.path.join(file), Some((*bytes, *sum)))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut state = State::assemble(&found.path, &files, vars)?;
+        let mut state = State::assemble(&found.path, files, vars)?;
         state.step = found.step;
         Ok(state)
     }
@@ -289,14 +292,15 @@ pub fn restore(
         path: dir.display().to_string(),
         why: e.to_string(),
     })?;
-    let (found, warnings) = super::latest(dir);
+    // Each file is read once: the newest checkpoint that verifies is also the one loaded.
+    let (opened, warnings) = super::latest_with(dir, super::open);
     for w in warnings {
         events(&Event::Warning(w));
     }
-    let Some(found) = found else {
+    let Some((found, files)) = opened else {
         return Ok(None);
     };
-    let state = State::load(&found, vars)?;
+    let state = State::from_files(&found, &files, vars)?;
     events(&Event::Restored {
         path: found.path,
         step: found.step,
@@ -357,7 +361,7 @@ mod tests {
             &[("shard-ps0.bin", ps0), ("shard-ps1.bin", ps1.clone())],
             model_meta("test", &vars()),
         );
-        let s = State::load(&found, &vars()).unwrap();
+        let s = State::open(&found.path, &vars()).unwrap();
         assert_eq!((s.step, s.t), (7, 7));
         assert_eq!(s.vars[0].param, [1.0, 2.0, 3.0, 4.0]);
         assert_eq!(s.vars[0].m, [0.1, 0.2, 0.3, 0.4]);
@@ -371,7 +375,7 @@ mod tests {
 
         // Another model: refused by the manifest, naming both sides.
         let other = vec![("w".to_string(), 4), ("b".to_string(), 3)];
-        let e = State::load(&found, &other).unwrap_err().to_string();
+        let e = State::open(&found.path, &other).unwrap_err().to_string();
         assert!(
             e.contains("another model")
                 && e.contains("its variable 1 is b (2 elements), this model's is b (3 elements)"),
@@ -379,7 +383,7 @@ mod tests {
         );
         // A checkpoint that lacks part of a variable is an error, not zeros.
         let found = write(&dir, &[("shard-ps1.bin", ps1)], json!({}));
-        let e = State::load(&found, &vars()).unwrap_err().to_string();
+        let e = State::open(&found.path, &vars()).unwrap_err().to_string();
         assert!(e.contains("it holds 2 of w's 4 elements"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -255,18 +255,7 @@ mod tests {
         LocalComm::run(5, |comm| {
             run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap()
         });
-        let ps = checkpoint::read_file(&out, None).unwrap();
-        let mut worst = 0.0f32;
-        for p in &local.model.params {
-            for (a, b) in p
-                .as_slice::<f32>()
-                .unwrap()
-                .iter()
-                .zip(ps.get(p.name()).unwrap())
-            {
-                worst = worst.max((a - b).abs() / (1.0 + a.abs()));
-            }
-        }
+        let worst = crate::train::max_relative_difference(&local.model, &out);
         assert!(worst < 1e-4, "largest relative difference {worst}");
     }
 

@@ -93,8 +93,7 @@ pub fn read(
     all: &[Shard],
     opt: &Optimizer,
 ) -> Result<Contents, PsError> {
-    let found = checkpoint::verify(dir)?;
-    let state = checkpoint::State::load(&found, &variables(all))?;
+    let state = checkpoint::State::open(dir, &variables(all))?;
     let (params, slots) = mine
         .iter()
         .map(|s| state.slice(s.var_index, s.offset, s.len, opt))
