@@ -135,18 +135,25 @@ fn best_secs(rounds: usize, reps: usize, f: &mut dyn FnMut()) -> f64 {
 }
 
 /// The CNN's two convolutions (and a wider one) at batch 64, one BLAS thread (a rank's
-/// share): a layer's forward and backward through `Layer`, beside its products (`cols W`,
-/// `cols^T dY`, and `dY W^T` where the input gradient is wanted: not for the CNN's first
-/// layer) by sgemm alone on the same shapes, rounds alternating. GFLOP/s count the
-/// products' FLOPs for both.
+/// share): a layer's forward and backward through `Layer` (padding, im2col in blocks,
+/// the thin products of `kernels::thin`, col2im), beside two references, rounds
+/// alternating: OpenBLAS's sgemm on the same three products (`cols W`, `cols^T dY`, and
+/// `dY W^T` where the input gradient is wanted: not for the CNN's first layer; the thin
+/// path turned off), and OpenBLAS's rate on a square 512 product, the most this core
+/// does. GFLOP/s count the products' FLOPs for all three.
 fn conv_layers(quick: bool) {
     kernels::set_blas_threads(1);
     let n = if quick { 8 } else { 64 };
-    println!("# conv layer forward+backward vs its sgemm alone, batch {n}, 1 thread");
     println!(
-        "{:<28}{:>12}{:>16}{:>16}{:>10}",
-        "# layer", "GFLOP", "sgemm GFLOP/s", "layer GFLOP/s", "ratio"
+        "# conv layer forward+backward vs sgemm, batch {n}, 1 thread (GFLOP/s, best of rounds)"
     );
+    println!(
+        "{:<28}{:>8}{:>14}{:>14}{:>10}{:>12}{:>12}",
+        "# layer", "GFLOP", "sgemm same", "sgemm 512", "layer", "vs same", "vs 512"
+    );
+    let sq = 512;
+    let (sa, sb) = (fill(sq * sq), fill(sq * sq));
+    let mut sc = vec![0.0f32; sq * sq];
     for (input, layer, want_dx) in [
         ([28, 28, 1], conv(16), false),
         ([14, 14, 16], conv(32), true),
@@ -164,9 +171,11 @@ fn conv_layers(quick: bool) {
         let products = if want_dx { 3.0 } else { 2.0 };
         let flops = products * 2.0 * (rows * k * oc) as f64;
         let reps = (3e9 / flops).clamp(2.0, 200.0) as usize;
-        let (mut alone, mut whole) = (f64::INFINITY, f64::INFINITY);
+        let sq_reps = (flops / (2.0 * (sq * sq * sq) as f64)).ceil().max(1.0) as usize;
+        let (mut alone, mut square, mut whole) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
         let shape = [input[0], input[1], input[2]];
-        for _ in 0..if quick { 1 } else { 5 } {
+        for _ in 0..if quick { 1 } else { 7 } {
+            kernels::thin::set_enabled(false);
             alone = alone.min(best_secs(1, reps, &mut || {
                 kernels::gemm(false, false, rows, oc, k, 1.0, &cols, &w, 0.0, &mut y).unwrap();
                 kernels::gemm(true, false, k, oc, rows, 1.0, &cols, &dy, 0.0, &mut gw).unwrap();
@@ -174,6 +183,12 @@ fn conv_layers(quick: bool) {
                     kernels::gemm(false, true, rows, k, oc, 1.0, &dy, &w, 0.0, &mut cols).unwrap();
                 }
             }));
+            square = square.min(
+                best_secs(1, reps * sq_reps, &mut || {
+                    kernels::gemm(false, false, sq, sq, sq, 1.0, &sa, &sb, 0.0, &mut sc).unwrap();
+                }) / (2.0 * (sq * sq * sq) as f64),
+            );
+            kernels::thin::set_enabled(true);
             whole = whole.min(best_secs(1, reps, &mut || {
                 let p = [&w[..], &b[..]];
                 layer
@@ -197,8 +212,9 @@ fn conv_layers(quick: bool) {
                     .unwrap();
             }));
         }
+        let (same, peak, ours) = (flops / alone / 1e9, 1.0 / square / 1e9, flops / whole / 1e9);
         println!(
-            "{:<28}{:>12.3}{:>16.1}{:>16.1}{:>10.3}",
+            "{:<28}{:>8.3}{:>14.1}{:>14.1}{:>10.1}{:>12.3}{:>12.3}",
             format!(
                 "{} on {}x{}x{}{}",
                 layer.describe(),
@@ -208,9 +224,11 @@ fn conv_layers(quick: bool) {
                 if want_dx { "" } else { ", no dx" }
             ),
             flops / 1e9,
-            flops / alone / 1e9,
-            flops / whole / 1e9,
-            alone / whole
+            same,
+            peak,
+            ours,
+            ours / same,
+            ours / peak
         );
     }
 }

@@ -7,6 +7,8 @@
 //! The backward pass is two more products (filter gradient `cols^T dY`, column gradient
 //! `dY W^T`) and [`col2im_add`], which scatters the column gradient back onto the image.
 
+use std::ops::Range;
+
 use super::KernelError;
 
 /// The shapes of one convolution (or pooling window): input `h x w x c`, window `kh x kw`,
@@ -88,78 +90,207 @@ impl Window2d {
     }
 }
 
-/// Visits the column matrix of `n` images in order, one window row at a time, in runs:
-/// `f(at, from, len)` says that the `len` values at offset `at` of the column matrix are
-/// the `len` consecutive input values at offset `from`, or zero padding (`from` is
-/// `None`). A window row's taps read consecutive input pixels whatever the stride, so a
-/// row is at most three runs (left padding, the image, right padding). The one loop both
-/// [`im2col`] and its adjoint [`col2im_add`] run.
+impl Window2d {
+    /// Height and width of the input with its zero padding.
+    pub fn padded(&self) -> (usize, usize) {
+        (self.h + 2 * self.pad, self.w + 2 * self.pad)
+    }
+
+    /// Values in one padded input image.
+    pub fn padded_len(&self) -> usize {
+        let (hp, wp) = self.padded();
+        hp * wp * self.c
+    }
+}
+
+/// Visits rows `rows` of the column matrix (row `r` is output pixel `r % pixels` of image
+/// `r / pixels`), one window row at a time: `f(at, from)` says that the `kw * c` values at
+/// offset `at` (from the first visited row) are the `kw * c` consecutive values of the
+/// padded input (see [`pad_into`]) at offset `from`. With the padding laid out, every
+/// window row is one run, whatever the stride. The one loop both [`im2col_rows`] and its
+/// adjoint [`col2im_add_rows`] run.
 #[inline]
-fn for_each_run(g: &Window2d, n: usize, mut f: impl FnMut(usize, Option<usize>, usize)) {
-    let (c, row) = (g.c, g.kw * g.c);
+fn for_each_run(g: &Window2d, rows: Range<usize>, mut f: impl FnMut(usize, usize)) {
+    let (hp, wp) = g.padded();
+    let (c, run) = (g.c, g.kw * g.c);
+    let pixels = g.pixels().max(1);
+    let (mut b, p) = (rows.start / pixels, rows.start % pixels);
+    let (mut oy, mut ox) = (p / g.ow.max(1), p % g.ow.max(1));
     let mut at = 0;
-    for b in 0..n {
-        let base = b * g.input_len();
-        for oy in 0..g.oh {
-            for ox in 0..g.ow {
-                // Window columns `lo..hi` fall on the image; padded column `x0 + dx` is
-                // input column `x0 + dx - pad`.
-                let x0 = ox * g.stride;
-                let lo = g.pad.saturating_sub(x0).min(g.kw);
-                let hi = (g.w + g.pad).saturating_sub(x0).clamp(lo, g.kw);
-                for dy in 0..g.kh {
-                    let iy = (oy * g.stride + dy)
-                        .checked_sub(g.pad)
-                        .filter(|iy| *iy < g.h);
-                    match iy {
-                        Some(iy) if hi > lo => {
-                            if lo > 0 {
-                                f(at, None, lo * c);
-                            }
-                            let from = base + (iy * g.w + x0 + lo - g.pad) * c;
-                            f(at + lo * c, Some(from), (hi - lo) * c);
-                            if hi < g.kw {
-                                f(at + hi * c, None, (g.kw - hi) * c);
-                            }
-                        }
-                        _ => f(at, None, row),
-                    }
-                    at += row;
-                }
+    for _ in rows {
+        let first = ((b * hp + oy * g.stride) * wp + ox * g.stride) * c;
+        for dy in 0..g.kh {
+            f(at, first + dy * wp * c);
+            at += run;
+        }
+        ox += 1;
+        if ox == g.ow {
+            (ox, oy) = (0, oy + 1);
+            if oy == g.oh {
+                (oy, b) = (0, b + 1);
             }
         }
     }
 }
 
+/// The images rows `rows` of the column matrix read from: all of them up to the last.
+fn images_under(g: &Window2d, rows: &Range<usize>) -> usize {
+    rows.end.div_ceil(g.pixels().max(1))
+}
+
+/// Copies `n` images `x` into `xp` (`n x (h + 2 pad) x (w + 2 pad) x c`) inside a zero
+/// border: the input [`im2col_rows`] reads.
+pub fn pad_into(g: &Window2d, x: &[f32], n: usize, xp: &mut [f32]) -> Result<(), KernelError> {
+    super::need("pad", "input", x.len(), n * g.input_len())?;
+    super::need("pad", "padded input", xp.len(), n * g.padded_len())?;
+    let (_, wp) = g.padded();
+    let (row, prow) = (g.w * g.c, wp * g.c);
+    for (img, pimg) in x
+        .chunks_exact(g.input_len().max(1))
+        .zip(xp.chunks_exact_mut(g.padded_len().max(1)))
+        .take(n)
+    {
+        let (top, rest) = pimg.split_at_mut(g.pad * prow);
+        top.fill(0.0);
+        for (src, dst) in img
+            .chunks_exact(row.max(1))
+            .zip(rest.chunks_exact_mut(prow))
+        {
+            let (left, rest) = dst.split_at_mut(g.pad * g.c);
+            left.fill(0.0);
+            let (mid, right) = rest.split_at_mut(row);
+            mid.copy_from_slice(src);
+            right.fill(0.0);
+        }
+        rest[g.h * prow..].fill(0.0);
+    }
+    Ok(())
+}
+
+/// Adds the inside of the padded gradient `xp` (the shape [`pad_into`] writes) onto `dx`
+/// (`n x h x w x c`): the adjoint of [`pad_into`].
+pub fn unpad_add(g: &Window2d, xp: &[f32], n: usize, dx: &mut [f32]) -> Result<(), KernelError> {
+    super::need("unpad", "padded gradient", xp.len(), n * g.padded_len())?;
+    super::need("unpad", "input gradient", dx.len(), n * g.input_len())?;
+    let (_, wp) = g.padded();
+    let (row, prow) = (g.w * g.c, wp * g.c);
+    for (img, pimg) in dx
+        .chunks_exact_mut(g.input_len().max(1))
+        .zip(xp.chunks_exact(g.padded_len().max(1)))
+        .take(n)
+    {
+        let inside = pimg[g.pad * prow..].chunks_exact(prow);
+        for (dst, src) in img.chunks_exact_mut(row.max(1)).zip(inside) {
+            let src = &src[g.pad * g.c..g.pad * g.c + row];
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        }
+    }
+    Ok(())
+}
+
 /// Lays out the receptive fields of `n` images `x` (`n x h x w x c`) as rows of `cols`
 /// (`n * oh * ow` rows of `k` values; padding reads as zero).
 pub fn im2col(g: &Window2d, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(), KernelError> {
-    super::need("im2col", "input", x.len(), n * g.input_len())?;
-    super::need("im2col", "columns", cols.len(), n * g.pixels() * g.k())?;
-    for_each_run(g, n, |at, from, len| {
-        let dst = &mut cols[at..at + len];
-        match from {
-            Some(i) => dst.copy_from_slice(&x[i..i + len]),
-            None => dst.fill(0.0),
-        }
+    let mut xp = vec![0.0; n * g.padded_len()];
+    pad_into(g, x, n, &mut xp)?;
+    im2col_rows(g, &xp, 0..n * g.pixels(), cols)
+}
+
+/// Rows `rows` of [`im2col`]'s column matrix into `cols` (`rows.len() * k` values), from
+/// the padded images `xp` ([`pad_into`]): a block of the product at a time, so the
+/// columns of a whole batch never exist at once.
+pub fn im2col_rows(
+    g: &Window2d,
+    xp: &[f32],
+    rows: Range<usize>,
+    cols: &mut [f32],
+) -> Result<(), KernelError> {
+    super::need(
+        "im2col",
+        "padded input",
+        xp.len(),
+        images_under(g, &rows) * g.padded_len(),
+    )?;
+    super::need("im2col", "columns", cols.len(), rows.len() * g.k())?;
+    let run = g.kw * g.c;
+    for_each_run(g, rows, |at, from| {
+        copy_run(&mut cols[at..at + run], &xp[from..from + run]);
     });
     Ok(())
+}
+
+/// `dst = src` for a window row (a few to a few hundred values): four at a time inline.
+/// A plain loop would not do: the compiler turns it into a call to memcpy, which costs
+/// more than such a copy (a first layer's rows are 5 values).
+#[inline]
+fn copy_run(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_loadu_ps, _mm_storeu_ps};
+        let quads = dst.len() / 4;
+        for q in 0..quads {
+            // The compiler sees through the intrinsics too; an opaque offset keeps the
+            // loop a loop.
+            let at = std::hint::black_box(4 * q);
+            // SAFETY: at + 3 < len for both slices (equal lengths, asserted); SSE is part
+            // of x86-64's baseline.
+            unsafe { _mm_storeu_ps(dst.as_mut_ptr().add(at), _mm_loadu_ps(src.as_ptr().add(at))) };
+        }
+        // At most three left: one by one (a loop here would become a memcpy call too).
+        let (dst, src) = (&mut dst[4 * quads..], &src[4 * quads..]);
+        if let (Some(d), Some(s)) = (dst.first_mut(), src.first()) {
+            *d = *s;
+        }
+        if let (Some(d), Some(s)) = (dst.get_mut(1), src.get(1)) {
+            *d = *s;
+        }
+        if let (Some(d), Some(s)) = (dst.get_mut(2), src.get(2)) {
+            *d = *s;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
 }
 
 /// The adjoint of [`im2col`]: adds each row of `cols` back onto the pixels it was read
 /// from, into `dx` (`n x h x w x c`, not cleared here).
 pub fn col2im_add(g: &Window2d, cols: &[f32], n: usize, dx: &mut [f32]) -> Result<(), KernelError> {
-    super::need("col2im", "columns", cols.len(), n * g.pixels() * g.k())?;
-    super::need("col2im", "input gradient", dx.len(), n * g.input_len())?;
-    for_each_run(g, n, |at, from, len| {
-        if let Some(i) = from {
-            dx[i..i + len]
-                .iter_mut()
-                .zip(&cols[at..at + len])
-                .for_each(|(d, s)| *d += s);
-        }
+    let mut xp = vec![0.0; n * g.padded_len()];
+    col2im_add_rows(g, cols, 0..n * g.pixels(), &mut xp)?;
+    unpad_add(g, &xp, n, dx)
+}
+
+/// The adjoint of [`im2col_rows`]: rows `rows` of the column gradient added onto the
+/// padded gradient `xp` (then [`unpad_add`] onto the input's).
+pub fn col2im_add_rows(
+    g: &Window2d,
+    cols: &[f32],
+    rows: Range<usize>,
+    xp: &mut [f32],
+) -> Result<(), KernelError> {
+    super::need("col2im", "columns", cols.len(), rows.len() * g.k())?;
+    super::need(
+        "col2im",
+        "padded gradient",
+        xp.len(),
+        images_under(g, &rows) * g.padded_len(),
+    )?;
+    let run = g.kw * g.c;
+    for_each_run(g, rows, |at, from| {
+        xp[from..from + run]
+            .iter_mut()
+            .zip(&cols[at..at + run])
+            .for_each(|(d, s)| *d += s);
     });
     Ok(())
+}
+
+/// Rows of the column matrix per block for a window of `k` values: a block of columns
+/// (about 384 KiB) stays in the L2 cache while the products read it, and the sum of the
+/// filter gradient over a block is long enough for [`super::thin`].
+pub fn row_block(g: &Window2d) -> usize {
+    (96 * 1024 / g.k().max(1)).clamp(256, 4096)
 }
 
 /// Max pooling of `n` images (`g.kh x g.kw` windows, `g.stride`, no padding): writes
@@ -182,29 +313,52 @@ pub fn max_pool(
         });
     }
     let c = g.c;
-    let mut o = 0;
+    let pixels = out
+        .chunks_exact_mut(c.max(1))
+        .zip(argmax.chunks_exact_mut(c.max(1)));
+    let mut pixels = pixels.take(n * g.pixels());
     for b in 0..n {
         let base = b * g.input_len();
         for oy in 0..g.oh {
             for ox in 0..g.ow {
-                for ch in 0..c {
-                    let (mut best, mut at) = (f32::NEG_INFINITY, usize::MAX);
-                    for dy in 0..g.kh {
-                        for dx in 0..g.kw {
-                            if let Some((iy, ix)) = g.source(oy, ox, dy, dx) {
-                                let i = base + (iy * g.w + ix) * c + ch;
-                                // `>` keeps the first maximum; NaN never wins but is kept
-                                // if the whole window is NaN (at stays the first index).
-                                if x[i] > best || at == usize::MAX {
-                                    best = x[i];
-                                    at = i;
-                                }
+                let Some((best, at)) = pixels.next() else {
+                    return Ok(());
+                };
+                let (best, at) = (&mut best[..c], &mut at[..c]);
+                // Every channel at once: the window's first tap, then each later tap where
+                // it is larger. `>` keeps the first maximum; NaN never wins, and a window
+                // whose first tap is NaN keeps it (and its index).
+                let mut first = true;
+                for dy in 0..g.kh {
+                    for dx in 0..g.kw {
+                        let Some((iy, ix)) = g.source(oy, ox, dy, dx) else {
+                            continue;
+                        };
+                        let i0 = base + (iy * g.w + ix) * c;
+                        let (tap, i0) = (&x[i0..i0 + c], i0 as u32);
+                        // Lane loops over equal lengths, selects written back whole: the
+                        // compiler makes them vector compares and blends.
+                        if first {
+                            for ch in 0..c {
+                                best[ch] = tap[ch];
+                                at[ch] = i0 + ch as u32;
                             }
+                            first = false;
+                            continue;
+                        }
+                        for ch in 0..c {
+                            let (v, b) = (tap[ch], best[ch]);
+                            let wins = v > b;
+                            let mask = 0u32.wrapping_sub(u32::from(wins));
+                            best[ch] = if wins { v } else { b };
+                            at[ch] = ((i0 + ch as u32) & mask) | (at[ch] & !mask);
                         }
                     }
-                    out[o] = best;
-                    argmax[o] = at as u32;
-                    o += 1;
+                }
+                if first {
+                    // A window all in padding (pooling has none): no winner.
+                    best.fill(f32::NEG_INFINITY);
+                    at.fill(u32::MAX);
                 }
             }
         }

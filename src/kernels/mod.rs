@@ -11,6 +11,7 @@ use cblas::{Layout, Transpose};
 extern crate openblas_src;
 
 pub mod conv;
+pub mod thin;
 
 /// Errors from kernel calls with inconsistent shapes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,6 +107,10 @@ pub fn gemm(
     need("gemm", "B", b.len(), k * n)?;
     need("gemm", "C", c.len(), m * n)?;
     if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if thin::suits(ta, tb, m, n, k, alpha, beta) {
+        thin::gemm(ta, tb, m, n, k, a, b, beta, c);
         return Ok(());
     }
     let (lda, ldb) = (if ta { m } else { k }, if tb { k } else { n });
@@ -216,13 +221,11 @@ pub fn relu_into(x: &[f32], out: &mut [f32]) {
     out.iter_mut().zip(x).for_each(|(o, v)| *o = v.max(0.0));
 }
 
-/// ReLU's backward: zeroes `grad` where the forward output was not positive.
-pub fn relu_backward(out: &[f32], grad: &mut [f32]) {
-    grad.iter_mut().zip(out).for_each(|(g, o)| {
-        if *o <= 0.0 {
-            *g = 0.0
-        }
-    });
+/// ReLU's backward: `dx = dy` where the forward output was positive, zero elsewhere.
+pub fn relu_backward_into(out: &[f32], dy: &[f32], dx: &mut [f32]) {
+    dx.iter_mut()
+        .zip(dy.iter().zip(out))
+        .for_each(|(d, (g, o))| *d = if *o > 0.0 { *g } else { 0.0 });
 }
 
 /// Softmax cross-entropy over `logits` (`rows x classes`) with integer labels: returns the

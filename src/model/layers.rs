@@ -16,20 +16,21 @@ use crate::kernels::{self, KernelError};
 pub enum Saved {
     #[default]
     Nothing,
-    /// A convolution's im2col columns.
-    Columns(Vec<f32>),
+    /// A convolution's: its input with the zero padding laid out (the backward pass lays
+    /// the im2col columns out again from it), then workspace for one block of columns.
+    Workspace(Vec<f32>),
     /// Max pooling's winners, as indices into the input.
     Argmax(Vec<u32>),
 }
 
 impl Saved {
-    /// The column buffer, made one if this held something else.
-    pub fn columns(&mut self) -> &mut Vec<f32> {
-        if !matches!(self, Saved::Columns(_)) {
-            *self = Saved::Columns(Vec::new());
+    /// The workspace, made one if this held something else.
+    pub fn workspace(&mut self) -> &mut Vec<f32> {
+        if !matches!(self, Saved::Workspace(_)) {
+            *self = Saved::Workspace(Vec::new());
         }
         match self {
-            Saved::Columns(c) => c,
+            Saved::Workspace(c) => c,
             _ => unreachable!("set above"),
         }
     }
@@ -108,7 +109,7 @@ fn numel(shape: &[usize]) -> usize {
 }
 
 /// `out = x W + b` for `rows` rows of `fin` values (`W` is `fin x fout`): a dense layer's
-/// product, and a convolution's over its im2col columns.
+/// product.
 #[allow(clippy::too_many_arguments)]
 fn affine(
     x: &[f32],
@@ -273,6 +274,9 @@ impl Layer for Conv2d {
         ]
     }
 
+    /// The input with its zero padding (kept for the backward pass), then block by
+    /// block of output pixels ([`conv::row_block`]): the block's columns, and `bias +
+    /// cols W` into its rows of the output.
     fn forward_into(
         &self,
         p: &[&[f32]],
@@ -283,13 +287,28 @@ impl Layer for Conv2d {
         saved: &mut Saved,
     ) -> Result<(), KernelError> {
         let g = self.window(input).map_err(shape_error)?;
-        let rows = n * g.pixels();
-        let cols = sized(saved.columns(), rows * g.k());
-        conv::im2col(&g, x, n, cols)?;
-        let out = sized(out, rows * self.filters);
-        affine(cols, p[0], p[1], rows, g.k(), self.filters, out)
+        let (k, oc, rows) = (g.k(), self.filters, n * g.pixels());
+        let out = sized(out, rows * oc);
+        kernels::broadcast_rows(out, p[1]);
+        let block = conv::row_block(&g);
+        let padded = n * g.padded_len();
+        let ws = sized(saved.workspace(), padded + block.min(rows) * k);
+        let (xp, ws) = ws.split_at_mut(padded);
+        conv::pad_into(&g, x, n, xp)?;
+        for r0 in (0..rows).step_by(block) {
+            let r1 = (r0 + block).min(rows);
+            let cols = &mut ws[..(r1 - r0) * k];
+            conv::im2col_rows(&g, xp, r0..r1, cols)?;
+            let out = &mut out[r0 * oc..r1 * oc];
+            kernels::gemm(false, false, r1 - r0, oc, k, 1.0, cols, p[0], 1.0, out)?;
+        }
+        Ok(())
     }
 
+    /// Block by block as forward: the block's columns again from the padded input the
+    /// forward pass kept (cheaper than keeping the batch's columns, `k` times the input),
+    /// the filter gradient `cols^T dY` summed over the blocks, and the column gradient
+    /// `dY W^T` added onto a padded input gradient, whose inside is the input gradient.
     fn backward_into(
         &self,
         p: &[&[f32]],
@@ -299,21 +318,50 @@ impl Layer for Conv2d {
         dx: Option<&mut Vec<f32>>,
     ) -> Result<(), KernelError> {
         let g = self.window(input).map_err(shape_error)?;
-        let Saved::Columns(cols) = b.saved else {
-            return Err(shape_error("conv backward without its columns".into()));
+        let (k, oc, rows) = (g.k(), self.filters, b.n * g.pixels());
+        let (padded, block) = (b.n * g.padded_len(), conv::row_block(&g));
+        let Saved::Workspace(ws) = b.saved else {
+            return Err(shape_error("conv backward without its forward pass".into()));
         };
-        let rows = b.n * g.pixels();
-        affine_param_grads(cols, b.dy, rows, g.k(), self.filters, grads)?;
-        let Some(dx) = dx else {
-            return Ok(());
-        };
-        // The columns are read; their buffer takes the column gradient `dY W^T`, which
-        // is then scattered back onto the image.
-        let dcols = &mut cols[..];
-        affine_input_grad(b.dy, p[0], rows, g.k(), self.filters, dcols)?;
-        let dx = sized(dx, b.n * g.input_len());
-        dx.fill(0.0);
-        conv::col2im_add(&g, dcols, b.n, dx)?;
+        if ws.len() < padded {
+            return Err(shape_error(format!(
+                "conv backward for {} samples after a forward pass of fewer",
+                b.n
+            )));
+        }
+        kernels::sum_rows(b.dy, grads[1]);
+        grads[0].fill(0.0);
+        // The workspace after the padded input: a block of columns, the filter transposed
+        // (`oc x k`, so the column gradient is a plain product with a short sum) and the
+        // padded input gradient.
+        let len = padded + block.min(rows) * k + oc * k + padded;
+        let (xp, ws) = sized(ws, len).split_at_mut(padded);
+        let (ws, rest) = ws.split_at_mut(block.min(rows) * k);
+        let (wt, dxp) = rest.split_at_mut(oc * k);
+        if dx.is_some() {
+            dxp.fill(0.0);
+            for (t, col) in p[0].chunks_exact(oc).enumerate() {
+                for (o, v) in col.iter().enumerate() {
+                    wt[o * k + t] = *v;
+                }
+            }
+        }
+        for r0 in (0..rows).step_by(block) {
+            let r1 = (r0 + block).min(rows);
+            let (cols, dy) = (&mut ws[..(r1 - r0) * k], &b.dy[r0 * oc..r1 * oc]);
+            conv::im2col_rows(&g, xp, r0..r1, cols)?;
+            kernels::gemm(true, false, k, oc, r1 - r0, 1.0, cols, dy, 1.0, grads[0])?;
+            if dx.is_some() {
+                // The block's columns are read: their buffer takes the column gradient.
+                kernels::gemm(false, false, r1 - r0, k, oc, 1.0, dy, wt, 0.0, cols)?;
+                conv::col2im_add_rows(&g, cols, r0..r1, dxp)?;
+            }
+        }
+        if let Some(dx) = dx {
+            let dx = sized(dx, b.n * g.input_len());
+            dx.fill(0.0);
+            conv::unpad_add(&g, dxp, b.n, dx)?;
+        }
         Ok(())
     }
 }
@@ -413,9 +461,7 @@ impl Layer for Relu {
         dx: Option<&mut Vec<f32>>,
     ) -> Result<(), KernelError> {
         if let Some(dx) = dx {
-            let dx = sized(dx, b.dy.len());
-            dx.copy_from_slice(b.dy);
-            kernels::relu_backward(b.y, dx);
+            kernels::relu_backward_into(b.y, b.dy, sized(dx, b.dy.len()));
         }
         Ok(())
     }
@@ -459,5 +505,104 @@ impl Layer for Flatten {
             sized(dx, b.dy.len()).copy_from_slice(b.dy);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize, salt: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 13 + salt * 7) % 29) as f32 - 14.0) / 9.0)
+            .collect()
+    }
+
+    #[test]
+    fn a_convolution_in_blocks_equals_the_whole_product() {
+        // 16 input channels and a 5x5 window: blocks of 256 rows, so 3 images of 10x10
+        // are two blocks (256 and 44 rows); 16 and 24 filters take the thin products, 5
+        // the BLAS ones.
+        for filters in [16, 24, 5] {
+            let conv = Conv2d {
+                kh: 5,
+                kw: 5,
+                filters,
+                stride: 1,
+                pad: 2,
+            };
+            let (input, n) = ([10, 10, 16], 3);
+            let g = conv.window(&input).unwrap();
+            assert_eq!(conv::row_block(&g), 256);
+            let (k, rows) = (g.k(), n * g.pixels());
+            let (x, w, bias) = (
+                data(n * g.input_len(), 1),
+                data(k * filters, 2),
+                data(filters, 3),
+            );
+            let dy = data(rows * filters, 4);
+            // The unblocked reference in f64: the whole batch's columns.
+            let mut cols = vec![0.0; rows * k];
+            conv::im2col(&g, &x, n, &mut cols).unwrap();
+            let dot = |a: &mut dyn Iterator<Item = (f32, f32)>| -> f64 {
+                a.map(|(a, b)| f64::from(a) * f64::from(b)).sum()
+            };
+            let mut saved = Saved::Nothing;
+            let mut out = Vec::new();
+            conv.forward_into(&[&w, &bias], &input, &x, n, &mut out, &mut saved)
+                .unwrap();
+            for r in 0..rows {
+                for o in 0..filters {
+                    let want = f64::from(bias[o])
+                        + dot(&mut (0..k).map(|t| (cols[r * k + t], w[t * filters + o])));
+                    let got = f64::from(out[r * filters + o]);
+                    assert!((got - want).abs() < 1e-3, "y[{r}][{o}] {got} vs {want}");
+                }
+            }
+            let (mut gw, mut gb) = (vec![f32::NAN; k * filters], vec![f32::NAN; filters]);
+            let mut dx = vec![f32::NAN; 7];
+            let back = Backward {
+                x: &x,
+                y: &out,
+                saved: &mut saved,
+                n,
+                dy: &dy,
+            };
+            conv.backward_into(
+                &[&w, &bias],
+                &input,
+                back,
+                &mut [&mut gw, &mut gb],
+                Some(&mut dx),
+            )
+            .unwrap();
+            for t in 0..k {
+                for o in 0..filters {
+                    let want = dot(&mut (0..rows).map(|r| (cols[r * k + t], dy[r * filters + o])));
+                    let got = f64::from(gw[t * filters + o]);
+                    assert!((got - want).abs() < 1e-2, "dW[{t}][{o}] {got} vs {want}");
+                }
+            }
+            let mut dcols = vec![0.0; rows * k];
+            for r in 0..rows {
+                for t in 0..k {
+                    dcols[r * k + t] =
+                        dot(&mut (0..filters).map(|o| (dy[r * filters + o], w[t * filters + o])))
+                            as f32;
+                }
+            }
+            let mut want_dx = vec![0.0; x.len()];
+            conv::col2im_add(&g, &dcols, n, &mut want_dx).unwrap();
+            assert_eq!(dx.len(), x.len());
+            for (i, (a, b)) in dx.iter().zip(&want_dx).enumerate() {
+                assert!((a - b).abs() < 1e-3, "dx[{i}] {a} vs {b}");
+            }
+            let want_b: Vec<f64> = (0..filters)
+                .map(|o| (0..rows).map(|r| f64::from(dy[r * filters + o])).sum())
+                .collect();
+            for (a, b) in gb.iter().zip(&want_b) {
+                assert!((f64::from(*a) - b).abs() < 1e-3);
+            }
+        }
     }
 }
