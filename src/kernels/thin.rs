@@ -19,6 +19,9 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use super::conv::Window2d;
+use super::KernelError;
+
 /// The largest small dimension the thin path takes.
 const THIN: usize = 64;
 
@@ -127,28 +130,120 @@ pub(super) fn gemm(
     }
 }
 
+/// Whether a convolution with `filters` outputs runs on [`conv_into`].
+pub fn suits_conv(filters: usize) -> bool {
+    filters > 0 && filters.is_multiple_of(8) && enabled()
+}
+
+/// A convolution's forward product without im2col: `out (+= if add) = cols(xp) W` for
+/// `n` images `xp` padded as [`super::conv::pad_into`] lays them out, `wts` `k x
+/// filters`; the caller checked [`suits_conv`].
+pub fn conv_into(
+    g: &Window2d,
+    n: usize,
+    xp: &[f32],
+    wts: &[f32],
+    filters: usize,
+    out: &mut [f32],
+    add: bool,
+) -> Result<(), KernelError> {
+    super::need("conv", "padded input", xp.len(), n * g.padded_len())?;
+    super::need("conv", "filter", wts.len(), g.k() * filters)?;
+    super::need("conv", "output", out.len(), n * g.pixels() * filters)?;
+    assert!(
+        filters.is_multiple_of(8) && cpu_has_it(),
+        "conv_into without suits_conv"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 and FMA present (asserted), the shapes checked above.
+    unsafe {
+        avx::conv(g, n, xp, wts, filters, out, add)
+    };
+    Ok(())
+}
+
+/// A convolution's filter gradient without im2col: `gw (+= if add) = cols(xp)^T dy` for
+/// `n` padded images `xp` and the output gradient `dy` (`n oh ow x filters`); the caller
+/// checked [`suits_conv`].
+pub fn conv_filter_grad_into(
+    g: &Window2d,
+    n: usize,
+    xp: &[f32],
+    dy: &[f32],
+    filters: usize,
+    gw: &mut [f32],
+    add: bool,
+) -> Result<(), KernelError> {
+    let kernel = "conv filter gradient";
+    super::need(kernel, "padded input", xp.len(), n * g.padded_len())?;
+    super::need(
+        kernel,
+        "output gradient",
+        dy.len(),
+        n * g.pixels() * filters,
+    )?;
+    super::need(kernel, "filter gradient", gw.len(), g.k() * filters)?;
+    assert!(
+        filters.is_multiple_of(8) && cpu_has_it(),
+        "{kernel} without suits_conv"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 and FMA present (asserted), the shapes checked above.
+    unsafe {
+        avx::conv_filter_grad(g, n, xp, dy, filters, gw, add)
+    };
+    Ok(())
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx {
     use std::arch::x86_64::*;
 
-    /// One tile of `R` rows by `8 V` columns of `C`:
-    /// `C[j][..] (+)= sum_{t < len} a[j * sj + t * st] * b[t * ldb + ..]`.
-    /// With `sj = lda, st = 1` the left operand is `A`'s rows (`A B`); with `sj = 1, st =
-    /// lda` its columns (`A^T B`).
+    /// How a tile's sum walks its operands: `segs` segments of `len` terms; term `t` of
+    /// segment `s` reads the left operand of tile row `j` at `a[j sj + t st + s seg_a]`
+    /// and the right operand's row at `b[t ldb + s seg_b]`. With one segment, `sj = lda,
+    /// st = 1` walks `A`'s rows (`A B`), `sj = 1, st = lda` its columns (`A^T B`); with
+    /// a convolution's window rows as segments, the padded image itself is the left
+    /// operand (no im2col).
+    #[derive(Clone, Copy)]
+    pub(super) struct Sum {
+        pub len: usize,
+        pub segs: usize,
+        pub sj: usize,
+        pub st: usize,
+        pub seg_a: usize,
+        pub ldb: usize,
+        pub seg_b: usize,
+    }
+
+    impl Sum {
+        /// One segment of `len` terms.
+        pub fn plain(len: usize, (sj, st): (usize, usize), ldb: usize) -> Sum {
+            Sum {
+                len,
+                segs: 1,
+                sj,
+                st,
+                seg_a: 0,
+                ldb,
+                seg_b: 0,
+            }
+        }
+    }
+
+    /// One tile of `R` rows by `8 V` columns of `C` (rows `ldc` apart): `C[j][..] (+)=`
+    /// the sum `w` describes. Twelve accumulators at most (`R V <= 12`), the `V` vectors
+    /// of `B`'s row and a broadcast: within the 16 AVX registers.
     ///
     /// # Safety
-    /// AVX2 and FMA present; every address named above, and `c[j * ldc + 8 V - 1]` for
-    /// `j < R`, in bounds.
-    #[allow(clippy::too_many_arguments)]
+    /// AVX2 and FMA present; every address `w` names for `j < R`, and `c[j ldc + 8 V - 1]`
+    /// for `j < R`, in bounds.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile<const R: usize, const V: usize>(
-        len: usize,
+        w: &Sum,
         a: *const f32,
-        sj: usize,
-        st: usize,
         b: *const f32,
-        ldb: usize,
         c: *mut f32,
         ldc: usize,
         add: bool,
@@ -162,24 +257,24 @@ mod avx {
                 }
             }
         }
-        let (mut ap, mut bp) = (a, b);
-        for _ in 0..len {
-            let mut bv = [_mm256_setzero_ps(); V];
-            for (v, x) in bv.iter_mut().enumerate() {
-                // SAFETY: B's row `t` is in bounds for `t < len`.
-                *x = unsafe { _mm256_loadu_ps(bp.add(8 * v)) };
-            }
-            for (j, row) in acc.iter_mut().enumerate() {
-                // SAFETY: a[j * sj + t * st] is in bounds for j < R, t < len.
-                let x = unsafe { _mm256_broadcast_ss(&*ap.add(j * sj)) };
-                for (acc, b) in row.iter_mut().zip(&bv) {
-                    *acc = _mm256_fmadd_ps(x, *b, *acc);
+        for s in 0..w.segs {
+            // SAFETY: the segment's first terms are in bounds (the caller's contract).
+            let (mut ap, mut bp) = unsafe { (a.add(s * w.seg_a), b.add(s * w.seg_b)) };
+            for _ in 0..w.len {
+                let mut bv = [_mm256_setzero_ps(); V];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    // SAFETY: B's row of this term is in bounds.
+                    *x = unsafe { _mm256_loadu_ps(bp.add(8 * v)) };
                 }
-            }
-            // SAFETY: one past the last row read at most (wrapping_add would do as well).
-            unsafe {
-                ap = ap.add(st);
-                bp = bp.add(ldb);
+                for (j, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: row j's term is in bounds for j < R.
+                    let x = unsafe { _mm256_broadcast_ss(&*ap.add(j * w.sj)) };
+                    for (acc, b) in row.iter_mut().zip(&bv) {
+                        *acc = _mm256_fmadd_ps(x, *b, *acc);
+                    }
+                }
+                // The next term's addresses; one step past the last is never read.
+                (ap, bp) = (ap.wrapping_add(w.st), bp.wrapping_add(w.ldb));
             }
         }
         for (j, row) in acc.iter().enumerate() {
@@ -190,11 +285,57 @@ mod avx {
         }
     }
 
-    /// Every tile of `C` (`rows x n`, `n` a multiple of 8), a block of 6 rows at a time
-    /// (its rows of `A` stay in L1 while every column tile reads them): 16 columns per
-    /// tile (twelve accumulators, two rows of `B` and a broadcast: 15 of the 16 AVX
-    /// registers), then 8; the last rows one at a time. `(sj, st)` as in [`tile`]; `C`'s
-    /// rows are `n` apart.
+    /// `rows` (at most 6) consecutive rows of `C` (left operand rows `w.sj` apart) over
+    /// every column below `n` (a multiple of 8): 16 columns per tile, then 8. Row `j`'s left operand starts at `a + j w.sj`.
+    ///
+    /// # Safety
+    /// As [`tile`], for every row below `rows` and column below `n`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_of(
+        rows: usize,
+        n: usize,
+        w: &Sum,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+    ) {
+        let mut col = 0;
+        while col < n {
+            let wide = n - col >= 16;
+            let mut j = 0;
+            while j < rows {
+                let r = (rows - j).min(6);
+                // SAFETY (every call): rows j..j + r are below `rows`, columns col..col +
+                // 16 (or 8) below n; the caller's contract covers them.
+                unsafe {
+                    let (a, b, c) = (a.add(j * w.sj), b.add(col), c.add(j * ldc + col));
+                    match (r, wide) {
+                        (6, true) => tile::<6, 2>(w, a, b, c, ldc, add),
+                        (5, true) => tile::<5, 2>(w, a, b, c, ldc, add),
+                        (4, true) => tile::<4, 2>(w, a, b, c, ldc, add),
+                        (3, true) => tile::<3, 2>(w, a, b, c, ldc, add),
+                        (2, true) => tile::<2, 2>(w, a, b, c, ldc, add),
+                        (_, true) => tile::<1, 2>(w, a, b, c, ldc, add),
+                        (6, false) => tile::<6, 1>(w, a, b, c, ldc, add),
+                        (5, false) => tile::<5, 1>(w, a, b, c, ldc, add),
+                        (4, false) => tile::<4, 1>(w, a, b, c, ldc, add),
+                        (3, false) => tile::<3, 1>(w, a, b, c, ldc, add),
+                        (2, false) => tile::<2, 1>(w, a, b, c, ldc, add),
+                        (_, false) => tile::<1, 1>(w, a, b, c, ldc, add),
+                    }
+                }
+                j += r;
+            }
+            col += if wide { 16 } else { 8 };
+        }
+    }
+
+    /// Every tile of `C` (`rows x n`, rows `n` apart), 6 rows at a time: a block's rows
+    /// of `A` stay in L1 while every column tile reads them.
     ///
     /// # Safety
     /// As [`tile`], for every row below `rows` and column below `n`.
@@ -203,50 +344,25 @@ mod avx {
     unsafe fn tiles(
         rows: usize,
         n: usize,
-        len: usize,
+        w: &Sum,
         a: *const f32,
-        (sj, st): (usize, usize),
         b: *const f32,
         c: *mut f32,
         add: bool,
     ) {
-        const R: usize = 6;
-        let mut i = 0;
-        while i < rows {
-            let r = (rows - i).min(R);
-            let mut col = 0;
-            while col < n {
-                let wide = n - col >= 16;
-                // SAFETY (all calls below): rows i..i + r are below `rows`, columns
-                // col..col + 16 (or 8) below n; the caller's contract covers them.
-                unsafe {
-                    let (b, c) = (b.add(col), c.add(i * n + col));
-                    let a = a.add(i * sj);
-                    match (r == R, wide) {
-                        (true, true) => tile::<R, 2>(len, a, sj, st, b, n, c, n, add),
-                        (true, false) => tile::<R, 1>(len, a, sj, st, b, n, c, n, add),
-                        (false, _) => {
-                            for j in 0..r {
-                                let (a, c) = (a.add(j * sj), c.add(j * n));
-                                if wide {
-                                    tile::<1, 2>(len, a, sj, st, b, n, c, n, add)
-                                } else {
-                                    tile::<1, 1>(len, a, sj, st, b, n, c, n, add)
-                                }
-                            }
-                        }
-                    }
-                }
-                col += if wide { 16 } else { 8 };
+        for i in (0..rows).step_by(6) {
+            // SAFETY: rows i..i + 6 (or fewer) are below `rows`.
+            unsafe {
+                let (a, c) = (a.add(i * w.sj), c.add(i * n));
+                rows_of((rows - i).min(6), n, w, a, b, c, n, add);
             }
-            i += r;
         }
     }
 
     /// `C (m x n) (+)= A (m x k) B (k x n)`.
     ///
     /// # Safety
-    /// AVX2 and FMA present; `a`, `b`, `c` hold `m k`, `k n`, `m n` values; `n.is_multiple_of(8)`.
+    /// AVX2 and FMA present; `a`, `b`, `c` hold `m k`, `k n`, `m n` values; `n % 8 == 0`.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gemm_nn(
         m: usize,
@@ -260,7 +376,8 @@ mod avx {
         // SAFETY: row i of A is a[i k..], B's row t is b[t n..], C's row i is c[i n..]:
         // all in bounds for i < m, t < k, columns < n.
         unsafe {
-            tiles(m, n, k, a.as_ptr(), (k, 1), b.as_ptr(), c.as_mut_ptr(), add);
+            let w = Sum::plain(k, (k, 1), n);
+            tiles(m, n, &w, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), add);
         }
     }
 
@@ -268,7 +385,7 @@ mod avx {
     /// (the long side) in blocks of rows that stay in cache.
     ///
     /// # Safety
-    /// AVX2 and FMA present; `a`, `b`, `c` hold `k m`, `k n`, `m n` values; `n.is_multiple_of(8)`.
+    /// AVX2 and FMA present; `a`, `b`, `c` hold `k m`, `k n`, `m n` values; `n % 8 == 0`.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gemm_tn(
         m: usize,
@@ -289,18 +406,108 @@ mod avx {
             // SAFETY: rows t0..t0 + len of A (m values each) and of B (n each) are in
             // bounds; C's row i (element i of A's rows) is c[i n..], i < m.
             unsafe {
-                tiles(
-                    m,
-                    n,
-                    len,
-                    a.as_ptr().add(t0 * m),
-                    (1, m),
-                    b.as_ptr().add(t0 * n),
-                    c.as_mut_ptr(),
-                    add || t0 > 0,
-                );
+                let (a, b) = (a.as_ptr().add(t0 * m), b.as_ptr().add(t0 * n));
+                let w = Sum::plain(len, (1, m), n);
+                tiles(m, n, &w, a, b, c.as_mut_ptr(), add || t0 > 0);
             }
             t0 += len;
+        }
+    }
+
+    /// A convolution's filter gradient `gw (k x oc) (+)= cols(xp)^T dy` for `n` padded
+    /// images, read where they lie: tile rows are up to 6 consecutive values of one
+    /// window row (`kw c` of them, consecutive in the image too), each tile's sum runs
+    /// over an image's output pixels, its rows as segments.
+    ///
+    /// # Safety
+    /// AVX2 and FMA present; `xp` holds `n` padded images, `dy` `n oh ow oc` values,
+    /// `gw` `k x oc`; `oc % 8 == 0`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn conv_filter_grad(
+        g: &crate::kernels::conv::Window2d,
+        n: usize,
+        xp: &[f32],
+        dy: &[f32],
+        oc: usize,
+        gw: &mut [f32],
+        add: bool,
+    ) {
+        let (_, wp) = g.padded();
+        let (c, run) = (g.c, g.kw * g.c);
+        let w = Sum {
+            len: g.ow,
+            segs: g.oh,
+            sj: 1,
+            st: g.stride * c,
+            seg_a: g.stride * wp * c,
+            ldb: oc,
+            seg_b: g.ow * oc,
+        };
+        if n == 0 && !add {
+            gw[..g.k() * oc].fill(0.0);
+        }
+        for b in 0..n {
+            for ky in 0..g.kh {
+                for u in (0..run).step_by(6) {
+                    // SAFETY: tile row j is window value (ky, u + j) < (kh, kw c); its
+                    // term (oy, ox) reads padded pixel (oy stride + ky, ox stride) of
+                    // image b plus u + j, inside the image; dy's term is pixel (oy, ox)
+                    // of image b; gw's row is ky kw c + u + j < k.
+                    unsafe {
+                        let a = xp.as_ptr().add(b * g.padded_len() + ky * wp * c + u);
+                        let d = dy.as_ptr().add(b * g.pixels() * oc);
+                        let o = gw.as_mut_ptr().add((ky * run + u) * oc);
+                        rows_of((run - u).min(6), oc, &w, a, d, o, oc, add || b > 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A convolution's output `out (+)= xp * W` for `n` padded images `xp`, read where
+    /// they lie: each output row's pixels in tiles of up to 6, each tile's sum over the
+    /// window's `kh` rows (segments) of `kw c` consecutive values.
+    ///
+    /// # Safety
+    /// AVX2 and FMA present; `xp` holds `n` padded images, `wts` `k x oc`, `out` `n oh ow
+    /// oc` values; `oc % 8 == 0`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn conv(
+        g: &crate::kernels::conv::Window2d,
+        n: usize,
+        xp: &[f32],
+        wts: &[f32],
+        oc: usize,
+        out: &mut [f32],
+        add: bool,
+    ) {
+        let (hp, wp) = g.padded();
+        let c = g.c;
+        let w = Sum {
+            len: g.kw * c,
+            segs: g.kh,
+            sj: g.stride * c,
+            st: 1,
+            seg_a: wp * c,
+            ldb: oc,
+            seg_b: g.kw * c * oc,
+        };
+        for b in 0..n {
+            for oy in 0..g.oh {
+                let first = (b * hp + oy * g.stride) * wp * c;
+                let row = (b * g.oh + oy) * g.ow * oc;
+                // SAFETY: pixel ox's window starts at first + ox stride c and spans kh
+                // rows of the padded image b (oy stride + kh <= hp, ox stride + kw <=
+                // wp); the output row holds ow pixels of oc values.
+                unsafe {
+                    let (a, o) = (xp.as_ptr().add(first), out.as_mut_ptr().add(row));
+                    for ox in (0..g.ow).step_by(6) {
+                        let (a, o) = (a.add(ox * w.sj), o.add(ox * oc));
+                        rows_of((g.ow - ox).min(6), oc, &w, a, wts.as_ptr(), o, oc, add);
+                    }
+                }
+            }
         }
     }
 }
@@ -363,6 +570,57 @@ mod tests {
                     assert!(
                         (got - w).abs() <= 1e-3 * (1.0 + w.abs()),
                         "{ta} {tb} {m}x{n}x{k} beta {beta} at {i}: {got} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_direct_convolution_and_its_filter_gradient_equal_im2col_products_on_odd_shapes() {
+        if !enabled() {
+            return;
+        }
+        use crate::kernels::conv::{im2col, pad_into};
+        // (h, w, c, kh, kw, stride, pad, filters, n): rows of 1 to 13 pixels (every tail
+        // of the tiles), strides that skip, wide padding, one channel and many.
+        for (h, w, c, kh, kw, s, p, oc, n) in [
+            (7, 13, 3, 3, 3, 1, 1, 8, 2),
+            (9, 9, 1, 5, 5, 2, 2, 16, 3),
+            (4, 5, 16, 5, 5, 1, 2, 24, 2),
+            (6, 1, 2, 1, 1, 1, 0, 8, 1),
+            (3, 11, 4, 2, 3, 3, 3, 40, 2),
+        ] {
+            let g = Window2d::new([h, w, c], [kh, kw], s, p).unwrap();
+            let x = fill(n * g.input_len(), 5);
+            let wts = fill(g.k() * oc, 6);
+            let rows = n * g.pixels();
+            let mut cols = vec![0.0; rows * g.k()];
+            im2col(&g, &x, n, &mut cols).unwrap();
+            let want = naive(false, false, rows, oc, g.k(), &cols, &wts);
+            let mut xp = vec![f32::NAN; n * g.padded_len()];
+            pad_into(&g, &x, n, &mut xp).unwrap();
+            let dy = fill(rows * oc, 8);
+            let want_gw = naive(true, false, g.k(), oc, rows, &cols, &dy);
+            for add in [false, true] {
+                let start = fill(rows * oc, 7);
+                let mut out = start.clone();
+                conv_into(&g, n, &xp, &wts, oc, &mut out, add).unwrap();
+                for (i, (got, w)) in out.iter().zip(&want).enumerate() {
+                    let w = w + if add { start[i] } else { 0.0 };
+                    assert!(
+                        (got - w).abs() <= 1e-3 * (1.0 + w.abs()),
+                        "{g:?} at {i}: {got} vs {w}"
+                    );
+                }
+                let start = fill(g.k() * oc, 9);
+                let mut gw = start.clone();
+                conv_filter_grad_into(&g, n, &xp, &dy, oc, &mut gw, add).unwrap();
+                for (i, (got, w)) in gw.iter().zip(&want_gw).enumerate() {
+                    let w = w + if add { start[i] } else { 0.0 };
+                    assert!(
+                        (got - w).abs() <= 1e-3 * (1.0 + w.abs()),
+                        "{g:?} dW at {i}: {got} vs {w}"
                     );
                 }
             }

@@ -274,9 +274,10 @@ impl Layer for Conv2d {
         ]
     }
 
-    /// The input with its zero padding (kept for the backward pass), then block by
-    /// block of output pixels ([`conv::row_block`]): the block's columns, and `bias +
-    /// cols W` into its rows of the output.
+    /// The input with its zero padding (kept for the backward pass), then `bias + cols
+    /// W`: on [`kernels::thin::conv_into`] straight from the padded images where it
+    /// suits (filters a multiple of 8 on AVX2), else block by block of output pixels
+    /// ([`conv::row_block`]): the block's im2col columns, and their product.
     fn forward_into(
         &self,
         p: &[&[f32]],
@@ -292,9 +293,15 @@ impl Layer for Conv2d {
         kernels::broadcast_rows(out, p[1]);
         let block = conv::row_block(&g);
         let padded = n * g.padded_len();
-        let ws = sized(saved.workspace(), padded + block.min(rows) * k);
+        let direct = kernels::thin::suits_conv(oc);
+        let cols_len = if direct { 0 } else { block.min(rows) * k };
+        let ws = sized(saved.workspace(), padded + cols_len);
         let (xp, ws) = ws.split_at_mut(padded);
         conv::pad_into(&g, x, n, xp)?;
+        if direct {
+            // The window read where it lies in the padded images: no columns at all.
+            return kernels::thin::conv_into(&g, n, xp, p[0], oc, out, true);
+        }
         for r0 in (0..rows).step_by(block) {
             let r1 = (r0 + block).min(rows);
             let cols = &mut ws[..(r1 - r0) * k];
@@ -305,10 +312,11 @@ impl Layer for Conv2d {
         Ok(())
     }
 
-    /// Block by block as forward: the block's columns again from the padded input the
-    /// forward pass kept (cheaper than keeping the batch's columns, `k` times the input),
-    /// the filter gradient `cols^T dY` summed over the blocks, and the column gradient
-    /// `dY W^T` added onto a padded input gradient, whose inside is the input gradient.
+    /// From the padded input the forward pass kept: the filter gradient `cols^T dY`
+    /// straight from it where [`kernels::thin`] suits, else block by block from the
+    /// block's columns laid out again (cheaper than keeping the batch's, `k` times the
+    /// input); then, block by block, the column gradient `dY W^T` added onto a padded
+    /// input gradient, whose inside is the input gradient.
     fn backward_into(
         &self,
         p: &[&[f32]],
@@ -330,7 +338,23 @@ impl Layer for Conv2d {
             )));
         }
         kernels::sum_rows(b.dy, grads[1]);
-        grads[0].fill(0.0);
+        let direct = kernels::thin::suits_conv(oc);
+        if direct {
+            kernels::thin::conv_filter_grad_into(
+                &g,
+                b.n,
+                &ws[..padded],
+                b.dy,
+                oc,
+                grads[0],
+                false,
+            )?;
+            if dx.is_none() {
+                return Ok(());
+            }
+        } else {
+            grads[0].fill(0.0);
+        }
         // The workspace after the padded input: a block of columns, the filter transposed
         // (`oc x k`, so the column gradient is a plain product with a short sum) and the
         // padded input gradient.
@@ -349,8 +373,10 @@ impl Layer for Conv2d {
         for r0 in (0..rows).step_by(block) {
             let r1 = (r0 + block).min(rows);
             let (cols, dy) = (&mut ws[..(r1 - r0) * k], &b.dy[r0 * oc..r1 * oc]);
-            conv::im2col_rows(&g, xp, r0..r1, cols)?;
-            kernels::gemm(true, false, k, oc, r1 - r0, 1.0, cols, dy, 1.0, grads[0])?;
+            if !direct {
+                conv::im2col_rows(&g, xp, r0..r1, cols)?;
+                kernels::gemm(true, false, k, oc, r1 - r0, 1.0, cols, dy, 1.0, grads[0])?;
+            }
             if dx.is_some() {
                 // The block's columns are read: their buffer takes the column gradient.
                 kernels::gemm(false, false, r1 - r0, k, oc, 1.0, dy, wt, 0.0, cols)?;
