@@ -147,18 +147,45 @@ pub fn conv_into(
     out: &mut [f32],
     add: bool,
 ) -> Result<(), KernelError> {
-    super::need("conv", "padded input", xp.len(), n * g.padded_len())?;
-    super::need("conv", "filter", wts.len(), g.k() * filters)?;
-    super::need("conv", "output", out.len(), n * g.pixels() * filters)?;
-    assert!(
-        filters.is_multiple_of(8) && cpu_has_it(),
-        "conv_into without suits_conv"
-    );
+    direct_shapes(
+        "conv",
+        g,
+        n,
+        xp,
+        filters,
+        [
+            ("filter", wts.len(), g.k() * filters),
+            ("output", out.len(), n * g.pixels() * filters),
+        ],
+    )?;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 and FMA present (asserted), the shapes checked above.
     unsafe {
         avx::conv(g, n, xp, wts, filters, out, add)
     };
+    Ok(())
+}
+
+/// Checks a direct convolution's operands (the padded input and two more, each as
+/// `(what, len, need)`) and that it suits the direct path ([`suits_conv`]).
+fn direct_shapes(
+    kernel: &'static str,
+    g: &Window2d,
+    n: usize,
+    xp: &[f32],
+    filters: usize,
+    more: [(&'static str, usize, usize); 2],
+) -> Result<(), KernelError> {
+    super::need(kernel, "padded input", xp.len(), n * g.padded_len())?;
+    for (what, len, need) in more {
+        super::need(kernel, what, len, need)?;
+    }
+    if !(filters.is_multiple_of(8) && cpu_has_it()) {
+        return Err(KernelError::Layer(format!(
+            "{kernel}: the direct path needs AVX2 and FMA and filters a multiple of 8 \
+             ({filters}); ask suits_conv first"
+        )));
+    }
     Ok(())
 }
 
@@ -174,19 +201,12 @@ pub fn conv_filter_grad_into(
     gw: &mut [f32],
     add: bool,
 ) -> Result<(), KernelError> {
-    let kernel = "conv filter gradient";
-    super::need(kernel, "padded input", xp.len(), n * g.padded_len())?;
-    super::need(
-        kernel,
-        "output gradient",
-        dy.len(),
-        n * g.pixels() * filters,
-    )?;
-    super::need(kernel, "filter gradient", gw.len(), g.k() * filters)?;
-    assert!(
-        filters.is_multiple_of(8) && cpu_has_it(),
-        "{kernel} without suits_conv"
-    );
+    let (out_len, k) = (n * g.pixels() * filters, g.k() * filters);
+    let shapes = [
+        ("output gradient", dy.len(), out_len),
+        ("filter gradient", gw.len(), k),
+    ];
+    direct_shapes("conv filter gradient", g, n, xp, filters, shapes)?;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 and FMA present (asserted), the shapes checked above.
     unsafe {

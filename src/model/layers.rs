@@ -54,6 +54,16 @@ pub fn sized<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
     &mut buf[..]
 }
 
+/// The first `len` values of a workspace, grown (never shrunk) to hold them: a forward
+/// pass that needs less than its backward pass does not make the backward pass clear
+/// the difference again on every step.
+fn workspace(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
+}
+
 /// One backward call's inputs.
 pub struct Backward<'a> {
     /// The layer's input and output of the forward pass.
@@ -295,7 +305,7 @@ impl Layer for Conv2d {
         let padded = n * g.padded_len();
         let direct = kernels::thin::suits_conv(oc);
         let cols_len = if direct { 0 } else { block.min(rows) * k };
-        let ws = sized(saved.workspace(), padded + cols_len);
+        let ws = workspace(saved.workspace(), padded + cols_len);
         let (xp, ws) = ws.split_at_mut(padded);
         conv::pad_into(&g, x, n, xp)?;
         if direct {
@@ -359,7 +369,7 @@ impl Layer for Conv2d {
         // (`oc x k`, so the column gradient is a plain product with a short sum) and the
         // padded input gradient.
         let len = padded + block.min(rows) * k + oc * k + padded;
-        let (xp, ws) = sized(ws, len).split_at_mut(padded);
+        let (xp, ws) = workspace(ws, len).split_at_mut(padded);
         let (ws, rest) = ws.split_at_mut(block.min(rows) * k);
         let (wt, dxp) = rest.split_at_mut(oc * k);
         if dx.is_some() {
