@@ -12,6 +12,9 @@
 //! - `C = A^T B` (`A` stored `k x m`): the filter gradient, a sum over the batch's rows,
 //!   blocked so that a block of `A` stays in the L2 cache while every tile of `C` reads it.
 //!
+//! A tile's sum walks segments, so [`conv_into`] and [`conv_filter_grad_into`] read a
+//! convolution's window rows straight from a padded copy of the input: no im2col matrix.
+//!
 //! [`suits`] says when a call takes this path (an x86-64 CPU with AVX2 and FMA, a product
 //! of the thin kind, `n` a multiple of 8); [`super::gemm`] asks it before calling BLAS, so
 //! every caller (the built-in layers and a user's) gets it. [`set_enabled`] turns it off,
