@@ -208,6 +208,15 @@ pub fn broadcast_rows(x: &mut [f32], bias: &[f32]) {
     }
 }
 
+/// Writes `x` (`rows x cols`, row-major) transposed into `t` (`cols x rows`).
+pub fn transpose_into(x: &[f32], rows: usize, cols: usize, t: &mut [f32]) {
+    for (r, row) in x.chunks_exact(cols.max(1)).take(rows).enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            t[c * rows + r] = *v;
+        }
+    }
+}
+
 /// Sums the rows of `g` (`rows x cols`) into `out` (length `cols`): the bias gradient.
 pub fn sum_rows(g: &[f32], out: &mut [f32]) {
     out.fill(0.0);

@@ -31,10 +31,7 @@ const THIN: usize = 64;
 /// The terms of a sum taken per pass over `C`: a block of `B`'s rows (`n` wide) that
 /// stays in the L1 cache (16 KiB) while every tile of `C` reads it.
 fn sum_block(n: usize) -> usize {
-    std::env::var("THIN_BLOCK")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| (4096 / n.max(1)).max(16))
+    (4096 / n.max(1)).max(16)
 }
 
 /// 0: not yet known, 1: usable, 2: unusable or turned off.
@@ -101,13 +98,11 @@ pub(super) fn gemm(
     // B's rows must be contiguous: a transposed B (the filter, small) is transposed here.
     let transposed;
     let b = if tb {
-        let mut t = vec![0.0f32; k * n];
-        for (col, row) in b.chunks_exact(k.max(1)).take(n).enumerate() {
-            for (t_, v) in row.iter().enumerate() {
-                t[t_ * n + col] = *v;
-            }
-        }
-        transposed = t;
+        transposed = {
+            let mut t = vec![0.0f32; k * n];
+            super::transpose_into(b, n, k, &mut t);
+            t
+        };
         &transposed[..]
     } else {
         b

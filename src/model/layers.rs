@@ -24,13 +24,20 @@ pub enum Saved {
 }
 
 impl Saved {
-    /// The workspace, made one if this held something else.
-    pub fn workspace(&mut self) -> &mut Vec<f32> {
+    /// The first `len` values of the workspace (made one if this held something else),
+    /// grown to hold them and never shrunk: a forward pass that needs less than its
+    /// backward pass does not make the backward pass clear the difference every step.
+    pub fn workspace(&mut self, len: usize) -> &mut [f32] {
         if !matches!(self, Saved::Workspace(_)) {
             *self = Saved::Workspace(Vec::new());
         }
         match self {
-            Saved::Workspace(c) => c,
+            Saved::Workspace(ws) => {
+                if ws.len() < len {
+                    ws.resize(len, 0.0);
+                }
+                &mut ws[..len]
+            }
             _ => unreachable!("set above"),
         }
     }
@@ -52,16 +59,6 @@ impl Saved {
 pub fn sized<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
     buf.resize(len, T::default());
     &mut buf[..]
-}
-
-/// The first `len` values of a workspace, grown (never shrunk) to hold them: a forward
-/// pass that needs less than its backward pass does not make the backward pass clear
-/// the difference again on every step.
-fn workspace(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    if buf.len() < len {
-        buf.resize(len, 0.0);
-    }
-    &mut buf[..len]
 }
 
 /// One backward call's inputs.
@@ -305,7 +302,7 @@ impl Layer for Conv2d {
         let padded = n * g.padded_len();
         let direct = kernels::thin::suits_conv(oc);
         let cols_len = if direct { 0 } else { block.min(rows) * k };
-        let ws = workspace(saved.workspace(), padded + cols_len);
+        let ws = saved.workspace(padded + cols_len);
         let (xp, ws) = ws.split_at_mut(padded);
         conv::pad_into(&g, x, n, xp)?;
         if direct {
@@ -338,47 +335,40 @@ impl Layer for Conv2d {
         let g = self.window(input).map_err(shape_error)?;
         let (k, oc, rows) = (g.k(), self.filters, b.n * g.pixels());
         let (padded, block) = (b.n * g.padded_len(), conv::row_block(&g));
-        let Saved::Workspace(ws) = b.saved else {
+        let Saved::Workspace(kept) = &*b.saved else {
             return Err(shape_error("conv backward without its forward pass".into()));
         };
-        if ws.len() < padded {
+        if kept.len() < padded {
             return Err(shape_error(format!(
                 "conv backward for {} samples after a forward pass of fewer",
                 b.n
             )));
         }
-        kernels::sum_rows(b.dy, grads[1]);
+        // The workspace after the padded input (unless the filter gradient is all there is
+        // to do, straight from it): a block of columns, the filter transposed (`oc x k`,
+        // so the column gradient is a plain product with a short sum) and the padded
+        // input gradient.
         let direct = kernels::thin::suits_conv(oc);
+        let len = if direct && dx.is_none() {
+            padded
+        } else {
+            padded + block.min(rows) * k + oc * k + padded
+        };
+        let (xp, ws) = b.saved.workspace(len).split_at_mut(padded);
+        kernels::sum_rows(b.dy, grads[1]);
         if direct {
-            kernels::thin::conv_filter_grad_into(
-                &g,
-                b.n,
-                &ws[..padded],
-                b.dy,
-                oc,
-                grads[0],
-                false,
-            )?;
+            kernels::thin::conv_filter_grad_into(&g, b.n, xp, b.dy, oc, grads[0], false)?;
             if dx.is_none() {
                 return Ok(());
             }
         } else {
             grads[0].fill(0.0);
         }
-        // The workspace after the padded input: a block of columns, the filter transposed
-        // (`oc x k`, so the column gradient is a plain product with a short sum) and the
-        // padded input gradient.
-        let len = padded + block.min(rows) * k + oc * k + padded;
-        let (xp, ws) = workspace(ws, len).split_at_mut(padded);
         let (ws, rest) = ws.split_at_mut(block.min(rows) * k);
         let (wt, dxp) = rest.split_at_mut(oc * k);
         if dx.is_some() {
             dxp.fill(0.0);
-            for (t, col) in p[0].chunks_exact(oc).enumerate() {
-                for (o, v) in col.iter().enumerate() {
-                    wt[o * k + t] = *v;
-                }
-            }
+            kernels::transpose_into(p[0], k, oc, wt);
         }
         for r0 in (0..rows).step_by(block) {
             let r1 = (r0 + block).min(rows);
