@@ -103,7 +103,16 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "-c",
     ]);
     assert_eq!(run.code, 0, "{run:?}");
-    let t = osu_tables(&run.stdout, "# Size         Avg Latency(us)");
+    // -c adds OSU's Validation column: every row passed.
+    let t = osu_tables(
+        &run.stdout,
+        "# Size         Avg Latency(us)          Validation",
+    );
+    let rows: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(
+        rows.iter().all(|r| r.ends_with("                Pass")),
+        "{run:?}"
+    );
     assert_eq!(
         t.len(),
         3,
@@ -142,6 +151,30 @@ fn benchmarks_print_osu_tables_for_every_path() {
         osu_tables(&run.stdout, "# Size        Bandwidth (MB/s)").len(),
         3
     );
+    // OSU's -b multiple, every message of every window checked on every path.
+    let run = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "bibw",
+        "-m",
+        "1024:65536",
+        "-i",
+        "4",
+        "-x",
+        "1",
+        "-W",
+        "8",
+        "-b",
+        "multiple",
+        "-c",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let header = "# Size        Bandwidth (MB/s)          Validation";
+    assert_eq!(osu_tables(&run.stdout, header).len(), 3, "{run:?}");
 
     let run = mpirun(&[
         "-np",

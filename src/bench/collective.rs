@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Path, ShmStores};
@@ -13,10 +14,14 @@ use crate::transport::fusion::{Fusion, FusionConfig};
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Algorithm, Collectives, ReduceOp};
 
-/// Mean microseconds per call of `f` over `iters` timed calls after `warmup`.
+/// Mean microseconds per call of `f` over `iters` timed calls after `warmup`, each call
+/// timed on its own; with `barrier`, an untimed `MPI_Barrier` follows every call, as in
+/// OSU's collective benchmarks (so that no rank starts a call while others still finish
+/// the previous one).
 fn time_loop(
     iters: usize,
     warmup: usize,
+    barrier: Option<&SimpleCommunicator>,
     mut f: impl FnMut() -> Result<(), BenchError>,
 ) -> Result<f64, BenchError> {
     let mut total = 0.0;
@@ -25,6 +30,9 @@ fn time_loop(
         f()?;
         if i >= warmup {
             total += secs(t);
+        }
+        if let Some(world) = barrier {
+            world.barrier();
         }
     }
     Ok(total * 1e6 / iters.max(1) as f64)
@@ -66,8 +74,8 @@ fn over_ranks(
 }
 
 fn floats(b: &mut AlignedBuf, n: usize) -> &mut [f32] {
-    // SAFETY: AlignedBuf is 64-byte aligned and zero-initialised; n floats fit (checked by
-    // the slice bound below).
+    // SAFETY: AlignedBuf is at least 64-byte aligned and initialised, and every bit
+    // pattern is an f32; n floats fit (checked by the slice bound below).
     let (_, mid, _) = unsafe { b.as_mut_slice().align_to_mut::<f32>() };
     &mut mid[..n]
 }
@@ -117,39 +125,38 @@ fn measure(
 ) -> Result<Row, BenchError> {
     let (iters, warmup) = osu::iterations(opts, size, (1000, 100), (100, 10), 8192);
     let world = coll.comm().raw();
+    // OSU's buffers: page-aligned, the send buffer's bytes set to 1, the receive buffer's
+    // to 0 (the mpiflow arms use tensors as the runtime makes them).
+    let barrier = Some(world);
     let us = match (name, arm) {
         ("allreduce", Arm::Mpi) => {
             let n = size / 4;
-            let (mut s, mut r) = (AlignedBuf::zeroed(size), AlignedBuf::zeroed(size));
-            floats(&mut s, n)
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, x)| *x = i as f32);
-            let send = floats(&mut s, n).to_vec();
+            let (mut s, mut r) = (AlignedBuf::paged(size, 1), AlignedBuf::paged(size, 0));
+            let send = &*floats(&mut s, n);
             let recv = floats(&mut r, n);
-            time_loop(iters, warmup, || {
-                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+            time_loop(iters, warmup, barrier, || {
+                world.all_reduce_into(send, &mut recv[..], SystemOperation::sum());
                 Ok(())
             })?
         }
         (_, Arm::Allreduce(algorithm)) => {
             let mut t = Tensor::zeros(DType::F32, &[size / 4])?.named("bench");
-            time_loop(iters, warmup, || {
+            time_loop(iters, warmup, barrier, || {
                 coll.allreduce_tensor(&mut t, ReduceOp::Sum, algorithm)?;
                 Ok(())
             })?
         }
         (_, Arm::Mpi) => {
-            let mut b = AlignedBuf::zeroed(size);
+            let mut b = AlignedBuf::paged(size, 1);
             let root = world.process_at_rank(0);
-            time_loop(iters, warmup, || {
+            time_loop(iters, warmup, barrier, || {
                 root.broadcast_into(&mut b.as_mut_slice()[..size]);
                 Ok(())
             })?
         }
         (_, Arm::Mpiflow) => {
             let mut t = Tensor::zeros(DType::U8, &[size])?.named("bench");
-            time_loop(iters, warmup, || {
+            time_loop(iters, warmup, barrier, || {
                 coll.bcast_tensor(&mut t, 0)?;
                 Ok(())
             })?
@@ -176,13 +183,13 @@ fn measure_fused(
         .collect::<Result<_, _>>()?;
     let send: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; elems]).collect();
     let mut recv: Vec<Vec<f32>> = vec![vec![0.0; elems]; n];
-    let raw = time_loop(iters, warmup, || {
+    let raw = time_loop(iters, warmup, None, || {
         for (s, r) in send.iter().zip(recv.iter_mut()) {
             world.all_reduce_into(&s[..], &mut r[..], SystemOperation::sum());
         }
         Ok(())
     })?;
-    let single = time_loop(iters, warmup, || {
+    let single = time_loop(iters, warmup, None, || {
         for t in tensors.iter_mut() {
             coll.allreduce_tensor(t, ReduceOp::Sum, algorithm)?;
         }
@@ -192,7 +199,7 @@ fn measure_fused(
         algorithm,
         ..FusionConfig::default()
     });
-    let fused = time_loop(iters, warmup, || {
+    let fused = time_loop(iters, warmup, None, || {
         let mut refs: Vec<&mut Tensor> = tensors.iter_mut().collect();
         fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
         Ok(())

@@ -26,7 +26,7 @@ use std::time::Instant;
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Collectives, Comm, TransportError};
 
-pub use osu::{BenchOptions, Path};
+pub use osu::{BenchOptions, Buffers, Path};
 
 /// Errors from running a benchmark.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

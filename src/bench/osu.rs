@@ -52,6 +52,8 @@ pub struct BenchOptions {
     pub warmup: Option<usize>,
     /// Window of non-blocking sends (bw, bibw).
     pub window: usize,
+    /// OSU's `-b`: whether a window's messages share one buffer per side (bw, bibw).
+    pub buffers: Buffers,
     /// Full statistics for collectives: min, max, iterations.
     pub full: bool,
     /// Check the data that arrived (outside the timed loop).
@@ -75,6 +77,32 @@ pub struct BenchOptions {
     /// Stores into the shared-memory allreduce's slots: as measured (auto), or always
     /// cached or streaming (allreduce and allreduce-fused).
     pub shm_stores: ShmStores,
+}
+
+/// OSU's `-b single|multiple` (bw, bibw; latency always has one buffer per side): one send
+/// and one receive buffer per rank, allocated once at the largest size and reused by every
+/// message of a window (OSU's default), or a buffer per message of the window, allocated
+/// for each size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Buffers {
+    #[default]
+    Single,
+    Multiple,
+}
+
+impl crate::named::Named for Buffers {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Buffers::Single,
+            "single",
+            "One send and one receive buffer per rank, reused by every message (OSU's default)",
+        ),
+        (
+            Buffers::Multiple,
+            "multiple",
+            "A buffer per message of the window",
+        ),
+    ];
 }
 
 /// `--shm-stores`: see [`crate::transport::collectives::stores`].
@@ -118,6 +146,7 @@ impl Default for BenchOptions {
             iterations: None,
             warmup: None,
             window: 64,
+            buffers: Buffers::Single,
             full: false,
             validate: false,
             path: Path::Both,
@@ -215,9 +244,24 @@ pub fn preamble(title: &str, datatype: &str) -> String {
     format!("# OSU MPI {title} v7.4\n# Datatype: {datatype}.\n")
 }
 
-/// A point-to-point table: `# Size` and one value column.
-pub fn p2p_table(title: &str, datatype: &str, column: &str, rows: &[Row]) -> String {
-    value_rows(preamble(title, datatype), column, rows)
+/// A point-to-point table: `# Size` and one value column, and OSU's `Validation` column
+/// (`Pass`) when the data was checked (`-c`; a failed check ends the run instead).
+pub fn p2p_table(
+    title: &str,
+    datatype: &str,
+    column: &str,
+    rows: &[Row],
+    validated: bool,
+) -> String {
+    if !validated {
+        return value_rows(preamble(title, datatype), column, rows);
+    }
+    let mut out = preamble(title, datatype);
+    let _ = writeln!(out, "{:<10}{:>20}{:>20}", "# Size", column, "Validation");
+    for r in rows {
+        let _ = writeln!(out, "{:<10}{:>20.2}{:>20}", r.size, r.value, "Pass");
+    }
+    out
 }
 
 /// A table of OMB's one-sided tests (`osu_put_latency` ...): the title names the MPI call
@@ -293,8 +337,12 @@ mod tests {
             },
         ];
         assert_eq!(
-            p2p_table("Latency Test", "MPI_CHAR", "Avg Latency(us)", &rows),
+            p2p_table("Latency Test", "MPI_CHAR", "Avg Latency(us)", &rows, false),
             "# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n# Size         Avg Latency(us)\n1                         0.15\n4194304               12345.68\n"
+        );
+        assert_eq!(
+            p2p_table("Bandwidth Test", "MPI_CHAR", "Bandwidth (MB/s)", &rows[..1], true),
+            "# OSU MPI Bandwidth Test v7.4\n# Datatype: MPI_CHAR.\n# Size        Bandwidth (MB/s)          Validation\n1                         0.15                Pass\n"
         );
         assert_eq!(
             collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], true),

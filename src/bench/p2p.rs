@@ -1,10 +1,37 @@
-//! `latency`, `bw`, `bibw`: ranks 0 and 1, OSU's method; other ranks wait.
+//! `latency`, `bw`, `bibw`: ranks 0 and 1, OSU 7.4's method; other ranks wait.
+//!
+//! The method, on every path (`osu_latency.c`, `osu_bw.c`, `osu_bibw.c`):
+//! - **Buffers**: a send and a receive buffer per rank, never the same one (sending and
+//!   receiving one buffer was measured 1.3-1.4x slower at 8-128 KiB here: the two copies
+//!   fight over its cache lines). With `-b single` (the default) one of each, reused by
+//!   every message of a window; with `-b multiple` one per message. The `mpi` path's
+//!   buffers are page-aligned on ordinary pages, filled with `a` and `b` at each size, and,
+//!   single, allocated once at the largest size (`AlignedBuf::paged`); the mpiflow paths'
+//!   are tensors as the runtime makes them, filled the same way.
+//! - **Loop**: `-x` untimed iterations, then `-i` timed ones, each timed on its own (the
+//!   sum of the iterations' times), after a barrier; OSU's counts by default.
+//! - **latency**: rank 0 sends and receives, rank 1 receives and sends; half the round trip.
+//! - **bw**: rank 0 posts a window of `-W` sends and waits for them, then for rank 1's
+//!   1-byte reply; rank 1 receives the window, then replies.
+//! - **bibw**: both ranks post the window's receives, then its sends, wait for the sends,
+//!   then the receives; both directions count.
+//! - **`-c`**: each iteration's messages carry a pattern of the iteration, written before
+//!   and checked after the timed part (a mismatch ends the run with an error naming the
+//!   byte); the table gains OSU's `Validation` column.
+//!
+//! The `mpi` path makes OSU's calls on raw buffers through `mpi::ffi`, including several
+//! pending receives into one buffer under `-b single`. A tensor cannot be the target of
+//! two pending receives (a receive borrows it exclusively), so the mpiflow paths receive
+//! a single-buffer window message by message into the one tensor, with every send of the
+//! window in flight: measured here with plain MPI, that order is as fast as OSU's.
 
+use std::os::raw::c_int;
 use std::time::Instant;
 
-use mpi::traits::*;
+use mpi::ffi;
+use mpi::raw::AsRaw;
 
-use super::osu::{self, BenchOptions, Path};
+use super::osu::{self, BenchOptions, Buffers, Path};
 use super::{best_of_rounds, secs, BenchError, Better, Row};
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::channel::{self, Channel};
@@ -15,8 +42,218 @@ use crate::transport::{p2p, Collectives, Comm};
 const TAG: i32 = 1;
 const ACK_TAG: i32 = 2;
 
-fn pattern(size: usize, seed: usize) -> Vec<u8> {
-    (0..size).map(|i| ((i * 7 + seed) % 251) as u8).collect()
+/// The three benchmarks of this module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Latency,
+    Bw,
+    Bibw,
+}
+
+impl Kind {
+    fn of(name: &str) -> Kind {
+        match name {
+            "latency" => Kind::Latency,
+            "bw" => Kind::Bw,
+            _ => Kind::Bibw,
+        }
+    }
+
+    /// Messages per iteration and direction.
+    fn window(self, opts: &BenchOptions) -> usize {
+        match self {
+            Kind::Latency => 1,
+            _ => opts.window.max(1),
+        }
+    }
+
+    /// OSU's (iterations, warm-up) at `size`.
+    fn iterations(self, opts: &BenchOptions, size: usize) -> (usize, usize) {
+        match self {
+            Kind::Latency => osu::iterations(opts, size, (10000, 100), (1000, 10), 8192),
+            _ => osu::iterations(opts, size, (100, 10), (20, 2), 8192),
+        }
+    }
+
+    /// Buffers per side: one, or one per message of the window (`-b multiple`).
+    fn buffers(self, opts: &BenchOptions) -> usize {
+        match (self, opts.buffers) {
+            (Kind::Latency, _) | (_, Buffers::Single) => 1,
+            (_, Buffers::Multiple) => self.window(opts),
+        }
+    }
+
+    /// Does rank `me` send, receive, in the timed part?
+    fn roles(self, me: usize) -> (bool, bool) {
+        match self {
+            Kind::Bw => (me == 0, me == 1),
+            _ => (true, true),
+        }
+    }
+}
+
+/// The byte message `j` of iteration `i` carries under `-c` (never `b`, the receive
+/// buffers' filler, so a message that did not arrive shows).
+fn pattern(i: usize, j: usize) -> u8 {
+    match ((i * 31 + j * 7) % 251) as u8 {
+        b'b' => 0,
+        x => x,
+    }
+}
+
+/// Counts the bytes of `got` that differ from message `j` of iteration `i`: the first
+/// one's index, and how many.
+fn mismatches(got: &[u8], i: usize, j: usize) -> Option<(usize, usize)> {
+    let want = pattern(i, j);
+    let first = got.iter().position(|&b| b != want)?;
+    Some((first, got[first..].iter().filter(|&&b| b != want).count()))
+}
+
+/// The `mpi` path's buffers: OSU's, as `osu_util_mpi.c` allocates them.
+struct RawBuffers {
+    send: Vec<AlignedBuf>,
+    recv: Vec<AlignedBuf>,
+}
+
+impl RawBuffers {
+    fn new(count: usize, len: usize) -> RawBuffers {
+        RawBuffers {
+            send: (0..count).map(|_| AlignedBuf::paged(len, b'a')).collect(),
+            recv: (0..count).map(|_| AlignedBuf::paged(len, b'b')).collect(),
+        }
+    }
+
+    /// OSU's `set_buffer_pt2pt` at each size: `a` to send, `b` to receive into.
+    fn fill(&mut self, size: usize) {
+        self.send
+            .iter_mut()
+            .for_each(|b| b.as_mut_slice()[..size].fill(b'a'));
+        self.recv
+            .iter_mut()
+            .for_each(|b| b.as_mut_slice()[..size].fill(b'b'));
+    }
+}
+
+/// OSU's calls on raw buffers, through `mpi::ffi` as OSU makes them. MPI's default error
+/// handler aborts the job on a failed call, as it does OSU's.
+struct Raw {
+    comm: ffi::MPI_Comm,
+    peer: c_int,
+    requests: Vec<ffi::MPI_Request>,
+}
+
+impl Raw {
+    fn new(comm: &MpiComm, peer: usize) -> Raw {
+        Raw {
+            comm: comm.raw().as_raw(),
+            peer: peer as c_int,
+            requests: Vec::new(),
+        }
+    }
+
+    fn send(&self, buf: &[u8], tag: i32) {
+        // SAFETY: buf is valid for its length during the blocking call.
+        unsafe {
+            ffi::MPI_Send(
+                buf.as_ptr().cast(),
+                buf.len() as c_int,
+                byte(),
+                self.peer,
+                tag,
+                self.comm,
+            )
+        };
+    }
+
+    fn recv(&self, buf: &mut [u8], tag: i32) {
+        // SAFETY: buf is valid and exclusively ours during the blocking call; the status is
+        // ignored as OSU does (MPI_STATUS_IGNORE).
+        unsafe {
+            ffi::MPI_Recv(
+                buf.as_mut_ptr().cast(),
+                buf.len() as c_int,
+                byte(),
+                self.peer,
+                tag,
+                self.comm,
+                ffi::RSMPI_STATUS_IGNORE,
+            )
+        };
+    }
+
+    /// One side of a window: `receives` receives of `size` bytes posted into the receive
+    /// buffers in turn (the same one again and again when there is one, as OSU's `-b
+    /// single`), then `sends` sends from the send buffers in turn; waits for the sends,
+    /// then the receives (`MPI_Waitall`, as OSU).
+    fn window(&mut self, bufs: &mut RawBuffers, size: usize, receives: usize, sends: usize) {
+        self.requests.clear();
+        let nr = bufs.recv.len();
+        for j in 0..receives {
+            let buf = bufs.recv[j % nr].as_mut_ptr();
+            let mut req = null_request();
+            // SAFETY: the buffer (at least `size` bytes) belongs to `bufs`, borrowed
+            // mutably until this function returns, and every request is completed by the
+            // `waitall` below before it does. Several pending receives may write one
+            // buffer: MPI writes raw bytes, and no Rust reference to it exists meanwhile.
+            unsafe {
+                ffi::MPI_Irecv(
+                    buf.cast(),
+                    size as c_int,
+                    byte(),
+                    self.peer,
+                    TAG,
+                    self.comm,
+                    &mut req,
+                )
+            };
+            self.requests.push(req);
+        }
+        let ns = bufs.send.len();
+        for j in 0..sends {
+            let buf = bufs.send[j % ns].as_ptr();
+            let mut req = null_request();
+            // SAFETY: as above; send buffers are only read.
+            unsafe {
+                ffi::MPI_Isend(
+                    buf.cast(),
+                    size as c_int,
+                    byte(),
+                    self.peer,
+                    TAG,
+                    self.comm,
+                    &mut req,
+                )
+            };
+            self.requests.push(req);
+        }
+        let (recvs, sends) = self.requests.split_at_mut(receives);
+        waitall(sends);
+        waitall(recvs);
+    }
+}
+
+fn byte() -> ffi::MPI_Datatype {
+    // SAFETY: a constant handle.
+    unsafe { ffi::RSMPI_UINT8_T }
+}
+
+fn null_request() -> ffi::MPI_Request {
+    // SAFETY: a zeroed handle is a valid out-parameter, overwritten by MPI.
+    unsafe { std::mem::zeroed() }
+}
+
+fn waitall(reqs: &mut [ffi::MPI_Request]) {
+    if reqs.is_empty() {
+        return;
+    }
+    // SAFETY: every handle is an active request of this rank; MPI completes and frees them.
+    unsafe {
+        ffi::MPI_Waitall(
+            reqs.len() as c_int,
+            reqs.as_mut_ptr(),
+            ffi::RSMPI_STATUSES_IGNORE,
+        )
+    };
 }
 
 /// How the mpiflow paths move a tensor: a header on every message, or an open channel.
@@ -25,19 +262,17 @@ enum Via {
     Channel(Channel),
 }
 
-/// A transfer in flight on either mpiflow path.
-enum Pending<'a> {
-    Send(p2p::SendRequest<'a, MpiComm>),
-    Receive(p2p::RecvRequest<'a, MpiComm>),
-    ChannelReceive(channel::ChannelReceive<'a, MpiComm>),
+/// A receive in flight on either mpiflow path.
+enum Incoming<'a> {
+    Headers(p2p::RecvRequest<'a, MpiComm>),
+    Channel(channel::ChannelReceive<'a, MpiComm>),
 }
 
-impl Pending<'_> {
+impl Incoming<'_> {
     fn wait(self) -> Result<(), P2pError> {
         match self {
-            Pending::Send(r) => r.wait(),
-            Pending::Receive(r) => r.wait(),
-            Pending::ChannelReceive(r) => r.wait(),
+            Incoming::Headers(r) => r.wait(),
+            Incoming::Channel(r) => r.wait(),
         }
     }
 }
@@ -71,11 +306,11 @@ impl Via {
         c: &'a MpiComm,
         t: &'a Tensor,
         peer: usize,
-    ) -> Result<Pending<'a>, P2pError> {
-        Ok(match self {
-            Via::Headers => Pending::Send(p2p::immediate_send(c, t, peer, TAG)?),
-            Via::Channel(ch) => Pending::Send(ch.immediate_send(c, t)?),
-        })
+    ) -> Result<p2p::SendRequest<'a, MpiComm>, P2pError> {
+        match self {
+            Via::Headers => p2p::immediate_send(c, t, peer, TAG),
+            Via::Channel(ch) => ch.immediate_send(c, t),
+        }
     }
 
     fn immediate_receive_into<'a>(
@@ -83,235 +318,232 @@ impl Via {
         c: &'a MpiComm,
         t: &'a mut Tensor,
         peer: usize,
-    ) -> Result<Pending<'a>, P2pError> {
+    ) -> Result<Incoming<'a>, P2pError> {
         Ok(match self {
-            Via::Headers => Pending::Receive(p2p::immediate_receive_into(c, t, peer, TAG)?),
-            Via::Channel(ch) => Pending::ChannelReceive(ch.immediate_receive_into(c, t)?),
+            Via::Headers => Incoming::Headers(p2p::immediate_receive_into(c, t, peer, TAG)?),
+            Via::Channel(ch) => Incoming::Channel(ch.immediate_receive_into(c, t)?),
         })
     }
 }
 
-/// Seconds for `iters` calls of `step` after `warmup` untimed ones.
-fn timed(
-    warmup: usize,
-    iters: usize,
-    mut step: impl FnMut() -> Result<(), BenchError>,
-) -> Result<f64, BenchError> {
-    for _ in 0..warmup {
-        step()?;
-    }
-    let start = Instant::now();
-    for _ in 0..iters {
-        step()?;
-    }
-    Ok(secs(start))
+/// The mpiflow paths' buffers: tensors as the runtime makes them.
+struct Tensors {
+    send: Vec<Tensor>,
+    recv: Vec<Tensor>,
+    /// The 1-byte reply of bw.
+    ack: Tensor,
+    ack_in: Tensor,
 }
 
-/// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or MB/s.
+impl Tensors {
+    fn new(count: usize, size: usize) -> Result<Tensors, BenchError> {
+        let filled = |byte: u8| -> Result<Tensor, BenchError> {
+            let mut t = Tensor::zeros(DType::U8, &[size])?.named("bench");
+            t.bytes_mut().fill(byte);
+            Ok(t)
+        };
+        let ack = Tensor::zeros(DType::U8, &[1])?.named("ack");
+        Ok(Tensors {
+            send: (0..count).map(|_| filled(b'a')).collect::<Result<_, _>>()?,
+            recv: (0..count).map(|_| filled(b'b')).collect::<Result<_, _>>()?,
+            ack_in: ack.clone(),
+            ack,
+        })
+    }
+
+    /// One side of a window on an mpiflow path: the sends in flight, then the receives
+    /// (into the one receive tensor in turn, or into one each, posted before the sends, as
+    /// OSU); waits for the sends, then the receives.
+    fn window<'a>(
+        &'a mut self,
+        c: &'a MpiComm,
+        via: &'a Via,
+        peer: usize,
+        receives: usize,
+        sends: usize,
+    ) -> Result<(), P2pError> {
+        let ns = self.send.len();
+        let post_sends = |send: &'a [Tensor]| {
+            (0..sends)
+                .map(|j| via.immediate_send(c, &send[j % ns], peer))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        if self.recv.len() == 1 {
+            let outgoing = post_sends(&self.send)?;
+            for _ in 0..receives {
+                via.receive_into(c, &mut self.recv[0], peer)?;
+            }
+            return p2p::wait_all(outgoing);
+        }
+        let incoming = self.recv[..receives]
+            .iter_mut()
+            .map(|t| via.immediate_receive_into(c, t, peer))
+            .collect::<Result<Vec<_>, _>>()?;
+        p2p::wait_all(post_sends(&self.send)?)?;
+        incoming.into_iter().try_for_each(Incoming::wait)
+    }
+}
+
+/// One rank's buffers on one path.
+enum Side<'a> {
+    Raw(&'a mut RawBuffers),
+    /// Boxed: a side of tensors (and their channel) is large beside a reference.
+    Tensors(Box<(Tensors, Via)>),
+}
+
+impl Side<'_> {
+    fn send_bytes(&mut self, j: usize) -> &mut [u8] {
+        match self {
+            Side::Raw(b) => {
+                let n = b.send.len();
+                b.send[j % n].as_mut_slice()
+            }
+            Side::Tensors(tv) => {
+                let t = &mut tv.0;
+                let n = t.send.len();
+                t.send[j % n].bytes_mut()
+            }
+        }
+    }
+
+    fn recv_bytes(&mut self, j: usize) -> &mut [u8] {
+        match self {
+            Side::Raw(b) => {
+                let n = b.recv.len();
+                b.recv[j % n].as_mut_slice()
+            }
+            Side::Tensors(tv) => {
+                let t = &mut tv.0;
+                let n = t.recv.len();
+                t.recv[j % n].bytes_mut()
+            }
+        }
+    }
+}
+
+/// One measurement of one path at one size, on ranks 0 and 1: microseconds (latency) or
+/// MB/s. `single` holds the `mpi` path's buffers of `-b single`, allocated once.
 fn measure(
     comm: &MpiComm,
-    name: &str,
+    kind: Kind,
     path: Path,
     size: usize,
     opts: &BenchOptions,
+    single: &mut RawBuffers,
 ) -> Result<f64, BenchError> {
-    let (iters, warmup) = match name {
-        "latency" => osu::iterations(opts, size, (10000, 100), (1000, 10), 8192),
-        _ => osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20),
-    };
-    let window = if name == "latency" {
-        1
-    } else {
-        opts.window.max(1)
-    };
+    let (iters, warmup) = kind.iterations(opts, size);
+    let window = kind.window(opts);
     let me = comm.rank();
     let peer = 1 - me;
-    let world = comm.raw();
-    let other = world.process_at_rank(peer as i32);
-    // bibw: a receive window and a send window on each rank, as OSU.
-    let nbuf = if name == "bibw" { 2 * window } else { window };
-    let mut bufs: Vec<AlignedBuf> = (0..nbuf).map(|_| AlignedBuf::zeroed(size)).collect();
-    let mut tensors: Vec<Tensor> = (0..nbuf)
-        .map(|_| Tensor::zeros(DType::U8, &[size]).map(|t| t.named("bench")))
-        .collect::<Result<_, _>>()?;
-    let mut ack = [0u8; 4];
-    let ack_t = Tensor::zeros(DType::U8, &[4])?.named("ack");
-    let mut ack_r = ack_t.clone();
-    let via = Via::open(comm, path, &tensors[0], peer)?;
-    // One tight loop per path, as OSU's: no per-iteration dispatch in the timed code.
-    let elapsed = match (name, path) {
-        ("latency", Path::Mpi) => timed(warmup, iters, || {
-            let b = &mut bufs[0].as_mut_slice()[..size];
-            if me == 0 {
-                other.send_with_tag(&b[..], TAG);
-                other.receive_into_with_tag(b, TAG);
-            } else {
-                other.receive_into_with_tag(&mut b[..], TAG);
-                other.send_with_tag(&b[..], TAG);
-            }
-            Ok(())
-        })?,
-        ("latency", _) => timed(warmup, iters, || {
-            let t = &mut tensors[0];
-            if me == 0 {
-                via.send(comm, t, peer)?;
-                via.receive_into(comm, t, peer)?;
-            } else {
-                via.receive_into(comm, t, peer)?;
-                via.send(comm, t, peer)?;
-            }
-            Ok(())
-        })?,
-        (_, Path::Mpi) => timed(warmup, iters, || {
-            let bibw = name == "bibw";
-            let (send, recv) = (me == 0 || bibw, me == 1 || bibw);
-            if recv {
-                let (rb, sb) = bufs.split_at_mut(window);
-                mpi::request::scope(|sc| {
-                    let recvs: Vec<_> = rb
-                        .iter_mut()
-                        .map(|b| {
-                            other.immediate_receive_into_with_tag(
-                                sc,
-                                &mut b.as_mut_slice()[..size],
-                                TAG,
-                            )
-                        })
-                        .collect();
-                    let sends: Vec<_> = if send {
-                        sb.iter()
-                            .map(|b| other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG))
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    recvs.into_iter().for_each(|r| {
-                        r.wait();
-                    });
-                    sends.into_iter().for_each(|r| {
-                        r.wait();
-                    });
-                });
-            } else {
-                mpi::request::scope(|sc| {
-                    let sends: Vec<_> = bufs
-                        .iter()
-                        .map(|b| other.immediate_send_with_tag(sc, &b.as_slice()[..size], TAG))
-                        .collect();
-                    sends.into_iter().for_each(|r| {
-                        r.wait();
-                    });
-                });
-            }
-            if !bibw {
-                if me == 0 {
-                    other.receive_into_with_tag(&mut ack[..], ACK_TAG);
-                } else {
-                    other.send_with_tag(&ack[..], ACK_TAG);
-                }
-            }
-            Ok(())
-        })?,
-        (_, _) => timed(warmup, iters, || {
-            let bibw = name == "bibw";
-            let (rt, st) = tensors.split_at_mut(window);
-            if me == 1 || bibw {
-                let recvs = rt
-                    .iter_mut()
-                    .map(|t| via.immediate_receive_into(comm, t, peer))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let sends = if bibw {
-                    st.iter()
-                        .map(|t| via.immediate_send(comm, t, peer))
-                        .collect::<Result<Vec<_>, _>>()?
-                } else {
-                    Vec::new()
-                };
-                for r in recvs {
-                    r.wait()?;
-                }
-                for s in sends {
-                    s.wait()?;
-                }
-            } else {
-                let sends = rt
-                    .iter()
-                    .map(|t| via.immediate_send(comm, t, peer))
-                    .collect::<Result<Vec<_>, _>>()?;
-                for s in sends {
-                    s.wait()?;
-                }
-            }
-            if !bibw {
-                if me == 0 {
-                    p2p::receive_into(comm, &mut ack_r, peer, ACK_TAG)?;
-                } else {
-                    p2p::send(comm, &ack_t, peer, ACK_TAG)?;
-                }
-            }
-            Ok(())
-        })?,
-    };
-    if opts.validate {
-        validate(comm, path, size)?;
-    }
-    Ok(match name {
-        "latency" => elapsed * 1e6 / (2.0 * iters as f64),
-        // Both directions count, as in OSU's bibw.
-        "bibw" => size as f64 / 1e6 * iters as f64 * (2 * window) as f64 / elapsed,
-        _ => size as f64 / 1e6 * iters as f64 * window as f64 / elapsed,
-    })
-}
-
-/// Sends one patterned message 0 -> 1 on `path` and checks every byte on rank 1.
-fn validate(comm: &MpiComm, path: Path, size: usize) -> Result<(), BenchError> {
-    let want = pattern(size, size);
-    let me = comm.rank();
-    let got = match path {
+    let (sends, receives) = kind.roles(me);
+    let (sends, receives) = (window * sends as usize, window * receives as usize);
+    let count = kind.buffers(opts);
+    let mut multiple;
+    let mut bufs = match path {
+        Path::Mpi if count == 1 => {
+            single.fill(size);
+            Side::Raw(single)
+        }
         Path::Mpi => {
-            let other = comm.raw().process_at_rank(1 - me as i32);
-            let mut b = want.clone();
-            if me == 0 {
-                other.send_with_tag(&b[..], TAG);
-            } else {
-                b.fill(0);
-                other.receive_into_with_tag(&mut b[..], TAG);
-            }
-            b
+            multiple = RawBuffers::new(count, size);
+            Side::Raw(&mut multiple)
         }
         _ => {
-            let mut t = Tensor::from_slice(&[size], &want)?.named("bench");
-            let via = Via::open(comm, path, &t, 1 - me)?;
-            if me == 0 {
-                via.send(comm, &t, 1)?;
-            } else {
-                t.bytes_mut().fill(0);
-                via.receive_into(comm, &mut t, 0)?;
-            }
-            t.bytes().to_vec()
+            let t = Tensors::new(count, size)?;
+            let via = Via::open(comm, path, &t.send[0], peer)?;
+            Side::Tensors(Box::new((t, via)))
         }
     };
-    match got.iter().zip(&want).position(|(a, b)| a != b) {
-        Some(i) => Err(BenchError::Validation(format!(
-            "byte {i} of {size} differs on rank {me}"
-        ))),
-        None => Ok(()),
+    let mut raw = Raw::new(comm, peer);
+    let mut total = 0.0;
+    for i in 0..warmup + iters {
+        if opts.validate {
+            for j in 0..sends.min(count) {
+                bufs.send_bytes(j)[..size].fill(pattern(i, j));
+            }
+            for j in 0..receives.min(count) {
+                bufs.recv_bytes(j)[..size].fill(b'b');
+            }
+        }
+        let start = Instant::now();
+        match (&mut bufs, kind) {
+            (Side::Raw(b), Kind::Latency) => {
+                if me == 0 {
+                    raw.send(&b.send[0].as_slice()[..size], TAG);
+                    raw.recv(&mut b.recv[0].as_mut_slice()[..size], TAG);
+                } else {
+                    raw.recv(&mut b.recv[0].as_mut_slice()[..size], TAG);
+                    raw.send(&b.send[0].as_slice()[..size], TAG);
+                }
+            }
+            (Side::Raw(b), _) => {
+                raw.window(b, size, receives, sends);
+                if kind == Kind::Bw && me == 0 {
+                    raw.recv(&mut b.recv[0].as_mut_slice()[..1], ACK_TAG);
+                } else if kind == Kind::Bw {
+                    raw.send(&b.send[0].as_slice()[..1], ACK_TAG);
+                }
+            }
+            (Side::Tensors(tv), Kind::Latency) => {
+                let (t, via) = (&mut tv.0, &tv.1);
+                if me == 0 {
+                    via.send(comm, &t.send[0], peer)?;
+                    via.receive_into(comm, &mut t.recv[0], peer)?;
+                } else {
+                    via.receive_into(comm, &mut t.recv[0], peer)?;
+                    via.send(comm, &t.send[0], peer)?;
+                }
+            }
+            (Side::Tensors(tv), _) => {
+                let (t, via) = (&mut tv.0, &tv.1);
+                t.window(comm, via, peer, receives, sends)?;
+                if kind == Kind::Bw && me == 0 {
+                    p2p::receive_into(comm, &mut t.ack_in, peer, ACK_TAG)?;
+                } else if kind == Kind::Bw {
+                    p2p::send(comm, &t.ack, peer, ACK_TAG)?;
+                }
+            }
+        }
+        if i >= warmup {
+            total += secs(start);
+        }
+        if opts.validate {
+            // Message j of the window went from send buffer j to receive buffer j (from the
+            // one to the one under `-b single`).
+            for j in 0..receives.min(count) {
+                if let Some((at, n)) = mismatches(&bufs.recv_bytes(j)[..size], i, j) {
+                    return Err(BenchError::Validation(format!(
+                        "{} path, {size}-byte message {j} of iteration {i}: {n} bytes differ, the first at byte {at}",
+                        super::Label::label(&path)
+                    )));
+                }
+            }
+        }
     }
+    Ok(match kind {
+        Kind::Latency => total * 1e6 / (2.0 * iters as f64),
+        // Both directions count, as in OSU's bibw.
+        Kind::Bibw => size as f64 / 1e6 * iters as f64 * (2 * window) as f64 / total,
+        Kind::Bw => size as f64 / 1e6 * iters as f64 * window as f64 / total,
+    })
 }
 
 /// Runs latency, bw or bibw over the sizes; returns the text rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, BenchError> {
+    let kind = Kind::of(name);
     let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
     let (mut paths, nrounds) = opts.plan();
     if opts.path == Path::Both {
         paths.push(Path::Channel);
     }
     let coll = Collectives::new(MpiComm::new(comm.raw()));
-    let better = if name == "latency" {
+    let better = if kind == Kind::Latency {
         Better::Lower
     } else {
         Better::Higher
     };
+    // OSU's single buffers: allocated once, at the largest size.
+    let mut single = RawBuffers::new(1, if comm.rank() < 2 { max } else { 1 });
     let rounds = best_of_rounds(
         &coll,
         osu::sizes(min, max),
@@ -321,17 +553,55 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         |path, size| {
             // Ranks 0 and 1 measure; the others only keep the barriers company.
             match comm.rank() {
-                0 | 1 => measure(comm, name, path, size, opts),
+                0 | 1 => measure(comm, kind, path, size, opts, &mut single),
                 _ => Ok(0.0),
             }
             .map(|v| Row::point(size, v, 0))
         },
     )?;
     coll.barrier()?;
-    let (title, column) = match name {
-        "latency" => ("Latency Test", "Avg Latency(us)"),
-        "bw" => ("Bandwidth Test", "Bandwidth (MB/s)"),
-        _ => ("Bi-Directional Bandwidth Test", "Bandwidth (MB/s)"),
+    let (title, column) = match kind {
+        Kind::Latency => ("Latency Test", "Avg Latency(us)"),
+        Kind::Bw => ("Bandwidth Test", "Bandwidth (MB/s)"),
+        Kind::Bibw => ("Bi-Directional Bandwidth Test", "Bandwidth (MB/s)"),
     };
-    Ok(rounds.render(|rows| osu::p2p_table(title, "MPI_CHAR", column, rows)))
+    Ok(rounds.render(|rows| osu::p2p_table(title, "MPI_CHAR", column, rows, opts.validate)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_differ_from_the_receive_filler_and_between_messages() {
+        for i in 0..600 {
+            assert_ne!(pattern(i, 0), b'b');
+            assert_ne!(pattern(i, 0), pattern(i + 1, 0));
+            assert_ne!(pattern(i, 0), pattern(i, 1));
+        }
+        let mut got = vec![pattern(3, 2); 10];
+        assert_eq!(mismatches(&got, 3, 2), None);
+        got[4] = b'b';
+        got[7] = 0;
+        assert_eq!(mismatches(&got, 3, 2), Some((4, 2)));
+        assert_eq!(mismatches(&got, 3, 1), Some((0, 10)));
+    }
+
+    #[test]
+    fn roles_and_buffers_follow_osu() {
+        let multiple = BenchOptions {
+            buffers: Buffers::Multiple,
+            window: 8,
+            ..BenchOptions::default()
+        };
+        assert_eq!(Kind::Bw.buffers(&multiple), 8);
+        assert_eq!(Kind::Latency.buffers(&multiple), 1);
+        assert_eq!(Kind::Bibw.buffers(&BenchOptions::default()), 1);
+        assert_eq!(Kind::Bw.roles(0), (true, false));
+        assert_eq!(Kind::Bw.roles(1), (false, true));
+        assert_eq!(Kind::Bibw.roles(1), (true, true));
+        assert_eq!(Kind::Bw.iterations(&multiple, 8192), (100, 10));
+        assert_eq!(Kind::Bw.iterations(&multiple, 8193), (20, 2));
+        assert_eq!(Kind::Latency.iterations(&multiple, 8193), (1000, 10));
+    }
 }

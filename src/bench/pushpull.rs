@@ -206,5 +206,8 @@ pub fn run(
         PsTransport::Rma => "rma",
     };
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps, transport {how})");
-    Ok(measured.render(|rows| osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows)))
+    Ok(
+        measured
+            .render(|rows| osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows, false)),
+    )
 }

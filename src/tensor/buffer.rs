@@ -49,7 +49,27 @@ impl AlignedBuf {
         AlignedBuf { ptr, layout }
     }
 
-    /// Usable length (the requested length rounded up to the alignment).
+    /// A buffer of `len` bytes (at least 1) aligned to the page size and filled with `byte`,
+    /// on the pages the system gives (no huge-page advice): how OSU's benchmarks allocate
+    /// theirs (`posix_memalign(sysconf(_SC_PAGESIZE))`, then `memset`), for measurements
+    /// that must reproduce them.
+    pub fn paged(len: usize, byte: u8) -> AlignedBuf {
+        // SAFETY: sysconf only reads a configuration value.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|p| p.is_power_of_two())
+            .unwrap_or(4096);
+        let layout = Layout::from_size_align(len.max(1), page).expect("buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        // SAFETY: ptr..ptr+size is this allocation; filling initialises every byte.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), byte, layout.size()) };
+        AlignedBuf { ptr, layout }
+    }
+
+    /// Usable length: at least the requested length (`zeroed` rounds it up to the
+    /// alignment).
     pub fn len(&self) -> usize {
         self.layout.size()
     }
@@ -67,7 +87,7 @@ impl AlignedBuf {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for layout.size() initialised (zeroed) bytes.
+        // SAFETY: ptr is valid for layout.size() initialised bytes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
     }
 
@@ -79,7 +99,7 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with exactly this layout.
+        // SAFETY: allocated in `zeroed` or `paged` with exactly this layout.
         unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
@@ -104,6 +124,16 @@ mod tests {
             let align = if len >= HUGE { HUGE } else { 64 };
             assert_eq!(b.as_ptr() as usize % align, 0, "len {len}");
             assert!(b.as_slice().iter().all(|x| *x == 0));
+        }
+    }
+
+    #[test]
+    fn paged_buffers_are_page_aligned_and_filled() {
+        for len in [0, 1, 4095, 4097, 3 << 20] {
+            let b = AlignedBuf::paged(len, b'a');
+            assert_eq!(b.len(), len.max(1));
+            assert_eq!(b.as_ptr() as usize % 4096, 0, "len {len}");
+            assert!(b.as_slice().iter().all(|x| *x == b'a'));
         }
     }
 }

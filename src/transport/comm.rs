@@ -121,6 +121,20 @@ pub trait Comm {
     /// Waits for one request.
     fn wait(&self, req: Self::Request) -> Result<Completion, TransportError>;
 
+    /// Waits for every request of `reqs` and empties it, in one call where the transport
+    /// has one (`MPI_Waitall`): a window of sends costs one wait, not one per message.
+    /// Completions are not reported (what sends need); an error still completes or waits
+    /// for every request before it returns, so no buffer is left in MPI's hands.
+    fn wait_all(&self, reqs: &mut Vec<Self::Request>) -> Result<(), TransportError> {
+        let mut first = Ok(());
+        for r in reqs.drain(..) {
+            if let Err(e) = self.wait(r) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
     /// Completes `req` if it is done (`MPI_Test`); `None` leaves it in flight.
     fn test(&self, req: &mut Self::Request) -> Result<Option<Completion>, TransportError>;
 

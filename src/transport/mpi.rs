@@ -170,6 +170,11 @@ fn dtype_raw(d: DType) -> ffi::MPI_Datatype {
     }
 }
 
+fn null_request() -> ffi::MPI_Request {
+    // SAFETY: a constant handle.
+    unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
 fn byte() -> ffi::MPI_Datatype {
     // SAFETY: a constant handle.
     unsafe { ffi::RSMPI_UINT8_T }
@@ -350,6 +355,39 @@ impl Comm for MpiComm {
         // SAFETY: r.req is an active request from isend/irecv; waiting completes it.
         let rc = unsafe { ffi::MPI_Wait(&mut r.req, &mut status) };
         self.completion("MPI_Wait", rc, &status, r.len)
+    }
+
+    fn wait_all(&self, reqs: &mut Vec<MpiRequest>) -> Result<(), TransportError> {
+        /// Handles per `MPI_Waitall`, copied to the stack (requests carry their length too).
+        const CHUNK: usize = 64;
+        let mut result = Ok(());
+        for chunk in reqs.chunks_mut(CHUNK) {
+            let mut handles = [null_request(); CHUNK];
+            for (h, r) in handles.iter_mut().zip(chunk.iter()) {
+                *h = r.req;
+            }
+            let handles = &mut handles[..chunk.len()];
+            // SAFETY: each handle is an active request of this rank (or already null);
+            // MPI_Waitall completes and frees them, writing null handles back.
+            let rc = unsafe {
+                ffi::MPI_Waitall(
+                    handles.len() as c_int,
+                    handles.as_mut_ptr(),
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            };
+            if rc != ffi::MPI_SUCCESS as c_int {
+                // Requests the failed call left pending (MPI_ERR_PENDING) are waited for
+                // one by one: their buffers must not be released while MPI may use them.
+                for h in handles.iter_mut() {
+                    // SAFETY: as above; waiting on a null handle returns at once.
+                    unsafe { ffi::MPI_Wait(h, ffi::RSMPI_STATUS_IGNORE) };
+                }
+                result = result.and(self.check("MPI_Waitall", rc));
+            }
+        }
+        reqs.clear();
+        result
     }
 
     fn test(&self, r: &mut MpiRequest) -> Result<Option<Completion>, TransportError> {

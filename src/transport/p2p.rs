@@ -211,6 +211,29 @@ impl<C: Comm> SendRequest<'_, C> {
     }
 }
 
+/// Waits for every send of `sends` (all on one communicator: `MPI_Waitall`, one call for
+/// a window of sends instead of one `MPI_Wait` per message).
+pub fn wait_all<'a, C: Comm + 'a>(
+    sends: impl IntoIterator<Item = SendRequest<'a, C>>,
+) -> Result<(), P2pError> {
+    let mut sends = sends.into_iter();
+    let Some(mut first) = sends.next() else {
+        return Ok(());
+    };
+    let comm = first.comm;
+    let mut reqs: Vec<C::Request> = first.req.take().into_iter().collect();
+    let mut result = Ok(());
+    for mut s in sends {
+        if std::ptr::eq(s.comm, comm) {
+            reqs.extend(s.req.take());
+        } else {
+            result = result.and(s.wait());
+        }
+    }
+    comm.wait_all(&mut reqs)?;
+    result
+}
+
 impl<C: Comm> Drop for SendRequest<'_, C> {
     fn drop(&mut self) {
         if let Some(r) = self.req.take() {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use mpiflow::bench::osu::{BenchOptions, Path as BenchPath, ShmStores};
+use mpiflow::bench::osu::{BenchOptions, Buffers, Path as BenchPath, ShmStores};
 use mpiflow::cluster::hostfile::MapBy;
 use mpiflow::cluster::{MappingOptions, Placement, Request, Source};
 use mpiflow::named::Named;
@@ -206,6 +206,10 @@ pub(crate) struct BenchArgs {
     /// Window of non-blocking sends (bw, bibw).
     #[arg(short = 'W', long = "window-size", default_value_t = 64)]
     window: usize,
+    /// OSU's buffer use in bw and bibw: one send and one receive buffer per rank, reused by
+    /// every message of a window (single), or a buffer per message (multiple).
+    #[arg(short = 'b', long = "buffer-num", value_parser = named::<Buffers>(), default_value = "single")]
+    buffers: Buffers,
     /// Full statistics for collectives: min, max, iterations.
     #[arg(short = 'f', long = "full")]
     full: bool,
@@ -249,6 +253,7 @@ impl BenchArgs {
             iterations: self.iterations,
             warmup: self.warmup,
             window: self.window,
+            buffers: self.buffers,
             full: self.full,
             validate: self.validate,
             path: self.path,

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# mpiflow's benchmarks beside the OSU Micro-Benchmarks 7.4 themselves, in alternating jobs.
+#
+#   benches/compare/osu.sh                       # latency bw bibw allreduce bcast, one-sided
+#   ROUNDS=6 NP=2 benches/compare/osu.sh latency bw
+#   OSU_ARGS="-b multiple" benches/compare/osu.sh bw bibw   # options given to both
+#
+# Builds OSU 7.4 from ../shared/tools/osu-7.4 (or $OSU_SRC) into target/osu-7.4 once, then
+# for each benchmark runs ROUNDS rounds of two jobs: OSU's program, then `mpiflow bench`
+# with all its paths (mpi, mpiflow, and channel for latency, bw, bibw). This machine's
+# noise only ever slows a run, so each program's best round per size estimates its cost;
+# the table prints those bests side by side, the ratios to OSU's best (>1 is slower for
+# latencies, faster for bandwidths), and each column's spread over rounds (worst/best).
+# Not part of the tests.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROUNDS=${ROUNDS:-6}
+NP=${NP:-2}
+OSU_SRC=${OSU_SRC:-../shared/tools/osu-7.4}
+OSU_DIR=${OSU_DIR:-target/osu-7.4}
+OSU_ARGS=${OSU_ARGS:-}
+names=("$@")
+if [[ ${#names[@]} -eq 0 ]]; then
+  names=(latency bw bibw allreduce bcast put_latency get_latency acc_latency get_bw)
+fi
+source scripts/env.sh
+cargo build --release --quiet --bin mpiflow
+if [[ ! -x $OSU_DIR/osu_latency ]]; then
+  bash "$OSU_SRC/build.sh" "$OSU_DIR" >/dev/null
+fi
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+# The rows of every table in a run's output, as `path size value` (OSU's own output has no
+# `# mpiflow path:` line: its path is `osu`).
+rows() {
+  awk -v first="$1" '
+    /^# mpiflow path:/ { sub(/^# mpiflow path: /, ""); path = $0; gsub(/ /, "_", path); next }
+    /^#/ || NF < 2 { next }
+    $1 ~ /^[0-9]+$/ { print (path == "" ? first : path), $1, $2 }'
+}
+for name in "${names[@]}"; do
+  case $name in
+    latency | bw | bibw) better=lower; [[ $name != latency ]] && better=higher ;;
+    allreduce | bcast | put_latency | get_latency | acc_latency) better=lower ;;
+    get_bw) better=higher ;;
+    *) echo "unknown benchmark $name" >&2; exit 2 ;;
+  esac
+  : >"$out/$name"
+  for r in $(seq "$ROUNDS"); do
+    # shellcheck disable=SC2086 # OSU_ARGS is a list of options
+    timeout 900 mpirun -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
+    # shellcheck disable=SC2086
+    timeout 900 mpirun -np "$NP" target/release/mpiflow bench "$name" --rounds 1 $OSU_ARGS \
+      | rows mpiflow >>"$out/$name"
+  done
+  echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}"
+  awk -v better="$better" '
+    {
+      key = $1 SUBSEP $2
+      if (!(key in best)) { best[key] = $3; worst[key] = $3 }
+      if ((better == "lower") == ($3 < best[key])) best[key] = $3
+      if ((better == "lower") == ($3 > worst[key])) worst[key] = $3
+      if (!($1 in seen)) { seen[$1] = 1; paths[++np] = $1 }
+      if (!($2 in sizes)) { sizes[$2] = 1; order[++ns] = $2 }
+    }
+    END {
+      printf "%-9s", "# size"
+      for (p = 1; p <= np; p++) printf " %14s", substr(paths[p], 1, 14)
+      for (p = 2; p <= np; p++) printf " %10s", substr(paths[p], 1, 6) "/osu"
+      printf "   spread (worst/best):"
+      for (p = 1; p <= np; p++) printf " %s", paths[p]
+      printf "\n"
+      for (i = 1; i <= ns; i++) {
+        s = order[i]; o = best["osu" SUBSEP s]
+        printf "%-9s", s
+        for (p = 1; p <= np; p++) printf " %14.2f", best[paths[p] SUBSEP s]
+        for (p = 2; p <= np; p++) printf " %10.3f", (o > 0 ? best[paths[p] SUBSEP s] / o : 0)
+        printf "   "
+        for (p = 1; p <= np; p++) {
+          b = best[paths[p] SUBSEP s]
+          w = worst[paths[p] SUBSEP s]
+          printf " %.2f", (better == "lower" ? (b > 0 ? w / b : 0) : (w > 0 ? b / w : 0))
+        }
+        printf "\n"
+      }
+    }' "$out/$name"
+  echo
+done
