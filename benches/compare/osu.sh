@@ -24,6 +24,11 @@ if [[ ${#names[@]} -eq 0 ]]; then
   names=(latency bw bibw allreduce bcast put_latency get_latency acc_latency get_bw)
 fi
 source scripts/env.sh
+# The one-sided component mpiflow chooses on a machine without RDMA devices (see
+# src/bin/mpiflow/env.rs), for OSU too: the same MPI settings on both sides.
+if [[ -z $(ls /sys/class/infiniband 2>/dev/null) ]]; then
+  export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,pt2pt}
+fi
 cargo build --release --quiet --bin mpiflow
 if [[ ! -x $OSU_DIR/osu_latency ]]; then
   bash "$OSU_SRC/build.sh" "$OSU_DIR" >/dev/null
@@ -72,14 +77,23 @@ for name in "${names[@]}"; do
       printf "\n"
       for (i = 1; i <= ns; i++) {
         s = order[i]; o = best["osu" SUBSEP s]
+        # A program that has no row at a size (mpiflow starts allreduce at one float)
+        # shows "-".
         printf "%-9s", s
-        for (p = 1; p <= np; p++) printf " %14.2f", best[paths[p] SUBSEP s]
-        for (p = 2; p <= np; p++) printf " %10.3f", (o > 0 ? best[paths[p] SUBSEP s] / o : 0)
+        for (p = 1; p <= np; p++) {
+          k = paths[p] SUBSEP s
+          if (k in best) printf " %14.2f", best[k]; else printf " %14s", "-"
+        }
+        for (p = 2; p <= np; p++) {
+          k = paths[p] SUBSEP s
+          if ((k in best) && o > 0) printf " %10.3f", best[k] / o; else printf " %10s", "-"
+        }
         printf "   "
         for (p = 1; p <= np; p++) {
-          b = best[paths[p] SUBSEP s]
-          w = worst[paths[p] SUBSEP s]
-          printf " %.2f", (better == "lower" ? (b > 0 ? w / b : 0) : (w > 0 ? b / w : 0))
+          k = paths[p] SUBSEP s
+          b = best[k]; w = worst[k]
+          if (!(k in best) || b <= 0 || w <= 0) printf " -"
+          else printf " %.2f", (better == "lower" ? w / b : b / w)
         }
         printf "\n"
       }

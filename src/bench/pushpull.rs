@@ -50,12 +50,8 @@ fn p2p_rounds<C: Comm>(
         strategy: Strategy::Partition,
         partition_bytes: floats.div_ceil(roles.ps.len()).max(1) * 4,
     };
-    let client = ps::worker::Client {
-        comm,
-        roles: &roles,
-        shards: setter.place(&vars, roles.ps.len()),
-        timeout,
-    };
+    let client =
+        ps::worker::Client::new(comm, &roles, setter.place(&vars, roles.ps.len()), timeout);
     let zeros = Tensor::zeros(crate::tensor::DType::F32, &[floats])
         .map_err(|e| PsError::Setup(e.to_string()))?
         .named("model");

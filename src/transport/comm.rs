@@ -166,7 +166,24 @@ pub trait Comm {
         src: usize,
         tag: i32,
         complete_within: std::time::Duration,
-    ) -> Result<Option<(usize, Vec<u8>)>, TransportError>;
+    ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+        let mut buf = Vec::new();
+        Ok(self
+            .try_receive_into(src, tag, complete_within, &mut buf)?
+            .map(|source| (source, buf)))
+    }
+
+    /// [`Comm::try_receive`] into `buf`, replaced by the message (its allocation reused
+    /// when large enough: a server that receives large messages in a loop allocates, and
+    /// faults pages in, once); returns the sender. After a timeout `buf` is empty (the
+    /// memory MPI may still write is kept alive for the rest of the process).
+    fn try_receive_into(
+        &self,
+        src: usize,
+        tag: i32,
+        complete_within: std::time::Duration,
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<usize>, TransportError>;
 
     /// One zero-filled segment of `len` bytes per rank that every rank can load and store,
     /// when all ranks share one node (`MPI_Win_allocate_shared`); `None` otherwise.

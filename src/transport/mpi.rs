@@ -436,12 +436,13 @@ impl Comm for MpiComm {
         self.completion("MPI_Recv", rc, &status, buf.len())
     }
 
-    fn try_receive(
+    fn try_receive_into(
         &self,
         src: usize,
         tag: i32,
         complete_within: std::time::Duration,
-    ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<usize>, TransportError> {
         let src = self.peer(src)?;
         let mut flag: c_int = 0;
         // SAFETY: zeroed message and status handles are valid out-parameters.
@@ -469,14 +470,16 @@ impl Comm for MpiComm {
         // Not zeroed: MPI writes every byte before anything reads them (large messages
         // would otherwise be written twice).
         let len = count.max(0) as usize;
-        let mut buf: Vec<u8> = Vec::with_capacity(len);
+        buf.clear();
+        buf.reserve(len);
         // SAFETY: a zeroed request is a valid out-parameter.
         let mut req = MpiRequest {
             req: unsafe { std::mem::zeroed() },
             len,
         };
-        // SAFETY: buf holds exactly the matched message's length; msg is the matched handle;
-        // buf outlives the request (or is leaked below if the request never completes).
+        // SAFETY: buf has room for the matched message's length; msg is the matched handle;
+        // buf is not touched until the request completes (or is leaked below if it never
+        // does).
         let rc = unsafe {
             ffi::MPI_Imrecv(
                 buf.as_mut_ptr().cast(),
@@ -493,11 +496,11 @@ impl Comm for MpiComm {
             if self.test(&mut req)?.is_some() {
                 // SAFETY: the completed receive wrote all `len` bytes of the allocation.
                 unsafe { buf.set_len(len) };
-                return Ok(Some((source, buf)));
+                return Ok(Some(source));
             }
             if start.elapsed() > complete_within {
                 // MPI may still write into buf: keep it alive for the rest of the process.
-                std::mem::forget(buf);
+                std::mem::forget(std::mem::take(buf));
                 return Err(TransportError::Timeout {
                     rank: self.rank,
                     peer: source,

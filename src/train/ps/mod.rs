@@ -37,6 +37,7 @@ pub mod roles;
 pub mod server;
 pub mod session;
 pub mod shards;
+mod store;
 pub mod wire;
 pub mod worker;
 

@@ -1,11 +1,15 @@
 //! The ps wire protocol: typed requests (worker to ps) and replies (ps to worker).
 //!
 //! One message each: `[u32 n | JSON header of n bytes | f32 payload]`. The header is a
-//! [`Request`] or a [`Reply`] (serde); the payload carries the floats the header names
-//! (initial values, gradients, parameters), little-endian, sent without gathering them
-//! first. Requests travel on tag [`Reserved::PsRequest`], replies on
+//! [`Request`] or a [`Reply`] (serde), padded with spaces to a multiple of 4 bytes so that
+//! the payload is aligned as floats wherever the message lands: a receiver reads it in
+//! place ([`decode_view`]). The payload carries the floats the header names (initial
+//! values, gradients, parameters), little-endian, sent without gathering them first; a
+//! ps answers a pull from its parameters' own memory, the header written in front of
+//! them ([`frame_before`]). Requests travel on tag [`Reserved::PsRequest`], replies on
 //! [`Reserved::PsReply`], both at the top of the tag range.
 
+use std::borrow::Cow;
 use std::path::PathBuf;
 
 use serde::de::DeserializeOwned;
@@ -105,9 +109,16 @@ fn f32_bytes(x: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
+/// A header's JSON, padded with spaces (which JSON ignores) to a multiple of 4 bytes.
+fn header_json<H: Serialize>(header: &H) -> Vec<u8> {
+    let mut h = serde_json::to_vec(header).expect("protocol headers serialise");
+    h.resize(h.len().next_multiple_of(4), b' ');
+    h
+}
+
 /// One message from a header and several float slices, copied once.
 pub fn encode<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
-    let h = serde_json::to_vec(header).expect("protocol headers serialise");
+    let h = header_json(header);
     let floats: usize = parts.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(4 + h.len() + 4 * floats);
     out.extend_from_slice(&(h.len() as u32).to_le_bytes());
@@ -118,13 +129,32 @@ pub fn encode<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
     out
 }
 
-/// The header and payload of a message, or `None` if it is not one of `H`.
-pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, Vec<f32>)> {
+/// Writes `[u32 n | header]` into `room` so that it ends where `room` ends (where a
+/// payload already in memory begins); returns the offset in `room` where the message
+/// starts, or `None` if the header does not fit.
+pub fn frame_before<H: Serialize>(header: &H, room: &mut [u8]) -> Option<usize> {
+    let h = header_json(header);
+    let start = room.len().checked_sub(4 + h.len())?;
+    room[start..start + 4].copy_from_slice(&(h.len() as u32).to_le_bytes());
+    room[start + 4..].copy_from_slice(&h);
+    Some(start)
+}
+
+/// The header and payload of a message, or `None` if it is not one of `H`. The payload
+/// is read in place when it lies aligned as floats (a message of [`encode`] or
+/// [`frame_before`] in a buffer from the allocator), else copied.
+pub fn decode_view<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, Cow<'_, [f32]>)> {
     let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
     let header = serde_json::from_slice(bytes.get(4..4 + n)?).ok()?;
     let rest = &bytes[4 + n..];
     if !rest.len().is_multiple_of(4) {
         return None;
+    }
+    // SAFETY: every bit pattern is a valid f32; align_to only reinterprets the aligned
+    // middle of the byte slice.
+    let (head, mid, tail) = unsafe { rest.align_to::<f32>() };
+    if head.is_empty() && tail.is_empty() {
+        return Some((header, Cow::Borrowed(mid)));
     }
     let mut floats: Vec<f32> = Vec::with_capacity(rest.len() / 4);
     // SAFETY: the allocation holds rest.len() bytes; the regions do not overlap; every bit
@@ -134,7 +164,12 @@ pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, Vec<f32>)> {
         std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len());
         floats.set_len(rest.len() / 4);
     }
-    Some((header, floats))
+    Some((header, Cow::Owned(floats)))
+}
+
+/// [`decode_view`] with the payload copied out.
+pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, Vec<f32>)> {
+    decode_view(bytes).map(|(h, p)| (h, p.into_owned()))
 }
 
 #[cfg(test)]
@@ -163,5 +198,39 @@ mod tests {
         // A reply is not a request; a truncated message is nothing.
         assert!(decode::<Request>(&encode(&s, &[])).is_none());
         assert!(decode::<Reply>(&m[..m.len() - 1]).is_none());
+    }
+
+    #[test]
+    fn payloads_are_read_in_place_and_headers_framed_before_them() {
+        let r = Reply::Params {
+            step: 3,
+            loss: Some(0.5),
+        };
+        // Headers of every length mod 4 leave the payload aligned.
+        for pad in 0..4 {
+            let long = Reply::Error {
+                message: "x".repeat(pad),
+            };
+            assert_eq!((encode(&long, &[]).len() - 4) % 4, 0);
+        }
+        let m = encode(&r, &[&[1.0, 2.0]]);
+        let (back, payload) = decode_view::<Reply>(&m).unwrap();
+        assert_eq!(back, r);
+        assert!(matches!(payload, Cow::Borrowed(_)));
+        assert_eq!(&payload[..], &[1.0, 2.0]);
+        // Misaligned bytes still decode, by a copy.
+        let mut shifted = vec![0u8; m.len() + 1];
+        shifted[1..].copy_from_slice(&m);
+        let (_, payload) = decode_view::<Reply>(&shifted[1..]).unwrap();
+        assert_eq!(&payload[..], &[1.0, 2.0]);
+        // A header framed in front of floats already in memory reads as one message.
+        let mut buf = [0u8; 64 + 8];
+        buf[64..68].copy_from_slice(&1.5f32.to_le_bytes());
+        buf[68..].copy_from_slice(&(-2.0f32).to_le_bytes());
+        let (room, _) = buf.split_at_mut(64);
+        let start = frame_before(&r, room).unwrap();
+        let (back, payload) = decode::<Reply>(&buf[start..]).unwrap();
+        assert_eq!((back, payload), (r.clone(), vec![1.5, -2.0]));
+        assert_eq!(frame_before(&r, &mut [0u8; 8]), None);
     }
 }

@@ -12,9 +12,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::placement::Shard;
-use super::protocol::{decode, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
+use super::protocol::{decode_view, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
 use super::roles::Roles;
-use super::wire::{notify, send_within, Sent};
+use super::store::Store;
+use super::wire::{notify, send_owned_within, send_within, Sent};
 use super::{shards, PsError};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
@@ -26,15 +27,17 @@ pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> R
     Server::new(comm, roles, k, timeout).serve()
 }
 
-/// One step's gradient from one worker: samples, loss, per-shard gradients.
-type Pushed = (f32, f32, Vec<Vec<f32>>);
+/// What a worker's gradient for the current step brought besides the gradient (which is
+/// summed into [`Server::sum`] on arrival): its samples and loss.
+type Pushed = (f32, f32);
 
 struct Server<'a, C: Comm> {
     comm: &'a C,
     roles: &'a Roles,
     k: usize,
     shards: Vec<Shard>,
-    params: Vec<Vec<f32>>,
+    /// The parameters, answered to pulls in place.
+    store: Store,
     slots: Vec<Slots>,
     opt: Optimizer,
     /// Gradients per update when synchronous.
@@ -43,8 +46,13 @@ struct Server<'a, C: Comm> {
     initialized: bool,
     /// Parked pulls: (worker rank, step wanted).
     pending: Vec<(usize, u64)>,
-    /// Gradients of the current step by worker index.
+    /// Workers whose gradient for the current step arrived, with its samples and loss.
     accum: BTreeMap<usize, Pushed>,
+    /// The current step's gradients, each weighted by its samples, summed on arrival:
+    /// one buffer and one update per step, whatever the number of workers.
+    sum: Vec<f32>,
+    /// Where requests land, reused from one to the next.
+    inbox: Vec<u8>,
     last_loss: f32,
     done: Vec<bool>,
     heard: Vec<Instant>,
@@ -59,7 +67,7 @@ impl<'a, C: Comm> Server<'a, C> {
             roles,
             k,
             shards: Vec::new(),
-            params: Vec::new(),
+            store: Store::new([]),
             slots: Vec::new(),
             opt: Optimizer::new(OptimizerKind::Sgd, 0.0),
             sync: None,
@@ -67,6 +75,8 @@ impl<'a, C: Comm> Server<'a, C> {
             initialized: false,
             pending: Vec::new(),
             accum: BTreeMap::new(),
+            sum: Vec::new(),
+            inbox: Vec::new(),
             last_loss: f32::NAN,
             done: vec![false; nw],
             heard: vec![Instant::now(); nw],
@@ -78,12 +88,9 @@ impl<'a, C: Comm> Server<'a, C> {
         self.roles.task(self.comm.rank())
     }
 
-    fn reply(&self, to: usize, reply: &Reply, payload: &[&[f32]]) -> Result<(), PsError> {
-        self.send_reply(to, encode(reply, payload))
-    }
-
-    fn send_reply(&self, to: usize, message: Vec<u8>) -> Result<(), PsError> {
-        let sent = send_within(
+    fn reply(&self, to: usize, reply: &Reply) -> Result<(), PsError> {
+        let message = encode(reply, &[]);
+        let sent = send_owned_within(
             self.comm,
             message,
             to,
@@ -91,6 +98,11 @@ impl<'a, C: Comm> Server<'a, C> {
             self.timeout,
             None,
         )?;
+        self.sent(to, sent)
+    }
+
+    /// The end of a reply's send: a peer that did not take it within the timeout is lost.
+    fn sent(&self, to: usize, sent: Sent) -> Result<(), PsError> {
         if let Sent::Done(_) = sent {
             return Ok(());
         }
@@ -118,12 +130,12 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn error(&self, to: usize, message: String) -> Result<(), PsError> {
-        self.reply(to, &Reply::Error { message }, &[])
+        self.reply(to, &Reply::Error { message })
     }
 
     fn ok(&self, to: usize) -> Result<(), PsError> {
         let step = self.global_step;
-        self.reply(to, &Reply::Ok { step }, &[])
+        self.reply(to, &Reply::Ok { step })
     }
 
     fn labels(&self) -> Vec<(String, usize)> {
@@ -198,10 +210,11 @@ impl<'a, C: Comm> Server<'a, C> {
         }
         self.opt = setup.optimizer;
         self.sync = setup.sync.map(|s| s.replicas_to_aggregate);
-        self.params = mine.iter().map(|s| vec![0.0; s.len]).collect();
+        self.store = Store::new(mine.iter().map(|s| s.len));
         self.slots = mine.iter().map(|s| self.opt.state(s.len)).collect();
         self.shards = mine;
         self.accum.clear();
+        self.sum = vec![0.0; self.store.len()];
         self.global_step = 0;
         Ok(())
     }
@@ -217,26 +230,29 @@ impl<'a, C: Comm> Server<'a, C> {
         if ready.is_empty() {
             return Ok(());
         }
-        let parts: Vec<&[f32]> = self.params.iter().map(Vec::as_slice).collect();
-        let header = Reply::Params {
+        // One message for every ready pull, straight from the parameters' memory.
+        let framed = self.store.frame(&Reply::Params {
             step: self.global_step,
             loss: finite(self.last_loss),
-        };
-        let message = encode(&header, &parts);
+        });
         for (to, _) in ready {
-            self.send_reply(to, message.clone())?;
+            let message = self.store.message(framed);
+            let sent = send_within(
+                self.comm,
+                message,
+                to,
+                reply_tag(self.comm),
+                self.timeout,
+                None,
+            );
+            if let Err(e) = sent.map_err(PsError::from).and_then(|s| self.sent(to, s)) {
+                // The send may still be in flight: MPI may read the parameters' memory
+                // for as long as the process lives.
+                std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
+                return Err(e);
+            }
         }
         Ok(())
-    }
-
-    fn split(&self, flat: &[f32]) -> Vec<Vec<f32>> {
-        let mut out = Vec::with_capacity(self.shards.len());
-        let mut off = 0;
-        for s in &self.shards {
-            out.push(flat[off..off + s.len].to_vec());
-            off += s.len;
-        }
-        out
     }
 
     /// Handles one request; `Err` stops the server (the workers were told).
@@ -245,7 +261,7 @@ impl<'a, C: Comm> Server<'a, C> {
             return Ok(()); // not a worker: ignore
         };
         self.heard[w] = Instant::now();
-        let Some((request, payload)) = decode::<Request>(bytes) else {
+        let Some((request, payload)) = decode_view::<Request>(bytes) else {
             return self.error(from, "malformed request".into());
         };
         match request {
@@ -257,7 +273,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 if let Err(e) = self.check_vars(&vars, &payload) {
                     return self.error(from, e);
                 }
-                self.params = self.split(&payload);
+                self.store.all_mut().copy_from_slice(&payload);
                 self.initialized = true;
                 self.ok(from)?;
                 self.answer_pending()
@@ -294,7 +310,6 @@ impl<'a, C: Comm> Server<'a, C> {
                             bytes,
                             checksum,
                         },
-                        &[],
                     ),
                     Err(e) => self.error(from, e.to_string()),
                 }
@@ -333,15 +348,11 @@ impl<'a, C: Comm> Server<'a, C> {
         }
         let loss = loss.unwrap_or(f32::NAN);
         let Some(rta) = self.sync else {
-            let mut off = 0;
-            for ((p, s), sh) in self
-                .params
-                .iter_mut()
-                .zip(&mut self.slots)
-                .zip(&self.shards)
-            {
-                self.opt.apply(p, &payload[off..off + sh.len], s);
-                off += sh.len;
+            // Applied from the message where it landed.
+            for (i, s) in self.slots.iter_mut().enumerate() {
+                let r = self.store.range(i);
+                self.opt
+                    .apply(&mut self.store.all_mut()[r.clone()], &payload[r], s);
             }
             self.global_step += 1;
             self.last_loss = loss;
@@ -350,7 +361,7 @@ impl<'a, C: Comm> Server<'a, C> {
         };
         if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
             let step = self.global_step;
-            return self.reply(from, &Reply::Stale { step }, &[]);
+            return self.reply(from, &Reply::Stale { step });
         }
         if step > self.global_step {
             return self.error(
@@ -361,8 +372,19 @@ impl<'a, C: Comm> Server<'a, C> {
                 ),
             );
         }
-        self.accum
-            .insert(w, (samples as f32, loss, self.split(payload)));
+        let n = samples as f32;
+        if self.accum.is_empty() {
+            self.sum
+                .iter_mut()
+                .zip(payload)
+                .for_each(|(s, g)| *s = g * n);
+        } else {
+            self.sum
+                .iter_mut()
+                .zip(payload)
+                .for_each(|(s, g)| *s += g * n);
+        }
+        self.accum.insert(w, (n, loss));
         self.ok(from)?;
         if self.accum.len() >= rta {
             self.apply_accumulated();
@@ -372,31 +394,33 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     /// One update from the step's gradients, averaged weighted by each worker's samples
-    /// (the gradient of the combined batch) and summed in worker order (reproducible
-    /// whatever order pushes arrived in).
+    /// (the gradient of the combined batch). The weighted gradients were summed in the
+    /// order they arrived, as TensorFlow's accumulators do: with more than two workers the
+    /// last bits of a sum can differ between runs.
     fn apply_accumulated(&mut self) {
         let total: f32 = self.accum.values().map(|a| a.0).sum();
-        let mut avg: Vec<Vec<f32>> = self.shards.iter().map(|s| vec![0.0; s.len]).collect();
-        let mut loss = 0.0;
-        for (n, l, g) in self.accum.values() {
-            loss += l * n / total;
-            for (a, gi) in avg.iter_mut().zip(g) {
-                a.iter_mut()
-                    .zip(gi)
-                    .for_each(|(x, y)| *x += y * (n / total));
-            }
-        }
+        // The loss in worker order.
+        let loss = self.accum.values().map(|(n, l)| l * n / total).sum();
         self.accum.clear();
-        for ((p, g), s) in self.params.iter_mut().zip(&avg).zip(&mut self.slots) {
-            self.opt.apply(p, g, s);
+        let scale = 1.0 / total;
+        self.sum.iter_mut().for_each(|g| *g *= scale);
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            let r = self.store.range(i);
+            self.opt
+                .apply(&mut self.store.all_mut()[r.clone()], &self.sum[r], s);
         }
         self.global_step += 1;
         self.last_loss = loss;
     }
 
     fn snapshot(&self) -> checkpoint::Arrays {
-        let params: Vec<&[f32]> = self.params.iter().map(Vec::as_slice).collect();
-        shards::arrays(self.k, &self.shards, &params, &self.slots, self.global_step)
+        shards::arrays(
+            self.k,
+            &self.shards,
+            &self.store.shards(),
+            &self.slots,
+            self.global_step,
+        )
     }
 
     /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
@@ -404,7 +428,10 @@ impl<'a, C: Comm> Server<'a, C> {
         let (params, slots, step) =
             shards::read(dir, &self.shards, all, &self.opt).map_err(|e| e.to_string())?;
         // All or nothing: only now replace the live state.
-        self.params = params;
+        for (i, p) in params.iter().enumerate() {
+            let r = self.store.range(i);
+            self.store.all_mut()[r].copy_from_slice(p);
+        }
         self.slots = slots;
         self.global_step = step;
         self.initialized = true;
@@ -443,17 +470,22 @@ impl<'a, C: Comm> Server<'a, C> {
     fn serve(mut self) -> Result<(), PsError> {
         let mut backoff = Backoff::new(Duration::from_micros(200));
         while !self.done.iter().all(|d| *d) {
-            let got = match self
-                .comm
-                .try_receive(ANY_SOURCE, request_tag(self.comm), self.timeout)
-            {
+            let mut inbox = std::mem::take(&mut self.inbox);
+            let got = match self.comm.try_receive_into(
+                ANY_SOURCE,
+                request_tag(self.comm),
+                self.timeout,
+                &mut inbox,
+            ) {
                 Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
                 other => other?,
             };
-            match got {
-                Some((from, bytes)) => {
+            let handled = got.map(|from| self.handle(from, &inbox));
+            self.inbox = inbox;
+            match handled {
+                Some(handled) => {
                     backoff.reset();
-                    self.handle(from, &bytes)?;
+                    handled?;
                 }
                 None => {
                     if let Some(w) = self.lost() {

@@ -138,12 +138,12 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         })?;
         let replica = Replica::new(model, opts.seed);
         let vars = super::variables(&replica);
-        let client = Client {
+        let client = Client::new(
             comm,
             roles,
-            shards: opts.placement.place(&vars, roles.ps.len()),
-            timeout: opts.peer_timeout,
-        };
+            opts.placement.place(&vars, roles.ps.len()),
+            opts.peer_timeout,
+        );
         let grads = replica.zeros_like();
         let mut sess = MonitoredSession {
             client,

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::protocol::{decode, reply_tag, Reply};
+use super::protocol::{decode_view, reply_tag, Reply};
 use crate::transport::comm::{Backoff, Comm, TransportError};
 
 /// Waits for a message from `src` (or any source) on `tag`, at most `deadline`.
@@ -13,11 +13,23 @@ pub fn receive_within<C: Comm>(
     tag: i32,
     deadline: Duration,
 ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+    let mut buf = Vec::new();
+    Ok(receive_within_into(c, src, tag, deadline, &mut buf)?.map(|from| (from, buf)))
+}
+
+/// [`receive_within`] into `buf` (its allocation reused); returns the sender.
+pub fn receive_within_into<C: Comm>(
+    c: &C,
+    src: usize,
+    tag: i32,
+    deadline: Duration,
+    buf: &mut Vec<u8>,
+) -> Result<Option<usize>, TransportError> {
     let start = Instant::now();
     let mut backoff = Backoff::new(Duration::from_micros(50));
     loop {
-        if let Some(m) = c.try_receive(src, tag, deadline)? {
-            return Ok(Some(m));
+        if let Some(from) = c.try_receive_into(src, tag, deadline, buf)? {
+            return Ok(Some(from));
         }
         if start.elapsed() > deadline {
             return Ok(None);
@@ -39,7 +51,7 @@ pub enum Sent {
 
 /// The message of an error reply (or of a message that is no reply at all).
 pub fn error_of(m: &[u8]) -> Option<String> {
-    match decode::<Reply>(m) {
+    match decode_view::<Reply>(m) {
         Some((Reply::Error { message }, _)) => Some(message),
         Some(_) => None,
         None => Some("malformed reply".into()),
@@ -48,17 +60,19 @@ pub fn error_of(m: &[u8]) -> Option<String> {
 
 /// Sends `bytes` to `to`, waiting at most `deadline` for completion, and meanwhile takes a
 /// reply from `watch` if one arrives (a ps that aborts while this worker is still
-/// pushing to it). A send that never completes keeps its buffer alive (leaked) for as
-/// long as MPI may read it: the process is about to stop anyway.
+/// pushing to it). After [`Sent::TimedOut`], [`Sent::Interrupted`] or an error the send
+/// may still be in flight: the caller must keep `bytes` alive for as long as MPI may read them
+/// (leak them: the process is about to stop anyway); [`send_owned_within`] does that.
 pub fn send_within<C: Comm>(
     c: &C,
-    bytes: Vec<u8>,
+    bytes: &[u8],
     to: usize,
     tag: i32,
     deadline: Duration,
     watch: Option<usize>,
 ) -> Result<Sent, TransportError> {
-    // SAFETY: `bytes` stays alive until the request completes, or forever if it does not.
+    // SAFETY: `bytes` stays alive until the request completes; if it does not complete
+    // here, the caller keeps them alive (see above).
     let mut req = unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag)? };
     let start = Instant::now();
     let mut backoff = Backoff::new(Duration::from_micros(50));
@@ -70,7 +84,6 @@ pub fn send_within<C: Comm>(
         if let (Some(w), None) = (watch, &early) {
             if let Some((_, m)) = c.try_receive(w, reply_tag(c), deadline)? {
                 if let Some(message) = error_of(&m) {
-                    std::mem::forget(bytes);
                     std::mem::forget(req);
                     return Ok(Sent::Interrupted(message));
                 }
@@ -78,7 +91,6 @@ pub fn send_within<C: Comm>(
             }
         }
         if start.elapsed() > deadline {
-            std::mem::forget(bytes);
             std::mem::forget(req);
             return Ok(Sent::TimedOut);
         }
@@ -86,10 +98,26 @@ pub fn send_within<C: Comm>(
     }
 }
 
+/// [`send_within`] of a message it owns: leaked if the send may still be in flight.
+pub fn send_owned_within<C: Comm>(
+    c: &C,
+    bytes: Vec<u8>,
+    to: usize,
+    tag: i32,
+    deadline: Duration,
+    watch: Option<usize>,
+) -> Result<Sent, TransportError> {
+    let sent = send_within(c, &bytes, to, tag, deadline, watch);
+    if !matches!(sent, Ok(Sent::Done(_))) {
+        std::mem::forget(bytes);
+    }
+    sent
+}
+
 /// Best effort: sends `message` to each of `ranks` on `tag`, giving each a second (the
 /// notice that training stops; a rank that is gone does not hold up the others).
 pub fn notify<C: Comm>(c: &C, message: &[u8], ranks: impl IntoIterator<Item = usize>, tag: i32) {
     for r in ranks {
-        let _ = send_within(c, message.to_vec(), r, tag, Duration::from_secs(1), None);
+        let _ = send_owned_within(c, message.to_vec(), r, tag, Duration::from_secs(1), None);
     }
 }

@@ -2,13 +2,15 @@
 //! each with a deadline. The monitored session ([`super::session`]) and the
 //! push/pull benchmark drive it.
 
+use std::borrow::Cow;
+use std::cell::{RefCell, RefMut};
 use std::path::Path;
 use std::time::Duration;
 
 use super::placement::Shard;
-use super::protocol::{decode, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
+use super::protocol::{decode_view, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
 use super::roles::Roles;
-use super::wire::{error_of, notify, receive_within, send_within, Sent};
+use super::wire::{error_of, notify, receive_within_into, send_owned_within, Sent};
 use super::PsError;
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, TransportError};
@@ -21,9 +23,23 @@ pub struct Client<'a, C: Comm> {
     pub shards: Vec<Shard>,
     /// How long to wait for a ps.
     pub timeout: Duration,
+    /// Where each ps's replies land, reused from one round to the next (a pull's
+    /// parameters are read from there, in place).
+    inbox: RefCell<Vec<Vec<u8>>>,
 }
 
-impl<C: Comm> Client<'_, C> {
+impl<'a, C: Comm> Client<'a, C> {
+    /// A connection of rank `comm.rank()` to the ps tasks of `roles`, with `shards` placed.
+    pub fn new(comm: &'a C, roles: &'a Roles, shards: Vec<Shard>, timeout: Duration) -> Self {
+        Client {
+            comm,
+            roles,
+            shards,
+            timeout,
+            inbox: RefCell::new(vec![Vec::new(); roles.ps.len()]),
+        }
+    }
+
     /// This worker, as errors name it.
     pub fn me(&self) -> String {
         self.roles.task(self.comm.rank())
@@ -67,44 +83,51 @@ impl<C: Comm> Client<'_, C> {
     }
 
     /// Sends one request to every ps (header and payload per ps) and waits for every
-    /// reply; a ps's error reply stops with its message.
+    /// reply; a ps's error reply stops with its message. Returns the replies (messages,
+    /// one per ps, valid replies).
     fn round<'p>(
         &self,
         request: impl Fn(usize) -> Request,
         payload: impl Fn(usize) -> Vec<&'p [f32]>,
-    ) -> Result<Vec<(Reply, Vec<f32>)>, PsError> {
+    ) -> Result<RefMut<'_, Vec<Vec<u8>>>, PsError> {
         // Twice the ps's own deadline: a ps that lost another task says so first.
         let deadline = self.timeout * 2;
         let remote = |message| PsError::Remote {
             task: self.me(),
             message,
         };
-        let mut early: Vec<Option<Vec<u8>>> = vec![None; self.roles.ps.len()];
+        let mut inbox = self.inbox.borrow_mut();
+        let mut early = vec![false; self.roles.ps.len()];
         for (k, r) in self.roles.ps.iter().enumerate() {
             let m = encode(&request(k), &payload(k));
-            match send_within(self.comm, m, *r, request_tag(self.comm), deadline, Some(*r))? {
-                Sent::Done(reply) => early[k] = reply,
+            let tag = request_tag(self.comm);
+            match send_owned_within(self.comm, m, *r, tag, deadline, Some(*r))? {
+                Sent::Done(Some(reply)) => (inbox[k], early[k]) = (reply, true),
+                Sent::Done(None) => {}
                 Sent::TimedOut => return Err(self.lost(*r)),
                 Sent::Interrupted(message) => return Err(remote(message)),
             }
         }
-        let mut out = Vec::new();
-        for (r, early) in self.roles.ps.iter().zip(early) {
-            let got = match early
-                .map(|m| Ok(Some((*r, m))))
-                .unwrap_or_else(|| receive_within(self.comm, *r, reply_tag(self.comm), deadline))
-            {
-                Ok(Some(m)) => m.1,
-                Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
-                Err(e) => return Err(e.into()),
-            };
+        for (k, r) in self.roles.ps.iter().enumerate() {
+            if !early[k] {
+                let tag = reply_tag(self.comm);
+                match receive_within_into(self.comm, *r, tag, deadline, &mut inbox[k]) {
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
+                    Err(e) => return Err(e.into()),
+                }
+            }
             // The ps already names itself and the lost task.
-            if let Some(message) = error_of(&got) {
+            if let Some(message) = error_of(&inbox[k]) {
                 return Err(remote(message));
             }
-            out.push(decode::<Reply>(&got).expect("checked by error_of"));
         }
-        Ok(out)
+        Ok(inbox)
+    }
+
+    /// The header of a reply [`Client::round`] returned, and its payload read in place.
+    fn reply(m: &[u8]) -> (Reply, Cow<'_, [f32]>) {
+        decode_view::<Reply>(m).expect("checked by error_of")
     }
 
     /// The chief: hands every ps its setup and initial values `init` (per variable).
@@ -136,7 +159,7 @@ impl<C: Comm> Client<'_, C> {
     pub fn pull(&self, step: u64, params: &mut [Tensor]) -> Result<(u64, f32), PsError> {
         let replies = self.round(|_| Request::Pull { step }, |_| Vec::new())?;
         let (mut global, mut loss) = (u64::MAX, f32::NAN);
-        for (k, (reply, flat)) in replies.into_iter().enumerate() {
+        for (k, (reply, flat)) in replies.iter().map(|m| Self::reply(m)).enumerate() {
             let Reply::Params { step, loss: l } = reply else {
                 return Err(PsError::Remote {
                     task: self.roles.task(self.roles.ps[k]),
@@ -182,8 +205,8 @@ impl<C: Comm> Client<'_, C> {
             |_| Vec::new(),
         )?;
         replies
-            .into_iter()
-            .map(|(r, _)| match r {
+            .iter()
+            .map(|m| match Self::reply(m).0 {
                 Reply::Saved {
                     file,
                     bytes,
