@@ -37,7 +37,7 @@ use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::channel::{self, Channel};
 use crate::transport::mpi::MpiComm;
 use crate::transport::p2p::P2pError;
-use crate::transport::{p2p, Collectives, Comm};
+use crate::transport::{p2p, Collectives, Comm, TransportError};
 
 const TAG: i32 = 1;
 const ACK_TAG: i32 = 2;
@@ -134,26 +134,28 @@ impl RawBuffers {
     }
 }
 
-/// OSU's calls on raw buffers, through `mpi::ffi` as OSU makes them. MPI's default error
-/// handler aborts the job on a failed call, as it does OSU's.
-struct Raw {
+/// OSU's calls on raw buffers, through `mpi::ffi` as OSU makes them, each return code
+/// checked (mpiflow's communicator returns errors instead of aborting).
+struct Raw<'c> {
+    mpi: &'c MpiComm,
     comm: ffi::MPI_Comm,
     peer: c_int,
     requests: Vec<ffi::MPI_Request>,
 }
 
-impl Raw {
-    fn new(comm: &MpiComm, peer: usize) -> Raw {
+impl<'c> Raw<'c> {
+    fn new(comm: &'c MpiComm, peer: usize) -> Raw<'c> {
         Raw {
+            mpi: comm,
             comm: comm.raw().as_raw(),
             peer: peer as c_int,
             requests: Vec::new(),
         }
     }
 
-    fn send(&self, buf: &[u8], tag: i32) {
+    fn send(&self, buf: &[u8], tag: i32) -> Result<(), TransportError> {
         // SAFETY: buf is valid for its length during the blocking call.
-        unsafe {
+        let rc = unsafe {
             ffi::MPI_Send(
                 buf.as_ptr().cast(),
                 buf.len() as c_int,
@@ -163,12 +165,13 @@ impl Raw {
                 self.comm,
             )
         };
+        self.mpi.check("MPI_Send", rc)
     }
 
-    fn recv(&self, buf: &mut [u8], tag: i32) {
+    fn recv(&self, buf: &mut [u8], tag: i32) -> Result<(), TransportError> {
         // SAFETY: buf is valid and exclusively ours during the blocking call; the status is
         // ignored as OSU does (MPI_STATUS_IGNORE).
-        unsafe {
+        let rc = unsafe {
             ffi::MPI_Recv(
                 buf.as_mut_ptr().cast(),
                 buf.len() as c_int,
@@ -179,13 +182,31 @@ impl Raw {
                 ffi::RSMPI_STATUS_IGNORE,
             )
         };
+        self.mpi.check("MPI_Recv", rc)
     }
 
     /// One side of a window: `receives` receives of `size` bytes posted into the receive
     /// buffers in turn (the same one again and again when there is one, as OSU's `-b
     /// single`), then `sends` sends from the send buffers in turn; waits for the sends,
     /// then the receives (`MPI_Waitall`, as OSU).
-    fn window(&mut self, bufs: &mut RawBuffers, size: usize, receives: usize, sends: usize) {
+    /// The result of posting a request; after a failure, the requests already posted are
+    /// waited for (their buffers must outlive them) before the error is returned.
+    fn posted(&mut self, call: &'static str, rc: c_int) -> Result<(), TransportError> {
+        let result = self.mpi.check(call, rc);
+        if result.is_err() {
+            self.requests.pop();
+            waitall(&mut self.requests);
+        }
+        result
+    }
+
+    fn window(
+        &mut self,
+        bufs: &mut RawBuffers,
+        size: usize,
+        receives: usize,
+        sends: usize,
+    ) -> Result<(), TransportError> {
         self.requests.clear();
         let nr = bufs.recv.len();
         for j in 0..receives {
@@ -193,9 +214,10 @@ impl Raw {
             let mut req = null_request();
             // SAFETY: the buffer (at least `size` bytes) belongs to `bufs`, borrowed
             // mutably until this function returns, and every request is completed by the
-            // `waitall` below before it does. Several pending receives may write one
-            // buffer: MPI writes raw bytes, and no Rust reference to it exists meanwhile.
-            unsafe {
+            // `waitall` below before it does (after a failed call too, see `posted`).
+            // Several pending receives may write one buffer: MPI writes raw bytes, and no
+            // Rust reference to it exists meanwhile.
+            let rc = unsafe {
                 ffi::MPI_Irecv(
                     buf.cast(),
                     size as c_int,
@@ -207,13 +229,14 @@ impl Raw {
                 )
             };
             self.requests.push(req);
+            self.posted("MPI_Irecv", rc)?;
         }
         let ns = bufs.send.len();
         for j in 0..sends {
             let buf = bufs.send[j % ns].as_ptr();
             let mut req = null_request();
             // SAFETY: as above; send buffers are only read.
-            unsafe {
+            let rc = unsafe {
                 ffi::MPI_Isend(
                     buf.cast(),
                     size as c_int,
@@ -225,10 +248,11 @@ impl Raw {
                 )
             };
             self.requests.push(req);
+            self.posted("MPI_Isend", rc)?;
         }
         let (recvs, sends) = self.requests.split_at_mut(receives);
-        waitall(sends);
-        waitall(recvs);
+        self.mpi.check("MPI_Waitall", waitall(sends))?;
+        self.mpi.check("MPI_Waitall", waitall(recvs))
     }
 }
 
@@ -242,9 +266,10 @@ fn null_request() -> ffi::MPI_Request {
     unsafe { std::mem::zeroed() }
 }
 
-fn waitall(reqs: &mut [ffi::MPI_Request]) {
+/// `MPI_Waitall`'s return code.
+fn waitall(reqs: &mut [ffi::MPI_Request]) -> c_int {
     if reqs.is_empty() {
-        return;
+        return ffi::MPI_SUCCESS as c_int;
     }
     // SAFETY: every handle is an active request of this rank; MPI completes and frees them.
     unsafe {
@@ -253,7 +278,7 @@ fn waitall(reqs: &mut [ffi::MPI_Request]) {
             reqs.as_mut_ptr(),
             ffi::RSMPI_STATUSES_IGNORE,
         )
-    };
+    }
 }
 
 /// How the mpiflow paths move a tensor: a header on every message, or an open channel.
@@ -469,19 +494,19 @@ fn measure(
         match (&mut bufs, kind) {
             (Side::Raw(b), Kind::Latency) => {
                 if me == 0 {
-                    raw.send(&b.send[0].as_slice()[..size], TAG);
-                    raw.recv(&mut b.recv[0].as_mut_slice()[..size], TAG);
+                    raw.send(&b.send[0].as_slice()[..size], TAG)?;
+                    raw.recv(&mut b.recv[0].as_mut_slice()[..size], TAG)?;
                 } else {
-                    raw.recv(&mut b.recv[0].as_mut_slice()[..size], TAG);
-                    raw.send(&b.send[0].as_slice()[..size], TAG);
+                    raw.recv(&mut b.recv[0].as_mut_slice()[..size], TAG)?;
+                    raw.send(&b.send[0].as_slice()[..size], TAG)?;
                 }
             }
             (Side::Raw(b), _) => {
-                raw.window(b, size, receives, sends);
+                raw.window(b, size, receives, sends)?;
                 if kind == Kind::Bw && me == 0 {
-                    raw.recv(&mut b.recv[0].as_mut_slice()[..1], ACK_TAG);
+                    raw.recv(&mut b.recv[0].as_mut_slice()[..1], ACK_TAG)?;
                 } else if kind == Kind::Bw {
-                    raw.send(&b.send[0].as_slice()[..1], ACK_TAG);
+                    raw.send(&b.send[0].as_slice()[..1], ACK_TAG)?;
                 }
             }
             (Side::Tensors(tv), Kind::Latency) => {

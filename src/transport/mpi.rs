@@ -206,8 +206,10 @@ impl MpiComm {
         &self.comm
     }
 
+    /// `rc` of MPI call `call` as a result: the communicator returns errors (see the
+    /// module documentation), so every caller of raw MPI on it checks them.
     #[inline]
-    fn check(&self, call: &'static str, rc: c_int) -> Result<(), TransportError> {
+    pub(crate) fn check(&self, call: &'static str, rc: c_int) -> Result<(), TransportError> {
         if rc == ffi::MPI_SUCCESS as c_int {
             return Ok(());
         }
