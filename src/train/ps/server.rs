@@ -27,8 +27,8 @@ pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> R
     Server::new(comm, roles, k, timeout).serve()
 }
 
-/// What a worker's gradient for the current step brought besides the gradient (which is
-/// summed into [`Server::sum`] on arrival): its samples and loss.
+/// What a worker's gradient for the current step brought besides the gradient (its
+/// message is kept in [`Server::staged`]): its samples and loss.
 type Pushed = (f32, f32);
 
 struct Server<'a, C: Comm> {
@@ -48,8 +48,12 @@ struct Server<'a, C: Comm> {
     pending: Vec<(usize, u64)>,
     /// Workers whose gradient for the current step arrived, with its samples and loss.
     accum: BTreeMap<usize, Pushed>,
-    /// The current step's gradients, each weighted by its samples, summed on arrival:
-    /// one buffer and one update per step, whatever the number of workers.
+    /// Per worker, its push for the current step as it arrived (the receive buffer itself,
+    /// swapped out of [`Server::inbox`]: no copy).
+    staged: Vec<Vec<u8>>,
+    /// The step's gradients, each weighted by its samples, summed in worker order when
+    /// the step is complete: one buffer and one update per step, and the same bits
+    /// whatever order the pushes arrived in.
     sum: Vec<f32>,
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
@@ -75,6 +79,7 @@ impl<'a, C: Comm> Server<'a, C> {
             initialized: false,
             pending: Vec::new(),
             accum: BTreeMap::new(),
+            staged: vec![Vec::new(); nw],
             sum: Vec::new(),
             inbox: Vec::new(),
             last_loss: f32::NAN,
@@ -256,12 +261,14 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     /// Handles one request; `Err` stops the server (the workers were told).
-    fn handle(&mut self, from: usize, bytes: &[u8]) -> Result<(), PsError> {
+    /// Handles one request, which arrived in `inbox` (a synchronous push keeps it: `inbox`
+    /// is then another buffer to receive into).
+    fn handle(&mut self, from: usize, inbox: &mut Vec<u8>) -> Result<(), PsError> {
         let Some(w) = self.roles.worker_index(from) else {
             return Ok(()); // not a worker: ignore
         };
         self.heard[w] = Instant::now();
-        let Some((request, payload)) = decode_view::<Request>(bytes) else {
+        let Some((request, payload)) = decode_view::<Request>(inbox) else {
             return self.error(from, "malformed request".into());
         };
         match request {
@@ -299,7 +306,18 @@ impl<'a, C: Comm> Server<'a, C> {
                 samples,
                 loss,
                 vars,
-            } => self.push(from, w, step, samples, loss, &vars, &payload),
+            } => {
+                let staged = self.push(from, w, step, samples, loss, &vars, &payload)?;
+                if !staged {
+                    return Ok(());
+                }
+                std::mem::swap(inbox, &mut self.staged[w]);
+                if self.accum.len() >= self.sync.unwrap_or(1) {
+                    self.apply_accumulated();
+                    self.answer_pending()?;
+                }
+                Ok(())
+            }
             Request::Save { dir } => {
                 let file = shards::file(self.k);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
@@ -329,6 +347,8 @@ impl<'a, C: Comm> Server<'a, C> {
         }
     }
 
+    /// A push: applied at once (async), or accepted for the current step, then `true`:
+    /// the caller keeps its message in [`Server::staged`].
     #[allow(clippy::too_many_arguments)]
     fn push(
         &mut self,
@@ -339,12 +359,14 @@ impl<'a, C: Comm> Server<'a, C> {
         loss: Option<f32>,
         vars: &[(String, usize)],
         payload: &[f32],
-    ) -> Result<(), PsError> {
+    ) -> Result<bool, PsError> {
         if !self.initialized {
-            return self.error(from, "push before the variables were initialised".into());
+            self.error(from, "push before the variables were initialised".into())?;
+            return Ok(false);
         }
         if let Err(e) = self.check_vars(vars, payload) {
-            return self.error(from, e);
+            self.error(from, e)?;
+            return Ok(false);
         }
         let loss = loss.unwrap_or(f32::NAN);
         let Some(rta) = self.sync else {
@@ -357,50 +379,43 @@ impl<'a, C: Comm> Server<'a, C> {
             self.global_step += 1;
             self.last_loss = loss;
             self.ok(from)?;
-            return self.answer_pending();
+            self.answer_pending()?;
+            return Ok(false);
         };
         if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
             let step = self.global_step;
-            return self.reply(from, &Reply::Stale { step });
+            self.reply(from, &Reply::Stale { step })?;
+            return Ok(false);
         }
         if step > self.global_step {
-            return self.error(
-                from,
-                format!(
-                    "push for step {step} ahead of global step {}",
-                    self.global_step
-                ),
+            let ahead = format!(
+                "push for step {step} ahead of global step {}",
+                self.global_step
             );
+            self.error(from, ahead)?;
+            return Ok(false);
         }
-        let n = samples as f32;
-        if self.accum.is_empty() {
-            self.sum
-                .iter_mut()
-                .zip(payload)
-                .for_each(|(s, g)| *s = g * n);
-        } else {
-            self.sum
-                .iter_mut()
-                .zip(payload)
-                .for_each(|(s, g)| *s += g * n);
-        }
-        self.accum.insert(w, (n, loss));
+        debug_assert!(self.accum.len() < rta);
+        self.accum.insert(w, (samples as f32, loss));
         self.ok(from)?;
-        if self.accum.len() >= rta {
-            self.apply_accumulated();
-            self.answer_pending()?;
-        }
-        Ok(())
+        Ok(true)
     }
 
     /// One update from the step's gradients, averaged weighted by each worker's samples
-    /// (the gradient of the combined batch). The weighted gradients were summed in the
-    /// order they arrived, as TensorFlow's accumulators do: with more than two workers the
-    /// last bits of a sum can differ between runs.
+    /// (the gradient of the combined batch), summed in worker order (the same bits
+    /// whatever order the pushes arrived in) from the messages as they arrived.
     fn apply_accumulated(&mut self) {
         let total: f32 = self.accum.values().map(|a| a.0).sum();
-        // The loss in worker order.
         let loss = self.accum.values().map(|(n, l)| l * n / total).sum();
+        for (k, (&w, &(n, _))) in self.accum.iter().enumerate() {
+            let (_, g) = decode_view::<Request>(&self.staged[w]).expect("checked on arrival");
+            let weighted = self.sum.iter_mut().zip(g.iter());
+            if k == 0 {
+                weighted.for_each(|(s, g)| *s = g * n);
+            } else {
+                weighted.for_each(|(s, g)| *s += g * n);
+            }
+        }
         self.accum.clear();
         let scale = 1.0 / total;
         self.sum.iter_mut().for_each(|g| *g *= scale);
@@ -480,7 +495,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
                 other => other?,
             };
-            let handled = got.map(|from| self.handle(from, &inbox));
+            let handled = got.map(|from| self.handle(from, &mut inbox));
             self.inbox = inbox;
             match handled {
                 Some(handled) => {
