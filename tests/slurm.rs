@@ -473,7 +473,7 @@ fn daemons_stop_by_pidfile_with_a_job_still_running() {
             "-o",
             out.to_str().unwrap(),
             "--wrap",
-            "sleep 300",
+            "sleep 3017",
         ],
         &[("SLURM_CONF", &slurm.conf())],
     );
@@ -509,8 +509,9 @@ fn daemons_stop_by_pidfile_with_a_job_still_running() {
         "{}",
         String::from_utf8_lossy(&left.stdout)
     );
+    // A duration no other process on the machine uses, so pgrep finds only the job's.
     let sleeping = Command::new("pgrep")
-        .args(["-fx", "sleep 300"])
+        .args(["-fx", "sleep 3017"])
         .output()
         .unwrap();
     assert!(sleeping.stdout.is_empty(), "the job's sleep survived");

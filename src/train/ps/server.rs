@@ -15,7 +15,7 @@ use super::placement::Shard;
 use super::protocol::{decode_view, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
 use super::roles::Roles;
 use super::store::Store;
-use super::wire::{notify, send_owned_within, send_within, Sent};
+use super::wire::{notify, send_within, Sent};
 use super::{shards, PsError};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
@@ -95,19 +95,20 @@ impl<'a, C: Comm> Server<'a, C> {
 
     fn reply(&self, to: usize, reply: &Reply) -> Result<(), PsError> {
         let message = encode(reply, &[]);
-        let sent = send_owned_within(
-            self.comm,
-            message,
-            to,
-            reply_tag(self.comm),
-            self.timeout,
-            None,
-        )?;
-        self.sent(to, sent)
+        let sent = self.send_bytes(to, &message);
+        if sent.is_err() {
+            // The send may still be in flight: keep its bytes alive.
+            std::mem::forget(message);
+        }
+        sent
     }
 
-    /// The end of a reply's send: a peer that did not take it within the timeout is lost.
-    fn sent(&self, to: usize, sent: Sent) -> Result<(), PsError> {
+    /// Sends a reply's bytes to worker `to` within the timeout; one that does not take
+    /// them is lost. After an error the send may still be in flight: the caller keeps the
+    /// bytes alive.
+    fn send_bytes(&self, to: usize, message: &[u8]) -> Result<(), PsError> {
+        let tag = reply_tag(self.comm);
+        let sent = send_within(self.comm, message, to, tag, self.timeout, None)?;
         if let Sent::Done(_) = sent {
             return Ok(());
         }
@@ -241,16 +242,7 @@ impl<'a, C: Comm> Server<'a, C> {
             loss: finite(self.last_loss),
         });
         for (to, _) in ready {
-            let message = self.store.message(framed);
-            let sent = send_within(
-                self.comm,
-                message,
-                to,
-                reply_tag(self.comm),
-                self.timeout,
-                None,
-            );
-            if let Err(e) = sent.map_err(PsError::from).and_then(|s| self.sent(to, s)) {
+            if let Err(e) = self.send_bytes(to, self.store.message(framed)) {
                 // The send may still be in flight: MPI may read the parameters' memory
                 // for as long as the process lives.
                 std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));

@@ -1,0 +1,170 @@
+//! The `mpi` path of `latency`, `bw` and `bibw`: OSU 7.4's buffers and calls on them,
+//! through `mpi::ffi` as OSU makes them.
+
+use std::os::raw::c_int;
+
+use mpi::ffi;
+use mpi::raw::AsRaw;
+
+use super::TAG;
+use crate::tensor::AlignedBuf;
+use crate::transport::mpi::MpiComm;
+use crate::transport::TransportError;
+
+/// The `mpi` path's buffers: OSU's, as `osu_util_mpi.c` allocates them.
+pub(super) struct RawBuffers {
+    pub(super) send: Vec<AlignedBuf>,
+    pub(super) recv: Vec<AlignedBuf>,
+}
+
+impl RawBuffers {
+    pub(super) fn new(count: usize, len: usize) -> RawBuffers {
+        RawBuffers {
+            send: (0..count).map(|_| AlignedBuf::paged(len, b'a')).collect(),
+            recv: (0..count).map(|_| AlignedBuf::paged(len, b'b')).collect(),
+        }
+    }
+
+    /// OSU's `set_buffer_pt2pt` at each size: `a` to send, `b` to receive into.
+    pub(super) fn fill(&mut self, size: usize) {
+        self.send
+            .iter_mut()
+            .for_each(|b| b.as_mut_slice()[..size].fill(b'a'));
+        self.recv
+            .iter_mut()
+            .for_each(|b| b.as_mut_slice()[..size].fill(b'b'));
+    }
+}
+
+/// OSU's calls on raw buffers, through `mpi::ffi` as OSU makes them, each return code
+/// checked (mpiflow's communicator returns errors instead of aborting).
+pub(super) struct Raw<'c> {
+    mpi: &'c MpiComm,
+    comm: ffi::MPI_Comm,
+    peer: c_int,
+    requests: Vec<ffi::MPI_Request>,
+}
+
+impl<'c> Raw<'c> {
+    pub(super) fn new(comm: &'c MpiComm, peer: usize) -> Raw<'c> {
+        Raw {
+            mpi: comm,
+            comm: comm.raw().as_raw(),
+            peer: peer as c_int,
+            requests: Vec::new(),
+        }
+    }
+
+    pub(super) fn send(&self, buf: &[u8], tag: i32) -> Result<(), TransportError> {
+        // SAFETY: buf is valid for its length during the blocking call.
+        let rc = unsafe {
+            ffi::MPI_Send(
+                buf.as_ptr().cast(),
+                buf.len() as c_int,
+                byte(),
+                self.peer,
+                tag,
+                self.comm,
+            )
+        };
+        self.mpi.check("MPI_Send", rc)
+    }
+
+    pub(super) fn recv(&self, buf: &mut [u8], tag: i32) -> Result<(), TransportError> {
+        // SAFETY: buf is valid and exclusively ours during the blocking call; the status is
+        // ignored as OSU does (MPI_STATUS_IGNORE).
+        let rc = unsafe {
+            ffi::MPI_Recv(
+                buf.as_mut_ptr().cast(),
+                buf.len() as c_int,
+                byte(),
+                self.peer,
+                tag,
+                self.comm,
+                ffi::RSMPI_STATUS_IGNORE,
+            )
+        };
+        self.mpi.check("MPI_Recv", rc)
+    }
+
+    /// One side of a window: `receives` receives of `size` bytes posted into the receive
+    /// buffers in turn (the same one again and again when there is one, as OSU's `-b
+    /// single`), then `sends` sends from the send buffers in turn; waits for the sends,
+    /// then the receives (`MPI_Waitall`, as OSU).
+    /// Posts one request by `start` (`MPI_Irecv` or `MPI_Isend` into the handle it is
+    /// given); after a failure, the requests already posted are waited for (their buffers
+    /// must outlive them) before the error is returned.
+    fn post(
+        &mut self,
+        call: &'static str,
+        start: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
+    ) -> Result<(), TransportError> {
+        let mut req = null_request();
+        let result = self.mpi.check(call, start(&mut req));
+        if result.is_ok() {
+            self.requests.push(req);
+        } else {
+            waitall(&mut self.requests);
+        }
+        result
+    }
+
+    pub(super) fn window(
+        &mut self,
+        bufs: &mut RawBuffers,
+        size: usize,
+        receives: usize,
+        sends: usize,
+    ) -> Result<(), TransportError> {
+        self.requests.clear();
+        let (peer, comm) = (self.peer, self.comm);
+        let nr = bufs.recv.len();
+        for j in 0..receives {
+            let buf = bufs.recv[j % nr].as_mut_ptr();
+            // SAFETY: the buffer (at least `size` bytes) belongs to `bufs`, borrowed
+            // mutably until this function returns, and every request is completed by the
+            // `waitall` below before it does (after a failed call too, see `post`).
+            // Several pending receives may write one buffer: MPI writes raw bytes, and no
+            // Rust reference to it exists meanwhile.
+            self.post("MPI_Irecv", |req| unsafe {
+                ffi::MPI_Irecv(buf.cast(), size as c_int, byte(), peer, TAG, comm, req)
+            })?;
+        }
+        let ns = bufs.send.len();
+        for j in 0..sends {
+            let buf = bufs.send[j % ns].as_ptr();
+            // SAFETY: as above; send buffers are only read.
+            self.post("MPI_Isend", |req| unsafe {
+                ffi::MPI_Isend(buf.cast(), size as c_int, byte(), peer, TAG, comm, req)
+            })?;
+        }
+        let (recvs, sends) = self.requests.split_at_mut(receives);
+        self.mpi.check("MPI_Waitall", waitall(sends))?;
+        self.mpi.check("MPI_Waitall", waitall(recvs))
+    }
+}
+
+fn byte() -> ffi::MPI_Datatype {
+    // SAFETY: a constant handle.
+    unsafe { ffi::RSMPI_UINT8_T }
+}
+
+fn null_request() -> ffi::MPI_Request {
+    // SAFETY: a zeroed handle is a valid out-parameter, overwritten by MPI.
+    unsafe { std::mem::zeroed() }
+}
+
+/// `MPI_Waitall`'s return code.
+fn waitall(reqs: &mut [ffi::MPI_Request]) -> c_int {
+    if reqs.is_empty() {
+        return ffi::MPI_SUCCESS as c_int;
+    }
+    // SAFETY: every handle is an active request of this rank; MPI completes and frees them.
+    unsafe {
+        ffi::MPI_Waitall(
+            reqs.len() as c_int,
+            reqs.as_mut_ptr(),
+            ffi::RSMPI_STATUSES_IGNORE,
+        )
+    }
+}
