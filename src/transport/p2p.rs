@@ -434,6 +434,32 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_window_of_sends_completes_in_one_wait_and_in_order() {
+        let out = LocalComm::run(2, |c| {
+            if c.rank() == 0 {
+                let ts: Vec<Tensor> = (0..5).map(|i| u8s(3, i as u8, "w")).collect();
+                let sends = ts
+                    .iter()
+                    .map(|t| immediate_send(&c, t, 1, 4).unwrap())
+                    .collect::<Vec<_>>();
+                wait_all(sends).unwrap();
+                wait_all(Vec::<SendRequest<'_, LocalComm>>::new()).unwrap();
+                Vec::new()
+            } else {
+                let mut t = u8s(3, 9, "w");
+                (0..5)
+                    .map(|_| {
+                        receive_into(&c, &mut t, 0, 4).unwrap();
+                        t.bytes().to_vec()
+                    })
+                    .collect()
+            }
+        });
+        let want: Vec<Vec<u8>> = (0..5).map(|i| vec![i; 3]).collect();
+        assert_eq!(out[1], want);
+    }
+
     fn u8s(n: usize, v: u8, name: &str) -> Tensor {
         Tensor::from_slice(&[n], &vec![v; n]).unwrap().named(name)
     }
