@@ -316,6 +316,8 @@ fn bad_benchmark_requests_are_one_line_errors() {
     );
     common::mpiflow_alone(&["bench", "latency", "-m", "64:4"], &[])
         .assert_one_line_error("MIN 64 is larger than MAX 4");
+    common::mpiflow_alone(&["bench", "bw", "-b", "several"], &[])
+        .assert_one_line_error("invalid value 'several' for '--buffer-num <BUFFERS>'");
     mpirun(&[
         "-np",
         "2",
