@@ -12,7 +12,10 @@
 //! A channel owns its (peer, tag): no other traffic between the two ranks may use that tag.
 
 use super::comm::Comm;
-use super::p2p::{check_tag, immediate_send_bytes, P2pError, SendRequest};
+use super::comm::Completion;
+use super::p2p::{
+    check_tag, immediate_send_bytes, ExactLength, P2pError, Receives, SendRequest, Sends,
+};
 use crate::tensor::{Tensor, TensorError};
 
 /// A checked, header-free connection for one tensor signature between two ranks.
@@ -44,7 +47,7 @@ impl Channel {
         if got.truncated || theirs[..got.count] != *ours {
             let theirs = crate::tensor::describe_header(&theirs[..got.count]);
             return Err(ch.tensor_error(
-                c,
+                c.rank(),
                 TensorError::Mismatch {
                     ours: format!("{} (opening a channel)", ch.describe),
                     theirs,
@@ -59,29 +62,37 @@ impl Channel {
         self.peer
     }
 
-    fn tensor_error<C: Comm>(&self, c: &C, source: TensorError) -> P2pError {
+    fn tensor_error(&self, rank: usize, source: TensorError) -> P2pError {
         P2pError::Tensor {
-            rank: c.rank(),
+            rank,
             peer: self.peer,
             source,
         }
     }
 
     /// `t` must be the tensor the channel was opened for (name, dtype, shape).
+    #[inline]
     fn check_tensor<C: Comm>(&self, c: &C, t: &Tensor) -> Result<(), P2pError> {
         if t.signature() == self.signature {
             return Ok(());
         }
-        Err(P2pError::Channel {
+        Err(self.other_tensor(c, t))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn other_tensor<C: Comm>(&self, c: &C, t: &Tensor) -> P2pError {
+        P2pError::Channel {
             rank: c.rank(),
             peer: self.peer,
             tag: self.tag,
             opened: self.describe.clone(),
             given: t.describe(),
-        })
+        }
     }
 
     /// Sends `t`'s payload (`MPI_Send`).
+    #[inline]
     pub fn send<C: Comm>(&self, c: &C, t: &Tensor) -> Result<(), P2pError> {
         self.check_tensor(c, t)?;
         c.send_blocking(t.bytes(), self.peer, self.tag)?;
@@ -89,31 +100,32 @@ impl Channel {
     }
 
     /// Receives into `t`'s payload (`MPI_Recv`); anything but exactly its bytes is an error.
+    #[inline]
     pub fn receive_into<C: Comm>(&self, c: &C, t: &mut Tensor) -> Result<(), P2pError> {
         self.check_tensor(c, t)?;
         let done = c.recv_blocking(t.bytes_mut(), self.peer, self.tag)?;
-        self.check_length(c, done)
+        self.check_length(c.rank(), done)
     }
 
-    fn check_length<C: Comm>(&self, c: &C, done: super::comm::Completion) -> Result<(), P2pError> {
-        if done.truncated || done.count != self.nbytes {
-            let got = if done.truncated {
-                format!("more than {} bytes", self.nbytes)
-            } else {
-                format!("{} bytes", done.count)
-            };
-            return Err(self.tensor_error(
-                c,
-                TensorError::Mismatch {
-                    ours: format!("{} ({} bytes) on the channel", self.describe, self.nbytes),
-                    theirs: got,
-                },
-            ));
-        }
-        Ok(())
+    #[cold]
+    #[inline(never)]
+    fn wrong_length(&self, rank: usize, done: Completion) -> P2pError {
+        let got = if done.truncated {
+            format!("more than {} bytes", self.nbytes)
+        } else {
+            format!("{} bytes", done.count)
+        };
+        self.tensor_error(
+            rank,
+            TensorError::Mismatch {
+                ours: format!("{} ({} bytes) on the channel", self.describe, self.nbytes),
+                theirs: got,
+            },
+        )
     }
 
     /// Starts sending `t`'s payload (`MPI_Isend`).
+    #[inline]
     pub fn immediate_send<'a, C: Comm>(
         &self,
         c: &'a C,
@@ -124,6 +136,7 @@ impl Channel {
     }
 
     /// Starts receiving into `t`'s payload (`MPI_Irecv`).
+    #[inline]
     pub fn immediate_receive_into<'a, C: Comm>(
         &'a self,
         c: &'a C,
@@ -141,6 +154,40 @@ impl Channel {
             _tensor: std::marker::PhantomData,
         })
     }
+
+    /// Starts sending `t`'s payload as part of the window `sends`.
+    #[inline]
+    pub fn immediate_send_in<'a, C: Comm>(
+        &self,
+        sends: &mut Sends<'a, C>,
+        t: &'a Tensor,
+    ) -> Result<(), P2pError> {
+        self.check_tensor(sends.comm(), t)?;
+        sends.send_bytes(t.bytes(), self.peer, self.tag)
+    }
+
+    /// Starts receiving into `t`'s payload as part of the window `receives`, checked
+    /// when the window completes.
+    #[inline]
+    pub fn immediate_receive_in<'a, C: Comm>(
+        &'a self,
+        receives: &mut Receives<'a, C>,
+        t: &'a mut Tensor,
+    ) -> Result<(), P2pError> {
+        self.check_tensor(receives.comm(), t)?;
+        receives.receive_exact(t.bytes_mut(), self.peer, self.tag, self)
+    }
+}
+
+impl ExactLength for Channel {
+    /// Anything but exactly the channel's bytes is an error naming the channel's tensor.
+    #[inline]
+    fn check_length(&self, rank: usize, done: Completion) -> Result<(), P2pError> {
+        if done.truncated || done.count != self.nbytes {
+            return Err(self.wrong_length(rank, done));
+        }
+        Ok(())
+    }
 }
 
 /// A channel receive in flight; the tensor is exclusively borrowed until it completes.
@@ -153,10 +200,11 @@ pub struct ChannelReceive<'a, C: Comm> {
 
 impl<C: Comm> ChannelReceive<'_, C> {
     /// Waits and checks that exactly the tensor's bytes arrived.
+    #[inline]
     pub fn wait(mut self) -> Result<(), P2pError> {
         let req = self.req.take().expect("not yet waited");
         let done = self.comm.wait(req).map_err(P2pError::from)?;
-        self.channel.check_length(self.comm, done)
+        self.channel.check_length(self.comm.rank(), done)
     }
 }
 

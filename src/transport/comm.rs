@@ -135,6 +135,24 @@ pub trait Comm {
         first
     }
 
+    /// [`Comm::wait_all`] that also reports how each request completed, appended to `done`
+    /// in order (what a window of receives needs to check each). On an error every request
+    /// is still completed or waited for, and `done` is incomplete.
+    fn wait_all_into(
+        &self,
+        reqs: &mut Vec<Self::Request>,
+        done: &mut Vec<Completion>,
+    ) -> Result<(), TransportError> {
+        let mut first = Ok(());
+        for r in reqs.drain(..) {
+            match self.wait(r) {
+                Ok(c) => done.push(c),
+                Err(e) => first = first.and(Err(e)),
+            }
+        }
+        first
+    }
+
     /// Completes `req` if it is done (`MPI_Test`); `None` leaves it in flight.
     fn test(&self, req: &mut Self::Request) -> Result<Option<Completion>, TransportError>;
 

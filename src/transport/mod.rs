@@ -7,7 +7,8 @@
 //!   collectives. Implemented by [`mpi::MpiComm`] (real MPI, errors returned, never fatal)
 //!   and [`local::LocalComm`] (threads in one process, for `cargo test`).
 //! - [`links`]: each communicator's memory of what each (peer, tag) last carried.
-//! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory.
+//! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory;
+//!   windows of them completed together.
 //! - [`channel`]: persistent channels: one tensor again and again, header checked once.
 //! - [`reduce`]: element-wise reductions of byte buffers, below every algorithm.
 //! - [`segments`]: memory shared by the ranks of one communicator (from its backend).

@@ -32,9 +32,9 @@ use std::time::Instant;
 use super::osu::{self, BenchOptions, Buffers, Path};
 use super::{best_of_rounds, secs, BenchError, Better, Row};
 use crate::tensor::{DType, Tensor};
-use crate::transport::channel::{self, Channel};
+use crate::transport::channel::Channel;
 use crate::transport::mpi::MpiComm;
-use crate::transport::p2p::P2pError;
+use crate::transport::p2p::{P2pError, Receives, Sends};
 use crate::transport::{p2p, Collectives, Comm};
 
 mod raw;
@@ -117,21 +117,6 @@ enum Via {
     Channel(Channel),
 }
 
-/// A receive in flight on either mpiflow path.
-enum Incoming<'a> {
-    Headers(p2p::RecvRequest<'a, MpiComm>),
-    Channel(channel::ChannelReceive<'a, MpiComm>),
-}
-
-impl Incoming<'_> {
-    fn wait(self) -> Result<(), P2pError> {
-        match self {
-            Incoming::Headers(r) => r.wait(),
-            Incoming::Channel(r) => r.wait(),
-        }
-    }
-}
-
 impl Via {
     /// The way `path` goes between ranks 0 and 1 for tensors like `t` (opening a channel
     /// is collective between the two).
@@ -142,6 +127,7 @@ impl Via {
         })
     }
 
+    #[inline]
     fn send(&self, c: &MpiComm, t: &Tensor, peer: usize) -> Result<(), P2pError> {
         match self {
             Via::Headers => p2p::send(c, t, peer, TAG),
@@ -149,6 +135,7 @@ impl Via {
         }
     }
 
+    #[inline]
     fn receive_into(&self, c: &MpiComm, t: &mut Tensor, peer: usize) -> Result<(), P2pError> {
         match self {
             Via::Headers => p2p::receive_into(c, t, peer, TAG),
@@ -156,28 +143,32 @@ impl Via {
         }
     }
 
-    fn immediate_send<'a>(
-        &'a self,
-        c: &'a MpiComm,
+    /// Starts sending `t` in the window `sends`.
+    #[inline]
+    fn send_in<'a>(
+        &self,
+        sends: &mut Sends<'a, MpiComm>,
         t: &'a Tensor,
         peer: usize,
-    ) -> Result<p2p::SendRequest<'a, MpiComm>, P2pError> {
+    ) -> Result<(), P2pError> {
         match self {
-            Via::Headers => p2p::immediate_send(c, t, peer, TAG),
-            Via::Channel(ch) => ch.immediate_send(c, t),
+            Via::Headers => sends.immediate_send(t, peer, TAG),
+            Via::Channel(ch) => ch.immediate_send_in(sends, t),
         }
     }
 
-    fn immediate_receive_into<'a>(
+    /// Starts receiving into `t` in the window `receives`.
+    #[inline]
+    fn receive_in<'a>(
         &'a self,
-        c: &'a MpiComm,
+        receives: &mut Receives<'a, MpiComm>,
         t: &'a mut Tensor,
         peer: usize,
-    ) -> Result<Incoming<'a>, P2pError> {
-        Ok(match self {
-            Via::Headers => Incoming::Headers(p2p::immediate_receive_into(c, t, peer, TAG)?),
-            Via::Channel(ch) => Incoming::Channel(ch.immediate_receive_into(c, t)?),
-        })
+    ) -> Result<(), P2pError> {
+        match self {
+            Via::Headers => receives.immediate_receive_into(t, peer, TAG),
+            Via::Channel(ch) => ch.immediate_receive_in(receives, t),
+        }
     }
 }
 
@@ -218,24 +209,25 @@ impl Tensors {
         sends: usize,
     ) -> Result<(), P2pError> {
         let ns = self.send.len();
-        let post_sends = |send: &'a [Tensor]| {
-            (0..sends)
-                .map(|j| via.immediate_send(c, &send[j % ns], peer))
-                .collect::<Result<Vec<_>, _>>()
-        };
+        let mut outgoing = Sends::with_capacity(c, sends);
         if self.recv.len() == 1 {
-            let outgoing = post_sends(&self.send)?;
+            for j in 0..sends {
+                via.send_in(&mut outgoing, &self.send[j % ns], peer)?;
+            }
             for _ in 0..receives {
                 via.receive_into(c, &mut self.recv[0], peer)?;
             }
-            return p2p::wait_all(outgoing);
+            return outgoing.wait_all();
         }
-        let incoming = self.recv[..receives]
-            .iter_mut()
-            .map(|t| via.immediate_receive_into(c, t, peer))
-            .collect::<Result<Vec<_>, _>>()?;
-        p2p::wait_all(post_sends(&self.send)?)?;
-        incoming.into_iter().try_for_each(Incoming::wait)
+        let mut incoming = Receives::with_capacity(c, receives);
+        for t in self.recv[..receives].iter_mut() {
+            via.receive_in(&mut incoming, t, peer)?;
+        }
+        for j in 0..sends {
+            via.send_in(&mut outgoing, &self.send[j % ns], peer)?;
+        }
+        outgoing.wait_all()?;
+        incoming.wait_all()
     }
 }
 

@@ -13,6 +13,9 @@ use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+mod shared;
+mod waits;
+
 use super::comm::{check_peer, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
 use super::links::Links;
 use super::segments::SharedSegments;
@@ -220,46 +223,6 @@ impl MpiComm {
         })
     }
 
-    /// Reads a finished receive's status: a truncation is reported, not an error.
-    #[inline]
-    fn completion(
-        &self,
-        call: &'static str,
-        rc: c_int,
-        status: &ffi::MPI_Status,
-        len: usize,
-    ) -> Result<Completion, TransportError> {
-        let mut class: c_int = rc;
-        if rc != ffi::MPI_SUCCESS as c_int {
-            // SAFETY: rc is an error code returned by MPI.
-            unsafe { ffi::MPI_Error_class(rc, &mut class) };
-        }
-        let truncated = class == ffi::MPI_ERR_TRUNCATE as c_int;
-        if !truncated {
-            self.check(call, rc)?;
-        }
-        let count = match self.count_at {
-            Some(at) => status_u32(status, at) as i64,
-            None => {
-                let mut count: c_int = 0;
-                // SAFETY: status was filled by the completed call.
-                unsafe { ffi::MPI_Get_count(status, byte(), &mut count) };
-                i64::from(count)
-            }
-        };
-        // After a truncation some libraries report the full length, others the buffer's.
-        let count = if count < 0 {
-            len
-        } else {
-            (count as usize).min(len)
-        };
-        Ok(Completion {
-            count,
-            truncated,
-            source: status.MPI_SOURCE.max(0) as usize,
-        })
-    }
-
     #[inline]
     fn count(&self, len: usize) -> Result<c_int, TransportError> {
         c_int::try_from(len).map_err(|_| TransportError::TooLarge {
@@ -299,6 +262,7 @@ impl Comm for MpiComm {
         &self.links
     }
 
+    #[inline]
     unsafe fn isend(
         &self,
         buf: *const u8,
@@ -325,6 +289,7 @@ impl Comm for MpiComm {
         Ok(MpiRequest { req, len })
     }
 
+    #[inline]
     unsafe fn irecv(
         &self,
         buf: *mut u8,
@@ -351,57 +316,25 @@ impl Comm for MpiComm {
         Ok(MpiRequest { req, len })
     }
 
-    fn wait(&self, mut r: MpiRequest) -> Result<Completion, TransportError> {
-        // SAFETY: a zeroed status is a valid out-parameter.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: r.req is an active request from isend/irecv; waiting completes it.
-        let rc = unsafe { ffi::MPI_Wait(&mut r.req, &mut status) };
-        self.completion("MPI_Wait", rc, &status, r.len)
+    #[inline]
+    fn wait(&self, r: MpiRequest) -> Result<Completion, TransportError> {
+        self.wait_one(r)
     }
 
     fn wait_all(&self, reqs: &mut Vec<MpiRequest>) -> Result<(), TransportError> {
-        /// Handles per `MPI_Waitall`, copied to the stack (requests carry their length too).
-        const CHUNK: usize = 64;
-        let mut result = Ok(());
-        for chunk in reqs.chunks_mut(CHUNK) {
-            let mut handles = [null_request(); CHUNK];
-            for (h, r) in handles.iter_mut().zip(chunk.iter()) {
-                *h = r.req;
-            }
-            let handles = &mut handles[..chunk.len()];
-            // SAFETY: each handle is an active request of this rank (or already null);
-            // MPI_Waitall completes and frees them, writing null handles back.
-            let rc = unsafe {
-                ffi::MPI_Waitall(
-                    handles.len() as c_int,
-                    handles.as_mut_ptr(),
-                    ffi::RSMPI_STATUSES_IGNORE,
-                )
-            };
-            if rc != ffi::MPI_SUCCESS as c_int {
-                // Requests the failed call left pending (MPI_ERR_PENDING) are waited for
-                // one by one: their buffers must not be released while MPI may use them.
-                for h in handles.iter_mut() {
-                    // SAFETY: as above; waiting on a null handle returns at once.
-                    unsafe { ffi::MPI_Wait(h, ffi::RSMPI_STATUS_IGNORE) };
-                }
-                result = result.and(self.check("MPI_Waitall", rc));
-            }
-        }
-        reqs.clear();
-        result
+        self.wait_every(reqs, None)
+    }
+
+    fn wait_all_into(
+        &self,
+        reqs: &mut Vec<MpiRequest>,
+        done: &mut Vec<Completion>,
+    ) -> Result<(), TransportError> {
+        self.wait_every(reqs, Some(done))
     }
 
     fn test(&self, r: &mut MpiRequest) -> Result<Option<Completion>, TransportError> {
-        let mut flag: c_int = 0;
-        // SAFETY: a zeroed status is a valid out-parameter.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: r.req is an active (or already completed, then null) request of ours.
-        let rc = unsafe { ffi::MPI_Test(&mut r.req, &mut flag, &mut status) };
-        if flag == 0 && rc == ffi::MPI_SUCCESS as c_int {
-            return Ok(None);
-        }
-        self.completion("MPI_Test", rc, &status, r.len).map(Some)
+        self.test_one(r)
     }
 
     #[inline]
@@ -519,104 +452,7 @@ impl Comm for MpiComm {
     }
 
     fn shared_segments(&self, len: usize) -> Result<Option<SharedSegments>, TransportError> {
-        // SAFETY: a null handle, filled in by MPI_Comm_split_type.
-        let mut node: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
-        // SAFETY: a valid communicator; keyed by our rank, so node ranks keep our order.
-        let rc = unsafe {
-            ffi::MPI_Comm_split_type(
-                self.comm.as_raw(),
-                ffi::RSMPI_COMM_TYPE_SHARED,
-                self.rank as c_int,
-                ffi::RSMPI_INFO_NULL,
-                &mut node,
-            )
-        };
-        self.check("MPI_Comm_split_type", rc)?;
-        let mut node_size: c_int = 0;
-        // SAFETY: node is the valid communicator just created.
-        unsafe { ffi::MPI_Comm_size(node, &mut node_size) };
-        if node_size as usize != self.size {
-            // Ranks on several nodes: every rank sees a node smaller than the communicator.
-            // SAFETY: node is ours and not used again.
-            unsafe { ffi::MPI_Comm_free(&mut node) };
-            return Ok(None);
-        }
-        // OpenMPI's segments start 8-byte aligned: room to align them to cache lines.
-        let room = len + 64;
-        let mut base: *mut u8 = std::ptr::null_mut();
-        // SAFETY: a null handle, filled in by MPI_Win_allocate_shared.
-        let mut win: ffi::MPI_Win = unsafe { ffi::RSMPI_WIN_NULL };
-        // SAFETY: node is valid; MPI returns `room` bytes at `base`, owned by the window.
-        let rc = unsafe {
-            ffi::MPI_Win_allocate_shared(
-                room as ffi::MPI_Aint,
-                1,
-                ffi::RSMPI_INFO_NULL,
-                node,
-                (&mut base as *mut *mut u8).cast::<c_void>(),
-                &mut win,
-            )
-        };
-        // Not every one-sided component makes shared windows (`--mca osc ucx` alone
-        // refuses with MPI_ERR_INTERN): then the node has no shared segments and the
-        // allreduce takes another algorithm. The ranks of the node decide together.
-        let mut ok: c_int = c_int::from(rc == ffi::MPI_SUCCESS as c_int);
-        // SAFETY: node is valid; MPI_IN_PLACE is not used (separate send and receive ints).
-        let send = ok;
-        let agreed = unsafe {
-            ffi::MPI_Allreduce(
-                (&send as *const c_int).cast(),
-                (&mut ok as *mut c_int).cast(),
-                1,
-                ffi::RSMPI_INT32_T,
-                ffi::RSMPI_MIN,
-                node,
-            )
-        };
-        self.check("MPI_Allreduce", agreed)?;
-        if ok == 0 {
-            // A window that did open on some rank stays until MPI_Finalize: freeing it is
-            // collective over ranks that have none.
-            return Ok(None);
-        }
-        // SAFETY: base holds `room` bytes of ours; nobody reads them before the barrier below.
-        unsafe { std::ptr::write_bytes(base, 0, room) };
-        let mut ptrs = Vec::with_capacity(self.size);
-        for r in 0..self.size {
-            let (mut size, mut unit, mut ptr): (ffi::MPI_Aint, c_int, *mut u8) =
-                (0, 0, std::ptr::null_mut());
-            // SAFETY: win is a valid shared window; out-parameters are valid.
-            let rc = unsafe {
-                ffi::MPI_Win_shared_query(
-                    win,
-                    r as c_int,
-                    &mut size,
-                    &mut unit,
-                    (&mut ptr as *mut *mut u8).cast::<c_void>(),
-                )
-            };
-            self.check("MPI_Win_shared_query", rc)?;
-            let skip = ptr.align_offset(64);
-            if ptr.is_null() || (size as usize) < skip + len {
-                return Err(TransportError::Mpi {
-                    call: "MPI_Win_shared_query",
-                    rank: self.rank,
-                    message: format!("segment of rank {r}: {size} bytes at {ptr:p}, need {len} bytes from a 64-byte boundary"),
-                });
-            }
-            // SAFETY: skip + len <= size: still inside rank r's segment.
-            ptrs.push(unsafe { ptr.add(skip) });
-        }
-        // Every segment is zeroed before anyone uses it.
-        // SAFETY: node is valid.
-        let rc = unsafe { ffi::MPI_Barrier(node) };
-        self.check("MPI_Barrier", rc)?;
-        // The window (and `node`) live until MPI_Finalize: freeing is collective, and no destructor
-        // may block on other ranks (an error on one rank would hang it).
-        // SAFETY: every pointer maps `len` zeroed, 64-byte aligned bytes of rank r's segment.
-        Ok(Some(unsafe {
-            SharedSegments::new(ptrs, len, Box::new(()))
-        }))
+        self.node_segments(len)
     }
 
     fn native_allreduce(

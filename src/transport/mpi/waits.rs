@@ -1,0 +1,166 @@
+//! Completing requests: one (`MPI_Wait`, `MPI_Test`) or a window at once (`MPI_Waitall`,
+//! with or without the receives' statuses), and reading what a status says.
+
+use std::os::raw::c_int;
+
+use mpi::ffi;
+
+use super::{byte, null_request, status_u32, MpiComm, MpiRequest};
+use crate::transport::comm::{Completion, TransportError};
+
+/// Handles per `MPI_Waitall`, copied to the stack (requests carry their length too).
+const CHUNK: usize = 64;
+
+impl MpiComm {
+    /// Reads a finished receive's status: a truncation is reported, not an error.
+    #[inline]
+    pub(super) fn completion(
+        &self,
+        call: &'static str,
+        rc: c_int,
+        status: &ffi::MPI_Status,
+        len: usize,
+    ) -> Result<Completion, TransportError> {
+        let mut class: c_int = rc;
+        if rc != ffi::MPI_SUCCESS as c_int {
+            // SAFETY: rc is an error code returned by MPI.
+            unsafe { ffi::MPI_Error_class(rc, &mut class) };
+        }
+        let truncated = class == ffi::MPI_ERR_TRUNCATE as c_int;
+        if !truncated {
+            self.check(call, rc)?;
+        }
+        let count = match self.count_at {
+            Some(at) => status_u32(status, at) as i64,
+            None => {
+                let mut count: c_int = 0;
+                // SAFETY: status was filled by the completed call.
+                unsafe { ffi::MPI_Get_count(status, byte(), &mut count) };
+                i64::from(count)
+            }
+        };
+        // After a truncation some libraries report the full length, others the buffer's.
+        let count = if count < 0 {
+            len
+        } else {
+            (count as usize).min(len)
+        };
+        Ok(Completion {
+            count,
+            truncated,
+            source: status.MPI_SOURCE.max(0) as usize,
+        })
+    }
+
+    #[inline]
+    pub(super) fn wait_one(&self, mut r: MpiRequest) -> Result<Completion, TransportError> {
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: r.req is an active request from isend/irecv; waiting completes it.
+        let rc = unsafe { ffi::MPI_Wait(&mut r.req, &mut status) };
+        self.completion("MPI_Wait", rc, &status, r.len)
+    }
+
+    pub(super) fn test_one(
+        &self,
+        r: &mut MpiRequest,
+    ) -> Result<Option<Completion>, TransportError> {
+        let mut flag: c_int = 0;
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: r.req is an active (or already completed, then null) request of ours.
+        let rc = unsafe { ffi::MPI_Test(&mut r.req, &mut flag, &mut status) };
+        if flag == 0 && rc == ffi::MPI_SUCCESS as c_int {
+            return Ok(None);
+        }
+        self.completion("MPI_Test", rc, &status, r.len).map(Some)
+    }
+
+    /// Completes every request of `reqs` and empties it: one `MPI_Waitall` per [`CHUNK`]
+    /// requests. With `done`, each request's [`Completion`] is appended in order (a
+    /// truncated receive is a completion that says so, as from `MPI_Wait`); without it MPI
+    /// writes no statuses (what sends need). On an error every request is still completed
+    /// before this returns (no buffer is left in MPI's hands) and `done` is incomplete.
+    pub(super) fn wait_every(
+        &self,
+        reqs: &mut Vec<MpiRequest>,
+        mut done: Option<&mut Vec<Completion>>,
+    ) -> Result<(), TransportError> {
+        let mut result = Ok(());
+        for chunk in reqs.chunks(CHUNK) {
+            let mut handles = [null_request(); CHUNK];
+            for (h, r) in handles.iter_mut().zip(chunk) {
+                *h = r.req;
+            }
+            let handles = &mut handles[..chunk.len()];
+            let Some(done) = done.as_deref_mut() else {
+                result = result.and(self.wait_handles(handles));
+                continue;
+            };
+            // SAFETY: a zeroed status is a valid out-parameter.
+            let mut statuses: [ffi::MPI_Status; CHUNK] = unsafe { std::mem::zeroed() };
+            // SAFETY: each handle is an active request of this rank (or already null);
+            // MPI_Waitall completes and frees them, writing null handles back and one
+            // status per handle.
+            let rc = unsafe {
+                ffi::MPI_Waitall(
+                    handles.len() as c_int,
+                    handles.as_mut_ptr(),
+                    statuses.as_mut_ptr(),
+                )
+            };
+            if rc == ffi::MPI_SUCCESS as c_int {
+                for (status, r) in statuses.iter().zip(chunk) {
+                    done.push(self.completion("MPI_Waitall", rc, status, r.len)?);
+                }
+                continue;
+            }
+            if rc != ffi::MPI_ERR_IN_STATUS as c_int {
+                self.wait_each(handles);
+                result = result.and(self.check("MPI_Waitall", rc));
+                continue;
+            }
+            // Each status holds its request's outcome; MPI_ERR_PENDING marks one not yet
+            // complete (another failed first), which is waited for on its own.
+            for ((h, status), r) in handles.iter_mut().zip(statuses.iter_mut()).zip(chunk) {
+                let mut code = status.MPI_ERROR;
+                if code == ffi::MPI_ERR_PENDING as c_int {
+                    // SAFETY: h is the pending request; waiting completes it.
+                    code = unsafe { ffi::MPI_Wait(h, status) };
+                }
+                match self.completion("MPI_Waitall", code, status, r.len) {
+                    Ok(c) => done.push(c),
+                    Err(e) => result = result.and(Err(e)),
+                }
+            }
+        }
+        reqs.clear();
+        result
+    }
+
+    /// `MPI_Waitall` on `handles` without statuses.
+    fn wait_handles(&self, handles: &mut [ffi::MPI_Request]) -> Result<(), TransportError> {
+        // SAFETY: each handle is an active request of this rank (or already null);
+        // MPI_Waitall completes and frees them, writing null handles back.
+        let rc = unsafe {
+            ffi::MPI_Waitall(
+                handles.len() as c_int,
+                handles.as_mut_ptr(),
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        };
+        if rc != ffi::MPI_SUCCESS as c_int {
+            self.wait_each(handles);
+        }
+        self.check("MPI_Waitall", rc)
+    }
+
+    /// Waits one by one for the requests a failed `MPI_Waitall` left pending
+    /// (`MPI_ERR_PENDING`): their buffers must not be released while MPI may use them.
+    fn wait_each(&self, handles: &mut [ffi::MPI_Request]) {
+        for h in handles {
+            // SAFETY: an active request of this rank or a null handle (returns at once).
+            unsafe { ffi::MPI_Wait(h, ffi::RSMPI_STATUS_IGNORE) };
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! Windows of transfers that complete together: [`Sends`] and [`Receives`].
+//!
+//! A window of tensors to or from peers (a step's gradients to a parameter server, a
+//! benchmark's window of messages) is started one transfer at a time and completed in one
+//! `MPI_Waitall`, as rsmpi's request collections do. A transfer in a window costs its
+//! `MPI_Isend`/`MPI_Irecv` and a handle in a vector: no request object per message, no
+//! wait per message. Receives are checked as [`super::immediate_receive_into`]'s are, in
+//! the order they were started, after the window completes.
+//!
+//! A window borrows every tensor it holds until it completes; dropping one unwaited waits
+//! for it (and still checks its receives, so each link learns what arrived).
+
+use std::marker::PhantomData;
+
+use super::{check_link, landing_region, Arrival, P2pError};
+use crate::tensor::Tensor;
+use crate::transport::comm::{Comm, Completion};
+
+/// A window of sends in flight, completed together by [`Sends::wait_all`].
+pub struct Sends<'a, C: Comm> {
+    comm: &'a C,
+    reqs: Vec<C::Request>,
+    _tensors: PhantomData<&'a Tensor>,
+}
+
+impl<'a, C: Comm> Sends<'a, C> {
+    /// An empty window on `comm`.
+    pub fn new(comm: &'a C) -> Self {
+        Self::with_capacity(comm, 0)
+    }
+
+    /// An empty window with room for `n` sends.
+    pub fn with_capacity(comm: &'a C, n: usize) -> Self {
+        Sends {
+            comm,
+            reqs: Vec::with_capacity(n),
+            _tensors: PhantomData,
+        }
+    }
+
+    /// Starts sending `t` to `dst` on `tag` (`MPI_Isend`), as [`super::immediate_send`].
+    #[inline]
+    pub fn immediate_send(&mut self, t: &'a Tensor, dst: usize, tag: i32) -> Result<(), P2pError> {
+        check_link(self.comm, dst, tag)?;
+        let bytes = self.comm.links().outgoing(t, dst, tag);
+        self.send_bytes(bytes, dst, tag)
+    }
+
+    /// Starts sending raw bytes of a tensor (a channel's payload).
+    #[inline]
+    pub(crate) fn send_bytes(
+        &mut self,
+        bytes: &'a [u8],
+        dst: usize,
+        tag: i32,
+    ) -> Result<(), P2pError> {
+        // SAFETY: the window borrows the bytes for 'a and completes every request before
+        // it is gone (wait_all or the destructor), so they stay valid and unmodified.
+        let req = unsafe { self.comm.isend(bytes.as_ptr(), bytes.len(), dst, tag)? };
+        self.reqs.push(req);
+        Ok(())
+    }
+
+    pub(crate) fn comm(&self) -> &'a C {
+        self.comm
+    }
+
+    /// Sends in flight.
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    /// Waits for every send (`MPI_Waitall`).
+    pub fn wait_all(mut self) -> Result<(), P2pError> {
+        Ok(self.comm.wait_all(&mut self.reqs)?)
+    }
+}
+
+impl<C: Comm> Drop for Sends<'_, C> {
+    fn drop(&mut self) {
+        if !self.reqs.is_empty() {
+            let _ = self.comm.wait_all(&mut self.reqs);
+        }
+    }
+}
+
+/// How a receive of a window is checked once it completed.
+enum Check<'a> {
+    /// A tensor on a link: as [`super::RecvRequest::wait`].
+    Link(&'a mut Tensor, Arrival),
+    /// A payload of known length (a channel's).
+    Exact(&'a dyn ExactLength),
+}
+
+/// A receiver of payloads of one length, that names what it expected when another length
+/// arrives (a [`crate::transport::channel::Channel`]).
+pub(crate) trait ExactLength {
+    fn check_length(&self, rank: usize, done: Completion) -> Result<(), P2pError>;
+}
+
+/// A window of receives in flight, completed and checked together by
+/// [`Receives::wait_all`].
+pub struct Receives<'a, C: Comm> {
+    comm: &'a C,
+    reqs: Vec<C::Request>,
+    checks: Vec<Check<'a>>,
+}
+
+impl<'a, C: Comm> Receives<'a, C> {
+    /// An empty window on `comm`.
+    pub fn new(comm: &'a C) -> Self {
+        Self::with_capacity(comm, 0)
+    }
+
+    /// An empty window with room for `n` receives.
+    pub fn with_capacity(comm: &'a C, n: usize) -> Self {
+        Receives {
+            comm,
+            reqs: Vec::with_capacity(n),
+            checks: Vec::with_capacity(n),
+        }
+    }
+
+    /// Starts receiving into `t` from `src` on `tag` (`MPI_Irecv`), as
+    /// [`super::immediate_receive_into`].
+    #[inline]
+    pub fn immediate_receive_into(
+        &mut self,
+        t: &'a mut Tensor,
+        src: usize,
+        tag: i32,
+    ) -> Result<(), P2pError> {
+        check_link(self.comm, src, tag)?;
+        let arrival = self.comm.links().incoming(t, src, tag);
+        let region = landing_region(t, arrival.landing);
+        // SAFETY: the window holds `t` mutably for 'a and completes every request before
+        // it is gone (wait_all or the destructor): nothing else touches the region.
+        let req = unsafe {
+            self.comm
+                .irecv(region.as_mut_ptr(), region.len(), src, tag)?
+        };
+        self.reqs.push(req);
+        self.checks.push(Check::Link(t, arrival));
+        Ok(())
+    }
+
+    /// Starts receiving exactly `region.len()` bytes, checked by `check`.
+    #[inline]
+    pub(crate) fn receive_exact(
+        &mut self,
+        region: &'a mut [u8],
+        src: usize,
+        tag: i32,
+        check: &'a dyn ExactLength,
+    ) -> Result<(), P2pError> {
+        // SAFETY: as in immediate_receive_into; the window holds the region for 'a.
+        let req = unsafe {
+            self.comm
+                .irecv(region.as_mut_ptr(), region.len(), src, tag)?
+        };
+        self.reqs.push(req);
+        self.checks.push(Check::Exact(check));
+        Ok(())
+    }
+
+    pub(crate) fn comm(&self) -> &'a C {
+        self.comm
+    }
+
+    /// Receives in flight.
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    /// Waits for every receive (`MPI_Waitall`) and checks each, in the order they were
+    /// started; returns the first error (every receive is checked, so every link holds
+    /// what its sender sent).
+    pub fn wait_all(mut self) -> Result<(), P2pError> {
+        self.complete()
+    }
+
+    fn complete(&mut self) -> Result<(), P2pError> {
+        let mut done = Vec::with_capacity(self.reqs.len());
+        self.comm.wait_all_into(&mut self.reqs, &mut done)?;
+        let rank = self.comm.rank();
+        let links = self.comm.links();
+        let mut first = Ok(());
+        for (check, done) in self.checks.drain(..).zip(done) {
+            let r = match check {
+                Check::Link(t, arrival) => links.settle(self.comm, arrival, t, done),
+                Check::Exact(e) => e.check_length(rank, done),
+            };
+            first = first.and(r);
+        }
+        first
+    }
+}
+
+impl<C: Comm> Drop for Receives<'_, C> {
+    fn drop(&mut self) {
+        if !self.reqs.is_empty() {
+            let _ = self.complete();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{receive_into, send};
+    use super::*;
+    use crate::tensor::DType;
+    use crate::transport::local::LocalComm;
+
+    fn u8s(n: usize, v: u8, name: &str) -> Tensor {
+        Tensor::from_slice(&[n], &vec![v; n]).unwrap().named(name)
+    }
+
+    #[test]
+    fn a_window_of_sends_completes_in_one_wait_and_in_order() {
+        let out = LocalComm::run(2, |c| {
+            if c.rank() == 0 {
+                let ts: Vec<Tensor> = (0..5).map(|i| u8s(3, i as u8, "w")).collect();
+                let mut sends = Sends::new(&c);
+                for t in &ts {
+                    sends.immediate_send(t, 1, 4).unwrap();
+                }
+                assert_eq!(sends.len(), 5);
+                sends.wait_all().unwrap();
+                Sends::new(&c).wait_all().unwrap();
+                Vec::new()
+            } else {
+                let mut t = u8s(3, 9, "w");
+                (0..5)
+                    .map(|_| {
+                        receive_into(&c, &mut t, 0, 4).unwrap();
+                        t.bytes().to_vec()
+                    })
+                    .collect()
+            }
+        });
+        let want: Vec<Vec<u8>> = (0..5).map(|i| vec![i; 3]).collect();
+        assert_eq!(out[1], want);
+    }
+
+    #[test]
+    fn a_window_of_receives_lands_in_order_and_checks_each() {
+        // Rank 0 sends p, p, q, p (a header each time the tensor changes); rank 1 expects
+        // p, p, p, p: the third is named as q, and the fourth still lands (the links
+        // stay in step through the mismatch).
+        let out = LocalComm::run(2, |c| {
+            let sent = [
+                u8s(4, 1, "p"),
+                u8s(4, 2, "p"),
+                u8s(6, 3, "q"),
+                u8s(4, 4, "p"),
+            ];
+            if c.rank() == 0 {
+                sent.iter().for_each(|t| send(&c, t, 1, 9).unwrap());
+                return (vec![], String::new());
+            }
+            let mut rs: Vec<Tensor> = (0..4).map(|_| u8s(4, 0, "p")).collect();
+            let mut window = Receives::new(&c);
+            for t in rs.iter_mut() {
+                window.immediate_receive_into(t, 0, 9).unwrap();
+            }
+            let e = window.wait_all().unwrap_err().to_string();
+            let got = [0, 1, 3].map(|i| rs[i].bytes().to_vec()).to_vec();
+            (got, e)
+        });
+        assert_eq!(out[1].0, vec![vec![1; 4], vec![2; 4], vec![4; 4]]);
+        assert_eq!(
+            out[1].1,
+            "rank 1: from rank 0: received 'q' u8[6] but expected 'p' u8[4]"
+        );
+    }
+
+    #[test]
+    fn a_dropped_window_completes_and_the_link_stays_in_step() {
+        let out = LocalComm::run(2, |c| {
+            let t = Tensor::zeros(DType::F32, &[2]).unwrap().named("g");
+            if c.rank() == 0 {
+                for _ in 0..3 {
+                    send(&c, &t, 1, 2).unwrap();
+                }
+                return true;
+            }
+            let (mut a, mut b, mut d) = (t.clone(), t.clone(), t.clone());
+            {
+                let mut window = Receives::new(&c);
+                window.immediate_receive_into(&mut a, 0, 2).unwrap();
+                window.immediate_receive_into(&mut b, 0, 2).unwrap();
+            }
+            receive_into(&c, &mut d, 0, 2).is_ok()
+        });
+        assert_eq!(out, vec![true, true]);
+    }
+}
