@@ -349,18 +349,26 @@ fn allreduce_template_by_mpirun_inside_sbatch_reaches_accuracy() {
 }
 
 #[test]
-fn tf_launch_template_gives_each_task_its_role() {
+fn tf_launch_template_gives_each_task_its_role_and_ends_with_its_workers() {
     let Some(slurm) = LocalSlurm::start("tf") else {
         return;
     };
     let checker = format!("{}/launcher/examples/check_role.py", common::root());
+    // The ps task blocks forever after its line, as `server.join()` does.
+    let t = Instant::now();
     let job = slurm.sbatch(
         &[],
         &template("tf-launch.sbatch"),
-        &["python3", &checker],
+        &["python3", &checker, "--join", "--sleep", "1"],
         &[("MPIFLOW_LEGACY_FLAGS", "1"), ("MPIFLOW_CPU_BIND", "none")],
     );
     job.assert_completed();
+    assert!(t.elapsed() < Duration::from_secs(60), "{job:?}");
+    assert!(
+        job.output
+            .contains("every worker and chief task is done; stopping ps:0"),
+        "{job:?}"
+    );
     let roles = job.json_lines();
     assert_eq!(roles.len(), 4, "{job:?}");
     // 2 nodes x 2 tasks, --placement spread: ps:0 on node1, then workers.
@@ -371,6 +379,35 @@ fn tf_launch_template_gives_each_task_its_role() {
         assert_eq!(l["legacy_flags"].as_bool(), Some(true), "{l}");
     }
     assert_eq!(roles[1]["is_chief"].as_bool(), Some(true));
+
+    // A failing worker ends the job at once with its status, named; the others would
+    // have worked 90 s.
+    let t = Instant::now();
+    let job = slurm.sbatch(
+        &[],
+        &template("tf-launch.sbatch"),
+        &[
+            "python3",
+            &checker,
+            "--join",
+            "--sleep",
+            "90",
+            "--exit",
+            "worker:2=3",
+        ],
+        &[("MPIFLOW_CPU_BIND", "none")],
+    );
+    assert_eq!(
+        (job.state.as_str(), job.exit_code),
+        ("FAILED", 3),
+        "{job:?}"
+    );
+    assert!(
+        job.output
+            .contains("worker:2 (rank 3) exited with status 3; stopping the job's other tasks"),
+        "{job:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(60), "{job:?}");
 }
 
 #[test]

@@ -11,7 +11,9 @@ Needs only the Python standard library (no TensorFlow).
 """
 import json
 import os
+import signal
 import sys
+import time
 
 
 def fail(msg):
@@ -33,6 +35,9 @@ def main():
     exit_code = 0
     if "--exit-code" in argv:
         exit_code = int(argv[argv.index("--exit-code") + 1])
+    join = "--join" in argv
+    exits = dict(a.split("=") for a in (argv[i + 1] for i, v in enumerate(argv) if v == "--exit"))
+    sleep = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
     raw = os.environ.get("TF_CONFIG")
     if raw is None:
         fail("TF_CONFIG is not set")
@@ -85,6 +90,13 @@ def main():
     })
     # One write per line: mpirun splices lines written in pieces.
     os.write(1, (line + "\n").encode())
+    if join and ttype == "ps":
+        while True:  # server.join()
+            signal.pause()
+    me = f"{ttype}:{tindex}"
+    if me in exits:
+        sys.exit(int(exits[me]))
+    time.sleep(sleep)
     sys.exit(exit_code)
 
 

@@ -359,9 +359,44 @@ pub(crate) struct LaunchArgs {
     /// Append --ps_hosts --worker_hosts --job_name --task_index to the program's arguments.
     #[arg(long)]
     pub(crate) legacy_flags: bool,
+    /// How long ps tasks live: `job` stops them (SIGTERM, then SIGKILL after
+    /// --stop-grace) once every worker and chief exited 0, and stops every task once one
+    /// fails; `forever` keeps TensorFlow's behaviour (ps tasks `join()` until killed).
+    /// `job` needs MPI (mpirun, or srun --mpi=pmix): without it, `forever` applies.
+    #[arg(long, value_enum, default_value_t = PsLifetimeArg::Job)]
+    pub(crate) ps_lifetime: PsLifetimeArg,
+    /// Stop the evaluator with the ps tasks (by default the job waits for it to end).
+    #[arg(long)]
+    pub(crate) stop_evaluator: bool,
+    /// Seconds between SIGTERM and SIGKILL when a task is stopped.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_grace)]
+    pub(crate) stop_grace: f64,
     /// The program and its arguments.
     #[arg(last = true, required = true, value_name = "PROGRAM")]
     pub(crate) program: Vec<String>,
+}
+
+/// `--ps-lifetime`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PsLifetimeArg {
+    Job,
+    Forever,
+}
+
+impl From<PsLifetimeArg> for mpiflow::launch::PsLifetime {
+    fn from(a: PsLifetimeArg) -> Self {
+        match a {
+            PsLifetimeArg::Job => mpiflow::launch::PsLifetime::Job,
+            PsLifetimeArg::Forever => mpiflow::launch::PsLifetime::Forever,
+        }
+    }
+}
+
+fn parse_grace(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds from 0 to 3600")),
+    }
 }
 
 impl ClusterArgs {

@@ -1,12 +1,19 @@
 //! `mpiflow launch`: run any program as this rank's task.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
-use mpiflow::launch;
+use mpiflow::launch::child::{self, ChildProgram};
+use mpiflow::launch::lifetime::{self, Supervision};
+use mpiflow::launch::{self as launcher};
+use mpiflow::transport::mpi::MpiComm;
 
 use super::resolve;
 use crate::args::LaunchArgs;
 use crate::out::Failure;
+
+/// How often a supervising launcher looks at its program and at the other tasks' news.
+const POLL: Duration = Duration::from_millis(20);
 
 pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let (resolved, ctx) = resolve(&args.cluster, env)?;
@@ -18,17 +25,54 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
     let layout = &resolved.layout;
     let info = &layout.ranks[me];
     let prepared =
-        launch::task_args(layout, info, &args.program, args.legacy_flags).and_then(|a| {
-            launch::find_program(&a[0], std::env::var_os("PATH").as_ref())?;
+        launcher::task_args(layout, info, &args.program, args.legacy_flags).and_then(|a| {
+            launcher::find_program(&a[0], std::env::var_os("PATH").as_ref())?;
             Ok(a)
         });
     let argv = match &ctx {
         Some(c) => c.agree(prepared).map_err(|e| Failure::agreed(e, c))?,
         None => prepared.map_err(Failure::local)?,
     };
-    let task_env = launch::task_env(layout, info, resolved.size);
-    // Free the probed port for the program's server, and finalise MPI before the exec.
+    let task_env = launcher::task_env(layout, info, resolved.size);
+    let tasks = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
+    // Free the probed port for the program's server.
     drop(resolved.port_guard);
-    drop(ctx);
-    Err(Failure::local(launch::exec(&argv, &task_env)))
+    let (Some(ctx), Some(tasks)) = (ctx, tasks) else {
+        // Nothing to stop at the end (or no MPI to agree over): become the program,
+        // after finalising MPI.
+        return Err(Failure::local(launcher::exec(&argv, &task_env)));
+    };
+    let comm = MpiComm::new(ctx.world());
+    // Every rank runs its program or none does: a failed start is one line on each.
+    let started = ChildProgram::spawn(&argv, &task_env)
+        .map_err(|e| format!("cannot run {:?} for {}: {e}", argv[0], info.task));
+    let verdict = ctx.agree(started.as_ref().map(|_| ()).map_err(Clone::clone));
+    let mut program = match (started, verdict) {
+        (Ok(p), Ok(())) => p,
+        (started, verdict) => {
+            if let Ok(mut p) = started {
+                let _ = lifetime::Program::stop(&mut p, Duration::ZERO);
+            }
+            return Err(match verdict {
+                Err(e) => Failure::agreed(e, &ctx),
+                Ok(()) => Failure::local("the ranks disagree on starting the program"),
+            });
+        }
+    };
+    let how = Supervision {
+        tasks,
+        grace: Duration::from_secs_f64(args.stop_grace),
+        poll: POLL,
+        tag: 0,
+    };
+    let ending = lifetime::supervise(&comm, &mut program, &how);
+    drop(comm);
+    match ending {
+        Ok(end) => {
+            drop(ctx);
+            child::exit_as(end.mine)
+        }
+        // Not agreed: the other ranks may be waiting on this one; exiting ends the job.
+        Err(e) => Err(Failure::local(e)),
+    }
 }

@@ -18,6 +18,18 @@
 //! and must not inherit an initialised MPI library. A program that itself initialises MPI
 //! again in the same process is not supported by every MPI (the common case, TensorFlow's
 //! gRPC servers, needs no MPI).
+//!
+//! **Ending the job.** TensorFlow's ps tasks `join()` forever, so a job of them never ends
+//! by itself. When the cluster has ps tasks (and the job runs under MPI: `mpirun`, or
+//! `srun --mpi=pmix`), each launcher instead starts the program as its child and stays,
+//! with MPI, until the job is over ([`lifetime`], [`child`]): once every worker and chief
+//! has exited 0, the ps tasks are stopped; once any task fails, all are, and the job's
+//! status is the failure's. MPI is the channel because it is already there, on every
+//! host, under both launchers; no port or file of its own is needed. `--ps-lifetime
+//! forever` keeps TensorFlow's behaviour (and the exec).
+
+pub mod child;
+pub mod lifetime;
 
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
@@ -25,7 +37,47 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::cluster::flags::{self, FlagsError};
-use crate::cluster::{Layout, RankInfo};
+use crate::cluster::{Layout, RankInfo, Role, TaskId};
+use lifetime::Lifetime;
+
+/// How long the tasks that never end by themselves live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PsLifetime {
+    /// Stopped when every worker and chief task has exited 0 (or any task failed).
+    #[default]
+    Job,
+    /// Until something else ends them, as in TensorFlow.
+    Forever,
+}
+
+/// Each rank's task and lifetime when some task needs stopping at the end of the job
+/// (`None`: every task ends by itself, or `forever` was asked; nothing to supervise).
+/// Ps tasks live as long as the job; so does the evaluator with `stop_evaluator`.
+pub fn lifetimes(
+    layout: &Layout,
+    ps: PsLifetime,
+    stop_evaluator: bool,
+) -> Option<Vec<(TaskId, Lifetime)>> {
+    if ps == PsLifetime::Forever {
+        return None;
+    }
+    let tasks: Vec<(TaskId, Lifetime)> = layout
+        .ranks
+        .iter()
+        .map(|r| {
+            let lifetime = match r.task.role() {
+                Ok(Role::Ps) => Lifetime::Job,
+                Ok(Role::Evaluator) if stop_evaluator => Lifetime::Job,
+                _ => Lifetime::Own,
+            };
+            (r.task.clone(), lifetime)
+        })
+        .collect();
+    tasks
+        .iter()
+        .any(|(_, l)| *l == Lifetime::Job)
+        .then_some(tasks)
+}
 
 /// Errors from preparing or starting the program.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -164,6 +216,26 @@ mod tests {
             ]
         );
         assert_eq!(task_args(&l, me, &[], false), Err(LaunchError::NoProgram));
+    }
+
+    #[test]
+    fn ps_tasks_live_as_long_as_the_job_unless_forever() {
+        let l = layout();
+        let got = lifetimes(&l, PsLifetime::Job, false).unwrap();
+        let kinds: Vec<(String, Lifetime)> = got.iter().map(|(t, l)| (t.to_string(), *l)).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("ps:0".to_string(), Lifetime::Job),
+                ("worker:0".to_string(), Lifetime::Own),
+                ("worker:1".to_string(), Lifetime::Own)
+            ]
+        );
+        assert_eq!(lifetimes(&l, PsLifetime::Forever, false), None);
+        let hosts = vec!["a".to_string(), "a".to_string()];
+        let no_ps = assign_roles(&hosts, &MappingOptions::default()).unwrap();
+        let l = Layout::from_ranks(&hosts, &[1, 2], no_ps).unwrap();
+        assert_eq!(lifetimes(&l, PsLifetime::Job, true), None);
     }
 
     #[test]

@@ -1,0 +1,181 @@
+//! The program as the launcher's child, when the launcher must outlive it to end the job
+//! ([`super::lifetime`]).
+//!
+//! What the program sees stays what it would be without mpiflow, except its parent: the
+//! same arguments, environment, working directory, stdin, stdout and stderr (inherited),
+//! and the signals the launcher's process receives from other processes (`mpirun`, `srun`,
+//! `scancel`, `kill`: SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGTERM, SIGCONT) passed
+//! on to it. Signals the kernel raises for a terminal (Ctrl-C) reach the program directly,
+//! so they are not passed on twice. If the launcher dies, the program gets SIGKILL
+//! (`PR_SET_PDEATHSIG`), never an orphan. The launcher then exits as the program did: its
+//! status, or killed by its signal ([`exit_as`]).
+
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::lifetime::{Outcome, Program};
+
+/// The signals passed on to the program.
+const FORWARDED: [libc::c_int; 7] = [
+    libc::SIGHUP,
+    libc::SIGINT,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+    libc::SIGTERM,
+    libc::SIGCONT,
+];
+
+/// Signals received and not yet passed on, one bit per signal number.
+static PENDING: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn note_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // A signal the kernel sent for a terminal also reached the program (same process
+    // group): only those another process sent are passed on.
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let code = unsafe { (*info).si_code };
+    if code == libc::SI_KERNEL {
+        return;
+    }
+    // Async-signal-safe: one atomic operation.
+    PENDING.fetch_or(1 << sig, Ordering::SeqCst);
+}
+
+/// A running program.
+pub struct ChildProgram {
+    child: Child,
+    done: Option<Outcome>,
+}
+
+impl ChildProgram {
+    /// Starts `args[0]` with `args[1..]` and `env` added to this process's environment,
+    /// and starts passing signals on to it.
+    pub fn spawn(args: &[String], env: &[(String, String)]) -> std::io::Result<ChildProgram> {
+        let mut cmd = Command::new(&args[0]);
+        cmd.args(&args[1..]).envs(env.iter().map(|(k, v)| (k, v)));
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the forked child before exec and only makes
+        // async-signal-safe calls (prctl, getppid, kill on itself).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The launcher died between fork and prctl: no death signal would come.
+                if libc::getppid() != parent {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+                Ok(())
+            });
+        }
+        // Before the fork: a signal in between is noted, not fatal (exec resets the
+        // child's handlers to the defaults).
+        install_handlers()?;
+        let child = cmd.spawn()?;
+        Ok(ChildProgram { child, done: None })
+    }
+
+    /// The program's process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn outcome(status: std::process::ExitStatus) -> Outcome {
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Outcome::Exited(c),
+            (None, Some(s)) => Outcome::Signaled(s),
+            (None, None) => Outcome::Exited(1),
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill with our own child's pid; it is not reaped before `done` is set,
+        // so the pid cannot belong to another process.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+    }
+}
+
+impl Program for ChildProgram {
+    fn try_wait(&mut self) -> std::io::Result<Option<Outcome>> {
+        if self.done.is_none() {
+            self.done = self.child.try_wait()?.map(Self::outcome);
+        }
+        Ok(self.done)
+    }
+
+    fn stop(&mut self, grace: Duration) -> std::io::Result<()> {
+        if self.try_wait()?.is_some() {
+            return Ok(());
+        }
+        self.signal(libc::SIGTERM);
+        let since = Instant::now();
+        while self.try_wait()?.is_none() {
+            if since.elapsed() >= grace {
+                self.signal(libc::SIGKILL);
+                self.done = Some(Self::outcome(self.child.wait()?));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    fn forward_signals(&mut self) {
+        let pending = PENDING.swap(0, Ordering::SeqCst);
+        if pending == 0 || self.done.is_some() {
+            return;
+        }
+        for sig in FORWARDED {
+            if pending & (1 << sig) != 0 {
+                self.signal(sig);
+            }
+        }
+    }
+}
+
+fn install_handlers() -> std::io::Result<()> {
+    for sig in FORWARDED {
+        // SAFETY: a zeroed sigaction is valid; the handler only does an atomic store.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = note_signal as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Ends this process as `outcome` says its program ended: with its exit status, or killed
+/// by its signal (without a core file of the launcher's own); a program mpiflow stopped
+/// ends as status 0.
+pub fn exit_as(outcome: Outcome) -> ! {
+    match outcome {
+        Outcome::Exited(c) => std::process::exit(c),
+        Outcome::Stopped => std::process::exit(0),
+        Outcome::Signaled(s) => {
+            // SAFETY: plain libc calls on this process: no core file, the default action
+            // for `s`, then the signal itself.
+            unsafe {
+                let none = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                libc::setrlimit(libc::RLIMIT_CORE, &none);
+                libc::signal(s, libc::SIG_DFL);
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, s);
+                libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+                libc::raise(s);
+            }
+            // A signal whose default is not to end the process.
+            std::process::exit(128 + s)
+        }
+    }
+}

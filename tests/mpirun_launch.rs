@@ -1,0 +1,178 @@
+//! `mpiflow launch` of TensorFlow-1-style jobs under real `mpirun`: ps tasks that block
+//! forever (as `server.join()` does) end when the workers are done, a failing worker ends
+//! the job with its status and name, signals reach the programs, and `--ps-lifetime
+//! forever` keeps TensorFlow's behaviour.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{mpiflow, mpirun};
+
+fn checker() -> String {
+    format!("{}/launcher/examples/check_role.py", common::root())
+}
+
+/// `mpirun -np N mpiflow launch --ps 1 LAUNCH_ARGS -- PROGRAM...` and its wall time.
+fn launch(np: &str, launch_args: &[&str], program: &[&str]) -> (common::Run, Duration) {
+    let mut args = vec!["-np", np, mpiflow(), "launch", "--ps", "1"];
+    args.extend_from_slice(launch_args);
+    args.push("--");
+    args.extend_from_slice(program);
+    let t = Instant::now();
+    let run = mpirun(&args);
+    (run, t.elapsed())
+}
+
+#[test]
+fn a_tf1_job_ends_when_its_workers_are_done() {
+    let c = checker();
+    let (run, took) = launch("4", &[], &["python3", &c, "--join", "--sleep", "1"]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let mut roles: Vec<String> = run
+        .json_lines()
+        .iter()
+        .map(|l| format!("{}:{}", l["type"].as_str().unwrap(), l["index"]))
+        .collect();
+    roles.sort();
+    assert_eq!(roles, ["ps:0", "worker:0", "worker:1", "worker:2"]);
+    assert!(
+        run.stderr
+            .contains("mpiflow launch: every worker and chief task is done; stopping ps:0"),
+        "{run:?}"
+    );
+    // The workers take 1 s; the whole job (start-up included) ends within seconds.
+    assert!(took < Duration::from_secs(20), "took {took:?}: {run:?}");
+}
+
+#[test]
+fn a_failing_worker_ends_the_job_with_its_status_and_name() {
+    let c = checker();
+    let (run, took) = launch(
+        "4",
+        &[],
+        &[
+            "python3",
+            &c,
+            "--join",
+            "--sleep",
+            "60",
+            "--exit",
+            "worker:1=3",
+        ],
+    );
+    assert_eq!(run.code, 3, "{run:?}");
+    assert!(
+        run.stderr.contains(
+            "mpiflow launch: worker:1 (rank 2) exited with status 3; stopping the job's other tasks"
+        ),
+        "{run:?}"
+    );
+    // The other workers would have worked 60 s: they were stopped.
+    assert!(took < Duration::from_secs(30), "took {took:?}: {run:?}");
+}
+
+#[test]
+fn a_ps_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let ps_ignores_term = "if [ \"$MPIFLOW_JOB\" = ps ]; then trap '' TERM; \
+                           while :; do sleep 0.1; done; fi; exit 0";
+    let (run, took) = launch("3", &["--stop-grace", "1"], &["sh", "-c", ps_ignores_term]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(took < Duration::from_secs(20), "took {took:?}: {run:?}");
+}
+
+#[test]
+fn signals_sent_to_the_job_reach_every_program_once() {
+    // Workers report SIGUSR1 (once each: the trap exits) and end; the ps ignores it.
+    let program = "if [ \"$MPIFLOW_JOB\" = ps ]; then trap '' USR1; \
+                   while :; do sleep 0.1; done; fi; \
+                   trap 'echo \"{\\\"usr1\\\": \\\"$MPIFLOW_JOB:$MPIFLOW_TASK_INDEX\\\"}\"; exit 0' USR1; \
+                   echo '{\"ready\": 1}'; while :; do sleep 0.1; done";
+    let _guard = common::lock();
+    let child = Command::new("timeout")
+        .args(["-k", "5", "60", "mpirun", "--oversubscribe", "-np", "3"])
+        .args([mpiflow(), "launch", "--ps", "1", "--", "sh", "-c", program])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start mpirun");
+    // mpirun passes SIGUSR1 on to its processes, the launchers to their programs.
+    std::thread::sleep(Duration::from_secs(3));
+    let mpirun_pid = String::from_utf8(
+        Command::new("pgrep")
+            .args(["-P", &child.id().to_string(), "-x", "mpirun"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let pid = mpirun_pid.trim();
+    assert!(!pid.is_empty(), "mpirun not found");
+    assert!(Command::new("kill")
+        .args(["-USR1", pid])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let mut got: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("{\"usr1\": \""))
+        .collect();
+    got.sort();
+    assert_eq!(got, ["worker:0\"}", "worker:1\"}"], "{stdout}\n{stderr}");
+}
+
+#[test]
+fn ps_lifetime_forever_keeps_tensorflows_behaviour() {
+    let _guard = common::lock();
+    let c = checker();
+    let t = Instant::now();
+    let out = Command::new("timeout")
+        .args(["-k", "5", "8", "mpirun", "--oversubscribe", "-np", "3"])
+        .args([mpiflow(), "launch", "--ps", "1", "--ps-lifetime", "forever"])
+        .args(["--", "python3", &c, "--join"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("run mpirun");
+    // The workers are done at once, the ps joins until the timeout ends the job.
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    assert!(t.elapsed() >= Duration::from_secs(8));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.lines().filter(|l| l.starts_with('{')).count(), 3);
+}
+
+#[test]
+fn bad_lifetime_flags_are_one_line_errors() {
+    for (flag, want) in [
+        (
+            "--ps-lifetime=sometimes",
+            "invalid value 'sometimes' for '--ps-lifetime",
+        ),
+        (
+            "--stop-grace=-1",
+            "\"-1\" is not a number of seconds from 0 to 3600",
+        ),
+    ] {
+        let run = mpirun(&[
+            "-np",
+            "2",
+            mpiflow(),
+            "launch",
+            "--ps",
+            "1",
+            flag,
+            "--",
+            "true",
+        ]);
+        assert_ne!(run.code, 0, "{run:?}");
+        assert!(run.stderr.contains(want), "{run:?}");
+        assert!(!run.stderr.contains("panicked"), "{run:?}");
+    }
+}
