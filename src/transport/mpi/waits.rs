@@ -1,6 +1,7 @@
 //! Completing requests: one (`MPI_Wait`, `MPI_Test`) or a window at once (`MPI_Waitall`,
 //! with or without the receives' statuses), and reading what a status says.
 
+use std::mem::MaybeUninit;
 use std::os::raw::c_int;
 
 use mpi::ffi;
@@ -97,27 +98,39 @@ impl MpiComm {
                 result = result.and(self.wait_handles(handles));
                 continue;
             };
-            // SAFETY: a zeroed status is a valid out-parameter.
-            let mut statuses: [ffi::MPI_Status; CHUNK] = unsafe { std::mem::zeroed() };
+            // Not zeroed (a window's worth of memset per call): MPI_Waitall writes one
+            // status per handle, and only those are read.
+            let mut statuses = [const { MaybeUninit::<ffi::MPI_Status>::uninit() }; CHUNK];
             // SAFETY: each handle is an active request of this rank (or already null);
             // MPI_Waitall completes and frees them, writing null handles back and one
-            // status per handle.
+            // status per handle into `statuses[..handles.len()]`.
             let rc = unsafe {
                 ffi::MPI_Waitall(
                     handles.len() as c_int,
                     handles.as_mut_ptr(),
-                    statuses.as_mut_ptr(),
+                    statuses.as_mut_ptr().cast(),
+                )
+            };
+            if rc != ffi::MPI_SUCCESS as c_int && rc != ffi::MPI_ERR_IN_STATUS as c_int {
+                self.wait_each(handles);
+                result = result.and(self.check("MPI_Waitall", rc));
+                continue;
+            }
+            // SAFETY: MPI_Waitall returned MPI_SUCCESS or MPI_ERR_IN_STATUS, having written
+            // the first handles.len() statuses.
+            let statuses = unsafe {
+                std::slice::from_raw_parts_mut(
+                    statuses.as_mut_ptr().cast::<ffi::MPI_Status>(),
+                    handles.len(),
                 )
             };
             if rc == ffi::MPI_SUCCESS as c_int {
                 for (status, r) in statuses.iter().zip(chunk) {
-                    done.push(self.completion("MPI_Waitall", rc, status, r.len)?);
+                    match self.completion("MPI_Waitall", rc, status, r.len) {
+                        Ok(c) => done.push(c),
+                        Err(e) => result = result.and(Err(e)),
+                    }
                 }
-                continue;
-            }
-            if rc != ffi::MPI_ERR_IN_STATUS as c_int {
-                self.wait_each(handles);
-                result = result.and(self.check("MPI_Waitall", rc));
                 continue;
             }
             // Each status holds its request's outcome; MPI_ERR_PENDING marks one not yet

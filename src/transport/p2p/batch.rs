@@ -108,6 +108,8 @@ pub struct Receives<'a, C: Comm> {
     comm: &'a C,
     reqs: Vec<C::Request>,
     checks: Vec<Check<'a>>,
+    /// The completions of the last wait (kept: no allocation per window).
+    done: Vec<Completion>,
 }
 
 impl<'a, C: Comm> Receives<'a, C> {
@@ -122,6 +124,7 @@ impl<'a, C: Comm> Receives<'a, C> {
             comm,
             reqs: Vec::with_capacity(n),
             checks: Vec::with_capacity(n),
+            done: Vec::with_capacity(n),
         }
     }
 
@@ -188,12 +191,12 @@ impl<'a, C: Comm> Receives<'a, C> {
     }
 
     fn complete(&mut self) -> Result<(), P2pError> {
-        let mut done = Vec::with_capacity(self.reqs.len());
-        self.comm.wait_all_into(&mut self.reqs, &mut done)?;
+        self.done.clear();
+        self.comm.wait_all_into(&mut self.reqs, &mut self.done)?;
         let rank = self.comm.rank();
         let links = self.comm.links();
         let mut first = Ok(());
-        for (check, done) in self.checks.drain(..).zip(done) {
+        for (check, &done) in self.checks.drain(..).zip(&self.done) {
             let r = match check {
                 Check::Link(t, arrival) => links.settle(self.comm, arrival, t, done),
                 Check::Exact(e) => e.check_length(rank, done),
