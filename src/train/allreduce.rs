@@ -23,6 +23,7 @@ use std::time::Instant;
 use super::checkpoint::{self, State};
 use super::data::{shard, Batches, Dataset};
 use super::events::Event;
+use super::guard;
 use super::optim::Slots;
 use super::{StepLog, TrainConfig};
 use crate::cluster::Layout;
@@ -79,7 +80,20 @@ pub enum AllreduceError {
         first: usize,
     },
     #[error("{0}")]
+    NonFinite(#[from] guard::NonFinite),
+    #[error("{0}")]
     Setup(String),
+}
+
+impl AllreduceError {
+    /// True for an error every replica raises at the same step (a non-finite value among
+    /// the reduced ones, diverged parameters), so no replica is left waiting on another.
+    pub fn is_agreed(&self) -> bool {
+        matches!(
+            self,
+            AllreduceError::NonFinite(_) | AllreduceError::Diverged { .. }
+        )
+    }
 }
 
 fn params_checksum(model: &Replica<'_>) -> u64 {
@@ -292,7 +306,9 @@ pub fn run<C: Comm + Send>(
         let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
         // Seconds of the current log window spent in the gradient allreduce.
         let mut comm_secs = 0.0f64;
-        let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[2])
+        // Per step: the global batch's loss (sample-weighted sum, samples), and how many
+        // replicas saw a NaN and an infinite loss: one verdict on every replica.
+        let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[4])
             .expect("1-D")
             .named("loss");
         while step < cfg.train.steps {
@@ -319,6 +335,30 @@ pub fn run<C: Comm + Send>(
                     stats.messages,
                 )));
             }
+            let finite = loss.is_finite();
+            loss_buf
+                .as_mut_slice::<f64>()
+                .expect("f64")
+                .copy_from_slice(&[
+                    if finite {
+                        f64::from(loss) * f64::from(n)
+                    } else {
+                        0.0
+                    },
+                    f64::from(n),
+                    f64::from(u8::from(loss.is_nan())),
+                    f64::from(u8::from(loss.is_infinite())),
+                ]);
+            coll.allreduce_tensor(&mut loss_buf, ReduceOp::Sum, cfg.fusion.algorithm)?;
+            let l = loss_buf.as_slice::<f64>().expect("f64");
+            let (nan, inf) = (l[2] as usize, l[3] as usize);
+            if nan + inf > 0 {
+                let value = if nan > 0 { f32::NAN } else { loss_sign(loss) };
+                let whose = format!(" on {} of {nw} replicas", nan + inf);
+                guard::check_loss(step, value, whose)?;
+            }
+            // The reduced gradients are the same on every replica: so is the verdict.
+            guard::check_gradients(step, &grads)?;
             let total = global.len() as f32;
             for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
                 let g = g.as_mut_slice::<f32>().expect("f32");
@@ -342,12 +382,6 @@ pub fn run<C: Comm + Send>(
             }
             let every = cfg.train.log_every;
             if every > 0 && step.is_multiple_of(every) {
-                // The global batch's loss: sample-weighted over replicas.
-                loss_buf
-                    .as_mut_slice::<f64>()
-                    .expect("f64")
-                    .copy_from_slice(&[f64::from(loss) * f64::from(n), f64::from(n)]);
-                coll.allreduce_tensor(&mut loss_buf, ReduceOp::Sum, cfg.fusion.algorithm)?;
                 if chief {
                     let l = loss_buf.as_slice::<f64>().expect("f64");
                     let secs = window.elapsed().as_secs_f64().max(1e-9);
@@ -379,6 +413,15 @@ pub fn run<C: Comm + Send>(
         }
         Ok(())
     })
+}
+
+/// The infinity a replica saw (its own loss's sign, or +inf when another replica's).
+fn loss_sign(loss: f32) -> f32 {
+    if loss == f32::NEG_INFINITY {
+        f32::NEG_INFINITY
+    } else {
+        f32::INFINITY
+    }
 }
 
 fn write_checkpoint(

@@ -17,6 +17,7 @@ pub mod allreduce;
 pub mod checkpoint;
 pub mod data;
 pub mod events;
+pub mod guard;
 pub mod optim;
 pub mod ps;
 pub mod server;
@@ -110,6 +111,8 @@ impl StepLog {
 pub enum FinishError {
     #[error("{0}")]
     Model(#[from] ModelError),
+    #[error("{0}")]
+    NonFinite(#[from] guard::NonFinite),
     #[error("{0}")]
     Checkpoint(#[from] checkpoint::CheckpointError),
 }
@@ -205,6 +208,8 @@ pub fn train_local<'m>(
     for step in first..cfg.steps {
         let (x, y) = train.rows(&batches.global(step));
         loss = model.gradients_into(&x, &y, &mut grads)?;
+        guard::check_loss(step, loss, "")?;
+        guard::check_gradients(step, &grads)?;
         for ((p, g), s) in model.params.iter_mut().zip(&grads).zip(&mut slots) {
             opt.apply(
                 p.as_mut_slice::<f32>().expect("f32"),

@@ -128,8 +128,11 @@ pub enum PsError {
     },
     #[error("{task}: stopped by a ps: {message}")]
     Remote { task: String, message: String },
-    #[error("{task}: loss is {loss} at global step {step}; stopping")]
-    NonFinite { task: String, loss: f32, step: u64 },
+    #[error("{task}: {source}")]
+    NonFinite {
+        task: String,
+        source: crate::train::guard::NonFinite,
+    },
     #[error("{0}")]
     Setup(String),
 }

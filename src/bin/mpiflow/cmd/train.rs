@@ -159,8 +159,14 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 },
                 perturb_rank: args.perturb_rank,
             };
-            allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
-                .map_err(|e| e.to_string())
+            match allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
+                // The same error on every replica at the same step: one line, from rank 0.
+                Err(e) if e.is_agreed() => {
+                    drop(comm);
+                    return Err(Failure::agreed(e, &ctx));
+                }
+                r => r.map_err(|e| e.to_string()),
+            }
         }
     };
     if let Err(e) = result {

@@ -1,0 +1,109 @@
+//! Non-finite values stop training, in every mode.
+//!
+//! A loss or a gradient that is NaN or infinite (a learning rate too large, bad data) makes
+//! every later step worthless and, once applied, the parameters too. Each mode checks the
+//! loss and the gradients of every step before applying them, and stops with one line
+//! naming the step and the tensor; the step is not applied and no checkpoint is written
+//! after it, so the newest checkpoint is the last good one. In the synchronous modes every
+//! rank reaches the same verdict at the same step (the checked values are the reduced
+//! ones), so all stop together.
+
+use crate::tensor::Tensor;
+
+/// A non-finite value found in training.
+/// Values are kept as printed (`NaN`, `inf`, `-inf`), so errors compare equal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NonFinite {
+    #[error("the loss is {value} at step {step}{whose}: training stopped before applying it (no checkpoint follows it: lower --lr and resume from the newest)")]
+    Loss {
+        step: u64,
+        value: String,
+        whose: String,
+    },
+    #[error("gradient '{tensor}' holds {value} at step {step}: training stopped before applying it (no checkpoint follows it: lower --lr and resume from the newest)")]
+    Gradient {
+        step: u64,
+        tensor: String,
+        value: String,
+    },
+}
+
+/// True if every value is finite: `v - v` is 0 for a finite `v` and NaN otherwise, so one
+/// vectorised sum answers for the whole slice.
+pub fn all_finite(xs: &[f32]) -> bool {
+    #[allow(clippy::eq_op)] // v - v is the point: 0 for finite v, NaN for NaN and inf
+    let zero_if_finite = |v: f32| v - v;
+    xs.iter().fold(0.0f32, |acc, &v| acc + zero_if_finite(v)) == 0.0
+}
+
+/// The loss of step `step` must be finite; `whose` says where it was seen (e.g.
+/// ` on 1 of 4 replicas`, or empty).
+pub fn check_loss(step: u64, value: f32, whose: impl Into<String>) -> Result<(), NonFinite> {
+    if value.is_finite() {
+        return Ok(());
+    }
+    Err(NonFinite::Loss {
+        step,
+        value: value.to_string(),
+        whose: whose.into(),
+    })
+}
+
+/// Every gradient of step `step` must be finite; the first that is not is named.
+pub fn check_gradients(step: u64, grads: &[Tensor]) -> Result<(), NonFinite> {
+    for g in grads {
+        let Ok(values) = g.as_slice::<f32>() else {
+            continue;
+        };
+        if all_finite(values) {
+            continue;
+        }
+        let value = values
+            .iter()
+            .copied()
+            .find(|v| !v.is_finite())
+            .unwrap_or(f32::NAN);
+        return Err(NonFinite::Gradient {
+            step,
+            tensor: g.name().to_string(),
+            value: value.to_string(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finite_slices_pass_and_the_first_bad_tensor_is_named() {
+        assert!(all_finite(&[0.0, -1e30, 3.5, f32::MAX, f32::MIN_POSITIVE]));
+        assert!(all_finite(&[]));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut v = vec![1.0f32; 1000];
+            v[777] = bad;
+            assert!(!all_finite(&v), "{bad}");
+        }
+        let ok = Tensor::from_slice(&[2], &[1f32, 2.])
+            .unwrap()
+            .named("dense0/w");
+        let bad = Tensor::from_slice(&[3], &[1f32, f32::INFINITY, f32::NAN])
+            .unwrap()
+            .named("dense1/b");
+        assert_eq!(check_gradients(7, std::slice::from_ref(&ok)), Ok(()));
+        assert_eq!(
+            check_gradients(7, &[ok, bad]).unwrap_err().to_string(),
+            "gradient 'dense1/b' holds inf at step 7: training stopped before applying it \
+             (no checkpoint follows it: lower --lr and resume from the newest)"
+        );
+        assert_eq!(
+            check_loss(3, f32::NAN, " on 1 of 2 replicas")
+                .unwrap_err()
+                .to_string(),
+            "the loss is NaN at step 3 on 1 of 2 replicas: training stopped before applying \
+             it (no checkpoint follows it: lower --lr and resume from the newest)"
+        );
+        assert_eq!(check_loss(3, 0.5, ""), Ok(()));
+    }
+}
