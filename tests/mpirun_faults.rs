@@ -105,3 +105,30 @@ fn a_non_finite_loss_stops_every_mode_and_the_last_good_checkpoint_stays_newest(
         );
     }
 }
+
+#[test]
+fn a_model_too_large_for_the_node_is_one_line_before_anything_is_allocated() {
+    // 64 x 10^8 weights: 25.6 GB for the first layer alone, against this machine's memory.
+    let run = mpiflow_alone(&["train", "--hidden", "100000000", "--steps", "1"], &[]);
+    run.assert_one_line_error("training needs at least 273.6 GB (parameters 30.0 GB");
+    assert!(run.stderr.contains("available on this node"), "{run:?}");
+    for (np, mode, want) in [
+        (
+            "2",
+            &["--mode", "allreduce"][..],
+            "rank 0: worker:0 needs at least",
+        ),
+        (
+            "3",
+            &["--mode", "ps", "--ps", "1"][..],
+            "rank 0: ps:0 needs at least",
+        ),
+    ] {
+        let mut args = vec!["-np", np, mpiflow(), "train"];
+        args.extend_from_slice(mode);
+        args.extend_from_slice(&["--hidden", "100000000", "--steps", "1"]);
+        let run = mpirun(&args);
+        run.assert_one_line_error(want);
+        assert!(run.stderr.contains("but may use"), "{run:?}");
+    }
+}

@@ -157,6 +157,12 @@ pub trait Model: Send + Sync {
     /// The parameters, in the order every other call takes them.
     fn parameters(&self) -> Vec<ParamSpec>;
 
+    /// Values a training pass keeps per sample (every layer's output and what its
+    /// backward pass needs), for the memory check before training; 0 if unknown.
+    fn activations_per_sample(&self) -> usize {
+        0
+    }
+
     /// Logits (`rows x classes`) of `rows` samples `x`.
     fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError>;
 

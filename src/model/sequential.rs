@@ -193,6 +193,19 @@ impl Model for Sequential {
         self.input.clone()
     }
 
+    /// Each layer's output and saved values (about its output's size), and the running
+    /// gradient and input gradient (the widest layer's, twice).
+    fn activations_per_sample(&self) -> usize {
+        let sizes = self.shapes[1..].iter().map(|s| s.iter().product::<usize>());
+        let widest = self
+            .shapes
+            .iter()
+            .map(|s| s.iter().product())
+            .max()
+            .unwrap_or(0);
+        2 * sizes.sum::<usize>() + 2 * widest
+    }
+
     fn classes(&self) -> usize {
         self.shapes.last().expect("checked in new")[0]
     }

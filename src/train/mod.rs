@@ -20,6 +20,7 @@ pub mod events;
 pub mod guard;
 pub mod optim;
 pub mod ps;
+pub mod resources;
 pub mod server;
 
 use std::path::PathBuf;

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use mpiflow::model::Model;
 use mpiflow::train::events::Event;
+use mpiflow::train::resources;
 
 use super::resolve_with;
 use crate::args::{Mode, ModelChoice, TrainArgs};
@@ -21,6 +22,8 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
     let model = build_model(args, &train).map_err(Failure::local)?;
     let cfg: TrainConfig = args.train_config();
+    let need = resources::replica_need(&model, cfg.batch, &cfg.optimizer);
+    resources::check("training", &need, resources::share(1).as_ref()).map_err(Failure::local)?;
     emit(&format!(
         "# mpiflow train --mode local: {} train / {} held-out samples, {}, {}, batch {}, BLAS threads {} (CPUs {})\n",
         train.len(),
@@ -71,6 +74,32 @@ fn build_model(
     built.map_err(|e| e.to_string())
 }
 
+/// What this rank's task holds in distributed training (see [`resources`]): a replica's
+/// or a worker's share of the global batch, or a ps task's share of the parameters.
+fn rank_need(
+    args: &TrainArgs,
+    layout: &mpiflow::cluster::Layout,
+    task: &mpiflow::cluster::TaskId,
+    model: &dyn Model,
+) -> resources::Need {
+    let spec = &layout.spec;
+    let workers = spec.num_tasks("worker").unwrap_or(0) + spec.num_tasks("chief").unwrap_or(0);
+    let per_worker = (args.batch as usize).div_ceil(workers.max(1));
+    let opt = args.train_config().optimizer;
+    match (args.mode, spec.worker_id(task)) {
+        (_, Some(_)) if args.mode == Mode::Allreduce => {
+            resources::replica_need(model, per_worker, &opt)
+        }
+        (_, Some(_)) => resources::worker_need(model, per_worker),
+        (Mode::Ps, None) if task.job == "ps" => {
+            let ps = spec.num_tasks("ps").unwrap_or(1);
+            let staged = if args.async_ { 1 } else { workers };
+            resources::ps_need(model, &opt, ps, staged)
+        }
+        _ => resources::Need { parts: Vec::new() },
+    }
+}
+
 /// Distributed training (`--mode ps` or `--mode allreduce`) on this rank.
 fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::allreduce::{self, AllreduceConfig};
@@ -97,6 +126,13 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let model = ctx
         .agree(build_model(args, &train))
         .map_err(|e| Failure::agreed(e, &ctx))?;
+    let need = rank_need(args, layout, &me.task, &model);
+    ctx.agree(resources::check(
+        &me.task.to_string(),
+        &need,
+        resources::share(count).as_ref(),
+    ))
+    .map_err(|e| Failure::agreed(e, &ctx))?;
     if ctx.rank() == 0 {
         let mode = match args.mode {
             Mode::Ps if args.async_ => "ps, async",
