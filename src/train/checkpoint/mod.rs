@@ -145,14 +145,15 @@ pub fn parse(
         .as_array()
         .ok_or_else(|| corrupt(path, "no arrays"))?
     {
-        let (name, len) = (
-            entry[0].as_str().unwrap_or_default(),
-            entry[1].as_u64().unwrap_or(0) as usize,
-        );
-        if data.len() < 4 * len {
-            return Err(corrupt(path, format!("array {name} is truncated")));
-        }
-        let (this, rest) = data.split_at(4 * len);
+        let name = entry[0].as_str().unwrap_or_default();
+        // A length past the file (or past usize) is a truncated array, never a wrap.
+        let len = entry[1]
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| n.checked_mul(4))
+            .filter(|&n| n <= data.len())
+            .ok_or_else(|| corrupt(path, format!("array {name} is truncated")))?;
+        let (this, rest) = data.split_at(len);
         arrays.push((
             name.to_string(),
             this.chunks_exact(4)
@@ -251,6 +252,13 @@ pub fn open(path: &Path) -> Result<(Found, Vec<Arrays>), CheckpointError> {
         .ok_or_else(|| corrupt(&mpath, "manifest lists no files"))?
     {
         let name = f["file"].as_str().unwrap_or_default().to_string();
+        // A file of this checkpoint, never a path out of it.
+        let plain = Path::new(&name)
+            .file_name()
+            .is_some_and(|n| n == name.as_str());
+        if !plain {
+            return Err(corrupt(&mpath, format!("file {name:?} is not a file name")));
+        }
         let bytes = f["bytes"].as_u64().unwrap_or(0);
         let sum = f["checksum"]
             .as_str()

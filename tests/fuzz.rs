@@ -1,0 +1,240 @@
+//! Property tests over every parser and decoder of outside input: host lists, hostfiles,
+//! Slurm's variables, TF_CONFIG, the legacy flags, checkpoint files, the tensor wire
+//! header and the ps protocol. Any input: no panic (an error value is fine); inputs a
+//! printer made: parsed back to the same value. Bounded: a fixed number of cases each.
+//! Cases proptest finds are kept under `tests/fuzz.proptest-regressions` and rerun first.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use proptest::prelude::*;
+
+use mpiflow::cluster::hostfile::Hostfile;
+use mpiflow::cluster::hostlist::{expand_hosts, expand_tasks_per_node};
+use mpiflow::cluster::slurm::SlurmStep;
+use mpiflow::cluster::{flags, ClusterSpec, TaskId, TfConfig};
+use mpiflow::train::checkpoint;
+use mpiflow::train::ps::protocol::{self, Reply, Request};
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: 400,
+        max_shrink_iters: 2000,
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::Direct(
+                "tests/fuzz.proptest-regressions",
+            ),
+        )),
+        ..ProptestConfig::default()
+    }
+}
+
+/// A checkpoint file around `header` and `body`, with a matching checksum; `hlen` as the
+/// header's length field (the true length if `None`).
+fn framed(header: &str, body: &[u8], hlen: Option<u32>) -> Vec<u8> {
+    let mut file = b"MFCKPT01".to_vec();
+    file.extend_from_slice(&hlen.unwrap_or(header.len() as u32).to_le_bytes());
+    file.extend_from_slice(header.as_bytes());
+    file.extend_from_slice(body);
+    let sum = checkpoint::checksum(&file);
+    file.extend_from_slice(&sum.to_le_bytes());
+    file
+}
+
+/// Strings made mostly of the characters the parsers care about.
+fn syntaxy() -> impl Strategy<Value = String> {
+    proptest::string::string_regex(r"[a-z0-9\[\]\-,()x:=.# \t\n{}\x22]{0,40}").unwrap()
+}
+
+/// A host name: a letter, then letters, digits and dashes.
+fn host() -> impl Strategy<Value = String> {
+    proptest::string::string_regex("[a-z][a-z0-9-]{0,8}").unwrap()
+}
+
+/// A cluster of ps and worker tasks on `host:port` addresses, and one of its tasks.
+fn cluster() -> impl Strategy<Value = TfConfig> {
+    (
+        proptest::collection::vec((host(), 1024u16..65535), 0..3),
+        proptest::collection::vec((host(), 1024u16..65535), 1..5),
+        any::<bool>(),
+        any::<prop::sample::Index>(),
+    )
+        .prop_map(|(ps, workers, pick_ps, at)| {
+            let addrs = |v: &[(String, u16)]| -> Vec<String> {
+                v.iter()
+                    .enumerate()
+                    .map(|(i, (h, p))| format!("{h}:{}", p.wrapping_add(i as u16).max(1024)))
+                    .collect()
+            };
+            let mut spec = ClusterSpec::new();
+            if !ps.is_empty() {
+                spec.add_dense_job("ps", &addrs(&ps)).unwrap();
+            }
+            spec.add_dense_job("worker", &addrs(&workers)).unwrap();
+            let task = if pick_ps && !ps.is_empty() {
+                TaskId::new("ps", at.index(ps.len()))
+            } else {
+                TaskId::new("worker", at.index(workers.len()))
+            };
+            TfConfig::new(spec, task)
+        })
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn host_lists_never_panic(s in syntaxy()) {
+        let _ = expand_hosts(&s);
+        let _ = expand_tasks_per_node(&s);
+    }
+
+    #[test]
+    fn host_lists_expand_ranges(prefix in "[a-z]{1,5}", a in 0usize..50, n in 1usize..20, width in 1usize..4) {
+        let b = a + n - 1;
+        let list = format!("{prefix}[{a:0width$}-{b:0width$}],{prefix}x");
+        let hosts = expand_hosts(&list).unwrap();
+        prop_assert_eq!(hosts.len(), n + 1);
+        prop_assert_eq!(&hosts[0], &format!("{prefix}{a:0width$}"));
+        prop_assert_eq!(&hosts[n - 1], &format!("{prefix}{b:0width$}"));
+    }
+
+    #[test]
+    fn tasks_per_node_expand(parts in proptest::collection::vec((1usize..9, 1usize..5), 1..6)) {
+        let list: Vec<String> = parts.iter().map(|(c, r)| if *r == 1 { c.to_string() } else { format!("{c}(x{r})") }).collect();
+        let want: Vec<usize> = parts.iter().flat_map(|(c, r)| std::iter::repeat_n(*c, *r)).collect();
+        prop_assert_eq!(expand_tasks_per_node(&list.join(",")).unwrap(), want);
+    }
+
+    #[test]
+    fn hostfiles_never_panic(text in syntaxy(), slots in 0usize..4) {
+        let _ = Hostfile::parse("fuzzed", &text, slots);
+    }
+
+    #[test]
+    fn slurm_variables_never_panic(vals in proptest::collection::vec(syntaxy(), 6)) {
+        let names = ["SLURM_PROCID", "SLURM_JOB_ID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_LOCALID"];
+        let env: BTreeMap<String, String> = names.iter().map(|n| n.to_string()).zip(vals).collect();
+        let _ = SlurmStep::from_env(&env);
+    }
+
+    #[test]
+    fn tf_config_never_panics(s in syntaxy()) {
+        let _ = TfConfig::parse(&s);
+    }
+
+    #[test]
+    fn tf_config_round_trips(c in cluster()) {
+        let back = TfConfig::parse(&c.to_json()).unwrap();
+        prop_assert_eq!(back.to_json(), c.to_json());
+        prop_assert_eq!(back.task, c.task);
+    }
+
+    #[test]
+    fn legacy_flags_never_panic(args in proptest::collection::vec(prop_oneof![
+        syntaxy(),
+        Just("--ps_hosts".to_string()),
+        Just("--worker_hosts".to_string()),
+        Just("--job_name".to_string()),
+        Just("--task_index".to_string()),
+        syntaxy().prop_map(|v| format!("--task_index={v}")),
+        syntaxy().prop_map(|v| format!("--worker_hosts={v}")),
+    ], 0..8)) {
+        let _ = flags::parse(&args);
+    }
+
+    #[test]
+    fn legacy_flags_round_trip(c in cluster()) {
+        let back = flags::parse(&flags::emit(&c).unwrap()).unwrap();
+        prop_assert_eq!(back.to_json(), c.to_json());
+    }
+
+    #[test]
+    fn checkpoint_files_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let _ = checkpoint::parse(Path::new("fuzzed"), &bytes, None);
+    }
+
+    /// Well-framed files (magic, header length, a checksum that matches) around any
+    /// header and body: the checks past the checksum must hold on their own.
+    #[test]
+    fn framed_checkpoint_files_never_panic(
+        header in syntaxy(),
+        body in proptest::collection::vec(any::<u8>(), 0..64),
+        hlen in any::<Option<u32>>(),
+    ) {
+        let _ = checkpoint::parse(Path::new("fuzzed"), &framed(&header, &body, hlen), None);
+    }
+
+    /// An array is read with exactly the length its header declares, or refused: a
+    /// length past the body (or one whose byte count overflows) is never wrapped around.
+    #[test]
+    fn checkpoint_arrays_have_their_declared_length(
+        step in any::<u64>(),
+        len in prop_oneof![0u64..20, any::<u64>(), (1u64 << 62)..(1u64 << 62) + 4],
+        body in proptest::collection::vec(any::<u8>(), 0..80),
+    ) {
+        let header = format!(r#"{{"step":{step},"arrays":[["w",{len}]]}}"#);
+        if let Ok(a) = checkpoint::parse(Path::new("fuzzed"), &framed(&header, &body, None), None) {
+            prop_assert_eq!(a.arrays[0].1.len() as u64, len);
+            prop_assert_eq!(body.len() as u64, 4 * len);
+        }
+    }
+
+    /// Any manifest: an error or a checkpoint, and never a file outside its directory.
+    #[test]
+    fn checkpoint_manifests_never_panic_nor_leave_the_directory(
+        manifest in prop_oneof![
+            syntaxy(),
+            ("[a-z./]{0,12}", any::<u64>(), "[0-9a-f]{0,17}").prop_map(|(f, b, c)| {
+                format!(r#"{{"step":3,"files":[{{"file":"{f}","bytes":{b},"checksum":"{c}"}}]}}"#)
+            }),
+        ],
+    ) {
+        let dir = std::env::temp_dir().join(format!("mpiflow-fuzz-manifest-{}", std::process::id()));
+        let ckpt = dir.join("ckpt-3");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::write(dir.join("outside"), framed("{}", &[], None)).unwrap();
+        std::fs::write(ckpt.join("manifest.json"), &manifest).unwrap();
+        if let Ok(found) = checkpoint::verify(&ckpt) {
+            for (name, ..) in &found.files {
+                prop_assert!(ckpt.join(name).parent() == Some(ckpt.as_path()), "{name}");
+            }
+        }
+        let escape = r#"{"step":3,"files":[{"file":"../outside","bytes":0,"checksum":"0"}]}"#;
+        std::fs::write(ckpt.join("manifest.json"), escape).unwrap();
+        let e = checkpoint::verify(&ckpt).unwrap_err().to_string();
+        prop_assert!(e.contains("is not a file name"), "{e}");
+    }
+
+    #[test]
+    fn checkpoint_arrays_round_trip(arrays in proptest::collection::vec(("[a-z/]{1,8}", proptest::collection::vec(-1e6f32..1e6, 0..20)), 0..4), step in any::<u64>()) {
+        let a = checkpoint::Arrays { step, meta: serde_json::Value::Null, arrays };
+        let back = checkpoint::parse(Path::new("fuzzed"), &checkpoint::encode(&a), None).unwrap();
+        prop_assert_eq!(back.step, a.step);
+        prop_assert_eq!(back.arrays, a.arrays);
+    }
+
+    #[test]
+    fn tensor_headers_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+        let _ = mpiflow::tensor::describe_header(&bytes);
+        let _ = mpiflow::tensor::header_payload_len(&bytes);
+    }
+
+    #[test]
+    fn ps_messages_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..120)) {
+        let _ = protocol::decode::<Request>(&bytes);
+        let _ = protocol::decode::<Reply>(&bytes);
+        let _ = protocol::decode_view::<Request>(&bytes);
+    }
+
+    #[test]
+    fn ps_messages_round_trip(values in proptest::collection::vec(-1e6f32..1e6, 0..40), step in any::<u64>(), samples in 0usize..1024, name in "[a-z/]{1,8}") {
+        let req = Request::Push { step, samples, loss: Some(0.5), vars: vec![(name, values.len())] };
+        let (back, rest) = protocol::decode::<Request>(&protocol::encode(&req, &[&values])).unwrap();
+        prop_assert_eq!(back, req);
+        prop_assert_eq!(rest, values.clone());
+        let reply = Reply::Stale { step };
+        let (back, _) = protocol::decode::<Reply>(&protocol::encode(&reply, &[])).unwrap();
+        prop_assert_eq!(back, reply);
+    }
+}
