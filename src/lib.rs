@@ -26,6 +26,7 @@ pub mod launch;
 pub mod model;
 pub mod named;
 pub mod rng;
+pub mod signals;
 pub mod tensor;
 pub mod topology;
 pub mod train;

@@ -132,3 +132,160 @@ fn a_model_too_large_for_the_node_is_one_line_before_anything_is_allocated() {
         assert!(run.stderr.contains("but may use"), "{run:?}");
     }
 }
+
+/// Starts `cmd` (under `timeout`), waits until `dir` holds a checkpoint, sends `signal` to
+/// the processes `pgrep -f PATTERN` finds (`-x mpirun` when PATTERN is `mpirun`), and
+/// returns the exit status and output.
+fn signal_when_checkpointed(
+    cmd: &[&str],
+    dir: &std::path::Path,
+    signal: &str,
+    pattern: &[&str],
+) -> (Option<i32>, String, String) {
+    use std::process::{Command, Stdio};
+    let _guard = common::lock();
+    let child = Command::new("timeout")
+        .args(["-k", "5", "120"])
+        .args(cmd)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .current_dir(common::root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while checkpoint_steps(dir).is_empty() && t.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let pids = Command::new("pgrep").args(pattern).output().unwrap().stdout;
+    let pids = String::from_utf8(pids).unwrap();
+    let pid = pids
+        .split_whitespace()
+        .next()
+        .expect("no process to signal");
+    assert!(Command::new("kill")
+        .args([signal, pid])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The step of `mpiflow: stopped by ... at step S, ...`.
+fn stop_step(stderr: &str) -> u64 {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("mpiflow: stopped by "))
+        .unwrap_or_else(|| panic!("no stop line in {stderr}"));
+    line.split(" at step ")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A name, the job's start and mode flags, the signal, the `pgrep` arguments of what to
+/// signal, and how the stop line names the signal.
+type Case<'a> = (
+    &'a str,
+    &'a [&'a str],
+    &'a [&'a str],
+    &'a str,
+    &'a [&'a str],
+    &'a str,
+);
+
+#[test]
+fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
+    let m = mpiflow();
+    let mpirun2 = ["mpirun", "--oversubscribe", "-np", "2", m];
+    // Where the job's command starts, and what to signal: mpirun itself (which passes
+    // SIGUSR1 on to every rank), or one rank only.
+    let cases: [Case; 3] = [
+        (
+            "local",
+            &[m],
+            &[],
+            "-USR1",
+            &["-f", "^[^ ]*mpiflow train --steps"],
+            "SIGUSR1",
+        ),
+        (
+            "allreduce-mpirun",
+            &mpirun2,
+            &["--mode", "allreduce"],
+            "-USR1",
+            &["-x", "mpirun"],
+            "SIGUSR1",
+        ),
+        (
+            "allreduce-one-rank",
+            &mpirun2,
+            &["--mode", "allreduce"],
+            "-TERM",
+            &["-n", "-f", "^[^ ]*mpiflow train --mode allreduce"],
+            "SIGTERM on 1 of 2 replicas",
+        ),
+    ];
+    for (name, start, mode, signal, pattern, said) in cases {
+        let dir = tmpdir(&format!("signal-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let c = dir.to_str().unwrap();
+        let command = |steps: &str| -> Vec<String> {
+            let mut v: Vec<&str> = start.to_vec();
+            v.push("train");
+            v.extend_from_slice(mode);
+            v.extend_from_slice(&["--steps", steps, "--checkpoint-every", "50"]);
+            v.extend_from_slice(&["--log-every", "0", "--checkpoint-dir", c]);
+            v.into_iter().map(String::from).collect()
+        };
+        let long = command("1000000");
+        let long: Vec<&str> = long.iter().map(String::as_str).collect();
+        let (code, stdout, stderr) = signal_when_checkpointed(&long, &dir, signal, pattern);
+        assert_eq!(code, Some(75), "{name}: {stdout}\n{stderr}");
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("mpiflow:"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{name}: {stderr}");
+        assert!(
+            lines[0].contains(&format!("stopped by {said} at step ")),
+            "{name}: {stderr}"
+        );
+        let step = stop_step(&stderr);
+        assert_eq!(
+            checkpoint_steps(&dir).last(),
+            Some(&step),
+            "{name}: {stderr}"
+        );
+        assert!(
+            stdout.contains(&format!("ckpt-{step} written")),
+            "{name}: {stdout}"
+        );
+
+        // The same command with a nearer end resumes at the step it stopped at.
+        let again = command(&(step + 20).to_string());
+        let again: Vec<&str> = again.iter().map(String::as_str).collect();
+        let again = if start.len() == 1 {
+            mpiflow_alone(&again[1..], &[])
+        } else {
+            mpirun(&again[2..])
+        };
+        assert_eq!(again.code, 0, "{name}: {again:?}");
+        assert!(
+            again
+                .stdout
+                .contains(&format!("ckpt-{step} (global step {step})")),
+            "{name}: {again:?}"
+        );
+    }
+}

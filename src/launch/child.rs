@@ -12,7 +12,6 @@
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::lifetime::{Outcome, Program};
@@ -27,21 +26,6 @@ const FORWARDED: [libc::c_int; 7] = [
     libc::SIGTERM,
     libc::SIGCONT,
 ];
-
-/// Signals received and not yet passed on, one bit per signal number.
-static PENDING: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn note_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // A signal the kernel sent for a terminal also reached the program (same process
-    // group): only those another process sent are passed on.
-    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
-    let code = unsafe { (*info).si_code };
-    if code == libc::SI_KERNEL {
-        return;
-    }
-    // Async-signal-safe: one atomic operation.
-    PENDING.fetch_or(1 << sig, Ordering::SeqCst);
-}
 
 /// A running program.
 pub struct ChildProgram {
@@ -71,8 +55,9 @@ impl ChildProgram {
             });
         }
         // Before the fork: a signal in between is noted, not fatal (exec resets the
-        // child's handlers to the defaults).
-        install_handlers()?;
+        // child's handlers to the defaults). A terminal's signals already reached the
+        // program (same process group): only those other processes send are passed on.
+        crate::signals::catch(&FORWARDED, true)?;
         let child = cmd.spawn()?;
         Ok(ChildProgram { child, done: None })
     }
@@ -123,7 +108,7 @@ impl Program for ChildProgram {
     }
 
     fn forward_signals(&mut self) {
-        let pending = PENDING.swap(0, Ordering::SeqCst);
+        let pending = crate::signals::take();
         if pending == 0 || self.done.is_some() {
             return;
         }
@@ -133,22 +118,6 @@ impl Program for ChildProgram {
             }
         }
     }
-}
-
-fn install_handlers() -> std::io::Result<()> {
-    for sig in FORWARDED {
-        // SAFETY: a zeroed sigaction is valid; the handler only does an atomic store.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = note_signal as *const () as usize;
-            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Ends this process as `outcome` says its program ended: with its exit status, or killed

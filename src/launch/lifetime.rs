@@ -75,35 +75,12 @@ impl Outcome {
     pub fn describe(self) -> String {
         match self {
             Outcome::Exited(c) => format!("exited with status {c}"),
-            Outcome::Signaled(s) => format!("was killed by signal {s} ({})", signal_name(s)),
+            Outcome::Signaled(s) => {
+                format!("was killed by signal {s} ({})", crate::signals::name(s))
+            }
             Outcome::Stopped => "was stopped by mpiflow".into(),
         }
     }
-}
-
-/// The usual name of a signal number.
-pub fn signal_name(s: i32) -> String {
-    let known = [
-        (libc::SIGHUP, "SIGHUP"),
-        (libc::SIGINT, "SIGINT"),
-        (libc::SIGQUIT, "SIGQUIT"),
-        (libc::SIGILL, "SIGILL"),
-        (libc::SIGABRT, "SIGABRT"),
-        (libc::SIGBUS, "SIGBUS"),
-        (libc::SIGFPE, "SIGFPE"),
-        (libc::SIGKILL, "SIGKILL"),
-        (libc::SIGUSR1, "SIGUSR1"),
-        (libc::SIGSEGV, "SIGSEGV"),
-        (libc::SIGUSR2, "SIGUSR2"),
-        (libc::SIGPIPE, "SIGPIPE"),
-        (libc::SIGALRM, "SIGALRM"),
-        (libc::SIGTERM, "SIGTERM"),
-        (libc::SIGXCPU, "SIGXCPU"),
-    ];
-    known
-        .iter()
-        .find(|(n, _)| *n == s)
-        .map_or_else(|| format!("signal {s}"), |(_, name)| name.to_string())
 }
 
 /// What the tasks' outcomes so far call for.

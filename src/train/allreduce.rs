@@ -82,6 +82,8 @@ pub enum AllreduceError {
     #[error("{0}")]
     NonFinite(#[from] guard::NonFinite),
     #[error("{0}")]
+    Stopped(#[from] super::Stopped),
+    #[error("{0}")]
     Setup(String),
 }
 
@@ -91,7 +93,9 @@ impl AllreduceError {
     pub fn is_agreed(&self) -> bool {
         matches!(
             self,
-            AllreduceError::NonFinite(_) | AllreduceError::Diverged { .. }
+            AllreduceError::NonFinite(_)
+                | AllreduceError::Diverged { .. }
+                | AllreduceError::Stopped(_)
         )
     }
 }
@@ -306,9 +310,10 @@ pub fn run<C: Comm + Send>(
         let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
         // Seconds of the current log window spent in the gradient allreduce.
         let mut comm_secs = 0.0f64;
-        // Per step: the global batch's loss (sample-weighted sum, samples), and how many
-        // replicas saw a NaN and an infinite loss: one verdict on every replica.
-        let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[4])
+        // Per step: the global batch's loss (sample-weighted sum, samples), how many
+        // replicas saw a NaN and an infinite loss, and how many were asked to stop (and
+        // the sum of their signal numbers): one verdict on every replica.
+        let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[6])
             .expect("1-D")
             .named("loss");
         while step < cfg.train.steps {
@@ -336,6 +341,11 @@ pub fn run<C: Comm + Send>(
                 )));
             }
             let finite = loss.is_finite();
+            let signal = cfg
+                .train
+                .stop_on_signal
+                .then(crate::signals::first)
+                .flatten();
             loss_buf
                 .as_mut_slice::<f64>()
                 .expect("f64")
@@ -348,10 +358,21 @@ pub fn run<C: Comm + Send>(
                     f64::from(n),
                     f64::from(u8::from(loss.is_nan())),
                     f64::from(u8::from(loss.is_infinite())),
+                    f64::from(u8::from(signal.is_some())),
+                    f64::from(signal.unwrap_or(0)),
                 ]);
             coll.allreduce_tensor(&mut loss_buf, ReduceOp::Sum, cfg.fusion.algorithm)?;
             let l = loss_buf.as_slice::<f64>().expect("f64");
             let (nan, inf) = (l[2] as usize, l[3] as usize);
+            let stop = (l[4] > 0.0).then(|| {
+                let sig = (l[5] / l[4]).round() as i32;
+                let name = crate::signals::name(sig);
+                if l[4] as usize == nw {
+                    name
+                } else {
+                    format!("{name} on {} of {nw} replicas", l[4])
+                }
+            });
             if nan + inf > 0 {
                 let value = if nan > 0 { f32::NAN } else { loss_sign(loss) };
                 let whose = format!(" on {} of {nw} replicas", nan + inf);
@@ -403,6 +424,19 @@ pub fn run<C: Comm + Send>(
                 write_checkpoint(cfg, &model, &slots, step, events)?;
                 last_ckpt = step;
             }
+            if let Some(signal) = stop {
+                // Every replica stops after the same step; the chief keeps it.
+                let mut checkpoint = None;
+                if chief && last_ckpt != step {
+                    checkpoint = write_checkpoint(cfg, &model, &slots, step, events)?;
+                }
+                return Err(super::Stopped {
+                    signal,
+                    step,
+                    checkpoint,
+                }
+                .into());
+            }
         }
         if chief {
             if last_ckpt != step {
@@ -430,14 +464,17 @@ fn write_checkpoint(
     slots: &[Slots],
     step: u64,
     events: &mut dyn FnMut(&Event),
-) -> Result<(), AllreduceError> {
+) -> Result<Option<std::path::PathBuf>, AllreduceError> {
     let Some(dir) = &cfg.train.checkpoint_dir else {
-        return Ok(());
+        return Ok(None);
     };
     let vars = crate::train::ps::variables(model);
     let path = State::of_replica(model, slots, step).write(dir, &model.model.describe(), &vars)?;
-    events(&Event::Checkpoint { path, step });
-    Ok(())
+    events(&Event::Checkpoint {
+        path: path.clone(),
+        step,
+    });
+    Ok(Some(path))
 }
 
 #[cfg(test)]

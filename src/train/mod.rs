@@ -53,6 +53,9 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// The chief writes the final parameters here (the checkpoint file format).
     pub save_params: Option<PathBuf>,
+    /// Stop at the next step boundary once SIGTERM, SIGINT or SIGUSR1 was noted
+    /// ([`crate::signals`]; the caller catches them): checkpoint, then [`Stopped`].
+    pub stop_on_signal: bool,
 }
 
 impl Default for TrainConfig {
@@ -66,6 +69,7 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             checkpoint_every: 500,
             save_params: None,
+            stop_on_signal: false,
         }
     }
 }
@@ -115,7 +119,27 @@ pub enum FinishError {
     #[error("{0}")]
     NonFinite(#[from] guard::NonFinite),
     #[error("{0}")]
+    Stopped(#[from] Stopped),
+    #[error("{0}")]
     Checkpoint(#[from] checkpoint::CheckpointError),
+}
+
+/// Training stopped at a step boundary because the job was asked to end (a preemption
+/// signal, a time limit, Ctrl-C): nothing is lost past `checkpoint` (none when the run has
+/// no checkpoint directory, or when the newest checkpoint already holds `step`). The
+/// command exits with [`Stopped::EXIT_STATUS`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("stopped by {signal} at step {step}{}: rerun the same command to resume", match checkpoint { Some(p) => format!(", checkpoint {} written", p.display()), None => String::new() })]
+pub struct Stopped {
+    pub signal: String,
+    pub step: u64,
+    pub checkpoint: Option<PathBuf>,
+}
+
+impl Stopped {
+    /// `EX_TEMPFAIL`: the run did not fail; it may be retried (`mpiflow supervise`, a
+    /// Slurm requeue) and resumes.
+    pub const EXIT_STATUS: u8 = 75;
 }
 
 /// The chief's last act in every distributed mode: the held-out accuracy, and the final
@@ -206,7 +230,29 @@ pub fn train_local<'m>(
     let start = Instant::now();
     let (mut window_start, mut window_steps) = (Instant::now(), 0u64);
     let mut loss = f32::NAN;
+    let mut last_saved = first;
     for step in first..cfg.steps {
+        if let Some(signal) = cfg.stop_on_signal.then(crate::signals::first).flatten() {
+            let mut checkpoint = None;
+            if let (Some(dir), true) = (&cfg.checkpoint_dir, step > last_saved) {
+                let path = checkpoint::State::of_replica(&model, &slots, step).write(
+                    dir,
+                    &model.model.describe(),
+                    &vars,
+                )?;
+                events(&Event::Checkpoint {
+                    path: path.clone(),
+                    step,
+                });
+                checkpoint = Some(path);
+            }
+            return Err(Stopped {
+                signal: crate::signals::name(signal),
+                step,
+                checkpoint,
+            }
+            .into());
+        }
         let (x, y) = train.rows(&batches.global(step));
         loss = model.gradients_into(&x, &y, &mut grads)?;
         guard::check_loss(step, loss, "")?;
@@ -239,6 +285,7 @@ pub fn train_local<'m>(
                 &vars,
             )?;
             events(&Event::Checkpoint { path, step: done });
+            last_saved = done;
         }
     }
     let secs = start.elapsed().as_secs_f64().max(1e-9);

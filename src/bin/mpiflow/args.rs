@@ -448,6 +448,7 @@ impl TrainArgs {
             checkpoint_dir: self.checkpoint_dir.clone(),
             checkpoint_every: self.checkpoint_every,
             save_params: self.save_params.clone(),
+            stop_on_signal: true,
         }
     }
 }

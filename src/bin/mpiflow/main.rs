@@ -65,7 +65,7 @@ fn main() -> ExitCode {
             if let Some(message) = f.0 {
                 say!("mpiflow: error: {prefix}{message}");
             }
-            ExitCode::from(1)
+            ExitCode::from(f.1)
         }
     }
 }

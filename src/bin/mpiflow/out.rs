@@ -23,11 +23,20 @@ pub(crate) fn emit(text: &str) {
 
 /// A failure to report: the message of a local error, which `main` prints with this rank's
 /// number first, or `None` for an error all ranks agreed on, which rank 0 has printed.
-pub(crate) struct Failure(pub(crate) Option<String>);
+pub(crate) struct Failure(pub(crate) Option<String>, pub(crate) u8);
 
 impl Failure {
     pub(crate) fn local(e: impl std::fmt::Display) -> Self {
-        Failure(Some(e.to_string()))
+        Failure(Some(e.to_string()), 1)
+    }
+
+    /// A run stopped by a signal at a step boundary: `stopped` printed once (by rank 0
+    /// under MPI), and the exit status that says it may be resumed.
+    pub(crate) fn stopped(stopped: &mpiflow::train::Stopped, rank: usize) -> Self {
+        if rank == 0 {
+            say!("mpiflow: {stopped}");
+        }
+        Failure(None, mpiflow::train::Stopped::EXIT_STATUS)
     }
 
     /// An error all ranks agreed on, printed once by rank 0, right away: while MPI is still
@@ -36,6 +45,6 @@ impl Failure {
         if ctx.rank() == 0 {
             say!("mpiflow: error: {e}");
         }
-        Failure(None)
+        Failure(None, 1)
     }
 }

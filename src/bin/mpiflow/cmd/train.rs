@@ -34,14 +34,26 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
+    catch_stop_signals()?;
     let mut print = |e: &Event| emit(&format!("{e}\n"));
-    let report = train_local(&model, &cfg, &train, &test, &mut print).map_err(Failure::local)?;
+    let report = match train_local(&model, &cfg, &train, &test, &mut print) {
+        Err(mpiflow::train::FinishError::Stopped(s)) => return Err(Failure::stopped(&s, 0)),
+        r => r.map_err(Failure::local)?,
+    };
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
     emit(&format!(
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
         report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
     ));
     Ok(())
+}
+
+/// SIGTERM, SIGINT and SIGUSR1 (Slurm's time limit, `scancel`, `--signal=USR1@120`, a
+/// preemption, Ctrl-C) stop training at the next step boundary with a checkpoint, in the
+/// modes that agree on that boundary (local, allreduce); ps modes keep the default action.
+fn catch_stop_signals() -> Result<(), Failure> {
+    mpiflow::signals::catch(&[libc::SIGTERM, libc::SIGINT, libc::SIGUSR1], false)
+        .map_err(|e| Failure::local(format!("cannot catch signals: {e}")))
 }
 
 /// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan).
@@ -195,7 +207,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 },
                 perturb_rank: args.perturb_rank,
             };
+            catch_stop_signals()?;
             match allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
+                Err(allreduce::AllreduceError::Stopped(s)) => {
+                    drop(comm);
+                    return Err(Failure::stopped(&s, ctx.rank()));
+                }
                 // The same error on every replica at the same step: one line, from rank 0.
                 Err(e) if e.is_agreed() => {
                     drop(comm);

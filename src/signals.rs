@@ -1,0 +1,96 @@
+//! Signals noted, not acted on in the handler: a handler only sets a bit, and the code that
+//! owns the process (a launcher passing them on, a training loop at its next step boundary)
+//! reads and clears the bits when it is ready to act.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Signals received and not yet taken, one bit per signal number.
+static PENDING: AtomicU64 = AtomicU64::new(0);
+/// Whether signals a terminal raised (Ctrl-C) are ignored.
+static SKIP_TERMINAL: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn note(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let code = unsafe { (*info).si_code };
+    if code == libc::SI_KERNEL && SKIP_TERMINAL.load(Ordering::Relaxed) {
+        return;
+    }
+    // Async-signal-safe: atomic operations only.
+    PENDING.fetch_or(1 << sig, Ordering::SeqCst);
+}
+
+/// From now on `sigs` are noted instead of taking their default action. With
+/// `skip_terminal`, those a terminal raises (they reached the whole foreground process
+/// group, children too) are dropped.
+pub fn catch(sigs: &[libc::c_int], skip_terminal: bool) -> std::io::Result<()> {
+    SKIP_TERMINAL.store(skip_terminal, Ordering::Relaxed);
+    for &sig in sigs {
+        // SAFETY: a zeroed sigaction is valid; the handler only does atomic operations.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = note as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The signals noted since the last call, as a bit set; clears them.
+pub fn take() -> u64 {
+    PENDING.swap(0, Ordering::SeqCst)
+}
+
+/// The lowest-numbered signal noted so far (not cleared), if any.
+pub fn first() -> Option<libc::c_int> {
+    let bits = PENDING.load(Ordering::SeqCst);
+    (bits != 0).then(|| bits.trailing_zeros() as libc::c_int)
+}
+
+/// Notes `sig` as if it had arrived (for tests of the code that acts on signals).
+pub fn note_for_test(sig: libc::c_int) {
+    PENDING.fetch_or(1 << sig, Ordering::SeqCst);
+}
+
+/// The usual name of a signal number.
+pub fn name(s: i32) -> String {
+    let known = [
+        (libc::SIGHUP, "SIGHUP"),
+        (libc::SIGINT, "SIGINT"),
+        (libc::SIGQUIT, "SIGQUIT"),
+        (libc::SIGILL, "SIGILL"),
+        (libc::SIGABRT, "SIGABRT"),
+        (libc::SIGBUS, "SIGBUS"),
+        (libc::SIGFPE, "SIGFPE"),
+        (libc::SIGKILL, "SIGKILL"),
+        (libc::SIGUSR1, "SIGUSR1"),
+        (libc::SIGSEGV, "SIGSEGV"),
+        (libc::SIGUSR2, "SIGUSR2"),
+        (libc::SIGPIPE, "SIGPIPE"),
+        (libc::SIGALRM, "SIGALRM"),
+        (libc::SIGTERM, "SIGTERM"),
+        (libc::SIGXCPU, "SIGXCPU"),
+    ];
+    known
+        .iter()
+        .find(|(n, _)| *n == s)
+        .map_or_else(|| format!("signal {s}"), |(_, name)| name.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caught_signal_is_noted_not_fatal() {
+        catch(&[libc::SIGUSR2], false).unwrap();
+        // SAFETY: raising a signal this process catches.
+        unsafe { libc::raise(libc::SIGUSR2) };
+        assert_eq!(first(), Some(libc::SIGUSR2));
+        assert_eq!(take(), 1 << libc::SIGUSR2);
+        assert_eq!(first(), None);
+    }
+}
