@@ -174,15 +174,6 @@ impl<'a, C: Comm> Receives<'a, C> {
         self.comm
     }
 
-    /// Receives in flight.
-    pub fn len(&self) -> usize {
-        self.reqs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.reqs.is_empty()
-    }
-
     /// Waits for every receive (`MPI_Waitall`) and checks each, in the order they were
     /// started; returns the first error (every receive is checked, so every link holds
     /// what its sender sent).
