@@ -118,3 +118,60 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
     let worst = common::max_relative_difference(&p2p, &rma);
     assert!(worst < 1e-4, "p2p and rma parameters differ by {worst}");
 }
+
+#[test]
+fn a_launched_tf1_job_across_hosts_ends_with_its_workers() {
+    if !is_root() {
+        eprintln!("skipped: the multi-host test needs root for network namespaces");
+        return;
+    }
+    let script = format!("{}/tests/netns/cluster.sh", common::root());
+    let checker = format!("{}/launcher/examples/check_role.py", common::root());
+    let m = mpiflow();
+    // One task per host: ps:0 blocks forever (as server.join()), the workers end after 1 s
+    // (worker:1 with status 3 in the second job); the launchers agree across the hosts.
+    let launch = |extra: &str| {
+        format!(
+            "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 3 --map-by node \
+             {m} launch --ps 1 -- python3 {checker} --join --sleep 1 {extra}"
+        )
+    };
+    let inner = format!(
+        "{}; echo \"status $?\"; {}; echo \"status $?\"",
+        launch(""),
+        launch("--exit worker:1=3")
+    );
+    let t = std::time::Instant::now();
+    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert!(t.elapsed().as_secs() < 120, "{run:?}");
+    let statuses: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("status "))
+        .collect();
+    assert_eq!(statuses, ["status 0", "status 3"], "{run:?}");
+    assert!(
+        run.stderr
+            .contains("every worker and chief task is done; stopping ps:0"),
+        "{run:?}"
+    );
+    assert!(
+        run.stderr
+            .contains("worker:1 (rank 2) exited with status 3; stopping the job's other tasks"),
+        "{run:?}"
+    );
+    let hosts: std::collections::BTreeSet<String> = run
+        .json_lines()
+        .iter()
+        .map(|l| {
+            l["address"]
+                .as_str()
+                .unwrap()
+                .split(':')
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(hosts.len(), 3, "one task per host: {run:?}");
+}

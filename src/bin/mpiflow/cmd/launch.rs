@@ -10,7 +10,7 @@ use mpiflow::transport::mpi::MpiComm;
 
 use super::resolve;
 use crate::args::LaunchArgs;
-use crate::out::Failure;
+use crate::out::{say, Failure};
 
 /// How often a supervising launcher looks at its program and at the other tasks' news.
 const POLL: Duration = Duration::from_millis(20);
@@ -65,14 +65,19 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
         poll: POLL,
         tag: 0,
     };
-    let ending = lifetime::supervise(&comm, &mut program, &how);
-    drop(comm);
-    match ending {
+    match lifetime::supervise(&comm, &mut program, &how) {
         Ok(end) => {
+            drop(comm);
             drop(ctx);
             child::exit_as(end.mine)
         }
-        // Not agreed: the other ranks may be waiting on this one; exiting ends the job.
-        Err(e) => Err(Failure::local(e)),
+        Err(e) => {
+            // The other launchers may be waiting for this one: no MPI_Finalize (it could
+            // wait for them); exiting without it makes mpirun or srun end the job, and the
+            // program dies with its launcher.
+            let _ = lifetime::Program::stop(&mut program, Duration::ZERO);
+            say!("mpiflow: error: {e}");
+            std::process::exit(1)
+        }
     }
 }
