@@ -194,7 +194,7 @@ pub struct Supervision {
     pub grace: Duration,
     /// How often the loop looks at the program and the messages.
     pub poll: Duration,
-    /// The message tag (one of the library's own).
+    /// The message tag (the launchers talk on a communicator of their own).
     pub tag: i32,
 }
 
