@@ -364,15 +364,9 @@ pub fn run<C: Comm + Send>(
             coll.allreduce_tensor(&mut loss_buf, ReduceOp::Sum, cfg.fusion.algorithm)?;
             let l = loss_buf.as_slice::<f64>().expect("f64");
             let (nan, inf) = (l[2] as usize, l[3] as usize);
-            let stop = (l[4] > 0.0).then(|| {
-                let sig = (l[5] / l[4]).round() as i32;
-                let name = crate::signals::name(sig);
-                if l[4] as usize == nw {
-                    name
-                } else {
-                    format!("{name} on {} of {nw} replicas", l[4])
-                }
-            });
+            // Named by the signal only: one sent to every rank can reach them on either
+            // side of this step's allreduce.
+            let stop = (l[4] > 0.0).then(|| crate::signals::name((l[5] / l[4]).round() as i32));
             if nan + inf > 0 {
                 let value = if nan > 0 { f32::NAN } else { loss_sign(loss) };
                 let whose = format!(" on {} of {nw} replicas", nan + inf);
@@ -426,7 +420,11 @@ pub fn run<C: Comm + Send>(
             }
             if let Some(signal) = stop {
                 // Every replica stops after the same step; the chief keeps it.
-                let mut checkpoint = None;
+                let mut checkpoint = cfg
+                    .train
+                    .checkpoint_dir
+                    .as_deref()
+                    .map(|d| checkpoint::path_of(d, step));
                 if chief && last_ckpt != step {
                     checkpoint = write_checkpoint(cfg, &model, &slots, step, events)?;
                 }

@@ -125,11 +125,11 @@ pub enum FinishError {
 }
 
 /// Training stopped at a step boundary because the job was asked to end (a preemption
-/// signal, a time limit, Ctrl-C): nothing is lost past `checkpoint` (none when the run has
-/// no checkpoint directory, or when the newest checkpoint already holds `step`). The
+/// signal, a time limit, Ctrl-C): nothing is lost past `checkpoint`, the checkpoint of
+/// `step` (written then, or already; none when the run has no checkpoint directory). The
 /// command exits with [`Stopped::EXIT_STATUS`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("stopped by {signal} at step {step}{}: rerun the same command to resume", match checkpoint { Some(p) => format!(", checkpoint {} written", p.display()), None => String::new() })]
+#[error("stopped by {signal} at step {step}{}: rerun the same command to resume", match checkpoint { Some(p) => format!(", checkpoint {}", p.display()), None => String::new() })]
 pub struct Stopped {
     pub signal: String,
     pub step: u64,
@@ -234,6 +234,9 @@ pub fn train_local<'m>(
     for step in first..cfg.steps {
         if let Some(signal) = cfg.stop_on_signal.then(crate::signals::first).flatten() {
             let mut checkpoint = None;
+            if let Some(dir) = &cfg.checkpoint_dir {
+                checkpoint = Some(checkpoint::path_of(dir, step));
+            }
             if let (Some(dir), true) = (&cfg.checkpoint_dir, step > last_saved) {
                 let path = checkpoint::State::of_replica(&model, &slots, step).write(
                     dir,

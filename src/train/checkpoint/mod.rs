@@ -172,6 +172,11 @@ pub fn parse(
     })
 }
 
+/// Where the checkpoint of `step` lives once committed.
+pub fn path_of(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("ckpt-{step}"))
+}
+
 /// The temporary directory a checkpoint of `step` is written into.
 pub fn staging_dir(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!(".ckpt-{step}.tmp"))
@@ -213,7 +218,7 @@ pub fn commit(
         .and_then(|_| f.sync_all())
         .map_err(|e| io(&mpath, e))?;
     fsync_dir(&tmp)?;
-    let fin = dir.join(format!("ckpt-{step}"));
+    let fin = path_of(dir, step);
     if fin.exists() {
         fs::remove_dir_all(&fin).map_err(|e| io(&fin, e))?;
     }
