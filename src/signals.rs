@@ -50,11 +50,6 @@ pub fn first() -> Option<libc::c_int> {
     (bits != 0).then(|| bits.trailing_zeros() as libc::c_int)
 }
 
-/// Notes `sig` as if it had arrived (for tests of the code that acts on signals).
-pub fn note_for_test(sig: libc::c_int) {
-    PENDING.fetch_or(1 << sig, Ordering::SeqCst);
-}
-
 /// The usual name of a signal number.
 pub fn name(s: i32) -> String {
     let known = [

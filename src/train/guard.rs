@@ -49,6 +49,13 @@ pub fn check_loss(step: u64, value: f32, whose: impl Into<String>) -> Result<(),
     })
 }
 
+/// One replica's step: its own loss, then its gradients (the modes that check what this
+/// rank computed; allreduce checks the agreed loss and the reduced gradients instead).
+pub fn check_step(step: u64, loss: f32, grads: &[Tensor]) -> Result<(), NonFinite> {
+    check_loss(step, loss, "")?;
+    check_gradients(step, grads)
+}
+
 /// Every gradient of step `step` must be finite; the first that is not is named.
 pub fn check_gradients(step: u64, grads: &[Tensor]) -> Result<(), NonFinite> {
     for g in grads {

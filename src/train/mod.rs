@@ -258,8 +258,7 @@ pub fn train_local<'m>(
         }
         let (x, y) = train.rows(&batches.global(step));
         loss = model.gradients_into(&x, &y, &mut grads)?;
-        guard::check_loss(step, loss, "")?;
-        guard::check_gradients(step, &grads)?;
+        guard::check_step(step, loss, &grads)?;
         for ((p, g), s) in model.params.iter_mut().zip(&grads).zip(&mut slots) {
             opt.apply(
                 p.as_mut_slice::<f32>().expect("f32"),

@@ -69,15 +69,11 @@ fn slots(opt: &Optimizer) -> u64 {
 /// A replica that trains on `batch` samples and applies its own updates (local and
 /// allreduce modes): parameters, gradients, optimizer state, activations.
 pub fn replica_need(model: &dyn Model, batch: usize, opt: &Optimizer) -> Need {
-    let n = values_of(model) * 4;
-    Need {
-        parts: vec![
-            ("parameters".into(), n),
-            ("gradients".into(), n),
-            (format!("{} state", opt.kind.name()), n * slots(opt)),
-            ("activations".into(), activations(model, batch)),
-        ],
-    }
+    let mut need = worker_need(model, batch);
+    let state = values_of(model) * 4 * slots(opt);
+    need.parts
+        .insert(2, (format!("{} state", opt.kind.name()), state));
+    need
 }
 
 /// A ps worker: parameters, gradients and activations (the ps tasks hold the optimizer).

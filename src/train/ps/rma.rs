@@ -608,12 +608,12 @@ impl Rma<'_> {
             let loss = model
                 .gradients_into(&x, &y, &mut grads)
                 .map_err(|e| PsError::Setup(e.to_string()))?;
-            crate::train::guard::check_loss(s, loss, "")
-                .and_then(|()| crate::train::guard::check_gradients(s, &grads))
-                .map_err(|source| PsError::NonFinite {
+            crate::train::guard::check_step(s, loss, &grads).map_err(|source| {
+                PsError::NonFinite {
                     task: me.clone(),
                     source,
-                })?;
+                }
+            })?;
             last_loss = loss;
             let n = mine.len() as f32;
             // In place: the sync ps divides the sum by the samples; async applies SGD.

@@ -264,12 +264,12 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             .replica
             .gradients_into(x, y, &mut self.grads)
             .map_err(|e| PsError::Setup(format!("{}: {e}", self.client.me())))?;
-        crate::train::guard::check_loss(self.step, loss, "")
-            .and_then(|()| crate::train::guard::check_gradients(self.step, &self.grads))
-            .map_err(|source| PsError::NonFinite {
+        crate::train::guard::check_step(self.step, loss, &self.grads).map_err(|source| {
+            PsError::NonFinite {
                 task: self.client.me(),
                 source,
-            })?;
+            }
+        })?;
         self.client.push(self.step, y.len(), loss, &self.grads)?;
         let want = if self.opts.sync.is_some() {
             self.step + 1

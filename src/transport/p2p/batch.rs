@@ -12,7 +12,7 @@
 
 use std::marker::PhantomData;
 
-use super::{check_link, landing_region, Arrival, P2pError};
+use super::{check_link, start_receive, Arrival, P2pError};
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, Completion};
 
@@ -137,15 +137,9 @@ impl<'a, C: Comm> Receives<'a, C> {
         src: usize,
         tag: i32,
     ) -> Result<(), P2pError> {
-        check_link(self.comm, src, tag)?;
-        let arrival = self.comm.links().incoming(t, src, tag);
-        let region = landing_region(t, arrival.landing);
         // SAFETY: the window holds `t` mutably for 'a and completes every request before
-        // it is gone (wait_all or the destructor): nothing else touches the region.
-        let req = unsafe {
-            self.comm
-                .irecv(region.as_mut_ptr(), region.len(), src, tag)?
-        };
+        // it is gone (wait_all or the destructor): nothing else touches it meanwhile.
+        let (req, arrival) = unsafe { start_receive(self.comm, t, src, tag)? };
         self.reqs.push(req);
         self.checks.push(Check::Link(t, arrival));
         Ok(())

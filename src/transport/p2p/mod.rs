@@ -328,6 +328,27 @@ fn landing_region(t: &mut Tensor, landing: Landing) -> &mut [u8] {
     }
 }
 
+/// Starts a checked receive into `t` from `src` (`MPI_Irecv` where the link says the
+/// message lands): the request and what [`Links::settle`] needs once it completes.
+///
+/// # Safety
+/// The caller keeps `t` exclusively borrowed, and neither reads nor moves it, until the
+/// request completes.
+#[inline]
+unsafe fn start_receive<C: Comm>(
+    c: &C,
+    t: &mut Tensor,
+    src: usize,
+    tag: i32,
+) -> Result<(C::Request, Arrival), P2pError> {
+    check_link(c, src, tag)?;
+    let arrival = c.links().incoming(t, src, tag);
+    let region = landing_region(t, arrival.landing);
+    // SAFETY: the caller holds `t` until the request completes (this function's contract).
+    let req = unsafe { c.irecv(region.as_mut_ptr(), region.len(), src, tag)? };
+    Ok((req, arrival))
+}
+
 /// Starts receiving into `t` from rank `src` (`MPI_Irecv`).
 #[inline]
 pub fn immediate_receive_into<'a, C: Comm>(
@@ -336,12 +357,9 @@ pub fn immediate_receive_into<'a, C: Comm>(
     src: usize,
     tag: i32,
 ) -> Result<RecvRequest<'a, C>, P2pError> {
-    check_link(c, src, tag)?;
-    let arrival = c.links().incoming(t, src, tag);
-    let region = landing_region(t, arrival.landing);
-    // SAFETY: the request holds `t` mutably for 'a, so nothing else touches the region
-    // until it is waited on (by `wait` or by the destructor).
-    let req = unsafe { c.irecv(region.as_mut_ptr(), region.len(), src, tag)? };
+    // SAFETY: the request holds `t` mutably for 'a, so nothing else touches it until it
+    // is waited on (by `wait` or by the destructor).
+    let (req, arrival) = unsafe { start_receive(c, t, src, tag)? };
     Ok(RecvRequest {
         comm: c,
         req: Some(req),
