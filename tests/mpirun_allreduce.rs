@@ -43,10 +43,11 @@ fn n_replicas_equal_local_training_on_the_global_batch() {
         let run = mpirun(&args);
         assert_eq!(run.code, 0, "{run:?}");
         assert!(!run.stderr.contains("warning"), "{}", run.stderr);
-        // The chief says what a step's reduction took: 2 layers' weights and biases.
+        // The chief says what a step's reduction took: 2 layers' weights and biases, and the
+        // step's verdict (in the fused buffer, or on its own).
         let said = match (overlap, one_by_one) {
-            (true, _) => "allreduce calls per step: 2 (one per layer, overlapped, algorithm auto",
-            (_, true) => "allreduce calls per step: 4 (fused up to 1 bytes, algorithm ring",
+            (true, _) => "allreduce calls per step: 3 (one per layer, overlapped, algorithm auto",
+            (_, true) => "allreduce calls per step: 5 (fused up to 1 bytes, algorithm ring",
             _ => "allreduce calls per step: 1 (fused up to 67108864 bytes, algorithm auto",
         };
         assert!(run.stdout.contains(said), "{said}: {}", run.stdout);

@@ -15,10 +15,14 @@
 //! at most `fusion.threshold_bytes`, by `fusion.algorithm`: `mpiflow train
 //! --fusion-threshold --allreduce-algorithm`; a threshold of 1 byte reduces them one by
 //! one), or with `overlap` layer by layer during the backward pass, on a communication
-//! thread. The chief logs once what a step's reduction takes (allreduce calls and bytes).
+//! thread. Each replica's word on the step (its loss, a non-finite loss, a stop signal)
+//! is summed in the same reduction, so every replica reaches the same verdict without a
+//! message of its own. The chief logs once what a step's reduction takes (allreduce calls
+//! and bytes).
 
-use std::ops::Range;
 use std::time::Instant;
+
+mod reducer;
 
 use super::checkpoint::{self, State};
 use super::data::{shard, Batches, Dataset};
@@ -29,8 +33,9 @@ use super::{StepLog, TrainConfig};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::tensor::Tensor;
-use crate::transport::fusion::{Fusion, FusionConfig, FusionError, FusionStats};
-use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
+use crate::transport::fusion::{FusionConfig, FusionError};
+use crate::transport::{Collectives, Comm, TransportError};
+use reducer::{Reducer, Verdict};
 
 /// Settings of allreduce training.
 #[derive(Debug, Clone)]
@@ -105,133 +110,6 @@ fn params_checksum(model: &Replica<'_>) -> u64 {
         .params
         .iter()
         .fold(0, |h, p| checkpoint::checksum(p.bytes()) ^ h.rotate_left(7))
-}
-
-/// How a step's gradients are summed over the replicas.
-enum Reducer<'s> {
-    /// After the backward pass, as one fused allreduce.
-    Fused(Fusion),
-    /// During the backward pass: each group of gradients the model reports ready (a
-    /// layer's, last layer first) goes to a communication thread with its own
-    /// communicator as soon as they are final.
-    Overlapped {
-        to_comm: std::sync::mpsc::Sender<(Range<usize>, Tensor)>,
-        from_comm: std::sync::mpsc::Receiver<(Range<usize>, Result<Tensor, TransportError>)>,
-        signature: Vec<String>,
-        /// Its hash, computed once: the list is the same at every step.
-        signature_hash: u64,
-        _thread: std::thread::ScopedJoinHandle<'s, ()>,
-    },
-}
-
-impl<'s> Reducer<'s> {
-    fn new<'e, C: Comm + Send + 's>(
-        scope: &'s std::thread::Scope<'s, 'e>,
-        comm: Option<C>,
-        model: &Replica<'_>,
-        fusion: FusionConfig,
-    ) -> Reducer<'s> {
-        let Some(comm) = comm else {
-            return Reducer::Fused(Fusion::new(fusion));
-        };
-        let (to_comm, requests) = std::sync::mpsc::channel::<(Range<usize>, Tensor)>();
-        let (results, from_comm) = std::sync::mpsc::channel();
-        let thread = scope.spawn(move || {
-            let coll = Collectives::new(comm);
-            // Ends when the training loop drops its sender.
-            while let Ok((range, mut bucket)) = requests.recv() {
-                let r = coll
-                    .allreduce_tensor(&mut bucket, ReduceOp::Sum, fusion.algorithm)
-                    .map(|_| bucket);
-                if results.send((range, r)).is_err() {
-                    break;
-                }
-            }
-        });
-        let signature: Vec<String> = std::iter::once("op Sum (layer buckets)".to_string())
-            .chain(model.params.iter().map(Tensor::describe))
-            .collect();
-        Reducer::Overlapped {
-            to_comm,
-            from_comm,
-            signature_hash: crate::transport::fusion::list_hash(&signature),
-            signature,
-            _thread: thread,
-        }
-    }
-
-    /// Computes this replica's gradients (scaled by its `n` samples) and sums them over the
-    /// replicas into `grads`; returns the loss, the seconds spent waiting on the sum, and
-    /// what the sum took.
-    fn step<C: Comm>(
-        &mut self,
-        coll: &Collectives<C>,
-        model: &Replica<'_>,
-        x: &[f32],
-        y: &[u8],
-        grads: &mut [Tensor],
-        n: f32,
-    ) -> Result<(f32, f64, FusionStats), AllreduceError> {
-        let scale = |g: &mut Tensor| {
-            g.as_mut_slice::<f32>()
-                .expect("f32")
-                .iter_mut()
-                .for_each(|v| *v *= n)
-        };
-        match self {
-            Reducer::Fused(fusion) => {
-                let loss = model
-                    .gradients_into(x, y, grads)
-                    .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-                grads.iter_mut().for_each(scale);
-                let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
-                let t = Instant::now();
-                let stats = fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
-                Ok((loss, t.elapsed().as_secs_f64(), stats))
-            }
-            Reducer::Overlapped {
-                to_comm,
-                from_comm,
-                signature,
-                signature_hash,
-                ..
-            } => {
-                // Same negotiation as the fused path: every replica, the same list.
-                crate::transport::fusion::negotiate(coll, *signature_hash, || signature.clone())?;
-                let mut sent = 0;
-                let loss = model
-                    .gradients_with(x, y, grads, &mut |range, g| {
-                        let data: Vec<f32> = g[range.clone()]
-                            .iter()
-                            .flat_map(|t| t.as_slice::<f32>().expect("f32"))
-                            .map(|v| v * n)
-                            .collect();
-                        let bucket = Tensor::from_slice(&[data.len()], &data)
-                            .expect("1-D")
-                            .named(&format!("grads{}..{}", range.start, range.end));
-                        sent += usize::from(to_comm.send((range, bucket)).is_ok());
-                    })
-                    .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-                let t = Instant::now();
-                let mut stats = FusionStats::default();
-                for _ in 0..sent {
-                    let (range, r) = from_comm.recv().map_err(|_| {
-                        AllreduceError::Setup("communication thread stopped".into())
-                    })?;
-                    let bucket = r?;
-                    stats.messages += 1;
-                    stats.bytes += bucket.nbytes();
-                    let mut summed = bucket.as_slice::<f32>().expect("f32");
-                    for g in &mut grads[range] {
-                        let (mine, rest) = summed.split_at(g.numel());
-                        g.as_mut_slice::<f32>().expect("f32").copy_from_slice(mine);
-                        summed = rest;
-                    }
-                }
-                Ok((loss, t.elapsed().as_secs_f64(), stats))
-            }
-        }
-    }
 }
 
 /// Broadcasts a byte string of any length from rank 0 of `coll`.
@@ -310,20 +188,19 @@ pub fn run<C: Comm + Send>(
         let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
         // Seconds of the current log window spent in the gradient allreduce.
         let mut comm_secs = 0.0f64;
-        // Per step: the global batch's loss (sample-weighted sum, samples), how many
-        // replicas saw a NaN and an infinite loss, and how many were asked to stop (and
-        // the sum of their signal numbers): one verdict on every replica.
-        let mut loss_buf = Tensor::zeros(crate::tensor::DType::F64, &[6])
-            .expect("1-D")
-            .named("loss");
+        let mut verdict = Verdict::new();
         while step < cfg.train.steps {
             let global = batches.global(step);
             let mine = shard(&global, w, nw);
             let (x, y) = train.rows(mine);
             // Sum of (mean gradient x samples) over replicas, over the global batch: exact.
-            let n = mine.len() as f32;
             let first = step == state.step;
-            let (loss, secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, n)?;
+            verdict.signal = cfg
+                .train
+                .stop_on_signal
+                .then(crate::signals::first)
+                .flatten();
+            let (secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, &mut verdict)?;
             comm_secs += secs;
             if first && chief {
                 let how = if cfg.overlap {
@@ -333,42 +210,18 @@ pub fn run<C: Comm + Send>(
                 };
                 let algorithm = crate::named::Named::name(cfg.fusion.algorithm);
                 events(&Event::Note(format!(
-                    "gradients: {} tensors, {} bytes, allreduce calls per step: {} ({how}, \
-                     algorithm {algorithm}, {nw} replicas)",
+                    "gradients: {} tensors, {} bytes (and the step's {}-byte verdict), \
+                     allreduce calls per step: {} ({how}, algorithm {algorithm}, {nw} replicas)",
                     grads.len(),
-                    stats.bytes,
+                    grads.iter().map(Tensor::nbytes).sum::<usize>(),
+                    stats.bytes - grads.iter().map(Tensor::nbytes).sum::<usize>(),
                     stats.messages,
                 )));
             }
-            let finite = loss.is_finite();
-            let signal = cfg
-                .train
-                .stop_on_signal
-                .then(crate::signals::first)
-                .flatten();
-            loss_buf
-                .as_mut_slice::<f64>()
-                .expect("f64")
-                .copy_from_slice(&[
-                    if finite {
-                        f64::from(loss) * f64::from(n)
-                    } else {
-                        0.0
-                    },
-                    f64::from(n),
-                    f64::from(u8::from(loss.is_nan())),
-                    f64::from(u8::from(loss.is_infinite())),
-                    f64::from(u8::from(signal.is_some())),
-                    f64::from(signal.unwrap_or(0)),
-                ]);
-            coll.allreduce_tensor(&mut loss_buf, ReduceOp::Sum, cfg.fusion.algorithm)?;
-            let l = loss_buf.as_slice::<f64>().expect("f64");
-            let (nan, inf) = (l[2] as usize, l[3] as usize);
-            // Named by the signal only: one sent to every rank can reach them on either
-            // side of this step's allreduce.
-            let stop = (l[4] > 0.0).then(|| crate::signals::name((l[5] / l[4]).round() as i32));
+            let (nan, inf) = verdict.non_finite();
+            let stop = verdict.stop().map(crate::signals::name);
             if nan + inf > 0 {
-                let value = if nan > 0 { f32::NAN } else { loss_sign(loss) };
+                let value = if nan > 0 { f32::NAN } else { f32::INFINITY };
                 let whose = format!(" on {} of {nw} replicas", nan + inf);
                 guard::check_loss(step, value, whose)?;
             }
@@ -398,11 +251,10 @@ pub fn run<C: Comm + Send>(
             let every = cfg.train.log_every;
             if every > 0 && step.is_multiple_of(every) {
                 if chief {
-                    let l = loss_buf.as_slice::<f64>().expect("f64");
                     let secs = window.elapsed().as_secs_f64().max(1e-9);
                     events(&Event::Step(StepLog {
                         step,
-                        loss: (l[0] / l[1]) as f32,
+                        loss: verdict.loss(),
                         steps_per_sec: window_steps as f64 / secs,
                         samples_per_sec: (window_steps * cfg.train.batch as u64) as f64 / secs,
                         comm_fraction: Some(comm_secs / secs),
@@ -445,15 +297,6 @@ pub fn run<C: Comm + Send>(
         }
         Ok(())
     })
-}
-
-/// The infinity a replica saw (its own loss's sign, or +inf when another replica's).
-fn loss_sign(loss: f32) -> f32 {
-    if loss == f32::NEG_INFINITY {
-        f32::NEG_INFINITY
-    } else {
-        f32::INFINITY
-    }
 }
 
 fn write_checkpoint(
@@ -526,13 +369,15 @@ mod tests {
                 });
                 let lines: Vec<String> = logs.into_iter().flatten().collect();
                 // Two layers: two weights and two biases, reduced as the settings say.
+                // The verdict rides in the fused buffer, or goes on its own.
                 let calls = match (overlap, fusion.threshold_bytes) {
-                    (true, _) => 2,
-                    (false, 1) => 4,
+                    (true, _) => 3,
+                    (false, 1) => 5,
                     _ => 1,
                 };
                 let said = format!(
-                    "tensors, {} bytes, allreduce calls per step: {calls} (",
+                    "tensors, {} bytes (and the step's 24-byte verdict), allreduce calls per \
+                     step: {calls} (",
                     4 * (64 * 128 + 128 + 128 * 10 + 10)
                 );
                 assert!(
