@@ -56,14 +56,14 @@ fn p2p_rounds<C: Comm>(
         .map_err(|e| PsError::Setup(e.to_string()))?
         .named("model");
     let mut params = vec![zeros];
-    let grads = params.clone();
+    let mut grads = params.clone();
     if w == 0 {
         let setup = ps::protocol::Setup {
             shards: client.shards.clone(),
             optimizer: Optimizer::new(OptimizerKind::Sgd, 1e-12),
             sync: None,
         };
-        client.init(&setup, &params)?;
+        client.init(&setup, &mut params)?;
     }
     // Like training: every worker's first pull waits for the chief's initialisation.
     client.pull(0, &mut params)?;
@@ -72,7 +72,7 @@ fn p2p_rounds<C: Comm>(
         if i == warmup {
             start = Instant::now();
         }
-        client.push(0, 1, 0.0, &grads)?;
+        client.push(0, 1, 0.0, &mut grads)?;
         client.pull(0, &mut params)?;
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;

@@ -127,32 +127,53 @@ impl Optimizer {
     /// Applies one update to `param` with `grad`, advancing `state`.
     pub fn apply(&self, param: &mut [f32], grad: &[f32], state: &mut Slots) {
         state.t += 1;
-        let lr = self.lr_at(state.t);
+        let t = state.t;
+        self.apply_part(param, grad, state, 0, t);
+    }
+
+    /// Update number `t` of elements `at..at + param.len()` of a parameter whose state is
+    /// `state`, with their gradient `grad`: a parameter updated piece by piece, each piece
+    /// as its gradient arrives. The caller counts updates ([`Slots::t`]) per whole
+    /// parameter, once all its pieces are applied.
+    pub fn apply_part(
+        &self,
+        param: &mut [f32],
+        grad: &[f32],
+        state: &mut Slots,
+        at: usize,
+        t: u64,
+    ) {
+        let lr = self.lr_at(t);
+        let end = at + param.len();
+        let part = |x: &mut Vec<f32>| -> std::ops::Range<usize> {
+            if x.is_empty() {
+                0..0
+            } else {
+                at..end
+            }
+        };
+        let (rm, rv) = (part(&mut state.m), part(&mut state.v));
+        let (sm, sv) = (&mut state.m[rm], &mut state.v[rv]);
         match self.kind {
             OptimizerKind::Sgd => param.iter_mut().zip(grad).for_each(|(p, g)| *p -= lr * g),
             OptimizerKind::Momentum => {
                 let m = self.momentum;
-                for ((p, g), v) in param.iter_mut().zip(grad).zip(&mut state.m) {
+                for ((p, g), v) in param.iter_mut().zip(grad).zip(sm) {
                     *v = m * *v + g;
                     *p -= lr * *v;
                 }
             }
             OptimizerKind::Adagrad => {
-                for ((p, g), a) in param.iter_mut().zip(grad).zip(&mut state.m) {
+                for ((p, g), a) in param.iter_mut().zip(grad).zip(sm) {
                     *a += g * g;
                     *p -= lr * g / a.sqrt();
                 }
             }
             OptimizerKind::Adam => {
                 let (b1, b2) = (self.beta1, self.beta2);
-                let t = state.t as i32;
+                let t = t as i32;
                 let lr_t = lr * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t));
-                for (((p, g), m), v) in param
-                    .iter_mut()
-                    .zip(grad)
-                    .zip(&mut state.m)
-                    .zip(&mut state.v)
-                {
+                for (((p, g), m), v) in param.iter_mut().zip(grad).zip(sm).zip(sv) {
                     *m = b1 * *m + (1.0 - b1) * g;
                     *v = b2 * *v + (1.0 - b2) * g * g;
                     *p -= lr_t * *m / (v.sqrt() + self.eps);
@@ -266,5 +287,32 @@ mod tests {
         s.t = 2;
         sgd.apply(&mut p, &[1.0], &mut s);
         assert!((p[0] + 0.2).abs() < 1e-6, "{p:?}");
+    }
+
+    /// A parameter updated piece by piece ends where one whole update does, for every rule.
+    #[test]
+    fn updates_in_pieces_equal_whole_updates() {
+        for kind in [
+            OptimizerKind::Sgd,
+            OptimizerKind::Momentum,
+            OptimizerKind::Adagrad,
+            OptimizerKind::Adam,
+        ] {
+            let opt = Optimizer::new(kind, 0.01);
+            let grad: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) / 3.0).collect();
+            let (mut whole, mut pieces) = (vec![1.0f32; 10], vec![1.0f32; 10]);
+            let (mut sw, mut sp) = (opt.state(10), opt.state(10));
+            for _ in 0..3 {
+                opt.apply(&mut whole, &grad, &mut sw);
+                let t = sp.t + 1;
+                for r in [0..4, 4..9, 9..10] {
+                    let at = r.start;
+                    opt.apply_part(&mut pieces[r.clone()], &grad[r], &mut sp, at, t);
+                }
+                sp.t = t;
+            }
+            assert_eq!(whole, pieces, "{kind:?}");
+            assert_eq!(sw, sp, "{kind:?}");
+        }
     }
 }

@@ -3,7 +3,10 @@
 //! Messages between a pair of ranks with the same tag are received in the order they were
 //! sent (MPI's non-overtaking rule); a receive longer than its buffer is truncated and
 //! reported, as MPI does. Sends are buffered, so they complete at once. A receive that
-//! waits longer than the hub's timeout fails instead of hanging the test.
+//! waits longer than the hub's timeout fails instead of hanging the test. One difference:
+//! a receive is matched when it is waited on or tested, not when it is posted, so code
+//! with several receives in flight from one (source, tag) completes them in posting order
+//! (which is also correct under MPI).
 //!
 //! [`LocalComm::run`] starts the threads and returns each rank's result:
 //! ```

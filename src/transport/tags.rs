@@ -29,12 +29,14 @@ pub enum Reserved {
     PsRequest,
     /// Parameter-server replies (ps to worker).
     PsReply,
+    /// Parameter-server payloads (the floats after a request or a reply, both ways).
+    PsPayload,
 }
 
 impl Reserved {
     /// Every reserved use, in declaration order: the order they take tags down from the
     /// bound.
-    pub const ALL: [Reserved; 7] = [
+    pub const ALL: [Reserved; 8] = [
         Reserved::Barrier,
         Reserved::Bcast,
         Reserved::Allgather,
@@ -42,6 +44,7 @@ impl Reserved {
         Reserved::RecursiveDoubling,
         Reserved::PsRequest,
         Reserved::PsReply,
+        Reserved::PsPayload,
     ];
 }
 
@@ -169,7 +172,7 @@ mod tests {
         );
         assert_eq!(
             Tags::with_override(5000, None).unwrap().max_user(),
-            5000 - 7
+            5000 - 8
         );
         let e = Tags::with_override(32767, Some("lots")).unwrap_err();
         assert_eq!(
@@ -185,7 +188,7 @@ mod tests {
         let e = Tags::new(32767).unwrap().check_user(40000).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "tag 40000 is out of range 0..=32760 (MPI_TAG_UB 32767; the 7 tags above are mpiflow's own)"
+            "tag 40000 is out of range 0..=32759 (MPI_TAG_UB 32767; the 8 tags above are mpiflow's own)"
         );
     }
 }

@@ -263,6 +263,43 @@ mod tests {
         assert!(worst < 1e-4, "largest relative difference {worst}");
     }
 
+    /// Payloads above the inline size travel as pieces (a variable of more than one piece
+    /// too), sync and async, with a backup worker whose late pushes are taken and dropped:
+    /// the parameters still equal local training's (async: one worker, the same updates in
+    /// the same order).
+    #[test]
+    fn large_variables_travel_as_pieces_and_training_still_equals_local() {
+        let data = Dataset::load("digits", 0).unwrap();
+        let (train, test) = data.split_holdout(1);
+        let steps = 4;
+        let hidden = protocol::PIECE_FLOATS / 64 + 100;
+        let mlp = crate::model::mlp(64, &[hidden], 10).unwrap();
+        let dir = std::env::temp_dir().join(format!("mpiflow-ps-big-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("params.bin");
+        for (n, sync, backup) in [(2, false, false), (4, true, false), (4, true, true)] {
+            let mut c = cfg(steps, sync);
+            if backup {
+                // Two workers, one aggregated per step: the other's push is stale.
+                c.replicas_to_aggregate = Some(1);
+            }
+            let local =
+                super::super::train_local(&mlp, &c.train, &train, &test, &mut |_| {}).unwrap();
+            c.train.save_params = Some(out.clone());
+            let l = layout(n, if n == 4 { 2 } else { 1 });
+            LocalComm::run(n, |comm| {
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).unwrap()
+            });
+            if !backup {
+                let worst = crate::train::max_relative_difference(&local.model, &out);
+                assert!(
+                    worst < 1e-4,
+                    "{n} ranks, sync {sync}: largest difference {worst}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn bad_pushes_are_rejected_and_the_ps_keeps_serving() {
         let data = Dataset::synthetic(200, 8, 3, 1);
@@ -274,13 +311,14 @@ mod tests {
             if comm.rank() == 2 {
                 // worker:1 waits for the chief's initialisation, then misbehaves before
                 // taking part: an unknown variable, a wrong length.
-                let pull = protocol::encode(&protocol::Request::Pull { step: 0 }, &[]);
+                let pull = protocol::encode(&protocol::Request::Pull { step: 0 });
                 let req = protocol::request_tag(&comm);
                 crate::transport::comm::send(&comm, &pull, 0, req).unwrap();
                 let reply = protocol::reply_tag(&comm);
                 wire::receive_within(&comm, 0, reply, Duration::from_secs(10))
                     .unwrap()
                     .unwrap();
+
                 let bad = |vars: Vec<(String, usize)>, n: usize| {
                     let push = protocol::Request::Push {
                         step: 0,
@@ -288,7 +326,8 @@ mod tests {
                         loss: Some(0.0),
                         vars,
                     };
-                    let m = protocol::encode(&push, &[&vec![0.0; n]]);
+                    // A small payload rides in the header's message.
+                    let m = protocol::encode_with(&push, &[&vec![0.0; n]]);
                     let req = protocol::request_tag(&comm);
                     crate::transport::comm::send(&comm, &m, 0, req).unwrap();
                     let reply = protocol::reply_tag(&comm);

@@ -1,15 +1,17 @@
 //! The ps wire protocol: typed requests (worker to ps) and replies (ps to worker).
 //!
-//! One message each: `[u32 n | JSON header of n bytes | f32 payload]`. The header is a
-//! [`Request`] or a [`Reply`] (serde), padded with spaces to a multiple of 4 bytes so that
-//! the payload is aligned as floats wherever the message lands: a receiver reads it in
-//! place ([`decode_view`]). The payload carries the floats the header names (initial
-//! values, gradients, parameters), little-endian, sent without gathering them first; a
-//! ps answers a pull from its parameters' own memory, the header written in front of
-//! them ([`frame_before`]). Requests travel on tag [`Reserved::PsRequest`], replies on
-//! [`Reserved::PsReply`], both at the top of the tag range.
-
-use std::borrow::Cow;
+//! A request or a reply is a header message, a [`Request`] or a [`Reply`] as JSON (serde),
+//! on tag [`Reserved::PsRequest`] or [`Reserved::PsReply`]. The header says what floats it
+//! carries (initial values, gradients, parameters: [`Request::payload`]; a `Params` reply
+//! carries the ps's shards), so both sides know how they travel. Up to [`INLINE_FLOATS`]
+//! they ride in the header's message (small models: one message per request). Above, they
+//! follow as messages of their own on tag [`Reserved::PsPayload`], sent from the memory
+//! they live in and received into the memory they go to: no side gathers them into a
+//! message or scatters them out of one. Each part (a shard, a pushed variable slice) then
+//! travels as [`pieces`] of at most [`PIECE_FLOATS`], so a ps applies each piece of a
+//! gradient while it is still in cache. Messages from one rank on one tag arrive in order,
+//! so a header's pieces are the next payload messages from its sender.
+use std::ops::Range;
 use std::path::PathBuf;
 
 use serde::de::DeserializeOwned;
@@ -101,24 +103,82 @@ pub fn reply_tag<C: Comm>(c: &C) -> i32 {
     c.tags().reserved(Reserved::PsReply)
 }
 
+/// The tag of payload pieces (both ways).
+pub fn payload_tag<C: Comm>(c: &C) -> i32 {
+    c.tags().reserved(Reserved::PsPayload)
+}
+
+/// The longest piece of a payload, in floats (1 MiB: a ps applies each piece while it is
+/// in cache; `bench pushpull` at 1-8 MiB read best with 0.5-1 MiB pieces, worse with
+/// 128 KiB or 4 MiB ones).
+pub const PIECE_FLOATS: usize = 256 << 10;
+
+/// One piece of a payload: floats `range` of part `part`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub part: usize,
+    pub range: Range<usize>,
+}
+
+/// The pieces a payload of parts of these lengths travels as, in order: each part cut
+/// into pieces of at most [`PIECE_FLOATS`] (an empty part sends nothing).
+pub fn pieces(lens: impl IntoIterator<Item = usize>) -> impl Iterator<Item = Piece> {
+    lens.into_iter().enumerate().flat_map(|(part, len)| {
+        (0..len).step_by(PIECE_FLOATS).map(move |start| Piece {
+            part,
+            range: start..(start + PIECE_FLOATS).min(len),
+        })
+    })
+}
+
+impl Request {
+    /// The parts of the payload that follows this header to ps `k`, by length: a push's
+    /// variable slices, an init's shards of ps `k` (its setup names them), nothing else.
+    pub fn payload(&self, k: usize) -> Vec<usize> {
+        match self {
+            Request::Push { vars, .. } => vars.iter().map(|v| v.1).collect(),
+            Request::Init { setup } => setup
+                .shards
+                .iter()
+                .filter(|s| s.ps == k)
+                .map(|s| s.len)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
 /// The bytes of floats as they travel (little-endian).
-fn f32_bytes(x: &[f32]) -> &[u8] {
+pub fn f32_bytes(x: &[f32]) -> &[u8] {
     #[cfg(not(target_endian = "little"))]
     compile_error!("the ps wire format assumes a little-endian machine");
     // SAFETY: any f32 slice is a valid byte slice of 4x its length (u8 has alignment 1).
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
-/// A header's JSON, padded with spaces (which JSON ignores) to a multiple of 4 bytes.
-fn header_json<H: Serialize>(header: &H) -> Vec<u8> {
-    let mut h = serde_json::to_vec(header).expect("protocol headers serialise");
-    h.resize(h.len().next_multiple_of(4), b' ');
-    h
+/// [`f32_bytes`], writable (what a piece is received into).
+pub fn f32_bytes_mut(x: &mut [f32]) -> &mut [u8] {
+    let len = std::mem::size_of_val(x);
+    // SAFETY: as in `f32_bytes`; every bit pattern written through the bytes is an f32.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), len) }
 }
 
-/// One message from a header and several float slices, copied once.
-pub fn encode<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
-    let h = header_json(header);
+/// The largest payload that travels inside its header's message, in floats (64 KiB): for
+/// small models a message more costs more than copying the floats.
+pub const INLINE_FLOATS: usize = 16 << 10;
+
+/// True if a payload of parts of these lengths travels inside its header's message (gathered
+/// into it and read out of it), false if as [`pieces`] of its own.
+pub fn inline(lens: impl IntoIterator<Item = usize>) -> bool {
+    lens.into_iter().sum::<usize>() <= INLINE_FLOATS
+}
+
+/// A header message: `[u32 n | JSON header of n bytes | f32 payload]`, the JSON padded
+/// with spaces (which JSON ignores) to a multiple of 4 bytes; the payload is the parts of
+/// an [`inline`] one, or nothing.
+pub fn encode_with<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
+    let mut h = serde_json::to_vec(header).expect("protocol headers serialise");
+    h.resize(h.len().next_multiple_of(4), b' ');
     let floats: usize = parts.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(4 + h.len() + 4 * floats);
     out.extend_from_slice(&(h.len() as u32).to_le_bytes());
@@ -129,47 +189,35 @@ pub fn encode<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
     out
 }
 
-/// Writes `[u32 n | header]` into `room` so that it ends where `room` ends (where a
-/// payload already in memory begins); returns the offset in `room` where the message
-/// starts, or `None` if the header does not fit.
-pub fn frame_before<H: Serialize>(header: &H, room: &mut [u8]) -> Option<usize> {
-    let h = header_json(header);
-    let start = room.len().checked_sub(4 + h.len())?;
-    room[start..start + 4].copy_from_slice(&(h.len() as u32).to_le_bytes());
-    room[start + 4..].copy_from_slice(&h);
-    Some(start)
+/// A header message without a payload.
+pub fn encode<H: Serialize>(header: &H) -> Vec<u8> {
+    encode_with(header, &[])
 }
 
-/// The header and payload of a message, or `None` if it is not one of `H`. The payload
-/// is read in place when it lies aligned as floats (a message of [`encode`] or
-/// [`frame_before`] in a buffer from the allocator), else copied.
-pub fn decode_view<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, Cow<'_, [f32]>)> {
+/// The header a message holds and the bytes of its inline payload (a multiple of 4), or
+/// `None` if it is not a message of `H`.
+pub fn decode_with<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, &[u8])> {
     let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-    let header = serde_json::from_slice(bytes.get(4..4 + n)?).ok()?;
+    let header = serde_json::from_slice(bytes.get(4..4usize.checked_add(n)?)?).ok()?;
     let rest = &bytes[4 + n..];
-    if !rest.len().is_multiple_of(4) {
-        return None;
-    }
-    // SAFETY: every bit pattern is a valid f32; align_to only reinterprets the aligned
-    // middle of the byte slice.
-    let (head, mid, tail) = unsafe { rest.align_to::<f32>() };
-    if head.is_empty() && tail.is_empty() {
-        return Some((header, Cow::Borrowed(mid)));
-    }
-    let mut floats: Vec<f32> = Vec::with_capacity(rest.len() / 4);
-    // SAFETY: the allocation holds rest.len() bytes; the regions do not overlap; every bit
-    // pattern is a valid f32; the length is set only once all elements are written (one
-    // memcpy, no zeroing first).
-    unsafe {
-        std::ptr::copy_nonoverlapping(rest.as_ptr(), floats.as_mut_ptr().cast::<u8>(), rest.len());
-        floats.set_len(rest.len() / 4);
-    }
-    Some((header, Cow::Owned(floats)))
+    rest.len().is_multiple_of(4).then_some((header, rest))
 }
 
-/// [`decode_view`] with the payload copied out.
-pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, Vec<f32>)> {
-    decode_view(bytes).map(|(h, p)| (h, p.into_owned()))
+/// The header a message holds, or `None` if it is not a message of `H`.
+pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<H> {
+    decode_with(bytes).map(|(h, _)| h)
+}
+
+/// Copies the floats of an inline payload into `parts` in order; false if their lengths
+/// do not add up to the payload's.
+pub fn read_inline<'d>(bytes: &[u8], parts: impl IntoIterator<Item = &'d mut [f32]>) -> bool {
+    let mut floats = bytes.chunks_exact(4);
+    for part in parts {
+        for (x, b) in part.iter_mut().zip(floats.by_ref()) {
+            *x = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+        }
+    }
+    floats.next().is_none()
 }
 
 #[cfg(test)]
@@ -177,60 +225,67 @@ mod tests {
     use super::*;
 
     #[test]
-    fn messages_round_trip_with_their_payload_and_a_non_finite_loss() {
+    fn headers_round_trip_with_a_non_finite_loss() {
         let r = Request::Push {
             step: 7,
             samples: 21,
             loss: finite(f32::NAN),
             vars: vec![("layer0/w@0".into(), 3)],
         };
-        let m = encode(&r, &[&[1.0, 2.0], &[3.0]]);
-        let (back, payload): (Request, _) = decode(&m).unwrap();
-        assert_eq!(back, r);
-        assert_eq!(payload, [1.0, 2.0, 3.0]);
+        assert_eq!(decode::<Request>(&encode(&r)), Some(r.clone()));
+        assert_eq!(r.payload(0), [3]);
+        // An inline payload rides after the header, whatever the header's length mod 4.
+        for pad in 0..4 {
+            let long = Reply::Error {
+                message: "x".repeat(pad),
+            };
+            let m = encode_with(&long, &[&[1.0, 2.0], &[3.0]]);
+            let (back, bytes) = decode_with::<Reply>(&m).unwrap();
+            assert_eq!(back, long);
+            let (mut a, mut b) = ([0f32; 2], [0f32; 1]);
+            assert!(read_inline(bytes, [&mut a[..], &mut b[..]]));
+            assert_eq!((a, b), ([1.0, 2.0], [3.0]));
+            assert!(!read_inline(bytes, [&mut a[..]]));
+        }
+        assert!(inline([INLINE_FLOATS]) && !inline([INLINE_FLOATS, 1]));
         // A checksum above 2^53 survives (JSON numbers are u64 here, not f64).
         let s = Reply::Saved {
             file: "shard-ps0.bin".into(),
             bytes: 9,
             checksum: u64::MAX - 1,
         };
-        assert_eq!(decode::<Reply>(&encode(&s, &[])).unwrap().0, s);
+        assert_eq!(decode::<Reply>(&encode(&s)), Some(s.clone()));
         // A reply is not a request; a truncated message is nothing.
-        assert!(decode::<Request>(&encode(&s, &[])).is_none());
-        assert!(decode::<Reply>(&m[..m.len() - 1]).is_none());
+        assert!(decode::<Request>(&encode(&s)).is_none());
+        let m = encode(&r);
+        assert!(decode::<Request>(&m[..m.len() - 1]).is_none());
     }
 
     #[test]
-    fn payloads_are_read_in_place_and_headers_framed_before_them() {
-        let r = Reply::Params {
-            step: 3,
-            loss: Some(0.5),
+    fn payloads_travel_as_pieces_covering_each_part_in_order() {
+        let lens = [0, 3, PIECE_FLOATS, 2 * PIECE_FLOATS + 1];
+        let all: Vec<Piece> = pieces(lens).collect();
+        let want = |part, a: usize, b: usize| Piece { part, range: a..b };
+        let p = PIECE_FLOATS;
+        assert_eq!(
+            all,
+            [
+                want(1, 0, 3),
+                want(2, 0, p),
+                want(3, 0, p),
+                want(3, p, 2 * p),
+                want(3, 2 * p, 2 * p + 1)
+            ]
+        );
+        let setup = Setup {
+            shards: vec![],
+            optimizer: crate::train::optim::Optimizer::new(
+                crate::train::optim::OptimizerKind::Sgd,
+                0.1,
+            ),
+            sync: None,
         };
-        // Headers of every length mod 4 leave the payload aligned.
-        for pad in 0..4 {
-            let long = Reply::Error {
-                message: "x".repeat(pad),
-            };
-            assert_eq!((encode(&long, &[]).len() - 4) % 4, 0);
-        }
-        let m = encode(&r, &[&[1.0, 2.0]]);
-        let (back, payload) = decode_view::<Reply>(&m).unwrap();
-        assert_eq!(back, r);
-        assert!(matches!(payload, Cow::Borrowed(_)));
-        assert_eq!(&payload[..], &[1.0, 2.0]);
-        // Misaligned bytes still decode, by a copy.
-        let mut shifted = vec![0u8; m.len() + 1];
-        shifted[1..].copy_from_slice(&m);
-        let (_, payload) = decode_view::<Reply>(&shifted[1..]).unwrap();
-        assert_eq!(&payload[..], &[1.0, 2.0]);
-        // A header framed in front of floats already in memory reads as one message.
-        let mut buf = [0u8; 64 + 8];
-        buf[64..68].copy_from_slice(&1.5f32.to_le_bytes());
-        buf[68..].copy_from_slice(&(-2.0f32).to_le_bytes());
-        let (room, _) = buf.split_at_mut(64);
-        let start = frame_before(&r, room).unwrap();
-        let (back, payload) = decode::<Reply>(&buf[start..]).unwrap();
-        assert_eq!((back, payload), (r.clone(), vec![1.5, -2.0]));
-        assert_eq!(frame_before(&r, &mut [0u8; 8]), None);
+        assert!(Request::Init { setup }.payload(0).is_empty());
+        assert!(Request::Done.payload(0).is_empty());
     }
 }

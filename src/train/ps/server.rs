@@ -2,6 +2,14 @@
 //! answers workers' requests as they arrive (`MPI_Improbe` + `MPI_Mrecv` on any source);
 //! pulls that must wait for a step are parked, never block the loop.
 //!
+//! A request's payload (see [`super::protocol`]; a small one is read out of its header's
+//! message instead) is received where it goes: initial values
+//! into the parameters, an asynchronous gradient piece by piece into a piece buffer and
+//! applied while it is in cache, a synchronous one into that worker's buffer for the
+//! step (summed in worker order once the step is complete: one update per step, the same
+//! bits whatever order the pushes arrived in). A rejected or stale push's payload is still
+//! taken, so the next one starts clean. Pulls are answered from the parameters' memory.
+//!
 //! It needs no model and no settings of its own: the chief's `Init` or `Restore` says
 //! which shards it holds, the optimizer and whether replicas are synchronous (see
 //! [`super::protocol::Setup`]). It serves until every worker is done, or stops, telling
@@ -12,10 +20,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::placement::Shard;
-use super::protocol::{decode_view, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
+use super::protocol::{
+    decode_with, encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag,
+    pieces, read_inline, reply_tag, request_tag, Reply, Request, Setup, PIECE_FLOATS,
+};
 use super::roles::Roles;
 use super::store::Store;
-use super::wire::{notify, send_within, Sent};
+use super::wire::{notify, receive_all_within, send_all_within, send_within, Received, Sent};
 use super::{shards, PsError};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
@@ -27,9 +38,33 @@ pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> R
     Server::new(comm, roles, k, timeout).serve()
 }
 
-/// What a worker's gradient for the current step brought besides the gradient (its
-/// message is kept in [`Server::staged`]): its samples and loss.
+/// What a worker's gradient for the current step brought besides the gradient (kept in
+/// [`Server::staged`]): its samples and loss.
 type Pushed = (f32, f32);
+
+/// What becomes of a push, judged on its header.
+enum Verdict {
+    /// Applied as it arrives (asynchronous replicas).
+    Apply,
+    /// Kept for the current step (synchronous replicas).
+    Accept,
+    /// For a step already applied (a backup worker's): dropped, the worker told.
+    Stale,
+    /// An error to the worker.
+    Reject(String),
+}
+
+/// Where a payload goes.
+enum Into {
+    /// Into the parameters (initial values).
+    Params,
+    /// Applied piece by piece as it arrives (an asynchronous gradient).
+    Apply,
+    /// Into worker `w`'s buffer for the step (a synchronous gradient).
+    Staged(usize),
+    /// Nowhere (a rejected or stale push): taken only so the next payload starts clean.
+    Drop,
+}
 
 struct Server<'a, C: Comm> {
     comm: &'a C,
@@ -48,9 +83,10 @@ struct Server<'a, C: Comm> {
     pending: Vec<(usize, u64)>,
     /// Workers whose gradient for the current step arrived, with its samples and loss.
     accum: BTreeMap<usize, Pushed>,
-    /// Per worker, its push for the current step as it arrived (the receive buffer itself,
-    /// swapped out of [`Server::inbox`]: no copy).
-    staged: Vec<Vec<u8>>,
+    /// Per worker, its gradient for the current step, received there.
+    staged: Vec<Vec<f32>>,
+    /// Where a piece applied as it arrives (or dropped) is received.
+    piece: Vec<f32>,
     /// The step's gradients, each weighted by its samples, summed in worker order when
     /// the step is complete: one buffer and one update per step, and the same bits
     /// whatever order the pushes arrived in.
@@ -80,6 +116,7 @@ impl<'a, C: Comm> Server<'a, C> {
             pending: Vec::new(),
             accum: BTreeMap::new(),
             staged: vec![Vec::new(); nw],
+            piece: Vec::new(),
             sum: Vec::new(),
             inbox: Vec::new(),
             last_loss: f32::NAN,
@@ -94,7 +131,7 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn reply(&self, to: usize, reply: &Reply) -> Result<(), PsError> {
-        let message = encode(reply, &[]);
+        let message = encode(reply);
         let sent = self.send_bytes(to, &message);
         if sent.is_err() {
             // The send may still be in flight: keep its bytes alive.
@@ -108,27 +145,18 @@ impl<'a, C: Comm> Server<'a, C> {
     /// bytes alive.
     fn send_bytes(&self, to: usize, message: &[u8]) -> Result<(), PsError> {
         let tag = reply_tag(self.comm);
-        let sent = send_within(self.comm, message, to, tag, self.timeout, None)?;
-        if let Sent::Done(_) = sent {
-            return Ok(());
+        match send_within(self.comm, message, to, tag, self.timeout)? {
+            Sent::Done => Ok(()),
+            // Not taken within the timeout (no peer is watched: nothing interrupts).
+            Sent::TimedOut { .. } | Sent::Interrupted(_) => Err(self.lose(to)),
         }
-        let err = PsError::Lost {
-            task: self.me(),
-            lost: self.roles.task(to),
-            secs: self.timeout.as_secs(),
-        };
-        self.abort_all(to, &err.to_string());
-        Err(err)
     }
 
     /// Tells every worker but `except` (and those done) that training stops, and why.
     fn abort_all(&self, except: usize, message: &str) {
-        let m = encode(
-            &Reply::Error {
-                message: message.to_string(),
-            },
-            &[],
-        );
+        let m = encode(&Reply::Error {
+            message: message.to_string(),
+        });
         let others = (self.roles.workers.iter().enumerate())
             .filter(|(i, r)| **r != except && !self.done[*i])
             .map(|(_, r)| *r);
@@ -151,8 +179,8 @@ impl<'a, C: Comm> Server<'a, C> {
             .collect()
     }
 
-    /// Checks a push's variable list and payload against this ps's shards.
-    fn check_vars(&self, got: &[(String, usize)], payload: &[f32]) -> Result<(), String> {
+    /// Checks a push's variable list (what its payload holds) against this ps's shards.
+    fn check_vars(&self, got: &[(String, usize)]) -> Result<(), String> {
         let want = self.labels();
         for (name, len) in got {
             match want.iter().find(|(n, _)| n == name) {
@@ -180,13 +208,6 @@ impl<'a, C: Comm> Server<'a, C> {
                 "push must list ps:{}'s variables in order: {:?}",
                 self.k,
                 want.iter().map(|w| &w.0).collect::<Vec<_>>()
-            ));
-        }
-        let total: usize = want.iter().map(|w| w.1).sum();
-        if payload.len() != total {
-            return Err(format!(
-                "push carries {} floats, the variables need {total}",
-                payload.len()
             ));
         }
         Ok(())
@@ -236,43 +257,192 @@ impl<'a, C: Comm> Server<'a, C> {
         if ready.is_empty() {
             return Ok(());
         }
-        // One message for every ready pull, straight from the parameters' memory.
-        let framed = self.store.frame(&Reply::Params {
+        // Every ready pull at once: the header, then the parameters from their memory
+        // (small ones in the header's message).
+        let params = Reply::Params {
             step: self.global_step,
             loss: finite(self.last_loss),
-        });
-        for (to, _) in ready {
-            if let Err(e) = self.send_bytes(to, self.store.message(framed)) {
-                // The send may still be in flight: MPI may read the parameters' memory
-                // for as long as the process lives.
-                std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
-                return Err(e);
+        };
+        let shards = self.store.shards();
+        let small = inline(shards.iter().map(|s| s.len()));
+        let header = match small {
+            true => encode_with(&params, &shards),
+            false => encode(&params),
+        };
+        let (rep, data) = (reply_tag(self.comm), payload_tag(self.comm));
+        let mut out = Vec::new();
+        for (to, _) in &ready {
+            out.push((&header[..], *to, rep));
+            if small {
+                continue;
+            }
+            for piece in shards.iter().flat_map(|s| s.chunks(PIECE_FLOATS)) {
+                out.push((f32_bytes(piece), *to, data));
+            }
+        }
+        let sent = send_all_within(self.comm, &out, self.timeout, &[], &mut []);
+        if matches!(sent, Ok(Sent::Done)) {
+            return Ok(());
+        }
+        // Sends may still be in flight: MPI may read the parameters' memory and the
+        // header for as long as the process lives.
+        drop(out);
+        std::mem::forget(header);
+        std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
+        let to = match sent? {
+            Sent::TimedOut { to } => to,
+            // No peer is watched: nothing interrupts.
+            Sent::Done | Sent::Interrupted(_) => ready[0].0,
+        };
+        Err(self.lose(to))
+    }
+
+    /// Takes the payload of worker rank `from`'s request, parts of lengths `lens`, into
+    /// `into`: from `inline_bytes` (the header's message) if it is small, else received as
+    /// pieces. A payload that does not arrive in time loses the worker; one of the wrong
+    /// shape is an error to it (`Ok(Err(message))`).
+    fn take_payload(
+        &mut self,
+        from: usize,
+        lens: &[usize],
+        inline_bytes: &[u8],
+        into: Into,
+    ) -> Result<Result<(), String>, PsError> {
+        if inline(lens.iter().copied()) {
+            return Ok(self.take_inline(lens, inline_bytes, into));
+        }
+        let (tag, deadline) = (payload_tag(self.comm), self.timeout);
+        let received = match into {
+            Into::Params | Into::Staged(_) => {
+                let dst = match into {
+                    Into::Staged(w) => {
+                        self.staged[w].resize(self.store.len(), 0.0);
+                        &mut self.staged[w][..]
+                    }
+                    _ => self.store.all_mut(),
+                };
+                let mut incoming = Vec::new();
+                let mut rest = dst;
+                for len in lens {
+                    let (part, after) = std::mem::take(&mut rest).split_at_mut(*len);
+                    rest = after;
+                    for piece in part.chunks_mut(PIECE_FLOATS) {
+                        incoming.push((f32_bytes_mut(piece), from, tag));
+                    }
+                }
+                let r = receive_all_within(self.comm, &mut incoming, deadline);
+                drop(incoming);
+                self.kept_alive_unless_done(r)?
+            }
+            Into::Apply | Into::Drop => {
+                let apply = matches!(into, Into::Apply);
+                let ts: Vec<u64> = self.slots.iter().map(|s| s.t + 1).collect();
+                self.piece.resize(PIECE_FLOATS, 0.0);
+                let mut outcome = Received::Done;
+                for p in pieces(lens.iter().copied()) {
+                    let n = p.range.len();
+                    let r = {
+                        let mut one = [(f32_bytes_mut(&mut self.piece[..n]), from, tag)];
+                        receive_all_within(self.comm, &mut one, deadline)
+                    };
+                    outcome = self.kept_alive_unless_done(r)?;
+                    if outcome != Received::Done {
+                        break;
+                    }
+                    if apply {
+                        let at = self.store.range(p.part).start + p.range.start;
+                        let param = &mut self.store.all_mut()[at..at + n];
+                        let slots = &mut self.slots[p.part];
+                        let t = ts[p.part];
+                        self.opt
+                            .apply_part(param, &self.piece[..n], slots, p.range.start, t);
+                    }
+                }
+                if apply && outcome == Received::Done {
+                    self.slots.iter_mut().zip(ts).for_each(|(s, t)| s.t = t);
+                }
+                outcome
+            }
+        };
+        match received {
+            Received::Done => Ok(Ok(())),
+            Received::TimedOut { from } => Err(self.lose(from)),
+            Received::Length { want, .. } => Ok(Err(format!(
+                "a payload piece is not the {want} bytes its header declares"
+            ))),
+        }
+    }
+
+    /// [`Server::take_payload`] of a payload that came in its header's message.
+    fn take_inline(&mut self, lens: &[usize], bytes: &[u8], into: Into) -> Result<(), String> {
+        let total: usize = lens.iter().sum();
+        if bytes.len() != 4 * total {
+            return Err(format!(
+                "the request carries {} floats where its header declares {total}",
+                bytes.len() / 4
+            ));
+        }
+        let dst = match into {
+            Into::Drop => return Ok(()),
+            Into::Params => self.store.all_mut(),
+            Into::Staged(w) => {
+                self.staged[w].resize(total, 0.0);
+                &mut self.staged[w][..]
+            }
+            Into::Apply => {
+                self.piece.resize(total, 0.0);
+                &mut self.piece[..total]
+            }
+        };
+        read_inline(bytes, [dst]);
+        if let Into::Apply = into {
+            for (i, s) in self.slots.iter_mut().enumerate() {
+                let r = self.store.range(i);
+                self.opt
+                    .apply(&mut self.store.all_mut()[r.clone()], &self.piece[r], s);
             }
         }
         Ok(())
     }
 
-    /// Handles one request; `Err` stops the server (the workers were told).
-    /// Handles one request, which arrived in `inbox` (a synchronous push keeps it: `inbox`
-    /// is then another buffer to receive into).
-    fn handle(&mut self, from: usize, inbox: &mut Vec<u8>) -> Result<(), PsError> {
+    /// A receive's outcome; if it may still be in flight, the memory it writes is kept
+    /// alive for the rest of the process (this ps stops).
+    fn kept_alive_unless_done(
+        &mut self,
+        r: Result<Received, crate::transport::comm::TransportError>,
+    ) -> Result<Received, PsError> {
+        if !matches!(r, Ok(Received::Done)) {
+            std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
+            std::mem::forget(std::mem::take(&mut self.staged));
+            std::mem::forget(std::mem::take(&mut self.piece));
+        }
+        Ok(r?)
+    }
+
+    /// Handles one request, whose header arrived in `inbox` (its payload, if any, follows
+    /// from the same worker); `Err` stops the server (the workers were told).
+    fn handle(&mut self, from: usize, inbox: &[u8]) -> Result<(), PsError> {
         let Some(w) = self.roles.worker_index(from) else {
             return Ok(()); // not a worker: ignore
         };
         self.heard[w] = Instant::now();
-        let Some((request, payload)) = decode_view::<Request>(inbox) else {
+        let Some((request, inline_bytes)) = decode_with::<Request>(inbox) else {
             return self.error(from, "malformed request".into());
         };
+        let lens = request.payload(self.k);
         match request {
             Request::Init { setup } => {
-                if let Err(e) = self.configure(&setup) {
+                let configured = self.configure(&setup);
+                let into = if configured.is_ok() {
+                    Into::Params
+                } else {
+                    Into::Drop
+                };
+                if let Err(e) =
+                    configured.and(self.take_payload(from, &lens, inline_bytes, into)?)
+                {
                     return self.error(from, e);
                 }
-                let vars = self.labels();
-                if let Err(e) = self.check_vars(&vars, &payload) {
-                    return self.error(from, e);
-                }
-                self.store.all_mut().copy_from_slice(&payload);
                 self.initialized = true;
                 self.ok(from)?;
                 self.answer_pending()
@@ -297,18 +467,40 @@ impl<'a, C: Comm> Server<'a, C> {
                 step,
                 samples,
                 loss,
-                vars,
+                ..
             } => {
-                let staged = self.push(from, w, step, samples, loss, &vars, &payload)?;
-                if !staged {
-                    return Ok(());
+                let verdict = self.judge(w, step, &request);
+                let into = match &verdict {
+                    Verdict::Apply => Into::Apply,
+                    Verdict::Accept => Into::Staged(w),
+                    Verdict::Stale | Verdict::Reject(_) => Into::Drop,
+                };
+                if let Err(e) = self.take_payload(from, &lens, inline_bytes, into)? {
+                    return self.error(from, e);
                 }
-                std::mem::swap(inbox, &mut self.staged[w]);
-                if self.accum.len() >= self.sync.unwrap_or(1) {
-                    self.apply_accumulated();
-                    self.answer_pending()?;
+                let loss = loss.unwrap_or(f32::NAN);
+                match verdict {
+                    Verdict::Reject(e) => self.error(from, e),
+                    Verdict::Stale => {
+                        let step = self.global_step;
+                        self.reply(from, &Reply::Stale { step })
+                    }
+                    Verdict::Apply => {
+                        self.global_step += 1;
+                        self.last_loss = loss;
+                        self.ok(from)?;
+                        self.answer_pending()
+                    }
+                    Verdict::Accept => {
+                        self.accum.insert(w, (samples as f32, loss));
+                        self.ok(from)?;
+                        if self.accum.len() >= self.sync.unwrap_or(1) {
+                            self.apply_accumulated();
+                            self.answer_pending()?;
+                        }
+                        Ok(())
+                    }
                 }
-                Ok(())
             }
             Request::Save { dir } => {
                 let file = shards::file(self.k);
@@ -339,69 +531,41 @@ impl<'a, C: Comm> Server<'a, C> {
         }
     }
 
-    /// A push: applied at once (async), or accepted for the current step, then `true`:
-    /// the caller keeps its message in [`Server::staged`].
-    #[allow(clippy::too_many_arguments)]
-    fn push(
-        &mut self,
-        from: usize,
-        w: usize,
-        step: u64,
-        samples: usize,
-        loss: Option<f32>,
-        vars: &[(String, usize)],
-        payload: &[f32],
-    ) -> Result<bool, PsError> {
-        if !self.initialized {
-            self.error(from, "push before the variables were initialised".into())?;
-            return Ok(false);
-        }
-        if let Err(e) = self.check_vars(vars, payload) {
-            self.error(from, e)?;
-            return Ok(false);
-        }
-        let loss = loss.unwrap_or(f32::NAN);
-        let Some(rta) = self.sync else {
-            // Applied from the message where it landed.
-            for (i, s) in self.slots.iter_mut().enumerate() {
-                let r = self.store.range(i);
-                self.opt
-                    .apply(&mut self.store.all_mut()[r.clone()], &payload[r], s);
-            }
-            self.global_step += 1;
-            self.last_loss = loss;
-            self.ok(from)?;
-            self.answer_pending()?;
-            return Ok(false);
+    /// What becomes of worker `w`'s push `request` for `step` (judged on its header,
+    /// before its payload is taken).
+    fn judge(&self, w: usize, step: u64, request: &Request) -> Verdict {
+        let Request::Push { vars, .. } = request else {
+            unreachable!("judge is called on pushes")
         };
+        if !self.initialized {
+            return Verdict::Reject("push before the variables were initialised".into());
+        }
+        if let Err(e) = self.check_vars(vars) {
+            return Verdict::Reject(e);
+        }
+        if self.sync.is_none() {
+            return Verdict::Apply;
+        }
         if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
-            let step = self.global_step;
-            self.reply(from, &Reply::Stale { step })?;
-            return Ok(false);
+            return Verdict::Stale;
         }
         if step > self.global_step {
-            let ahead = format!(
+            return Verdict::Reject(format!(
                 "push for step {step} ahead of global step {}",
                 self.global_step
-            );
-            self.error(from, ahead)?;
-            return Ok(false);
+            ));
         }
-        debug_assert!(self.accum.len() < rta);
-        self.accum.insert(w, (samples as f32, loss));
-        self.ok(from)?;
-        Ok(true)
+        Verdict::Accept
     }
 
     /// One update from the step's gradients, averaged weighted by each worker's samples
     /// (the gradient of the combined batch), summed in worker order (the same bits
-    /// whatever order the pushes arrived in) from the messages as they arrived.
+    /// whatever order the pushes arrived in) from where they were received.
     fn apply_accumulated(&mut self) {
         let total: f32 = self.accum.values().map(|a| a.0).sum();
         let loss = self.accum.values().map(|(n, l)| l * n / total).sum();
         for (k, (&w, &(n, _))) in self.accum.iter().enumerate() {
-            let (_, g) = decode_view::<Request>(&self.staged[w]).expect("checked on arrival");
-            let weighted = self.sum.iter_mut().zip(g.iter());
+            let weighted = self.sum.iter_mut().zip(&self.staged[w]);
             if k == 0 {
                 weighted.for_each(|(s, g)| *s = g * n);
             } else {
@@ -487,7 +651,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
                 other => other?,
             };
-            let handled = got.map(|from| self.handle(from, &mut inbox));
+            let handled = got.map(|from| self.handle(from, &inbox));
             self.inbox = inbox;
             match handled {
                 Some(handled) => {

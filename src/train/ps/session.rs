@@ -223,7 +223,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                     step: f.step,
                 });
             }
-            None => self.client.init(&self.setup(), &self.replica.params)?,
+            None => self.client.init(&self.setup(), &mut self.replica.params)?,
         }
         Ok(())
     }
@@ -270,7 +270,8 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 source,
             }
         })?;
-        self.client.push(self.step, y.len(), loss, &self.grads)?;
+        self.client
+            .push(self.step, y.len(), loss, &mut self.grads)?;
         let want = if self.opts.sync.is_some() {
             self.step + 1
         } else {

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::protocol::{decode_view, reply_tag, Reply};
+use super::protocol::{decode, reply_tag, Reply};
 use crate::transport::comm::{Backoff, Comm, TransportError};
 
 /// Waits for a message from `src` (or any source) on `tag`, at most `deadline`.
@@ -38,64 +38,111 @@ pub fn receive_within_into<C: Comm>(
     }
 }
 
-/// How a bounded send ended.
+/// How bounded sends ended.
+#[derive(Debug)]
 pub enum Sent {
-    /// Completed; with the watched peer's reply if one arrived meanwhile (its reply can
-    /// arrive before the send's completion is visible here).
-    Done(Option<Vec<u8>>),
-    /// Not completed within the deadline (the peer is gone or stuck).
-    TimedOut,
-    /// While waiting, the watched peer sent an error (an abort): here it is.
+    /// All completed.
+    Done,
+    /// The send to `to` did not complete within the deadline (the peer is gone or stuck).
+    TimedOut { to: usize },
+    /// While waiting, a watched peer sent an error (an abort): here it is.
     Interrupted(String),
 }
 
 /// The message of an error reply (or of a message that is no reply at all).
 pub fn error_of(m: &[u8]) -> Option<String> {
-    match decode_view::<Reply>(m) {
-        Some((Reply::Error { message }, _)) => Some(message),
+    match decode::<Reply>(m) {
+        Some(Reply::Error { message }) => Some(message),
         Some(_) => None,
         None => Some("malformed reply".into()),
     }
 }
 
-/// Sends `bytes` to `to`, waiting at most `deadline` for completion, and meanwhile takes a
-/// reply from `watch` if one arrives (a ps that aborts while this worker is still
-/// pushing to it). After [`Sent::TimedOut`], [`Sent::Interrupted`] or an error the send
-/// may still be in flight: the caller must keep `bytes` alive for as long as MPI may read them
-/// (leak them: the process is about to stop anyway); [`send_owned_within`] does that.
+/// One message to send: its bytes, its destination, its tag.
+pub type Outgoing<'b> = (&'b [u8], usize, i32);
+
+/// Starts every message of `out` at once and waits at most `deadline` for all of them;
+/// meanwhile takes the reply of each peer of `watch` that answers early (its reply can
+/// arrive before the completion of the sends is visible here; a ps that aborts while this
+/// worker is still sending to it) into the same position of `early`. After anything but
+/// [`Sent::Done`] or an error, sends may still be in flight: the caller must keep every
+/// buffer of `out` alive for as long as MPI may read it (leak it: the process is about to
+/// stop anyway).
+pub fn send_all_within<C: Comm>(
+    c: &C,
+    out: &[Outgoing<'_>],
+    deadline: Duration,
+    watch: &[usize],
+    early: &mut [Option<Vec<u8>>],
+) -> Result<Sent, TransportError> {
+    let mut reqs = Vec::with_capacity(out.len());
+    let in_flight = |reqs: Vec<Option<(C::Request, usize)>>| std::mem::forget(reqs);
+    for &(bytes, to, tag) in out {
+        // SAFETY: `bytes` stay alive until the request completes; if it does not complete
+        // here, the caller keeps them alive (see above).
+        match unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag) } {
+            Ok(r) => reqs.push(Some((r, to))),
+            Err(e) => {
+                in_flight(reqs);
+                return Err(e);
+            }
+        }
+    }
+    let start = Instant::now();
+    let mut backoff = Backoff::new(Duration::from_micros(50));
+    loop {
+        let mut pending = None;
+        for slot in &mut reqs {
+            let Some((r, to)) = slot else { continue };
+            match c.test(r) {
+                Ok(Some(_)) => *slot = None,
+                Ok(None) => pending = pending.or(Some(*to)),
+                Err(e) => {
+                    in_flight(reqs);
+                    return Err(e);
+                }
+            }
+        }
+        let Some(to) = pending else {
+            return Ok(Sent::Done);
+        };
+        for (w, seen) in watch.iter().zip(early.iter_mut()) {
+            if seen.is_some() {
+                continue;
+            }
+            match c.try_receive(*w, reply_tag(c), deadline) {
+                Ok(None) => {}
+                Ok(Some((_, m))) => {
+                    if let Some(message) = error_of(&m) {
+                        in_flight(reqs);
+                        return Ok(Sent::Interrupted(message));
+                    }
+                    *seen = Some(m);
+                }
+                Err(e) => {
+                    in_flight(reqs);
+                    return Err(e);
+                }
+            }
+        }
+        if start.elapsed() > deadline {
+            in_flight(reqs);
+            return Ok(Sent::TimedOut { to });
+        }
+        backoff.idle();
+    }
+}
+
+/// Sends `bytes` to `to`, waiting at most `deadline` for completion (see
+/// [`send_all_within`]: after anything but [`Sent::Done`] the caller keeps `bytes` alive).
 pub fn send_within<C: Comm>(
     c: &C,
     bytes: &[u8],
     to: usize,
     tag: i32,
     deadline: Duration,
-    watch: Option<usize>,
 ) -> Result<Sent, TransportError> {
-    // SAFETY: `bytes` stays alive until the request completes; if it does not complete
-    // here, the caller keeps them alive (see above).
-    let mut req = unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag)? };
-    let start = Instant::now();
-    let mut backoff = Backoff::new(Duration::from_micros(50));
-    let mut early: Option<Vec<u8>> = None;
-    loop {
-        if c.test(&mut req)?.is_some() {
-            return Ok(Sent::Done(early));
-        }
-        if let (Some(w), None) = (watch, &early) {
-            if let Some((_, m)) = c.try_receive(w, reply_tag(c), deadline)? {
-                if let Some(message) = error_of(&m) {
-                    std::mem::forget(req);
-                    return Ok(Sent::Interrupted(message));
-                }
-                early = Some(m);
-            }
-        }
-        if start.elapsed() > deadline {
-            std::mem::forget(req);
-            return Ok(Sent::TimedOut);
-        }
-        backoff.idle();
-    }
+    send_all_within(c, &[(bytes, to, tag)], deadline, &[], &mut [])
 }
 
 /// [`send_within`] of a message it owns: leaked if the send may still be in flight.
@@ -105,19 +152,96 @@ pub fn send_owned_within<C: Comm>(
     to: usize,
     tag: i32,
     deadline: Duration,
-    watch: Option<usize>,
 ) -> Result<Sent, TransportError> {
-    let sent = send_within(c, &bytes, to, tag, deadline, watch);
-    if !matches!(sent, Ok(Sent::Done(_))) {
+    let sent = send_within(c, &bytes, to, tag, deadline);
+    if !matches!(sent, Ok(Sent::Done)) {
         std::mem::forget(bytes);
     }
     sent
+}
+
+/// How bounded receives ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Received {
+    /// Every buffer holds its message, of exactly its length.
+    Done,
+    /// No message from `from` within the deadline.
+    TimedOut { from: usize },
+    /// `from` sent a message of another length than the `want` bytes due.
+    Length { from: usize, want: usize },
+}
+
+/// One message to receive: the buffer it fills exactly, its sender, its tag.
+pub type Incoming<'b> = (&'b mut [u8], usize, i32);
+
+/// Starts receiving into every buffer of `into` at once and waits at most `deadline` for
+/// all of them. After anything but [`Received::Done`] or an error, receives may still be
+/// in flight: the caller must keep every buffer alive for as long as MPI may write it
+/// (leak it).
+pub fn receive_all_within<C: Comm>(
+    c: &C,
+    into: &mut [Incoming<'_>],
+    deadline: Duration,
+) -> Result<Received, TransportError> {
+    let mut reqs = Vec::with_capacity(into.len());
+    let in_flight = |reqs: Vec<Option<(C::Request, usize, usize)>>| std::mem::forget(reqs);
+    for (buf, from, tag) in into.iter_mut() {
+        // SAFETY: the buffer is neither read nor released until the request completes; if
+        // it does not complete here, the caller keeps it alive (see above).
+        match unsafe { c.irecv(buf.as_mut_ptr(), buf.len(), *from, *tag) } {
+            Ok(r) => reqs.push(Some((r, *from, buf.len()))),
+            Err(e) => {
+                in_flight(reqs);
+                return Err(e);
+            }
+        }
+    }
+    let start = Instant::now();
+    let mut backoff = Backoff::new(Duration::from_micros(50));
+    let mut wrong = None;
+    loop {
+        let mut pending = None;
+        // In posting order, up to the first that is not complete: what MPI matches at
+        // posting, `LocalComm` matches when tested.
+        for slot in &mut reqs {
+            let Some((r, from, want)) = slot else {
+                continue;
+            };
+            if pending.is_some() {
+                break;
+            }
+            match c.test(r) {
+                Ok(Some(done)) => {
+                    if done.truncated || done.count != *want {
+                        wrong = wrong.or(Some(Received::Length {
+                            from: *from,
+                            want: *want,
+                        }));
+                    }
+                    *slot = None;
+                }
+                Ok(None) => pending = pending.or(Some(*from)),
+                Err(e) => {
+                    in_flight(reqs);
+                    return Err(e);
+                }
+            }
+        }
+        let Some(from) = pending else {
+            return Ok(wrong.unwrap_or(Received::Done));
+        };
+        if start.elapsed() > deadline {
+            in_flight(reqs);
+            return Ok(Received::TimedOut { from });
+        }
+        backoff.idle();
+    }
 }
 
 /// Best effort: sends `message` to each of `ranks` on `tag`, giving each a second (the
 /// notice that training stops; a rank that is gone does not hold up the others).
 pub fn notify<C: Comm>(c: &C, message: &[u8], ranks: impl IntoIterator<Item = usize>, tag: i32) {
     for r in ranks {
-        let _ = send_owned_within(c, message.to_vec(), r, tag, Duration::from_secs(1), None);
+        let _ = send_owned_within(c, message.to_vec(), r, tag, Duration::from_secs(1));
     }
 }

@@ -2,15 +2,19 @@
 //! each with a deadline. The monitored session ([`super::session`]) and the
 //! push/pull benchmark drive it.
 
-use std::borrow::Cow;
-use std::cell::{RefCell, RefMut};
 use std::path::Path;
 use std::time::Duration;
 
 use super::placement::Shard;
-use super::protocol::{decode_view, encode, finite, reply_tag, request_tag, Reply, Request, Setup};
+use super::protocol::{
+    decode_with, encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag,
+    read_inline, reply_tag, request_tag, Reply, Request, Setup, PIECE_FLOATS,
+};
 use super::roles::Roles;
-use super::wire::{error_of, notify, receive_within_into, send_owned_within, Sent};
+use super::wire::{
+    error_of, notify, receive_all_within, receive_within, send_all_within, Incoming, Outgoing,
+    Received, Sent,
+};
 use super::PsError;
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, TransportError};
@@ -23,9 +27,6 @@ pub struct Client<'a, C: Comm> {
     pub shards: Vec<Shard>,
     /// How long to wait for a ps.
     pub timeout: Duration,
-    /// Where each ps's replies land, reused from one round to the next (a pull's
-    /// parameters are read from there, in place).
-    inbox: RefCell<Vec<Vec<u8>>>,
 }
 
 impl<'a, C: Comm> Client<'a, C> {
@@ -36,7 +37,6 @@ impl<'a, C: Comm> Client<'a, C> {
             roles,
             shards,
             timeout,
-            inbox: RefCell::new(vec![Vec::new(); roles.ps.len()]),
         }
     }
 
@@ -56,22 +56,41 @@ impl<'a, C: Comm> Client<'a, C> {
             .collect()
     }
 
-    /// The slices of per-variable tensors `src` that ps `k` holds, in its order (sent as
-    /// they are, without gathering them first).
+    /// The slices of per-variable tensors `src` that ps `k` holds, in its order (sent from
+    /// where they are).
     fn gather<'t>(&self, k: usize, src: &'t [Tensor]) -> Vec<&'t [f32]> {
         self.mine(k)
             .map(|s| &src[s.var_index].as_slice::<f32>().expect("f32")[s.offset..s.offset + s.len])
             .collect()
     }
 
-    /// Writes ps `k`'s values `flat` into the per-variable tensors `dst`.
-    fn scatter(&self, k: usize, flat: &[f32], dst: &mut [Tensor]) {
-        let mut off = 0;
-        for s in self.mine(k) {
-            dst[s.var_index].as_mut_slice::<f32>().expect("f32")[s.offset..s.offset + s.len]
-                .copy_from_slice(&flat[off..off + s.len]);
-            off += s.len;
+    /// Every shard's place in the per-variable tensors `dst`, writable, as one list per ps
+    /// in its order (what its `Params` payload is received into, in place).
+    fn places<'t>(&self, dst: &'t mut [Tensor]) -> Vec<Vec<&'t mut [f32]>> {
+        let mut by_var: Vec<&Shard> = self.shards.iter().collect();
+        by_var.sort_by_key(|s| (s.var_index, s.offset));
+        let mut places: Vec<Vec<(usize, &mut [f32])>> =
+            (0..self.roles.ps.len()).map(|_| Vec::new()).collect();
+        let mut rest: Vec<Option<&mut [f32]>> = dst
+            .iter_mut()
+            .map(|t| Some(t.as_mut_slice::<f32>().expect("f32")))
+            .collect();
+        let mut taken = vec![0usize; rest.len()];
+        for s in by_var {
+            let tail = rest[s.var_index].take().expect("a variable of the model");
+            let (_, from) = tail.split_at_mut(s.offset - taken[s.var_index]);
+            let (place, after) = from.split_at_mut(s.len);
+            (rest[s.var_index], taken[s.var_index]) = (Some(after), s.offset + s.len);
+            let order = self.mine(s.ps).position(|m| m == s).expect("placed");
+            places[s.ps].push((order, place));
         }
+        places
+            .into_iter()
+            .map(|mut p| {
+                p.sort_by_key(|(order, _)| *order);
+                p.into_iter().map(|(_, place)| place).collect()
+            })
+            .collect()
     }
 
     fn lost(&self, rank: usize) -> PsError {
@@ -82,63 +101,101 @@ impl<'a, C: Comm> Client<'a, C> {
         }
     }
 
-    /// Sends one request to every ps (header and payload per ps) and waits for every
-    /// reply; a ps's error reply stops with its message. Returns the replies (messages,
-    /// one per ps, valid replies).
+    fn remote(&self, message: String) -> PsError {
+        PsError::Remote {
+            task: self.me(),
+            message,
+        }
+    }
+
+    /// Sends one request to every ps (its header, then its payload `payload(k)` as pieces
+    /// from where the floats are) and waits for every reply; a ps's error reply stops with
+    /// its message. Returns the replies, one per ps. After an error, MPI may still read the
+    /// payload: the caller gives up its memory.
     fn round<'p>(
         &self,
         request: impl Fn(usize) -> Request,
         payload: impl Fn(usize) -> Vec<&'p [f32]>,
-    ) -> Result<RefMut<'_, Vec<Vec<u8>>>, PsError> {
+    ) -> Result<Vec<Reply>, PsError> {
+        self.round_then(request, payload, |_, _, _| Ok(()))
+    }
+
+    /// [`Client::round`] that takes what follows each ps's reply (`then(k, reply, inline
+    /// payload)`) as soon as that reply is in, ps by ps in their order, before awaiting the next ps's reply.
+    /// The order matters: a ps waits for its reply's payload to be taken before it serves
+    /// anyone else, so a worker that awaited every reply first could wait on a ps that
+    /// waits on another worker that waits on this worker's first ps.
+    fn round_then<'p>(
+        &self,
+        request: impl Fn(usize) -> Request,
+        payload: impl Fn(usize) -> Vec<&'p [f32]>,
+        mut then: impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
+    ) -> Result<Vec<Reply>, PsError> {
         // Twice the ps's own deadline: a ps that lost another task says so first.
         let deadline = self.timeout * 2;
-        let remote = |message| PsError::Remote {
-            task: self.me(),
-            message,
-        };
-        let mut inbox = self.inbox.borrow_mut();
-        let mut early = vec![false; self.roles.ps.len()];
+        let payloads: Vec<Vec<&[f32]>> = (0..self.roles.ps.len()).map(payload).collect();
+        let small = |k: usize| inline(payloads[k].iter().map(|p| p.len()));
+        let headers: Vec<Vec<u8>> = (0..self.roles.ps.len())
+            .map(|k| match small(k) {
+                true => encode_with(&request(k), &payloads[k]),
+                false => encode(&request(k)),
+            })
+            .collect();
+        let (req, data) = (request_tag(self.comm), payload_tag(self.comm));
+        let mut out: Vec<Outgoing<'_>> = Vec::new();
         for (k, r) in self.roles.ps.iter().enumerate() {
-            let m = encode(&request(k), &payload(k));
-            let tag = request_tag(self.comm);
-            match send_owned_within(self.comm, m, *r, tag, deadline, Some(*r))? {
-                Sent::Done(Some(reply)) => (inbox[k], early[k]) = (reply, true),
-                Sent::Done(None) => {}
-                Sent::TimedOut => return Err(self.lost(*r)),
-                Sent::Interrupted(message) => return Err(remote(message)),
+            out.push((&headers[k], *r, req));
+            if small(k) {
+                continue;
+            }
+            for piece in payloads[k].iter().flat_map(|p| p.chunks(PIECE_FLOATS)) {
+                out.push((f32_bytes(piece), *r, data));
             }
         }
-        for (k, r) in self.roles.ps.iter().enumerate() {
-            if !early[k] {
-                let tag = reply_tag(self.comm);
-                match receive_within_into(self.comm, *r, tag, deadline, &mut inbox[k]) {
-                    Ok(Some(_)) => {}
+        let mut early = vec![None; self.roles.ps.len()];
+        let sent = send_all_within(self.comm, &out, deadline, &self.roles.ps, &mut early);
+        match sent {
+            Ok(Sent::Done) => {}
+            other => {
+                std::mem::forget(headers);
+                return Err(match other? {
+                    Sent::TimedOut { to } => self.lost(to),
+                    Sent::Interrupted(message) => self.remote(message),
+                    Sent::Done => unreachable!("matched above"),
+                });
+            }
+        }
+        let mut replies = Vec::with_capacity(early.len());
+        for (seen, r) in early.into_iter().zip(&self.roles.ps) {
+            let m = match seen {
+                Some(m) => m,
+                None => match receive_within(self.comm, *r, reply_tag(self.comm), deadline) {
+                    Ok(Some((_, m))) => m,
                     Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
                     Err(e) => return Err(e.into()),
-                }
-            }
+                },
+            };
             // The ps already names itself and the lost task.
-            if let Some(message) = error_of(&inbox[k]) {
-                return Err(remote(message));
+            if let Some(message) = error_of(&m) {
+                return Err(self.remote(message));
             }
+            let (reply, inline) = decode_with::<Reply>(&m).expect("checked by error_of");
+            then(replies.len(), &reply, inline)?;
+            replies.push(reply);
         }
-        Ok(inbox)
+        Ok(replies)
     }
 
-    /// The header of a reply [`Client::round`] returned, and its payload read in place.
-    fn reply(m: &[u8]) -> (Reply, Cow<'_, [f32]>) {
-        decode_view::<Reply>(m).expect("checked by error_of")
-    }
-
-    /// The chief: hands every ps its setup and initial values `init` (per variable).
-    pub fn init(&self, setup: &Setup, init: &[Tensor]) -> Result<(), PsError> {
-        self.round(
+    /// The chief: hands every ps its setup and initial values `init` (per variable). On an
+    /// error `init` is given up (MPI may still read it) and left empty.
+    pub fn init(&self, setup: &Setup, init: &mut Vec<Tensor>) -> Result<(), PsError> {
+        let r = self.round(
             |_| Request::Init {
                 setup: setup.clone(),
             },
             |k| self.gather(k, init),
-        )
-        .map(drop)
+        );
+        r.map(drop).inspect_err(|_| give_up(init))
     }
 
     /// The chief: hands every ps its setup and has it load its shard of checkpoint `path`.
@@ -154,36 +211,75 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     /// The parameters once the global step is at least `step` (0: as soon as the
-    /// variables exist), into `params`; returns that global step (the smallest over the
-    /// ps tasks) and the loss of the update that made it (NaN if unknown).
-    pub fn pull(&self, step: u64, params: &mut [Tensor]) -> Result<(u64, f32), PsError> {
-        let replies = self.round(|_| Request::Pull { step }, |_| Vec::new())?;
-        let (mut global, mut loss) = (u64::MAX, f32::NAN);
-        for (k, (reply, flat)) in replies.iter().map(|m| Self::reply(m)).enumerate() {
-            let Reply::Params { step, loss: l } = reply else {
+    /// variables exist), received into `params` in place; returns that global step (the
+    /// smallest over the ps tasks) and the loss of the update that made it (NaN if
+    /// unknown). On an error `params` is given up (MPI may still write it) and left empty.
+    pub fn pull(&self, step: u64, params: &mut Vec<Tensor>) -> Result<(u64, f32), PsError> {
+        let pulled = self.pull_into(step, params);
+        pulled.inspect_err(|_| give_up(params))
+    }
+
+    fn pull_into(&self, step: u64, params: &mut [Tensor]) -> Result<(u64, f32), PsError> {
+        let mut places = self.places(params);
+        let data = payload_tag(self.comm);
+        // Each ps's payload, its shards, comes with its reply or follows it in pieces: into
+        // place.
+        let take = |k: usize, reply: &Reply, inline_bytes: &[u8]| -> Result<(), PsError> {
+            let task = || self.roles.task(self.roles.ps[k]);
+            if !matches!(reply, Reply::Params { .. }) {
                 return Err(PsError::Remote {
-                    task: self.roles.task(self.roles.ps[k]),
+                    task: task(),
                     message: format!("answered a pull with {reply:?}"),
                 });
-            };
-            global = global.min(step);
-            if k == 0 {
-                loss = l.unwrap_or(f32::NAN);
             }
-            self.scatter(k, &flat, params);
+            if inline(places[k].iter().map(|p| p.len())) {
+                if read_inline(inline_bytes, places[k].iter_mut().map(|p| &mut **p)) {
+                    return Ok(());
+                }
+                return Err(PsError::Remote {
+                    task: task(),
+                    message: "sent parameters of another length than its shards".into(),
+                });
+            }
+            let r = self.roles.ps[k];
+            let mut into: Vec<Incoming<'_>> = places[k]
+                .iter_mut()
+                .flat_map(|p| p.chunks_mut(PIECE_FLOATS))
+                .map(|piece| (f32_bytes_mut(piece), r, data))
+                .collect();
+            match receive_all_within(self.comm, &mut into, self.timeout * 2)? {
+                Received::Done => Ok(()),
+                Received::TimedOut { from } => Err(self.lost(from)),
+                Received::Length { want, .. } => Err(PsError::Remote {
+                    task: task(),
+                    message: format!("sent a parameter piece of another length than {want} bytes"),
+                }),
+            }
+        };
+        let replies = self.round_then(|_| Request::Pull { step }, |_| Vec::new(), take)?;
+        let (mut global, mut loss) = (u64::MAX, f32::NAN);
+        for (k, reply) in replies.iter().enumerate() {
+            if let Reply::Params { step, loss: l } = reply {
+                global = global.min(*step);
+                if k == 0 {
+                    loss = l.unwrap_or(f32::NAN);
+                }
+            }
         }
         Ok((global, loss))
     }
 
-    /// Pushes gradients `grads` (per variable) of `samples` samples computed at `step`.
+    /// Pushes gradients `grads` (per variable) of `samples` samples computed at `step`,
+    /// sent from where they are. On an error `grads` is given up (MPI may still read it)
+    /// and left empty.
     pub fn push(
         &self,
         step: u64,
         samples: usize,
         loss: f32,
-        grads: &[Tensor],
+        grads: &mut Vec<Tensor>,
     ) -> Result<(), PsError> {
-        self.round(
+        let r = self.round(
             |k| Request::Push {
                 step,
                 samples,
@@ -191,8 +287,8 @@ impl<'a, C: Comm> Client<'a, C> {
                 vars: self.vars_of(k),
             },
             |k| self.gather(k, grads),
-        )
-        .map(drop)
+        );
+        r.map(drop).inspect_err(|_| give_up(grads))
     }
 
     /// The chief: every ps writes its shard into staging directory `dir`; returns each
@@ -205,8 +301,8 @@ impl<'a, C: Comm> Client<'a, C> {
             |_| Vec::new(),
         )?;
         replies
-            .iter()
-            .map(|m| match Self::reply(m).0 {
+            .into_iter()
+            .map(|m| match m {
                 Reply::Saved {
                     file,
                     bytes,
@@ -222,12 +318,9 @@ impl<'a, C: Comm> Client<'a, C> {
 
     /// Tells every ps this worker stops with `message`; they tell the other workers.
     pub fn abort(&self, message: &str) {
-        let m = encode(
-            &Request::Abort {
-                message: message.to_string(),
-            },
-            &[],
-        );
+        let m = encode(&Request::Abort {
+            message: message.to_string(),
+        });
         notify(
             self.comm,
             &m,
@@ -238,10 +331,16 @@ impl<'a, C: Comm> Client<'a, C> {
 
     /// Tells every ps this worker is done.
     pub fn done(&self) -> Result<(), PsError> {
-        let m = encode(&Request::Done, &[]);
+        let m = encode(&Request::Done);
         for r in &self.roles.ps {
             crate::transport::comm::send(self.comm, &m, *r, request_tag(self.comm))?;
         }
         Ok(())
     }
+}
+
+/// Tensors MPI may still read or write (a transfer that did not complete): their memory
+/// stays allocated for the rest of the process, and the caller's list is left empty.
+fn give_up(tensors: &mut Vec<Tensor>) {
+    std::mem::forget(std::mem::take(tensors));
 }
