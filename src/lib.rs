@@ -27,6 +27,7 @@ pub mod model;
 pub mod named;
 pub mod rng;
 pub mod signals;
+pub mod supervise;
 pub mod tensor;
 pub mod topology;
 pub mod train;

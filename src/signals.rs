@@ -6,13 +6,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Signals received and not yet taken, one bit per signal number.
 static PENDING: AtomicU64 = AtomicU64::new(0);
-/// Whether signals a terminal raised (Ctrl-C) are ignored.
+/// Whether signals a terminal raised (Ctrl-C) are left out of [`PENDING`].
 static SKIP_TERMINAL: AtomicBool = AtomicBool::new(false);
+/// Whether a signal a terminal raised was left out.
+static TERMINAL_SEEN: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn note(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
     let code = unsafe { (*info).si_code };
     if code == libc::SI_KERNEL && SKIP_TERMINAL.load(Ordering::Relaxed) {
+        TERMINAL_SEEN.store(true, Ordering::SeqCst);
         return;
     }
     // Async-signal-safe: atomic operations only.
@@ -37,6 +40,12 @@ pub fn catch(sigs: &[libc::c_int], skip_terminal: bool) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether a signal a terminal raised reached this process while skipped (it reached the
+/// whole foreground process group: the children got it themselves).
+pub fn terminal_seen() -> bool {
+    TERMINAL_SEEN.load(Ordering::SeqCst)
 }
 
 /// The signals noted since the last call, as a bit set; clears them.

@@ -37,8 +37,20 @@ impl ChildProgram {
     /// Starts `args[0]` with `args[1..]` and `env` added to this process's environment,
     /// and starts passing signals on to it.
     pub fn spawn(args: &[String], env: &[(String, String)]) -> std::io::Result<ChildProgram> {
+        Self::spawn_with(args, env, std::process::Stdio::inherit())
+    }
+
+    /// [`ChildProgram::spawn`] with its stdout as `stdout` says (piped: read it with
+    /// [`ChildProgram::take_stdout`]).
+    pub fn spawn_with(
+        args: &[String],
+        env: &[(String, String)],
+        stdout: std::process::Stdio,
+    ) -> std::io::Result<ChildProgram> {
         let mut cmd = Command::new(&args[0]);
-        cmd.args(&args[1..]).envs(env.iter().map(|(k, v)| (k, v)));
+        cmd.args(&args[1..])
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdout(stdout);
         let parent = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe calls (prctl, getppid, kill on itself).
@@ -65,6 +77,11 @@ impl ChildProgram {
     /// The program's process id.
     pub fn id(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Its stdout, if spawned with a pipe (once).
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.stdout.take()
     }
 
     fn outcome(status: std::process::ExitStatus) -> Outcome {

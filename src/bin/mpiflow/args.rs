@@ -54,6 +54,25 @@ pub(crate) enum Cmd {
     Topo(TopoArgs),
     /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
     Bench(BenchArgs),
+    /// Run a training job command; when it fails, rerun it from its newest valid checkpoint.
+    Supervise(SuperviseArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct SuperviseArgs {
+    /// Reruns allowed after failures (it also stops after two failures in a row at the same
+    /// checkpoint).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) max_restarts: u32,
+    /// The job's checkpoint directory (by default the command's --checkpoint-dir).
+    #[arg(long)]
+    pub(crate) checkpoint_dir: Option<std::path::PathBuf>,
+    /// Seconds to wait before a rerun.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_grace)]
+    pub(crate) restart_delay: f64,
+    /// The job command and its arguments (mpirun ..., srun ...).
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub(crate) command: Vec<String>,
 }
 
 #[derive(Args)]

@@ -58,6 +58,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => cmd::bench::run(a),
         Cmd::Train(a) => cmd::train::run(a, &env),
         Cmd::Topo(a) => cmd::topo::run(a),
+        Cmd::Supervise(a) => cmd::supervise::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

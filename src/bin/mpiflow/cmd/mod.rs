@@ -4,6 +4,7 @@ pub(crate) mod bench;
 pub(crate) mod check;
 pub(crate) mod launch;
 pub(crate) mod spec;
+pub(crate) mod supervise;
 pub(crate) mod topo;
 pub(crate) mod train;
 
