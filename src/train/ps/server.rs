@@ -55,7 +55,7 @@ enum Verdict {
 }
 
 /// Where a payload goes.
-enum Into {
+enum Dest {
     /// Into the parameters (initial values).
     Params,
     /// Applied piece by piece as it arrives (an asynchronous gradient).
@@ -306,16 +306,16 @@ impl<'a, C: Comm> Server<'a, C> {
         from: usize,
         lens: &[usize],
         inline_bytes: &[u8],
-        into: Into,
+        into: Dest,
     ) -> Result<Result<(), String>, PsError> {
         if inline(lens.iter().copied()) {
             return Ok(self.take_inline(lens, inline_bytes, into));
         }
         let (tag, deadline) = (payload_tag(self.comm), self.timeout);
         let received = match into {
-            Into::Params | Into::Staged(_) => {
+            Dest::Params | Dest::Staged(_) => {
                 let dst = match into {
-                    Into::Staged(w) => {
+                    Dest::Staged(w) => {
                         self.staged[w].resize(self.store.len(), 0.0);
                         &mut self.staged[w][..]
                     }
@@ -334,8 +334,8 @@ impl<'a, C: Comm> Server<'a, C> {
                 drop(incoming);
                 self.kept_alive_unless_done(r)?
             }
-            Into::Apply | Into::Drop => {
-                let apply = matches!(into, Into::Apply);
+            Dest::Apply | Dest::Drop => {
+                let apply = matches!(into, Dest::Apply);
                 let ts: Vec<u64> = self.slots.iter().map(|s| s.t + 1).collect();
                 self.piece.resize(PIECE_FLOATS, 0.0);
                 let mut outcome = Received::Done;
@@ -374,7 +374,7 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     /// [`Server::take_payload`] of a payload that came in its header's message.
-    fn take_inline(&mut self, lens: &[usize], bytes: &[u8], into: Into) -> Result<(), String> {
+    fn take_inline(&mut self, lens: &[usize], bytes: &[u8], into: Dest) -> Result<(), String> {
         let total: usize = lens.iter().sum();
         if bytes.len() != 4 * total {
             return Err(format!(
@@ -383,19 +383,19 @@ impl<'a, C: Comm> Server<'a, C> {
             ));
         }
         let dst = match into {
-            Into::Drop => return Ok(()),
-            Into::Params => self.store.all_mut(),
-            Into::Staged(w) => {
+            Dest::Drop => return Ok(()),
+            Dest::Params => self.store.all_mut(),
+            Dest::Staged(w) => {
                 self.staged[w].resize(total, 0.0);
                 &mut self.staged[w][..]
             }
-            Into::Apply => {
+            Dest::Apply => {
                 self.piece.resize(total, 0.0);
                 &mut self.piece[..total]
             }
         };
         read_inline(bytes, [dst]);
-        if let Into::Apply = into {
+        if let Dest::Apply = into {
             for (i, s) in self.slots.iter_mut().enumerate() {
                 let r = self.store.range(i);
                 self.opt
@@ -405,13 +405,14 @@ impl<'a, C: Comm> Server<'a, C> {
         Ok(())
     }
 
-    /// A receive's outcome; if it may still be in flight, the memory it writes is kept
-    /// alive for the rest of the process (this ps stops).
+    /// A receive's outcome; if receives may still be in flight, the memory they write is
+    /// kept alive for the rest of the process (this ps stops).
     fn kept_alive_unless_done(
         &mut self,
         r: Result<Received, crate::transport::comm::TransportError>,
     ) -> Result<Received, PsError> {
-        if !matches!(r, Ok(Received::Done)) {
+        // A wrong length completed every receive; a timeout or an error may not have.
+        if matches!(r, Ok(Received::TimedOut { .. }) | Err(_)) {
             std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
             std::mem::forget(std::mem::take(&mut self.staged));
             std::mem::forget(std::mem::take(&mut self.piece));
@@ -434,9 +435,9 @@ impl<'a, C: Comm> Server<'a, C> {
             Request::Init { setup } => {
                 let configured = self.configure(&setup);
                 let into = if configured.is_ok() {
-                    Into::Params
+                    Dest::Params
                 } else {
-                    Into::Drop
+                    Dest::Drop
                 };
                 if let Err(e) =
                     configured.and(self.take_payload(from, &lens, inline_bytes, into)?)
@@ -471,9 +472,9 @@ impl<'a, C: Comm> Server<'a, C> {
             } => {
                 let verdict = self.judge(w, step, &request);
                 let into = match &verdict {
-                    Verdict::Apply => Into::Apply,
-                    Verdict::Accept => Into::Staged(w),
-                    Verdict::Stale | Verdict::Reject(_) => Into::Drop,
+                    Verdict::Apply => Dest::Apply,
+                    Verdict::Accept => Dest::Staged(w),
+                    Verdict::Stale | Verdict::Reject(_) => Dest::Drop,
                 };
                 if let Err(e) = self.take_payload(from, &lens, inline_bytes, into)? {
                     return self.error(from, e);
