@@ -80,14 +80,6 @@ pub struct Policy {
     last_failure_at: Option<Option<u64>>,
 }
 
-fn describe(o: Outcome) -> String {
-    match o {
-        Outcome::Exited(c) => format!("exited with status {c}"),
-        Outcome::Signaled(s) => format!("was killed by {}", crate::signals::name(s)),
-        Outcome::Stopped => "was stopped".into(),
-    }
-}
-
 fn step_text(s: Option<u64>) -> String {
     s.map_or_else(|| "none".into(), |s| s.to_string())
 }
@@ -112,7 +104,7 @@ impl Policy {
             return Decision::Finish(None);
         }
         let at = step_text(a.checkpoint);
-        let cause = describe(a.outcome);
+        let cause = a.outcome.describe();
         if a.signalled || a.outcome == Outcome::Exited(STOPPED) {
             return Decision::Finish(Some(format!(
                 "the job {cause} on request (newest checkpoint: step {at}); not restarting \
@@ -317,7 +309,7 @@ mod tests {
             panic!("a signalled job must not restart");
         };
         assert!(
-            line.starts_with("the job was killed by SIGTERM on request"),
+            line.starts_with("the job was killed by signal 15 (SIGTERM) on request"),
             "{line}"
         );
         assert_eq!(p.restarts(), 0);

@@ -396,11 +396,7 @@ impl<'a, C: Comm> Server<'a, C> {
         };
         read_inline(bytes, [dst]);
         if let Dest::Apply = into {
-            for (i, s) in self.slots.iter_mut().enumerate() {
-                let r = self.store.range(i);
-                self.opt
-                    .apply(&mut self.store.all_mut()[r.clone()], &self.piece[r], s);
-            }
+            apply_all(&self.opt, &mut self.store, &mut self.slots, &self.piece);
         }
         Ok(())
     }
@@ -576,11 +572,7 @@ impl<'a, C: Comm> Server<'a, C> {
         self.accum.clear();
         let scale = 1.0 / total;
         self.sum.iter_mut().for_each(|g| *g *= scale);
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            let r = self.store.range(i);
-            self.opt
-                .apply(&mut self.store.all_mut()[r.clone()], &self.sum[r], s);
-        }
+        apply_all(&self.opt, &mut self.store, &mut self.slots, &self.sum);
         self.global_step += 1;
         self.last_loss = loss;
     }
@@ -668,5 +660,13 @@ impl<'a, C: Comm> Server<'a, C> {
             }
         }
         Ok(())
+    }
+}
+
+/// One update of every shard of `store` from `grads`, the shards' gradients end to end.
+fn apply_all(opt: &Optimizer, store: &mut Store, slots: &mut [Slots], grads: &[f32]) {
+    for (i, s) in slots.iter_mut().enumerate() {
+        let r = store.range(i);
+        opt.apply(&mut store.all_mut()[r.clone()], &grads[r], s);
     }
 }

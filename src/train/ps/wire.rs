@@ -13,23 +13,11 @@ pub fn receive_within<C: Comm>(
     tag: i32,
     deadline: Duration,
 ) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
-    let mut buf = Vec::new();
-    Ok(receive_within_into(c, src, tag, deadline, &mut buf)?.map(|from| (from, buf)))
-}
-
-/// [`receive_within`] into `buf` (its allocation reused); returns the sender.
-pub fn receive_within_into<C: Comm>(
-    c: &C,
-    src: usize,
-    tag: i32,
-    deadline: Duration,
-    buf: &mut Vec<u8>,
-) -> Result<Option<usize>, TransportError> {
     let start = Instant::now();
     let mut backoff = Backoff::new(Duration::from_micros(50));
     loop {
-        if let Some(from) = c.try_receive_into(src, tag, deadline, buf)? {
-            return Ok(Some(from));
+        if let Some(message) = c.try_receive(src, tag, deadline)? {
+            return Ok(Some(message));
         }
         if start.elapsed() > deadline {
             return Ok(None);
