@@ -10,18 +10,22 @@ use std::collections::BTreeSet;
 use common::{mpiflow, run_bounded};
 use serde_json::Value;
 
-fn is_root() -> bool {
+/// The script that builds the three hosts, or `None` (the test says it is skipped) when
+/// not root: network namespaces need it.
+fn cluster_script() -> Option<String> {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: the multi-host test needs root for network namespaces");
+        return None;
+    }
+    Some(format!("{}/tests/netns/cluster.sh", common::root()))
 }
 
 #[test]
 fn spread_places_ps_on_distinct_namespace_hosts() {
-    if !is_root() {
-        eprintln!("skipped: the multi-host test needs root for network namespaces");
+    let Some(script) = cluster_script() else {
         return;
-    }
-    let script = format!("{}/tests/netns/cluster.sh", common::root());
+    };
     let m = mpiflow();
     let inner = format!(
         "set -e; \
@@ -88,11 +92,9 @@ fn spread_places_ps_on_distinct_namespace_hosts() {
 
 #[test]
 fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
-    if !is_root() {
-        eprintln!("skipped: the multi-host test needs root for network namespaces");
+    let Some(script) = cluster_script() else {
         return;
-    }
-    let script = format!("{}/tests/netns/cluster.sh", common::root());
+    };
     let dir = common::tmpdir("netns-rma");
     let (p2p, rma) = (dir.join("p2p.bin"), dir.join("rma.bin"));
     let m = mpiflow();
@@ -121,11 +123,9 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
 
 #[test]
 fn a_launched_tf1_job_across_hosts_ends_with_its_workers() {
-    if !is_root() {
-        eprintln!("skipped: the multi-host test needs root for network namespaces");
+    let Some(script) = cluster_script() else {
         return;
-    }
-    let script = format!("{}/tests/netns/cluster.sh", common::root());
+    };
     let checker = format!("{}/launcher/examples/check_role.py", common::root());
     let m = mpiflow();
     // One task per host: ps:0 blocks forever (as server.join()), the workers end after 1 s
