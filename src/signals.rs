@@ -59,6 +59,19 @@ pub fn first() -> Option<libc::c_int> {
     (bits != 0).then(|| bits.trailing_zeros() as libc::c_int)
 }
 
+/// The signals that ask a training job to stop at a step boundary, with a checkpoint:
+/// SIGTERM (Slurm's time limit, `scancel`, a preemption, `kill`), SIGINT (Ctrl-C) and
+/// SIGUSR1 (Slurm's early warning, `--signal=B:USR1@120`, which mpirun passes on).
+pub const STOP: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1];
+
+/// The lowest-numbered stop signal ([`STOP`]) noted so far (not cleared), if any.
+pub fn stop_requested() -> Option<libc::c_int> {
+    let bits = PENDING.load(Ordering::SeqCst);
+    let stops = STOP.iter().fold(0u64, |m, s| m | 1 << s);
+    let asked = bits & stops;
+    (asked != 0).then(|| asked.trailing_zeros() as libc::c_int)
+}
+
 /// The usual name of a signal number.
 pub fn name(s: i32) -> String {
     let known = [

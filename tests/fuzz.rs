@@ -230,9 +230,9 @@ proptest! {
     }
 
     #[test]
-    fn ps_messages_round_trip(lens in proptest::collection::vec(0usize..1 << 20, 0..6), step in any::<u64>(), samples in 0usize..1024, name in "[a-z/]{1,8}") {
+    fn ps_messages_round_trip(lens in proptest::collection::vec(0usize..1 << 20, 0..6), step in any::<u64>(), samples in 0usize..1024, name in "[a-z/]{1,8}", stop in proptest::option::of(1i32..64)) {
         let vars: Vec<(String, usize)> = lens.iter().map(|l| (name.clone(), *l)).collect();
-        let req = Request::Push { step, samples, loss: Some(0.5), vars };
+        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop };
         let back = protocol::decode::<Request>(&protocol::encode(&req)).unwrap();
         prop_assert_eq!(&back, &req);
         // The payload the header declares: its parts, in pieces that cover each once.

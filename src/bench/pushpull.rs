@@ -72,11 +72,11 @@ fn p2p_rounds<C: Comm>(
         if i == warmup {
             start = Instant::now();
         }
-        client.push(0, 1, 0.0, &mut grads)?;
+        client.push(0, 1, 0.0, &mut grads, None)?;
         client.pull(0, &mut params)?;
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
-    client.done()?;
+    client.done(None)?;
     Ok(Some(secs))
 }
 

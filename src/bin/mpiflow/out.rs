@@ -30,10 +30,11 @@ impl Failure {
         Failure(Some(e.to_string()), 1)
     }
 
-    /// A run stopped by a signal at a step boundary: `stopped` printed once (by rank 0
-    /// under MPI), and the exit status that says it may be resumed.
-    pub(crate) fn stopped(stopped: &mpiflow::train::Stopped, rank: usize) -> Self {
-        if rank == 0 {
+    /// A run stopped by a signal at a step boundary: `stopped` printed once (`print`: by
+    /// the rank that knows the checkpoint, the chief), and the exit status that says it
+    /// may be resumed.
+    pub(crate) fn stopped(stopped: &mpiflow::train::Stopped, print: bool) -> Self {
+        if print {
             say!("mpiflow: {stopped}");
         }
         Failure(None, mpiflow::train::Stopped::EXIT_STATUS)

@@ -198,7 +198,7 @@ pub fn run<C: Comm + Send>(
             verdict.signal = cfg
                 .train
                 .stop_on_signal
-                .then(crate::signals::first)
+                .then(crate::signals::stop_requested)
                 .flatten();
             let (secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, &mut verdict)?;
             comm_secs += secs;

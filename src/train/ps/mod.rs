@@ -135,6 +135,10 @@ pub enum PsError {
     },
     #[error("{0}")]
     Setup(String),
+    /// The job was asked to stop (a preemption signal): every rank ends with this, at
+    /// the same step.
+    #[error("{0}")]
+    Stopped(crate::train::Stopped),
 }
 
 /// Runs this rank's part (ps, worker or chief) of ps training over two-sided messages:
@@ -175,6 +179,7 @@ pub fn run<C: Comm>(
         checkpoint_every_secs: None,
         log_every: cfg.train.log_every,
         peer_timeout: cfg.peer_timeout,
+        stop_on_signal: cfg.train.stop_on_signal,
     };
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));
@@ -183,8 +188,17 @@ pub fn run<C: Comm>(
         let (x, y) = train.rows(shard(&global, w, nw));
         sess.run(&x, &y)?;
     }
-    let (chief, step) = (sess.is_chief(), sess.global_step());
+    let (chief, step, signal) = (sess.is_chief(), sess.global_step(), sess.stop_signal());
     let trained = sess.close()?;
+    if let Some(signal) = signal {
+        // The chief wrote this step's checkpoint in close.
+        let dir = cfg.train.checkpoint_dir.as_deref();
+        return Err(PsError::Stopped(crate::train::Stopped {
+            signal: crate::signals::name(signal),
+            step,
+            checkpoint: dir.map(|d| checkpoint::path_of(d, step)),
+        }));
+    }
     if chief {
         super::finish(
             &trained,
@@ -325,6 +339,7 @@ mod tests {
                         samples: 1,
                         loss: Some(0.0),
                         vars,
+                        stop: None,
                     };
                     // A small payload rides in the header's message.
                     let m = protocol::encode_with(&push, &[&vec![0.0; n]]);

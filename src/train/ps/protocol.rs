@@ -59,13 +59,21 @@ pub enum Request {
         /// `None` for a loss that is not finite (JSON has no NaN).
         loss: Option<f32>,
         vars: Vec<(String, usize)>,
+        /// A signal that asks this worker's job to stop (SIGTERM, SIGINT, SIGUSR1): the
+        /// ps announces the stop to every worker at the next step boundary.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop: Option<i32>,
     },
     /// The chief: write this ps's shard into checkpoint staging directory `dir`.
     Save { dir: PathBuf },
     /// A worker stops training with an error: the ps tells every other worker and stops.
     Abort { message: String },
-    /// This worker is done.
-    Done,
+    /// This worker is done; `stop`: because of this stop signal (its job ends with
+    /// [`crate::train::Stopped`]).
+    Done {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop: Option<i32>,
+    },
 }
 
 /// A ps's reply.
@@ -74,8 +82,15 @@ pub enum Request {
 pub enum Reply {
     /// Done; the global step.
     Ok { step: u64 },
-    /// The parameters (payload) at `step`, and the loss of the update that made them.
-    Params { step: u64, loss: Option<f32> },
+    /// The parameters (payload) at `step`, and the loss of the update that made them;
+    /// `stop`: the job stops at this step, asked by this signal (see
+    /// [`super::server`]'s stop rule: every worker's reply at one step says the same).
+    Params {
+        step: u64,
+        loss: Option<f32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop: Option<i32>,
+    },
     /// A gradient for a step already applied: dropped.
     Stale { step: u64 },
     /// This ps's checkpoint file: name, bytes, checksum.
@@ -231,8 +246,13 @@ mod tests {
             samples: 21,
             loss: finite(f32::NAN),
             vars: vec![("layer0/w@0".into(), 3)],
+            stop: None,
         };
         assert_eq!(decode::<Request>(&encode(&r)), Some(r.clone()));
+        // No stop: the field is left out, and a header without it reads as no stop.
+        assert!(!String::from_utf8_lossy(&encode(&r)).contains("stop"));
+        let done = Request::Done { stop: Some(10) };
+        assert_eq!(decode::<Request>(&encode(&done)), Some(done));
         assert_eq!(r.payload(0), [3]);
         // An inline payload rides after the header, whatever the header's length mod 4.
         for pad in 0..4 {
@@ -286,6 +306,6 @@ mod tests {
             sync: None,
         };
         assert!(Request::Init { setup }.payload(0).is_empty());
-        assert!(Request::Done.payload(0).is_empty());
+        assert!(Request::Done { stop: None }.payload(0).is_empty());
     }
 }

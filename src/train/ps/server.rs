@@ -14,6 +14,14 @@
 //! which shards it holds, the optimizer and whether replicas are synchronous (see
 //! [`super::protocol::Setup`]). It serves until every worker is done, or stops, telling
 //! every worker why, when one is lost or aborts.
+//!
+//! **Stops** (a preemption signal): a ps learns that the job is asked to stop from a
+//! push that carries a signal, or from a stop signal of its own. From then on its pull
+//! replies carry the signal, from the first global step `S` no reply has yet been sent
+//! for (synchronous: the step after the current one, so every worker's pull of one step
+//! gets the same answer and all stop after the same step; asynchronous: at once). Every
+//! worker stops at the first reply that carries it (the chief checkpoints), and says so
+//! when it is done; the ps then ends with the stop too.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -32,10 +40,19 @@ use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
-/// Serves ps task `k` (this rank) until every worker is done; the error names the lost
-/// or aborting task.
+/// Serves ps task `k` (this rank) until every worker is done. The error names the lost
+/// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
 pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> Result<(), PsError> {
-    Server::new(comm, roles, k, timeout).serve()
+    let mut server = Server::new(comm, roles, k, timeout);
+    server.serve()?;
+    match server.stopped {
+        Some(signal) => Err(PsError::Stopped(crate::train::Stopped {
+            signal: crate::signals::name(signal),
+            step: server.global_step,
+            checkpoint: None,
+        })),
+        None => Ok(()),
+    }
 }
 
 /// What a worker's gradient for the current step brought besides the gradient (kept in
@@ -94,6 +111,10 @@ struct Server<'a, C: Comm> {
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
     last_loss: f32,
+    /// A stop signal, and the first global step whose pull replies announce it.
+    stop: Option<(i32, u64)>,
+    /// The stop signal a worker said it stopped for when done.
+    stopped: Option<i32>,
     done: Vec<bool>,
     heard: Vec<Instant>,
     timeout: Duration,
@@ -120,6 +141,8 @@ impl<'a, C: Comm> Server<'a, C> {
             sum: Vec::new(),
             inbox: Vec::new(),
             last_loss: f32::NAN,
+            stop: None,
+            stopped: None,
             done: vec![false; nw],
             heard: vec![Instant::now(); nw],
             timeout,
@@ -246,6 +269,21 @@ impl<'a, C: Comm> Server<'a, C> {
         Ok(())
     }
 
+    /// The job is asked to stop by `signal`: announced from the first global step no pull
+    /// has been answered at yet (see the module's stop rule).
+    fn note_stop(&mut self, signal: i32) {
+        if self.stop.is_none() {
+            let at = self.global_step + u64::from(self.sync.is_some());
+            self.stop = Some((signal, at));
+        }
+    }
+
+    /// The stop pull replies at the current global step announce.
+    fn announced_stop(&self) -> Option<i32> {
+        let (signal, at) = self.stop?;
+        (self.global_step >= at).then_some(signal)
+    }
+
     fn ready(&self, step: u64) -> bool {
         self.initialized && (self.sync.is_none() || self.global_step >= step)
     }
@@ -262,6 +300,7 @@ impl<'a, C: Comm> Server<'a, C> {
         let params = Reply::Params {
             step: self.global_step,
             loss: finite(self.last_loss),
+            stop: self.announced_stop(),
         };
         let shards = self.store.shards();
         let small = inline(shards.iter().map(|s| s.len()));
@@ -464,8 +503,12 @@ impl<'a, C: Comm> Server<'a, C> {
                 step,
                 samples,
                 loss,
+                stop,
                 ..
             } => {
+                if let Some(signal) = stop {
+                    self.note_stop(signal);
+                }
                 let verdict = self.judge(w, step, &request);
                 let into = match &verdict {
                     Verdict::Apply => Dest::Apply,
@@ -521,8 +564,9 @@ impl<'a, C: Comm> Server<'a, C> {
                     message,
                 })
             }
-            Request::Done => {
+            Request::Done { stop } => {
                 self.done[w] = true;
+                self.stopped = self.stopped.or(stop);
                 Ok(())
             }
         }
@@ -631,9 +675,12 @@ impl<'a, C: Comm> Server<'a, C> {
         err
     }
 
-    fn serve(mut self) -> Result<(), PsError> {
+    fn serve(&mut self) -> Result<(), PsError> {
         let mut backoff = Backoff::new(Duration::from_micros(200));
         while !self.done.iter().all(|d| *d) {
+            if let Some(signal) = crate::signals::stop_requested() {
+                self.note_stop(signal);
+            }
             let mut inbox = std::mem::take(&mut self.inbox);
             let got = match self.comm.try_receive_into(
                 ANY_SOURCE,

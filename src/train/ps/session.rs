@@ -62,6 +62,10 @@ pub struct SessionOptions {
     pub log_every: u64,
     /// How long to wait for a ps before calling it lost.
     pub peer_timeout: Duration,
+    /// Stop hook: a stop signal ([`crate::signals::STOP`], caught by the caller) noted by
+    /// this process asks the whole job to stop at the next step boundary (see
+    /// [`MonitoredSession::stop_signal`]).
+    pub stop_on_signal: bool,
 }
 
 impl Default for SessionOptions {
@@ -77,6 +81,7 @@ impl Default for SessionOptions {
             checkpoint_every_secs: None,
             log_every: 0,
             peer_timeout: Duration::from_secs(60),
+            stop_on_signal: false,
         }
     }
 }
@@ -113,6 +118,8 @@ pub struct MonitoredSession<'s, 'e, C: Comm> {
     chief: bool,
     step: u64,
     stop: bool,
+    /// The job stops at this step, asked by this signal (the ps tasks' word).
+    signal: Option<i32>,
     closed: bool,
     hooks: Vec<Box<dyn Hook + 'e>>,
     events: Box<dyn FnMut(&Event) + 'e>,
@@ -153,6 +160,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             chief: w == 0,
             step: 0,
             stop: false,
+            signal: None,
             closed: false,
             hooks: Vec::new(),
             events: Box::new(|e| {
@@ -173,9 +181,9 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 return Err(e);
             }
         }
-        let (step, _) = sess.client.pull(0, &mut sess.replica.params)?;
-        sess.step = step;
-        sess.last_ckpt = (step, Instant::now());
+        let pulled = sess.client.pull(0, &mut sess.replica.params)?;
+        sess.step = pulled.step;
+        sess.last_ckpt = (pulled.step, Instant::now());
         sess.window = (0, 0, Instant::now());
         Ok(sess)
     }
@@ -228,9 +236,20 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         Ok(())
     }
 
-    /// Whether training is over: a hook asked, or the stop step is reached.
+    /// Whether training is over: a hook asked, the stop step is reached, or the job is
+    /// asked to stop by a signal.
     pub fn should_stop(&self) -> bool {
-        self.stop || self.opts.stop_at_step.is_some_and(|s| self.step >= s)
+        self.stop || self.signal.is_some() || self.opts.stop_at_step.is_some_and(|s| self.step >= s)
+    }
+
+    /// The signal that stops the job at this step, if one does: a stop signal noted by
+    /// any worker (with `stop_on_signal`) or ps task. Every worker learns it at the same
+    /// step in synchronous training (see [`super::server`]); the chief's
+    /// [`MonitoredSession::close`] writes the checkpoint a rerun resumes from.
+    /// A signal that comes at the stop step ends nothing early: `None`.
+    pub fn stop_signal(&self) -> Option<i32> {
+        let finished = self.opts.stop_at_step.is_some_and(|s| self.step >= s);
+        self.signal.filter(|_| !finished)
     }
 
     /// The global step of the parameters this worker holds.
@@ -270,14 +289,21 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 source,
             }
         })?;
+        let noted = self
+            .opts
+            .stop_on_signal
+            .then(crate::signals::stop_requested)
+            .flatten();
         self.client
-            .push(self.step, y.len(), loss, &mut self.grads)?;
+            .push(self.step, y.len(), loss, &mut self.grads, noted)?;
         let want = if self.opts.sync.is_some() {
             self.step + 1
         } else {
             0
         };
-        let (next, applied_loss) = self.client.pull(want, &mut self.replica.params)?;
+        let pulled = self.client.pull(want, &mut self.replica.params)?;
+        let (next, applied_loss) = (pulled.step, pulled.loss);
+        self.signal = self.signal.or(pulled.stop);
         let prev = std::mem::replace(&mut self.step, next);
         let per_step =
             y.len() as u64 * self.opts.sync.map_or(1, |s| s.replicas_to_aggregate as u64);
@@ -353,7 +379,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             }
         }
         self.closed = true;
-        self.client.done()?;
+        self.client.done(self.stop_signal())?;
         Ok(self.replica.clone())
     }
 }

@@ -212,14 +212,15 @@ impl<'a, C: Comm> Client<'a, C> {
 
     /// The parameters once the global step is at least `step` (0: as soon as the
     /// variables exist), received into `params` in place; returns that global step (the
-    /// smallest over the ps tasks) and the loss of the update that made it (NaN if
-    /// unknown). On an error `params` is given up (MPI may still write it) and left empty.
-    pub fn pull(&self, step: u64, params: &mut Vec<Tensor>) -> Result<(u64, f32), PsError> {
+    /// smallest over the ps tasks), the loss of the update that made it and whether the
+    /// job stops there. On an error `params` is given up (MPI may still write it) and
+    /// left empty.
+    pub fn pull(&self, step: u64, params: &mut Vec<Tensor>) -> Result<Pulled, PsError> {
         let pulled = self.pull_into(step, params);
         pulled.inspect_err(|_| give_up(params))
     }
 
-    fn pull_into(&self, step: u64, params: &mut [Tensor]) -> Result<(u64, f32), PsError> {
+    fn pull_into(&self, step: u64, params: &mut [Tensor]) -> Result<Pulled, PsError> {
         let mut places = self.places(params);
         let data = payload_tag(self.comm);
         // Each ps's payload, its shards, comes with its reply or follows it in pieces: into
@@ -257,27 +258,34 @@ impl<'a, C: Comm> Client<'a, C> {
             }
         };
         let replies = self.round_then(|_| Request::Pull { step }, |_| Vec::new(), take)?;
-        let (mut global, mut loss) = (u64::MAX, f32::NAN);
+        let mut pulled = Pulled {
+            step: u64::MAX,
+            loss: f32::NAN,
+            stop: None,
+        };
         for (k, reply) in replies.iter().enumerate() {
-            if let Reply::Params { step, loss: l } = reply {
-                global = global.min(*step);
+            if let Reply::Params { step, loss, stop } = reply {
+                pulled.step = pulled.step.min(*step);
+                pulled.stop = pulled.stop.or(*stop);
                 if k == 0 {
-                    loss = l.unwrap_or(f32::NAN);
+                    pulled.loss = loss.unwrap_or(f32::NAN);
                 }
             }
         }
-        Ok((global, loss))
+        Ok(pulled)
     }
 
     /// Pushes gradients `grads` (per variable) of `samples` samples computed at `step`,
-    /// sent from where they are. On an error `grads` is given up (MPI may still read it)
-    /// and left empty.
+    /// sent from where they are; `stop`: a stop signal this worker noted, for the ps
+    /// tasks to announce. On an error `grads` is given up (MPI may still read it) and
+    /// left empty.
     pub fn push(
         &self,
         step: u64,
         samples: usize,
         loss: f32,
         grads: &mut Vec<Tensor>,
+        stop: Option<i32>,
     ) -> Result<(), PsError> {
         let r = self.round(
             |k| Request::Push {
@@ -285,6 +293,7 @@ impl<'a, C: Comm> Client<'a, C> {
                 samples,
                 loss: finite(loss),
                 vars: self.vars_of(k),
+                stop,
             },
             |k| self.gather(k, grads),
         );
@@ -329,14 +338,25 @@ impl<'a, C: Comm> Client<'a, C> {
         );
     }
 
-    /// Tells every ps this worker is done.
-    pub fn done(&self) -> Result<(), PsError> {
-        let m = encode(&Request::Done);
+    /// Tells every ps this worker is done (`stop`: stopped by that signal).
+    pub fn done(&self, stop: Option<i32>) -> Result<(), PsError> {
+        let m = encode(&Request::Done { stop });
         for r in &self.roles.ps {
             crate::transport::comm::send(self.comm, &m, *r, request_tag(self.comm))?;
         }
         Ok(())
     }
+}
+
+/// What a pull brought besides the parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pulled {
+    /// The global step of the parameters (the smallest over the ps tasks).
+    pub step: u64,
+    /// The loss of the update that made them (ps 0's; NaN if unknown).
+    pub loss: f32,
+    /// The job stops at this step, asked by this signal (any ps's word).
+    pub stop: Option<i32>,
 }
 
 /// Tensors MPI may still read or write (a transfer that did not complete): their memory

@@ -37,7 +37,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     catch_stop_signals();
     let mut print = |e: &Event| emit(&format!("{e}\n"));
     let report = match train_local(&model, &cfg, &train, &test, &mut print) {
-        Err(mpiflow::train::FinishError::Stopped(s)) => return Err(Failure::stopped(&s, 0)),
+        Err(mpiflow::train::FinishError::Stopped(s)) => return Err(Failure::stopped(&s, true)),
         r => r.map_err(Failure::local)?,
     };
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
@@ -49,12 +49,12 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
 }
 
 /// SIGTERM, SIGINT and SIGUSR1 (Slurm's time limit, `scancel`, `--signal=USR1@120`, a
-/// preemption, Ctrl-C) stop training at the next step boundary with a checkpoint, in the
-/// modes that agree on that boundary (local, allreduce); ps modes keep the default action.
-/// A failure to catch them (not seen in practice) leaves their default action, with a
+/// preemption, Ctrl-C) stop training at the next step boundary with a checkpoint, in
+/// every mode: the ranks agree on the boundary (allreduce: in the gradient reduction; ps:
+/// the ps tasks announce it in their replies). A failure to catch them (not seen in practice) leaves their default action, with a
 /// warning: it must not stop one rank while the others train on.
 fn catch_stop_signals() {
-    if let Err(e) = mpiflow::signals::catch(&[libc::SIGTERM, libc::SIGINT, libc::SIGUSR1], false) {
+    if let Err(e) = mpiflow::signals::catch(&mpiflow::signals::STOP, false) {
         say!("mpiflow: warning: signals end training without a checkpoint here: {e}");
     }
 }
@@ -177,6 +177,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    catch_stop_signals();
     let mut log = |e: &Event| emit(&format!("{e}\n"));
     let result = match args.mode {
         Mode::Ps => {
@@ -188,7 +189,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 partition_bytes: args.partition_bytes,
                 peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
             };
-            match args.transport {
+            let ran = match args.transport {
                 PsTransport::P2p => ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log),
                 PsTransport::Rma => {
                     use mpiflow::train::ps::rma;
@@ -196,8 +197,17 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                         .map_err(|e| Failure::agreed(e, &ctx))?;
                     rma::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
                 }
+            };
+            match ran {
+                Err(ps::PsError::Stopped(s)) => {
+                    // The chief names the checkpoint it wrote.
+                    let chief =
+                        ps::Roles::new(layout).map(|r| r.workers.first() == Some(&ctx.rank()));
+                    drop(comm);
+                    return Err(Failure::stopped(&s, chief.unwrap_or(false)));
+                }
+                r => r.map_err(|e| e.to_string()),
             }
-            .map_err(|e| e.to_string())
         }
         _ => {
             let cfg = AllreduceConfig {
@@ -210,11 +220,10 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 },
                 perturb_rank: args.perturb_rank,
             };
-            catch_stop_signals();
             match allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
                 Err(allreduce::AllreduceError::Stopped(s)) => {
                     drop(comm);
-                    return Err(Failure::stopped(&s, ctx.rank()));
+                    return Err(Failure::stopped(&s, ctx.rank() == 0));
                 }
                 // The same error on every replica at the same step: one line, from rank 0.
                 Err(e) if e.is_agreed() => {

@@ -1,0 +1,193 @@
+//! The worker side of one-sided training: pull by `MPI_Get`, compute, push by
+//! `MPI_Accumulate`; the chief logs and commits checkpoints.
+
+use super::*;
+
+impl Rma<'_> {
+    /// The chief: commits checkpoint `step` once every ps saved its shard.
+    fn commit(
+        &self,
+        ctl: &Epoch<'_, i64>,
+        step: u64,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<(), PsError> {
+        let me = self.roles.task(self.roles.workers[0]);
+        let mut files = Vec::new();
+        for (k, r) in self.roles.ps.iter().enumerate() {
+            wait_until(
+                self.cfg.peer_timeout * 2,
+                || Ok(ctl.fetch_and_add(*r, SAVED, 0)?),
+                |v| v >= step as i64,
+                || self.lost(me.clone(), self.ps_task(k)),
+            )?;
+            let bytes = ctl.fetch_and_add(*r, SAVED_BYTES, 0)? as u64;
+            let sum = ctl.fetch_and_add(*r, SAVED_SUM, 0)? as u64;
+            files.push((crate::train::ps::shards::file(k), bytes, sum));
+        }
+        let dir = self.checkpoint_dir();
+        events(&crate::train::ps::shards::commit(
+            dir,
+            step,
+            &files,
+            self.model_meta.clone(),
+        )?);
+        Ok(())
+    }
+
+    /// A worker (the chief too): pull, compute, push, until the last step.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn work(
+        &self,
+        w: usize,
+        model: &mut Replica<'_>,
+        data: &Epoch<'_, f32>,
+        ctl: &Epoch<'_, i64>,
+        train: &Dataset,
+        test: &Dataset,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<(), PsError> {
+        let cfg = self.cfg;
+        let roles = self.roles;
+        let nw = roles.workers.len();
+        let me = roles.task(roles.workers[w]);
+        let chief = w == 0;
+        let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+        let mut grads = model.zeros_like();
+        // Where training starts: step 0, or the restored checkpoint's step.
+        let start = ctl.fetch_and_add(roles.ps[0], STEP, 0)? as u64;
+        let (mut window, mut logged, mut last_loss) = (Instant::now(), start, f32::NAN);
+        let mut step = if cfg.sync { start } else { 0 };
+        loop {
+            let s = if cfg.sync {
+                for (k, r) in roles.ps.iter().enumerate() {
+                    wait_until(
+                        cfg.peer_timeout * 2,
+                        || match ctl.fetch_and_add(*r, ABORT, 0)? {
+                            0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
+                            late => Err(PsError::Remote {
+                                task: me.clone(),
+                                message: self
+                                    .lost(
+                                        self.ps_task(k),
+                                        roles.task(roles.workers[(late - 1) as usize]),
+                                    )
+                                    .to_string(),
+                            }),
+                        },
+                        |v| v >= step as i64,
+                        || self.lost(me.clone(), self.ps_task(k)),
+                    )?;
+                }
+                step
+            } else {
+                ctl.fetch_and_add(roles.ps[0], STEP, 1)? as u64
+            };
+            let every = cfg.train.log_every;
+            if chief && every > 0 && s / every > logged / every {
+                // Sync: the combined batch's loss, from ps 0; async: this worker's own.
+                let loss = if cfg.sync {
+                    f32::from_bits(ctl.fetch_and_add(roles.ps[0], LOSS, 0)? as u32)
+                } else {
+                    last_loss
+                };
+                events(&step_event(cfg, nw, s, loss, s - logged, window.elapsed()));
+                (window, logged) = (Instant::now(), s);
+            }
+            if chief && cfg.sync && checkpoint_due(cfg, start, s) {
+                self.commit(ctl, s, events)?;
+            }
+            step = s + u64::from(cfg.sync);
+            if s >= cfg.train.steps {
+                break;
+            }
+            self.pull(model, data)?;
+            let global = batches.global(s);
+            let mine = shard(&global, w, nw);
+            let (x, y) = train.rows(mine);
+            let loss = model
+                .gradients_into(&x, &y, &mut grads)
+                .map_err(|e| PsError::Setup(e.to_string()))?;
+            crate::train::guard::check_step(s, loss, &grads).map_err(|source| {
+                PsError::NonFinite {
+                    task: me.clone(),
+                    source,
+                }
+            })?;
+            last_loss = loss;
+            let n = mine.len() as f32;
+            // In place: the sync ps divides the sum by the samples; async applies SGD.
+            // (s is the global step this update counts as: the decay's update s + 1.)
+            let scale = if cfg.sync {
+                n
+            } else {
+                -cfg.train.optimizer.lr_at(s + 1)
+            };
+            for g in grads.iter_mut() {
+                g.as_mut_slice::<f32>()
+                    .expect("f32")
+                    .iter_mut()
+                    .for_each(|v| *v *= scale);
+            }
+            let tail = [loss * n, n];
+            data.batch(|b| -> Result<(), RmaError> {
+                for (p, g) in slices(&grads, self.pieces) {
+                    let r = roles.ps[p.ps];
+                    let at = if cfg.sync {
+                        self.held[p.ps] + p.at
+                    } else {
+                        p.at
+                    };
+                    b.accumulate_sum(r, at, g)?;
+                }
+                if cfg.sync {
+                    for (k, r) in roles.ps.iter().enumerate() {
+                        b.accumulate_sum(*r, 2 * self.held[k], &tail)?;
+                    }
+                }
+                Ok(())
+            })??;
+            if cfg.sync {
+                for r in &roles.ps {
+                    ctl.fetch_and_add(*r, PUSHES + w, 1)?;
+                    ctl.fetch_and_add(*r, ARRIVALS, 1)?;
+                }
+            }
+        }
+        if !cfg.sync {
+            ctl.fetch_and_add(roles.ps[0], DONE, 1)?;
+        }
+        if chief {
+            if !cfg.sync {
+                // The final parameters are those after every worker's last push.
+                wait_until(
+                    cfg.peer_timeout * 2,
+                    || Ok(ctl.fetch_and_add(roles.ps[0], DONE, 0)?),
+                    |d| d >= nw as i64,
+                    || self.lost(me.clone(), "a worker (not done)".into()),
+                )?;
+            }
+            self.pull(model, data)?;
+            crate::train::finish(
+                model,
+                test,
+                cfg.train.steps,
+                cfg.train.save_params.as_deref(),
+                events,
+            )
+            .map_err(|e| PsError::Setup(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Gets every shard straight into the model's tensors (one `MPI_Get` each).
+    fn pull(&self, model: &mut Replica<'_>, data: &Epoch<'_, f32>) -> Result<(), PsError> {
+        let targets = slices_mut(&mut model.params, self.pieces);
+        data.batch(|b| -> Result<(), RmaError> {
+            for (p, dst) in targets {
+                b.get_into(self.roles.ps[p.ps], p.at, dst)?;
+            }
+            Ok(())
+        })??;
+        Ok(())
+    }
+}
