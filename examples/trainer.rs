@@ -7,7 +7,9 @@
 //! TF_CONFIG='{"cluster": ..., "task": ...}' trainer                 # per process, under an MPI launcher
 //! ```
 //! Options: `--steps N` (default 1000), `--async`, `--checkpoint_dir DIR`, `--data SPEC`
-//! (default digits). Prints `accuracy X` on the chief at the end.
+//! (default digits). Prints `accuracy X` on the chief at the end. SIGTERM, SIGINT or
+//! SIGUSR1 on any task stops every task after the same step, the chief checkpoints, and
+//! every task exits 75 (a rerun resumes).
 
 use std::process::ExitCode;
 
@@ -17,7 +19,8 @@ use mpiflow::model::Sequential;
 use mpiflow::train::data::{shard, Batches, Dataset};
 use mpiflow::train::ps::protocol::SyncReplicas;
 use mpiflow::train::ps::session::SessionOptions;
-use mpiflow::train::server::Server;
+use mpiflow::train::ps::PsError;
+use mpiflow::train::server::{Server, ServerError};
 
 /// This program's own model: a small MLP over any sample shape.
 fn model(data: &Dataset) -> Result<Sequential, String> {
@@ -37,14 +40,25 @@ fn value(args: &[String], name: &str) -> Option<String> {
     args.get(at + 1).cloned()
 }
 
-fn run(args: &[String]) -> Result<(), String> {
+/// How a task ended well: training done, or stopped by a signal (the line to print).
+enum Ended {
+    Done,
+    Stopped(Option<String>),
+}
+
+fn run(args: &[String]) -> Result<Ended, String> {
     let mapping = MappingOptions {
         ps: 1,
         ..MappingOptions::default()
     };
+    mpiflow::signals::catch(&mpiflow::signals::STOP, false).map_err(|e| e.to_string())?;
     let server = Server::start(args, mapping).map_err(|e| e.to_string())?;
     if server.is_ps() {
-        return server.join().map_err(|e| e.to_string());
+        return match server.join() {
+            Ok(()) => Ok(Ended::Done),
+            Err(ServerError::Ps(PsError::Stopped(_))) => Ok(Ended::Stopped(None)),
+            Err(e) => Err(e.to_string()),
+        };
     }
     let steps: u64 = value(args, "--steps").map_or(Ok(1000), |s| {
         s.parse().map_err(|_| format!("--steps {s}: not a number"))
@@ -63,6 +77,7 @@ fn run(args: &[String]) -> Result<(), String> {
         stop_at_step: Some(steps),
         checkpoint_every_steps: 200,
         log_every: 200,
+        stop_on_signal: true,
         ..SessionOptions::default()
     };
     let batches = Batches::new(train.len(), 64, 1);
@@ -72,21 +87,31 @@ fn run(args: &[String]) -> Result<(), String> {
         let (x, y) = train.rows(shard(&global, w, workers));
         sess.run(&x, &y).map_err(|e| e.to_string())?;
     }
-    let chief = sess.is_chief();
+    let (chief, step, signal) = (sess.is_chief(), sess.global_step(), sess.stop_signal());
     let trained = sess.close().map_err(|e| e.to_string())?;
+    if let Some(s) = signal {
+        let line = format!("stopped by {} at step {step}", mpiflow::signals::name(s));
+        return Ok(Ended::Stopped(chief.then_some(line)));
+    }
     if chief {
         let acc = trained
             .accuracy(&test.x, &test.y)
             .map_err(|e| e.to_string())?;
         println!("accuracy {acc:.4}");
     }
-    Ok(())
+    Ok(Ended::Done)
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Ended::Done) => ExitCode::SUCCESS,
+        Ok(Ended::Stopped(line)) => {
+            if let Some(line) = line {
+                eprintln!("trainer: {line}");
+            }
+            ExitCode::from(mpiflow::train::Stopped::EXIT_STATUS)
+        }
         Err(e) => {
             eprintln!("trainer: {e}");
             ExitCode::FAILURE

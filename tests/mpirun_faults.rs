@@ -200,9 +200,12 @@ type Case<'a> = (
 fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
     let m = mpiflow();
     let mpirun2 = ["mpirun", "--oversubscribe", "-np", "2", m];
+    let mpirun3 = ["mpirun", "--oversubscribe", "-np", "3", m];
     // Where the job's command starts, and what to signal: mpirun itself (which passes
-    // SIGUSR1 on to every rank), or one rank only.
-    let cases: [Case; 3] = [
+    // SIGUSR1 on to every rank), or one rank only (a ps task, or a worker: the newest
+    // process).
+    let ps = ["--mode", "ps", "--ps", "1"];
+    let cases: [Case; 6] = [
         (
             "local",
             &[m],
@@ -226,6 +229,30 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
             "-TERM",
             &["-n", "-f", "^[^ ]*mpiflow train --mode allreduce"],
             "SIGTERM",
+        ),
+        (
+            "ps-sync-ps-rank",
+            &mpirun3,
+            &ps,
+            "-TERM",
+            &["-o", "-f", "^[^ ]*mpiflow train --mode ps"],
+            "SIGTERM",
+        ),
+        (
+            "ps-async-mpirun",
+            &mpirun3,
+            &["--mode", "ps", "--ps", "1", "--async"],
+            "-USR1",
+            &["-f", "^mpirun "],
+            "SIGUSR1",
+        ),
+        (
+            "ps-rma-worker",
+            &mpirun3,
+            &["--mode", "ps", "--ps", "1", "--transport", "rma"],
+            "-INT",
+            &["-n", "-f", "^[^ ]*mpiflow train --mode ps"],
+            "SIGINT",
         ),
     ];
     for (name, start, mode, signal, pattern, said) in cases {

@@ -129,7 +129,7 @@ pub enum FinishError {
 /// `step` (written then, or already; none when the run has no checkpoint directory). The
 /// command exits with [`Stopped::EXIT_STATUS`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("stopped by {signal} at step {step}{}: rerun the same command to resume", match checkpoint { Some(p) => format!(", checkpoint {}", p.display()), None => String::new() })]
+#[error("stopped by {signal} at step {step}{}", match checkpoint { Some(p) => format!(", checkpoint {}: rerun the same command to resume", p.display()), None => " (no checkpoint directory: a rerun starts over)".to_string() })]
 pub struct Stopped {
     pub signal: String,
     pub step: u64,

@@ -64,7 +64,13 @@ const ABORT: usize = 4;
 const SAVED: usize = 5;
 const SAVED_BYTES: usize = 6;
 const SAVED_SUM: usize = 7;
-const PUSHES: usize = 8;
+const STOP: usize = 8;
+const PUSHES: usize = 9;
+
+/// The unit of the stop marks in counters: `STEP` is `step + signal x MARK` once a ps
+/// announces a stop at `step` (async: plus `MARK` per announcement), `ARRIVALS` gains one
+/// `MARK` per worker that stopped.
+const MARK: i64 = 1 << 40;
 
 impl From<RmaError> for PsError {
     fn from(e: RmaError) -> PsError {
@@ -318,11 +324,17 @@ pub fn run(
             (None, None) => Ok(()),
         }
     };
-    result?;
-    // Everyone is past its last operation: the collective frees cannot wait on a failure.
+    if result
+        .as_ref()
+        .is_err_and(|e| !matches!(e, PsError::Stopped(_)))
+    {
+        return result;
+    }
+    // Everyone is past its last operation (a stop ends every rank): the collective frees
+    // cannot wait on a failure.
     data.free()?;
     ctl.free()?;
-    Ok(())
+    result
 }
 
 /// A sync ps's own state: its shards, their optimizer state, the step it starts from.
@@ -384,6 +396,18 @@ impl Rma<'_> {
 
     fn ps_task(&self, k: usize) -> String {
         self.roles.task(self.roles.ps[k])
+    }
+
+    /// This rank's end when the job stops at `step` for `signal`.
+    fn stopped(&self, signal: i32, step: u64) -> PsError {
+        let dir = self.cfg.train.checkpoint_dir.as_deref();
+        PsError::Stopped(crate::train::Stopped {
+            signal: crate::signals::name(signal),
+            step,
+            checkpoint: dir
+                .filter(|_| self.cfg.sync)
+                .map(|d| crate::train::checkpoint::path_of(d, step)),
+        })
     }
 
     fn lost(&self, task: String, lost: String) -> PsError {

@@ -24,10 +24,10 @@ impl Rma<'_> {
         let n = self.held[k];
         for step in start..self.cfg.train.steps {
             let want = (step - start + 1) as i64 * nw;
-            wait_until(
+            let arrived = wait_until(
                 self.cfg.peer_timeout,
                 || Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?),
-                |a| a >= want,
+                |a| a % MARK >= want || a >= MARK,
                 || {
                     // The first worker whose push count is behind this step.
                     let late = (0..self.roles.workers.len())
@@ -44,6 +44,15 @@ impl Rma<'_> {
                     )
                 },
             )?;
+            if arrived >= MARK {
+                // The workers stopped at this step, which another ps announced: keep it.
+                return self.stopped_at(k, data, ctl, &shards, &slots, step);
+            }
+            // A stop a worker asked for (before it counted its push) or this process got
+            // is announced with the next step, by every ps that learns it here.
+            let asked = crate::signals::stop_requested()
+                .or(Some(ctl.fetch_and_add(me, STOP, 0)? as i32).filter(|s| *s != 0))
+                .filter(|_| step + 1 < self.cfg.train.steps);
             // SAFETY: every worker pushed this step (accumulates flushed before it counted
             // its arrival) and now only polls `ctl` until STEP moves, which happens after
             // this returns: nothing touches this window meanwhile.
@@ -64,7 +73,8 @@ impl Rma<'_> {
                     grads.fill(0.0);
                     tail.fill(0.0);
                     // Copied while no rank can touch the window (see above).
-                    let snapshot = checkpoint_due(self.cfg, start, step + 1).then(|| {
+                    let keep = asked.is_some() && self.cfg.train.checkpoint_dir.is_some();
+                    let snapshot = (keep || checkpoint_due(self.cfg, start, step + 1)).then(|| {
                         let views: Vec<&[f32]> =
                             mine.iter().map(|p| &params[p.at..p.at + p.len]).collect();
                         crate::train::ps::shards::arrays(k, &shards, &views, &slots, step + 1)
@@ -77,9 +87,42 @@ impl Rma<'_> {
                 self.save_shard(k, ctl, step + 1, &arrays)?;
             }
             ctl.put(me, LOSS, &[i64::from(loss.to_bits())])?;
-            ctl.fetch_and_add(me, STEP, 1)?;
+            let mark = asked.map_or(0, |s| i64::from(s) * MARK);
+            ctl.fetch_and_add(me, STEP, 1 + mark)?;
+            if let Some(signal) = asked {
+                return Err(self.stopped(signal, step + 1));
+            }
         }
         Ok(())
+    }
+
+    /// This sync ps ends at `step`, where the workers stopped because another ps announced
+    /// a stop: it writes its shard of that step's checkpoint (unless written already).
+    fn stopped_at(
+        &self,
+        k: usize,
+        data: &mut Epoch<'_, f32>,
+        ctl: &Epoch<'_, i64>,
+        shards: &[Shard],
+        slots: &[Slots],
+        step: u64,
+    ) -> Result<(), PsError> {
+        let me = self.roles.ps[k];
+        let saved = ctl.fetch_and_add(me, SAVED, 0)? as u64;
+        if self.cfg.train.checkpoint_dir.is_some() && saved < step {
+            let mine: Vec<&Piece> = self.pieces.iter().filter(|p| p.ps == k).collect();
+            // SAFETY: every worker stopped: none touches this window again.
+            let arrays = unsafe {
+                data.with_local(|mem| {
+                    let views: Vec<&[f32]> =
+                        mine.iter().map(|p| &mem[p.at..p.at + p.len]).collect();
+                    crate::train::ps::shards::arrays(k, shards, &views, slots, step)
+                })
+            }?;
+            self.save_shard(k, ctl, step, &arrays)?;
+        }
+        let signal = ctl.fetch_and_add(me, STOP, 0)? as i32;
+        Err(self.stopped(signal, step))
     }
 
     /// Writes this ps's shard of checkpoint `step` into its staging directory and
@@ -106,15 +149,25 @@ impl Rma<'_> {
         Ok(())
     }
 
-    /// The async ps: nothing to do per request; wait until every worker is done.
+    /// The async ps: nothing to do per request; wait until every worker is done. A stop
+    /// signal this process gets is announced in ps 0's step counter (every worker's next
+    /// claim sees it).
     pub(super) fn serve_async(&self, k: usize, ctl: &Epoch<'_, i64>) -> Result<(), PsError> {
         let ps0 = self.roles.ps[0];
         let nw = self.roles.workers.len() as i64;
+        let mut announced = false;
         // Progress is any claimed step or finished worker; done is every worker finished.
-        wait_until(
+        let last = wait_until(
             self.cfg.peer_timeout,
-            || Ok((ctl.fetch_and_add(ps0, DONE, 0)? << 32) + ctl.fetch_and_add(ps0, STEP, 0)?),
-            |v| v >> 32 >= nw,
+            || {
+                if let (Some(signal), false) = (crate::signals::stop_requested(), announced) {
+                    announce_async_stop(ctl, ps0, signal)?;
+                    announced = true;
+                }
+                let step = ctl.fetch_and_add(ps0, STEP, 0)?;
+                Ok((ctl.fetch_and_add(ps0, DONE, 0)? << 48) + (step & ((1 << 48) - 1)))
+            },
+            |v| v >> 48 >= nw,
             || {
                 self.lost(
                     self.ps_task(k),
@@ -122,6 +175,23 @@ impl Rma<'_> {
                 )
             },
         )?;
+        let step = last & ((1 << 48) - 1);
+        if step >= MARK {
+            let signal = ctl.fetch_and_add(ps0, STOP, 0)? as i32;
+            return Err(self.stopped(signal, (step % MARK) as u64));
+        }
         Ok(())
     }
+}
+
+/// Asks async one-sided training to stop (`signal`): the number in ps 0's `STOP`, the
+/// mark on its step counter that every worker's next claim sees.
+pub(super) fn announce_async_stop(
+    ctl: &Epoch<'_, i64>,
+    ps0: usize,
+    signal: i32,
+) -> Result<(), PsError> {
+    ctl.compare_and_swap(ps0, STOP, 0, i64::from(signal))?;
+    ctl.fetch_and_add(ps0, STEP, MARK)?;
+    Ok(())
 }

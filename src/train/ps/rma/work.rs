@@ -57,10 +57,12 @@ impl Rma<'_> {
         let start = ctl.fetch_and_add(roles.ps[0], STEP, 0)? as u64;
         let (mut window, mut logged, mut last_loss) = (Instant::now(), start, f32::NAN);
         let mut step = if cfg.sync { start } else { 0 };
+        // A stop this worker asked for (announced once), and one announced to it.
+        let (mut asked, mut stop) = (false, None);
         loop {
             let s = if cfg.sync {
                 for (k, r) in roles.ps.iter().enumerate() {
-                    wait_until(
+                    let v = wait_until(
                         cfg.peer_timeout * 2,
                         || match ctl.fetch_and_add(*r, ABORT, 0)? {
                             0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
@@ -74,13 +76,18 @@ impl Rma<'_> {
                                     .to_string(),
                             }),
                         },
-                        |v| v >= step as i64,
+                        |v| v % MARK >= step as i64,
                         || self.lost(me.clone(), self.ps_task(k)),
                     )?;
+                    stop = stop.or((v >= MARK).then_some((v / MARK) as i32));
                 }
                 step
             } else {
-                ctl.fetch_and_add(roles.ps[0], STEP, 1)? as u64
+                let v = ctl.fetch_and_add(roles.ps[0], STEP, 1)?;
+                if v >= MARK {
+                    stop = Some(ctl.fetch_and_add(roles.ps[0], STOP, 0)? as i32);
+                }
+                (v % MARK) as u64
             };
             let every = cfg.train.log_every;
             if chief && every > 0 && s / every > logged / every {
@@ -95,6 +102,9 @@ impl Rma<'_> {
             }
             if chief && cfg.sync && checkpoint_due(cfg, start, s) {
                 self.commit(ctl, s, events)?;
+            }
+            if let Some(signal) = stop {
+                return self.stop_at(chief, ctl, signal, start, s, events);
             }
             step = s + u64::from(cfg.sync);
             if s >= cfg.train.steps {
@@ -146,6 +156,21 @@ impl Rma<'_> {
                 }
                 Ok(())
             })??;
+            let noted = cfg
+                .train
+                .stop_on_signal
+                .then(crate::signals::stop_requested);
+            if let (Some(signal), false) = (noted.flatten(), asked) {
+                // Before this push counts: every ps reads it once the step is in.
+                asked = true;
+                if cfg.sync {
+                    for r in &roles.ps {
+                        ctl.compare_and_swap(*r, STOP, 0, i64::from(signal))?;
+                    }
+                } else {
+                    super::serve::announce_async_stop(ctl, roles.ps[0], signal)?;
+                }
+            }
             if cfg.sync {
                 for r in &roles.ps {
                     ctl.fetch_and_add(*r, PUSHES + w, 1)?;
@@ -177,6 +202,34 @@ impl Rma<'_> {
             .map_err(|e| PsError::Setup(e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// This worker stops at global step `s` (a ps announced `signal`): it tells every ps
+    /// (sync: a ps still waiting for this step's pushes ends, keeping step `s`; async: ps
+    /// tasks end when every worker is done), and the chief commits the checkpoint of `s`.
+    fn stop_at(
+        &self,
+        chief: bool,
+        ctl: &Epoch<'_, i64>,
+        signal: i32,
+        start: u64,
+        s: u64,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<(), PsError> {
+        let roles = self.roles;
+        if !self.cfg.sync {
+            ctl.fetch_and_add(roles.ps[0], DONE, 1)?;
+            return Err(self.stopped(signal, s));
+        }
+        for r in &roles.ps {
+            ctl.compare_and_swap(*r, STOP, 0, i64::from(signal))?;
+            ctl.fetch_and_add(*r, ARRIVALS, MARK)?;
+        }
+        let written = checkpoint_due(self.cfg, start, s);
+        if chief && self.cfg.train.checkpoint_dir.is_some() && s > start && !written {
+            self.commit(ctl, s, events)?;
+        }
+        Err(self.stopped(signal, s))
     }
 
     /// Gets every shard straight into the model's tensors (one `MPI_Get` each).
