@@ -164,6 +164,18 @@ impl LocalSlurm {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Job {
+        let (id, out) = self.submit(options, script, args, env);
+        self.wait_end(&id, &out, 120)
+    }
+
+    /// Submits `script ARGS` with `sbatch OPTIONS`; returns the job id and its output file.
+    fn submit(
+        &self,
+        options: &[&str],
+        script: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> (String, PathBuf) {
         let out = self.dir.join(format!("job-{}.out", next()));
         let bin_dir = Path::new(common::mpiflow()).parent().unwrap();
         let path = format!(
@@ -171,11 +183,13 @@ impl LocalSlurm {
             bin_dir.display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        let ckpt = self.dir.join("checkpoints").display().to_string();
         let mut all_env = vec![
             ("SLURM_CONF", self.conf()),
             ("PATH", path),
-            ("MPIFLOW_CHECKPOINT_DIR", ckpt),
+            (
+                "MPIFLOW_CHECKPOINT_DIR",
+                self.checkpoints().display().to_string(),
+            ),
         ];
         all_env.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
         let env_refs: Vec<(&str, &str)> = all_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -187,38 +201,62 @@ impl LocalSlurm {
         let sub = common::run_bounded(30, &cmd, &env_refs);
         assert_eq!(sub.code, 0, "sbatch failed: {sub:?}");
         let id = sub.stdout.trim().split(';').next().unwrap().to_string();
-        let deadline = Instant::now() + Duration::from_secs(120);
+        (id, out)
+    }
+
+    /// Where the templates' jobs checkpoint (`<this>/<job name>-<job id>`).
+    fn checkpoints(&self) -> PathBuf {
+        self.dir.join("checkpoints")
+    }
+
+    /// Field `key` of `scontrol show job ID`.
+    fn job_field(&self, id: &str, key: &str) -> String {
+        let show = self.client(&["scontrol", "show", "job", "-o", id]);
+        show.split_whitespace()
+            .find_map(|f| f.strip_prefix(&format!("{key}=")))
+            .unwrap_or("")
+            .to_string()
+    }
+
+    /// Waits until job `id` is in a state `until` accepts; panics (cancelling it) after
+    /// `secs`, naming the state and the output so far.
+    fn wait_state(&self, id: &str, out: &Path, secs: u64, until: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
-            let show = self.client(&["scontrol", "show", "job", "-o", &id]);
-            let field = |k: &str| {
-                show.split_whitespace()
-                    .find_map(|f| f.strip_prefix(&format!("{k}=")))
-                    .unwrap_or("")
-                    .to_string()
-            };
-            let state = field("JobState");
-            if !matches!(
-                state.as_str(),
-                "PENDING" | "CONFIGURING" | "RUNNING" | "COMPLETING"
-            ) {
-                let exit_code = field("ExitCode")
-                    .split(':')
-                    .next()
-                    .and_then(|c| c.parse().ok())
-                    .unwrap_or(-1);
-                let output = std::fs::read_to_string(&out).unwrap_or_default();
-                return Job {
-                    state,
-                    exit_code,
-                    output,
-                };
+            let state = self.job_field(id, "JobState");
+            if until(&state) {
+                return state;
             }
             if Instant::now() > deadline {
-                let _ = self.client(&["scancel", &id]);
-                let output = std::fs::read_to_string(&out).unwrap_or_default();
-                panic!("job {id} still {state} after 120 s (a hang): {output}");
+                let _ = self.client(&["scancel", id]);
+                let output = std::fs::read_to_string(out).unwrap_or_default();
+                panic!("job {id} still {state} after {secs} s (a hang): {output}");
             }
             std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Waits (at most `secs`) until job `id` ends.
+    fn wait_end(&self, id: &str, out: &Path, secs: u64) -> Job {
+        let live = [
+            "PENDING",
+            "CONFIGURING",
+            "RUNNING",
+            "COMPLETING",
+            "REQUEUED",
+        ];
+        let state = self.wait_state(id, out, secs, |s| !live.contains(&s));
+        let exit_code = self
+            .job_field(id, "ExitCode")
+            .split(':')
+            .next()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(-1);
+        let output = std::fs::read_to_string(out).unwrap_or_default();
+        Job {
+            state,
+            exit_code,
+            output,
         }
     }
 
@@ -344,6 +382,130 @@ fn allreduce_template_by_mpirun_inside_sbatch_reaches_accuracy() {
     };
     let job = slurm.sbatch(&[], &template("train-mpirun.sbatch"), &[], &[]);
     job.assert_completed();
+    let acc = common::accuracy(&job.output);
+    assert!(acc >= 0.95, "accuracy {acc}: {}", job.output);
+}
+
+/// The step and checkpoint of the `mpiflow: stopped by SIGNAL at step S, checkpoint C:`
+/// line in `output`.
+fn stopped_at(output: &str, signal: &str) -> (u64, PathBuf) {
+    let prefix = format!("mpiflow: stopped by {signal} at step ");
+    let line = output
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no '{prefix}' line: {output}"));
+    let (step, rest) = line.split_once(", checkpoint ").expect("a checkpoint");
+    let ckpt = rest.split(": rerun").next().unwrap();
+    (step.parse().unwrap(), PathBuf::from(ckpt))
+}
+
+/// Slurm's early warning before a time limit (`--signal=B:USR1@N`, as the templates ask
+/// for with 120 s) reaches the batch script, which passes it to mpirun, which passes it
+/// to every rank: ps training stops after one step everywhere, the chief checkpoints,
+/// and the job ends with 75 before its time limit (requeueing turned off here).
+#[test]
+fn the_time_limit_warning_stops_ps_training_with_a_checkpoint_before_the_limit() {
+    let Some(slurm) = LocalSlurm::start("timelimit") else {
+        return;
+    };
+    // A 1-minute limit (Slurm's smallest), the warning 30 s before it (Slurm checks
+    // limits about every 30 s, so it may come earlier).
+    let job = slurm.sbatch(
+        &["--time=1", "--signal=B:USR1@30"],
+        &template("train-mpirun.sbatch"),
+        &[
+            "--mode",
+            "ps",
+            "--ps",
+            "1",
+            "--steps",
+            "100000000",
+            "--log-every",
+            "0",
+        ],
+        &[("MPIFLOW_REQUEUE", "0")],
+    );
+    assert_eq!(
+        (job.state.as_str(), job.exit_code),
+        ("FAILED", 75),
+        "{job:?}"
+    );
+    let (step, ckpt) = stopped_at(&job.output, "SIGUSR1");
+    assert!(step > 0, "{job:?}");
+    assert!(ckpt.ends_with(format!("ckpt-{step}")), "{job:?}");
+    assert!(
+        ckpt.join("manifest.json").is_file(),
+        "{}: {job:?}",
+        ckpt.display()
+    );
+    assert!(!job.output.contains("requeueing"), "{job:?}");
+}
+
+/// `scancel --batch --signal=USR1` (what the time-limit warning sends) to a job of the
+/// srun template: srun passes it to the tasks, they stop with a checkpoint, the script
+/// requeues the job, and the requeued job (same id, same checkpoint directory) resumes
+/// from that step and finishes training.
+#[test]
+fn a_stopped_srun_job_requeues_itself_and_resumes_from_its_checkpoint() {
+    let Some(slurm) = LocalSlurm::start("requeue") else {
+        return;
+    };
+    let (id, out) = slurm.submit(
+        &["-N", "2"],
+        &template("train-srun.sbatch"),
+        &[
+            "--mode",
+            "allreduce",
+            "--steps",
+            "12000",
+            "--log-every",
+            "4000",
+        ],
+        &[("MPIFLOW_CPU_BIND", "none")],
+    );
+    let dir = slurm.checkpoints().join(format!("mpiflow-train-{id}"));
+    let t = Instant::now();
+    let has_checkpoint = || {
+        std::fs::read_dir(&dir).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("ckpt-"))
+        })
+    };
+    while !has_checkpoint() {
+        assert!(
+            t.elapsed().as_secs() < 90,
+            "no checkpoint in {}",
+            dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    slurm.client(&["scancel", "--batch", "--signal=USR1", &id]);
+    // Requeued: Slurm holds it two minutes before it may start again; the test, as an
+    // operator could, lets it start sooner.
+    slurm.wait_state(&id, &out, 90, |s| s == "PENDING");
+    assert_eq!(slurm.job_field(&id, "Restarts"), "1");
+    // 20 s, not at once: the slurmd daemons clean up the first run's step (the same
+    // job and step id) for a few seconds after the job is requeued; a start within ~3 s
+    // of it failed to launch its tasks here.
+    slurm.client(&[
+        "scontrol",
+        "update",
+        &format!("JobId={id}"),
+        "StartTime=now+20",
+    ]);
+    let job = slurm.wait_end(&id, &out, 120);
+    job.assert_completed();
+    let (step, ckpt) = stopped_at(&job.output, "SIGUSR1");
+    assert!(
+        job.output
+            .contains(&format!("requeueing job {id} to resume")),
+        "{job:?}"
+    );
+    assert!(
+        job.output
+            .contains(&format!("restored {} (global step {step})", ckpt.display())),
+        "{job:?}"
+    );
     let acc = common::accuracy(&job.output);
     assert!(acc >= 0.95, "accuracy {acc}: {}", job.output);
 }

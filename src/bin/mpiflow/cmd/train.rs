@@ -12,6 +12,8 @@ use crate::out::{emit, say, Failure};
 
 pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::{data::Dataset, train_local, TrainConfig};
+    // First: a stop asked for during setup is kept for the first step boundary.
+    catch_stop_signals();
     if args.mode != Mode::Local {
         return cmd_train_distributed(args, env);
     }
@@ -34,7 +36,6 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
-    catch_stop_signals();
     let mut print = |e: &Event| emit(&format!("{e}\n"));
     let report = match train_local(&model, &cfg, &train, &test, &mut print) {
         Err(mpiflow::train::FinishError::Stopped(s)) => return Err(Failure::stopped(&s, true)),
@@ -177,7 +178,6 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
-    catch_stop_signals();
     let mut log = |e: &Event| emit(&format!("{e}\n"));
     let result = match args.mode {
         Mode::Ps => {
