@@ -319,3 +319,118 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
         );
     }
 }
+
+/// A small tmpfs mounted for one test, unmounted when dropped (also when the test fails).
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    /// A tmpfs of `size` (`mount -o size=`) at a fresh directory; `None` (the test is
+    /// skipped) when this is not root.
+    fn mount(name: &str, size: &str) -> Option<SmallDisk> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: mounting a small tmpfs needs root");
+            return None;
+        }
+        let dir = tmpdir(name);
+        let opts = format!("size={size}");
+        let run = common::run_bounded(
+            30,
+            &["mount", "-t", "tmpfs", "-o", &opts, "tmpfs", dir.to_str()?],
+            &[],
+        );
+        assert_eq!(run.code, 0, "mount: {run:?}");
+        Some(SmallDisk(dir))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = common::run_bounded(30, &["umount", self.0.to_str().unwrap()], &[]);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A disk too small for the next checkpoint: one line names the step not written, the
+/// disk's error and the newest checkpoint, which stays valid (a rerun resumes from it);
+/// what the failed checkpoint had written is removed; the job ends non-zero, every mode.
+#[test]
+fn a_checkpoint_that_does_not_fit_keeps_the_previous_one_and_ends_the_run() {
+    let modes: [(&str, Option<&str>, &[&str]); 4] = [
+        ("local", None, &[]),
+        ("allreduce", Some("2"), &["--mode", "allreduce"]),
+        ("ps", Some("3"), &["--mode", "ps", "--ps", "1"]),
+        (
+            "rma",
+            Some("3"),
+            &["--mode", "ps", "--ps", "1", "--transport", "rma"],
+        ),
+    ];
+    for (name, np, mode) in modes {
+        // One checkpoint of the digits MLP (parameters and Adam state) takes ~120 KB.
+        let Some(disk) = SmallDisk::mount(&format!("ckfull-{name}"), "200k") else {
+            return;
+        };
+        let dir = disk.0.join("ck");
+        let d = dir.to_str().unwrap();
+        let rest = ["--steps", "3000", "--checkpoint-every", "500"];
+        let rest: Vec<&str> = rest
+            .iter()
+            .copied()
+            .chain(["--log-every", "0", "--checkpoint-dir", d])
+            .collect();
+        let run = run_mode(np, mode, &rest);
+        assert!(run.code != 0 && run.code != 75, "{name}: {run:?}");
+        let lines: Vec<&str> = run
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("mpiflow: error: "))
+            .collect();
+        let chief = lines
+            .iter()
+            .find(|l| l.contains("checkpoint of step 1000 not written ("))
+            .unwrap_or_else(|| panic!("{name}: {run:?}"));
+        assert!(chief.contains("No space left on device"), "{name}: {chief}");
+        assert!(
+            chief.ends_with(&format!("; the newest checkpoint is still {d}/ckpt-500")),
+            "{name}: {chief}"
+        );
+        if name != "ps" {
+            // (ps: the ps tasks and the other workers also say why they stop.)
+            assert_eq!(lines.len(), 1, "{name}: {run:?}");
+        }
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, ["ckpt-500"], "{name}: staging left behind");
+
+        // The kept checkpoint, on a disk with room: a rerun resumes from it.
+        let roomy = tmpdir(&format!("ckroom-{name}"));
+        let copy = common::run_bounded(
+            30,
+            &[
+                "cp",
+                "-r",
+                &format!("{d}/ckpt-500"),
+                roomy.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert_eq!(copy.code, 0, "{copy:?}");
+        drop(disk);
+        let r = roomy.to_str().unwrap();
+        let again = run_mode(
+            np,
+            mode,
+            &["--steps", "600", "--log-every", "0", "--checkpoint-dir", r],
+        );
+        assert_eq!(again.code, 0, "{name}: {again:?}");
+        assert!(
+            again
+                .stdout
+                .contains(&format!("restored {r}/ckpt-500 (global step 500)")),
+            "{name}: {again:?}"
+        );
+    }
+}

@@ -33,6 +33,27 @@ pub enum CheckpointError {
     Corrupt { path: String, why: String },
     #[error("checkpoint {path} was written for another model: {why}")]
     OtherModel { path: String, why: String },
+    /// Writing the checkpoint of `step` failed (a full or read-only disk): what it had
+    /// written is removed, and `newest`, the newest valid checkpoint, stays as it was.
+    #[error("checkpoint of step {step} not written ({why}); {}", match newest { Some(p) => format!("the newest checkpoint is still {p}"), None => "there is no earlier checkpoint".into() })]
+    NotWritten {
+        step: u64,
+        why: String,
+        newest: Option<String>,
+    },
+}
+
+/// The error of a checkpoint of `step` in `dir` that failed with `e`: its staging
+/// directory is removed (freeing what it took of a full disk), and the error names the
+/// newest valid checkpoint, untouched.
+pub fn abandoned(dir: &Path, step: u64, e: impl std::fmt::Display) -> CheckpointError {
+    let _ = fs::remove_dir_all(staging_dir(dir, step));
+    let newest = latest(dir).0.map(|f| f.path.display().to_string());
+    CheckpointError::NotWritten {
+        step,
+        why: e.to_string(),
+        newest,
+    }
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {

@@ -249,14 +249,16 @@ impl State {
         describe: &str,
         vars: &Variables,
     ) -> Result<PathBuf, CheckpointError> {
-        let tmp = super::begin(dir, self.step)?;
-        let (bytes, sum) = super::write_file(&tmp.join(REPLICA_FILE), &self.arrays(vars))?;
-        super::commit(
-            dir,
-            self.step,
-            &[(REPLICA_FILE.into(), bytes, sum)],
-            model_meta(describe, vars),
-        )
+        let written = super::begin(dir, self.step).and_then(|tmp| {
+            let (bytes, sum) = super::write_file(&tmp.join(REPLICA_FILE), &self.arrays(vars))?;
+            super::commit(
+                dir,
+                self.step,
+                &[(REPLICA_FILE.into(), bytes, sum)],
+                model_meta(describe, vars),
+            )
+        });
+        written.map_err(|e| super::abandoned(dir, self.step, e))
     }
 
     /// Elements `offset..offset + len` of variable `var`: values, and the state `opt`

@@ -356,13 +356,24 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             return Ok(());
         };
         let step = self.step;
-        let tmp = crate::train::checkpoint::begin(&dir, step)?;
-        let files = self.client.save(&tmp)?;
         let meta = crate::train::checkpoint::state::model_meta(
             &self.replica.model.describe(),
             &super::variables(&self.replica),
         );
-        let written = shards::commit(&dir, step, &files, meta)?;
+        let written = crate::train::checkpoint::begin(&dir, step)
+            .map_err(PsError::from)
+            .and_then(|tmp| self.client.save(&tmp))
+            .and_then(|files| shards::commit(&dir, step, &files, meta));
+        let written = written.map_err(|e| match e {
+            // Disk errors, here or on a ps (its error names its shard file).
+            PsError::Checkpoint(e) => {
+                PsError::Checkpoint(crate::train::checkpoint::abandoned(&dir, step, e))
+            }
+            PsError::Remote { message, .. } => {
+                PsError::Checkpoint(crate::train::checkpoint::abandoned(&dir, step, message))
+            }
+            other => other,
+        })?;
         self.emit(&written);
         self.last_ckpt = (step, Instant::now());
         Ok(())

@@ -133,6 +133,11 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     }
     drop(resolved.port_guard);
     let layout = &resolved.layout;
+    if args.mode == Mode::Ps {
+        // The same verdict on every rank (no ps task, no worker): one line, before anything.
+        ctx.agree(ps::Roles::new(layout).map(drop))
+            .map_err(|e| Failure::agreed(e, &ctx))?;
+    }
     let me = &layout.ranks[ctx.rank()];
     let count = layout.ranks.iter().filter(|r| r.host == me.host).count();
     let pin = pin_rank(args, me.local_rank.unwrap_or(0), count);

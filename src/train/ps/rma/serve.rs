@@ -136,12 +136,15 @@ impl Rma<'_> {
     ) -> Result<(), PsError> {
         let dir = self.checkpoint_dir();
         let stage = crate::train::checkpoint::staging_dir(dir, step);
-        std::fs::create_dir_all(&stage)
-            .map_err(|e| PsError::Setup(format!("{}: {e}", stage.display())))?;
-        let (bytes, sum) = crate::train::checkpoint::write_file(
-            &stage.join(crate::train::ps::shards::file(k)),
-            arrays,
-        )?;
+        let written = std::fs::create_dir_all(&stage)
+            .map_err(|e| format!("{}: {e}", stage.display()))
+            .and_then(|()| {
+                let file = stage.join(crate::train::ps::shards::file(k));
+                crate::train::checkpoint::write_file(&file, arrays).map_err(|e| e.to_string())
+            });
+        // This ps stops; the chief, waiting for its shard, is ended with the job.
+        let (bytes, sum) =
+            written.map_err(|e| crate::train::checkpoint::abandoned(dir, step, e))?;
         let me = self.roles.ps[k];
         ctl.put(me, SAVED_BYTES, &[bytes as i64, sum as i64])?;
         let before = ctl.fetch_and_add(me, SAVED, 0)?;
