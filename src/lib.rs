@@ -14,6 +14,7 @@
 //! - [`hash`]: the one stable hash (FNV-1a) ranks compare and checkpoints carry.
 //! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
 //! - [`named`]: the names users pick enum values by (command line, job scripts).
+//! - [`observe`]: seeing a run: time by phase per rank, the metrics file, progress.
 //!
 //! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these.
 
@@ -25,6 +26,7 @@ pub mod kernels;
 pub mod launch;
 pub mod model;
 pub mod named;
+pub mod observe;
 pub mod rng;
 pub mod signals;
 pub mod supervise;

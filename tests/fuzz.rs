@@ -221,6 +221,16 @@ proptest! {
     }
 
     #[test]
+    fn metrics_files_never_panic(text in "[a-z0-9_,.:\"{}\n-]{0,300}") {
+        use mpiflow::observe::metrics::{parse, Format};
+        let header = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps\n";
+        for format in [Format::Csv, Format::JsonLines] {
+            let _ = parse(std::path::Path::new("m"), format, &text);
+            let _ = parse(std::path::Path::new("m"), format, &format!("{header}{text}"));
+        }
+    }
+
+    #[test]
     fn ps_messages_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..120)) {
         let _ = protocol::decode::<Request>(&bytes);
         let _ = protocol::decode::<Reply>(&bytes);
@@ -230,9 +240,10 @@ proptest! {
     }
 
     #[test]
-    fn ps_messages_round_trip(lens in proptest::collection::vec(0usize..1 << 20, 0..6), step in any::<u64>(), samples in 0usize..1024, name in "[a-z/]{1,8}", stop in proptest::option::of(1i32..64)) {
+    fn ps_messages_round_trip(lens in proptest::collection::vec(0usize..1 << 20, 0..6), step in any::<u64>(), samples in 0usize..1024, name in "[a-z/]{1,8}", stop in proptest::option::of(1i32..64), compute in proptest::option::of(0.0f64..1e9)) {
         let vars: Vec<(String, usize)> = lens.iter().map(|l| (name.clone(), *l)).collect();
-        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop };
+        let times = compute.map(|c| mpiflow::observe::phases::Times { compute: c, comm: c / 3.0, wait: 0.0, other: 1e-9, steps: step });
+        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop, times };
         let back = protocol::decode::<Request>(&protocol::encode(&req)).unwrap();
         prop_assert_eq!(&back, &req);
         // The payload the header declares: its parts, in pieces that cover each once.

@@ -66,14 +66,14 @@ fn p2p_rounds<C: Comm>(
         client.init(&setup, &mut params)?;
     }
     // Like training: every worker's first pull waits for the chief's initialisation.
-    client.pull(0, &mut params)?;
+    client.pull(0, false, &mut params)?;
     let mut start = Instant::now();
     for i in 0..warmup + rounds {
         if i == warmup {
             start = Instant::now();
         }
-        client.push(0, 1, 0.0, &mut grads, None)?;
-        client.pull(0, &mut params)?;
+        client.push(0, 1, 0.0, &mut grads, Default::default())?;
+        client.pull(0, false, &mut params)?;
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
     client.done(None)?;

@@ -5,6 +5,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 use super::StepLog;
+use crate::observe::metrics::Record;
 
 /// One thing a training run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +52,36 @@ impl fmt::Display for Event {
             Event::Warning(w) => write!(f, "# warning: {w}"),
             Event::Note(n) if n.starts_with('#') => write!(f, "{n}"),
             Event::Note(n) => write!(f, "# {n}"),
+        }
+    }
+}
+
+impl Event {
+    /// The event as a metrics record (a logged step, an evaluation), `wall_s` seconds
+    /// into the run; `None` for the others.
+    pub fn record(&self, wall_s: f64) -> Option<Record> {
+        match self {
+            Event::Step(s) => Some(Record::Step {
+                step: s.step,
+                wall_s,
+                loss: s.loss.is_finite().then_some(s.loss),
+                steps_per_sec: s.steps_per_sec,
+                samples_per_sec: s.samples_per_sec,
+                ranks: s.ranks.clone(),
+            }),
+            Event::Accuracy {
+                accuracy,
+                correct,
+                total,
+                step,
+            } => Some(Record::Eval {
+                step: *step,
+                wall_s,
+                accuracy: *accuracy,
+                correct: *correct,
+                total: *total,
+            }),
+            _ => None,
         }
     }
 }

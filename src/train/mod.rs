@@ -31,6 +31,7 @@ use events::Event;
 use optim::{Optimizer, OptimizerKind, Slots};
 
 use crate::model::{Model, ModelError, Replica};
+use crate::observe::phases::{Clock, Phase, RankTimes};
 
 /// How to train, in every mode (the model is given apart: every mode trains any model;
 /// a mode's own settings wrap this, as [`ps::PsConfig`] and [`allreduce::AllreduceConfig`]).
@@ -87,7 +88,7 @@ pub struct TrainReport<'m> {
 }
 
 /// One logged step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepLog {
     pub step: u64,
     pub loss: f32,
@@ -95,6 +96,8 @@ pub struct StepLog {
     pub samples_per_sec: f64,
     /// The share of the window spent in the gradient reduction (allreduce mode).
     pub comm_fraction: Option<f64>,
+    /// Each rank's time by phase in the window (those the chief has heard from).
+    pub ranks: Vec<RankTimes>,
 }
 
 impl StepLog {
@@ -229,6 +232,7 @@ pub fn train_local<'m>(
     let batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     let start = Instant::now();
     let (mut window_start, mut window_steps) = (Instant::now(), 0u64);
+    let mut clock = Clock::new();
     let mut loss = f32::NAN;
     let mut last_saved = first;
     for step in first..cfg.steps {
@@ -261,6 +265,7 @@ pub fn train_local<'m>(
             .into());
         }
         let (x, y) = train.rows(&batches.global(step));
+        let t = Instant::now();
         loss = model.gradients_into(&x, &y, &mut grads)?;
         guard::check_step(step, loss, &grads)?;
         for ((p, g), s) in model.params.iter_mut().zip(&grads).zip(&mut slots) {
@@ -270,6 +275,8 @@ pub fn train_local<'m>(
                 s,
             );
         }
+        clock.since(Phase::Compute, t);
+        clock.steps(1);
         window_steps += 1;
         let done = step + 1;
         if cfg.log_every > 0 && done % cfg.log_every == 0 {
@@ -280,6 +287,11 @@ pub fn train_local<'m>(
                 steps_per_sec: window_steps as f64 / secs,
                 samples_per_sec: (window_steps * cfg.batch as u64) as f64 / secs,
                 comm_fraction: None,
+                ranks: vec![RankTimes {
+                    rank: 0,
+                    task: "local".into(),
+                    times: clock.take(),
+                }],
             }));
             (window_start, window_steps) = (Instant::now(), 0);
         }

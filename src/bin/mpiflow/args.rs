@@ -49,7 +49,7 @@ pub(crate) enum Cmd {
     /// Verify point-to-point and every collective on this job (one JSON line per rank).
     Check(CheckArgs),
     /// Train a model (`--mode local`: one process, the reference for distributed modes).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// This node's topology and, per rank, the CPU binding and BLAS threads applied.
     Topo(TopoArgs),
     /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
@@ -113,6 +113,18 @@ pub(crate) enum DecayArg {
     Constant,
     /// Half a cosine from --lr to 0 over --steps.
     Cosine,
+}
+
+/// `--progress`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ProgressArg {
+    /// Live on a terminal (this process's, or mpirun's on this host), lines otherwise.
+    #[default]
+    Auto,
+    /// One line redrawn in place.
+    Live,
+    /// A plain line per logged step.
+    Lines,
 }
 
 #[derive(Args)]
@@ -200,6 +212,18 @@ pub(crate) struct TrainArgs {
     /// Log every N steps (0: never).
     #[arg(long, default_value_t = 250)]
     pub(crate) log_every: u64,
+    /// Write metrics as the run goes (the chief): per logged step the loss, samples/s and
+    /// every rank's seconds in compute, communication and waiting; each evaluation's
+    /// accuracy. CSV (FILE.csv) or JSON lines (FILE.jsonl).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) metrics: Option<PathBuf>,
+    /// How the chief shows progress: live (one line redrawn in place), lines (a line per
+    /// logged step, with the ETA), or auto (live on a terminal, also through mpirun).
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) progress: ProgressArg,
+    /// Every rank prints its own notes (by default only the chief reports).
+    #[arg(long)]
+    pub(crate) verbose: bool,
     /// CPU binding of each rank.
     #[arg(long, value_parser = named::<Policy>(), default_value = "compact")]
     pub(crate) bind: Policy,

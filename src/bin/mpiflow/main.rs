@@ -10,6 +10,7 @@ mod args;
 mod cmd;
 mod env;
 mod out;
+mod report;
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;

@@ -32,6 +32,7 @@ use super::optim::Slots;
 use super::{StepLog, TrainConfig};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
+use crate::observe::phases::{self, Clock, Phase, RankTimes, Times};
 use crate::tensor::Tensor;
 use crate::transport::fusion::{FusionConfig, FusionError};
 use crate::transport::{Collectives, Comm, TransportError};
@@ -188,6 +189,7 @@ pub fn run<C: Comm + Send>(
         let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
         // Seconds of the current log window spent in the gradient allreduce.
         let mut comm_secs = 0.0f64;
+        let mut clock = Clock::new();
         let mut verdict = Verdict::new();
         while step < cfg.train.steps {
             let global = batches.global(step);
@@ -200,8 +202,11 @@ pub fn run<C: Comm + Send>(
                 .stop_on_signal
                 .then(crate::signals::stop_requested)
                 .flatten();
+            let t = Instant::now();
             let (secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, &mut verdict)?;
             comm_secs += secs;
+            let comm_time = std::time::Duration::from_secs_f64(secs);
+            clock.charge(Phase::Comm, comm_time);
             if first && chief {
                 let how = if cfg.overlap {
                     "one per layer, overlapped".to_string()
@@ -233,6 +238,8 @@ pub fn run<C: Comm + Send>(
                 g.iter_mut().for_each(|v| *v /= total);
                 opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
             }
+            clock.charge(Phase::Compute, t.elapsed().saturating_sub(comm_time));
+            clock.steps(1);
             step += 1;
             window_steps += 1;
             if step == 1 && cfg.perturb_rank == Some(w) {
@@ -250,6 +257,8 @@ pub fn run<C: Comm + Send>(
             }
             let every = cfg.train.log_every;
             if every > 0 && step.is_multiple_of(every) {
+                // Every replica's window, to the chief (all of them log at this step).
+                let ranks = gather_times(&coll, layout, comm.rank(), clock.take())?;
                 if chief {
                     let secs = window.elapsed().as_secs_f64().max(1e-9);
                     events(&Event::Step(StepLog {
@@ -258,6 +267,7 @@ pub fn run<C: Comm + Send>(
                         steps_per_sec: window_steps as f64 / secs,
                         samples_per_sec: (window_steps * cfg.train.batch as u64) as f64 / secs,
                         comm_fraction: Some(comm_secs / secs),
+                        ranks,
                     }));
                 }
                 (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
@@ -297,6 +307,41 @@ pub fn run<C: Comm + Send>(
         }
         Ok(())
     })
+}
+
+/// Every replica's phase times of the window closing now, named by world rank and task,
+/// with each rank's time in the reduction split into communication and waiting
+/// ([`phases::split_collective`]).
+fn gather_times<C: Comm>(
+    coll: &Collectives<C>,
+    layout: &Layout,
+    world_rank: usize,
+    mine: Times,
+) -> Result<Vec<RankTimes>, AllreduceError> {
+    let mut bytes = (world_rank as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&mine.to_bytes());
+    let mut all = vec![0u8; bytes.len() * coll.size()];
+    coll.allgather(&bytes, &mut all)?;
+    let (ranks, mut times): (Vec<usize>, Vec<Times>) = all
+        .chunks_exact(bytes.len())
+        .map(|c| {
+            let rank = u64::from_le_bytes(c[..8].try_into().expect("8 bytes")) as usize;
+            (rank, Times::from_bytes(&c[8..]).expect("Times::BYTES"))
+        })
+        .unzip();
+    phases::split_collective(&mut times);
+    Ok(ranks
+        .into_iter()
+        .zip(times)
+        .map(|(rank, times)| RankTimes {
+            rank,
+            task: layout
+                .ranks
+                .get(rank)
+                .map_or_else(|| format!("rank {rank}"), |r| r.task.to_string()),
+            times,
+        })
+        .collect())
 }
 
 fn write_checkpoint(

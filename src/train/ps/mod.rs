@@ -277,6 +277,69 @@ mod tests {
         assert!(worst < 1e-4, "largest relative difference {worst}");
     }
 
+    /// The chief's logged steps carry every rank's phase times: its own, the other
+    /// workers' (reported with their pushes) and the ps tasks' (with their pull replies);
+    /// sync, each logged window holds exactly its steps on every worker; async, every rank
+    /// is heard from and no step is counted twice.
+    #[test]
+    fn logged_steps_carry_every_ranks_phase_times() {
+        let data = Dataset::load("digits", 0).unwrap();
+        let (train, test) = data.split_holdout(1);
+        let mlp = crate::model::mlp(64, &[32], 10).unwrap();
+        let l = layout(4, 1); // ps:0, worker:0..2
+        for sync in [true, false] {
+            let mut c = cfg(60, sync);
+            c.train.log_every = 20;
+            let logs = LocalComm::run(4, |comm| {
+                let mut steps = Vec::new();
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |e| {
+                    if let Event::Step(s) = e {
+                        steps.push(s.clone())
+                    }
+                })
+                .unwrap();
+                steps
+            });
+            let logged: Vec<crate::train::StepLog> = logs.into_iter().flatten().collect();
+            assert_eq!(logged.len(), 3, "sync {sync}: {logged:?}");
+            let mut per_rank = std::collections::BTreeMap::<usize, (String, u64)>::new();
+            for s in &logged {
+                for r in &s.ranks {
+                    let t = &r.times;
+                    assert!(t.compute >= 0.0 && t.comm >= 0.0 && t.wait >= 0.0, "{r:?}");
+                    let e = per_rank.entry(r.rank).or_insert((r.task.clone(), 0));
+                    e.1 += t.steps;
+                }
+                if sync {
+                    // Every worker's window is the logged window: 20 steps each.
+                    let workers: Vec<u64> = (1..4)
+                        .map(|w| s.ranks.iter().find(|r| r.rank == w).unwrap().times.steps)
+                        .collect();
+                    assert_eq!(workers, [20, 20, 20], "{s:?}");
+                    let ps = s.ranks.iter().find(|r| r.rank == 0).unwrap();
+                    assert_eq!((ps.task.as_str(), ps.times.steps), ("ps:0", 20));
+                    assert!(ps.times.compute > 0.0, "the ps applied updates: {ps:?}");
+                }
+            }
+            let tasks: Vec<&str> = per_rank.values().map(|v| v.0.as_str()).collect();
+            assert_eq!(
+                tasks,
+                ["ps:0", "worker:0", "worker:1", "worker:2"],
+                "sync {sync}"
+            );
+            // Sync: every worker took each of the 60 steps, the ps made 60 updates. Async:
+            // the ps counts the updates it applied, the workers their own steps (60 in
+            // all); what was not reported by the last log line is not counted.
+            let worker_steps: Vec<u64> = (1..4).map(|w| per_rank[&w].1).collect();
+            if sync {
+                assert_eq!((worker_steps, per_rank[&0].1), (vec![60; 3], 60));
+            } else {
+                let sum: u64 = worker_steps.iter().sum();
+                assert!(sum <= 60 && per_rank[&0].1 <= 60, "{per_rank:?}");
+            }
+        }
+    }
+
     /// Payloads above the inline size travel as pieces (a variable of more than one piece
     /// too), sync and async, with a backup worker whose late pushes are taken and dropped:
     /// the parameters still equal local training's (async: one worker, the same updates in
@@ -325,7 +388,10 @@ mod tests {
             if comm.rank() == 2 {
                 // worker:1 waits for the chief's initialisation, then misbehaves before
                 // taking part: an unknown variable, a wrong length.
-                let pull = protocol::encode(&protocol::Request::Pull { step: 0 });
+                let pull = protocol::encode(&protocol::Request::Pull {
+                    step: 0,
+                    report: false,
+                });
                 let req = protocol::request_tag(&comm);
                 crate::transport::comm::send(&comm, &pull, 0, req).unwrap();
                 let reply = protocol::reply_tag(&comm);
@@ -340,6 +406,7 @@ mod tests {
                         loss: Some(0.0),
                         vars,
                         stop: None,
+                        times: None,
                     };
                     // A small payload rides in the header's message.
                     let m = protocol::encode_with(&push, &[&vec![0.0; n]]);

@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::placement::Shard;
+use crate::observe::phases::{RankTimes, Times};
 use crate::train::optim::Optimizer;
 use crate::transport::comm::Comm;
 use crate::transport::tags::Reserved;
@@ -49,8 +50,13 @@ pub enum Request {
     Init { setup: Setup },
     /// The chief: take `setup` and load this ps's shard of checkpoint `path`.
     Restore { setup: Setup, path: PathBuf },
-    /// The parameters once the global step is at least `step` (sync; async: at once).
-    Pull { step: u64 },
+    /// The parameters once the global step is at least `step` (sync; async: at once);
+    /// `report`: the chief asks for the phase times the ps gathered since it last asked.
+    Pull {
+        step: u64,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        report: bool,
+    },
     /// Gradients of `samples` samples computed at `step`; the payload is this ps's
     /// shards' gradients in the order of `vars` (`var@offset`, length).
     Push {
@@ -63,6 +69,10 @@ pub enum Request {
         /// ps announces the stop to every worker at the next step boundary.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stop: Option<i32>,
+        /// This worker's phase times since it last reported (to ps 0, which passes them
+        /// on to the chief).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        times: Option<Times>,
     },
     /// The chief: write this ps's shard into checkpoint staging directory `dir`.
     Save { dir: PathBuf },
@@ -90,6 +100,14 @@ pub enum Reply {
         loss: Option<f32>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stop: Option<i32>,
+        /// Microseconds the pull waited at the ps for its step (the other workers'
+        /// gradients, the update): the worker's waiting, not its communication.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        held_us: u64,
+        /// Asked by the chief's pull: this ps's own phase times, and those the workers
+        /// reported to it, since the chief last asked.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        reports: Vec<RankTimes>,
     },
     /// A gradient for a step already applied: dropped.
     Stale { step: u64 },
@@ -101,6 +119,10 @@ pub enum Reply {
     },
     /// The request failed, or training stops (an abort): why.
     Error { message: String },
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A loss as it travels: `None` if not finite.
@@ -247,10 +269,45 @@ mod tests {
             loss: finite(f32::NAN),
             vars: vec![("layer0/w@0".into(), 3)],
             stop: None,
+            times: None,
         };
         assert_eq!(decode::<Request>(&encode(&r)), Some(r.clone()));
-        // No stop: the field is left out, and a header without it reads as no stop.
-        assert!(!String::from_utf8_lossy(&encode(&r)).contains("stop"));
+        // No stop, no times: the fields are left out, and a header without them reads
+        // as none.
+        let text = String::from_utf8_lossy(&encode(&r)).to_string();
+        assert!(!text.contains("stop") && !text.contains("times"), "{text}");
+        let timed = Request::Push {
+            step: 7,
+            samples: 21,
+            loss: None,
+            vars: vec![],
+            stop: None,
+            times: Some(Times {
+                compute: 0.5,
+                steps: 3,
+                ..Times::default()
+            }),
+        };
+        assert_eq!(decode::<Request>(&encode(&timed)), Some(timed));
+        let params = Reply::Params {
+            step: 4,
+            loss: None,
+            stop: None,
+            held_us: 0,
+            reports: vec![],
+        };
+        // Nothing held, nothing reported, no report asked: the headers stay as they were.
+        let text = String::from_utf8_lossy(&encode(&params)).to_string();
+        assert!(
+            text.contains(r#"{"reply":"params","step":4,"loss":null}"#),
+            "{text}"
+        );
+        let pull = Request::Pull {
+            step: 1,
+            report: false,
+        };
+        let text = String::from_utf8_lossy(&encode(&pull)).to_string();
+        assert!(text.contains(r#"{"op":"pull","step":1}"#), "{text}");
         let done = Request::Done { stop: Some(10) };
         assert_eq!(decode::<Request>(&encode(&done)), Some(done));
         assert_eq!(r.payload(0), [3]);

@@ -49,6 +49,13 @@ impl Roles {
         })
     }
 
+    /// `worker:1`: the task of a rank (`rank 7` if it has none).
+    pub fn task_name(&self, rank: usize) -> String {
+        self.tasks
+            .get(&rank)
+            .map_or(format!("rank {rank}"), |t| t.to_string())
+    }
+
     /// `worker:1 (rank 2)`: how errors and logs name a rank.
     pub fn task(&self, rank: usize) -> String {
         self.tasks

@@ -25,15 +25,17 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::placement::DeviceSetter;
 use super::protocol::{Setup, SyncReplicas};
 use super::roles::Roles;
-use super::worker::Client;
+use super::worker::{Client, PushNote};
 use super::{shards, PsError};
 use crate::model::{Model, Replica};
+use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::train::events::Event;
 use crate::train::optim::{Optimizer, OptimizerKind};
 use crate::train::StepLog;
@@ -126,7 +128,21 @@ pub struct MonitoredSession<'s, 'e, C: Comm> {
     last_ckpt: (u64, Instant),
     /// Global steps and samples since the last log line, and since when.
     window: (u64, u64, Instant),
+    /// This worker's phase times since it last reported them (the chief: logged them).
+    clock: Clock,
+    /// The global step and the time this worker last reported its times (the chief:
+    /// asked for the others').
+    reported: (u64, Instant),
+    /// The chief: the other ranks' times heard since the last log line, by rank.
+    heard: BTreeMap<usize, RankTimes>,
+    /// The chief, synchronous: its own window, closed where the workers close theirs.
+    mine: Option<Times>,
 }
+
+/// In asynchronous training a worker reports its phase times, and the chief asks for
+/// them, once a log step passed since it last did, or this often (synchronous workers
+/// report with the push before each logged step, so every window holds the same steps).
+const REPORT_EVERY: Duration = Duration::from_millis(250);
 
 impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     /// Starts this worker's session (`roles` says which worker; worker 0 is the chief).
@@ -168,6 +184,10 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             }),
             last_ckpt: (0, Instant::now()),
             window: (0, 0, Instant::now()),
+            clock: Clock::new(),
+            reported: (0, Instant::now()),
+            heard: BTreeMap::new(),
+            mine: None,
         };
         if sess.chief {
             sess.emit(&Event::Placement(super::placement::report(
@@ -181,10 +201,12 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 return Err(e);
             }
         }
-        let pulled = sess.client.pull(0, &mut sess.replica.params)?;
+        let pulled = sess.client.pull(0, false, &mut sess.replica.params)?;
         sess.step = pulled.step;
         sess.last_ckpt = (pulled.step, Instant::now());
         sess.window = (0, 0, Instant::now());
+        sess.clock = Clock::new();
+        sess.reported = (pulled.step, Instant::now());
         Ok(sess)
     }
 
@@ -279,6 +301,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     }
 
     fn step_once(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
+        let t = Instant::now();
         let loss = self
             .replica
             .gradients_into(x, y, &mut self.grads)
@@ -294,14 +317,54 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             .stop_on_signal
             .then(crate::signals::stop_requested)
             .flatten();
+        let t = self.clock.since(Phase::Compute, t);
+        self.clock.steps(1);
+        // Phase times go out with the push of the step before each logged step
+        // (synchronous: every worker's window then holds the same steps; the chief keeps
+        // its own for the log line), or every REPORT_EVERY (asynchronous).
+        let every = self.opts.log_every;
+        let report = every > 0
+            && match self.opts.sync {
+                Some(_) => (self.step + 1).is_multiple_of(every),
+                None => {
+                    self.step / every > self.reported.0 / every
+                        || self.reported.1.elapsed() >= REPORT_EVERY
+                }
+            };
+        let mut times = None;
+        if report {
+            self.reported = (self.step, Instant::now());
+            if self.opts.sync.is_some() || !self.chief {
+                times = Some(self.clock.take());
+            }
+        }
+        if self.chief {
+            self.mine = self.mine.or(times.take());
+        }
+        let note = PushNote { stop: noted, times };
         self.client
-            .push(self.step, y.len(), loss, &mut self.grads, noted)?;
+            .push(self.step, y.len(), loss, &mut self.grads, note)?;
+        let t = self.clock.since(Phase::Comm, t);
         let want = if self.opts.sync.is_some() {
             self.step + 1
         } else {
             0
         };
-        let pulled = self.client.pull(want, &mut self.replica.params)?;
+        let ask = report && self.chief;
+        let pulled = self.client.pull(want, ask, &mut self.replica.params)?;
+        // The time the pull waited at the ps tasks is waiting; the rest, communication.
+        let took = t.elapsed();
+        let held = pulled.held.min(took);
+        self.clock.charge(Phase::Wait, held);
+        self.clock.charge(Phase::Comm, took - held);
+        for r in pulled.reports {
+            match self.heard.get_mut(&r.rank) {
+                Some(h) => h.times.add(&r.times),
+                None => {
+                    self.heard.insert(r.rank, r);
+                }
+            }
+        }
         let (next, applied_loss) = (pulled.step, pulled.loss);
         self.signal = self.signal.or(pulled.stop);
         let prev = std::mem::replace(&mut self.step, next);
@@ -335,6 +398,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 steps_per_sec: self.window.0 as f64 / secs,
                 samples_per_sec: self.window.1 as f64 / secs,
                 comm_fraction: None,
+                ranks: self.ranks(),
             };
             self.emit(&Event::Step(log));
             self.window = (0, 0, Instant::now());
@@ -349,6 +413,19 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             self.checkpoint()?;
         }
         Ok(())
+    }
+
+    /// The chief's times and those heard from the other ranks since the last log line,
+    /// in rank order.
+    fn ranks(&mut self) -> Vec<RankTimes> {
+        let me = self.client.comm.rank();
+        let mine = RankTimes {
+            rank: me,
+            task: self.client.roles.task_name(me),
+            times: self.mine.take().unwrap_or_else(|| self.clock.take()),
+        };
+        self.heard.insert(me, mine);
+        std::mem::take(&mut self.heard).into_values().collect()
     }
 
     fn checkpoint(&mut self) -> Result<(), PsError> {

@@ -16,6 +16,7 @@ use super::wire::{
     Received, Sent,
 };
 use super::PsError;
+use crate::observe::phases::{RankTimes, Times};
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, TransportError};
 
@@ -215,12 +216,18 @@ impl<'a, C: Comm> Client<'a, C> {
     /// smallest over the ps tasks), the loss of the update that made it and whether the
     /// job stops there. On an error `params` is given up (MPI may still write it) and
     /// left empty.
-    pub fn pull(&self, step: u64, params: &mut Vec<Tensor>) -> Result<Pulled, PsError> {
-        let pulled = self.pull_into(step, params);
+    /// `report`: the ps tasks add the phase times they gathered (the chief's pulls).
+    pub fn pull(
+        &self,
+        step: u64,
+        report: bool,
+        params: &mut Vec<Tensor>,
+    ) -> Result<Pulled, PsError> {
+        let pulled = self.pull_into(step, report, params);
         pulled.inspect_err(|_| give_up(params))
     }
 
-    fn pull_into(&self, step: u64, params: &mut [Tensor]) -> Result<Pulled, PsError> {
+    fn pull_into(&self, step: u64, report: bool, params: &mut [Tensor]) -> Result<Pulled, PsError> {
         let mut places = self.places(params);
         let data = payload_tag(self.comm);
         // Each ps's payload, its shards, comes with its reply or follows it in pieces: into
@@ -257,16 +264,27 @@ impl<'a, C: Comm> Client<'a, C> {
                 }),
             }
         };
-        let replies = self.round_then(|_| Request::Pull { step }, |_| Vec::new(), take)?;
+        let replies = self.round_then(|_| Request::Pull { step, report }, |_| Vec::new(), take)?;
         let mut pulled = Pulled {
             step: u64::MAX,
             loss: f32::NAN,
             stop: None,
+            held: Duration::ZERO,
+            reports: Vec::new(),
         };
-        for (k, reply) in replies.iter().enumerate() {
-            if let Reply::Params { step, loss, stop } = reply {
-                pulled.step = pulled.step.min(*step);
-                pulled.stop = pulled.stop.or(*stop);
+        for (k, reply) in replies.into_iter().enumerate() {
+            if let Reply::Params {
+                step,
+                loss,
+                stop,
+                held_us,
+                reports,
+            } = reply
+            {
+                pulled.step = pulled.step.min(step);
+                pulled.stop = pulled.stop.or(stop);
+                pulled.held += Duration::from_micros(held_us);
+                pulled.reports.extend(reports);
                 if k == 0 {
                     pulled.loss = loss.unwrap_or(f32::NAN);
                 }
@@ -276,8 +294,8 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     /// Pushes gradients `grads` (per variable) of `samples` samples computed at `step`,
-    /// sent from where they are; `stop`: a stop signal this worker noted, for the ps
-    /// tasks to announce. On an error `grads` is given up (MPI may still read it) and
+    /// sent from where they are; `note`: a stop signal this worker noted, for the ps
+    /// tasks to announce, and its phase times. On an error `grads` is given up (MPI may still read it) and
     /// left empty.
     pub fn push(
         &self,
@@ -285,7 +303,7 @@ impl<'a, C: Comm> Client<'a, C> {
         samples: usize,
         loss: f32,
         grads: &mut Vec<Tensor>,
-        stop: Option<i32>,
+        note: PushNote,
     ) -> Result<(), PsError> {
         let r = self.round(
             |k| Request::Push {
@@ -293,7 +311,8 @@ impl<'a, C: Comm> Client<'a, C> {
                 samples,
                 loss: finite(loss),
                 vars: self.vars_of(k),
-                stop,
+                stop: note.stop,
+                times: note.times.filter(|_| k == 0),
             },
             |k| self.gather(k, grads),
         );
@@ -349,7 +368,7 @@ impl<'a, C: Comm> Client<'a, C> {
 }
 
 /// What a pull brought besides the parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pulled {
     /// The global step of the parameters (the smallest over the ps tasks).
     pub step: u64,
@@ -357,6 +376,19 @@ pub struct Pulled {
     pub loss: f32,
     /// The job stops at this step, asked by this signal (any ps's word).
     pub stop: Option<i32>,
+    /// How long the pull waited at the ps tasks for its step (summed over them).
+    pub held: Duration,
+    /// Phase times the ps tasks gathered, if asked for.
+    pub reports: Vec<RankTimes>,
+}
+
+/// What a push tells the ps tasks besides the gradients.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PushNote {
+    /// A stop signal this worker noted (the ps tasks announce the stop).
+    pub stop: Option<i32>,
+    /// This worker's phase times since it last reported (ps 0 passes them to the chief).
+    pub times: Option<Times>,
 }
 
 /// Tensors MPI may still read or write (a transfer that did not complete): their memory

@@ -9,6 +9,7 @@ use mpiflow::train::resources;
 use super::resolve_with;
 use crate::args::{Mode, ModelChoice, TrainArgs};
 use crate::out::{emit, say, Failure};
+use crate::report::{self, Reporter};
 
 pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::{data::Dataset, train_local, TrainConfig};
@@ -36,12 +37,24 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
-    let mut print = |e: &Event| emit(&format!("{e}\n"));
-    let report = match train_local(&model, &cfg, &train, &test, &mut print) {
-        Err(mpiflow::train::FinishError::Stopped(s)) => return Err(Failure::stopped(&s, true)),
+    let metrics = report::metrics_file(args.metrics.as_deref(), true).map_err(Failure::local)?;
+    let mut reporter = Reporter::new(cfg.steps, args.progress, metrics, true);
+    let trained = train_local(&model, &cfg, &train, &test, &mut |e| reporter.event(e));
+    let report = match trained {
+        Err(mpiflow::train::FinishError::Stopped(s)) => {
+            drop(reporter);
+            return Err(Failure::stopped(&s, true));
+        }
         r => r.map_err(Failure::local)?,
     };
     let correct = (report.accuracy * report.test_samples as f64).round() as usize;
+    reporter.record(&Event::Accuracy {
+        accuracy: report.accuracy,
+        correct,
+        total: report.test_samples,
+        step: report.steps,
+    });
+    drop(reporter);
     emit(&format!(
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
         report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
@@ -154,6 +167,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         resources::share(count).as_ref(),
     ))
     .map_err(|e| Failure::agreed(e, &ctx))?;
+    // The chief reports (and writes the metrics); the others only with --verbose.
+    let chief = layout.spec.worker_id(&me.task) == Some(0);
+    let metrics = ctx
+        .agree(report::metrics_file(args.metrics.as_deref(), chief))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    let mut reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
     if ctx.rank() == 0 {
         let mode = match args.mode {
             Mode::Ps if args.async_ => "ps, async",
@@ -183,7 +202,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
-    let mut log = |e: &Event| emit(&format!("{e}\n"));
+    let mut log = |e: &Event| reporter.event(e);
     let result = match args.mode {
         Mode::Ps => {
             let cfg = PsConfig {
@@ -208,7 +227,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                     // The chief names the checkpoint it wrote.
                     let chief =
                         ps::Roles::new(layout).map(|r| r.workers.first() == Some(&ctx.rank()));
-                    drop(comm);
+                    drop((comm, reporter));
                     return Err(Failure::stopped(&s, chief.unwrap_or(false)));
                 }
                 r => r.map_err(|e| e.to_string()),
@@ -227,18 +246,19 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             };
             match allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
                 Err(allreduce::AllreduceError::Stopped(s)) => {
-                    drop(comm);
+                    drop((comm, reporter));
                     return Err(Failure::stopped(&s, ctx.rank() == 0));
                 }
                 // The same error on every replica at the same step: one line, from rank 0.
                 Err(e) if e.is_agreed() => {
-                    drop(comm);
+                    drop((comm, reporter));
                     return Err(Failure::agreed(e, &ctx));
                 }
                 r => r.map_err(|e| e.to_string()),
             }
         }
     };
+    drop(reporter);
     if let Err(e) = result {
         // Peers may be gone or waiting: no collective and no MPI_Finalize, which could
         // wait for a dead rank; exiting non-zero ends the job.

@@ -374,6 +374,8 @@ fn step_event(
         steps_per_sec: steps as f64 / secs,
         samples_per_sec: (steps * per_step as u64) as f64 / secs,
         comm_fraction: None,
+        // The one-sided ps gathers no phase times yet.
+        ranks: Vec::new(),
     })
 }
 

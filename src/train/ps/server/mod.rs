@@ -29,16 +29,19 @@ use std::time::{Duration, Instant};
 
 use super::placement::Shard;
 use super::protocol::{
-    decode_with, encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag,
-    pieces, read_inline, reply_tag, request_tag, Reply, Request, Setup, PIECE_FLOATS,
+    decode_with, encode, encode_with, f32_bytes, finite, inline, payload_tag, reply_tag,
+    request_tag, Reply, Request, Setup, PIECE_FLOATS,
 };
 use super::roles::Roles;
 use super::store::Store;
-use super::wire::{notify, receive_all_within, send_all_within, send_within, Received, Sent};
+use super::wire::{notify, send_all_within, send_within, Sent};
 use super::{shards, PsError};
+use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
+
+mod payload;
 
 /// Serves ps task `k` (this rank) until every worker is done. The error names the lost
 /// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
@@ -96,8 +99,8 @@ struct Server<'a, C: Comm> {
     sync: Option<usize>,
     global_step: u64,
     initialized: bool,
-    /// Parked pulls: (worker rank, step wanted).
-    pending: Vec<(usize, u64)>,
+    /// Parked pulls.
+    pending: Vec<Parked>,
     /// Workers whose gradient for the current step arrived, with its samples and loss.
     accum: BTreeMap<usize, Pushed>,
     /// Per worker, its gradient for the current step, received there.
@@ -118,6 +121,20 @@ struct Server<'a, C: Comm> {
     done: Vec<bool>,
     heard: Vec<Instant>,
     timeout: Duration,
+    /// This ps's own phase times since the chief last asked.
+    clock: Clock,
+    /// The workers' phase times reported to this ps since the chief last asked, by rank.
+    reports: BTreeMap<usize, Times>,
+}
+
+/// A pull waiting for its step.
+#[derive(Debug, Clone, Copy)]
+struct Parked {
+    from: usize,
+    step: u64,
+    since: Instant,
+    /// The chief asks for the phase times gathered here.
+    report: bool,
 }
 
 impl<'a, C: Comm> Server<'a, C> {
@@ -146,6 +163,8 @@ impl<'a, C: Comm> Server<'a, C> {
             done: vec![false; nw],
             heard: vec![Instant::now(); nw],
             timeout,
+            clock: Clock::new(),
+            reports: BTreeMap::new(),
         }
     }
 
@@ -289,28 +308,45 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn answer_pending(&mut self) -> Result<(), PsError> {
-        let (ready, waiting): (Vec<_>, Vec<_>) =
-            self.pending.iter().partition(|(_, s)| self.ready(*s));
+        let (ready, waiting): (Vec<Parked>, Vec<Parked>) =
+            self.pending.iter().partition(|p| self.ready(p.step));
         self.pending = waiting;
         if ready.is_empty() {
             return Ok(());
         }
-        // Every ready pull at once: the header, then the parameters from their memory
-        // (small ones in the header's message).
-        let params = Reply::Params {
-            step: self.global_step,
-            loss: finite(self.last_loss),
-            stop: self.announced_stop(),
-        };
+        // Every ready pull at once: its header (how long it waited; the chief's, the phase
+        // times), then the parameters from their memory (small ones in the header's
+        // message).
+        let mut reports: Vec<Vec<RankTimes>> = ready
+            .iter()
+            .map(|p| match p.report {
+                true => self.take_reports(),
+                false => Vec::new(),
+            })
+            .collect();
         let shards = self.store.shards();
         let small = inline(shards.iter().map(|s| s.len()));
-        let header = match small {
-            true => encode_with(&params, &shards),
-            false => encode(&params),
-        };
+        let headers: Vec<Vec<u8>> = ready
+            .iter()
+            .zip(&mut reports)
+            .map(|(p, reports)| {
+                let params = Reply::Params {
+                    step: self.global_step,
+                    loss: finite(self.last_loss),
+                    stop: self.announced_stop(),
+                    held_us: p.since.elapsed().as_micros() as u64,
+                    reports: std::mem::take(reports),
+                };
+                match small {
+                    true => encode_with(&params, &shards),
+                    false => encode(&params),
+                }
+            })
+            .collect();
         let (rep, data) = (reply_tag(self.comm), payload_tag(self.comm));
         let mut out = Vec::new();
-        for (to, _) in &ready {
+        for (header, p) in headers.iter().zip(&ready) {
+            let to = &p.from;
             out.push((&header[..], *to, rep));
             if small {
                 continue;
@@ -326,133 +362,14 @@ impl<'a, C: Comm> Server<'a, C> {
         // Sends may still be in flight: MPI may read the parameters' memory and the
         // header for as long as the process lives.
         drop(out);
-        std::mem::forget(header);
+        std::mem::forget(headers);
         std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
         let to = match sent? {
             Sent::TimedOut { to } => to,
             // No peer is watched: nothing interrupts.
-            Sent::Done | Sent::Interrupted(_) => ready[0].0,
+            Sent::Done | Sent::Interrupted(_) => ready[0].from,
         };
         Err(self.lose(to))
-    }
-
-    /// Takes the payload of worker rank `from`'s request, parts of lengths `lens`, into
-    /// `into`: from `inline_bytes` (the header's message) if it is small, else received as
-    /// pieces. A payload that does not arrive in time loses the worker; one of the wrong
-    /// shape is an error to it (`Ok(Err(message))`).
-    fn take_payload(
-        &mut self,
-        from: usize,
-        lens: &[usize],
-        inline_bytes: &[u8],
-        into: Dest,
-    ) -> Result<Result<(), String>, PsError> {
-        if inline(lens.iter().copied()) {
-            return Ok(self.take_inline(lens, inline_bytes, into));
-        }
-        let (tag, deadline) = (payload_tag(self.comm), self.timeout);
-        let received = match into {
-            Dest::Params | Dest::Staged(_) => {
-                let dst = match into {
-                    Dest::Staged(w) => {
-                        self.staged[w].resize(self.store.len(), 0.0);
-                        &mut self.staged[w][..]
-                    }
-                    _ => self.store.all_mut(),
-                };
-                let mut incoming = Vec::new();
-                let mut rest = dst;
-                for len in lens {
-                    let (part, after) = std::mem::take(&mut rest).split_at_mut(*len);
-                    rest = after;
-                    for piece in part.chunks_mut(PIECE_FLOATS) {
-                        incoming.push((f32_bytes_mut(piece), from, tag));
-                    }
-                }
-                let r = receive_all_within(self.comm, &mut incoming, deadline);
-                drop(incoming);
-                self.kept_alive_unless_done(r)?
-            }
-            Dest::Apply | Dest::Drop => {
-                let apply = matches!(into, Dest::Apply);
-                let ts: Vec<u64> = self.slots.iter().map(|s| s.t + 1).collect();
-                self.piece.resize(PIECE_FLOATS, 0.0);
-                let mut outcome = Received::Done;
-                for p in pieces(lens.iter().copied()) {
-                    let n = p.range.len();
-                    let r = {
-                        let mut one = [(f32_bytes_mut(&mut self.piece[..n]), from, tag)];
-                        receive_all_within(self.comm, &mut one, deadline)
-                    };
-                    outcome = self.kept_alive_unless_done(r)?;
-                    if outcome != Received::Done {
-                        break;
-                    }
-                    if apply {
-                        let at = self.store.range(p.part).start + p.range.start;
-                        let param = &mut self.store.all_mut()[at..at + n];
-                        let slots = &mut self.slots[p.part];
-                        let t = ts[p.part];
-                        self.opt
-                            .apply_part(param, &self.piece[..n], slots, p.range.start, t);
-                    }
-                }
-                if apply && outcome == Received::Done {
-                    self.slots.iter_mut().zip(ts).for_each(|(s, t)| s.t = t);
-                }
-                outcome
-            }
-        };
-        match received {
-            Received::Done => Ok(Ok(())),
-            Received::TimedOut { from } => Err(self.lose(from)),
-            Received::Length { want, .. } => Ok(Err(format!(
-                "a payload piece is not the {want} bytes its header declares"
-            ))),
-        }
-    }
-
-    /// [`Server::take_payload`] of a payload that came in its header's message.
-    fn take_inline(&mut self, lens: &[usize], bytes: &[u8], into: Dest) -> Result<(), String> {
-        let total: usize = lens.iter().sum();
-        if bytes.len() != 4 * total {
-            return Err(format!(
-                "the request carries {} floats where its header declares {total}",
-                bytes.len() / 4
-            ));
-        }
-        let dst = match into {
-            Dest::Drop => return Ok(()),
-            Dest::Params => self.store.all_mut(),
-            Dest::Staged(w) => {
-                self.staged[w].resize(total, 0.0);
-                &mut self.staged[w][..]
-            }
-            Dest::Apply => {
-                self.piece.resize(total, 0.0);
-                &mut self.piece[..total]
-            }
-        };
-        read_inline(bytes, [dst]);
-        if let Dest::Apply = into {
-            apply_all(&self.opt, &mut self.store, &mut self.slots, &self.piece);
-        }
-        Ok(())
-    }
-
-    /// A receive's outcome; if receives may still be in flight, the memory they write is
-    /// kept alive for the rest of the process (this ps stops).
-    fn kept_alive_unless_done(
-        &mut self,
-        r: Result<Received, crate::transport::comm::TransportError>,
-    ) -> Result<Received, PsError> {
-        // A wrong length completed every receive; a timeout or an error may not have.
-        if matches!(r, Ok(Received::TimedOut { .. }) | Err(_)) {
-            std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
-            std::mem::forget(std::mem::take(&mut self.staged));
-            std::mem::forget(std::mem::take(&mut self.piece));
-        }
-        Ok(r?)
     }
 
     /// Handles one request, whose header arrived in `inbox` (its payload, if any, follows
@@ -495,8 +412,13 @@ impl<'a, C: Comm> Server<'a, C> {
                     Err(e) => self.error(from, e),
                 }
             }
-            Request::Pull { step } => {
-                self.pending.push((from, step));
+            Request::Pull { step, report } => {
+                self.pending.push(Parked {
+                    from,
+                    step,
+                    since: Instant::now(),
+                    report,
+                });
                 self.answer_pending()
             }
             Request::Push {
@@ -504,10 +426,14 @@ impl<'a, C: Comm> Server<'a, C> {
                 samples,
                 loss,
                 stop,
+                times,
                 ..
             } => {
                 if let Some(signal) = stop {
                     self.note_stop(signal);
+                }
+                if let Some(t) = times {
+                    self.reports.entry(from).or_default().add(&t);
                 }
                 let verdict = self.judge(w, step, &request);
                 let into = match &verdict {
@@ -527,6 +453,7 @@ impl<'a, C: Comm> Server<'a, C> {
                     }
                     Verdict::Apply => {
                         self.global_step += 1;
+                        self.clock.steps(1);
                         self.last_loss = loss;
                         self.ok(from)?;
                         self.answer_pending()
@@ -603,6 +530,7 @@ impl<'a, C: Comm> Server<'a, C> {
     /// (the gradient of the combined batch), summed in worker order (the same bits
     /// whatever order the pushes arrived in) from where they were received.
     fn apply_accumulated(&mut self) {
+        let t = Instant::now();
         let total: f32 = self.accum.values().map(|a| a.0).sum();
         let loss = self.accum.values().map(|(n, l)| l * n / total).sum();
         for (k, (&w, &(n, _))) in self.accum.iter().enumerate() {
@@ -619,6 +547,28 @@ impl<'a, C: Comm> Server<'a, C> {
         apply_all(&self.opt, &mut self.store, &mut self.slots, &self.sum);
         self.global_step += 1;
         self.last_loss = loss;
+        self.clock.since(Phase::Compute, t);
+        self.clock.steps(1);
+    }
+
+    /// This ps's phase times and the workers' reported to it, since the chief last asked.
+    fn take_reports(&mut self) -> Vec<RankTimes> {
+        let me = self.comm.rank();
+        let mut out = vec![RankTimes {
+            rank: me,
+            task: self.roles.task_name(me),
+            times: self.clock.take(),
+        }];
+        out.extend(
+            std::mem::take(&mut self.reports)
+                .into_iter()
+                .map(|(rank, times)| RankTimes {
+                    rank,
+                    task: self.roles.task_name(rank),
+                    times,
+                }),
+        );
+        out
     }
 
     fn snapshot(&self) -> checkpoint::Arrays {
@@ -682,6 +632,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 self.note_stop(signal);
             }
             let mut inbox = std::mem::take(&mut self.inbox);
+            let t = Instant::now();
             let got = match self.comm.try_receive_into(
                 ANY_SOURCE,
                 request_tag(self.comm),
@@ -691,10 +642,16 @@ impl<'a, C: Comm> Server<'a, C> {
                 Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
                 other => other?,
             };
+            // Handling a request is communication but for the updates it makes (compute,
+            // charged where they are made); polling for one is waiting.
+            let computed = self.clock.peek().compute;
             let handled = got.map(|from| self.handle(from, &inbox));
             self.inbox = inbox;
             match handled {
                 Some(handled) => {
+                    let d = t.elapsed().as_secs_f64() - (self.clock.peek().compute - computed);
+                    self.clock
+                        .charge(Phase::Comm, std::time::Duration::from_secs_f64(d.max(0.0)));
                     backoff.reset();
                     handled?;
                 }
@@ -703,6 +660,7 @@ impl<'a, C: Comm> Server<'a, C> {
                         return Err(self.lose(self.roles.workers[w]));
                     }
                     backoff.idle();
+                    self.clock.since(Phase::Wait, t);
                 }
             }
         }

@@ -1,0 +1,154 @@
+//! What `mpiflow train` shows and records of a run: the chief's lines and progress, the
+//! metrics file; the other ranks stay quiet but for warnings, unless `--verbose`.
+
+use std::io::IsTerminal;
+use std::path::Path;
+
+use mpiflow::observe::metrics::{MetricsError, MetricsFile};
+use mpiflow::observe::progress::{Progress, Style, Tick};
+use mpiflow::train::events::Event;
+
+use crate::args::ProgressArg;
+use crate::out::{emit, say};
+
+/// One rank's reporter.
+pub(crate) struct Reporter {
+    progress: Progress,
+    metrics: Option<MetricsFile>,
+    /// This rank prints its events (the chief, or any rank with `--verbose`).
+    speaks: bool,
+}
+
+impl Reporter {
+    /// A reporter of a run to `total` steps; `metrics`: the chief's metrics file.
+    pub(crate) fn new(
+        total: u64,
+        progress: ProgressArg,
+        metrics: Option<MetricsFile>,
+        speaks: bool,
+    ) -> Self {
+        Reporter {
+            progress: Progress::new(total, style(progress)),
+            metrics,
+            speaks,
+        }
+    }
+
+    /// Prints and records one event.
+    pub(crate) fn event(&mut self, e: &Event) {
+        if let Some(m) = &mut self.metrics {
+            if let Some(r) = e.record(m.wall_s()) {
+                if let Err(err) = m.write(&r) {
+                    // A full disk must not end a long run: say so once, train on.
+                    say!("mpiflow: warning: {err}; no more metrics are written");
+                    self.metrics = None;
+                }
+            }
+        }
+        let text = match e {
+            _ if !self.speaks && !matches!(e, Event::Warning(_)) => return,
+            Event::Step(s) => self.progress.step(&Tick {
+                step: s.step,
+                loss: s.loss,
+                steps_per_sec: s.steps_per_sec,
+                samples_per_sec: s.samples_per_sec,
+                line: &s.line(),
+            }),
+            // The evaluation ends the run: the live line stays as it is, above it.
+            Event::Accuracy { .. } => format!("{}{e}\n", self.progress.finish()),
+            other => self.progress.line(&other.to_string()),
+        };
+        emit(&text);
+    }
+
+    /// Records an event in the metrics file without printing it (what the command
+    /// prints its own way).
+    pub(crate) fn record(&mut self, e: &Event) {
+        let speaks = std::mem::replace(&mut self.speaks, false);
+        self.event(e);
+        self.speaks = speaks;
+    }
+}
+
+impl Drop for Reporter {
+    /// Ends the live line, so what follows (the result, an error) starts a line of its own.
+    fn drop(&mut self) {
+        let end = self.progress.finish();
+        if !end.is_empty() {
+            emit(&end);
+        }
+    }
+}
+
+/// The chief's metrics file, created now (`None` without `--metrics` or on other ranks).
+pub(crate) fn metrics_file(
+    path: Option<&Path>,
+    chief: bool,
+) -> Result<Option<MetricsFile>, MetricsError> {
+    match path {
+        Some(p) if chief => MetricsFile::create(p).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// `--progress` as shown here: `auto` is live when the output ends on a terminal: under an
+/// MPI launcher, when the `mpirun` (or `mpiexec`) that started this rank on this host
+/// writes to one (it passes the bytes on as they come; the rank's own output is a
+/// pseudo-terminal of OpenMPI's whatever mpirun's is), otherwise when this process's
+/// output is one. Elsewhere (a batch job's log, a pipe, srun) plain lines.
+fn style(arg: ProgressArg) -> Style {
+    let live = match arg {
+        ProgressArg::Live => true,
+        ProgressArg::Lines => false,
+        ProgressArg::Auto => match launcher_output() {
+            Some(tty) => tty,
+            None if under_mpi() => false,
+            None => std::io::stdout().is_terminal(),
+        },
+    };
+    if live {
+        Style::Live
+    } else {
+        Style::Lines
+    }
+}
+
+/// Whether an MPI launcher started this process (its variables are set).
+fn under_mpi() -> bool {
+    [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "SLURM_STEP_ID",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Whether the MPI launcher among this process's ancestors (three generations) writes to
+/// a terminal; `None` if there is none (Linux's /proc; none where it cannot tell).
+fn launcher_output() -> Option<bool> {
+    const LAUNCHERS: [&str; 5] = ["mpirun", "mpiexec", "orterun", "prterun", "mpiexec.hydra"];
+    let parent = |pid: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // `pid (comm) state ppid ...`: comm may hold spaces, so read after its ')'.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    let mut pid = std::process::id();
+    for _ in 0..3 {
+        let p = parent(pid).filter(|p| *p > 1)?;
+        pid = p;
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if LAUNCHERS.contains(&comm.trim()) {
+            let out = std::fs::read_link(format!("/proc/{pid}/fd/1")).unwrap_or_default();
+            let out = out.to_string_lossy();
+            return Some(out.starts_with("/dev/pts/") || out.starts_with("/dev/tty"));
+        }
+    }
+    None
+}

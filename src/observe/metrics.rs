@@ -1,0 +1,449 @@
+//! The metrics file (`mpiflow train --metrics FILE`): per logged step the loss, the
+//! throughput and every rank's time by phase, and each evaluation's accuracy; CSV or JSON
+//! lines by the file's extension. The chief writes each record as it comes, in one write
+//! (a killed run keeps every record it wrote); [`read`] reads either format back
+//! (`mpiflow plot`).
+//!
+//! CSV has one row per rank of a logged step (the step's columns repeated), or one row
+//! with empty rank columns when the step carries no rank times, and one row per
+//! evaluation:
+//!
+//! ```text
+//! kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps
+//! step,250,0.412,0.5312,607.2,38861,,,,0,worker:0,0.301,0.052,0.031,0.028,250
+//! eval,1500,2.484,,,,0.9666,348,360,,,,,,,
+//! ```
+//!
+//! JSON lines hold one [`Record`] per line, as serde writes it.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::phases::{RankTimes, Times};
+
+/// One record of a metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// A logged step: the global step, seconds since the run started, the loss (`None`
+    /// if not finite or unknown), the window's rates and each rank's times in it.
+    Step {
+        step: u64,
+        wall_s: f64,
+        loss: Option<f32>,
+        steps_per_sec: f64,
+        samples_per_sec: f64,
+        #[serde(default)]
+        ranks: Vec<RankTimes>,
+    },
+    /// An evaluation on the held-out samples.
+    Eval {
+        step: u64,
+        wall_s: f64,
+        accuracy: f64,
+        correct: usize,
+        total: usize,
+    },
+}
+
+impl Record {
+    /// The global step the record is of.
+    pub fn step(&self) -> u64 {
+        match self {
+            Record::Step { step, .. } | Record::Eval { step, .. } => *step,
+        }
+    }
+
+    /// Seconds since the run started.
+    pub fn wall_s(&self) -> f64 {
+        match self {
+            Record::Step { wall_s, .. } | Record::Eval { wall_s, .. } => *wall_s,
+        }
+    }
+}
+
+/// The two formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Csv,
+    JsonLines,
+}
+
+impl Format {
+    /// The format a file's name asks for: `.csv`, or `.jsonl` (also `.ndjson`, `.json`).
+    pub fn of(path: &Path) -> Result<Format, MetricsError> {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("csv") => Ok(Format::Csv),
+            Some("jsonl" | "ndjson" | "json") => Ok(Format::JsonLines),
+            _ => Err(MetricsError::Extension(path.to_path_buf())),
+        }
+    }
+}
+
+/// Errors of metrics files.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("metrics file {0}: name it .csv or .jsonl (the extension picks the format)")]
+    Extension(PathBuf),
+    #[error("metrics file {path}: cannot create it: {source}")]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("metrics file {path}: cannot write: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("metrics file {path}: cannot read: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("metrics file {path}, line {line}: {why}")]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        why: String,
+    },
+}
+
+const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps\n";
+
+/// A metrics file being written.
+#[derive(Debug)]
+pub struct MetricsFile {
+    path: PathBuf,
+    file: File,
+    format: Format,
+    start: Instant,
+}
+
+impl MetricsFile {
+    /// Creates (or truncates) `path`, in the format its extension names; the run's clock
+    /// starts now.
+    pub fn create(path: &Path) -> Result<MetricsFile, MetricsError> {
+        let format = Format::of(path)?;
+        let file = File::create(path).map_err(|source| MetricsError::Create {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut m = MetricsFile {
+            path: path.to_path_buf(),
+            file,
+            format,
+            start: Instant::now(),
+        };
+        if format == Format::Csv {
+            m.write_text(CSV_HEADER)?;
+        }
+        Ok(m)
+    }
+
+    /// Seconds since the file was created.
+    pub fn wall_s(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Appends `r`, in one write.
+    pub fn write(&mut self, r: &Record) -> Result<(), MetricsError> {
+        let text = match self.format {
+            Format::Csv => csv_rows(r),
+            Format::JsonLines => {
+                let mut s = serde_json::to_string(r).expect("a record serializes");
+                s.push('\n');
+                s
+            }
+        };
+        self.write_text(&text)
+    }
+
+    fn write_text(&mut self, text: &str) -> Result<(), MetricsError> {
+        self.file
+            .write_all(text.as_bytes())
+            .map_err(|source| MetricsError::Write {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_default()
+}
+
+/// `r` as CSV rows.
+fn csv_rows(r: &Record) -> String {
+    match r {
+        Record::Step {
+            step,
+            wall_s,
+            loss,
+            steps_per_sec,
+            samples_per_sec,
+            ranks,
+        } => {
+            let head = format!(
+                "step,{step},{wall_s:.6},{},{steps_per_sec:.3},{samples_per_sec:.3},",
+                opt(*loss)
+            );
+            if ranks.is_empty() {
+                return format!("{head},,,,,,,,,\n");
+            }
+            ranks
+                .iter()
+                .map(|rt| {
+                    let t = &rt.times;
+                    format!(
+                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{}\n",
+                        rt.rank,
+                        csv_field(&rt.task),
+                        t.compute,
+                        t.comm,
+                        t.wait,
+                        t.other,
+                        t.steps
+                    )
+                })
+                .collect()
+        }
+        Record::Eval {
+            step,
+            wall_s,
+            accuracy,
+            correct,
+            total,
+        } => format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,\n"),
+    }
+}
+
+/// A task name as a CSV field (task names have no commas or quotes; quoted if one did).
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// Splits a CSV line into fields (RFC 4180 quoting).
+fn csv_split(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                chars.next();
+                fields.last_mut().expect("a field").push('"');
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => fields.push(String::new()),
+            (c, _) => fields.last_mut().expect("a field").push(c),
+        }
+    }
+    fields
+}
+
+/// Reads a metrics file in either format (by its extension).
+pub fn read(path: &Path) -> Result<Vec<Record>, MetricsError> {
+    let format = Format::of(path)?;
+    let text = std::fs::read_to_string(path).map_err(|source| MetricsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(path, format, &text)
+}
+
+/// Parses metrics text (`path` names it in errors). A last line cut short (a run killed
+/// while writing it) is dropped; any other bad line is an error naming it.
+pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, MetricsError> {
+    let bad = |line: usize, why: String| MetricsError::Parse {
+        path: path.to_path_buf(),
+        line,
+        why,
+    };
+    let complete = match text.rfind('\n') {
+        Some(i) => &text[..=i],
+        None => "",
+    };
+    let mut out = Vec::new();
+    let mut lines = complete.lines().enumerate().map(|(i, l)| (i + 1, l));
+    if format == Format::JsonLines {
+        for (n, l) in lines.filter(|(_, l)| !l.trim().is_empty()) {
+            out.push(serde_json::from_str(l).map_err(|e| bad(n, e.to_string()))?);
+        }
+        return Ok(out);
+    }
+    match lines.next() {
+        Some((_, h)) if h == CSV_HEADER.trim_end() => {}
+        Some((n, h)) => return Err(bad(n, format!("not mpiflow's CSV header: {h:?}"))),
+        None => return Ok(out),
+    }
+    for (n, l) in lines {
+        let f = csv_split(l);
+        if f.len() != 16 {
+            return Err(bad(n, format!("{} fields, not 16", f.len())));
+        }
+        let num = |i: usize, what: &str| -> Result<Option<f64>, MetricsError> {
+            match f[i].as_str() {
+                "" => Ok(None),
+                s => s
+                    .parse::<f64>()
+                    .map(Some)
+                    .map_err(|_| bad(n, format!("{what} {s:?} is not a number"))),
+            }
+        };
+        let need = |i: usize, what: &str| {
+            num(i, what)?.ok_or_else(|| bad(n, format!("{what} is missing")))
+        };
+        let count = |i: usize, what: &str| {
+            f[i].parse::<usize>()
+                .map_err(|_| bad(n, format!("{what} {:?} is not a count", f[i])))
+        };
+        let step = f[1]
+            .parse::<u64>()
+            .map_err(|_| bad(n, format!("step {:?} is not a step number", f[1])))?;
+        let wall_s = need(2, "wall_s")?;
+        match f[0].as_str() {
+            "eval" => out.push(Record::Eval {
+                step,
+                wall_s,
+                accuracy: need(6, "accuracy")?,
+                correct: count(7, "correct")?,
+                total: count(8, "total")?,
+            }),
+            "step" => {
+                let rank = match f[9].as_str() {
+                    "" => None,
+                    s => Some(RankTimes {
+                        rank: s
+                            .parse()
+                            .map_err(|_| bad(n, format!("rank {s:?} is not a rank")))?,
+                        task: f[10].clone(),
+                        times: Times {
+                            compute: need(11, "compute_s")?,
+                            comm: need(12, "comm_s")?,
+                            wait: need(13, "wait_s")?,
+                            other: need(14, "other_s")?,
+                            steps: count(15, "rank_steps")? as u64,
+                        },
+                    }),
+                };
+                // Rows of one logged step follow each other: they make one record.
+                if let (Some(Record::Step { step: s, ranks, .. }), Some(r)) =
+                    (out.last_mut(), &rank)
+                {
+                    if *s == step && !ranks.is_empty() && ranks.iter().all(|x| x.rank != r.rank) {
+                        ranks.push(r.clone());
+                        continue;
+                    }
+                }
+                out.push(Record::Step {
+                    step,
+                    wall_s,
+                    loss: num(3, "loss")?.map(|v| v as f32),
+                    steps_per_sec: need(4, "steps_per_sec")?,
+                    samples_per_sec: need(5, "samples_per_sec")?,
+                    ranks: rank.into_iter().collect(),
+                });
+            }
+            k => return Err(bad(n, format!("kind {k:?} is neither step nor eval"))),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn records() -> Vec<Record> {
+        let times = |rank: usize, task: &str, c: f64| RankTimes {
+            rank,
+            task: task.into(),
+            times: Times {
+                compute: c,
+                comm: 0.25,
+                wait: 0.125,
+                other: 0.0625,
+                steps: 250,
+            },
+        };
+        vec![
+            Record::Step {
+                step: 250,
+                wall_s: 0.5,
+                loss: Some(0.75),
+                steps_per_sec: 500.0,
+                samples_per_sec: 32000.0,
+                ranks: vec![times(0, "worker:0", 0.5), times(1, "worker:1", 0.375)],
+            },
+            Record::Step {
+                step: 500,
+                wall_s: 1.0,
+                loss: None,
+                steps_per_sec: 500.0,
+                samples_per_sec: 32000.0,
+                ranks: vec![],
+            },
+            Record::Eval {
+                step: 500,
+                wall_s: 1.25,
+                accuracy: 0.875,
+                correct: 350,
+                total: 400,
+            },
+        ]
+    }
+
+    #[test]
+    fn both_formats_write_what_they_read_back_and_a_cut_last_line_is_dropped() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-metrics-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["m.csv", "m.jsonl"] {
+            let path = dir.join(name);
+            let mut m = MetricsFile::create(&path).unwrap();
+            for r in records() {
+                m.write(&r).unwrap();
+            }
+            assert_eq!(read(&path).unwrap(), records(), "{name}");
+            // A run killed in the middle of a line: that line goes, the rest stays.
+            let text = std::fs::read_to_string(&path).unwrap();
+            let cut = &text[..text.len() - 5];
+            let got = parse(&path, Format::of(&path).unwrap(), cut).unwrap();
+            assert_eq!(got, records()[..2], "{name}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_names_and_lines_are_one_line_errors_naming_file_and_line() {
+        let e = MetricsFile::create(Path::new("/tmp/m.txt")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "metrics file /tmp/m.txt: name it .csv or .jsonl (the extension picks the format)"
+        );
+        let p = Path::new("m.csv");
+        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,\n");
+        let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "metrics file m.csv, line 2: step \"x\" is not a step number"
+        );
+        let e = parse(p, Format::Csv, "a,b\n").unwrap_err().to_string();
+        assert!(e.starts_with("metrics file m.csv, line 1: not mpiflow's CSV header"));
+        let e = parse(Path::new("m.jsonl"), Format::JsonLines, "{}\n").unwrap_err();
+        assert!(e.to_string().starts_with("metrics file m.jsonl, line 1: "));
+    }
+
+    #[test]
+    fn quoted_csv_fields_split_as_written() {
+        assert_eq!(csv_split("a,\"b,c\",\"d\"\"e\""), ["a", "b,c", "d\"e"]);
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+    }
+}

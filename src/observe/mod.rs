@@ -1,0 +1,14 @@
+//! Seeing a run: where each rank's time goes, the metrics file, the live progress line.
+//!
+//! - [`phases`]: a rank's time in compute, communication and waiting, per log window.
+//! - [`metrics`]: the metrics file (CSV or JSON lines), written by the chief as the run
+//!   goes, read back by `mpiflow plot`.
+//! - [`progress`]: the chief's progress line (step of total, loss, samples/s, ETA), redrawn
+//!   in place on a terminal, plain lines otherwise.
+//!
+//! Nothing here knows training: the training loops fill [`phases::Clock`]s, and
+//! [`crate::train::events::Event`] turns into [`metrics::Record`]s.
+
+pub mod metrics;
+pub mod phases;
+pub mod progress;

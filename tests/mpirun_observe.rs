@@ -1,0 +1,214 @@
+//! Seeing a run under real `mpirun`: the metrics file in every mode (each rank's phase
+//! times, the evaluation), the chief's progress as lines or a live line, the other ranks
+//! quiet, and a metrics file that cannot be written as a one-line error.
+
+mod common;
+
+use common::{accuracy, mpiflow, mpiflow_alone, mpirun, tmpdir, Run};
+use mpiflow::observe::metrics::{read, Record};
+
+/// `mpirun -np NP mpiflow train FLAGS... MORE...`.
+fn train(np: &str, flags: &str, more: &[&str]) -> Run {
+    let mut args = vec!["-np", np, mpiflow(), "train"];
+    args.extend(flags.split_whitespace());
+    args.extend_from_slice(more);
+    mpirun(&args)
+}
+
+/// The step records and the one evaluation of a metrics file.
+fn records(path: &std::path::Path) -> (Vec<Record>, Record) {
+    let all = read(path).unwrap_or_else(|e| panic!("{e}"));
+    let (evals, steps): (Vec<Record>, Vec<Record>) = all
+        .into_iter()
+        .partition(|r| matches!(r, Record::Eval { .. }));
+    assert_eq!(evals.len(), 1, "one evaluation: {evals:?}");
+    (steps, evals.into_iter().next().unwrap())
+}
+
+/// Each step record's ranks, as (task, steps in the window, compute, comm, wait).
+fn ranks(r: &Record) -> Vec<(String, u64, f64, f64, f64)> {
+    let Record::Step { ranks, .. } = r else {
+        panic!("not a step: {r:?}")
+    };
+    ranks
+        .iter()
+        .map(|t| {
+            let x = &t.times;
+            (t.task.clone(), x.steps, x.compute, x.comm, x.wait)
+        })
+        .collect()
+}
+
+#[test]
+fn metrics_files_hold_every_ranks_phase_times_in_every_mode() {
+    let dir = tmpdir("observe-metrics");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+
+    // Local: one rank, all compute; the final accuracy is the evaluation record.
+    let local = path("local.csv");
+    let run = mpiflow_alone(
+        &[
+            "train",
+            "--mode",
+            "local",
+            "--steps",
+            "300",
+            "--log-every",
+            "100",
+            "--metrics",
+            &local,
+        ],
+        &[],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let (steps, eval) = records(local.as_ref());
+    assert_eq!(
+        steps.iter().map(Record::step).collect::<Vec<_>>(),
+        [100, 200, 300]
+    );
+    for s in &steps {
+        let r = ranks(s);
+        assert_eq!((r[0].0.as_str(), r[0].1), ("local", 100), "{s:?}");
+        assert!(r[0].2 > 0.0 && r[0].3 == 0.0, "{s:?}");
+    }
+    let Record::Eval { accuracy: a, .. } = eval else {
+        unreachable!()
+    };
+    assert_eq!(format!("{a:.4}"), format!("{:.4}", accuracy(&run.stdout)));
+    // Plain lines (not a terminal) carry the ETA; the wall clock only grows.
+    assert!(run.stdout.contains("step    300 loss") && run.stdout.contains(" eta 0:00"));
+    assert!(steps.windows(2).all(|w| w[0].wall_s() <= w[1].wall_s()));
+
+    // Allreduce, 3 replicas, JSON lines: every replica's window holds the logged steps;
+    // the reduction's time is split into communication (the least any replica spent: the
+    // same on all) and waiting (each one's excess: none for the last to arrive).
+    let ar = path("ar.jsonl");
+    let run = train(
+        "3",
+        "--mode allreduce --steps 300 --log-every 100 --metrics",
+        &[&ar],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let (steps, eval) = records(ar.as_ref());
+    assert_eq!(steps.len(), 3, "{steps:?}");
+    for s in &steps {
+        let r = ranks(s);
+        let tasks: Vec<&str> = r.iter().map(|x| x.0.as_str()).collect();
+        assert_eq!(tasks, ["worker:0", "worker:1", "worker:2"], "{s:?}");
+        assert!(r.iter().all(|x| x.1 == 100 && x.2 > 0.0), "{s:?}");
+        assert!(
+            r.iter().all(|x| x.3 == r[0].3),
+            "one communication time: {s:?}"
+        );
+        assert!(r.iter().any(|x| x.4 == 0.0), "someone arrived last: {s:?}");
+    }
+    let Record::Eval {
+        accuracy: a, step, ..
+    } = eval
+    else {
+        unreachable!()
+    };
+    assert_eq!(step, 300);
+    assert!(
+        (a - accuracy(&run.stdout)).abs() < 1e-4,
+        "{a} {}",
+        run.stdout
+    );
+    // Only the chief speaks: one line per logged step.
+    let lines = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("step "))
+        .count();
+    assert_eq!(lines, 3, "{}", run.stdout);
+
+    // ps, synchronous, 1 ps and 3 workers: the ps's times and every worker's, each window
+    // exactly the logged steps; the ps made one update per step.
+    for (mode, extra) in [("sync", None), ("async", Some("--async"))] {
+        let ps = path(&format!("ps-{mode}.csv"));
+        let flags = "--mode ps --ps 1 --steps 300 --log-every 100 --metrics";
+        let mut more = vec![ps.as_str()];
+        more.extend(extra);
+        let run = train("4", flags, &more);
+        assert_eq!(run.code, 0, "{run:?}");
+        let (steps, _) = records(ps.as_ref());
+        assert_eq!(steps.len(), 3, "{mode}: {steps:?}");
+        let mut heard = std::collections::BTreeSet::new();
+        for s in &steps {
+            let r = ranks(s);
+            heard.extend(r.iter().map(|x| x.0.clone()));
+            if mode == "sync" {
+                let windows: Vec<(&str, u64)> = r.iter().map(|x| (x.0.as_str(), x.1)).collect();
+                assert_eq!(
+                    windows,
+                    [
+                        ("ps:0", 100),
+                        ("worker:0", 100),
+                        ("worker:1", 100),
+                        ("worker:2", 100)
+                    ],
+                    "{s:?}"
+                );
+                assert!(r.iter().all(|x| x.2 > 0.0), "everyone computed: {s:?}");
+            }
+        }
+        let heard: Vec<&str> = heard.iter().map(String::as_str).collect();
+        assert_eq!(
+            heard,
+            ["ps:0", "worker:0", "worker:1", "worker:2"],
+            "{mode}"
+        );
+    }
+}
+
+#[test]
+fn progress_redraws_one_live_line_and_other_lines_go_above_it() {
+    let dir = tmpdir("observe-live");
+    let ckpt = dir.join("ckpt");
+    let run = train(
+        "2",
+        "--mode allreduce --steps 300 --log-every 100 --progress live --checkpoint-every 200",
+        &["--checkpoint-dir", ckpt.to_str().unwrap()],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let erase = "\r\x1b[2K";
+    for step in [100, 200, 300] {
+        let pct = format!("{:.0}", 100.0 * step as f64 / 300.0);
+        let live = format!("{erase}step {step}/300 {pct}% loss ");
+        assert!(run.stdout.contains(&live), "{live:?} in {:?}", run.stdout);
+    }
+    // The checkpoint note erases the live line, prints, and draws it again.
+    let note = format!("{erase}# checkpoint {}/ckpt-200 written\n", ckpt.display());
+    let at = run
+        .stdout
+        .find(&note)
+        .unwrap_or_else(|| panic!("{:?}", run.stdout));
+    assert!(run.stdout[at + note.len()..].starts_with("step 200/300 "));
+    // The run's end starts a line of its own.
+    let last = run.stdout.lines().last().unwrap();
+    assert!(last.starts_with("accuracy "), "{:?}", run.stdout);
+    assert!(!run.stdout.contains(" eta ?"), "{:?}", run.stdout);
+}
+
+#[test]
+fn a_metrics_file_that_cannot_be_created_is_one_line_on_every_rank() {
+    for (file, why) in [
+        (
+            "/nonexistent-dir/m.csv",
+            "cannot create it: No such file or directory",
+        ),
+        ("/tmp/m.txt", "name it .csv or .jsonl"),
+    ] {
+        let run = train("2", "--mode allreduce --steps 10 --metrics", &[file]);
+        assert_ne!(run.code, 0, "{run:?}");
+        let errors: Vec<&str> = run
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("mpiflow: "))
+            .collect();
+        assert_eq!(errors.len(), 1, "{run:?}");
+        let want = format!("mpiflow: error: rank 0: metrics file {file}: {why}");
+        assert!(errors[0].starts_with(&want), "{errors:?}");
+        assert!(!run.stdout.contains("step "), "{run:?}");
+    }
+}
