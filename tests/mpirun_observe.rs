@@ -212,3 +212,135 @@ fn a_metrics_file_that_cannot_be_created_is_one_line_on_every_rank() {
         assert!(!run.stdout.contains("step "), "{run:?}");
     }
 }
+
+/// The spans of one rank in a trace: (name, start, duration, args).
+fn spans_of(trace: &serde_json::Value, rank: u64) -> Vec<(String, f64, f64, serde_json::Value)> {
+    trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == rank)
+        .map(|e| {
+            let name = e["name"].as_str().unwrap().to_string();
+            let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+            (name, ts, dur, e["args"].clone())
+        })
+        .collect()
+}
+
+#[test]
+fn timelines_hold_every_ranks_spans_on_one_clock() {
+    let dir = tmpdir("observe-timeline");
+    let read = |p: &std::path::Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+    };
+    // Allreduce, 3 replicas: per rank and step the gradients, the allreduce (its bytes,
+    // its peers) and the update; a track per rank named by its task; the replicas leave
+    // each allreduce together on the aligned clocks.
+    let ar = dir.join("ar.json");
+    let ckpt = dir.join("ckpt");
+    let run = train(
+        "3",
+        "--mode allreduce --steps 200 --checkpoint-every 100 --timeline",
+        &[
+            ar.to_str().unwrap(),
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let trace = read(&ar);
+    let names: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "worker:0 (rank 0)",
+            "worker:1 (rank 1)",
+            "worker:2 (rank 2)"
+        ]
+    );
+    let mut ends: Vec<Vec<f64>> = vec![Vec::new(); 200];
+    for rank in 0..3 {
+        let spans = spans_of(&trace, rank);
+        for name in ["gradients", "allreduce", "update"] {
+            let n = spans.iter().filter(|s| s.0 == name).count();
+            assert_eq!(n, 200, "rank {rank} {name}");
+        }
+        for (_, ts, dur, args) in spans.iter().filter(|s| s.0 == "allreduce") {
+            assert_eq!(args["bytes"], 38440 + 24, "{args}");
+            assert_eq!(args["peer"], "3 replicas");
+            ends[args["step"].as_u64().unwrap() as usize].push(ts + dur);
+        }
+        let ckpts = spans.iter().filter(|s| s.0 == "checkpoint").count();
+        assert_eq!(
+            ckpts,
+            if rank == 0 { 2 } else { 0 },
+            "the chief checkpoints"
+        );
+    }
+    let mut spread: Vec<f64> = ends
+        .iter()
+        .map(|e| {
+            e.iter().cloned().fold(f64::MIN, f64::max) - e.iter().cloned().fold(f64::MAX, f64::min)
+        })
+        .collect();
+    spread.sort_by(f64::total_cmp);
+    assert!(
+        spread[100] < 1000.0,
+        "median spread of allreduce ends {} us",
+        spread[100]
+    );
+
+    // ps, 1 ps and 2 workers: the workers' pushes and pulls with their bytes and their
+    // ps; the ps's requests, updates and idle time.
+    let ps = dir.join("ps.json");
+    let run = train(
+        "3",
+        "--mode ps --ps 1 --steps 100 --timeline",
+        &[ps.to_str().unwrap()],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let trace = read(&ps);
+    for worker in [1, 2] {
+        let spans = spans_of(&trace, worker);
+        for name in ["gradients", "push", "pull"] {
+            let n = spans.iter().filter(|s| s.0 == name).count();
+            assert_eq!(n, 100, "rank {worker} {name}");
+        }
+        let push = spans.iter().find(|s| s.0 == "push").unwrap();
+        assert_eq!(
+            (push.3["bytes"].as_u64(), push.3["peer"].as_str()),
+            (Some(38440), Some("ps:0"))
+        );
+    }
+    let spans = spans_of(&trace, 0);
+    assert_eq!(spans.iter().filter(|s| s.0 == "update").count(), 100);
+    assert!(
+        spans.iter().filter(|s| s.0 == "request").count() >= 400,
+        "2 workers x 100 x (push, pull)"
+    );
+
+    // A file that cannot be written: one line before training.
+    let run = train(
+        "2",
+        "--mode allreduce --steps 10 --timeline",
+        &["/nonexistent-dir/t.json"],
+    );
+    assert_ne!(run.code, 0);
+    let errors: Vec<&str> = run
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("mpiflow: "))
+        .collect();
+    assert_eq!(errors.len(), 1, "{run:?}");
+    assert!(
+        errors[0].starts_with("mpiflow: error: rank 0: timeline /nonexistent-dir/t.json: cannot write it: No such file"),
+        "{errors:?}"
+    );
+}

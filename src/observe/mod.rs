@@ -5,6 +5,7 @@
 //!   goes, read back by `mpiflow plot`.
 //! - [`progress`]: the chief's progress line (step of total, loss, samples/s, ETA), redrawn
 //!   in place on a terminal, plain lines otherwise.
+//! - [`timeline`]: every rank's phases as spans, merged into one Chrome trace file.
 //!
 //! Nothing here knows training: the training loops fill [`phases::Clock`]s, and
 //! [`crate::train::events::Event`] turns into [`metrics::Record`]s.
@@ -12,3 +13,4 @@
 pub mod metrics;
 pub mod phases;
 pub mod progress;
+pub mod timeline;

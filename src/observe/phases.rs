@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::timeline::{self, Detail};
+
 /// A phase of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -122,11 +124,25 @@ impl Clock {
         }
     }
 
-    /// Charges the time since `t` to `phase`, and returns now (the next phase's start).
+    /// Charges the time since `t` to `phase`, and returns now (the next phase's start);
+    /// the timeline, if on, records it as a span named after the phase.
     #[inline]
     pub fn since(&mut self, phase: Phase, t: Instant) -> Instant {
+        self.since_as(phase, t, timeline::category(phase), Detail::default())
+    }
+
+    /// [`Clock::since`], the span named `name` with `detail`.
+    #[inline]
+    pub fn since_as(
+        &mut self,
+        phase: Phase,
+        t: Instant,
+        name: &'static str,
+        detail: Detail,
+    ) -> Instant {
         let now = Instant::now();
         self.charge(phase, now - t);
+        timeline::span(name, timeline::category(phase), t, now, detail);
         now
     }
 

@@ -32,6 +32,7 @@ use optim::{Optimizer, OptimizerKind, Slots};
 
 use crate::model::{Model, ModelError, Replica};
 use crate::observe::phases::{Clock, Phase, RankTimes};
+use crate::observe::timeline::{self, Detail};
 
 /// How to train, in every mode (the model is given apart: every mode trains any model;
 /// a mode's own settings wrap this, as [`ps::PsConfig`] and [`allreduce::AllreduceConfig`]).
@@ -275,7 +276,7 @@ pub fn train_local<'m>(
                 s,
             );
         }
-        clock.since(Phase::Compute, t);
+        clock.since_as(Phase::Compute, t, "step", Detail::at(step));
         clock.steps(1);
         window_steps += 1;
         let done = step + 1;
@@ -297,11 +298,13 @@ pub fn train_local<'m>(
         }
         let due = cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0;
         if let (Some(dir), true) = (&cfg.checkpoint_dir, due || done == cfg.steps) {
+            let t = Instant::now();
             let path = checkpoint::State::of_replica(&model, &slots, done).write(
                 dir,
                 &model.model.describe(),
                 &vars,
             )?;
+            timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(done));
             events(&Event::Checkpoint { path, step: done });
             last_saved = done;
         }

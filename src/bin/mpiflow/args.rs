@@ -217,6 +217,10 @@ pub(crate) struct TrainArgs {
     /// accuracy. CSV (FILE.csv) or JSON lines (FILE.jsonl).
     #[arg(long, value_name = "FILE")]
     pub(crate) metrics: Option<PathBuf>,
+    /// Write a timeline of every rank's phases (Chrome trace-event JSON, for Perfetto or
+    /// chrome://tracing), merged by the chief when training ends.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) timeline: Option<PathBuf>,
     /// How the chief shows progress: live (one line redrawn in place), lines (a line per
     /// logged step, with the ETA), or auto (live on a terminal, also through mpirun).
     #[arg(long, value_enum, default_value_t)]

@@ -6,7 +6,9 @@ use std::path::Path;
 
 use mpiflow::observe::metrics::{MetricsError, MetricsFile};
 use mpiflow::observe::progress::{Progress, Style, Tick};
+use mpiflow::observe::timeline::{self, TimelineError};
 use mpiflow::train::events::Event;
+use mpiflow::transport::Comm;
 
 use crate::args::ProgressArg;
 use crate::out::{emit, say};
@@ -151,4 +153,25 @@ fn launcher_output() -> Option<bool> {
         }
     }
     None
+}
+
+/// Starts the timeline on every rank of `comm` (collective): the chief (`root`) made sure
+/// it can write the file; every rank's clock is aligned to the chief's.
+pub(crate) fn start_timeline<C: Comm>(comm: &C, root: usize) -> Result<(), TimelineError> {
+    timeline::enable(timeline::align(comm, root)?);
+    Ok(())
+}
+
+/// Ends the timeline (collective over `comm`): every rank's spans to the chief (`root`),
+/// who writes them to `path`.
+pub(crate) fn finish_timeline<C: Comm>(
+    comm: &C,
+    root: usize,
+    task: &str,
+    path: &Path,
+) -> Result<(), TimelineError> {
+    if let Some(trace) = timeline::gather_trace(comm, root, task)? {
+        timeline::write(path, &trace)?;
+    }
+    Ok(())
 }

@@ -33,6 +33,7 @@ use super::{StepLog, TrainConfig};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::observe::phases::{self, Clock, Phase, RankTimes, Times};
+use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
 use crate::transport::fusion::{FusionConfig, FusionError};
 use crate::transport::{Collectives, Comm, TransportError};
@@ -203,7 +204,9 @@ pub fn run<C: Comm + Send>(
                 .then(crate::signals::stop_requested)
                 .flatten();
             let t = Instant::now();
+            verdict.step = step;
             let (secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, &mut verdict)?;
+            let reduced = Instant::now();
             comm_secs += secs;
             let comm_time = std::time::Duration::from_secs_f64(secs);
             clock.charge(Phase::Comm, comm_time);
@@ -239,6 +242,13 @@ pub fn run<C: Comm + Send>(
                 opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
             }
             clock.charge(Phase::Compute, t.elapsed().saturating_sub(comm_time));
+            timeline::span(
+                "update",
+                "compute",
+                reduced,
+                Instant::now(),
+                Detail::at(step),
+            );
             clock.steps(1);
             step += 1;
             window_steps += 1;
@@ -355,7 +365,9 @@ fn write_checkpoint(
         return Ok(None);
     };
     let vars = crate::train::ps::variables(model);
+    let t = Instant::now();
     let path = State::of_replica(model, slots, step).write(dir, &model.model.describe(), &vars)?;
+    timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(step));
     events(&Event::Checkpoint {
         path: path.clone(),
         step,

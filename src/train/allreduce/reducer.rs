@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::AllreduceError;
 use crate::model::Replica;
+use crate::observe::timeline::{self, Detail};
 use crate::tensor::{DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig, FusionStats};
 use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
@@ -20,6 +21,8 @@ pub(super) struct Verdict {
     tensor: Tensor,
     /// The signal this replica was sent, told with its next step.
     pub(super) signal: Option<i32>,
+    /// The step the verdict is of (the timeline's spans name it).
+    pub(super) step: u64,
 }
 
 impl Verdict {
@@ -29,6 +32,7 @@ impl Verdict {
                 .expect("1-D")
                 .named("step verdict"),
             signal: None,
+            step: 0,
         }
     }
 
@@ -143,7 +147,10 @@ impl<'s> Reducer<'s> {
         grads: &mut [Tensor],
         verdict: &mut Verdict,
     ) -> Result<(f64, FusionStats), AllreduceError> {
-        let n = y.len() as f32;
+        let (n, step) = (y.len() as f32, verdict.step);
+        let start = Instant::now();
+        // The timeline's peer of each allreduce (made only when it records).
+        let replicas = || -> std::sync::Arc<str> { format!("{} replicas", coll.size()).into() };
         let setup = |e: crate::model::ModelError| AllreduceError::Setup(e.to_string());
         match self {
             Reducer::Fused(fusion) => {
@@ -158,8 +165,14 @@ impl<'s> Reducer<'s> {
                 let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
                 refs.push(&mut verdict.tensor);
                 let t = Instant::now();
+                timeline::span("gradients", "compute", start, t, Detail::at(step));
                 let stats = fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
-                Ok((t.elapsed().as_secs_f64(), stats))
+                let end = Instant::now();
+                if timeline::enabled() {
+                    let moved = Detail::moved(step, stats.bytes, &replicas());
+                    timeline::span("allreduce", "comm", t, end, moved);
+                }
+                Ok(((end - t).as_secs_f64(), stats))
             }
             Reducer::Overlapped {
                 to_comm,
@@ -187,6 +200,9 @@ impl<'s> Reducer<'s> {
                 verdict.fill(loss, n);
                 sent += usize::from(to_comm.send((None, verdict.tensor.clone())).is_ok());
                 let t = Instant::now();
+                // The layers' allreduces ran on the communication thread during the
+                // backward pass: what is left is waiting for the last of them.
+                timeline::span("gradients", "compute", start, t, Detail::at(step));
                 let mut stats = FusionStats::default();
                 for _ in 0..sent {
                     let (slot, r) = from_comm.recv().map_err(|_| {
@@ -206,7 +222,12 @@ impl<'s> Reducer<'s> {
                         summed = rest;
                     }
                 }
-                Ok((t.elapsed().as_secs_f64(), stats))
+                let end = Instant::now();
+                if timeline::enabled() {
+                    let moved = Detail::moved(step, stats.bytes, &replicas());
+                    timeline::span("allreduce wait", "comm", t, end, moved);
+                }
+                Ok(((end - t).as_secs_f64(), stats))
             }
         }
     }

@@ -27,6 +27,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::placement::DeviceSetter;
@@ -36,6 +37,7 @@ use super::worker::{Client, PushNote};
 use super::{shards, PsError};
 use crate::model::{Model, Replica};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
+use crate::observe::timeline::{self, Detail};
 use crate::train::events::Event;
 use crate::train::optim::{Optimizer, OptimizerKind};
 use crate::train::StepLog;
@@ -137,6 +139,8 @@ pub struct MonitoredSession<'s, 'e, C: Comm> {
     heard: BTreeMap<usize, RankTimes>,
     /// The chief, synchronous: its own window, closed where the workers close theirs.
     mine: Option<Times>,
+    /// Whom pushes and pulls go to (the timeline's spans name it).
+    peers: Arc<str>,
 }
 
 /// In asynchronous training a worker reports its phase times, and the chief asks for
@@ -188,6 +192,10 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             reported: (0, Instant::now()),
             heard: BTreeMap::new(),
             mine: None,
+            peers: match roles.ps.len() {
+                1 => roles.task_name(roles.ps[0]).into(),
+                n => format!("{n} ps tasks").into(),
+            },
         };
         if sess.chief {
             sess.emit(&Event::Placement(super::placement::report(
@@ -317,7 +325,10 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             .stop_on_signal
             .then(crate::signals::stop_requested)
             .flatten();
-        let t = self.clock.since(Phase::Compute, t);
+        let step = self.step;
+        let t = self
+            .clock
+            .since_as(Phase::Compute, t, "gradients", Detail::at(step));
         self.clock.steps(1);
         // Phase times go out with the push of the step before each logged step
         // (synchronous: every worker's window then holds the same steps; the chief keeps
@@ -344,7 +355,10 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let note = PushNote { stop: noted, times };
         self.client
             .push(self.step, y.len(), loss, &mut self.grads, note)?;
-        let t = self.clock.since(Phase::Comm, t);
+        let (bytes, peers) = self.moved();
+        let t = self
+            .clock
+            .since_as(Phase::Comm, t, "push", Detail::moved(step, bytes, &peers));
         let want = if self.opts.sync.is_some() {
             self.step + 1
         } else {
@@ -354,6 +368,13 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let pulled = self.client.pull(want, ask, &mut self.replica.params)?;
         // The time the pull waited at the ps tasks is waiting; the rest, communication.
         let took = t.elapsed();
+        timeline::span(
+            "pull",
+            "comm",
+            t,
+            t + took,
+            Detail::moved(step, bytes, &peers),
+        );
         let held = pulled.held.min(took);
         self.clock.charge(Phase::Wait, held);
         self.clock.charge(Phase::Comm, took - held);
@@ -415,6 +436,12 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         Ok(())
     }
 
+    /// The bytes a push or a pull moves, and with whom (the timeline's detail).
+    fn moved(&self) -> (usize, Arc<str>) {
+        let bytes = self.grads.iter().map(|g| g.nbytes()).sum();
+        (bytes, self.peers.clone())
+    }
+
     /// The chief's times and those heard from the other ranks since the last log line,
     /// in rank order.
     fn ranks(&mut self) -> Vec<RankTimes> {
@@ -437,6 +464,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             &self.replica.model.describe(),
             &super::variables(&self.replica),
         );
+        let t = Instant::now();
         let written = crate::train::checkpoint::begin(&dir, step)
             .map_err(PsError::from)
             .and_then(|tmp| self.client.save(&tmp))
@@ -451,6 +479,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             }
             other => other,
         })?;
+        timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(step));
         self.emit(&written);
         self.last_ckpt = (step, Instant::now());
         Ok(())

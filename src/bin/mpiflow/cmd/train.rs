@@ -38,6 +38,10 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
     let metrics = report::metrics_file(args.metrics.as_deref(), true).map_err(Failure::local)?;
+    if let Some(p) = &args.timeline {
+        mpiflow::observe::timeline::check_writable(p).map_err(Failure::local)?;
+        mpiflow::observe::timeline::enable(mpiflow::observe::timeline::Alignment::alone());
+    }
     let mut reporter = Reporter::new(cfg.steps, args.progress, metrics, true);
     let trained = train_local(&model, &cfg, &train, &test, &mut |e| reporter.event(e));
     let report = match trained {
@@ -55,6 +59,10 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         step: report.steps,
     });
     drop(reporter);
+    if let Some(p) = &args.timeline {
+        use mpiflow::observe::timeline;
+        timeline::write(p, &timeline::local_trace("local")).map_err(Failure::local)?;
+    }
     emit(&format!(
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
         report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
@@ -173,6 +181,18 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         .agree(report::metrics_file(args.metrics.as_deref(), chief))
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let mut reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
+    let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    let root = (0..layout.ranks.len())
+        .find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0))
+        .unwrap_or(0);
+    if let Some(p) = &args.timeline {
+        let writable = match chief {
+            true => mpiflow::observe::timeline::check_writable(p),
+            false => Ok(()),
+        };
+        ctx.agree(writable).map_err(|e| Failure::agreed(e, &ctx))?;
+        report::start_timeline(&comm, root).map_err(Failure::local)?;
+    }
     if ctx.rank() == 0 {
         let mode = match args.mode {
             Mode::Ps if args.async_ => "ps, async",
@@ -201,7 +221,6 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             .collect();
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
-    let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
     let mut log = |e: &Event| reporter.event(e);
     let result = match args.mode {
         Mode::Ps => {
@@ -264,6 +283,9 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         // wait for a dead rank; exiting non-zero ends the job.
         say!("mpiflow: error: {e}");
         std::process::exit(1);
+    }
+    if let Some(p) = &args.timeline {
+        report::finish_timeline(&comm, root, &me.task.to_string(), p).map_err(Failure::local)?;
     }
     Ok(())
 }

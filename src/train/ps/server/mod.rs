@@ -37,6 +37,7 @@ use super::store::Store;
 use super::wire::{notify, send_all_within, send_within, Sent};
 use super::{shards, PsError};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
+use crate::observe::timeline::{self, Detail};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
@@ -547,7 +548,8 @@ impl<'a, C: Comm> Server<'a, C> {
         apply_all(&self.opt, &mut self.store, &mut self.slots, &self.sum);
         self.global_step += 1;
         self.last_loss = loss;
-        self.clock.since(Phase::Compute, t);
+        let at = Detail::at(self.global_step);
+        self.clock.since_as(Phase::Compute, t, "update", at);
         self.clock.steps(1);
     }
 
@@ -627,6 +629,8 @@ impl<'a, C: Comm> Server<'a, C> {
 
     fn serve(&mut self) -> Result<(), PsError> {
         let mut backoff = Backoff::new(Duration::from_micros(200));
+        // Since when this ps polls with no request (one span on the timeline).
+        let mut idle_since = None;
         while !self.done.iter().all(|d| *d) {
             if let Some(signal) = crate::signals::stop_requested() {
                 self.note_stop(signal);
@@ -649,9 +653,15 @@ impl<'a, C: Comm> Server<'a, C> {
             self.inbox = inbox;
             match handled {
                 Some(handled) => {
-                    let d = t.elapsed().as_secs_f64() - (self.clock.peek().compute - computed);
+                    let end = Instant::now();
+                    let d = (end - t).as_secs_f64() - (self.clock.peek().compute - computed);
                     self.clock
                         .charge(Phase::Comm, std::time::Duration::from_secs_f64(d.max(0.0)));
+                    if let Some(i) = idle_since.take() {
+                        timeline::span("idle", "wait", i, t, Detail::default());
+                    }
+                    let at = Detail::at(self.global_step);
+                    timeline::span("request", "comm", t, end, at);
                     backoff.reset();
                     handled?;
                 }
@@ -660,7 +670,8 @@ impl<'a, C: Comm> Server<'a, C> {
                         return Err(self.lose(self.roles.workers[w]));
                     }
                     backoff.idle();
-                    self.clock.since(Phase::Wait, t);
+                    self.clock.charge(Phase::Wait, t.elapsed());
+                    idle_since = idle_since.or(Some(t));
                 }
             }
         }

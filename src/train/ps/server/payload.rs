@@ -12,6 +12,7 @@ use super::super::wire::{receive_all_within, Received};
 use super::super::PsError;
 use super::{apply_all, Dest, Server};
 use crate::observe::phases::Phase;
+use crate::observe::timeline::Detail;
 use crate::transport::comm::Comm;
 
 impl<C: Comm> Server<'_, C> {
@@ -79,7 +80,8 @@ impl<C: Comm> Server<'_, C> {
                             p.range.start,
                             ts[p.part],
                         );
-                        self.clock.since(Phase::Compute, t);
+                        let at = Detail::at(self.global_step);
+                        self.clock.since_as(Phase::Compute, t, "update", at);
                     }
                 }
                 if apply && outcome == Received::Done {
@@ -122,7 +124,8 @@ impl<C: Comm> Server<'_, C> {
         if let Dest::Apply = into {
             let t = Instant::now();
             apply_all(&self.opt, &mut self.store, &mut self.slots, &self.piece);
-            self.clock.since(Phase::Compute, t);
+            let at = Detail::at(self.global_step);
+            self.clock.since_as(Phase::Compute, t, "update", at);
         }
         Ok(())
     }
