@@ -344,3 +344,100 @@ fn timelines_hold_every_ranks_spans_on_one_clock() {
         "{errors:?}"
     );
 }
+
+#[test]
+fn plots_draw_runs_and_benchmarks_as_svg() {
+    let dir = tmpdir("observe-plot");
+    let file = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    // Two runs to overlay: ps against allreduce.
+    let (ps, ar) = (file("ps.csv"), file("ar.jsonl"));
+    let run = train(
+        "3",
+        "--mode ps --ps 1 --steps 200 --log-every 50 --metrics",
+        &[&ps],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let run = train(
+        "2",
+        "--mode allreduce --steps 200 --log-every 50 --metrics",
+        &[&ar],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let svg = file("runs.svg");
+    let run = mpiflow_alone(
+        &["plot", "-o", &svg, &ps, &ar, "--label", "ps, 3 ranks"],
+        &[],
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    let (texts, lines) = svg_contents(&svg);
+    for label in [
+        "ps, 3 ranks",
+        "ar",
+        "loss against global step",
+        "loss against seconds",
+    ] {
+        assert!(texts.iter().any(|t| t == label), "{label} in {texts:?}");
+    }
+    // Each run's 4 logged steps, in both loss panels.
+    assert_eq!(lines.iter().filter(|n| **n == 4).count(), 4, "{lines:?}");
+
+    // A benchmark's output, a curve per path.
+    let bench = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "latency",
+        "-m",
+        "1:4096",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(bench.code, 0, "{bench:?}");
+    let out = file("latency.txt");
+    std::fs::write(&out, &bench.stdout).unwrap();
+    let svg = file("latency.svg");
+    let run = mpiflow_alone(&["plot", "-o", &svg, &out], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let (texts, lines) = svg_contents(&svg);
+    for label in ["latency: mpi", "latency: mpiflow"] {
+        assert!(texts.iter().any(|t| t == label), "{label} in {texts:?}");
+    }
+    assert!(
+        lines.iter().filter(|n| **n == 13).count() >= 2,
+        "1 B to 4 KiB: {lines:?}"
+    );
+
+    // Mixed kinds, and a file that is neither: one line each.
+    let run = mpiflow_alone(&["plot", "-o", &svg, &ps, &out], &[]);
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(run
+        .stderr
+        .contains("metrics files (.csv, .jsonl) or benchmark outputs, not both"));
+    let run = mpiflow_alone(&["plot", "-o", &svg, "Cargo.toml"], &[]);
+    assert_eq!(run.code, 1, "{run:?}");
+    assert_eq!(run.stderr.lines().count(), 1, "{run:?}");
+    assert!(run.stderr.contains("Cargo: no benchmark table"), "{run:?}");
+}
+
+/// The texts of an SVG, and its polylines' point counts (it must parse as XML).
+fn svg_contents(path: &str) -> (Vec<String>, Vec<usize>) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let texts = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect();
+    let lines = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline"))
+        .map(|n| {
+            n.attribute("points")
+                .unwrap_or("")
+                .split_whitespace()
+                .count()
+        })
+        .collect();
+    (texts, lines)
+}

@@ -6,11 +6,13 @@
 //! - [`progress`]: the chief's progress line (step of total, loss, samples/s, ETA), redrawn
 //!   in place on a terminal, plain lines otherwise.
 //! - [`timeline`]: every rank's phases as spans, merged into one Chrome trace file.
+//! - [`plot`]: metrics files and benchmark outputs as SVG pictures.
 //!
 //! Nothing here knows training: the training loops fill [`phases::Clock`]s, and
 //! [`crate::train::events::Event`] turns into [`metrics::Record`]s.
 
 pub mod metrics;
 pub mod phases;
+pub mod plot;
 pub mod progress;
 pub mod timeline;

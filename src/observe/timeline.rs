@@ -6,8 +6,8 @@
 //! Recording is off until [`enable`]; then the training loops' spans go to this process's
 //! recorder ([`span`], or [`super::phases::Clock::since`], which records as it charges).
 //! Off, a span costs one relaxed atomic load. Clocks are aligned to the chief's by
-//! [`clock_offset`] (the best of several round trips, as NTP does) when recording starts;
-//! [`gather_into`] collects every rank's spans at the chief, who writes the file.
+//! [`align`] (the best of several round trips, as NTP does) when recording starts;
+//! [`gather_trace`] collects every rank's events at the chief, who writes the file.
 
 use std::fmt::Write as _;
 use std::path::Path;

@@ -56,6 +56,23 @@ pub(crate) enum Cmd {
     Bench(BenchArgs),
     /// Run a training job command; when it fails, rerun it from its newest valid checkpoint.
     Supervise(SuperviseArgs),
+    /// Draw runs' metrics files, or benchmark outputs (OSU format), as an SVG picture.
+    Plot(PlotArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct PlotArgs {
+    /// Metrics files of runs to overlay (`--metrics`' .csv or .jsonl: loss and accuracy
+    /// against step and wall time), or benchmark outputs in OSU's format (`mpiflow
+    /// bench`'s or OSU's programs': latency and bandwidth against size, log-log).
+    #[arg(required = true, value_name = "FILE")]
+    pub(crate) files: Vec<PathBuf>,
+    /// The SVG file to write.
+    #[arg(short, long, value_name = "SVG")]
+    pub(crate) out: PathBuf,
+    /// Name each file's curves (once per file, in order; default: the file's name).
+    #[arg(long)]
+    pub(crate) label: Vec<String>,
 }
 
 #[derive(Args)]

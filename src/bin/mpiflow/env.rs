@@ -26,7 +26,7 @@ pub(crate) fn env_before_init(
 ) -> Vec<(&'static str, String)> {
     let computes = match cmd {
         Cmd::Train(_) | Cmd::Bench(_) | Cmd::Check(_) | Cmd::Topo(_) => true,
-        Cmd::Spec(_) | Cmd::Launch(_) | Cmd::Supervise(_) => false,
+        Cmd::Spec(_) | Cmd::Launch(_) | Cmd::Supervise(_) | Cmd::Plot(_) => false,
     };
     let mut set = Vec::new();
     if !computes {

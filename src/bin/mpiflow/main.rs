@@ -60,6 +60,7 @@ fn main() -> ExitCode {
         Cmd::Train(a) => cmd::train::run(a, &env),
         Cmd::Topo(a) => cmd::topo::run(a),
         Cmd::Supervise(a) => cmd::supervise::run(a),
+        Cmd::Plot(a) => cmd::plot::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,59 @@
+//! `mpiflow plot`: metrics files or benchmark outputs as an SVG picture.
+
+use std::path::Path;
+
+use mpiflow::observe::metrics::{self, Format};
+use mpiflow::observe::plot::{self, Run};
+
+use crate::args::PlotArgs;
+use crate::out::{emit, Failure};
+
+pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
+    let label = |i: usize, p: &Path| -> String {
+        args.label.get(i).cloned().unwrap_or_else(|| {
+            p.file_stem()
+                .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into())
+        })
+    };
+    let is_metrics: Vec<bool> = args.files.iter().map(|p| Format::of(p).is_ok()).collect();
+    if is_metrics.iter().all(|m| *m) {
+        let runs = args
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let records = metrics::read(p)?;
+                Ok(Run {
+                    label: label(i, p),
+                    records,
+                })
+            })
+            .collect::<Result<Vec<_>, metrics::MetricsError>>()
+            .map_err(Failure::local)?;
+        plot::metrics_svg(&runs, &args.out).map_err(Failure::local)?;
+        emit(&format!(
+            "# wrote {}: loss and accuracy of {} run(s) against step and time\n",
+            args.out.display(),
+            runs.len()
+        ));
+        return Ok(());
+    }
+    if is_metrics.iter().any(|m| *m) {
+        return Err(Failure::local(
+            "plot takes metrics files (.csv, .jsonl) or benchmark outputs, not both at once",
+        ));
+    }
+    let mut curves = Vec::new();
+    for (i, p) in args.files.iter().enumerate() {
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| Failure::local(format!("{}: cannot read it: {e}", p.display())))?;
+        curves.extend(plot::parse_osu(&label(i, p), &text).map_err(Failure::local)?);
+    }
+    plot::osu_svg(&curves, &args.out).map_err(Failure::local)?;
+    emit(&format!(
+        "# wrote {}: {} benchmark curve(s) against message size\n",
+        args.out.display(),
+        curves.len()
+    ));
+    Ok(())
+}

@@ -1,0 +1,443 @@
+//! Pictures of runs and benchmarks as SVG (`mpiflow plot`), drawn with plotters (no
+//! display, no fonts needed: text is SVG text).
+//!
+//! - [`metrics_svg`]: metrics files ([`super::metrics`]) as four panels, loss and accuracy
+//!   against the step and against wall time, one curve per run (runs overlaid to compare:
+//!   ps against allreduce, 2 against 4 ranks).
+//! - [`osu_svg`]: OSU-format benchmark output (`mpiflow bench`'s, with a table per path,
+//!   or OSU's own programs') as latency and bandwidth against message size, log-log, one
+//!   curve per path and file.
+
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use super::metrics::Record;
+
+/// Errors of plotting.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("{path}: {why}")]
+    Draw { path: PathBuf, why: String },
+    #[error("{0}: no benchmark table (a `# Size` header and rows of size and value)")]
+    NoTable(String),
+    #[error("{0}: no logged steps to plot")]
+    NoSteps(String),
+}
+
+/// One run's metrics, under the name its curves carry.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub label: String,
+    pub records: Vec<Record>,
+}
+
+/// One curve of a benchmark: its label, what its values are (the column header, such as
+/// `Avg Latency(us)`), and (size, value) points.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Curve {
+    pub label: String,
+    pub column: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// The curves of OSU-format text `text` (from a file named `name`): a table per
+/// `# Size` header; the curve is named by the `# mpiflow path: NAME` line before it, if
+/// any, else by `name` and the test's title. Comment-only tables (ratios) are skipped.
+pub fn parse_osu(name: &str, text: &str) -> Result<Vec<Curve>, PlotError> {
+    let mut curves: Vec<Curve> = Vec::new();
+    let (mut path, mut title) = (None::<String>, None::<String>);
+    let mut open = false;
+    for line in text.lines() {
+        let l = line.trim();
+        if let Some(p) = l.strip_prefix("# mpiflow path:") {
+            path = Some(p.trim().to_string());
+            open = false;
+        } else if l.starts_with("# OSU ") {
+            title = Some(
+                l.trim_start_matches("# OSU ")
+                    .trim_end_matches(" v7.4")
+                    .to_string(),
+            );
+            open = false;
+        } else if let Some(head) = l.strip_prefix("# Size") {
+            let column = head
+                .split("  ")
+                .map(str::trim)
+                .find(|c| !c.is_empty())
+                .unwrap_or("value")
+                .to_string();
+            let label = match (&path, &title) {
+                (Some(p), _) => format!("{name}: {p}"),
+                (None, Some(t)) => format!("{name}: {t}"),
+                (None, None) => name.to_string(),
+            };
+            curves.push(Curve {
+                label,
+                column,
+                points: Vec::new(),
+            });
+            open = true;
+        } else if open && !l.starts_with('#') && !l.is_empty() {
+            let mut f = l.split_whitespace();
+            let point = (|| Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?)))();
+            match (point, curves.last_mut()) {
+                (Some(p), Some(c)) => c.points.push(p),
+                _ => open = false,
+            }
+        }
+    }
+    curves.retain(|c| !c.points.is_empty());
+    if curves.is_empty() {
+        return Err(PlotError::NoTable(name.to_string()));
+    }
+    Ok(curves)
+}
+
+fn draw_err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
+    move |why| PlotError::Draw {
+        path: path.to_path_buf(),
+        why,
+    }
+}
+
+/// A range around `values` (a margin on either side; a span where all are equal).
+fn span(values: impl Iterator<Item = f64>, log: bool) -> std::ops::Range<f64> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite() && (!log || *v > 0.0))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+    match (lo.is_finite(), log) {
+        (false, true) => 1.0..10.0,
+        (false, false) => 0.0..1.0,
+        (true, true) => lo / 1.5..hi * 1.5,
+        (true, false) if hi - lo < 1e-12 => lo - 0.5..hi + 0.5,
+        (true, false) => {
+            let m = (hi - lo) * 0.05;
+            lo - m..hi + m
+        }
+    }
+}
+
+/// Curve colours: dark and far apart (Tableau's ten), cycled.
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+fn color(i: usize) -> RGBColor {
+    COLORS[i % COLORS.len()]
+}
+
+/// A message size as OSU's tables would say it: 512, 4 KiB, 1 MiB.
+fn size_label(v: &f64) -> String {
+    let v = v.round() as u64;
+    match v {
+        v if v >= 1 << 20 && v % (1 << 20) == 0 => format!("{} MiB", v >> 20),
+        v if v >= 1 << 10 && v % (1 << 10) == 0 => format!("{} KiB", v >> 10),
+        v => v.to_string(),
+    }
+}
+
+/// Which quantity a panel shows against which.
+#[derive(Clone, Copy)]
+enum Axis {
+    Step,
+    Time,
+}
+
+/// The (x, loss) or (x, accuracy) points of a run.
+fn points(run: &Run, x: Axis, accuracy: bool) -> Vec<(f64, f64)> {
+    let at = |step: u64, wall: f64| match x {
+        Axis::Step => step as f64,
+        Axis::Time => wall,
+    };
+    run.records
+        .iter()
+        .filter_map(|r| match (r, accuracy) {
+            (
+                Record::Step {
+                    step, wall_s, loss, ..
+                },
+                false,
+            ) => Some((at(*step, *wall_s), f64::from((*loss)?))),
+            (
+                Record::Eval {
+                    step,
+                    wall_s,
+                    accuracy,
+                    ..
+                },
+                true,
+            ) => Some((at(*step, *wall_s), *accuracy)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Metrics of `runs` as an SVG at `path`: loss and accuracy against the step and against
+/// wall time (2 x 2 panels), a curve per run.
+pub fn metrics_svg(runs: &[Run], path: &Path) -> Result<(), PlotError> {
+    for r in runs {
+        if !r.records.iter().any(|r| matches!(r, Record::Step { .. })) {
+            return Err(PlotError::NoSteps(r.label.clone()));
+        }
+    }
+    let err = draw_err(path);
+    let root = SVGBackend::new(path, (1200, 800)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let panels = root.split_evenly((2, 2));
+    let specs = [
+        ("loss", Axis::Step, false),
+        ("loss", Axis::Time, false),
+        ("accuracy", Axis::Step, true),
+        ("accuracy", Axis::Time, true),
+    ];
+    for (area, (what, x, accuracy)) in panels.iter().zip(specs) {
+        let series: Vec<Vec<(f64, f64)>> = runs.iter().map(|r| points(r, x, accuracy)).collect();
+        // Loss and accuracy panels share the x range (the evaluations are often at the
+        // end alone); accuracy stays within 0..1.
+        let every = runs
+            .iter()
+            .flat_map(|r| points(r, x, false).into_iter().chain(points(r, x, true)));
+        let xs = span(every.map(|p| p.0), false);
+        let ys = span(series.iter().flatten().map(|p| p.1), false);
+        let ys = match accuracy {
+            true => ys.start.clamp(0.0, 0.9)..1.0,
+            false => ys,
+        };
+        let x_desc = match x {
+            Axis::Step => "global step",
+            Axis::Time => "seconds",
+        };
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{what} against {x_desc}"), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(xs, ys)
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(what)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        for (i, (run, pts)) in runs.iter().zip(series).enumerate() {
+            let color = color(i);
+            // Evaluations are few (often one per run): points, not a line.
+            let drawn = if accuracy {
+                chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
+            } else {
+                chart.draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            };
+            drawn
+                .map_err(|e| err(e.to_string()))?
+                .label(run.label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+        }
+        let corner = match accuracy {
+            true => SeriesLabelPosition::LowerRight,
+            false => SeriesLabelPosition::UpperRight,
+        };
+        chart
+            .configure_series_labels()
+            .position(corner)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))
+}
+
+/// Benchmark curves as an SVG at `path`: a log-log panel per kind of value (latency,
+/// bandwidth, in the order first seen), a curve per table.
+pub fn osu_svg(curves: &[Curve], path: &Path) -> Result<(), PlotError> {
+    let mut columns: Vec<&str> = Vec::new();
+    for c in curves {
+        if !columns.contains(&c.column.as_str()) {
+            columns.push(&c.column);
+        }
+    }
+    let err = draw_err(path);
+    let height = 560 * columns.len().max(1) as u32;
+    let root = SVGBackend::new(path, (1000, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let panels = root.split_evenly((columns.len().max(1), 1));
+    for (area, column) in panels.iter().zip(&columns) {
+        let mine: Vec<&Curve> = curves.iter().filter(|c| c.column == *column).collect();
+        let xs = span(mine.iter().flat_map(|c| c.points.iter().map(|p| p.0)), true);
+        let ys = span(mine.iter().flat_map(|c| c.points.iter().map(|p| p.1)), true);
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{column} against message size"), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(xs.log_scale(), ys.log_scale())
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("message size (bytes)")
+            .x_label_formatter(&size_label)
+            .y_desc(*column)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        for (i, c) in mine.iter().enumerate() {
+            let color = color(i);
+            let pts: Vec<(f64, f64)> = c.points.iter().copied().filter(|p| p.0 > 0.0).collect();
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?
+                .label(c.label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BENCH: &str = "# mpiflow path: mpi\n# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n\
+        # Size         Avg Latency(us)\n1                         0.39\n2   0.40\n\
+        # mpiflow path: mpiflow\n# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n\
+        # Size         Avg Latency(us)\n1   0.41\n2   0.42\n4   0.43\n\
+        # ratio mpiflow/mpi\n# Size                    Ratio\n# 1          1.05\n";
+
+    #[test]
+    fn osu_tables_become_one_curve_per_path() {
+        let curves = parse_osu("run", BENCH).unwrap();
+        assert_eq!(curves.len(), 2);
+        assert_eq!(curves[0].label, "run: mpi");
+        assert_eq!(curves[0].column, "Avg Latency(us)");
+        assert_eq!(curves[1].points, [(1.0, 0.41), (2.0, 0.42), (4.0, 0.43)]);
+        let osu = "# OSU MPI Bandwidth Test v7.4\n# Datatype: MPI_CHAR.\n\
+            # Size      Bandwidth (MB/s)\n1   8.92\n2   16.13\n";
+        let c = parse_osu("osu_bw", osu).unwrap();
+        assert_eq!(
+            (c[0].label.as_str(), c[0].column.as_str()),
+            ("osu_bw: MPI Bandwidth Test", "Bandwidth (MB/s)")
+        );
+        assert!(matches!(
+            parse_osu("x", "no table\n"),
+            Err(PlotError::NoTable(_))
+        ));
+    }
+
+    /// Whether `svg` holds `label` as a text, and how many of its lines have `n` points.
+    fn holds(svg: &Path, label: &str) -> bool {
+        std::fs::read_to_string(svg)
+            .unwrap()
+            .contains(&format!(">\n{label}\n</text>"))
+    }
+
+    fn lines_of(svg: &Path, n: usize) -> usize {
+        let text = std::fs::read_to_string(svg).unwrap();
+        text.split("<polyline")
+            .skip(1)
+            .filter(|l| {
+                let points = l.split("points=\"").nth(1).unwrap_or("");
+                points
+                    .split('"')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .count()
+                    == n
+            })
+            .count()
+    }
+
+    #[test]
+    fn pictures_parse_and_hold_every_curve_with_its_label() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let svg = dir.join("bench.svg");
+        let mut curves = parse_osu("run", BENCH).unwrap();
+        curves
+            .extend(parse_osu("bw", "# Size  Bandwidth (MB/s)\n1 8.9\n2 16.1\n4 30.5\n").unwrap());
+        osu_svg(&curves, &svg).unwrap();
+        for label in [
+            "run: mpi",
+            "run: mpiflow",
+            "bw",
+            "Avg Latency(us) against message size",
+        ] {
+            assert!(holds(&svg, label), "{label}");
+        }
+        // The curves with 3 points: lines of that many points.
+        assert_eq!(lines_of(&svg, 3), 2);
+
+        let step = |step: u64, loss: f32| Record::Step {
+            step,
+            wall_s: step as f64 / 100.0,
+            loss: Some(loss),
+            steps_per_sec: 100.0,
+            samples_per_sec: 6400.0,
+            ranks: vec![],
+        };
+        let eval = Record::Eval {
+            step: 300,
+            wall_s: 3.1,
+            accuracy: 0.9,
+            correct: 9,
+            total: 10,
+        };
+        let runs = [
+            Run {
+                label: "ps".into(),
+                records: vec![
+                    step(100, 1.0),
+                    step(200, 0.5),
+                    step(300, 0.25),
+                    eval.clone(),
+                ],
+            },
+            Run {
+                label: "allreduce".into(),
+                records: vec![step(100, 0.9), step(200, 0.4), step(300, 0.2), eval],
+            },
+        ];
+        let svg = dir.join("runs.svg");
+        metrics_svg(&runs, &svg).unwrap();
+        for label in [
+            "ps",
+            "allreduce",
+            "loss against global step",
+            "accuracy against seconds",
+        ] {
+            assert!(holds(&svg, label), "{label}");
+        }
+        // Two loss panels of two runs of 3 logged steps each.
+        assert_eq!(lines_of(&svg, 3), 4);
+        let empty = [Run {
+            label: "empty".into(),
+            records: vec![],
+        }];
+        assert!(matches!(
+            metrics_svg(&empty, &svg),
+            Err(PlotError::NoSteps(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
