@@ -285,9 +285,15 @@ pub fn run(
             _ => Some(size),
         });
     let arms = arms(name, &paths, opts);
-    let measured = best_of_rounds(coll, sizes, &arms, rounds, Better::Lower, |arm, size| {
-        measure(coll, name, arm, size, opts)
-    })?;
+    let measured = best_of_rounds(
+        coll,
+        sizes,
+        &arms,
+        rounds,
+        Better::Lower,
+        opts.progress,
+        |arm, size| measure(coll, name, arm, size, opts),
+    )?;
     out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
     if name == "allreduce" {
         out.push_str(&stores_line(coll, opts));

@@ -23,6 +23,7 @@ pub mod rma;
 
 use std::time::Instant;
 
+use crate::observe::progress::{Style, Ticker};
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Collectives, Comm, TransportError};
 
@@ -135,11 +136,17 @@ pub(crate) fn best_of_rounds<P: Copy + Label>(
     paths: &[P],
     rounds: usize,
     better: Better,
+    progress: Option<Style>,
     mut measure: impl FnMut(P, usize) -> Result<Row, BenchError>,
 ) -> Result<Rounds, BenchError> {
     let sizes: Vec<usize> = sizes.into_iter().collect();
     // samples[i][k]: every round's row of path k at size i.
     let mut samples = vec![vec![Vec::with_capacity(rounds); paths.len()]; sizes.len()];
+    // Rank 0 shows where a long run is, on stderr (stdout holds the tables).
+    let mut ticker = progress.filter(|_| coll.rank() == 0).map(Ticker::new);
+    let say = |text: String| {
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
+    };
     for round in 0..rounds {
         for (i, &size) in sizes.iter().enumerate() {
             for j in 0..paths.len() {
@@ -147,7 +154,20 @@ pub(crate) fn best_of_rounds<P: Copy + Label>(
                 coll.barrier()?;
                 samples[i][k].push(measure(paths[k], size)?);
             }
+            let at = || {
+                let (n, r) = (sizes.len(), round + 1);
+                format!(
+                    "bench: round {r} of {rounds}, {size} bytes ({} of {n} sizes)",
+                    i + 1
+                )
+            };
+            if let Some(text) = ticker.as_mut().and_then(|t| t.tick(at)) {
+                say(text);
+            }
         }
+    }
+    if let Some(text) = ticker.as_mut().and_then(Ticker::finish) {
+        say(text);
     }
     let tables: Vec<Vec<Row>> = (0..paths.len())
         .map(|k| samples.iter().map(|s| better.best(&s[k])).collect())

@@ -77,6 +77,8 @@ pub struct BenchOptions {
     /// Stores into the shared-memory allreduce's slots: as measured (auto), or always
     /// cached or streaming (allreduce and allreduce-fused).
     pub shm_stores: ShmStores,
+    /// Where a run longer than 2 s is, on rank 0's stderr (`None`: quiet).
+    pub progress: Option<crate::observe::progress::Style>,
 }
 
 /// OSU's `-b single|multiple` (bw, bibw; latency always has one buffer per side): one send
@@ -157,6 +159,7 @@ impl Default for BenchOptions {
             transport: Default::default(),
             shm_slot_bytes: None,
             shm_stores: ShmStores::Auto,
+            progress: None,
         }
     }
 }

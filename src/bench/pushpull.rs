@@ -178,25 +178,33 @@ pub fn run(
     let (paths, rounds) = opts.plan();
     // Whole floats.
     let sizes = osu::sizes(min.max(4), max).into_iter().map(|s| s / 4 * 4);
-    let measured = best_of_rounds(coll, sizes, &paths, rounds, Better::Higher, |path, size| {
-        let (iters, warmup) = osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20);
-        let mine = match path {
-            Path::Mpi => raw(comm, ps, size, iters, warmup),
-            _ => match opts.transport {
-                PsTransport::P2p => p2p_rounds(comm, &l, size / 4, iters, warmup),
-                PsTransport::Rma => {
-                    crate::train::ps::rma::bench_pushpull(comm, &l, size / 4, iters, warmup)
+    let measured = best_of_rounds(
+        coll,
+        sizes,
+        &paths,
+        rounds,
+        Better::Higher,
+        opts.progress,
+        |path, size| {
+            let (iters, warmup) = osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20);
+            let mine = match path {
+                Path::Mpi => raw(comm, ps, size, iters, warmup),
+                _ => match opts.transport {
+                    PsTransport::P2p => p2p_rounds(comm, &l, size / 4, iters, warmup),
+                    PsTransport::Rma => {
+                        crate::train::ps::rma::bench_pushpull(comm, &l, size / 4, iters, warmup)
+                    }
                 }
-            }
-            .map_err(|e| BenchError::Validation(e.to_string()))?,
-        };
-        let secs = mean_over_workers(coll, mine)?;
-        Ok(Row::point(
-            size,
-            (workers * 2 * size) as f64 / 1e6 / secs,
-            0,
-        ))
-    })?;
+                .map_err(|e| BenchError::Validation(e.to_string()))?,
+            };
+            let secs = mean_over_workers(coll, mine)?;
+            Ok(Row::point(
+                size,
+                (workers * 2 * size) as f64 / 1e6 / secs,
+                0,
+            ))
+        },
+    )?;
     let how = match opts.transport {
         PsTransport::P2p => "p2p",
         PsTransport::Rma => "rma",

@@ -287,6 +287,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         &paths,
         rounds,
         better,
+        opts.progress,
         |path, size| Ok(Row::point(size, measure(comm, name, path, size, opts)?, 0)),
     )?;
     let (title, datatype, column) = match name {

@@ -1,7 +1,8 @@
 //! The chief's progress: at each logged step a live line (step of total, loss, samples/s,
 //! ETA) redrawn in place on a terminal, or, when output goes to a file or a pipe (a batch
 //! job's log), the plain log line with the ETA added. Other lines (notes, checkpoints,
-//! warnings) clear the live line, print, and redraw it below.
+//! warnings) clear the live line, print, and redraw it below. [`Ticker`]: the same for a
+//! loop without steps (a benchmark), on stderr.
 
 use std::fmt::Write;
 
@@ -82,6 +83,55 @@ impl Progress {
     }
 }
 
+/// Progress of a long loop without steps of its own (a benchmark's rounds and sizes):
+/// nothing for its first 2 s, then its state at most every 0.5 s live, or every 10 s as
+/// plain lines; a live line is erased at the end.
+#[derive(Debug, Clone)]
+pub struct Ticker {
+    style: Style,
+    start: std::time::Instant,
+    last: Option<std::time::Instant>,
+}
+
+impl Ticker {
+    pub fn new(style: Style) -> Ticker {
+        Ticker {
+            style,
+            start: std::time::Instant::now(),
+            last: None,
+        }
+    }
+
+    /// The text to write now for the state `what` describes, if it is due.
+    pub fn tick(&mut self, what: impl FnOnce() -> String) -> Option<String> {
+        let every = match self.style {
+            Style::Live => std::time::Duration::from_millis(500),
+            Style::Lines => std::time::Duration::from_secs(10),
+        };
+        let due = match self.last {
+            None => self.start.elapsed() >= std::time::Duration::from_secs(2),
+            Some(t) => t.elapsed() >= every,
+        };
+        if !due {
+            return None;
+        }
+        self.last = Some(std::time::Instant::now());
+        let at = eta(self.start.elapsed().as_secs_f64());
+        Some(match self.style {
+            Style::Live => format!("{ERASE}{} ({at})", what()),
+            Style::Lines => format!("{} ({at})\n", what()),
+        })
+    }
+
+    /// The text that ends the progress (erases a live line), if any.
+    pub fn finish(&mut self) -> Option<String> {
+        match (self.style, self.last) {
+            (Style::Live, Some(_)) => Some(ERASE.to_string()),
+            _ => None,
+        }
+    }
+}
+
 /// Seconds as `m:ss` or `h:mm:ss`; `?` if not known (no rate yet).
 pub fn eta(secs: f64) -> String {
     if !secs.is_finite() || secs < 0.0 {
@@ -126,6 +176,24 @@ mod tests {
         assert_eq!(p.line("# ckpt"), format!("\r\x1b[2K# ckpt\n{live}"));
         assert_eq!(p.finish(), "\n");
         assert_eq!(p.line("accuracy"), "accuracy\n");
+    }
+
+    #[test]
+    fn a_ticker_waits_two_seconds_then_shows_and_erases_its_line() {
+        let mut t = Ticker::new(Style::Live);
+        assert_eq!(t.tick(|| "x".into()), None, "not in the first 2 s");
+        assert_eq!(t.finish(), None, "nothing shown, nothing to erase");
+        t.start -= std::time::Duration::from_secs(3);
+        assert_eq!(
+            t.tick(|| "size 8".into()).unwrap(),
+            "\r\x1b[2Ksize 8 (0:03)"
+        );
+        assert_eq!(t.tick(|| "size 16".into()), None, "at most every 0.5 s");
+        assert_eq!(t.finish().unwrap(), "\r\x1b[2K");
+        let mut t = Ticker::new(Style::Lines);
+        t.start -= std::time::Duration::from_secs(3);
+        assert_eq!(t.tick(|| "size 8".into()).unwrap(), "size 8 (0:03)\n");
+        assert_eq!(t.finish(), None);
     }
 
     #[test]

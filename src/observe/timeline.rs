@@ -240,7 +240,15 @@ pub fn gather_trace<C: Comm>(
     root: usize,
     task: &str,
 ) -> Result<Option<String>, TimelineError> {
-    let mut mine = take_events(c.rank(), task);
+    gather_events(c, root, take_events(c.rank(), task))
+}
+
+/// [`gather_trace`] of events already taken ([`take_events`]).
+pub fn gather_events<C: Comm>(
+    c: &C,
+    root: usize,
+    mut mine: String,
+) -> Result<Option<String>, TimelineError> {
     if c.rank() != root {
         comm::send(c, &(mine.len() as u64).to_le_bytes(), root, TAG)?;
         comm::send(c, mine.as_bytes(), root, TAG)?;
@@ -330,28 +338,33 @@ mod tests {
     fn spans_are_recorded_only_when_enabled_and_gathered_into_one_trace() {
         let t = Instant::now();
         span("before", "compute", t, t, Detail::default());
+        // The recorder is the process's: record here, then gather what each rank took.
+        // (Other tests of this process may add spans while it is on: look for ours.)
+        enable(Alignment::alone());
+        let a = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let peer: Arc<str> = "ps:0".into();
+        span(
+            "push",
+            "comm",
+            a,
+            Instant::now(),
+            Detail::moved(7, 4096, &peer),
+        );
+        let ours = take_events(0, "worker:0");
+        assert!(!enabled());
         let traces = LocalComm::run(3, |c| {
-            // Threads share the recorder: rank 0 alone records (other tests of this
-            // process may add spans while it is on: the checks look for ours).
             let align = align(&c, 1).unwrap();
             assert!(align.offset_us.abs() < 1e5, "one clock: {align:?}");
-            if c.rank() == 0 {
-                enable(align);
-                let a = Instant::now();
-                std::thread::sleep(std::time::Duration::from_millis(2));
-                let peer: Arc<str> = "ps:0".into();
-                span(
-                    "push",
-                    "comm",
-                    a,
-                    Instant::now(),
-                    Detail::moved(7, 4096, &peer),
-                );
-            }
-            gather_trace(&c, 1, &format!("worker:{}", c.rank())).unwrap()
+            let mine = match c.rank() {
+                0 => ours.clone(),
+                r => format!(
+                    "{{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":{r},\"args\":{{\"name\":\"worker:{r} (rank {r})\"}}}},\n"
+                ),
+            };
+            gather_events(&c, 1, mine).unwrap()
         });
         assert!(traces[0].is_none() && traces[2].is_none());
-        assert!(!enabled());
         let json: serde_json::Value = serde_json::from_str(traces[1].as_ref().unwrap()).unwrap();
         let events = json["traceEvents"].as_array().unwrap();
         let push: Vec<_> = events.iter().filter(|e| e["name"] == "push").collect();
@@ -378,7 +391,13 @@ mod tests {
             .filter(|e| e["name"] == "process_name")
             .map(|e| e["args"]["name"].as_str().unwrap())
             .collect();
-        // Rank 0 recorded; the others were never enabled and send nothing.
-        assert_eq!(names, ["worker:0 (rank 0)"]);
+        assert_eq!(
+            names,
+            [
+                "worker:0 (rank 0)",
+                "worker:1 (rank 1)",
+                "worker:2 (rank 2)"
+            ]
+        );
     }
 }

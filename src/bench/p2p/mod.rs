@@ -397,6 +397,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         &paths,
         nrounds,
         better,
+        opts.progress,
         |path, size| {
             // Ranks 0 and 1 measure; the others only keep the barriers company.
             match comm.rank() {

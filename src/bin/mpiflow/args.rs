@@ -307,6 +307,10 @@ pub(crate) struct BenchArgs {
     /// cached or streaming (allreduce and allreduce-fused).
     #[arg(long, value_parser = named::<ShmStores>(), default_value = "auto")]
     shm_stores: ShmStores,
+    /// Where a run is (after 2 s), on stderr: live (one line redrawn in place), lines, or
+    /// auto (live on a terminal, also through mpirun).
+    #[arg(long, value_enum, default_value_t)]
+    progress: ProgressArg,
 }
 
 impl BenchArgs {
@@ -328,6 +332,10 @@ impl BenchArgs {
             transport: self.transport,
             shm_slot_bytes: self.shm_slot_bytes,
             shm_stores: self.shm_stores,
+            progress: Some(crate::report::style(
+                self.progress,
+                crate::report::Stream::Stderr,
+            )),
         }
     }
 }

@@ -30,7 +30,7 @@ impl Reporter {
         speaks: bool,
     ) -> Self {
         Reporter {
-            progress: Progress::new(total, style(progress)),
+            progress: Progress::new(total, style(progress, Stream::Stdout)),
             metrics,
             speaks,
         }
@@ -93,19 +93,30 @@ pub(crate) fn metrics_file(
     }
 }
 
-/// `--progress` as shown here: `auto` is live when the output ends on a terminal: under an
-/// MPI launcher, when the `mpirun` (or `mpiexec`) that started this rank on this host
-/// writes to one (it passes the bytes on as they come; the rank's own output is a
+/// The stream progress goes to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// `--progress` as shown on `stream`: `auto` is live when the stream ends on a terminal:
+/// under an MPI launcher, when the `mpirun` (or `mpiexec`) that started this rank on this
+/// host writes to one (it passes the bytes on as they come; the rank's own output is a
 /// pseudo-terminal of OpenMPI's whatever mpirun's is), otherwise when this process's
-/// output is one. Elsewhere (a batch job's log, a pipe, srun) plain lines.
-fn style(arg: ProgressArg) -> Style {
+/// stream is one. Elsewhere (a batch job's log, a pipe, srun) plain lines.
+pub(crate) fn style(arg: ProgressArg, stream: Stream) -> Style {
+    let own = match stream {
+        Stream::Stdout => std::io::stdout().is_terminal(),
+        Stream::Stderr => std::io::stderr().is_terminal(),
+    };
     let live = match arg {
         ProgressArg::Live => true,
         ProgressArg::Lines => false,
-        ProgressArg::Auto => match launcher_output() {
+        ProgressArg::Auto => match launcher_output(stream) {
             Some(tty) => tty,
             None if under_mpi() => false,
-            None => std::io::stdout().is_terminal(),
+            None => own,
         },
     };
     if live {
@@ -127,9 +138,14 @@ fn under_mpi() -> bool {
     .any(|v| std::env::var_os(v).is_some())
 }
 
-/// Whether the MPI launcher among this process's ancestors (three generations) writes to
-/// a terminal; `None` if there is none (Linux's /proc; none where it cannot tell).
-fn launcher_output() -> Option<bool> {
+/// Whether the MPI launcher among this process's ancestors (three generations) writes
+/// `stream` to a terminal; `None` if there is none (Linux's /proc; none where it cannot
+/// tell).
+fn launcher_output(stream: Stream) -> Option<bool> {
+    let fd = match stream {
+        Stream::Stdout => 1,
+        Stream::Stderr => 2,
+    };
     const LAUNCHERS: [&str; 5] = ["mpirun", "mpiexec", "orterun", "prterun", "mpiexec.hydra"];
     let parent = |pid: u32| -> Option<u32> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -147,7 +163,7 @@ fn launcher_output() -> Option<bool> {
         pid = p;
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
         if LAUNCHERS.contains(&comm.trim()) {
-            let out = std::fs::read_link(format!("/proc/{pid}/fd/1")).unwrap_or_default();
+            let out = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).unwrap_or_default();
             let out = out.to_string_lossy();
             return Some(out.starts_with("/dev/pts/") || out.starts_with("/dev/tty"));
         }
