@@ -200,15 +200,9 @@ fn a_metrics_file_that_cannot_be_created_is_one_line_on_every_rank() {
         ("/tmp/m.txt", "name it .csv or .jsonl"),
     ] {
         let run = train("2", "--mode allreduce --steps 10 --metrics", &[file]);
-        assert_ne!(run.code, 0, "{run:?}");
-        let errors: Vec<&str> = run
-            .stderr
-            .lines()
-            .filter(|l| l.starts_with("mpiflow: "))
-            .collect();
-        assert_eq!(errors.len(), 1, "{run:?}");
-        let want = format!("mpiflow: error: rank 0: metrics file {file}: {why}");
-        assert!(errors[0].starts_with(&want), "{errors:?}");
+        run.assert_one_line_error(&format!(
+            "mpiflow: error: rank 0: metrics file {file}: {why}"
+        ));
         assert!(!run.stdout.contains("step "), "{run:?}");
     }
 }
@@ -332,16 +326,8 @@ fn timelines_hold_every_ranks_spans_on_one_clock() {
         "--mode allreduce --steps 10 --timeline",
         &["/nonexistent-dir/t.json"],
     );
-    assert_ne!(run.code, 0);
-    let errors: Vec<&str> = run
-        .stderr
-        .lines()
-        .filter(|l| l.starts_with("mpiflow: "))
-        .collect();
-    assert_eq!(errors.len(), 1, "{run:?}");
-    assert!(
-        errors[0].starts_with("mpiflow: error: rank 0: timeline /nonexistent-dir/t.json: cannot write it: No such file"),
-        "{errors:?}"
+    run.assert_one_line_error(
+        "mpiflow: error: rank 0: timeline /nonexistent-dir/t.json: cannot write it: No such file",
     );
 }
 

@@ -144,7 +144,8 @@ pub fn run<C: Comm + Send>(
         worker_id.unwrap_or(comm.rank()),
     )?;
     let Some(_) = worker_id else {
-        events(&Event::Note(format!(
+        // A warning: every rank prints it (the others' notes only with --verbose).
+        events(&Event::Warning(format!(
             "{} (rank {}): not a replica in allreduce mode; idle",
             me.task,
             comm.rank()

@@ -161,7 +161,7 @@ pub fn run<C: Comm>(
         return server::serve(comm, &roles, k, cfg.peer_timeout);
     }
     let Some(w) = roles.worker_index(me) else {
-        events(&Event::Note(format!(
+        events(&Event::Warning(format!(
             "{}: not part of ps training (evaluator); idle",
             roles.task(me)
         )));
