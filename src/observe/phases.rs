@@ -146,6 +146,16 @@ impl Clock {
         now
     }
 
+    /// The seconds charged to `phase` so far in the window.
+    #[inline]
+    pub fn charged(&self, phase: Phase) -> f64 {
+        match phase {
+            Phase::Compute => self.window.compute,
+            Phase::Comm => self.window.comm,
+            Phase::Wait => self.window.wait,
+        }
+    }
+
     /// Counts `n` steps in the window.
     #[inline]
     pub fn steps(&mut self, n: u64) {

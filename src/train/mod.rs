@@ -232,7 +232,7 @@ pub fn train_local<'m>(
     let mut grads = model.zeros_like();
     let batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     let start = Instant::now();
-    let (mut window_start, mut window_steps) = (Instant::now(), 0u64);
+    // The log window: its steps and its length.
     let mut clock = Clock::new();
     let mut loss = f32::NAN;
     let mut last_saved = first;
@@ -278,23 +278,22 @@ pub fn train_local<'m>(
         }
         clock.since_as(Phase::Compute, t, "step", Detail::at(step));
         clock.steps(1);
-        window_steps += 1;
         let done = step + 1;
         if cfg.log_every > 0 && done % cfg.log_every == 0 {
-            let secs = window_start.elapsed().as_secs_f64().max(1e-9);
+            let times = clock.take();
+            let secs = times.total().max(1e-9);
             events(&Event::Step(StepLog {
                 step: done,
                 loss,
-                steps_per_sec: window_steps as f64 / secs,
-                samples_per_sec: (window_steps * cfg.batch as u64) as f64 / secs,
+                steps_per_sec: times.steps as f64 / secs,
+                samples_per_sec: (times.steps * cfg.batch as u64) as f64 / secs,
                 comm_fraction: None,
                 ranks: vec![RankTimes {
                     rank: 0,
                     task: "local".into(),
-                    times: clock.take(),
+                    times,
                 }],
             }));
-            (window_start, window_steps) = (Instant::now(), 0);
         }
         let due = cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0;
         if let (Some(dir), true) = (&cfg.checkpoint_dir, due || done == cfg.steps) {

@@ -38,15 +38,7 @@ impl Reporter {
 
     /// Prints and records one event.
     pub(crate) fn event(&mut self, e: &Event) {
-        if let Some(m) = &mut self.metrics {
-            if let Some(r) = e.record(m.wall_s()) {
-                if let Err(err) = m.write(&r) {
-                    // A full disk must not end a long run: say so once, train on.
-                    say!("mpiflow: warning: {err}; no more metrics are written");
-                    self.metrics = None;
-                }
-            }
-        }
+        self.record(e);
         let text = match e {
             _ if !self.speaks && !matches!(e, Event::Warning(_)) => return,
             Event::Step(s) => self.progress.step(&Tick {
@@ -63,12 +55,19 @@ impl Reporter {
         emit(&text);
     }
 
-    /// Records an event in the metrics file without printing it (what the command
-    /// prints its own way).
+    /// Records an event in the metrics file (if it is a step or an evaluation) without
+    /// printing it (what the command prints its own way).
     pub(crate) fn record(&mut self, e: &Event) {
-        let speaks = std::mem::replace(&mut self.speaks, false);
-        self.event(e);
-        self.speaks = speaks;
+        let Some(m) = &mut self.metrics else {
+            return;
+        };
+        if let Some(r) = e.record(m.wall_s()) {
+            if let Err(err) = m.write(&r) {
+                // A full disk must not end a long run: say so once, train on.
+                say!("mpiflow: warning: {err}; no more metrics are written");
+                self.metrics = None;
+            }
+        }
     }
 }
 

@@ -188,9 +188,8 @@ pub fn run<C: Comm + Send>(
     };
     std::thread::scope(|scope| -> Result<(), AllreduceError> {
         let mut reducer = Reducer::new(scope, comm_thread, &model, cfg.fusion);
-        let (mut window, mut window_steps, mut last_ckpt) = (Instant::now(), 0u64, step);
-        // Seconds of the current log window spent in the gradient allreduce.
-        let mut comm_secs = 0.0f64;
+        let mut last_ckpt = step;
+        // The log window: its steps, its time in the gradient allreduce, its length.
         let mut clock = Clock::new();
         let mut verdict = Verdict::new();
         while step < cfg.train.steps {
@@ -208,7 +207,6 @@ pub fn run<C: Comm + Send>(
             verdict.step = step;
             let (secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, &mut verdict)?;
             let reduced = Instant::now();
-            comm_secs += secs;
             let comm_time = std::time::Duration::from_secs_f64(secs);
             clock.charge(Phase::Comm, comm_time);
             if first && chief {
@@ -252,7 +250,6 @@ pub fn run<C: Comm + Send>(
             );
             clock.steps(1);
             step += 1;
-            window_steps += 1;
             if step == 1 && cfg.perturb_rank == Some(w) {
                 model.params[0].as_mut_slice::<f32>().expect("f32")[0] += 1e-3;
             }
@@ -269,19 +266,19 @@ pub fn run<C: Comm + Send>(
             let every = cfg.train.log_every;
             if every > 0 && step.is_multiple_of(every) {
                 // Every replica's window, to the chief (all of them log at this step).
-                let ranks = gather_times(&coll, layout, comm.rank(), clock.take())?;
+                let mine = clock.take();
+                let ranks = gather_times(&coll, layout, comm.rank(), mine)?;
                 if chief {
-                    let secs = window.elapsed().as_secs_f64().max(1e-9);
+                    let secs = mine.total().max(1e-9);
                     events(&Event::Step(StepLog {
                         step,
                         loss: verdict.loss(),
-                        steps_per_sec: window_steps as f64 / secs,
-                        samples_per_sec: (window_steps * cfg.train.batch as u64) as f64 / secs,
-                        comm_fraction: Some(comm_secs / secs),
+                        steps_per_sec: mine.steps as f64 / secs,
+                        samples_per_sec: (mine.steps * cfg.train.batch as u64) as f64 / secs,
+                        comm_fraction: Some(mine.comm / secs),
                         ranks,
                     }));
                 }
-                (window, window_steps, comm_secs) = (Instant::now(), 0, 0.0);
             }
             if chief
                 && cfg.train.checkpoint_every > 0

@@ -175,16 +175,17 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         resources::share(count).as_ref(),
     ))
     .map_err(|e| Failure::agreed(e, &ctx))?;
-    // The chief reports (and writes the metrics); the others only with --verbose.
-    let chief = layout.spec.worker_id(&me.task) == Some(0);
+    // The chief (worker 0) reports, writes the metrics and gathers the timeline; the
+    // others speak only with --verbose.
+    let root =
+        (0..layout.ranks.len()).find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0));
+    let chief = root == Some(ctx.rank());
+    let root = root.unwrap_or(0);
     let metrics = ctx
         .agree(report::metrics_file(args.metrics.as_deref(), chief))
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let mut reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
-    let root = (0..layout.ranks.len())
-        .find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0))
-        .unwrap_or(0);
     if let Some(p) = &args.timeline {
         let writable = match chief {
             true => mpiflow::observe::timeline::check_writable(p),
@@ -244,10 +245,8 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             match ran {
                 Err(ps::PsError::Stopped(s)) => {
                     // The chief names the checkpoint it wrote.
-                    let chief =
-                        ps::Roles::new(layout).map(|r| r.workers.first() == Some(&ctx.rank()));
                     drop((comm, reporter));
-                    return Err(Failure::stopped(&s, chief.unwrap_or(false)));
+                    return Err(Failure::stopped(&s, chief));
                 }
                 r => r.map_err(|e| e.to_string()),
             }

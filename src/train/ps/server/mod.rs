@@ -648,13 +648,14 @@ impl<'a, C: Comm> Server<'a, C> {
             };
             // Handling a request is communication but for the updates it makes (compute,
             // charged where they are made); polling for one is waiting.
-            let computed = self.clock.peek().compute;
+            let computed = self.clock.charged(Phase::Compute);
             let handled = got.map(|from| self.handle(from, &inbox));
             self.inbox = inbox;
             match handled {
                 Some(handled) => {
                     let end = Instant::now();
-                    let d = (end - t).as_secs_f64() - (self.clock.peek().compute - computed);
+                    let d =
+                        (end - t).as_secs_f64() - (self.clock.charged(Phase::Compute) - computed);
                     self.clock
                         .charge(Phase::Comm, std::time::Duration::from_secs_f64(d.max(0.0)));
                     if let Some(i) = idle_since.take() {
