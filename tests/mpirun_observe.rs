@@ -123,8 +123,14 @@ fn metrics_files_hold_every_ranks_phase_times_in_every_mode() {
     assert_eq!(lines, 3, "{}", run.stdout);
 
     // ps, synchronous, 1 ps and 3 workers: the ps's times and every worker's, each window
-    // exactly the logged steps; the ps made one update per step.
-    for (mode, extra) in [("sync", None), ("async", Some("--async"))] {
+    // exactly the logged steps; the ps made one update per step. The same by the one-sided
+    // ps (counters in ps 0's window).
+    let modes: [(&str, &[&str]); 3] = [
+        ("sync", &[]),
+        ("async", &["--async"]),
+        ("rma", &["--transport", "rma"]),
+    ];
+    for (mode, extra) in modes {
         let ps = path(&format!("ps-{mode}.csv"));
         let flags = "--mode ps --ps 1 --steps 300 --log-every 100 --metrics";
         let mut more = vec![ps.as_str()];
@@ -137,7 +143,7 @@ fn metrics_files_hold_every_ranks_phase_times_in_every_mode() {
         for s in &steps {
             let r = ranks(s);
             heard.extend(r.iter().map(|x| x.0.clone()));
-            if mode == "sync" {
+            if mode != "async" {
                 let windows: Vec<(&str, u64)> = r.iter().map(|x| (x.0.as_str(), x.1)).collect();
                 assert_eq!(
                     windows,
@@ -320,6 +326,36 @@ fn timelines_hold_every_ranks_spans_on_one_clock() {
         "2 workers x 100 x (push, pull)"
     );
 
+    // The picture of a timeline: a row per rank, a bar per span of the steps asked for.
+    let svg = dir.join("ps.svg");
+    let (svg, ps) = (svg.to_str().unwrap(), ps.to_str().unwrap());
+    let run = mpiflow_alone(&["plot", "-o", svg, ps, "--steps", "50:52"], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains("3 ranks' spans of steps 50 to 52"),
+        "{run:?}"
+    );
+    let (texts, _) = svg_contents(svg);
+    for label in [
+        "ps:0 (rank 0)",
+        "worker:1 (rank 2)",
+        "push",
+        "pull",
+        "request",
+    ] {
+        assert!(texts.iter().any(|t| t == label), "{label} in {texts:?}");
+    }
+    let rects = std::fs::read_to_string(svg)
+        .unwrap()
+        .matches("<rect")
+        .count();
+    assert!(
+        rects >= 2 * 3 * 3,
+        "2 workers x 3 steps x (gradients, push, pull): {rects}"
+    );
+    let run = mpiflow_alone(&["plot", "-o", svg, ps, "--steps", "500:510"], &[]);
+    run.assert_one_line_error("no spans of steps 500..=510");
+
     // A file that cannot be written: one line before training.
     let run = train(
         "2",
@@ -426,4 +462,125 @@ fn svg_contents(path: &str) -> (Vec<String>, Vec<usize>) {
         })
         .collect();
     (texts, lines)
+}
+
+/// The task of world rank `rank`, from the chief's `# ranks: 0=ps:0 1=worker:0 ...` line.
+fn task_of(text: &str, rank: usize) -> String {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("# ranks: "))
+        .unwrap_or_else(|| panic!("no ranks line in {text}"));
+    let want = format!("{rank}=");
+    line["# ranks: ".len()..]
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix(want.as_str()))
+        .unwrap_or_else(|| panic!("rank {rank} not in {line}"))
+        .to_string()
+}
+
+/// A rank stopped (SIGSTOP) for 6 s in the middle of training: the chief names it as not
+/// arrived, with the step and the operation the others wait in, again while it lasts, then
+/// says the stall cleared; the metrics file holds the reports; training goes on until
+/// SIGUSR1 stops it (exit 75).
+#[test]
+fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
+    let dir = tmpdir("observe-stall");
+    for (np, mode) in [("3", "--mode allreduce"), ("4", "--mode ps --ps 1")] {
+        let metrics = dir.join(format!("{}.jsonl", mode.replace([' ', '-'], "")));
+        let trace = metrics.with_extension("json");
+        let mut args = vec!["-np", np, mpiflow(), "train"];
+        args.extend(mode.split_whitespace());
+        let m = metrics.to_str().unwrap();
+        args.extend([
+            "--steps",
+            "100000000",
+            "--log-every",
+            "1000",
+            "--stall-warning",
+            "1",
+            "--metrics",
+            m,
+            "--timeline",
+            trace.to_str().unwrap(),
+        ]);
+        let start = std::time::Instant::now();
+        let ready = || start.elapsed() > std::time::Duration::from_secs(3);
+        let last = np.parse::<usize>().unwrap() - 1;
+        let (text, code) = common::with_rank_when(&args, Some(last), ready, |pid, mpirun| {
+            common::signal(pid, "-STOP");
+            std::thread::sleep(std::time::Duration::from_secs(6));
+            common::signal(pid, "-CONT");
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            common::signal(mpirun, "-USR1");
+        });
+        assert_eq!(code, Some(75), "{mode}: {text}");
+        let victim = task_of(&text, last);
+        let stalls: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("# warning: stall at step "))
+            .collect();
+        let reports: Vec<&&str> = stalls.iter().filter(|l| !l.contains("cleared")).collect();
+        assert!(reports.len() >= 2, "{mode}: {text}");
+        for r in &reports {
+            assert!(
+                r.ends_with(&format!("; not arrived: {victim} (no answer)")),
+                "{mode}: {r}"
+            );
+        }
+        // The workers wait in the allreduce, or in their pull (or push, when the ps is
+        // held up replying to the stopped worker); the ps gathers the pushes or replies.
+        let ops: &[&str] = if mode.contains("ps") {
+            &["pull", "push", "gather of pushes", "reply"]
+        } else {
+            &["allreduce"]
+        };
+        let waits = |line: &str| ops.iter().any(|op| line.contains(&format!(" in {op}")));
+        assert!(reports.iter().all(|r| waits(r)), "{mode}: {reports:?}");
+        let cleared: Vec<&&str> = stalls.iter().filter(|l| l.contains("cleared")).collect();
+        assert_eq!(cleared.len(), 1, "{mode}: {text}");
+        // Only the chief reports; the stopped rank is not blamed by anyone else.
+        assert_eq!(text.matches("does not answer").count(), 0, "{mode}: {text}");
+        let records = read(&metrics).unwrap();
+        let stall_records: Vec<&Record> = records
+            .iter()
+            .filter(|r| matches!(r, Record::Stall { .. }))
+            .collect();
+        assert_eq!(stall_records.len(), stalls.len(), "{mode}: {records:?}");
+        let Record::Stall { missing, op: o, .. } = stall_records[0] else {
+            unreachable!()
+        };
+        assert_eq!(missing, std::slice::from_ref(&victim), "{mode}");
+        assert!(ops.contains(&o.as_str()), "{mode}: {o}");
+        let Some(Record::Stall {
+            cleared: true,
+            waited_s,
+            ..
+        }) = stall_records.last()
+        else {
+            panic!("{mode}: the last stall record is not the clearing: {records:?}")
+        };
+        assert!((5.0..10.0).contains(waited_s), "{mode}: {waited_s}");
+        // The timeline, gathered although a signal stopped the job, holds the stall on
+        // the chief's track.
+        let trace: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+        let stalls: Vec<&serde_json::Value> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"] == "stall")
+            .collect();
+        assert_eq!(stalls.len(), 1, "{mode}: {stalls:?}");
+        let peer = format!("not arrived: {victim}");
+        assert_eq!(
+            stalls[0]["args"]["peer"].as_str(),
+            Some(peer.as_str()),
+            "{mode}"
+        );
+        assert!(
+            stalls[0]["dur"].as_f64().unwrap() >= 5e6,
+            "{mode}: {}",
+            stalls[0]
+        );
+    }
 }

@@ -48,20 +48,39 @@ pub enum Record {
         correct: usize,
         total: usize,
     },
+    /// A stall report ([`super::stall`]): the longest wait, of `waited_s` seconds in `op`
+    /// at `step`, the tasks that wait and those that have not arrived; `cleared`: the
+    /// stall ended (then `waited_s` is its length and the lists are empty).
+    Stall {
+        step: u64,
+        wall_s: f64,
+        waited_s: f64,
+        op: String,
+        #[serde(default)]
+        waiting: Vec<String>,
+        #[serde(default)]
+        missing: Vec<String>,
+        #[serde(default)]
+        cleared: bool,
+    },
 }
 
 impl Record {
     /// The global step the record is of.
     pub fn step(&self) -> u64 {
         match self {
-            Record::Step { step, .. } | Record::Eval { step, .. } => *step,
+            Record::Step { step, .. } | Record::Eval { step, .. } | Record::Stall { step, .. } => {
+                *step
+            }
         }
     }
 
     /// Seconds since the run started.
     pub fn wall_s(&self) -> f64 {
         match self {
-            Record::Step { wall_s, .. } | Record::Eval { wall_s, .. } => *wall_s,
+            Record::Step { wall_s, .. }
+            | Record::Eval { wall_s, .. }
+            | Record::Stall { wall_s, .. } => *wall_s,
         }
     }
 }
@@ -112,7 +131,14 @@ pub enum MetricsError {
     },
 }
 
-const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps\n";
+const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps,op,waiting,missing\n";
+
+/// The header before stall reports (read, never written): its rows lack the last three
+/// columns.
+const CSV_HEADER_V1: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps\n";
+
+/// The columns of a row of [`CSV_HEADER`].
+const CSV_COLUMNS: usize = 19;
 
 /// A metrics file being written.
 #[derive(Debug)]
@@ -192,14 +218,14 @@ fn csv_rows(r: &Record) -> String {
                 opt(*loss)
             );
             if ranks.is_empty() {
-                return format!("{head},,,,,,,,,\n");
+                return format!("{head},,,,,,,,,,,,\n");
             }
             ranks
                 .iter()
                 .map(|rt| {
                     let t = &rt.times;
                     format!(
-                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{}\n",
+                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{},,,\n",
                         rt.rank,
                         csv_field(&rt.task),
                         t.compute,
@@ -217,7 +243,22 @@ fn csv_rows(r: &Record) -> String {
             accuracy,
             correct,
             total,
-        } => format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,\n"),
+        } => format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,,,,\n"),
+        Record::Stall {
+            step,
+            wall_s,
+            waited_s,
+            op,
+            waiting,
+            missing,
+            cleared,
+        } => format!(
+            "{},{step},{wall_s:.6},,,,,,,,,,,{waited_s:.3},,,{},{},{}\n",
+            if *cleared { "stall_cleared" } else { "stall" },
+            csv_field(op),
+            csv_field(&waiting.join(";")),
+            csv_field(&missing.join(";"))
+        ),
     }
 }
 
@@ -279,16 +320,18 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
         }
         return Ok(out);
     }
-    match lines.next() {
-        Some((_, h)) if h == CSV_HEADER.trim_end() => {}
+    let columns = match lines.next() {
+        Some((_, h)) if h == CSV_HEADER.trim_end() => CSV_COLUMNS,
+        Some((_, h)) if h == CSV_HEADER_V1.trim_end() => 16,
         Some((n, h)) => return Err(bad(n, format!("not mpiflow's CSV header: {h:?}"))),
         None => return Ok(out),
-    }
+    };
     for (n, l) in lines {
-        let f = csv_split(l);
-        if f.len() != 16 {
-            return Err(bad(n, format!("{} fields, not 16", f.len())));
+        let mut f = csv_split(l);
+        if f.len() != columns {
+            return Err(bad(n, format!("{} fields, not {columns}", f.len())));
         }
+        f.resize(CSV_COLUMNS, String::new());
         let num = |i: usize, what: &str| -> Result<Option<f64>, MetricsError> {
             match f[i].as_str() {
                 "" => Ok(None),
@@ -352,7 +395,24 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                     ranks: rank.into_iter().collect(),
                 });
             }
-            k => return Err(bad(n, format!("kind {k:?} is neither step nor eval"))),
+            kind @ ("stall" | "stall_cleared") => {
+                let list = |i: usize| -> Vec<String> {
+                    f[i].split(';')
+                        .filter(|t| !t.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                };
+                out.push(Record::Stall {
+                    step,
+                    wall_s,
+                    waited_s: need(13, "wait_s")?,
+                    op: f[16].clone(),
+                    waiting: list(17),
+                    missing: list(18),
+                    cleared: kind == "stall_cleared",
+                })
+            }
+            k => return Err(bad(n, format!("kind {k:?} is not step, eval or stall"))),
         }
     }
     Ok(out)
@@ -398,6 +458,24 @@ mod tests {
                 correct: 350,
                 total: 400,
             },
+            Record::Stall {
+                step: 612,
+                wall_s: 63.5,
+                waited_s: 61.25,
+                op: "allreduce".into(),
+                waiting: vec!["worker:0".into(), "worker:2".into()],
+                missing: vec!["worker:1".into(), "rank 7".into()],
+                cleared: false,
+            },
+            Record::Stall {
+                step: 612,
+                wall_s: 70.0,
+                waited_s: 67.5,
+                op: "allreduce".into(),
+                waiting: vec![],
+                missing: vec![],
+                cleared: true,
+            },
         ]
     }
 
@@ -416,8 +494,16 @@ mod tests {
             let text = std::fs::read_to_string(&path).unwrap();
             let cut = &text[..text.len() - 5];
             let got = parse(&path, Format::of(&path).unwrap(), cut).unwrap();
-            assert_eq!(got, records()[..2], "{name}");
+            let all = records();
+            assert_eq!(got, all[..all.len() - 1], "{name}");
         }
+        // A file of the header before stall reports still reads.
+        let old = format!(
+            "{CSV_HEADER_V1}step,250,0.5,0.75,500,32000,,,,,,,,,,\neval,500,1.25,,,,0.875,350,400,,,,,,,\n"
+        );
+        let got = parse(&dir.join("old.csv"), Format::Csv, &old).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1], records()[2]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -429,12 +515,15 @@ mod tests {
             "metrics file /tmp/m.txt: name it .csv or .jsonl (the extension picks the format)"
         );
         let p = Path::new("m.csv");
-        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,\n");
+        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,,,,\n");
         let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
         assert_eq!(
             e,
             "metrics file m.csv, line 2: step \"x\" is not a step number"
         );
+        let text = format!("{CSV_HEADER}step,1,1,,1,1,,,,,,,,,,\n");
+        let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
+        assert_eq!(e, "metrics file m.csv, line 2: 16 fields, not 19");
         let e = parse(p, Format::Csv, "a,b\n").unwrap_err().to_string();
         assert!(e.starts_with("metrics file m.csv, line 1: not mpiflow's CSV header"));
         let e = parse(Path::new("m.jsonl"), Format::JsonLines, "{}\n").unwrap_err();

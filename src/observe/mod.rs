@@ -7,6 +7,7 @@
 //!   in place on a terminal, plain lines otherwise.
 //! - [`timeline`]: every rank's phases as spans, merged into one Chrome trace file.
 //! - [`plot`]: metrics files and benchmark outputs as SVG pictures.
+//! - [`stall`]: which ranks a long wait waits for, reported by the chief.
 //!
 //! Nothing here knows training: the training loops fill [`phases::Clock`]s, and
 //! [`crate::train::events::Event`] turns into [`metrics::Record`]s.
@@ -15,4 +16,16 @@ pub mod metrics;
 pub mod phases;
 pub mod plot;
 pub mod progress;
+pub mod stall;
 pub mod timeline;
+
+/// `25.6 GB`, `512 MB`, `3 KB`.
+pub fn bytes(b: u64) -> String {
+    let b = b as f64;
+    for (unit, size) in [("GB", 1e9), ("MB", 1e6), ("KB", 1e3)] {
+        if b >= size {
+            return format!("{:.1} {unit}", b / size);
+        }
+    }
+    format!("{b} B")
+}

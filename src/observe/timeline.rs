@@ -302,6 +302,94 @@ pub enum TimelineError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error("timeline {path}: {why}")]
+    Read {
+        path: std::path::PathBuf,
+        why: String,
+    },
+}
+
+/// A span read back from a trace file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpanRead {
+    pub name: String,
+    pub cat: String,
+    pub start_us: f64,
+    pub dur_us: f64,
+    pub step: Option<u64>,
+}
+
+/// One process's track of a trace: its name and spans.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Track {
+    pub pid: u64,
+    pub name: String,
+    pub spans: Vec<SpanRead>,
+}
+
+#[derive(serde::Deserialize)]
+struct TraceFile {
+    #[serde(rename = "traceEvents")]
+    events: Vec<RawEvent>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawEvent {
+    name: String,
+    #[serde(default)]
+    cat: String,
+    ph: String,
+    #[serde(default)]
+    pid: u64,
+    #[serde(default)]
+    ts: f64,
+    #[serde(default)]
+    dur: f64,
+    #[serde(default)]
+    args: RawArgs,
+}
+
+#[derive(serde::Deserialize, Default)]
+struct RawArgs {
+    step: Option<u64>,
+    name: Option<String>,
+}
+
+/// Reads a trace-event file as [`write()`] writes it (any Chrome trace of complete events,
+/// `"ph":"X"`, and `process_name` metadata; other events are skipped): its tracks in
+/// process order.
+pub fn read(path: &Path) -> Result<Vec<Track>, TimelineError> {
+    let err = |why: String| TimelineError::Read {
+        path: path.to_path_buf(),
+        why,
+    };
+    let file = std::fs::File::open(path).map_err(|e| err(format!("cannot read it: {e}")))?;
+    let trace: TraceFile = serde_json::from_reader(std::io::BufReader::new(file))
+        .map_err(|e| err(format!("not a trace-event file ({e})")))?;
+    let mut tracks: std::collections::BTreeMap<u64, Track> = std::collections::BTreeMap::new();
+    for e in trace.events {
+        let track = tracks.entry(e.pid).or_insert_with(|| Track {
+            pid: e.pid,
+            name: format!("process {}", e.pid),
+            spans: Vec::new(),
+        });
+        match e.ph.as_str() {
+            "M" if e.name == "process_name" => {
+                if let Some(n) = e.args.name {
+                    track.name = n;
+                }
+            }
+            "X" => track.spans.push(SpanRead {
+                name: e.name,
+                cat: e.cat,
+                start_us: e.ts,
+                dur_us: e.dur,
+                step: e.args.step,
+            }),
+            _ => {}
+        }
+    }
+    Ok(tracks.into_values().collect())
 }
 
 /// Writes `trace` to `path` (atomically: a temporary file renamed).
@@ -399,5 +487,20 @@ mod tests {
                 "worker:2 (rank 2)"
             ]
         );
+        // What is written reads back as tracks.
+        let path = std::env::temp_dir().join(format!("mpiflow-trace-{}.json", std::process::id()));
+        write(&path, traces[1].as_ref().unwrap()).unwrap();
+        let tracks = read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(tracks.len(), 3);
+        assert_eq!(tracks[2].name, "worker:2 (rank 2)");
+        let push = tracks[0].spans.iter().find(|s| s.name == "push").unwrap();
+        assert_eq!((push.cat.as_str(), push.step), ("comm", Some(7)));
+        assert!(push.dur_us >= 2000.0);
+        let bad = std::env::temp_dir().join(format!("mpiflow-trace-{}.bad", std::process::id()));
+        std::fs::write(&bad, "[1,2]").unwrap();
+        let e = read(&bad).unwrap_err().to_string();
+        std::fs::remove_file(&bad).unwrap();
+        assert!(e.contains("not a trace-event file"), "{e}");
     }
 }

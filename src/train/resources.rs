@@ -38,16 +38,7 @@ impl fmt::Display for Need {
     }
 }
 
-/// `25.6 GB`, `512 MB`, `3 KB`.
-pub fn bytes(b: u64) -> String {
-    let b = b as f64;
-    for (unit, size) in [("GB", 1e9), ("MB", 1e6), ("KB", 1e3)] {
-        if b >= size {
-            return format!("{:.1} {unit}", b / size);
-        }
-    }
-    format!("{b} B")
-}
+pub use crate::observe::bytes;
 
 fn values_of(model: &dyn Model) -> u64 {
     model

@@ -18,6 +18,7 @@
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
 //! - [`tags`]: every tag scheme inside the library's `MPI_TAG_UB`.
+//! - [`threads`]: which thread level a job may ask for, decided before `MPI_Init`.
 
 pub mod channel;
 pub mod collectives;
@@ -32,6 +33,7 @@ pub mod reduce;
 pub mod rma;
 pub mod segments;
 pub mod tags;
+pub mod threads;
 
 pub use collectives::{Algorithm, Collectives};
 pub use comm::{Comm, ReduceOp, TransportError};

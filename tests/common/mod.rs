@@ -185,6 +185,32 @@ fn kill_rank_when(
     victim: Option<usize>,
     ready: impl Fn() -> bool,
 ) -> (String, f64, bool) {
+    let mut killed = None;
+    let (text, code) = with_rank_when(args, victim, ready, |pid, _| {
+        killed = Some(std::time::Instant::now());
+        signal(pid, "-KILL");
+    });
+    let secs = killed.expect("killed").elapsed().as_secs_f64();
+    (text, secs, code == Some(0))
+}
+
+/// `kill SIGNAL PID`.
+pub fn signal(pid: u32, signal: &str) {
+    Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
+}
+
+/// Runs `mpirun --oversubscribe ARGS` (bounded); once `ready()` holds (within 60 s),
+/// calls `act(pid of rank victim, pid of mpirun)` (the last rank if `None`) and waits for
+/// the job to end. Returns everything it printed and mpirun's exit code.
+pub fn with_rank_when(
+    args: &[&str],
+    victim: Option<usize>,
+    ready: impl Fn() -> bool,
+    act: impl FnOnce(u32, u32),
+) -> (String, Option<i32>) {
     let _g = lock();
     let child = Command::new("timeout")
         .args(["-k", "5", "90", "mpirun", "--oversubscribe"])
@@ -213,7 +239,6 @@ fn kill_rank_when(
         v
     };
     let mpirun = children(&child.id().to_string());
-    let pids = children(&mpirun.first().expect("mpirun runs").to_string());
     // Each rank's number, from the environment mpirun gave it.
     let rank_of = |pid: u32| -> Option<usize> {
         let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
@@ -221,26 +246,33 @@ fn kill_rank_when(
             .find_map(|kv| kv.strip_prefix(b"OMPI_COMM_WORLD_RANK="))
             .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
     };
-    let ranks: Vec<(usize, u32)> = pids
-        .iter()
-        .filter_map(|p| rank_of(*p).map(|r| (r, *p)))
-        .collect();
-    let victim = victim.unwrap_or(ranks.len().saturating_sub(1));
-    let pid = ranks
+    let ranks = || -> Vec<(usize, u32)> {
+        children(&mpirun.first().expect("mpirun runs").to_string())
+            .iter()
+            .filter_map(|p| rank_of(*p).map(|r| (r, *p)))
+            .collect()
+    };
+    // A rank named in advance may not have started yet on a loaded machine.
+    let found = std::time::Instant::now();
+    let mut seen = ranks();
+    while victim.is_some_and(|v| seen.iter().all(|(r, _)| *r != v))
+        && found.elapsed() < std::time::Duration::from_secs(20)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        seen = ranks();
+    }
+    let victim = victim.unwrap_or(seen.len().saturating_sub(1));
+    let pid = seen
         .iter()
         .find(|(r, _)| *r == victim)
-        .unwrap_or_else(|| panic!("rank {victim} among {ranks:?}"))
+        .unwrap_or_else(|| panic!("rank {victim} among {seen:?}"))
         .1;
-    let killed = std::time::Instant::now();
-    Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .unwrap();
+    act(pid, mpirun[0]);
     let out = child.wait_with_output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    (text, killed.elapsed().as_secs_f64(), out.status.success())
+    (text, out.status.code())
 }

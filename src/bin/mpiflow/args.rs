@@ -63,10 +63,14 @@ pub(crate) enum Cmd {
 #[derive(Args)]
 pub(crate) struct PlotArgs {
     /// Metrics files of runs to overlay (`--metrics`' .csv or .jsonl: loss and accuracy
-    /// against step and wall time), or benchmark outputs in OSU's format (`mpiflow
-    /// bench`'s or OSU's programs': latency and bandwidth against size, log-log).
+    /// against step and wall time), benchmark outputs in OSU's format (`mpiflow bench`'s
+    /// or OSU's programs': latency and bandwidth against size, log-log), or one timeline
+    /// (`--timeline`'s trace: a row per rank, a bar per span).
     #[arg(required = true, value_name = "FILE")]
     pub(crate) files: Vec<PathBuf>,
+    /// A timeline's steps to draw, FIRST:LAST (default: five from the middle of the run).
+    #[arg(long, value_name = "FIRST:LAST", value_parser = parse_steps)]
+    pub(crate) steps: Option<(u64, u64)>,
     /// The SVG file to write.
     #[arg(short, long, value_name = "SVG")]
     pub(crate) out: PathBuf,
@@ -238,6 +242,12 @@ pub(crate) struct TrainArgs {
     /// chrome://tracing), merged by the chief when training ends.
     #[arg(long, value_name = "FILE")]
     pub(crate) timeline: Option<PathBuf>,
+    /// When a rank has waited this many seconds in a collective or a ps step, the chief
+    /// prints one line naming the step, the operation and tensors, and the tasks that have
+    /// not arrived; again every interval until it clears (also in --metrics and
+    /// --timeline). 0: never. In ps mode a worker silent for --peer-timeout is lost first.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    pub(crate) stall_warning: u64,
     /// How the chief shows progress: live (one line redrawn in place), lines (a line per
     /// logged step, with the ETA), or auto (live on a terminal, also through mpirun).
     #[arg(long, value_enum, default_value_t)]
@@ -561,6 +571,21 @@ pub(crate) fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> 
         }
     }
     out
+}
+
+/// `FIRST:LAST`, two step numbers in order.
+fn parse_steps(v: &str) -> Result<(u64, u64), String> {
+    let bad =
+        || format!("{v:?} is not FIRST:LAST (two step numbers, the first not above the last)");
+    let (a, b) = v.split_once(':').ok_or_else(bad)?;
+    let (a, b): (u64, u64) = (
+        a.trim().parse().map_err(|_| bad())?,
+        b.trim().parse().map_err(|_| bad())?,
+    );
+    if a > b {
+        return Err(bad());
+    }
+    Ok((a, b))
 }
 
 #[cfg(test)]

@@ -3,12 +3,16 @@
 
 use std::io::IsTerminal;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
-use mpiflow::observe::metrics::{MetricsError, MetricsFile};
+use mpiflow::cluster::Layout;
+use mpiflow::observe::metrics::{MetricsError, MetricsFile, Record};
 use mpiflow::observe::progress::{Progress, Style, Tick};
+use mpiflow::observe::stall::{Board, Notice, Watch, WatchConfig};
 use mpiflow::observe::timeline::{self, TimelineError};
 use mpiflow::train::events::Event;
-use mpiflow::transport::Comm;
+use mpiflow::transport::mpi::MpiComm;
+use mpiflow::transport::{Comm, TransportError};
 
 use crate::args::ProgressArg;
 use crate::out::{emit, say};
@@ -58,10 +62,14 @@ impl Reporter {
     /// Records an event in the metrics file (if it is a step or an evaluation) without
     /// printing it (what the command prints its own way).
     pub(crate) fn record(&mut self, e: &Event) {
+        self.write(|wall_s| e.record(wall_s));
+    }
+
+    fn write(&mut self, record: impl FnOnce(f64) -> Option<Record>) {
         let Some(m) = &mut self.metrics else {
             return;
         };
-        if let Some(r) = e.record(m.wall_s()) {
+        if let Some(r) = record(m.wall_s()) {
             if let Err(err) = m.write(&r) {
                 // A full disk must not end a long run: say so once, train on.
                 say!("mpiflow: warning: {err}; no more metrics are written");
@@ -69,6 +77,62 @@ impl Reporter {
             }
         }
     }
+
+    /// A stall watch's notice: a warning line (every rank prints warnings), a metrics
+    /// record, and on the timeline the stall's span once it cleared.
+    pub(crate) fn stall(&mut self, n: &Notice) {
+        self.write(|wall_s| n.record(wall_s));
+        if let Notice::Cleared {
+            step,
+            secs,
+            missing,
+            ..
+        } = n
+        {
+            let end = std::time::Instant::now();
+            let start = end - std::time::Duration::from_secs_f64(*secs);
+            let detail = timeline::Detail {
+                step: Some(*step),
+                peer: Some(format!("not arrived: {}", missing.join(", ")).into()),
+                bytes: None,
+            };
+            timeline::span("stall", "wait", start, end, detail);
+        }
+        self.event(&Event::Warning(n.to_string()));
+    }
+}
+
+/// A reporter the training loop and the stall watch share.
+pub(crate) type Shared = Arc<Mutex<Reporter>>;
+
+/// Reports `e` through a shared reporter.
+pub(crate) fn event(reporter: &Shared, e: &Event) {
+    reporter.lock().unwrap_or_else(|p| p.into_inner()).event(e);
+}
+
+/// Starts this rank's stall watch over `comm` (collective: every rank calls it with the
+/// same `secs`), reporting to `reporter`; `None` when `secs` is 0.
+pub(crate) fn start_watch(
+    secs: u64,
+    comm: &MpiComm,
+    layout: &Layout,
+    chief: usize,
+    reporter: &Shared,
+) -> Result<Option<Watch>, TransportError> {
+    if secs == 0 {
+        return Ok(None);
+    }
+    let own = comm.split(0, comm.rank())?;
+    let cfg = WatchConfig {
+        threshold: std::time::Duration::from_secs(secs),
+        chief,
+        tasks: layout.ranks.iter().map(|r| r.task.to_string()).collect(),
+    };
+    let reporter = reporter.clone();
+    let sink = Box::new(move |n: Notice| {
+        reporter.lock().unwrap_or_else(|p| p.into_inner()).stall(&n);
+    });
+    Ok(Some(Watch::start(own, Board::global(), cfg, sink)))
 }
 
 impl Drop for Reporter {

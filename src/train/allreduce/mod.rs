@@ -33,6 +33,7 @@ use super::{StepLog, TrainConfig};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::observe::phases::{self, Clock, Phase, RankTimes, Times};
+use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
 use crate::transport::fusion::{FusionConfig, FusionError};
@@ -181,6 +182,8 @@ pub fn run<C: Comm + Send>(
 
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut grads: Vec<Tensor> = model.zeros_like();
+    let names = model.model.parameters();
+    let what = stall::tensors_label(names.iter().map(|p| p.name.as_str()));
     let comm_thread = if cfg.overlap {
         Some(coll.comm().split(0, w)?)
     } else {
@@ -205,7 +208,8 @@ pub fn run<C: Comm + Send>(
                 .flatten();
             let t = Instant::now();
             verdict.step = step;
-            let (secs, stats) = reducer.step(&coll, &model, &x, &y, &mut grads, &mut verdict)?;
+            let (secs, stats) =
+                reducer.step(&coll, &model, &what, &x, &y, &mut grads, &mut verdict)?;
             let reduced = Instant::now();
             let comm_time = std::time::Duration::from_secs_f64(secs);
             clock.charge(Phase::Comm, comm_time);
@@ -267,7 +271,16 @@ pub fn run<C: Comm + Send>(
             if every > 0 && step.is_multiple_of(every) {
                 // Every replica's window, to the chief (all of them log at this step).
                 let mine = clock.take();
-                let ranks = gather_times(&coll, layout, comm.rank(), mine)?;
+                let ranks = {
+                    let _wait = stall::wait(|| Wait {
+                        op: "allgather",
+                        step,
+                        what: Some("phase times".into()),
+                        peer: None,
+                        bytes: Times::BYTES as u64,
+                    });
+                    gather_times(&coll, layout, comm.rank(), mine)?
+                };
                 if chief {
                     let secs = mine.total().max(1e-9);
                     events(&Event::Step(StepLog {

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::AllreduceError;
 use crate::model::Replica;
+use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::{DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig, FusionStats};
@@ -137,11 +138,13 @@ impl<'s> Reducer<'s> {
     /// Computes this replica's gradients on its samples `x`, `y` (scaled by their count),
     /// fills its word in `verdict` (`verdict`'s signal is set by the caller), and sums both
     /// over the replicas into `grads` and `verdict`; returns the seconds spent waiting on
-    /// the sum, and what the sum took.
+    /// the sum, and what the sum took. `what` names the gradients (a stall report's).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn step<C: Comm>(
         &mut self,
         coll: &Collectives<C>,
         model: &Replica<'_>,
+        what: &std::sync::Arc<str>,
         x: &[f32],
         y: &[u8],
         grads: &mut [Tensor],
@@ -152,6 +155,16 @@ impl<'s> Reducer<'s> {
         // The timeline's peer of each allreduce (made only when it records).
         let replicas = || -> std::sync::Arc<str> { format!("{} replicas", coll.size()).into() };
         let setup = |e: crate::model::ModelError| AllreduceError::Setup(e.to_string());
+        let waiting = |bytes: usize| {
+            let what = what.clone();
+            move || Wait {
+                op: "allreduce",
+                step,
+                what: Some(what),
+                peer: None,
+                bytes: bytes as u64,
+            }
+        };
         match self {
             Reducer::Fused(fusion) => {
                 let loss = model.gradients_into(x, y, grads).map_err(setup)?;
@@ -166,6 +179,8 @@ impl<'s> Reducer<'s> {
                 refs.push(&mut verdict.tensor);
                 let t = Instant::now();
                 timeline::span("gradients", "compute", start, t, Detail::at(step));
+                let bytes = refs.iter().map(|g| g.nbytes()).sum();
+                let _wait = stall::wait(waiting(bytes));
                 let stats = fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
                 let end = Instant::now();
                 if timeline::enabled() {
@@ -203,6 +218,8 @@ impl<'s> Reducer<'s> {
                 // The layers' allreduces ran on the communication thread during the
                 // backward pass: what is left is waiting for the last of them.
                 timeline::span("gradients", "compute", start, t, Detail::at(step));
+                let bytes = grads.iter().map(Tensor::nbytes).sum::<usize>();
+                let _wait = stall::wait(waiting(bytes + verdict.tensor.nbytes()));
                 let mut stats = FusionStats::default();
                 for _ in 0..sent {
                     let (slot, r) = from_comm.recv().map_err(|_| {

@@ -353,9 +353,11 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             self.mine = self.mine.or(times.take());
         }
         let note = PushNote { stop: noted, times };
+        let (bytes, peers) = self.moved();
+        let wait = self.client.waiting("push", self.step, bytes);
         self.client
             .push(self.step, y.len(), loss, &mut self.grads, note)?;
-        let (bytes, peers) = self.moved();
+        drop(wait);
         let t = self
             .clock
             .since_as(Phase::Comm, t, "push", Detail::moved(step, bytes, &peers));
@@ -365,7 +367,10 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             0
         };
         let ask = report && self.chief;
+        // Sync: the update of this step (the ps gathers every worker's push of it).
+        let wait = self.client.waiting("pull", self.step, bytes);
         let pulled = self.client.pull(want, ask, &mut self.replica.params)?;
+        drop(wait);
         // The time the pull waited at the ps tasks is waiting; the rest, communication.
         let took = t.elapsed();
         timeline::span(

@@ -3,6 +3,7 @@
 //! push/pull benchmark drive it.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::placement::Shard;
@@ -17,6 +18,7 @@ use super::wire::{
 };
 use super::PsError;
 use crate::observe::phases::{RankTimes, Times};
+use crate::observe::stall::{self, Wait};
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, TransportError};
 
@@ -28,17 +30,40 @@ pub struct Client<'a, C: Comm> {
     pub shards: Vec<Shard>,
     /// How long to wait for a ps.
     pub timeout: Duration,
+    /// What a stall report calls the variables and the ps tasks.
+    what: Arc<str>,
+    peer: Arc<str>,
 }
 
 impl<'a, C: Comm> Client<'a, C> {
     /// A connection of rank `comm.rank()` to the ps tasks of `roles`, with `shards` placed.
     pub fn new(comm: &'a C, roles: &'a Roles, shards: Vec<Shard>, timeout: Duration) -> Self {
+        let mut vars: Vec<&str> = shards.iter().map(|s| s.var.as_str()).collect();
+        vars.dedup();
+        let what = stall::tensors_label(vars);
+        let peer = match roles.ps.as_slice() {
+            [one] => roles.task_name(*one).into(),
+            all => format!("{} ps tasks", all.len()).into(),
+        };
         Client {
             comm,
             roles,
             shards,
             timeout,
+            what,
+            peer,
         }
+    }
+
+    /// Marks a wait of `op` of global step `step` with the ps tasks (for stall reports).
+    pub fn waiting(&self, op: &'static str, step: u64, bytes: usize) -> stall::Waiting<'static> {
+        stall::wait(|| Wait {
+            op,
+            step,
+            what: Some(self.what.clone()),
+            peer: Some(self.peer.clone()),
+            bytes: bytes as u64,
+        })
     }
 
     /// This worker, as errors name it.

@@ -1,9 +1,10 @@
-//! `mpiflow plot`: metrics files or benchmark outputs as an SVG picture.
+//! `mpiflow plot`: metrics files, benchmark outputs or a timeline as an SVG picture.
 
 use std::path::Path;
 
 use mpiflow::observe::metrics::{self, Format};
 use mpiflow::observe::plot::{self, Run};
+use mpiflow::observe::timeline;
 
 use crate::args::PlotArgs;
 use crate::out::{emit, Failure};
@@ -15,6 +16,26 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
                 .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into())
         })
     };
+    if let [one] = args.files.as_slice() {
+        if is_trace(one) {
+            let tracks = timeline::read(one).map_err(Failure::local)?;
+            let steps = args.steps.map(|(first, last)| plot::Steps { first, last });
+            let drawn = plot::timeline_svg(&tracks, steps, &args.out).map_err(Failure::local)?;
+            emit(&format!(
+                "# wrote {}: {} ranks' spans of steps {} to {}\n",
+                args.out.display(),
+                tracks.len(),
+                drawn.first,
+                drawn.last
+            ));
+            return Ok(());
+        }
+    }
+    if args.steps.is_some() {
+        return Err(Failure::local(
+            "--steps is for a timeline (one --timeline file)",
+        ));
+    }
     let is_metrics: Vec<bool> = args.files.iter().map(|p| Format::of(p).is_ok()).collect();
     if is_metrics.iter().all(|m| *m) {
         let runs = args
@@ -56,4 +77,18 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
         curves.len()
     ));
     Ok(())
+}
+
+/// Whether `path` holds a trace-event file (`--timeline`'s): JSON that opens with its
+/// `traceEvents` key.
+fn is_trace(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 64];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .unwrap_or(0);
+    let text = String::from_utf8_lossy(&head[..n]);
+    text.trim_start()
+        .strip_prefix('{')
+        .is_some_and(|rest| rest.trim_start().starts_with("\"traceEvents\""))
 }

@@ -142,8 +142,15 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     use mpiflow::train::allreduce::{self, AllreduceConfig};
     use mpiflow::train::data::Dataset;
     use mpiflow::train::ps::{self, PsConfig, PsTransport};
+    use mpiflow::transport::threads;
     let overlap = args.mode == Mode::Allreduce && args.overlap;
-    let (resolved, ctx, multiple) = resolve_with(&args.cluster, env, overlap)?;
+    // The one-sided ps's windows may refuse the thread level the stall watch needs.
+    let refused = match (args.mode, args.transport) {
+        (Mode::Ps, PsTransport::Rma) => threads::windows_refuse_threads(&threads::library(), env),
+        _ => None,
+    };
+    let watching = args.stall_warning > 0 && refused.is_none();
+    let (resolved, ctx, multiple) = resolve_with(&args.cluster, env, overlap || watching)?;
     let Some(ctx) = ctx else {
         return Err(Failure::local(
             "distributed training runs under mpirun (or srun --mpi=pmix)",
@@ -151,6 +158,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     };
     if overlap && !multiple && ctx.rank() == 0 {
         say!("mpiflow: warning: MPI did not grant MPI_THREAD_MULTIPLE; gradients are reduced after the backward pass");
+    }
+    if watching && !multiple && ctx.rank() == 0 {
+        say!("mpiflow: warning: MPI did not grant MPI_THREAD_MULTIPLE; no stall reports (--stall-warning)");
+    }
+    if let Some(why) = refused.filter(|_| args.stall_warning > 0 && ctx.rank() == 0) {
+        say!("mpiflow: warning: {why}; no stall reports (--stall-warning)");
     }
     drop(resolved.port_guard);
     let layout = &resolved.layout;
@@ -184,8 +197,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let metrics = ctx
         .agree(report::metrics_file(args.metrics.as_deref(), chief))
         .map_err(|e| Failure::agreed(e, &ctx))?;
-    let mut reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
+    let reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
+    let reporter: report::Shared = std::sync::Arc::new(std::sync::Mutex::new(reporter));
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    let secs = if multiple { args.stall_warning } else { 0 };
+    let watch =
+        report::start_watch(secs, &comm, layout, root, &reporter).map_err(Failure::local)?;
     if let Some(p) = &args.timeline {
         let writable = match chief {
             true => mpiflow::observe::timeline::check_writable(p),
@@ -222,7 +239,16 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             .collect();
         emit(&format!("# ranks: {}\n", map.join(" ")));
     }
-    let mut log = |e: &Event| reporter.event(e);
+    // The timeline is gathered when training ends on every rank: done, or stopped by a
+    // signal at the same step everywhere (a collective either way).
+    let task = me.task.to_string();
+    let timeline = |comm: &mpiflow::transport::mpi::MpiComm| -> Result<(), Failure> {
+        match &args.timeline {
+            Some(p) => report::finish_timeline(comm, root, &task, p).map_err(Failure::local),
+            None => Ok(()),
+        }
+    };
+    let mut log = |e: &Event| report::event(&reporter, e);
     let result = match args.mode {
         Mode::Ps => {
             let cfg = PsConfig {
@@ -245,7 +271,8 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             match ran {
                 Err(ps::PsError::Stopped(s)) => {
                     // The chief names the checkpoint it wrote.
-                    drop((comm, reporter));
+                    drop((watch, reporter));
+                    timeline(&comm)?;
                     return Err(Failure::stopped(&s, chief));
                 }
                 r => r.map_err(|e| e.to_string()),
@@ -264,27 +291,25 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             };
             match allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
                 Err(allreduce::AllreduceError::Stopped(s)) => {
-                    drop((comm, reporter));
+                    drop((watch, reporter));
+                    timeline(&comm)?;
                     return Err(Failure::stopped(&s, ctx.rank() == 0));
                 }
                 // The same error on every replica at the same step: one line, from rank 0.
                 Err(e) if e.is_agreed() => {
-                    drop((comm, reporter));
+                    drop((watch, comm, reporter));
                     return Err(Failure::agreed(e, &ctx));
                 }
                 r => r.map_err(|e| e.to_string()),
             }
         }
     };
-    drop(reporter);
+    drop((watch, reporter));
     if let Err(e) = result {
         // Peers may be gone or waiting: no collective and no MPI_Finalize, which could
         // wait for a dead rank; exiting non-zero ends the job.
         say!("mpiflow: error: {e}");
         std::process::exit(1);
     }
-    if let Some(p) = &args.timeline {
-        report::finish_timeline(&comm, root, &me.task.to_string(), p).map_err(Failure::local)?;
-    }
-    Ok(())
+    timeline(&comm)
 }

@@ -47,6 +47,9 @@ use super::placement::{self, Shard};
 use super::{variables, PsConfig, PsError, Roles};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
+use crate::observe::phases::{Clock, Phase, RankTimes, Times};
+use crate::observe::stall::{self, Wait};
+use crate::observe::timeline::Detail;
 use crate::tensor::Tensor;
 use crate::train::data::{shard, Batches, Dataset};
 use crate::train::events::Event;
@@ -66,6 +69,10 @@ const SAVED_BYTES: usize = 6;
 const SAVED_SUM: usize = 7;
 const STOP: usize = 8;
 const PUSHES: usize = 9;
+/// On ps 0's `ctl`, after the pushes: per rank of the job, its phase times summed so far
+/// (microseconds of compute, communication, waiting and the rest, then its steps). Each
+/// rank adds its window at every logged step; the chief reads them.
+const TIME_FIELDS: usize = 5;
 
 /// The unit of the stop marks in counters: `STEP` is `step + signal x MARK` once a ps
 /// announces a stop at `step` (async: plus `MARK` per announcement), `ARRIVALS` gains one
@@ -213,6 +220,7 @@ pub fn run(
         held[p.ps] += p.len;
     }
     let (data_len, ctl_len) = match ps_index {
+        Some(0) => (2 * held[0] + 2, PUSHES + nw + TIME_FIELDS * comm.size()),
         Some(k) => (2 * held[k] + 2, PUSHES + nw),
         None => (0, 0),
     };
@@ -255,7 +263,7 @@ pub fn run(
         let c = unsafe { ctl.local_mut() };
         c[STEP] = start as i64;
         c[SAVED] = start as i64;
-        c[PUSHES..].fill(start as i64);
+        c[PUSHES..PUSHES + nw].fill(start as i64);
         Ok(Some(ShardState {
             shards: mine,
             slots,
@@ -309,6 +317,7 @@ pub fn run(
         roles: &roles,
         cfg,
         pieces: &pieces,
+        ranks: comm.size(),
         held,
         model_meta: crate::train::checkpoint::state::model_meta(&model.model.describe(), &vars),
     };
@@ -352,14 +361,15 @@ fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
         && ((every > 0 && s.is_multiple_of(every)) || s == cfg.train.steps)
 }
 
-/// The chief's step report for `steps` global steps that took `took` (the one-sided ps).
+/// The chief's step report for `steps` global steps that took `took` (the one-sided ps),
+/// with the ranks' phase times.
 fn step_event(
     cfg: &PsConfig,
     workers: usize,
-    step: u64,
-    loss: f32,
+    (step, loss): (u64, f32),
     steps: u64,
     took: Duration,
+    ranks: Vec<RankTimes>,
 ) -> Event {
     let secs = took.as_secs_f64().max(1e-9);
     // A sync step uses a global batch; an async one a worker's shard of it.
@@ -374,8 +384,7 @@ fn step_event(
         steps_per_sec: steps as f64 / secs,
         samples_per_sec: (steps * per_step as u64) as f64 / secs,
         comm_fraction: None,
-        // The one-sided ps gathers no phase times yet.
-        ranks: Vec::new(),
+        ranks,
     })
 }
 
@@ -383,6 +392,8 @@ struct Rma<'a> {
     roles: &'a Roles,
     cfg: &'a PsConfig,
     pieces: &'a [Piece],
+    /// Ranks in the job.
+    ranks: usize,
     /// Elements of each ps's parameters (the offset of its gradient sum).
     held: Vec<usize>,
     /// The model's description for checkpoint manifests.
@@ -410,6 +421,57 @@ impl Rma<'_> {
                 .filter(|_| self.cfg.sync)
                 .map(|d| crate::train::checkpoint::path_of(d, step)),
         })
+    }
+
+    /// Adds `t`, this rank's (`rank`'s) window, to its phase-time counters on ps 0
+    /// (one accumulate, element-wise atomic).
+    fn report_times(&self, ctl: &Epoch<'_, i64>, rank: usize, t: &Times) -> Result<(), PsError> {
+        let us = |s: f64| (s * 1e6).round() as i64;
+        let v = [
+            us(t.compute),
+            us(t.comm),
+            us(t.wait),
+            us(t.other),
+            t.steps as i64,
+        ];
+        let at = PUSHES + self.roles.workers.len() + TIME_FIELDS * rank;
+        ctl.accumulate_sum(self.roles.ps[0], at, &v)?;
+        Ok(())
+    }
+
+    /// The chief: each rank's phase times since the last read (`seen`, its counters
+    /// then), in rank order; ranks that never reported are left out.
+    fn read_times(
+        &self,
+        ctl: &Epoch<'_, i64>,
+        seen: &mut [[i64; TIME_FIELDS]],
+    ) -> Result<Vec<RankTimes>, PsError> {
+        let base = PUSHES + self.roles.workers.len();
+        let mut out = Vec::new();
+        for (rank, before) in seen.iter_mut().enumerate().take(self.ranks) {
+            let mut now = [0i64; TIME_FIELDS];
+            for (i, v) in now.iter_mut().enumerate() {
+                // An atomic read: accumulates may land meanwhile (asynchronous training).
+                *v = ctl.fetch_and_add(self.roles.ps[0], base + TIME_FIELDS * rank + i, 0)?;
+            }
+            if now == [0; TIME_FIELDS] {
+                continue;
+            }
+            let d = |i: usize| (now[i] - before[i]) as f64 / 1e6;
+            out.push(RankTimes {
+                rank,
+                task: self.roles.task_name(rank),
+                times: Times {
+                    compute: d(0),
+                    comm: d(1),
+                    wait: d(2),
+                    other: d(3),
+                    steps: (now[4] - before[4]).max(0) as u64,
+                },
+            });
+            *before = now;
+        }
+        Ok(out)
     }
 
     fn lost(&self, task: String, lost: String) -> PsError {

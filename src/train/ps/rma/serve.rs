@@ -22,8 +22,20 @@ impl Rma<'_> {
             start,
         } = state;
         let n = self.held[k];
+        // This ps's phase times, added to its counters on ps 0 before each logged step
+        // is published.
+        let mut clock = Clock::new();
+        let every = self.cfg.train.log_every;
         for step in start..self.cfg.train.steps {
+            let t = Instant::now();
             let want = (step - start + 1) as i64 * nw;
+            let _wait = stall::wait(|| Wait {
+                op: "gather of pushes",
+                step,
+                what: None,
+                peer: None,
+                bytes: 0,
+            });
             let arrived = wait_until(
                 self.cfg.peer_timeout,
                 || Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?),
@@ -44,6 +56,7 @@ impl Rma<'_> {
                     )
                 },
             )?;
+            let t = clock.since_as(Phase::Wait, t, "wait", Detail::at(step));
             if arrived >= MARK {
                 // The workers stopped at this step, which another ps announced: keep it.
                 return self.stopped_at(k, data, ctl, &shards, &slots, step);
@@ -83,8 +96,13 @@ impl Rma<'_> {
                 })
             }?;
             let (loss, snapshot) = loss;
+            clock.since_as(Phase::Compute, t, "update", Detail::at(step));
+            clock.steps(1);
             if let Some(arrays) = snapshot {
                 self.save_shard(k, ctl, step + 1, &arrays)?;
+            }
+            if every > 0 && (step + 1).is_multiple_of(every) {
+                self.report_times(ctl, me, &clock.take())?;
             }
             ctl.put(me, LOSS, &[i64::from(loss.to_bits())])?;
             let mark = asked.map_or(0, |s| i64::from(s) * MARK);
@@ -160,6 +178,7 @@ impl Rma<'_> {
         let nw = self.roles.workers.len() as i64;
         let mut announced = false;
         // Progress is any claimed step or finished worker; done is every worker finished.
+        stall::Board::global().idle();
         let last = wait_until(
             self.cfg.peer_timeout,
             || {

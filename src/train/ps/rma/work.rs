@@ -14,6 +14,7 @@ impl Rma<'_> {
         let me = self.roles.task(self.roles.workers[0]);
         let mut files = Vec::new();
         for (k, r) in self.roles.ps.iter().enumerate() {
+            let _wait = self.waiting("checkpoint commit", step, k);
             wait_until(
                 self.cfg.peer_timeout * 2,
                 || Ok(ctl.fetch_and_add(*r, SAVED, 0)?),
@@ -59,9 +60,18 @@ impl Rma<'_> {
         let mut step = if cfg.sync { start } else { 0 };
         // A stop this worker asked for (announced once), and one announced to it.
         let (mut asked, mut stop) = (false, None);
+        // This worker's phase times, added to its counters on ps 0 at each logged step;
+        // the chief's view of every rank's counters.
+        let (mut clock, mut reported) = (Clock::new(), start);
+        let mut seen = vec![[0i64; TIME_FIELDS]; if chief { self.ranks } else { 0 }];
+        let every = cfg.train.log_every;
+        let (bytes, peer) = self.moved();
         loop {
+            let t = Instant::now();
             let s = if cfg.sync {
                 for (k, r) in roles.ps.iter().enumerate() {
+                    // The update of the step before (the one whose pushes ps k gathers).
+                    let _wait = self.waiting("pull", step.saturating_sub(1), k);
                     let v = wait_until(
                         cfg.peer_timeout * 2,
                         || match ctl.fetch_and_add(*r, ABORT, 0)? {
@@ -89,7 +99,11 @@ impl Rma<'_> {
                 }
                 (v % MARK) as u64
             };
-            let every = cfg.train.log_every;
+            // Sync: waiting for the others' pushes and the update; async: claiming a step.
+            match cfg.sync {
+                true => clock.since_as(Phase::Wait, t, "wait", Detail::at(s)),
+                false => clock.since_as(Phase::Comm, t, "claim", Detail::at(s)),
+            };
             if chief && every > 0 && s / every > logged / every {
                 // Sync: the combined batch's loss, from ps 0; async: this worker's own.
                 let loss = if cfg.sync {
@@ -97,7 +111,10 @@ impl Rma<'_> {
                 } else {
                     last_loss
                 };
-                events(&step_event(cfg, nw, s, loss, s - logged, window.elapsed()));
+                // Sync: every rank added this window before the step was published.
+                let ranks = self.read_times(ctl, &mut seen)?;
+                let took = window.elapsed();
+                events(&step_event(cfg, nw, (s, loss), s - logged, took, ranks));
                 (window, logged) = (Instant::now(), s);
             }
             if chief && cfg.sync && checkpoint_due(cfg, start, s) {
@@ -110,7 +127,9 @@ impl Rma<'_> {
             if s >= cfg.train.steps {
                 break;
             }
+            let t = Instant::now();
             self.pull(model, data)?;
+            let t = clock.since_as(Phase::Comm, t, "pull", Detail::moved(s, bytes, &peer));
             let global = batches.global(s);
             let mine = shard(&global, w, nw);
             let (x, y) = train.rows(mine);
@@ -139,6 +158,7 @@ impl Rma<'_> {
                     .for_each(|v| *v *= scale);
             }
             let tail = [loss * n, n];
+            let t = clock.since_as(Phase::Compute, t, "gradients", Detail::at(s));
             data.batch(|b| -> Result<(), RmaError> {
                 for (p, g) in slices(&grads, self.pieces) {
                     let r = roles.ps[p.ps];
@@ -171,6 +191,19 @@ impl Rma<'_> {
                     super::serve::announce_async_stop(ctl, roles.ps[0], signal)?;
                 }
             }
+            clock.since_as(Phase::Comm, t, "push", Detail::moved(s, bytes, &peer));
+            clock.steps(1);
+            // Sync: the window ends with the step before a logged one, added before this
+            // push counts (the chief reads once the step is published); async: at the
+            // first step claimed past a logged one.
+            let due = match cfg.sync {
+                true => every > 0 && (s + 1).is_multiple_of(every),
+                false => every > 0 && s / every > reported / every,
+            };
+            if due {
+                self.report_times(ctl, roles.workers[w], &clock.take())?;
+                reported = s;
+            }
             if cfg.sync {
                 for r in &roles.ps {
                     ctl.fetch_and_add(*r, PUSHES + w, 1)?;
@@ -184,6 +217,7 @@ impl Rma<'_> {
         if chief {
             if !cfg.sync {
                 // The final parameters are those after every worker's last push.
+                let _wait = self.waiting("finish", cfg.train.steps, 0);
                 wait_until(
                     cfg.peer_timeout * 2,
                     || Ok(ctl.fetch_and_add(roles.ps[0], DONE, 0)?),
@@ -230,6 +264,28 @@ impl Rma<'_> {
             self.commit(ctl, s, events)?;
         }
         Err(self.stopped(signal, s))
+    }
+
+    /// What a pull or a push moves (bytes of every shard) and with whom, for the
+    /// timeline.
+    fn moved(&self) -> (usize, std::sync::Arc<str>) {
+        let bytes = 4 * self.pieces.iter().map(|p| p.len).sum::<usize>();
+        let peer = match self.roles.ps.as_slice() {
+            [one] => self.roles.task_name(*one),
+            all => format!("{} ps tasks", all.len()),
+        };
+        (bytes, peer.into())
+    }
+
+    /// Marks a wait of `op` at `step` on ps `k` (for stall reports).
+    fn waiting(&self, op: &'static str, step: u64, k: usize) -> stall::Waiting<'static> {
+        stall::wait(|| Wait {
+            op,
+            step,
+            what: None,
+            peer: Some(self.roles.task_name(self.roles.ps[k]).into()),
+            bytes: 0,
+        })
     }
 
     /// Gets every shard straight into the model's tensors (one `MPI_Get` each).

@@ -37,6 +37,7 @@ use super::store::Store;
 use super::wire::{notify, send_all_within, send_within, Sent};
 use super::{shards, PsError};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
+use crate::observe::stall;
 use crate::observe::timeline::{self, Detail};
 use crate::train::checkpoint;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
@@ -356,7 +357,22 @@ impl<'a, C: Comm> Server<'a, C> {
                 out.push((f32_bytes(piece), *to, data));
             }
         }
+        let waiting = stall::wait(|| stall::Wait {
+            op: "reply",
+            step: self.global_step,
+            what: None,
+            peer: Some(
+                ready
+                    .iter()
+                    .map(|p| self.roles.task_name(p.from))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+                    .into(),
+            ),
+            bytes: shards.iter().map(|s| 4 * s.len() as u64).sum(),
+        });
         let sent = send_all_within(self.comm, &out, self.timeout, &[], &mut []);
+        drop(waiting);
         if matches!(sent, Ok(Sent::Done)) {
             return Ok(());
         }
@@ -598,6 +614,23 @@ impl<'a, C: Comm> Server<'a, C> {
         Ok(())
     }
 
+    /// Tells a stall watch whether this ps waits on a step's pushes (then since when) or
+    /// is idle.
+    fn mark_board(&self) {
+        let board = stall::Board::global();
+        if self.sync.is_some() && (!self.accum.is_empty() || !self.pending.is_empty()) {
+            board.serving(|| stall::Wait {
+                op: "gather of pushes",
+                step: self.global_step,
+                what: None,
+                peer: None,
+                bytes: 0,
+            });
+        } else {
+            board.idle();
+        }
+    }
+
     /// A worker this ps waits on and has not heard from within the timeout.
     fn lost(&self) -> Option<usize> {
         let waiting_on = |w: usize| -> bool {
@@ -667,6 +700,7 @@ impl<'a, C: Comm> Server<'a, C> {
                     handled?;
                 }
                 None => {
+                    self.mark_board();
                     if let Some(w) = self.lost() {
                         return Err(self.lose(self.roles.workers[w]));
                     }

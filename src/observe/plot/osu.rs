@@ -1,36 +1,10 @@
-//! Pictures of runs and benchmarks as SVG (`mpiflow plot`), drawn with plotters (no
-//! display, no fonts needed: text is SVG text).
-//!
-//! - [`metrics_svg`]: metrics files ([`super::metrics`]) as four panels, loss and accuracy
-//!   against the step and against wall time, one curve per run (runs overlaid to compare:
-//!   ps against allreduce, 2 against 4 ranks).
-//! - [`osu_svg`]: OSU-format benchmark output (`mpiflow bench`'s, with a table per path,
-//!   or OSU's own programs') as latency and bandwidth against message size, log-log, one
-//!   curve per path and file.
+//! OSU-format benchmark output as latency and bandwidth against message size.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::metrics::Record;
-
-/// Errors of plotting.
-#[derive(Debug, thiserror::Error)]
-pub enum PlotError {
-    #[error("{path}: {why}")]
-    Draw { path: PathBuf, why: String },
-    #[error("{0}: no benchmark table (a `# Size` header and rows of size and value)")]
-    NoTable(String),
-    #[error("{0}: no logged steps to plot")]
-    NoSteps(String),
-}
-
-/// One run's metrics, under the name its curves carry.
-#[derive(Debug, Clone)]
-pub struct Run {
-    pub label: String,
-    pub records: Vec<Record>,
-}
+use super::{color, draw_err, span, PlotError};
 
 /// One curve of a benchmark: its label, what its values are (the column header, such as
 /// `Avg Latency(us)`), and (size, value) points.
@@ -94,48 +68,6 @@ pub fn parse_osu(name: &str, text: &str) -> Result<Vec<Curve>, PlotError> {
     Ok(curves)
 }
 
-fn draw_err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
-    move |why| PlotError::Draw {
-        path: path.to_path_buf(),
-        why,
-    }
-}
-
-/// A range around `values` (a margin on either side; a span where all are equal).
-fn span(values: impl Iterator<Item = f64>, log: bool) -> std::ops::Range<f64> {
-    let (lo, hi) = values
-        .filter(|v| v.is_finite() && (!log || *v > 0.0))
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-            (a.min(v), b.max(v))
-        });
-    match (lo.is_finite(), log) {
-        (false, true) => 1.0..10.0,
-        (false, false) => 0.0..1.0,
-        (true, true) => lo / 1.5..hi * 1.5,
-        (true, false) if hi - lo < 1e-12 => lo - 0.5..hi + 0.5,
-        (true, false) => {
-            let m = (hi - lo) * 0.05;
-            lo - m..hi + m
-        }
-    }
-}
-
-/// Curve colours: dark and far apart (Tableau's ten), cycled.
-const COLORS: [RGBColor; 8] = [
-    RGBColor(31, 119, 180),
-    RGBColor(214, 39, 40),
-    RGBColor(44, 160, 44),
-    RGBColor(255, 127, 14),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(23, 190, 207),
-];
-
-fn color(i: usize) -> RGBColor {
-    COLORS[i % COLORS.len()]
-}
-
 /// A message size as OSU's tables would say it: 512, 4 KiB, 1 MiB.
 fn size_label(v: &f64) -> String {
     let v = v.round() as u64;
@@ -144,120 +76,6 @@ fn size_label(v: &f64) -> String {
         v if v >= 1 << 10 && v % (1 << 10) == 0 => format!("{} KiB", v >> 10),
         v => v.to_string(),
     }
-}
-
-/// Which quantity a panel shows against which.
-#[derive(Clone, Copy)]
-enum Axis {
-    Step,
-    Time,
-}
-
-/// The (x, loss) or (x, accuracy) points of a run.
-fn points(run: &Run, x: Axis, accuracy: bool) -> Vec<(f64, f64)> {
-    let at = |step: u64, wall: f64| match x {
-        Axis::Step => step as f64,
-        Axis::Time => wall,
-    };
-    run.records
-        .iter()
-        .filter_map(|r| match (r, accuracy) {
-            (
-                Record::Step {
-                    step, wall_s, loss, ..
-                },
-                false,
-            ) => Some((at(*step, *wall_s), f64::from((*loss)?))),
-            (
-                Record::Eval {
-                    step,
-                    wall_s,
-                    accuracy,
-                    ..
-                },
-                true,
-            ) => Some((at(*step, *wall_s), *accuracy)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Metrics of `runs` as an SVG at `path`: loss and accuracy against the step and against
-/// wall time (2 x 2 panels), a curve per run.
-pub fn metrics_svg(runs: &[Run], path: &Path) -> Result<(), PlotError> {
-    for r in runs {
-        if !r.records.iter().any(|r| matches!(r, Record::Step { .. })) {
-            return Err(PlotError::NoSteps(r.label.clone()));
-        }
-    }
-    let err = draw_err(path);
-    let root = SVGBackend::new(path, (1200, 800)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let panels = root.split_evenly((2, 2));
-    let specs = [
-        ("loss", Axis::Step, false),
-        ("loss", Axis::Time, false),
-        ("accuracy", Axis::Step, true),
-        ("accuracy", Axis::Time, true),
-    ];
-    for (area, (what, x, accuracy)) in panels.iter().zip(specs) {
-        let series: Vec<Vec<(f64, f64)>> = runs.iter().map(|r| points(r, x, accuracy)).collect();
-        // Loss and accuracy panels share the x range (the evaluations are often at the
-        // end alone); accuracy stays within 0..1.
-        let every = runs
-            .iter()
-            .flat_map(|r| points(r, x, false).into_iter().chain(points(r, x, true)));
-        let xs = span(every.map(|p| p.0), false);
-        let ys = span(series.iter().flatten().map(|p| p.1), false);
-        let ys = match accuracy {
-            true => ys.start.clamp(0.0, 0.9)..1.0,
-            false => ys,
-        };
-        let x_desc = match x {
-            Axis::Step => "global step",
-            Axis::Time => "seconds",
-        };
-        let mut chart = ChartBuilder::on(area)
-            .caption(format!("{what} against {x_desc}"), ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(56)
-            .build_cartesian_2d(xs, ys)
-            .map_err(|e| err(e.to_string()))?;
-        chart
-            .configure_mesh()
-            .x_desc(x_desc)
-            .y_desc(what)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        for (i, (run, pts)) in runs.iter().zip(series).enumerate() {
-            let color = color(i);
-            // Evaluations are few (often one per run): points, not a line.
-            let drawn = if accuracy {
-                chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
-            } else {
-                chart.draw_series(LineSeries::new(pts, color.stroke_width(2)))
-            };
-            drawn
-                .map_err(|e| err(e.to_string()))?
-                .label(run.label.as_str())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
-        }
-        let corner = match accuracy {
-            true => SeriesLabelPosition::LowerRight,
-            false => SeriesLabelPosition::UpperRight,
-        };
-        chart
-            .configure_series_labels()
-            .position(corner)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-    }
-    root.present().map_err(|e| err(e.to_string()))
 }
 
 /// Benchmark curves as an SVG at `path`: a log-log panel per kind of value (latency,
@@ -316,7 +134,9 @@ pub fn osu_svg(curves: &[Curve], path: &Path) -> Result<(), PlotError> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{metrics_svg, Run};
     use super::*;
+    use crate::observe::metrics::Record;
 
     const BENCH: &str = "# mpiflow path: mpi\n# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n\
         # Size         Avg Latency(us)\n1                         0.39\n2   0.40\n\

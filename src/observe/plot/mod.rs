@@ -1,0 +1,78 @@
+//! Pictures of runs and benchmarks as SVG (`mpiflow plot`), drawn with plotters (no
+//! display, no fonts needed: text is SVG text).
+//!
+//! - [`metrics_svg`] ([`runs`]): metrics files ([`super::metrics`]) as four panels, loss
+//!   and accuracy against the step and against wall time, one curve per run (runs
+//!   overlaid to compare: ps against allreduce, 2 against 4 ranks).
+//! - [`osu_svg`] ([`osu`]): OSU-format benchmark output (`mpiflow bench`'s, with a table
+//!   per path, or OSU's own programs') as latency and bandwidth against message size,
+//!   log-log, one curve per path and file.
+//! - [`timeline_svg`] ([`trace`]): a timeline (`--timeline`'s trace) as one row per rank
+//!   and a bar per span, over a window of steps.
+
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+pub mod osu;
+pub mod runs;
+pub mod trace;
+
+pub use osu::{osu_svg, parse_osu, Curve};
+pub use runs::{metrics_svg, Run};
+pub use trace::{timeline_svg, Steps};
+
+/// Errors of plotting.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("{path}: {why}")]
+    Draw { path: PathBuf, why: String },
+    #[error("{0}: no benchmark table (a `# Size` header and rows of size and value)")]
+    NoTable(String),
+    #[error("{0}: no logged steps to plot")]
+    NoSteps(String),
+    #[error("{0}")]
+    Trace(String),
+}
+
+pub(super) fn draw_err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
+    move |why| PlotError::Draw {
+        path: path.to_path_buf(),
+        why,
+    }
+}
+
+/// A range around `values` (a margin on either side; a span where all are equal).
+pub(super) fn span(values: impl Iterator<Item = f64>, log: bool) -> std::ops::Range<f64> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite() && (!log || *v > 0.0))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+    match (lo.is_finite(), log) {
+        (false, true) => 1.0..10.0,
+        (false, false) => 0.0..1.0,
+        (true, true) => lo / 1.5..hi * 1.5,
+        (true, false) if hi - lo < 1e-12 => lo - 0.5..hi + 0.5,
+        (true, false) => {
+            let m = (hi - lo) * 0.05;
+            lo - m..hi + m
+        }
+    }
+}
+
+/// Curve colours: dark and far apart (Tableau's ten), cycled.
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+pub(super) fn color(i: usize) -> RGBColor {
+    COLORS[i % COLORS.len()]
+}
