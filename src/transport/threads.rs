@@ -46,8 +46,10 @@ pub fn open_mpi_major(library: &str) -> Option<u32> {
 }
 
 /// Why this job's one-sided windows cannot live in a process with `MPI_THREAD_MULTIPLE`,
-/// or `None` when they can: Open MPI before 5, ranks on more than one host, and no UCX
-/// one-sided component named (`OMPI_MCA_pml=ucx` or `OMPI_MCA_osc` naming `ucx`).
+/// or `None` when they can: Open MPI before 5, ranks on more than one host, and the
+/// one-sided components limited to a list naming `pt2pt` (`OMPI_MCA_osc`, as mpiflow sets
+/// it on a machine without an RDMA device) without UCX (`osc ucx`, or `pml ucx`). On an
+/// RDMA cluster the default component (`osc ucx` or `osc rdma`) takes the level.
 pub fn windows_refuse_threads(library: &str, env: &BTreeMap<String, String>) -> Option<String> {
     let major = open_mpi_major(library)?;
     if major >= 5 {
@@ -55,7 +57,10 @@ pub fn windows_refuse_threads(library: &str, env: &BTreeMap<String, String>) -> 
     }
     let n = hosts(env).filter(|n| *n > 1)?;
     let named = |v: &str, what: &str| env.get(v).is_some_and(|x| x.contains(what));
-    if named("OMPI_MCA_pml", "ucx") || named("OMPI_MCA_osc", "ucx") {
+    if !named("OMPI_MCA_osc", "pt2pt")
+        || named("OMPI_MCA_osc", "ucx")
+        || named("OMPI_MCA_pml", "ucx")
+    {
         return None;
     }
     Some(format!(
@@ -125,6 +130,7 @@ mod tests {
         let spans = [
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
             ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_MCA_osc", "sm,pt2pt"),
         ];
         let why = windows_refuse_threads(OMPI4, &env(&spans)).expect("refused");
         assert!(
@@ -141,5 +147,9 @@ mod tests {
         let mut ucx = env(&spans);
         ucx.insert("OMPI_MCA_pml".into(), "ucx".into());
         assert_eq!(windows_refuse_threads(OMPI4, &ucx), None);
+        // An RDMA cluster: the library's own choice of component (osc ucx or rdma).
+        let mut default = env(&spans);
+        default.remove("OMPI_MCA_osc");
+        assert_eq!(windows_refuse_threads(OMPI4, &default), None);
     }
 }
