@@ -51,5 +51,6 @@ mod tests {
         check::<crate::bench::osu::ShmStores>();
         check::<crate::train::optim::OptimizerKind>();
         check::<crate::train::ps::placement::Strategy>();
+        check::<crate::transport::stack::RdmaStack>();
     }
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{accuracy, max_relative_difference, mpiflow, mpirun, tmpdir};
+use common::{accuracy, mpiflow, mpirun, tmpdir};
 
 /// `-np NP mpiflow train --mode ps --transport rma EXTRA...` (mpirun's arguments).
 fn rma_args<'a>(np: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -29,31 +29,8 @@ fn train(np: &str, extra: &[&str]) -> common::Run {
 
 #[test]
 fn rma_sync_training_equals_local_training_on_the_combined_batch() {
-    let dir = tmpdir("rma-equal");
-    let (a, b) = (dir.join("local.bin"), dir.join("rma.bin"));
-    common::train_local_reference("60", &a, &[]);
-    // Three workers share a batch of 64 unevenly (21, 21, 22); variables sliced over 2 ps.
-    let run = train(
-        "5",
-        &[
-            "--ps",
-            "2",
-            "--steps",
-            "60",
-            "--var-placement",
-            "partition",
-            "--partition-bytes",
-            "8192",
-            "--save-params",
-            b.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(run.code, 0, "{run:?}");
+    let run = common::one_sided_sync_equals_local("rma-equal", &[]);
     assert!(run.stdout.contains("one-sided (rma)"), "{}", run.stdout);
-    let worst = max_relative_difference(&a, &b);
-    // The ps sums n_i x gradient_i by MPI_Accumulate in arrival order, then divides:
-    // float32 rounding only (Adam carries it through 60 steps).
-    assert!(worst < 1e-4, "largest relative difference {worst}");
 }
 
 #[test]

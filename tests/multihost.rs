@@ -96,19 +96,29 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
         return;
     };
     let dir = common::tmpdir("netns-rma");
-    let (p2p, rma) = (dir.join("p2p.bin"), dir.join("rma.bin"));
+    let (p2p, rma, ucx) = (
+        dir.join("p2p.bin"),
+        dir.join("rma.bin"),
+        dir.join("ucx.bin"),
+    );
     let m = mpiflow();
     // No `--mca osc` given: mpiflow picks the one-sided component itself (no RDMA device
-    // here, so OpenMPI's emulation over the TCP messages between the hosts).
-    let train = |transport: &str, out: &std::path::Path| {
+    // here, so OpenMPI's emulation over the TCP messages between the hosts), or UCX over
+    // TCP when told to (`--rdma-stack ucx`).
+    let train = |transport: &str, stack: &str, out: &std::path::Path| {
         format!(
             "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 4 --map-by node \
-             {m} train --mode ps --ps 1 --transport {transport} --steps 30 --log-every 10 \
-             --save-params {}",
+             {m} --rdma-stack {stack} train --mode ps --ps 1 --transport {transport} \
+             --steps 30 --log-every 10 --save-params {}",
             out.display()
         )
     };
-    let inner = format!("set -e; {}; {}", train("p2p", &p2p), train("rma", &rma));
+    let inner = format!(
+        "set -e; {}; {}; {}",
+        train("p2p", "auto", &p2p),
+        train("rma", "auto", &rma),
+        train("rma", "ucx", &ucx)
+    );
     let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
     assert_eq!(run.code, 0, "{run:?}");
     assert!(
@@ -121,8 +131,15 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
     // one-sided run, said once; the two-sided run keeps it.
     let off = "refuse MPI_THREAD_MULTIPLE; no stall reports (--stall-warning)";
     assert_eq!(run.stderr.matches(off).count(), 1, "{}", run.stderr);
-    let worst = common::max_relative_difference(&p2p, &rma);
-    assert!(worst < 1e-4, "p2p and rma parameters differ by {worst}");
+    for (name, params) in [("osc pt2pt", &rma), ("osc ucx", &ucx)] {
+        let worst = common::max_relative_difference(&p2p, params);
+        assert!(worst < 1e-4, "p2p and {name} parameters differ by {worst}");
+    }
+    assert!(
+        run.stdout.contains("# one-sided: osc ucx"),
+        "{}",
+        run.stdout
+    );
 }
 
 #[test]

@@ -17,6 +17,10 @@
 //!   [`Comm`].
 //! - [`fusion`]: negotiation (all ranks submit the same named tensors) and fusion buffers.
 //! - [`rma`]: one-sided operations on MPI windows (the RDMA path), MPI only.
+//! - [`progress`]: running MPI's progress engine on a rank that only waits (targets of
+//!   emulated one-sided operations).
+//! - [`stack`]: which of Open MPI's components carry a job (`--rdma-stack`), decided
+//!   before `MPI_Init`.
 //! - [`tags`]: every tag scheme inside the library's `MPI_TAG_UB`.
 //! - [`threads`]: which thread level a job may ask for, decided before `MPI_Init`.
 
@@ -29,9 +33,11 @@ pub mod links;
 pub mod local;
 pub mod mpi;
 pub mod p2p;
+pub mod progress;
 pub mod reduce;
 pub mod rma;
 pub mod segments;
+pub mod stack;
 pub mod tags;
 pub mod threads;
 

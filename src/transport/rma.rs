@@ -59,6 +59,7 @@ pub fn path_note() -> String {
         Ok(osc) if devices.is_empty() && osc == OSC_WITHOUT_RDMA => format!(
             "# one-sided: no RDMA device, so OpenMPI's osc {osc} (shared memory in a node, emulated over point-to-point across nodes); on InfiniBand/RoCE run with --mca pml ucx --mca osc ucx"
         ),
+        Ok(osc) if devices.is_empty() && osc == "ucx" => "# one-sided: osc ucx without an RDMA device (UCX over shared memory and TCP): atomics and accumulates are emulated on the target, which must poll; osc sm,pt2pt (--rdma-stack auto) is faster here".to_string(),
         Ok(osc) => format!("# one-sided: osc {osc} (OMPI_MCA_osc); RDMA devices: {devices:?}"),
         Err(_) => format!("# one-sided: the MPI library's default; RDMA devices: {devices:?}"),
     }

@@ -125,6 +125,29 @@ pub fn train_local_reference(steps: &str, out: &std::path::Path, extra: &[&str])
     assert_eq!(run.code, 0, "{run:?}");
 }
 
+/// The one-sided ps against local training: `mpirun -np 5 mpiflow BEFORE... train --mode
+/// ps --transport rma` for 60 steps, three workers sharing a batch of 64 unevenly (21, 21,
+/// 22), variables sliced over 2 ps. Asserts success and parameters equal to local
+/// training's within 1e-4 relative (the ps sums n_i x gradient_i by MPI_Accumulate in
+/// arrival order, then divides: float32 rounding only, which Adam carries through 60
+/// steps); returns the run.
+pub fn one_sided_sync_equals_local(name: &str, before: &[&str]) -> Run {
+    let dir = tmpdir(name);
+    let (a, b) = (dir.join("local.bin"), dir.join("rma.bin"));
+    train_local_reference("60", &a, &[]);
+    let mut args = vec!["-np", "5", mpiflow()];
+    args.extend_from_slice(before);
+    let out = b.to_str().unwrap();
+    args.extend_from_slice(&["train", "--mode", "ps", "--transport", "rma", "--ps", "2"]);
+    args.extend_from_slice(&["--steps", "60", "--var-placement", "partition"]);
+    args.extend_from_slice(&["--partition-bytes", "8192", "--save-params", out]);
+    let run = mpirun(&args);
+    assert_eq!(run.code, 0, "{run:?}");
+    let worst = max_relative_difference(&a, &b);
+    assert!(worst < 1e-4, "largest relative difference {worst}");
+    run
+}
+
 /// This machine's host name, as MPI reports it.
 pub fn hostname() -> String {
     mpiflow::cluster::resolve::hostname().expect("gethostname")

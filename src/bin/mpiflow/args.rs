@@ -14,6 +14,7 @@ use mpiflow::topology::Policy;
 use mpiflow::train::optim::{Decay, Optimizer, OptimizerKind};
 use mpiflow::train::ps::placement::Strategy;
 use mpiflow::train::ps::PsTransport;
+use mpiflow::transport::stack::RdmaStack;
 use mpiflow::transport::Algorithm;
 
 /// clap's parser for a library enum: its names as the possible values, with their help.
@@ -38,6 +39,10 @@ fn named<T: Named + Send + Sync + Clone>() -> impl TypedValueParser<Value = T> {
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) cmd: Cmd,
+    /// Open MPI's components for the commands that compute (default: the
+    /// MPIFLOW_RDMA_STACK variable, else auto).
+    #[arg(long, global = true, value_parser = named::<RdmaStack>())]
+    pub(crate) rdma_stack: Option<RdmaStack>,
 }
 
 #[derive(Subcommand)]

@@ -4,6 +4,10 @@
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 
+use mpiflow::cluster::resolve::launcher_rank_hint;
+use mpiflow::named::Named;
+use mpiflow::transport::stack::{self, Facts, RdmaStack, Settings, StackError};
+
 use crate::args::Cmd;
 use crate::out::say;
 
@@ -16,30 +20,28 @@ use crate::out::say;
 ///   with the other ranks of the node (measured: 2 pinned ranks train 1.4x faster with the
 ///   variable set). Set from the rank's share of the node: the launcher's binding, or
 ///   cores divided by the ranks the launcher put on this node.
-/// - `OMPI_MCA_osc` (one-sided windows), when the machine has no RDMA device: OpenMPI's
-///   default `osc rdma` then emulates atomics over shared memory and crashes in
-///   `MPI_Compare_and_swap` (OpenMPI 4.1.4), and fails over TCP. `sm,pt2pt` picks shared
-///   memory within a node and point-to-point emulation across nodes.
+/// - Open MPI's components (`OMPI_MCA_pml`, `OMPI_MCA_osc`, ...) for `stack`
+///   ([`mpiflow::transport::stack`]): by default only `OMPI_MCA_osc=sm,pt2pt` on a machine
+///   without an RDMA device, where Open MPI's default `osc rdma` crashes in
+///   `MPI_Compare_and_swap` over shared memory (OpenMPI 4.1.4) and fails over TCP.
+///
+/// Also returns the line that says what was chosen, when there is one to say.
 pub(crate) fn env_before_init(
     cmd: &Cmd,
+    stack: RdmaStack,
     env: &BTreeMap<String, String>,
-) -> Vec<(&'static str, String)> {
+) -> Result<Settings, StackError> {
     let computes = match cmd {
         Cmd::Train(_) | Cmd::Bench(_) | Cmd::Check(_) | Cmd::Topo(_) => true,
         Cmd::Spec(_) | Cmd::Launch(_) | Cmd::Supervise(_) | Cmd::Plot(_) => false,
     };
-    let mut set = Vec::new();
     if !computes {
-        return set;
+        return Ok(Settings::default());
     }
-    if !env.contains_key("OMPI_MCA_osc") && mpiflow::transport::rma::rdma_devices().is_empty() {
-        set.push((
-            "OMPI_MCA_osc",
-            mpiflow::transport::rma::OSC_WITHOUT_RDMA.to_string(),
-        ));
-    }
+    let mut settings = stack::settings(stack, &Facts::detect(), env)?;
+    let set = &mut settings.vars;
     if env.contains_key("OPENBLAS_NUM_THREADS") {
-        return set;
+        return Ok(settings);
     }
     if !env.contains_key("OPENBLAS_CORETYPE") {
         if let Some(c) = mpiflow::kernels::openblas_coretype() {
@@ -63,13 +65,44 @@ pub(crate) fn env_before_init(
         (all / local).max(1)
     };
     set.push(("OPENBLAS_NUM_THREADS", threads.to_string()));
-    set
+    Ok(settings)
+}
+
+/// `--rdma-stack`, else `MPIFLOW_RDMA_STACK`, else `auto`.
+pub(crate) fn rdma_stack(
+    flag: Option<RdmaStack>,
+    env: &BTreeMap<String, String>,
+) -> Result<RdmaStack, String> {
+    match (flag, env.get("MPIFLOW_RDMA_STACK")) {
+        (Some(s), _) => Ok(s),
+        (None, None) => Ok(RdmaStack::Auto),
+        (None, Some(v)) => RdmaStack::from_name(v.trim())
+            .ok_or_else(|| format!("MPIFLOW_RDMA_STACK={v}: not one of auto, ucx, ompi")),
+    }
 }
 
 /// Sets [`env_before_init`]'s variables by re-executing the same process (same PID, so
 /// mpirun and srun keep tracking it), before MPI is initialised.
-pub(crate) fn reexec_with_env(cmd: &Cmd, env: &BTreeMap<String, String>) {
-    let set = env_before_init(cmd, env);
+/// Says what was chosen (rank 0, or a process outside a launcher), or exits with one line
+/// when the choice cannot be made (`prefix` names the rank).
+pub(crate) fn reexec_with_env(
+    cmd: &Cmd,
+    flag: Option<RdmaStack>,
+    env: &BTreeMap<String, String>,
+    prefix: &str,
+) {
+    let chosen =
+        rdma_stack(flag, env).and_then(|s| env_before_init(cmd, s, env).map_err(|e| e.to_string()));
+    let Settings { vars: set, note } = match chosen {
+        Ok(s) => s,
+        Err(e) => {
+            say!("mpiflow: error: {prefix}{e}");
+            std::process::exit(2);
+        }
+    };
+    if let Some(note) = note.filter(|_| launcher_rank_hint(env).is_none_or(|r| r.trim() == "0")) {
+        println!("{note}");
+    }
     if set.is_empty() {
         return;
     }

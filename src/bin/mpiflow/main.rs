@@ -51,7 +51,7 @@ fn main() -> ExitCode {
         }
     };
     // Before MPI starts: what OpenBLAS and OpenMPI must find in the environment.
-    env::reexec_with_env(&cli.cmd, &env);
+    env::reexec_with_env(&cli.cmd, cli.rdma_stack, &env, &prefix);
     let result = match &cli.cmd {
         Cmd::Spec(a) => cmd::spec::run(a, &env),
         Cmd::Launch(a) => cmd::launch::run(a, &env),

@@ -175,8 +175,9 @@ impl Watch {
                     pending: Vec::new(),
                 };
                 // A transport error ends the watch; training goes on.
-                let _ = w.run(&flag);
-                w.leave();
+                let mut gone = vec![false; w.comm.size()];
+                let _ = w.run(&flag, &mut gone);
+                w.leave(&mut gone);
             })
             .expect("a thread starts");
         Watch {
@@ -224,9 +225,9 @@ struct Alerted {
 }
 
 impl<C: Comm> Watcher<C> {
-    fn run(&mut self, stop: &AtomicBool) -> Result<(), TransportError> {
+    /// Watches until `stop`; `gone` marks the ranks that said they left (the chief's).
+    fn run(&mut self, stop: &AtomicBool, gone: &mut [bool]) -> Result<(), TransportError> {
         let chief = self.comm.rank() == self.cfg.chief;
-        let mut gone = vec![false; self.comm.size()];
         let (mut episode, mut seq) = (None, 0u64);
         let (mut alerted, mut asked) = (None::<Alerted>, Instant::now());
         while !stop.load(Ordering::Acquire) {
@@ -237,7 +238,7 @@ impl<C: Comm> Watcher<C> {
             }
             self.reap();
             if chief {
-                self.chief_tick(&mut gone, &mut episode, &mut seq)?;
+                self.chief_tick(gone, &mut episode, &mut seq)?;
             } else {
                 self.rank_tick(&mut alerted, &mut asked)?;
             }
@@ -436,16 +437,29 @@ impl<C: Comm> Watcher<C> {
         Ok(Report::of(seen))
     }
 
-    /// Ends the watch: a rank says it is gone; sends still in flight after a second are
-    /// left to MPI (their bytes leaked, never freed under it).
-    fn leave(&mut self) {
+    /// Ends the watch: a rank says it is gone, and the chief takes every rank's word that
+    /// it is gone (no message is left unreceived at `MPI_Finalize`, which UCX reports);
+    /// either waits a second at most, then leaves the sends still in flight to MPI (their
+    /// bytes leaked, never freed under it).
+    fn leave(&mut self, gone: &mut [bool]) {
         self.board.disable();
-        if self.comm.rank() != self.cfg.chief {
-            let _ = self.send(&Message::Gone, self.cfg.chief, TO_CHIEF);
+        let (me, chief) = (self.comm.rank(), self.cfg.chief);
+        match me == chief {
+            false => drop(self.send(&Message::Gone, chief, TO_CHIEF)),
+            true => gone[me] = true,
         }
         let start = Instant::now();
-        while !self.pending.is_empty() && start.elapsed() < Duration::from_secs(1) {
+        let waiting = |gone: &[bool], pending: &[_]| {
+            !pending.is_empty() || (me == chief && gone.contains(&false))
+        };
+        while waiting(gone, &self.pending) && start.elapsed() < Duration::from_secs(1) {
             self.reap();
+            while let Some((src, m)) = (me == chief)
+                .then(|| self.receive(ANY_SOURCE, TO_CHIEF).ok().flatten())
+                .flatten()
+            {
+                gone[src] |= matches!(m, Message::Gone);
+            }
             std::thread::sleep(Duration::from_millis(1));
         }
         std::mem::forget(std::mem::take(&mut self.pending));

@@ -57,6 +57,7 @@ use crate::train::optim::{OptimizerKind, Slots};
 use crate::train::StepLog;
 use crate::transport::comm::{Backoff, Comm};
 use crate::transport::mpi::MpiComm;
+use crate::transport::progress::{Progress, ProgressError};
 use crate::transport::rma::{Epoch, RmaError, Window};
 
 const STEP: usize = 0;
@@ -81,6 +82,12 @@ const MARK: i64 = 1 << 40;
 
 impl From<RmaError> for PsError {
     fn from(e: RmaError) -> PsError {
+        PsError::Setup(e.to_string())
+    }
+}
+
+impl From<ProgressError> for PsError {
+    fn from(e: ProgressError) -> PsError {
         PsError::Setup(e.to_string())
     }
 }
@@ -147,8 +154,10 @@ fn slices<'a>(tensors: &'a [Tensor], pieces: &'a [Piece]) -> Vec<(&'a Piece, &'a
 }
 
 /// Polls `read` until `done` holds; `stalled` names the culprit when the value has not
-/// changed for `timeout`.
+/// changed for `timeout`. Each poll first runs MPI's progress engine (`progress`): the
+/// operations other ranks aim at this one may need it (see [`Progress`]).
 fn wait_until(
+    progress: &Progress,
     timeout: Duration,
     mut read: impl FnMut() -> Result<i64, PsError>,
     done: impl Fn(i64) -> bool,
@@ -157,6 +166,7 @@ fn wait_until(
     let mut backoff = Backoff::new(Duration::from_micros(200));
     let (mut last, mut since) = (i64::MIN, Instant::now());
     loop {
+        progress.poke()?;
         let v = read()?;
         if done(v) {
             return Ok(v);
@@ -305,9 +315,10 @@ pub fn run(
         let hosts: std::collections::BTreeSet<&str> =
             layout.ranks.iter().map(|r| r.host.as_str()).collect();
         if hosts.len() > 1 && crate::transport::rma::rdma_devices().is_empty() {
-            // Measured across network-namespace hosts: 31 steps/s against 3100 for p2p.
+            // Measured across network-namespace hosts (benches/results/2026-11-24-ucx.md):
+            // the sync MLP at 37 steps/s on osc pt2pt, 6 on osc ucx, 6700 with p2p.
             events(&Event::Warning(format!(
-                "{} hosts and no RDMA device: one-sided operations between hosts are emulated over TCP messages that each target must poll for; --transport p2p is about 100x faster there",
+                "{} hosts and no RDMA device: one-sided operations between hosts are emulated over TCP messages that each target must poll for (osc pt2pt, or UCX without RDMA); --transport p2p is about 100x faster there",
                 hosts.len()
             )));
         }
@@ -318,6 +329,7 @@ pub fn run(
         cfg,
         pieces: &pieces,
         ranks: comm.size(),
+        progress: Progress::new(me)?,
         held,
         model_meta: crate::train::checkpoint::state::model_meta(&model.model.describe(), &vars),
     };
@@ -394,6 +406,8 @@ struct Rma<'a> {
     pieces: &'a [Piece],
     /// Ranks in the job.
     ranks: usize,
+    /// MPI's progress engine, run while this rank waits.
+    progress: Progress,
     /// Elements of each ps's parameters (the offset of its gradient sum).
     held: Vec<usize>,
     /// The model's description for checkpoint manifests.

@@ -37,6 +37,7 @@ impl Rma<'_> {
                 bytes: 0,
             });
             let arrived = wait_until(
+                &self.progress,
                 self.cfg.peer_timeout,
                 || Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?),
                 |a| a % MARK >= want || a >= MARK,
@@ -180,6 +181,7 @@ impl Rma<'_> {
         // Progress is any claimed step or finished worker; done is every worker finished.
         stall::Board::global().idle();
         let last = wait_until(
+            &self.progress,
             self.cfg.peer_timeout,
             || {
                 if let (Some(signal), false) = (crate::signals::stop_requested(), announced) {

@@ -16,6 +16,7 @@ impl Rma<'_> {
         for (k, r) in self.roles.ps.iter().enumerate() {
             let _wait = self.waiting("checkpoint commit", step, k);
             wait_until(
+                &self.progress,
                 self.cfg.peer_timeout * 2,
                 || Ok(ctl.fetch_and_add(*r, SAVED, 0)?),
                 |v| v >= step as i64,
@@ -73,6 +74,7 @@ impl Rma<'_> {
                     // The update of the step before (the one whose pushes ps k gathers).
                     let _wait = self.waiting("pull", step.saturating_sub(1), k);
                     let v = wait_until(
+                        &self.progress,
                         cfg.peer_timeout * 2,
                         || match ctl.fetch_and_add(*r, ABORT, 0)? {
                             0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
@@ -219,6 +221,7 @@ impl Rma<'_> {
                 // The final parameters are those after every worker's last push.
                 let _wait = self.waiting("finish", cfg.train.steps, 0);
                 wait_until(
+                    &self.progress,
                     cfg.peer_timeout * 2,
                     || Ok(ctl.fetch_and_add(roles.ps[0], DONE, 0)?),
                     |d| d >= nw as i64,
