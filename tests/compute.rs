@@ -126,10 +126,24 @@ fn binding_is_applied_and_read_back_from_the_os() {
     for l in run.json_lines() {
         assert_eq!(l["bound_by"], json!("launcher"), "{l}");
         assert_eq!(l["blas_threads"], json!(1));
+        assert_eq!(l["rdma"], json!([]), "{l}");
+        assert!(
+            l["ucx_transports"]
+                .as_array()
+                .is_some_and(|t| t.contains(&json!("tcp"))),
+            "{l}"
+        );
     }
     // The table: node summary and one row per rank.
     let run = mpirun(&["-np", "3", mpiflow(), "topo", "--bind", "scatter"]);
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.starts_with("# node "), "{}", run.stdout);
-    assert_eq!(run.stdout.lines().count(), 5);
+    assert_eq!(run.stdout.lines().count(), 6);
+    // No RDMA device here; UCX (ucx-utils, installed by the setup) offers shared memory
+    // and TCP.
+    let rdma = run.stdout.lines().nth(1).unwrap();
+    assert!(rdma.starts_with("# rdma: no device"), "{rdma}");
+    for t in ["self", "tcp", "posix"] {
+        assert!(rdma.contains(t), "{rdma}");
+    }
 }

@@ -170,6 +170,86 @@ pub fn settings(
     Ok(Settings { vars, note })
 }
 
+/// One port of an RDMA device, as `/sys/class/infiniband` describes it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RdmaPort {
+    pub device: String,
+    pub port: u32,
+    /// `ACTIVE`, `DOWN`, ... (the word after the number in `ports/N/state`).
+    pub state: String,
+    /// `InfiniBand` or `Ethernet` (RoCE).
+    pub link_layer: String,
+}
+
+impl std::fmt::Display for RdmaPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (d, p, s, l) = (&self.device, self.port, &self.state, &self.link_layer);
+        write!(f, "{d}:{p} {s} {l}")
+    }
+}
+
+/// Every port of every RDMA device under `root` (`/sys/class/infiniband` on a real
+/// machine), sorted; empty without devices.
+pub fn rdma_ports(root: &std::path::Path) -> Vec<RdmaPort> {
+    let read = |p: std::path::PathBuf| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    let names = |d: &std::path::Path| -> Vec<String> {
+        std::fs::read_dir(d)
+            .map(|r| {
+                r.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    for device in names(root) {
+        let ports = root.join(&device).join("ports");
+        for port in names(&ports).iter().filter_map(|p| p.parse::<u32>().ok()) {
+            let dir = ports.join(port.to_string());
+            let state = read(dir.join("state"));
+            out.push(RdmaPort {
+                device: device.clone(),
+                port,
+                // "4: ACTIVE" -> "ACTIVE"
+                state: state.rsplit(' ').next().unwrap_or_default().to_string(),
+                link_layer: read(dir.join("link_layer")),
+            });
+        }
+    }
+    out.sort_by(|a, b| (&a.device, a.port).cmp(&(&b.device, b.port)));
+    out
+}
+
+/// The transports UCX offers on this machine (`ucx_info -d`, Debian's `ucx-utils`), in
+/// its order without repeats; `None` when `ucx_info` cannot be run.
+pub fn ucx_transports() -> Option<Vec<String>> {
+    let out = std::process::Command::new("ucx_info")
+        .arg("-d")
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    Some(parse_ucx_transports(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The `Transport:` names of `ucx_info -d`'s output, first appearance order.
+fn parse_ucx_transports(text: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    for l in text.lines() {
+        let Some((_, t)) = l.split_once("Transport:") else {
+            continue;
+        };
+        let t = t.trim().to_string();
+        if !t.is_empty() && !seen.contains(&t) {
+            seen.push(t);
+        }
+    }
+    seen
+}
+
 /// Open MPI's component directory and its files, beside the `libmpi` this process mapped:
 /// `LIBDIR/openmpi` upstream; Debian keeps `libmpi` in the multiarch directory and the
 /// components in `openmpi/lib/openmpi3` under it.
@@ -291,6 +371,32 @@ mod tests {
         assert_eq!(vars(&s), ["OMPI_MCA_osc=ucx"]);
         let s = settings(RdmaStack::Ompi, &facts(false, true), &none).unwrap();
         assert_eq!(vars(&s), ["OMPI_MCA_pml=ob1", "OMPI_MCA_osc=sm,pt2pt"]);
+    }
+
+    #[test]
+    fn rdma_ports_and_ucx_transports_are_read_as_the_system_writes_them() {
+        let root = std::env::temp_dir().join(format!("mpiflow-ib-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for (dev, port, state, link) in [
+            ("mlx5_1", 1, "1: DOWN", "Ethernet"),
+            ("mlx5_0", 1, "4: ACTIVE", "InfiniBand"),
+        ] {
+            let d = root.join(dev).join("ports").join(port.to_string());
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("state"), format!("{state}\n")).unwrap();
+            std::fs::write(d.join("link_layer"), format!("{link}\n")).unwrap();
+        }
+        let ports: Vec<String> = rdma_ports(&root).iter().map(|p| p.to_string()).collect();
+        assert_eq!(
+            ports,
+            ["mlx5_0:1 ACTIVE InfiniBand", "mlx5_1:1 DOWN Ethernet"]
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+        assert!(rdma_ports(&root).is_empty());
+        let text = "#      Transport: self\n#         Device: memory0\n#      Transport: tcp\n\
+                    #         Device: lo\n#      Transport: tcp\n#         Device: eth0\n\
+                    #      Transport: rc_mlx5\n";
+        assert_eq!(parse_ucx_transports(text), ["self", "tcp", "rc_mlx5"]);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use mpiflow::transport::Context;
+use mpiflow::transport::{stack, Context};
 
 use crate::args::{Format, TopoArgs};
 use crate::out::{emit, Failure};
@@ -18,9 +18,13 @@ pub(crate) fn run(args: &TopoArgs) -> Result<(), Failure> {
         .agree(Machine::detect())
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let p = pin(locals[ctx.rank()], count, args.bind);
+    // What carries one-sided traffic on this node: RDMA ports and UCX's transports.
+    let rdma = stack::rdma_ports(std::path::Path::new("/sys/class/infiniband"));
+    let ucx = stack::ucx_transports();
     let line = json!({
         "rank": ctx.rank(), "host": host, "local_rank": locals[ctx.rank()], "cpus": cpu_list(&p.cpus),
         "blas_threads": p.blas_threads, "bound_by": p.bound_by, "warning": p.warning,
+        "rdma": rdma, "ucx_transports": ucx,
     })
     .to_string();
     if args.format == Format::Json {
@@ -29,9 +33,18 @@ pub(crate) fn run(args: &TopoArgs) -> Result<(), Failure> {
     }
     let lines = ctx.all_gather_strings(&line);
     if ctx.rank() == 0 {
+        let ports: Vec<String> = rdma.iter().map(|p| p.to_string()).collect();
+        let ucx = match &ucx {
+            Some(t) => t.join(", "),
+            None => "ucx_info not found (Debian: ucx-utils)".into(),
+        };
         let mut out = format!(
-            "# node {host}: {}\n{:<5} {:<12} {:<5} {:<12} {:<5} {}\n",
+            "# node {host}: {}\n# rdma: {}; UCX transports: {ucx}\n{:<5} {:<12} {:<5} {:<12} {:<5} {}\n",
             machine.summary(),
+            match ports.is_empty() {
+                true => "no device (/sys/class/infiniband)".to_string(),
+                false => ports.join(", "),
+            },
             "rank",
             "host",
             "local",
