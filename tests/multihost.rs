@@ -91,7 +91,7 @@ fn spread_places_ps_on_distinct_namespace_hosts() {
 }
 
 #[test]
-fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
+fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps_on_pt2pt_and_ucx() {
     let Some(script) = cluster_script() else {
         return;
     };
@@ -113,8 +113,13 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
             out.display()
         )
     };
+    // The RMA layer and every collective on UCX's TCP transport, one rank per host.
+    let check = format!(
+        "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 3 --map-by node \
+         {m} check --ps 1 --rdma-stack ucx"
+    );
     let inner = format!(
-        "set -e; {}; {}; {}",
+        "set -e; {}; {}; {}; {check}",
         train("p2p", "auto", &p2p),
         train("rma", "auto", &rma),
         train("rma", "ucx", &ucx)
@@ -139,6 +144,11 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps() {
         run.stdout.contains("# one-sided: osc ucx"),
         "{}",
         run.stdout
+    );
+    assert!(
+        run.stderr.contains("checks passed on each of 3 ranks"),
+        "{}",
+        run.stderr
     );
 }
 
