@@ -4,6 +4,7 @@
 #   benches/compare/osu.sh                       # latency bw bibw allreduce bcast, one-sided
 #   ROUNDS=6 NP=2 benches/compare/osu.sh latency bw
 #   OSU_ARGS="-b multiple" benches/compare/osu.sh bw bibw   # options given to both
+#   MPIFLOW_RDMA_STACK=ucx benches/compare/osu.sh put_latency acc_latency   # both on UCX
 #
 # Builds OSU 7.4 from ../shared/tools/osu-7.4 (or $OSU_SRC) into target/osu-7.4 once, then
 # for each benchmark runs ROUNDS rounds of two jobs: OSU's program, then `mpiflow bench`
@@ -24,11 +25,16 @@ if [[ ${#names[@]} -eq 0 ]]; then
   names=(latency bw bibw allreduce bcast put_latency get_latency acc_latency get_bw)
 fi
 source scripts/env.sh
-# The one-sided component mpiflow chooses on a machine without RDMA devices (see
-# src/bin/mpiflow/env.rs), for OSU too: the same MPI settings on both sides.
-if [[ -z $(ls /sys/class/infiniband 2>/dev/null) ]]; then
-  export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,pt2pt}
-fi
+# The components mpiflow chooses (src/transport/stack.rs; MPIFLOW_RDMA_STACK=auto|ucx|ompi),
+# for OSU too: the same MPI settings on both sides.
+rdma=$(ls /sys/class/infiniband 2>/dev/null || true)
+case ${MPIFLOW_RDMA_STACK:-auto} in
+  ucx)
+    export OMPI_MCA_pml=ucx OMPI_MCA_osc=ucx
+    if [[ -z $rdma ]]; then export OMPI_MCA_pml_ucx_tls=any OMPI_MCA_pml_ucx_devices=any; fi ;;
+  ompi) export OMPI_MCA_pml=ob1 OMPI_MCA_osc=sm,pt2pt ;;
+  *) if [[ -z $rdma ]]; then export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,pt2pt}; fi ;;
+esac
 cargo build --release --quiet --bin mpiflow
 if [[ ! -x $OSU_DIR/osu_latency ]]; then
   bash "$OSU_SRC/build.sh" "$OSU_DIR" >/dev/null
