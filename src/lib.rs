@@ -34,3 +34,17 @@ pub mod tensor;
 pub mod topology;
 pub mod train;
 pub mod transport;
+
+/// Helpers shared by the unit tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::collections::BTreeMap;
+
+    /// An environment of `pairs`, as the resolvers and the pre-init choices read it.
+    pub(crate) fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+}

@@ -449,13 +449,7 @@ pub fn bind_ranks(ctx: &Context, resolved: Resolved) -> Result<Layout, ResolveEr
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::test_support::env;
 
     #[test]
     fn auto_source_order() {

@@ -280,7 +280,7 @@ fn components() -> Option<(std::path::PathBuf, Vec<String>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
+    use crate::test_support::env;
 
     fn facts(rdma: bool, ucx: bool) -> Facts {
         let mut files = vec!["mca_pml_ob1.so".to_string(), "mca_osc_pt2pt.so".into()];
@@ -292,13 +292,6 @@ mod tests {
             rdma_devices: if rdma { vec!["mlx5_0".into()] } else { vec![] },
             components: Some(("/usr/lib/openmpi".into(), files)),
         }
-    }
-
-    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
     }
 
     fn vars(s: &Settings) -> Vec<String> {
