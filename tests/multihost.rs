@@ -118,14 +118,24 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps_on_pt2pt_and_ucx
         "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 3 --map-by node \
          {m} check --ps 1 --rdma-stack ucx"
     );
+    // Async SGD on UCX between the hosts, racy by design: the bar of the async runs on
+    // one node (3000 steps, ~20 s at UCX's TCP speed here).
+    let async_ucx = format!(
+        "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 4 --map-by node \
+         {m} --rdma-stack ucx train --mode ps --ps 1 --transport rma --async \
+         --optimizer sgd --lr 0.1 --steps 3000 --log-every 1000"
+    );
     let inner = format!(
-        "set -e; {}; {}; {}; {check}",
+        "set -e; {}; {}; {}; {check}; echo '=== async'; {async_ucx}",
         train("p2p", "auto", &p2p),
         train("rma", "auto", &rma),
         train("rma", "ucx", &ucx)
     );
-    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = run_bounded(300, &[&script, "with", "--", "bash", "-c", &inner], &[]);
     assert_eq!(run.code, 0, "{run:?}");
+    let (_, async_out) = run.stdout.split_once("=== async").expect("async marker");
+    let acc = common::accuracy(async_out);
+    assert!(acc >= 0.95, "async on UCX between hosts: {acc}\n{async_out}");
     assert!(
         run.stdout
             .contains("# one-sided: no RDMA device, so OpenMPI's osc sm,pt2pt"),
