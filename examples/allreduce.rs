@@ -47,6 +47,11 @@ fn value(args: &[String], name: &str) -> Option<String> {
 fn run(args: &[String]) -> Result<(), String> {
     // Every rank a worker (no ps tasks): roles from MPI, TF_CONFIG or the seeds' flags.
     let server = Server::start(args, MappingOptions::default()).map_err(|e| e.to_string())?;
+    if server.layout().ranks.len() > 1 && server.is_chief() {
+        for w in server.warnings() {
+            eprintln!("warning: {w}");
+        }
+    }
     let steps = value(args, "--steps").map_or(Ok(600), |s| s.parse().map_err(|_| s))?;
     let spec = value(args, "--data").unwrap_or_else(|| "digits".into());
     let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;

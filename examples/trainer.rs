@@ -53,6 +53,11 @@ fn run(args: &[String]) -> Result<Ended, String> {
     };
     mpiflow::signals::catch(&mpiflow::signals::STOP, false).map_err(|e| e.to_string())?;
     let server = Server::start(args, mapping).map_err(|e| e.to_string())?;
+    if server.layout().ranks.len() > 1 && server.is_chief() {
+        for w in server.warnings() {
+            eprintln!("warning: {w}");
+        }
+    }
     if server.is_ps() {
         return match server.join() {
             Ok(()) => Ok(Ended::Done),

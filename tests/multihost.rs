@@ -91,6 +91,64 @@ fn spread_places_ps_on_distinct_namespace_hosts() {
 }
 
 #[test]
+fn ranks_of_hosts_that_are_one_machine_are_unbound_from_a_shared_core_and_pinned_apart() {
+    let Some(script) = cluster_script() else {
+        return;
+    };
+    let m = mpiflow();
+    // Two ranks, one per host: each host's orted binds its rank to core 0 (Open MPI binds
+    // to cores up to 2 ranks), so both share one CPU of this machine. With --bind-to none
+    // there is nothing to undo.
+    let topo = |extra: &str| {
+        format!(
+            "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 2 --map-by node \
+             {extra} --report-bindings {m} topo --format json"
+        )
+    };
+    let inner = format!(
+        "set -e; {}; echo '=== none' >&2; echo '=== none'; {}",
+        topo(""),
+        topo("--bind-to none")
+    );
+    let run = run_bounded(120, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let (bound_err, none_err) = run.stderr.split_once("=== none").expect("marker");
+    let (bound_out, none_out) = run.stdout.split_once("=== none").expect("marker");
+    // The launcher did bind both to core 0 ...
+    for r in 0..2 {
+        assert!(
+            bound_err.contains(&format!("MCW rank {r} bound to socket 0[core 0[hwt 0]]")),
+            "{bound_err}"
+        );
+    }
+    // ... mpiflow said so once ...
+    let said = "mpiflow: warning: hosts h1, h2 are one machine (containers or namespaces) \
+                whose launchers bound ranks 0, 1 to the same CPUs (0)";
+    assert_eq!(bound_err.matches(said).count(), 1, "{bound_err}");
+    assert!(
+        bound_err.contains("mpiflow unbound them (mpirun --bind-to none avoids this)"),
+        "{bound_err}"
+    );
+    assert!(!none_err.contains("mpiflow: warning"), "{none_err}");
+    // ... and each run pins the two ranks to different CPUs, planned per machine.
+    for out in [bound_out, none_out] {
+        let mut cpus: Vec<(u64, String)> = out
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .map(|v| {
+                (
+                    v["rank"].as_u64().unwrap(),
+                    v["cpus"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        cpus.sort();
+        assert_eq!(cpus, [(0, "0".to_string()), (1, "1".to_string())], "{out}");
+    }
+}
+
+#[test]
 fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps_on_pt2pt_and_ucx() {
     let Some(script) = cluster_script() else {
         return;
@@ -135,7 +193,10 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps_on_pt2pt_and_ucx
     assert_eq!(run.code, 0, "{run:?}");
     let (_, async_out) = run.stdout.split_once("=== async").expect("async marker");
     let acc = common::accuracy(async_out);
-    assert!(acc >= 0.95, "async on UCX between hosts: {acc}\n{async_out}");
+    assert!(
+        acc >= 0.95,
+        "async on UCX between hosts: {acc}\n{async_out}"
+    );
     assert!(
         run.stdout
             .contains("# one-sided: no RDMA device, so OpenMPI's osc sm,pt2pt"),

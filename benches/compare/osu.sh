@@ -5,6 +5,9 @@
 #   ROUNDS=6 NP=2 benches/compare/osu.sh latency bw
 #   OSU_ARGS="-b multiple" benches/compare/osu.sh bw bibw   # options given to both
 #   MPIFLOW_RDMA_STACK=ucx benches/compare/osu.sh put_latency acc_latency   # both on UCX
+#   tests/netns/cluster.sh with -- env MPIRUN_ARGS='$MPIFLOW_NETNS_MCA --hostfile
+#     hostfiles/netns-3hosts --map-by node --bind-to none' benches/compare/osu.sh latency
+#                                                # across the namespace hosts
 #
 # Builds OSU 7.4 from ../shared/tools/osu-7.4 (or $OSU_SRC) into target/osu-7.4 once, then
 # for each benchmark runs ROUNDS rounds of two jobs: OSU's program, then `mpiflow bench`
@@ -20,6 +23,8 @@ NP=${NP:-2}
 OSU_SRC=${OSU_SRC:-../shared/tools/osu-7.4}
 OSU_DIR=${OSU_DIR:-target/osu-7.4}
 OSU_ARGS=${OSU_ARGS:-}
+# Options for mpirun (hosts, mapping); `$VARIABLES` in them are expanded here.
+MPIRUN_ARGS=$(eval echo "${MPIRUN_ARGS:-}")
 names=("$@")
 if [[ ${#names[@]} -eq 0 ]]; then
   names=(latency bw bibw allreduce bcast put_latency get_latency acc_latency get_bw)
@@ -59,12 +64,12 @@ for name in "${names[@]}"; do
   : >"$out/$name"
   for r in $(seq "$ROUNDS"); do
     # shellcheck disable=SC2086 # OSU_ARGS is a list of options
-    timeout 900 mpirun -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
+    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
     # shellcheck disable=SC2086
-    timeout 900 mpirun -np "$NP" target/release/mpiflow bench "$name" --rounds 1 $OSU_ARGS \
+    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 $OSU_ARGS \
       | rows mpiflow >>"$out/$name"
   done
-  echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}"
+  echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
   awk -v better="$better" '
     {
       key = $1 SUBSEP $2

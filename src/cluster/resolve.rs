@@ -256,9 +256,7 @@ fn roles(
 /// The MPI resolver (collective over the world communicator).
 pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveError> {
     check_same_args(ctx, &req.canonical_args())?;
-    // MPIFLOW_HOST overrides the processor name: a test-only setting for fake nodes that
-    // share one real hostname (Slurm's multiple-slurmd mode).
-    let host = std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| ctx.processor_name());
+    let host = ctx.host();
     let hosts = ctx.all_gather_strings(&host);
     // Every rank has the same hosts and flags, so a mapping error is the same everywhere.
     let tasks = roles(&hosts, req, std::env::var("SLURM_JOB_ID").ok())?;

@@ -17,6 +17,8 @@
 //! The plan is computed on [`Machine`], a plain description of the node, so it is unit
 //! tested on synthetic topologies; [`Machine::detect`] fills it from hwloc.
 
+pub mod colocated;
+
 use std::fmt::Write as _;
 
 use hwlocality::cpu::binding::CpuBindingFlags;
@@ -384,6 +386,15 @@ pub fn pin(local: usize, count: usize, policy: Policy) -> Pinning {
     crate::kernels::set_blas_threads(result.blas_threads);
     result.blas_threads = crate::kernels::blas_threads();
     result
+}
+
+/// Lets the whole process run on every CPU it may use (undoes a launcher's binding);
+/// returns the CPUs it may run on after.
+pub fn unbind() -> Result<Vec<usize>, String> {
+    let machine = Machine::detect().map_err(|e| e.to_string())?;
+    let all: Vec<usize> = machine.pus.iter().map(|p| p.os).collect();
+    bind(&all)?;
+    Ok(current_affinity())
 }
 
 /// Binds the whole process (threads started later inherit it) with `hwloc_set_cpubind`.

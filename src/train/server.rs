@@ -139,6 +139,16 @@ impl Server {
         })
     }
 
+    /// Warnings from starting, the same on every task (for one of them to print): ranks of
+    /// different hosts of one machine that their launchers bound to shared CPUs, unbound.
+    pub fn warnings(&self) -> Vec<String> {
+        self._ctx
+            .colocation()
+            .map(str::to_string)
+            .into_iter()
+            .collect()
+    }
+
     /// This process's task (`ps:0`, `worker:2`, ...).
     pub fn task(&self) -> &TaskId {
         &self.layout.ranks[self.rank].task

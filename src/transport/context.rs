@@ -37,18 +37,17 @@ pub struct Context {
     // whose drop calls `MPI_Finalize`.
     world: SimpleCommunicator,
     _universe: Universe,
+    /// Each rank's index among the ranks of its machine, and their number.
+    machine_locals: Vec<(usize, usize)>,
+    /// The warning about ranks of different hosts of one machine bound to shared CPUs.
+    colocation: Option<String>,
 }
 
 impl Context {
     /// Initialises MPI (`MPI_Init`).
     pub fn init() -> Result<Context, InitError> {
         let universe = mpi::initialize().ok_or(InitError::AlreadyInitialised)?;
-        let ctx = Context {
-            world: universe.world(),
-            _universe: universe,
-        };
-        ctx.check_tags()?;
-        Ok(ctx)
+        Context::started(universe)
     }
 
     /// Initialises MPI asking for `MPI_THREAD_MULTIPLE`; the flag says whether the library
@@ -56,12 +55,78 @@ impl Context {
     pub fn init_threaded() -> Result<(Context, bool), InitError> {
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
             .ok_or(InitError::AlreadyInitialised)?;
-        let ctx = Context {
+        Ok((
+            Context::started(universe)?,
+            level == mpi::Threading::Multiple,
+        ))
+    }
+
+    /// The context of a started library: tags checked, ranks seated.
+    fn started(universe: Universe) -> Result<Context, InitError> {
+        let mut ctx = Context {
             world: universe.world(),
             _universe: universe,
+            machine_locals: Vec::new(),
+            colocation: None,
         };
         ctx.check_tags()?;
-        Ok((ctx, level == mpi::Threading::Multiple))
+        ctx.seat();
+        Ok(ctx)
+    }
+
+    /// Learns which ranks share a machine, and unbinds ranks that launchers of different
+    /// hosts of one machine bound to the same CPUs ([`crate::topology::colocated`]).
+    /// Collective; every rank ends with the same verdict.
+    fn seat(&mut self) {
+        use crate::topology::colocated::{self, Seat};
+        let mine = serde_json::to_vec(&Seat::here(&self.host())).expect("a seat serialises");
+        let seats: Vec<Seat> = self
+            .all_gather_bytes(&mine)
+            .iter()
+            .enumerate()
+            // A rank of another build: a machine of its own, so never unbound.
+            .map(|(r, b)| {
+                serde_json::from_slice(b).unwrap_or_else(|_| Seat {
+                    machine: format!("rank {r}"),
+                    host: format!("rank {r}"),
+                    cpus: Vec::new(),
+                    online: 0,
+                })
+            })
+            .collect();
+        self.machine_locals = colocated::machine_locals(&seats);
+        let Some(clash) = colocated::clash(&seats) else {
+            return;
+        };
+        let unbound = if clash.ranks.contains(&self.rank()) {
+            crate::topology::unbind().map(drop)
+        } else {
+            Ok(())
+        };
+        self.colocation = Some(match self.agree(unbound) {
+            Ok(()) => format!("{clash}; mpiflow unbound them (mpirun --bind-to none avoids this)"),
+            Err(e) => format!("{clash}; unbinding failed on {e} (run mpirun --bind-to none)"),
+        });
+    }
+
+    /// This rank's host name: `MPIFLOW_HOST`, a test-only setting for fake nodes that
+    /// share one real host name (Slurm's multiple-slurmd mode), or else the processor name.
+    pub fn host(&self) -> String {
+        std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| self.processor_name())
+    }
+
+    /// This rank's index among the ranks of its machine (by kernel, not host name: hosts
+    /// that are containers of one machine count as one), and how many ranks that machine
+    /// runs: what a pinning plan takes.
+    pub fn machine_local(&self) -> (usize, usize) {
+        self.machine_locals[self.rank()]
+    }
+
+    /// The one-line warning (without `mpiflow: warning: `) when launchers of different
+    /// hosts of one machine bound ranks to the same CPUs and mpiflow unbound them; the
+    /// same on every rank.
+    pub fn colocation(&self) -> Option<&str> {
+        self.colocation.as_deref()
     }
 
     /// Refuses a tag bound no scheme fits (only `MPIFLOW_TAG_UB` can make one: MPI

@@ -1,12 +1,10 @@
 //! `mpiflow bench`: OSU-style benchmarks.
 
-use mpiflow::transport::Context;
-
 use crate::args::BenchArgs;
 use crate::out::{say, Failure};
 
 pub(crate) fn run(args: &BenchArgs) -> Result<(), Failure> {
-    let ctx = Context::init().map_err(Failure::local)?;
+    let (ctx, _) = super::init(false)?;
     ctx.agree(mpiflow::bench::validate(
         &args.name,
         ctx.size(),

@@ -16,7 +16,7 @@ use mpiflow::cluster::{Resolved, Source};
 use mpiflow::transport::Context;
 
 use crate::args::ClusterArgs;
-use crate::out::Failure;
+use crate::out::{say, Failure};
 
 /// Resolves the cluster; under MPI returns the live context too.
 pub(crate) fn resolve(
@@ -36,11 +36,7 @@ pub(crate) fn resolve_with(
     let req = args.request();
     match req.pick_source(env) {
         Source::Mpi => {
-            let (ctx, multiple) = if threaded {
-                Context::init_threaded().map_err(Failure::local)?
-            } else {
-                (Context::init().map_err(Failure::local)?, false)
-            };
+            let (ctx, multiple) = init(threaded)?;
             // Every error of the MPI resolver is collective: all ranks hold the same one.
             let r = resolve_mpi(&ctx, &req).map_err(|e| Failure::agreed(e, &ctx))?;
             Ok((r, Some(ctx), multiple))
@@ -50,4 +46,18 @@ pub(crate) fn resolve_with(
             Ok((r, None, false))
         }
     }
+}
+
+/// Starts MPI (asking for `MPI_THREAD_MULTIPLE` when `threaded`; the flag says whether it
+/// was granted); rank 0 prints the start's warnings.
+pub(crate) fn init(threaded: bool) -> Result<(Context, bool), Failure> {
+    let (ctx, multiple) = if threaded {
+        Context::init_threaded().map_err(Failure::local)?
+    } else {
+        (Context::init().map_err(Failure::local)?, false)
+    };
+    if let Some(w) = ctx.colocation().filter(|_| ctx.rank() == 0) {
+        say!("mpiflow: warning: {w}");
+    }
+    Ok((ctx, multiple))
 }

@@ -2,22 +2,23 @@
 
 use serde_json::json;
 
-use mpiflow::transport::{stack, Context};
+use mpiflow::transport::stack;
 
 use crate::args::{Format, TopoArgs};
 use crate::out::{emit, Failure};
 
 pub(crate) fn run(args: &TopoArgs) -> Result<(), Failure> {
     use mpiflow::topology::{cpu_list, pin, Machine};
-    let ctx = Context::init().map_err(Failure::local)?;
-    let host = std::env::var("MPIFLOW_HOST").unwrap_or_else(|_| ctx.processor_name());
+    let (ctx, _) = super::init(false)?;
+    let host = ctx.host();
     let hosts = ctx.all_gather_strings(&host);
     let locals = mpiflow::cluster::mapping::local_ranks(&hosts);
-    let count = hosts.iter().filter(|h| **h == host).count();
     let machine = ctx
         .agree(Machine::detect())
         .map_err(|e| Failure::agreed(e, &ctx))?;
-    let p = pin(locals[ctx.rank()], count, args.bind);
+    // Planned per machine: hosts that are containers of one machine share its cores.
+    let (local, count) = ctx.machine_local();
+    let p = pin(local, count, args.bind);
     // What carries one-sided traffic on this node: RDMA ports and UCX's transports.
     let rdma = stack::rdma_ports(std::path::Path::new("/sys/class/infiniband"));
     let ucx = stack::ucx_transports();

@@ -173,8 +173,10 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             .map_err(|e| Failure::agreed(e, &ctx))?;
     }
     let me = &layout.ranks[ctx.rank()];
-    let count = layout.ranks.iter().filter(|r| r.host == me.host).count();
-    let pin = pin_rank(args, me.local_rank.unwrap_or(0), count);
+    // Planned and shared per machine: hosts that are containers of one machine share its
+    // cores and memory.
+    let (local, count) = ctx.machine_local();
+    let pin = pin_rank(args, local, count);
     let (train, test) = ctx
         .agree(Dataset::load_split(&args.data, args.seed))
         .map_err(|e| Failure::agreed(e, &ctx))?;
