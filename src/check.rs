@@ -31,6 +31,8 @@ pub struct Report {
     pub failures: Vec<String>,
     /// Whether `--algorithm shm` ran through shared memory (all ranks on one node).
     pub shm: Option<bool>,
+    /// Whether `--algorithm hierarchical` ran in two levels (ranks on several nodes).
+    pub hierarchical: Option<bool>,
     /// The tag bound every scheme ran under (`MPI_TAG_UB`, or `MPIFLOW_TAG_UB`).
     pub tag_ub: i32,
 }
@@ -49,7 +51,7 @@ impl Report {
 
     /// One JSON line.
     pub fn json(&self, rank: usize, size: usize) -> String {
-        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "tag_ub": self.tag_ub, "failures": self.failures}).to_string()
+        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "hierarchical": self.hierarchical, "tag_ub": self.tag_ub, "failures": self.failures}).to_string()
     }
 }
 
@@ -298,6 +300,7 @@ pub fn run<C: Comm>(
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
                 Algorithm::Shm,
+                Algorithm::Hierarchical,
                 Algorithm::Auto,
             ] {
                 for len in [1usize, 7, 1000, 65537] {
@@ -305,6 +308,9 @@ pub fn run<C: Comm>(
                     let ran = coll.allreduce_tensor(&mut t, op, algo).map_err(|x| e(&x))?;
                     if algo == Algorithm::Shm && n > 1 {
                         rep.shm = Some(ran == Algorithm::Shm);
+                    }
+                    if algo == Algorithm::Hierarchical && n > 1 {
+                        rep.hierarchical = Some(ran == Algorithm::Hierarchical);
                     }
                     check_reduced(
                         &mut rep,

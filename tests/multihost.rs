@@ -277,3 +277,73 @@ fn a_launched_tf1_job_across_hosts_ends_with_its_workers() {
         .collect();
     assert_eq!(hosts.len(), 3, "one task per host: {run:?}");
 }
+
+#[test]
+fn allreduce_in_two_levels_across_hosts_checks_and_trains_as_local_training() {
+    let Some(script) = cluster_script() else {
+        return;
+    };
+    let dir = common::tmpdir("netns-hier");
+    let local = dir.join("local.bin");
+    common::train_local_reference("60", &local, &[]);
+    let m = mpiflow();
+    // By slot over `h1 slots=2, h2 slots=2, h3 slots=2`: 5 ranks are h1 h1 h2 h2 h3, nodes
+    // of unequal size; 4 ranks are two hosts of two.
+    let check =
+        format!("mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 5 {m} check");
+    let params = |algo: &str| dir.join(format!("{algo}.bin"));
+    let train = |algo: &str| {
+        format!(
+            "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 4 {m} train \
+             --mode allreduce --allreduce-algorithm {algo} --steps 60 --log-every 20 \
+             --save-params {}",
+            params(algo).display()
+        )
+    };
+    let inner = format!(
+        "set -e; {check}; {}; {}",
+        train("hierarchical"),
+        train("ring")
+    );
+    let run = run_bounded(300, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    // More ranks than this machine's CPUs, on hosts whose launchers each see their own
+    // slots: mpiflow makes MPI yield while waiting, and says so once per job.
+    // SAFETY: sysconf has no preconditions.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if cpus < 4 {
+        let said = format!(
+            "mpiflow: warning: hosts h1, h2, h3 are one machine with {cpus} CPUs for 5 ranks, \
+             which no launcher sees; mpiflow made MPI yield the CPU while waiting"
+        );
+        assert_eq!(run.stderr.matches(&said).count(), 1, "{}", run.stderr);
+        assert_eq!(
+            run.stderr.matches("are one machine with").count(),
+            3,
+            "{}",
+            run.stderr
+        );
+    }
+    let lines = run.json_lines();
+    assert_eq!(lines.len(), 5, "{run:?}");
+    for l in &lines {
+        assert_eq!(l["failures"], serde_json::json!([]), "{l}");
+        assert_eq!(l["digest"], lines[0]["digest"], "{l}");
+        // Two levels ran (not the flat fallback of one node), and no shared memory
+        // spans the hosts.
+        assert_eq!(l["hierarchical"], serde_json::json!(true), "{l}");
+        assert_eq!(l["shm"], serde_json::json!(false), "{l}");
+    }
+    assert!(
+        run.stdout.contains("algorithm hierarchical"),
+        "{}",
+        run.stdout
+    );
+    for algo in ["hierarchical", "ring"] {
+        let worst = common::max_relative_difference(&local, &params(algo));
+        assert!(
+            worst < 1e-4,
+            "{algo} across hosts: largest relative difference {worst}"
+        );
+    }
+}

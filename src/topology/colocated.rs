@@ -125,6 +125,49 @@ pub fn clash(seats: &[Seat]) -> Option<Clash> {
     })
 }
 
+/// More ranks on one machine than it has CPUs, under more than one host name: no launcher
+/// sees the whole machine, so none tells MPI to yield the CPU while it waits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Crowding {
+    pub hosts: Vec<String>,
+    pub ranks: usize,
+    pub cpus: usize,
+}
+
+impl std::fmt::Display for Crowding {
+    /// The start of the warning's words after `mpiflow: warning: `.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "hosts {} are one machine with {} CPUs for {} ranks, which no launcher sees",
+            self.hosts.join(", "),
+            self.cpus,
+            self.ranks
+        )
+    }
+}
+
+/// The first machine of `seats` that its ranks of several hosts oversubscribe, or `None`.
+pub fn crowding(seats: &[Seat]) -> Option<Crowding> {
+    let mut keys: Vec<&str> = seats.iter().map(Seat::machine_key).collect();
+    keys.dedup();
+    keys.into_iter().find_map(|k| {
+        let here: Vec<&Seat> = seats.iter().filter(|s| s.machine_key() == k).collect();
+        let mut hosts: Vec<String> = Vec::new();
+        for s in &here {
+            if !hosts.contains(&s.host) {
+                hosts.push(s.host.clone());
+            }
+        }
+        let cpus = here.iter().map(|s| s.online).max().unwrap_or(0);
+        (hosts.len() > 1 && cpus > 0 && here.len() > cpus).then_some(Crowding {
+            hosts,
+            ranks: here.len(),
+            cpus,
+        })
+    })
+}
+
 /// For each rank of `seats`: its index among the ranks of its machine (in rank order) and
 /// how many ranks that machine has; what a pinning plan needs.
 pub fn machine_locals(seats: &[Seat]) -> Vec<(usize, usize)> {
@@ -210,6 +253,30 @@ mod tests {
             machine_locals(&seats),
             [(0, 3), (1, 3), (0, 1), (2, 3), (0, 2), (1, 2)]
         );
+    }
+
+    #[test]
+    fn a_machine_is_crowded_by_hosts_that_each_fit_their_share() {
+        // 4 online CPUs: three hosts of two ranks each fit their own slots, not the machine.
+        let six: Vec<Seat> = ["h1", "h1", "h2", "h2", "h3", "h3"]
+            .iter()
+            .map(|h| seat("m", h, &[0, 1, 2, 3]))
+            .collect();
+        let c = crowding(&six).expect("crowded");
+        assert_eq!((c.hosts.len(), c.ranks, c.cpus), (3, 6, 4));
+        assert_eq!(
+            c.to_string(),
+            "hosts h1, h2, h3 are one machine with 4 CPUs for 6 ranks, which no launcher sees"
+        );
+        // As many ranks as CPUs; one host oversubscribed (its launcher knows); or distinct
+        // machines: nothing to say.
+        assert_eq!(crowding(&six[..4]), None);
+        let one: Vec<Seat> = (0..6).map(|_| seat("m", "h1", &[0, 1, 2, 3])).collect();
+        assert_eq!(crowding(&one), None);
+        let apart: Vec<Seat> = (0..6)
+            .map(|i| seat(&format!("m{i}"), &format!("n{i}"), &[0]))
+            .collect();
+        assert_eq!(crowding(&apart), None);
     }
 
     #[test]

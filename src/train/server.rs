@@ -139,14 +139,10 @@ impl Server {
         })
     }
 
-    /// Warnings from starting, the same on every task (for one of them to print): ranks of
-    /// different hosts of one machine that their launchers bound to shared CPUs, unbound.
-    pub fn warnings(&self) -> Vec<String> {
-        self._ctx
-            .colocation()
-            .map(str::to_string)
-            .into_iter()
-            .collect()
+    /// Warnings from starting, the same on every task (for one of them to print): hosts
+    /// that are one machine, whose ranks shared bound CPUs or oversubscribe it.
+    pub fn warnings(&self) -> &[String] {
+        self._ctx.warnings()
     }
 
     /// This process's task (`ps:0`, `worker:2`, ...).

@@ -248,6 +248,12 @@ pub trait Comm {
     fn split(&self, color: u32, key: usize) -> Result<Self, TransportError>
     where
         Self: Sized;
+
+    /// The communicator of the ranks on this rank's node (that can share memory), in rank
+    /// order (collective, like `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`).
+    fn split_node(&self) -> Result<Self, TransportError>
+    where
+        Self: Sized;
 }
 
 /// Blocking send of a byte slice.

@@ -39,8 +39,8 @@ pub struct Context {
     _universe: Universe,
     /// Each rank's index among the ranks of its machine, and their number.
     machine_locals: Vec<(usize, usize)>,
-    /// The warning about ranks of different hosts of one machine bound to shared CPUs.
-    colocation: Option<String>,
+    /// What starting found about hosts that are one machine (see [`Context::warnings`]).
+    warnings: Vec<String>,
 }
 
 impl Context {
@@ -67,16 +67,17 @@ impl Context {
             world: universe.world(),
             _universe: universe,
             machine_locals: Vec::new(),
-            colocation: None,
+            warnings: Vec::new(),
         };
         ctx.check_tags()?;
         ctx.seat();
         Ok(ctx)
     }
 
-    /// Learns which ranks share a machine, and unbinds ranks that launchers of different
-    /// hosts of one machine bound to the same CPUs ([`crate::topology::colocated`]).
-    /// Collective; every rank ends with the same verdict.
+    /// Learns which ranks share a machine, unbinds ranks that launchers of different hosts
+    /// of one machine bound to the same CPUs, and makes MPI yield while waiting where such
+    /// hosts together oversubscribe their machine ([`crate::topology::colocated`]).
+    /// Collective; every rank ends with the same verdicts.
     fn seat(&mut self) {
         use crate::topology::colocated::{self, Seat};
         let mine = serde_json::to_vec(&Seat::here(&self.host())).expect("a seat serialises");
@@ -95,18 +96,34 @@ impl Context {
             })
             .collect();
         self.machine_locals = colocated::machine_locals(&seats);
-        let Some(clash) = colocated::clash(&seats) else {
-            return;
-        };
-        let unbound = if clash.ranks.contains(&self.rank()) {
-            crate::topology::unbind().map(drop)
-        } else {
-            Ok(())
-        };
-        self.colocation = Some(match self.agree(unbound) {
-            Ok(()) => format!("{clash}; mpiflow unbound them (mpirun --bind-to none avoids this)"),
-            Err(e) => format!("{clash}; unbinding failed on {e} (run mpirun --bind-to none)"),
-        });
+        if let Some(clash) = colocated::clash(&seats) {
+            let unbound = if clash.ranks.contains(&self.rank()) {
+                crate::topology::unbind().map(drop)
+            } else {
+                Ok(())
+            };
+            self.warnings.push(match self.agree(unbound) {
+                Ok(()) => {
+                    format!("{clash}; mpiflow unbound them (mpirun --bind-to none avoids this)")
+                }
+                Err(e) => format!("{clash}; unbinding failed on {e} (run mpirun --bind-to none)"),
+            });
+        }
+        if let Some(crowd) = colocated::crowding(&seats) {
+            let told = super::mpi::idle::yield_when_idle();
+            // Said unless every rank yielded already.
+            let changed = self.all_gather_bytes(&[u8::from(!matches!(told, Ok(false)))]);
+            if changed.iter().any(|b| b.first() == Some(&1)) {
+                self.warnings.push(match self.agree(told) {
+                    Ok(_) => format!(
+                        "{crowd}; mpiflow made MPI yield the CPU while waiting (mpirun --mca mpi_yield_when_idle 1 does from the start)"
+                    ),
+                    Err(e) => format!(
+                        "{crowd}, so MPI spins while waiting ({e}): run fewer ranks, or tell MPI to yield"
+                    ),
+                });
+            }
+        }
     }
 
     /// This rank's host name: `MPIFLOW_HOST`, a test-only setting for fake nodes that
@@ -122,11 +139,12 @@ impl Context {
         self.machine_locals[self.rank()]
     }
 
-    /// The one-line warning (without `mpiflow: warning: `) when launchers of different
-    /// hosts of one machine bound ranks to the same CPUs and mpiflow unbound them; the
-    /// same on every rank.
-    pub fn colocation(&self) -> Option<&str> {
-        self.colocation.as_deref()
+    /// One-line warnings (without `mpiflow: warning: `) from starting, the same on every
+    /// rank: launchers of different hosts of one machine bound ranks to the same CPUs
+    /// (mpiflow unbound them), or such hosts oversubscribe their machine (mpiflow made MPI
+    /// yield while waiting).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
     }
 
     /// Refuses a tag bound no scheme fits (only `MPIFLOW_TAG_UB` can make one: MPI

@@ -45,17 +45,21 @@ struct Hub {
     splits: Mutex<BTreeMap<(u64, u32), Arc<Hub>>>,
     /// Shared segments by allocation number: the buffers and their addresses.
     segments: Mutex<BTreeMap<u64, SharedAlloc>>,
+    /// The node of each rank (all 0 unless made by [`LocalComm::run_on_nodes`]): ranks of
+    /// different nodes share no segments, as MPI's nodes do not.
+    nodes: Vec<usize>,
 }
 
 type SharedAlloc = Arc<(Vec<AlignedBuf>, Vec<usize>)>;
 
 impl Hub {
-    fn new(size: usize, timeout: Duration) -> Arc<Hub> {
+    fn new(nodes: Vec<usize>, timeout: Duration) -> Arc<Hub> {
         Arc::new(Hub {
-            boxes: (0..size).map(|_| Mailbox::default()).collect(),
+            boxes: nodes.iter().map(|_| Mailbox::default()).collect(),
             timeout,
             splits: Mutex::new(BTreeMap::new()),
             segments: Mutex::new(BTreeMap::new()),
+            nodes,
         })
     }
 }
@@ -84,8 +88,14 @@ pub enum LocalRequest {
 impl LocalComm {
     /// Communicators for `size` ranks, to be moved into one thread each.
     pub fn create(size: usize, timeout: Duration) -> Vec<LocalComm> {
-        let hub = Hub::new(size, timeout);
-        (0..size)
+        LocalComm::create_on_nodes(&vec![0; size], timeout)
+    }
+
+    /// Communicators for one rank per entry of `nodes`, each rank on the node its entry
+    /// names (what a job across hosts looks like).
+    pub fn create_on_nodes(nodes: &[usize], timeout: Duration) -> Vec<LocalComm> {
+        let hub = Hub::new(nodes.to_vec(), timeout);
+        (0..nodes.len())
             .map(|rank| LocalComm {
                 rank,
                 hub: hub.clone(),
@@ -99,7 +109,12 @@ impl LocalComm {
     /// Runs `f` on `size` threads, one rank each, and returns the results by rank.
     /// A panic in any rank is re-raised here.
     pub fn run<R: Send>(size: usize, f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
-        let comms = LocalComm::create(size, Duration::from_secs(30));
+        LocalComm::run_on_nodes(&vec![0; size], f)
+    }
+
+    /// As [`LocalComm::run`], one rank per entry of `nodes`, on the node it names.
+    pub fn run_on_nodes<R: Send>(nodes: &[usize], f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
+        let comms = LocalComm::create_on_nodes(nodes, Duration::from_secs(30));
         std::thread::scope(|s| {
             let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
             handles
@@ -258,6 +273,9 @@ impl Comm for LocalComm {
     }
 
     fn shared_segments(&self, len: usize) -> Result<Option<SharedSegments>, TransportError> {
+        if self.hub.nodes.iter().any(|n| *n != self.hub.nodes[0]) {
+            return Ok(None);
+        }
         // Threads share an address space: the first rank to arrive allocates for all.
         let seq = self.segments_done.get();
         self.segments_done.set(seq + 1);
@@ -284,6 +302,10 @@ impl Comm for LocalComm {
 
     fn wait_limit(&self) -> Option<Duration> {
         Some(self.hub.timeout)
+    }
+
+    fn split_node(&self) -> Result<LocalComm, TransportError> {
+        self.split(self.hub.nodes[self.rank] as u32, self.rank)
     }
 
     fn split(&self, color: u32, key: usize) -> Result<LocalComm, TransportError> {
@@ -321,7 +343,10 @@ impl Comm for LocalComm {
             .lock()
             .expect("split lock")
             .entry((seq, color))
-            .or_insert_with(|| Hub::new(group.len(), self.hub.timeout))
+            .or_insert_with(|| {
+                let nodes = group.iter().map(|g| self.hub.nodes[g.1]).collect();
+                Hub::new(nodes, self.hub.timeout)
+            })
             .clone();
         Ok(LocalComm {
             rank: new_rank,

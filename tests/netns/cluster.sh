@@ -10,6 +10,12 @@
 # OpenMPI reaches h2 and h3 through rsh-agent.sh (an `ip netns exec` instead of ssh).
 # Environment for CMD: MPIFLOW_NETNS_MCA holds the mpirun options that keep OpenMPI on
 # the namespaces' subnet. Needs root, iproute2 and util-linux.
+#
+# A shaped network: MPIFLOW_NETNS_RATE=10gbit (or 1gbit, 500mbit: tc's units) limits what
+# each host sends to that rate (a token bucket, `tc qdisc tbf`, on the host's link), so
+# transfers between hosts take the time of a real link of that speed instead of a memory
+# copy's. Unset: unshaped. No delay is added: this kernel has no `sch_netem` (and no `fq`
+# for timestamp pacing); a link's latency here is the veth's (~5 us one way through MPI).
 set -euo pipefail
 
 PREFIX=${MPIFLOW_NETNS_PREFIX:-mpiflow}
@@ -30,7 +36,22 @@ down() {
   for i in 1 2 3; do ip link delete "${PREFIX:0:6}v$i" 2>/dev/null || true; done
 }
 
+# The token bucket's depth for RATE: 100 us of the rate, at least 64 KiB (tbf needs a
+# bucket of several packets at high rates, as its timer is not exact).
+burst() {
+  local rate=$1 bits
+  case $rate in
+    *gbit) bits=$((${rate%gbit} * 1000000000)) ;;
+    *mbit) bits=$((${rate%mbit} * 1000000)) ;;
+    *kbit) bits=$((${rate%kbit} * 1000)) ;;
+    *) echo "MPIFLOW_NETNS_RATE=$rate: give it as Ngbit, Nmbit or Nkbit" >&2; return 2 ;;
+  esac
+  local bytes=$((bits / 8 / 10000))
+  echo $((bytes > 65536 ? bytes : 65536))
+}
+
 up() {
+  if [[ -n ${MPIFLOW_NETNS_RATE:-} ]]; then burst "$MPIFLOW_NETNS_RATE" >/dev/null; fi
   down
   ip netns add "$(ns br)"
   ip -n "$(ns br)" link add br0 type bridge
@@ -47,7 +68,14 @@ up() {
     ip -n "$(ns "$h")" link set lo up
     ip -n "$(ns "$h")" addr add "$SUBNET.$i/24" dev "$p"
     ip -n "$(ns "$h")" link set "$p" up
+    if [[ -n ${MPIFLOW_NETNS_RATE:-} ]]; then
+      ip netns exec "$(ns "$h")" tc qdisc add dev "$p" root tbf rate "$MPIFLOW_NETNS_RATE" \
+        burst "$(burst "$MPIFLOW_NETNS_RATE")" latency 10ms
+    fi
   done
+  if [[ -n ${MPIFLOW_NETNS_RATE:-} ]]; then
+    echo "# netns cluster: each host sends at most $MPIFLOW_NETNS_RATE (tc tbf)" >&2
+  fi
   # Wait until h1 reaches the others.
   for i in 2 3; do
     for _ in $(seq 50); do
@@ -59,7 +87,9 @@ up() {
 
 run() {
   export MPIFLOW_NETNS_PREFIX=$PREFIX
-  export MPIFLOW_NETNS_MCA="--mca plm_rsh_agent $HERE/rsh-agent.sh --mca oob_tcp_if_include $SUBNET.0/24 --mca btl tcp,self --mca btl_tcp_if_include $SUBNET.0/24"
+  # UCX (when a job picks it) on TCP only: UCX takes hosts with one kernel boot id for one
+  # machine and would carry their traffic through shared memory.
+  export MPIFLOW_NETNS_MCA="--mca plm_rsh_agent $HERE/rsh-agent.sh --mca oob_tcp_if_include $SUBNET.0/24 --mca btl tcp,self --mca btl_tcp_if_include $SUBNET.0/24 -x UCX_TLS=self,tcp"
   ip netns exec "$(ns h1)" unshare --uts sh -c 'hostname h1; exec "$@"' sh "$@"
 }
 

@@ -14,6 +14,9 @@
 //!   reduce is copied once into a slot, each rank reduces its sub-slice in place and
 //!   publishes it, peers copy it out; pipelined in 256 KiB chunks; one step for calls up to
 //!   16 KiB. Where ranks span nodes, `shm` runs as `auto` among the others.
+//! - `hierarchical`: across nodes, the ranks of each node reduce through shared memory, one
+//!   leader per node allreduces with the other leaders, and broadcasts inside its node
+//!   ([`hierarchical`]); on one node it runs as `auto`.
 //! - `auto` (default): by size, rank count and placement, from the thresholds in
 //!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B up, the
 //!   library's own below; more ranks than cores: `shm` at every size (measured here
@@ -30,6 +33,7 @@
 
 use std::cell::RefCell;
 
+mod hierarchical;
 mod recursive_doubling;
 mod ring;
 pub mod shm;
@@ -38,6 +42,7 @@ mod tuning;
 
 pub use tuning::{Algorithm, AutoTuning};
 
+use self::hierarchical::Hierarchy;
 use self::shm::ShmAllreduce;
 use self::stores::StoreMode;
 use super::comm::{recv, send, sendrecv, Comm, ReduceOp, TransportError};
@@ -60,6 +65,8 @@ pub struct Collectives<C: Comm> {
     packed: RefCell<AlignedBuf>,
     /// The shared-memory allreduce, set up by the first allreduce that may use it.
     shm: std::cell::OnceCell<Option<ShmAllreduce>>,
+    /// The node and leader communicators, set up by the first allreduce across nodes.
+    hierarchy: std::cell::OnceCell<Option<Box<Hierarchy<C>>>>,
 }
 
 /// How long the shared-memory allreduce waits for a rank (unless the transport says).
@@ -117,6 +124,7 @@ impl<C: Comm> Collectives<C> {
             scratch: RefCell::new(AlignedBuf::zeroed(64)),
             packed: RefCell::new(AlignedBuf::zeroed(64)),
             shm: std::cell::OnceCell::new(),
+            hierarchy: std::cell::OnceCell::new(),
         }
     }
 
@@ -250,6 +258,20 @@ impl<C: Comm> Collectives<C> {
         Ok(self.shm.get_or_init(|| made).as_ref())
     }
 
+    /// The two levels of a communicator across nodes, `None` on one node. Collective the
+    /// first time (it splits the communicator).
+    fn hierarchy(&self) -> Result<Option<&Hierarchy<C>>, TransportError> {
+        if let Some(h) = self.hierarchy.get() {
+            return Ok(h.as_deref());
+        }
+        let made = if self.size() > 1 {
+            Hierarchy::build(self)?
+        } else {
+            None
+        };
+        Ok(self.hierarchy.get_or_init(|| made).as_deref())
+    }
+
     /// Makes the shared-memory allreduce store by `mode` from now on (`None`, the default:
     /// as each rank measures, [`stores`]); `false` where there is none. Collective
     /// the first time, like [`Self::choose`]; afterwards local (ranks need not agree).
@@ -322,6 +344,13 @@ impl<C: Comm> Collectives<C> {
     ) -> Result<(), TransportError> {
         let n = self.size();
         match algo {
+            Algorithm::Hierarchical => {
+                if let Some(h) = self.hierarchy()? {
+                    // Divides an average itself, once.
+                    return h.allreduce(buf, dtype, op);
+                }
+                self.ring(buf, dtype, op)?
+            }
             Algorithm::Mpi => match self.comm.native_allreduce(buf, dtype, op) {
                 Some(r) => r?,
                 None => self.ring(buf, dtype, op)?,
@@ -555,6 +584,94 @@ mod tests {
             errs[0],
             "rank 0: rank 1 did not reach the shared-memory allreduce within 0.3 s"
         );
+    }
+
+    #[test]
+    fn hierarchical_across_nodes_equals_a_serial_sum_with_identical_bits() {
+        // Nodes of equal and unequal size, leaders not rank-ordered by node, one rank per
+        // node; every op that divides or wraps.
+        for nodes in [
+            &[0, 0, 1, 1][..],
+            &[0, 0, 0, 1],
+            &[1, 0, 1, 0, 2],
+            &[0, 1, 2],
+        ] {
+            for len in [1usize, 7, 4097, 70000] {
+                let out = LocalComm::run_on_nodes(nodes, |c| {
+                    let mut coll = Collectives::new(c);
+                    coll.tuning.segment_bytes = 4096;
+                    coll.tuning.ring_min_bytes = 8192; // the leaders' ring for the largest
+                    let r = coll.rank();
+                    let mut t = Tensor::from_slice(&[len], &input(r, len)).unwrap();
+                    let ran = coll
+                        .allreduce_tensor(&mut t, ReduceOp::Average, Algorithm::Hierarchical)
+                        .unwrap();
+                    let mut w = Tensor::from_slice(&[3], &[r as u8 * 100, 1, r as u8]).unwrap();
+                    coll.allreduce_tensor(&mut w, ReduceOp::Sum, Algorithm::Hierarchical)
+                        .unwrap();
+                    let mut m = Tensor::from_slice(&[2], &[r as i64, -(r as i64)]).unwrap();
+                    coll.allreduce_tensor(&mut m, ReduceOp::Max, Algorithm::Hierarchical)
+                        .unwrap();
+                    (
+                        ran,
+                        t.as_slice::<f32>().unwrap().to_vec(),
+                        w.as_slice::<u8>().unwrap().to_vec(),
+                        m.as_slice::<i64>().unwrap().to_vec(),
+                    )
+                });
+                let n = nodes.len();
+                for (ran, avg, wrapped, max) in &out {
+                    assert_eq!(*ran, Algorithm::Hierarchical, "{nodes:?}");
+                    assert_eq!(
+                        avg.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        out[0].1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "identical bits on {nodes:?}, len {len}"
+                    );
+                    let sum: usize = (0..n).map(|r| r * 100).sum();
+                    let ids: usize = (0..n).sum();
+                    assert_eq!(wrapped, &[(sum % 256) as u8, n as u8, ids as u8]);
+                    assert_eq!(max, &[n as i64 - 1, 0]);
+                }
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(r, len)).collect();
+                for (i, got) in out[0].1.iter().enumerate() {
+                    let want = inputs.iter().map(|x| x[i] as f64).sum::<f64>() / n as f64;
+                    assert!(
+                        (*got as f64 - want).abs() < 1e-4,
+                        "{nodes:?} len {len} i {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn auto_goes_hierarchical_across_nodes_from_its_threshold_and_never_on_one_node() {
+        let picks = |nodes: &[usize]| {
+            LocalComm::run_on_nodes(nodes, |c| {
+                let coll = Collectives::new(c);
+                let min = coll.tuning.hierarchical_min_bytes;
+                (coll.choose(min - 4).unwrap(), coll.choose(min).unwrap())
+            })
+        };
+        for p in picks(&[0, 0, 1, 1]) {
+            assert_ne!(p.0, Algorithm::Hierarchical);
+            assert_eq!(p.1, Algorithm::Hierarchical);
+        }
+        // One rank per node: nothing to gain from a second level.
+        for p in picks(&[0, 1, 2]) {
+            assert_eq!(p.1, Algorithm::RecursiveDoubling);
+        }
+        // One node: shared memory, and `hierarchical` asked for runs as that.
+        for p in picks(&[0, 0, 0]) {
+            assert_eq!(p.1, Algorithm::Shm);
+        }
+        let ran = LocalComm::run(3, |c| {
+            let coll = Collectives::new(c);
+            let mut t = Tensor::from_slice(&[300000], &vec![1f32; 300000]).unwrap();
+            coll.allreduce_tensor(&mut t, ReduceOp::Sum, Algorithm::Hierarchical)
+                .unwrap()
+        });
+        assert!(ran.iter().all(|a| *a == Algorithm::Shm), "{ran:?}");
     }
 
     #[test]

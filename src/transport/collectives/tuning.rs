@@ -15,6 +15,8 @@ pub enum Algorithm {
     RecursiveDoubling,
     /// Through memory shared by the ranks of one node (see [`super::shm`]).
     Shm,
+    /// Shared memory in each node, one leader per node across (see [`super::hierarchical`]).
+    Hierarchical,
 }
 
 impl crate::named::Named for Algorithm {
@@ -39,6 +41,11 @@ impl crate::named::Named for Algorithm {
             Algorithm::Shm,
             "shm",
             "Through memory shared by the ranks of one node",
+        ),
+        (
+            Algorithm::Hierarchical,
+            "hierarchical",
+            "Shared memory in each node, one leader per node across nodes",
         ),
     ];
 }
@@ -69,6 +76,12 @@ pub struct AutoTuning {
     /// plain calls from 16 KiB to 16 MiB were as fast or faster at 2 and 4 ranks; 512 KiB
     /// and 1 MiB pipeline too little (`benches/results/2026-11-23b.md`).
     pub shm_slot_bytes: usize,
+    /// Across nodes with several ranks on some node: the hierarchical allreduce from this
+    /// many bytes (`usize::MAX`: never by `auto`). Two hosts of two ranks here, on a
+    /// 10 Gbit/s link and unshaped: 0.41-0.88x of `osu_allreduce`'s time and 0.27-0.91x of
+    /// the flat ring's from 4 KiB to 16 MiB, except 64 KiB (0.98-1.22x of OSU's); not
+    /// measured below 4 KiB (`benches/results/2026-11-24-hosts.md`).
+    pub hierarchical_min_bytes: usize,
 }
 
 impl Default for AutoTuning {
@@ -82,6 +95,7 @@ impl Default for AutoTuning {
             shm_min_bytes: 512,
             shm_max_bytes: usize::MAX,
             shm_slot_bytes: 256 << 10,
+            hierarchical_min_bytes: 4 << 10,
         }
     }
 }
@@ -110,6 +124,9 @@ impl<C: Comm> Collectives<C> {
             })
         {
             Algorithm::Shm
+        } else if bytes >= t.hierarchical_min_bytes && self.hierarchy()?.is_some_and(|h| h.useful())
+        {
+            Algorithm::Hierarchical
         } else if bytes >= t.ring_min_bytes && self.size() <= t.ring_max_ranks {
             Algorithm::Ring
         } else if bytes < t.small_bytes && !native {
@@ -132,6 +149,8 @@ impl<C: Comm> Collectives<C> {
             Algorithm::Auto => self.choose(bytes),
             // Not on one node (or one rank): whatever auto picks among the others.
             Algorithm::Shm if self.shm()?.is_none() => self.choose(bytes),
+            // On one node: as auto.
+            Algorithm::Hierarchical if self.hierarchy()?.is_none() => self.choose(bytes),
             a => Ok(a),
         }
     }

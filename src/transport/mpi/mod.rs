@@ -13,6 +13,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+pub mod idle;
 mod shared;
 mod waits;
 
@@ -533,6 +534,10 @@ impl Comm for MpiComm {
         // SAFETY: a valid communicator.
         let rc = unsafe { ffi::MPI_Barrier(self.comm.as_raw()) };
         Some(self.check("MPI_Barrier", rc))
+    }
+
+    fn split_node(&self) -> Result<MpiComm, TransportError> {
+        Ok(MpiComm::new(&self.comm.split_shared(self.rank as c_int)))
     }
 
     fn split(&self, color: u32, key: usize) -> Result<MpiComm, TransportError> {

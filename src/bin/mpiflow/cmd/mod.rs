@@ -56,7 +56,7 @@ pub(crate) fn init(threaded: bool) -> Result<(Context, bool), Failure> {
     } else {
         (Context::init().map_err(Failure::local)?, false)
     };
-    if let Some(w) = ctx.colocation().filter(|_| ctx.rank() == 0) {
+    for w in ctx.warnings().iter().filter(|_| ctx.rank() == 0) {
         say!("mpiflow: warning: {w}");
     }
     Ok((ctx, multiple))
