@@ -130,7 +130,8 @@ pub fn clash(seats: &[Seat]) -> Option<Clash> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Crowding {
     pub hosts: Vec<String>,
-    pub ranks: usize,
+    /// The machine's ranks.
+    pub ranks: Vec<usize>,
     pub cpus: usize,
 }
 
@@ -142,7 +143,7 @@ impl std::fmt::Display for Crowding {
             "hosts {} are one machine with {} CPUs for {} ranks, which no launcher sees",
             self.hosts.join(", "),
             self.cpus,
-            self.ranks
+            self.ranks.len()
         )
     }
 }
@@ -152,7 +153,10 @@ pub fn crowding(seats: &[Seat]) -> Option<Crowding> {
     let mut keys: Vec<&str> = seats.iter().map(Seat::machine_key).collect();
     keys.dedup();
     keys.into_iter().find_map(|k| {
-        let here: Vec<&Seat> = seats.iter().filter(|s| s.machine_key() == k).collect();
+        let ranks: Vec<usize> = (0..seats.len())
+            .filter(|r| seats[*r].machine_key() == k)
+            .collect();
+        let here: Vec<&Seat> = ranks.iter().map(|r| &seats[*r]).collect();
         let mut hosts: Vec<String> = Vec::new();
         for s in &here {
             if !hosts.contains(&s.host) {
@@ -160,9 +164,9 @@ pub fn crowding(seats: &[Seat]) -> Option<Crowding> {
             }
         }
         let cpus = here.iter().map(|s| s.online).max().unwrap_or(0);
-        (hosts.len() > 1 && cpus > 0 && here.len() > cpus).then_some(Crowding {
+        (hosts.len() > 1 && cpus > 0 && ranks.len() > cpus).then_some(Crowding {
             hosts,
-            ranks: here.len(),
+            ranks,
             cpus,
         })
     })
@@ -263,7 +267,11 @@ mod tests {
             .map(|h| seat("m", h, &[0, 1, 2, 3]))
             .collect();
         let c = crowding(&six).expect("crowded");
-        assert_eq!((c.hosts.len(), c.ranks, c.cpus), (3, 6, 4));
+        assert_eq!((c.hosts.len(), c.ranks.len(), c.cpus), (3, 6, 4));
+        // Another machine's ranks are not its.
+        let mut mixed = six.clone();
+        mixed.insert(2, seat("other", "n1", &[0]));
+        assert_eq!(crowding(&mixed).expect("crowded").ranks, [0, 1, 3, 4, 5, 6]);
         assert_eq!(
             c.to_string(),
             "hosts h1, h2, h3 are one machine with 4 CPUs for 6 ranks, which no launcher sees"

@@ -110,7 +110,11 @@ impl Context {
             });
         }
         if let Some(crowd) = colocated::crowding(&seats) {
-            let told = super::mpi::idle::yield_when_idle();
+            let told = if crowd.ranks.contains(&self.rank()) {
+                super::mpi::idle::yield_when_idle()
+            } else {
+                Ok(false)
+            };
             // Said unless every rank yielded already.
             let changed = self.all_gather_bytes(&[u8::from(!matches!(told, Ok(false)))]);
             if changed.iter().any(|b| b.first() == Some(&1)) {
