@@ -33,7 +33,7 @@
 
 use std::cell::RefCell;
 
-mod hierarchical;
+pub mod hierarchical;
 mod recursive_doubling;
 mod ring;
 pub mod shm;
