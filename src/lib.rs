@@ -15,6 +15,8 @@
 //! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
 //! - [`named`]: the names users pick enum values by (command line, job scripts).
 //! - [`observe`]: seeing a run: time by phase per rank, the metrics file, progress.
+//! - [`scale`]: a scale model: link costs fitted to measurements, allreduce and ps steps
+//!   predicted for many hosts.
 //!
 //! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these.
 
@@ -28,6 +30,7 @@ pub mod model;
 pub mod named;
 pub mod observe;
 pub mod rng;
+pub mod scale;
 pub mod signals;
 pub mod supervise;
 pub mod tensor;

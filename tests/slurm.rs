@@ -238,12 +238,14 @@ impl LocalSlurm {
 
     /// Waits (at most `secs`) until job `id` ends.
     fn wait_end(&self, id: &str, out: &Path, secs: u64) -> Job {
+        // SIGNALING: a signal (`--signal`, `scancel -s`) is being delivered to a live job.
         let live = [
             "PENDING",
             "CONFIGURING",
             "RUNNING",
             "COMPLETING",
             "REQUEUED",
+            "SIGNALING",
         ];
         let state = self.wait_state(id, out, secs, |s| !live.contains(&s));
         let exit_code = self
