@@ -12,9 +12,10 @@
 # the namespaces' subnet. Needs root, iproute2 and util-linux.
 #
 # A shaped network: MPIFLOW_NETNS_RATE=10gbit (or 1gbit, 500mbit: tc's units) limits what
-# each host sends to that rate (a token bucket, `tc qdisc tbf`, on the host's link), so
-# transfers between hosts take the time of a real link of that speed instead of a memory
-# copy's. Unset: unshaped. No delay is added: this kernel has no `sch_netem` (and no `fq`
+# each host sends and what it receives to that rate (a token bucket, `tc qdisc tbf`, on
+# both ends of the host's link: a full-duplex switch port), so transfers between hosts
+# take the time of a real link of that speed instead of a memory copy's, and two hosts
+# sending to a third share its port as on a real switch. Unset: unshaped. No delay is added: this kernel has no `sch_netem` (and no `fq`
 # for timestamp pacing); a link's latency here is the veth's (~5 us one way through MPI).
 set -euo pipefail
 
@@ -69,12 +70,15 @@ up() {
     ip -n "$(ns "$h")" addr add "$SUBNET.$i/24" dev "$p"
     ip -n "$(ns "$h")" link set "$p" up
     if [[ -n ${MPIFLOW_NETNS_RATE:-} ]]; then
+      # The host's side shapes what it sends, the bridge's side what it receives.
       ip netns exec "$(ns "$h")" tc qdisc add dev "$p" root tbf rate "$MPIFLOW_NETNS_RATE" \
+        burst "$(burst "$MPIFLOW_NETNS_RATE")" latency 10ms
+      ip netns exec "$(ns br)" tc qdisc add dev "$v" root tbf rate "$MPIFLOW_NETNS_RATE" \
         burst "$(burst "$MPIFLOW_NETNS_RATE")" latency 10ms
     fi
   done
   if [[ -n ${MPIFLOW_NETNS_RATE:-} ]]; then
-    echo "# netns cluster: each host sends at most $MPIFLOW_NETNS_RATE (tc tbf)" >&2
+    echo "# netns cluster: each host sends and receives at most $MPIFLOW_NETNS_RATE (tc tbf)" >&2
   fi
   # Wait until h1 reaches the others.
   for i in 2 3; do

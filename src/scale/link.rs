@@ -1,0 +1,154 @@
+//! A link's cost, fitted to measured latencies.
+
+/// The cost of one message on a link: `latency + bytes × per_byte` seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// Seconds per message.
+    pub latency: f64,
+    /// Seconds per byte (the inverse of the bandwidth).
+    pub per_byte: f64,
+}
+
+/// Errors from [`Link::fit`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FitError {
+    #[error("a link needs measurements at 2 or more sizes, got {0}")]
+    TooFewSizes(usize),
+    #[error("the measured times do not grow with the size (slope {0:e} s/B)")]
+    NotIncreasing(f64),
+    #[error("measurement {bytes} B, {secs} s: sizes and times must be finite, times positive")]
+    Bad { bytes: f64, secs: f64 },
+}
+
+impl Link {
+    /// The time of one message of `bytes`.
+    pub fn time(&self, bytes: f64) -> f64 {
+        self.latency + bytes * self.per_byte
+    }
+
+    /// Bytes per second.
+    pub fn bandwidth(&self) -> f64 {
+        1.0 / self.per_byte
+    }
+
+    /// The link that best fits `(bytes, seconds)` measurements in relative error
+    /// (least squares of `(model − t) / t`, so 8-byte latencies count as much as 4 MiB
+    /// transfers); a negative latency is clamped to 0 and the slope refitted through 0.
+    pub fn fit(points: &[(f64, f64)]) -> Result<Link, FitError> {
+        if let Some(&(bytes, secs)) = points
+            .iter()
+            .find(|(b, t)| !b.is_finite() || !t.is_finite() || *b < 0.0 || *t <= 0.0)
+        {
+            return Err(FitError::Bad { bytes, secs });
+        }
+        let mut sizes: Vec<f64> = points.iter().map(|p| p.0).collect();
+        sizes.sort_by(f64::total_cmp);
+        sizes.dedup();
+        if sizes.len() < 2 {
+            return Err(FitError::TooFewSizes(sizes.len()));
+        }
+        // Weighted normal equations, weights 1/t²: minimise Σ ((a + b·m − t)/t)².
+        let (mut s1, mut sm, mut smm, mut st, mut smt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for &(m, t) in points {
+            let w = 1.0 / (t * t);
+            s1 += w;
+            sm += w * m;
+            smm += w * m * m;
+            st += w * t;
+            smt += w * m * t;
+        }
+        let det = s1 * smm - sm * sm;
+        let mut b = (s1 * smt - sm * st) / det;
+        let mut a = (st - b * sm) / s1;
+        if a < 0.0 {
+            a = 0.0;
+            b = smt / smm;
+        }
+        if b <= 0.0 || !b.is_finite() {
+            return Err(FitError::NotIncreasing(b));
+        }
+        Ok(Link {
+            latency: a,
+            per_byte: b,
+        })
+    }
+}
+
+/// The `(bytes, seconds)` rows of the first table of OSU-format latency output
+/// (`osu_latency`, `mpiflow bench latency`, whose `--path both` prints a table per path,
+/// its own first): lines of a size and a time in microseconds, up to the next `# Size`
+/// header; other `#` lines and anything else skipped. What [`Link::fit`] takes.
+pub fn latency_rows(text: &str) -> Vec<(f64, f64)> {
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("# Size") && !rows.is_empty() {
+            break;
+        }
+        let mut f = line.split_whitespace();
+        let row = (|| {
+            let bytes: u64 = f.next()?.parse().ok()?;
+            let us: f64 = f.next()?.parse().ok()?;
+            Some((bytes as f64, us * 1e-6))
+        })();
+        rows.extend(row.filter(|_| !line.starts_with('#')));
+    }
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NET: Link = Link {
+        latency: 6e-6,
+        per_byte: 1.0 / 1.19e9,
+    };
+
+    #[test]
+    fn a_fit_recovers_the_link_it_was_measured_on_and_refuses_nonsense() {
+        let sizes = [8.0, 1024.0, 65536.0, 1048576.0, 4194304.0];
+        let points: Vec<(f64, f64)> = sizes.iter().map(|m| (*m, NET.time(*m))).collect();
+        let fit = Link::fit(&points).unwrap();
+        assert!((fit.latency - NET.latency).abs() < 1e-9, "{fit:?}");
+        assert!((fit.per_byte / NET.per_byte - 1.0).abs() < 1e-9, "{fit:?}");
+        // Noise of ±5% still gives both within 10%.
+        let noisy: Vec<(f64, f64)> = points
+            .iter()
+            .enumerate()
+            .map(|(i, (m, t))| (*m, t * if i % 2 == 0 { 1.05 } else { 0.95 }))
+            .collect();
+        let fit = Link::fit(&noisy).unwrap();
+        assert!((fit.latency / NET.latency - 1.0).abs() < 0.1, "{fit:?}");
+        assert!((fit.per_byte / NET.per_byte - 1.0).abs() < 0.1, "{fit:?}");
+        // Pure bandwidth: the latency clamps at 0.
+        let fit = Link::fit(&[(1e6, 1e-3), (2e6, 2e-3), (4e6, 4.1e-3)]).unwrap();
+        assert_eq!(fit.latency, 0.0);
+        assert_eq!(
+            Link::fit(&[(8.0, 1e-6), (8.0, 2e-6)]),
+            Err(FitError::TooFewSizes(1))
+        );
+        assert!(matches!(
+            Link::fit(&[(8.0, 2e-6), (1e6, 1e-6)]),
+            Err(FitError::NotIncreasing(_))
+        ));
+        assert!(matches!(
+            Link::fit(&[(8.0, 0.0), (16.0, 1e-6)]),
+            Err(FitError::Bad { .. })
+        ));
+    }
+
+    #[test]
+    fn osu_output_gives_the_first_tables_rows_in_seconds() {
+        let text = "# OSU MPI Latency Test v7.4\n# Size          Latency (us)\n\
+                    1                       5.92\n4096                    9.07\n\
+                    bench: round 1 of 1\n1048576               423.23\n\
+                    # mpiflow path: mpi\n# Size          Latency (us)\n1  99.0\n8  99.0\n";
+        let rows = latency_rows(text);
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[0].0, 1.0);
+        assert!((rows[2].1 - 423.23e-6).abs() < 1e-12);
+        // The two-host TCP link of benches/results/2026-11-24-hosts.md, unshaped: ~6 us.
+        let fit = Link::fit(&rows).unwrap();
+        assert!(fit.latency > 4e-6 && fit.latency < 8e-6, "{fit:?}");
+    }
+}
