@@ -31,9 +31,12 @@ impl Link {
         1.0 / self.per_byte
     }
 
-    /// The link that best fits `(bytes, seconds)` measurements in relative error
-    /// (least squares of `(model − t) / t`, so 8-byte latencies count as much as 4 MiB
-    /// transfers); a negative latency is clamped to 0 and the slope refitted through 0.
+    /// The link of `(bytes, seconds)` measurements, in two parts as Hockney's parameters
+    /// are read: the per-byte cost is the least-squares slope of the large messages (from
+    /// [`Link::LARGE`] bytes; all sizes if fewer than two are that large), which the
+    /// gradients of real models are; the latency is the median over the small messages
+    /// (up to [`Link::SMALL`]) of their time less their bytes' cost, or the slope's
+    /// intercept (at least 0) without small messages.
     pub fn fit(points: &[(f64, f64)]) -> Result<Link, FitError> {
         if let Some(&(bytes, secs)) = points
             .iter()
@@ -41,37 +44,57 @@ impl Link {
         {
             return Err(FitError::Bad { bytes, secs });
         }
-        let mut sizes: Vec<f64> = points.iter().map(|p| p.0).collect();
-        sizes.sort_by(f64::total_cmp);
-        sizes.dedup();
-        if sizes.len() < 2 {
-            return Err(FitError::TooFewSizes(sizes.len()));
+        let distinct = |pts: &[(f64, f64)]| {
+            let mut sizes: Vec<f64> = pts.iter().map(|p| p.0).collect();
+            sizes.sort_by(f64::total_cmp);
+            sizes.dedup();
+            sizes.len()
+        };
+        let all = distinct(points);
+        if all < 2 {
+            return Err(FitError::TooFewSizes(all));
         }
-        // Weighted normal equations, weights 1/t²: minimise Σ ((a + b·m − t)/t)².
-        let (mut s1, mut sm, mut smm, mut st, mut smt) = (0.0, 0.0, 0.0, 0.0, 0.0);
-        for &(m, t) in points {
-            let w = 1.0 / (t * t);
-            s1 += w;
-            sm += w * m;
-            smm += w * m * m;
-            st += w * t;
-            smt += w * m * t;
+        let large: Vec<(f64, f64)> = points
+            .iter()
+            .copied()
+            .filter(|p| p.0 >= Self::LARGE)
+            .collect();
+        let slope_of = if distinct(&large) >= 2 {
+            &large[..]
+        } else {
+            points
+        };
+        let n = slope_of.len() as f64;
+        let (mean_m, mean_t) = slope_of
+            .iter()
+            .fold((0.0, 0.0), |(m, t), p| (m + p.0 / n, t + p.1 / n));
+        let (cov, var) = slope_of.iter().fold((0.0, 0.0), |(c, v), p| {
+            (c + (p.0 - mean_m) * (p.1 - mean_t), v + (p.0 - mean_m).powi(2))
+        });
+        let per_byte = cov / var;
+        if per_byte <= 0.0 || !per_byte.is_finite() {
+            return Err(FitError::NotIncreasing(per_byte));
         }
-        let det = s1 * smm - sm * sm;
-        let mut b = (s1 * smt - sm * st) / det;
-        let mut a = (st - b * sm) / s1;
-        if a < 0.0 {
-            a = 0.0;
-            b = smt / smm;
-        }
-        if b <= 0.0 || !b.is_finite() {
-            return Err(FitError::NotIncreasing(b));
-        }
+        let mut small: Vec<f64> = points
+            .iter()
+            .filter(|p| p.0 <= Self::SMALL)
+            .map(|p| p.1 - p.0 * per_byte)
+            .collect();
+        small.sort_by(f64::total_cmp);
+        let latency = match small.get(small.len() / 2) {
+            Some(t) => *t,
+            None => mean_t - per_byte * mean_m,
+        };
         Ok(Link {
-            latency: a,
-            per_byte: b,
+            latency: latency.max(0.0),
+            per_byte,
         })
     }
+
+    /// Messages from this size give the per-byte cost: 64 KiB.
+    pub const LARGE: f64 = 65536.0;
+    /// Messages up to this size give the latency: 1 KiB.
+    pub const SMALL: f64 = 1024.0;
 }
 
 /// The `(bytes, seconds)` rows of the first table of OSU-format latency output

@@ -27,8 +27,8 @@ pub struct Run {
     pub hosts: Vec<HostTasks>,
     /// Seconds per step: the median over logged windows after the first.
     pub step: f64,
-    /// Seconds per step the workers spent outside communication (compute and the rest),
-    /// their mean, the median over the same windows.
+    /// Seconds per step the slowest worker spent outside communication (compute and the
+    /// rest: a synchronous step waits for it), the median over the same windows.
     pub alone: f64,
     /// The windows the medians are of.
     pub windows: usize,
@@ -78,12 +78,11 @@ impl Run {
         let alone = median(
             used.iter()
                 .map(|(_, ranks)| {
-                    let workers: Vec<f64> = ranks
+                    ranks
                         .iter()
                         .filter(|r| !r.task.starts_with("ps:") && r.times.steps > 0)
                         .map(|r| (r.times.compute + r.times.other) / r.times.steps as f64)
-                        .collect();
-                    workers.iter().sum::<f64>() / workers.len().max(1) as f64
+                        .fold(0.0, f64::max)
                 })
                 .collect(),
         );

@@ -17,6 +17,9 @@ use mpiflow::train::ps::PsTransport;
 use mpiflow::transport::stack::RdmaStack;
 use mpiflow::transport::Algorithm;
 
+mod scale;
+pub(crate) use scale::ScaleArgs;
+
 /// clap's parser for a library enum: its names as the possible values, with their help.
 fn named<T: Named + Send + Sync + Clone>() -> impl TypedValueParser<Value = T> {
     let values = T::NAMES.iter().map(|(_, name, help)| {
@@ -63,6 +66,9 @@ pub(crate) enum Cmd {
     Supervise(SuperviseArgs),
     /// Draw runs' metrics files, or benchmark outputs (OSU format), as an SVG picture.
     Plot(PlotArgs),
+    /// Predict training steps from 2 to 1024 hosts: links fitted to measured latencies,
+    /// the models measured here, measured runs checked.
+    Scale(ScaleArgs),
 }
 
 #[derive(Args)]

@@ -33,7 +33,7 @@ pub(crate) fn env_before_init(
 ) -> Result<Settings, StackError> {
     let computes = match cmd {
         Cmd::Train(_) | Cmd::Bench(_) | Cmd::Check(_) | Cmd::Topo(_) => true,
-        Cmd::Spec(_) | Cmd::Launch(_) | Cmd::Supervise(_) | Cmd::Plot(_) => false,
+        Cmd::Spec(_) | Cmd::Launch(_) | Cmd::Supervise(_) | Cmd::Plot(_) | Cmd::Scale(_) => false,
     };
     if !computes {
         return Ok(Settings::default());

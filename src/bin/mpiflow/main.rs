@@ -61,6 +61,7 @@ fn main() -> ExitCode {
         Cmd::Topo(a) => cmd::topo::run(a),
         Cmd::Supervise(a) => cmd::supervise::run(a),
         Cmd::Plot(a) => cmd::plot::run(a),
+        Cmd::Scale(a) => cmd::scale::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,6 +7,8 @@
 //! - [`osu_svg`] ([`osu`]): OSU-format benchmark output (`mpiflow bench`'s, with a table
 //!   per path, or OSU's own programs') as latency and bandwidth against message size,
 //!   log-log, one curve per path and file.
+//! - [`scale_svg`] ([`scale`]): a scale model's predicted step time and weak-scaling
+//!   efficiency against hosts (`mpiflow scale`), measured runs beside their predictions.
 //! - [`timeline_svg`] ([`trace`]): a timeline (`--timeline`'s trace) as one row per rank
 //!   and a bar per span, over a window of steps.
 
@@ -16,10 +18,12 @@ use plotters::prelude::*;
 
 pub mod osu;
 pub mod runs;
+pub mod scale;
 pub mod trace;
 
 pub use osu::{osu_svg, parse_osu, Curve};
 pub use runs::{metrics_svg, Run};
+pub use scale::{scale_svg, MeasuredStep, ScaleCurve, ScalePoint};
 pub use trace::{timeline_svg, Steps};
 
 /// Errors of plotting.
@@ -33,6 +37,8 @@ pub enum PlotError {
     NoSteps(String),
     #[error("{0}")]
     Trace(String),
+    #[error("no predictions to draw")]
+    NoPredictions,
 }
 
 pub(super) fn draw_err(path: &Path) -> impl Fn(String) -> PlotError + '_ {

@@ -4,6 +4,7 @@ pub(crate) mod bench;
 pub(crate) mod check;
 pub(crate) mod launch;
 pub(crate) mod plot;
+pub(crate) mod scale;
 pub(crate) mod spec;
 pub(crate) mod supervise;
 pub(crate) mod topo;

@@ -96,14 +96,25 @@ fn build_model(
     args: &TrainArgs,
     train: &mpiflow::train::data::Dataset,
 ) -> Result<mpiflow::model::Sequential, String> {
-    let built = match args.model {
-        ModelChoice::Mlp => mpiflow::model::mlp(train.features, &args.hidden, train.classes),
+    model_for(args.model, &args.hidden, &args.data, train)
+}
+
+/// The built-in model `choice` (an MLP of `hidden` widths, or the CNN) for the samples
+/// and classes of `train`, loaded from `data`.
+pub(crate) fn model_for(
+    choice: ModelChoice,
+    hidden: &[usize],
+    data: &str,
+    train: &mpiflow::train::data::Dataset,
+) -> Result<mpiflow::model::Sequential, String> {
+    let built = match choice {
+        ModelChoice::Mlp => mpiflow::model::mlp(train.features, hidden, train.classes),
         ModelChoice::Cnn => match train.shape[..] {
             [h, w, c] => mpiflow::model::cnn([h, w, c], train.classes),
             _ => {
                 return Err(format!(
-                    "--model cnn takes images; data {} has samples of shape {:?}",
-                    args.data, train.shape
+                    "--model cnn takes images; data {data} has samples of shape {:?}",
+                    train.shape
                 ))
             }
         },
