@@ -7,14 +7,15 @@
 #
 # 1. The shared-memory link: `mpiflow bench latency` between two ranks of this machine.
 # 2. In the cluster, each host's port shaped to RATE: the network link (the same across two
-#    hosts); then ROUNDS rounds of training runs with --metrics, each a few hundred steps
-#    of BATCH samples per worker: the MLP (HIDDEN) and the CNN on Fashion-MNIST, by
+#    hosts, one way, and `bench bibw -W 1`: a message each way at once); then ROUNDS
+#    rounds of training runs with --metrics, each a few hundred steps of BATCH samples
+#    per worker: the MLP (HIDDEN) and the CNN on Fashion-MNIST, by
 #    allreduce on 2 and 3 hosts of one worker and 2 hosts of two, by the synchronous ps
 #    (one ps task on its own host) with 1 and 2 workers on 2 and 3 hosts.
 # 3. `mpiflow scale`: the links fitted, the models measured here, the weak-scaling table
 #    from 2 to 1024 hosts, every run beside its prediction, and an SVG.
-# Everything lands in OUT (target/scale/RATE). Needs root (network namespaces). Not part
-# of the tests.
+# Everything lands in OUT (target/scale/RATE); MEASURE=0 redoes step 3 alone on what is
+# there. Needs root (network namespaces). Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${RATE:-10gbit}
@@ -28,6 +29,7 @@ source scripts/env.sh
 cargo build --release -q
 B=target/release/mpiflow
 mkdir -p "$OUT"
+if [[ ${MEASURE:-1} == 1 ]]; then
 rm -f "$OUT"/*.jsonl
 
 echo "# shared memory: mpiflow bench latency, 2 ranks on this machine" >&2
@@ -50,6 +52,8 @@ run() {
 echo "# network: mpiflow bench latency across two hosts" >&2
 timeout 300 mpirun \$MPIFLOW_NETNS_MCA --host h1,h2 --map-by node -np 2 $B bench latency \\
   --path mpiflow -m 1:4194304 --rounds 3 --progress lines > "$OUT/net.txt"
+timeout 300 mpirun \$MPIFLOW_NETNS_MCA --host h1,h2 --map-by node -np 2 $B bench bibw -W 1 \\
+  --path mpiflow -m 1:4194304 --rounds 3 --progress lines > "$OUT/net-bibw.txt"
 for r in \$(seq $ROUNDS); do
   for model in mlp cnn; do
     run allreduce \$model h1,h2 2 2 \$model-allreduce-2-r\$r
@@ -61,6 +65,7 @@ for r in \$(seq $ROUNDS); do
 done
 EOF
 MPIFLOW_NETNS_RATE=$RATE timeout 3600 tests/netns/cluster.sh with -- bash "$OUT/inside.sh"
+fi
 
 runs=()
 for f in "$OUT"/*.jsonl; do
@@ -68,5 +73,5 @@ for f in "$OUT"/*.jsonl; do
   IFS=- read -r model _ hosts _ <<< "$base"
   runs+=(--run "$model:${hosts%%x*}:$f")
 done
-"$B" scale --shm "$OUT/shm.txt" --net "$OUT/net.txt" --model mlp,cnn --hidden "$HIDDEN" \
-  --batch "$BATCH" "${runs[@]}" --svg "$OUT/scale.svg" | tee "$OUT/scale.txt"
+"$B" scale --shm "$OUT/shm.txt" --net "$OUT/net.txt" --net-bibw "$OUT/net-bibw.txt" \
+  --model mlp,cnn --hidden "$HIDDEN" --batch "$BATCH" "${runs[@]}" --svg "$OUT/scale.svg" | tee "$OUT/scale.txt"

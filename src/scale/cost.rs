@@ -10,23 +10,42 @@ pub struct HostTasks {
     pub ps: usize,
 }
 
-/// Hosts with their tasks, and the two link classes between tasks.
+/// The link classes between tasks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Links {
+    /// Between tasks of one host.
+    pub shm: Link,
+    /// Between hosts, one way: each host has one port of this link, shared by its tasks.
+    pub net: Link,
+    /// Between hosts, a message each way at once (the steps of an allreduce): on a
+    /// full-duplex port what one way costs; measured where the two directions interfere.
+    pub exchange: Link,
+}
+
+impl Links {
+    /// Links whose network ports are full duplex: an exchange costs a one-way message.
+    pub fn full_duplex(shm: Link, net: Link) -> Links {
+        Links {
+            shm,
+            net,
+            exchange: net,
+        }
+    }
+}
+
+/// Hosts with their tasks, and the links between tasks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cluster {
     pub hosts: Vec<HostTasks>,
-    /// Between tasks of one host.
-    pub shm: Link,
-    /// Between hosts: each host has one full-duplex port of this link, shared by its tasks.
-    pub net: Link,
+    pub links: Links,
 }
 
 impl Cluster {
     /// `hosts` hosts of `workers` workers and `ps` parameter servers each.
-    pub fn uniform(hosts: usize, workers: usize, ps: usize, shm: Link, net: Link) -> Cluster {
+    pub fn uniform(hosts: usize, workers: usize, ps: usize, links: Links) -> Cluster {
         Cluster {
             hosts: vec![HostTasks { workers, ps }; hosts],
-            shm,
-            net,
+            links,
         }
     }
 
@@ -92,26 +111,31 @@ pub fn across(p: usize, link: Link, bytes: f64, add: f64) -> f64 {
 }
 
 /// The flat ring over every worker of `c`, ranks ordered by host: each step waits for the
-/// chunks that cross a host boundary.
+/// chunks that cross a host boundary, each rank sending while it receives.
 pub fn flat_ring(c: &Cluster, bytes: f64, add: f64) -> f64 {
     let (hosts, _) = c.worker_hosts();
-    let link = if hosts > 1 { c.net } else { c.shm };
+    let link = if hosts > 1 {
+        c.links.exchange
+    } else {
+        c.links.shm
+    };
     ring(c.workers(), link, bytes, add)
 }
 
 /// The hierarchical allreduce (`transport::collectives::hierarchical`) of the workers:
 /// each host's workers reduce over its shared memory (as a ring), one leader per host
-/// allreduces over the network ([`across`]), and each leader broadcasts inside its host
+/// allreduces over the network ([`across`], each step an exchange), and each leader
+/// broadcasts inside its host
 /// (a binomial tree). With one worker per host it is the allreduce among hosts alone.
 pub fn hierarchical(c: &Cluster, bytes: f64, add: f64) -> f64 {
     let (hosts, r) = c.worker_hosts();
-    let within = ring(r, c.shm, bytes, add);
+    let within = ring(r, c.links.shm, bytes, add);
     let bcast = if r > 1 {
-        (r as f64).log2().ceil() * c.shm.time(bytes)
+        (r as f64).log2().ceil() * c.links.shm.time(bytes)
     } else {
         0.0
     };
-    within + across(hosts, c.net, bytes, add) + bcast
+    within + across(hosts, c.links.exchange, bytes, add) + bcast
 }
 
 /// The work of a ps step on the ps side, per byte of the parameters: summing one
@@ -159,6 +183,7 @@ pub fn ps_step(c: &Cluster, bytes: f64, update: Update) -> PsStep {
         };
     }
     let slice = bytes / p as f64;
+    let Links { shm, net, .. } = c.links;
     let phase = c
         .hosts
         .iter()
@@ -168,15 +193,15 @@ pub fn ps_step(c: &Cluster, bytes: f64, update: Update) -> PsStep {
             let into = h.ps as f64 * remote_workers * slice;
             let out = h.workers as f64 * remote_ps * slice;
             let local = (h.ps * h.workers) as f64 * slice;
-            let port = (into.max(out) * c.net.per_byte).max(local * c.shm.per_byte);
+            let port = (into.max(out) * net.per_byte).max(local * shm.per_byte);
             // One ps serves every worker's message; one worker sends to every ps.
             let serve = if h.ps > 0 {
-                remote_workers * c.net.latency + h.workers as f64 * c.shm.latency
+                remote_workers * net.latency + h.workers as f64 * shm.latency
             } else {
                 0.0
             };
             let send = if h.workers > 0 {
-                remote_ps * c.net.latency + h.ps as f64 * c.shm.latency
+                remote_ps * net.latency + h.ps as f64 * shm.latency
             } else {
                 0.0
             };
@@ -245,15 +270,31 @@ mod tests {
 
     #[test]
     fn two_levels_beat_the_flat_ring_on_a_slow_network() {
-        let c = Cluster::uniform(2, 2, 0, SHM, NET);
+        let c = Cluster::uniform(2, 2, 0, Links::full_duplex(SHM, NET));
         let m = 4.0 * 1048576.0;
         let (flat, two) = (flat_ring(&c, m, 0.0), hierarchical(&c, m, 0.0));
         assert!(two < flat, "hierarchical {two} flat {flat}");
         // Flat: 6 steps of m/4 over the network = 1.5 m; two levels: m over it once, plus
         // two passes over shared memory.
         assert!(flat / two > 1.15 && flat / two < 1.5, "{}", flat / two);
+        // Ports whose two directions interfere: every allreduce step costs the exchange.
+        let slow = Links {
+            exchange: Link {
+                per_byte: 2.0 * NET.per_byte,
+                ..NET
+            },
+            ..Links::full_duplex(SHM, NET)
+        };
+        let ring2 = hierarchical(&Cluster::uniform(2, 1, 0, slow), m, 0.0);
+        assert!(
+            (ring2 / across(2, NET, m, 0.0) - 2.0).abs() < 0.01,
+            "{ring2}"
+        );
+        // ...but a ps phase goes one way.
+        let ps = |links| ps_step(&Cluster::uniform(2, 1, 1, links), m, FREE).total();
+        assert_eq!(ps(slow), ps(Links::full_duplex(SHM, NET)));
         // One worker per host: only the hosts' allreduce.
-        let one = Cluster::uniform(3, 1, 0, SHM, NET);
+        let one = Cluster::uniform(3, 1, 0, Links::full_duplex(SHM, NET));
         assert_eq!(hierarchical(&one, m, 0.0), across(3, NET, m, 0.0));
     }
 
@@ -261,16 +302,16 @@ mod tests {
     fn a_ps_step_counts_ports_and_messages() {
         // A ps host and two worker hosts (the namespace cluster's ps runs): the ps port
         // takes both workers' whole buffers per phase.
-        let mut c = Cluster::uniform(3, 1, 0, SHM, BW);
+        let mut c = Cluster::uniform(3, 1, 0, Links::full_duplex(SHM, BW));
         c.hosts[0] = HostTasks { workers: 0, ps: 1 };
         let s = ps_step(&c, 100.0, FREE);
         assert_eq!((s.push, s.pull, s.update), (200.0, 200.0, 0.0));
         // One ps per host, one worker each: a port carries (H−1)/H of the buffer each way.
-        let c = Cluster::uniform(4, 1, 1, SHM, BW);
+        let c = Cluster::uniform(4, 1, 1, Links::full_duplex(SHM, BW));
         let s = ps_step(&c, 400.0, FREE);
         assert!((s.push - 300.0).abs() < 1e-6, "{s:?}");
         // Messages: a ps serves every worker in turn.
-        let c = Cluster::uniform(4, 2, 1, SHM, ONE);
+        let c = Cluster::uniform(4, 2, 1, Links::full_duplex(SHM, ONE));
         let s = ps_step(&c, 400.0, FREE);
         assert!((s.push - 6.0).abs() < 1e-5, "{s:?}");
         // The update: every worker's slice summed, then applied once.
@@ -278,10 +319,19 @@ mod tests {
             add_per_byte: 1.0,
             apply_per_byte: 10.0,
         };
-        let s = ps_step(&Cluster::uniform(2, 1, 1, SHM, NET), 100.0, u);
+        let s = ps_step(
+            &Cluster::uniform(2, 1, 1, Links::full_duplex(SHM, NET)),
+            100.0,
+            u,
+        );
         assert!((s.update - 50.0 * (2.0 + 10.0)).abs() < 1e-9, "{s:?}");
         assert_eq!(
-            ps_step(&Cluster::uniform(2, 1, 0, SHM, NET), 1.0, u).total(),
+            ps_step(
+                &Cluster::uniform(2, 1, 0, Links::full_duplex(SHM, NET)),
+                1.0,
+                u
+            )
+            .total(),
             0.0
         );
     }
@@ -289,8 +339,8 @@ mod tests {
     #[test]
     fn at_scale_the_ps_step_loses_to_allreduce_by_its_messages() {
         let m = 4.0 * 1048576.0;
-        let small = Cluster::uniform(2, 1, 1, SHM, NET);
-        let big = Cluster::uniform(1024, 1, 1, SHM, NET);
+        let small = Cluster::uniform(2, 1, 1, Links::full_duplex(SHM, NET));
+        let big = Cluster::uniform(1024, 1, 1, Links::full_duplex(SHM, NET));
         // Two hosts: the same bytes cross a port either way.
         let (ps2, ar2) = (
             ps_step(&small, m, FREE).total(),

@@ -69,7 +69,10 @@ impl Link {
             .iter()
             .fold((0.0, 0.0), |(m, t), p| (m + p.0 / n, t + p.1 / n));
         let (cov, var) = slope_of.iter().fold((0.0, 0.0), |(c, v), p| {
-            (c + (p.0 - mean_m) * (p.1 - mean_t), v + (p.0 - mean_m).powi(2))
+            (
+                c + (p.0 - mean_m) * (p.1 - mean_t),
+                v + (p.0 - mean_m).powi(2),
+            )
         });
         let per_byte = cov / var;
         if per_byte <= 0.0 || !per_byte.is_finite() {
@@ -97,11 +100,10 @@ impl Link {
     pub const SMALL: f64 = 1024.0;
 }
 
-/// The `(bytes, seconds)` rows of the first table of OSU-format latency output
-/// (`osu_latency`, `mpiflow bench latency`, whose `--path both` prints a table per path,
-/// its own first): lines of a size and a time in microseconds, up to the next `# Size`
-/// header; other `#` lines and anything else skipped. What [`Link::fit`] takes.
-pub fn latency_rows(text: &str) -> Vec<(f64, f64)> {
+/// The `(bytes, value)` rows of the first table of OSU-format output (`mpiflow bench`'s
+/// `--path both` prints a table per path, its own first): lines of a size and a number,
+/// up to the next `# Size` header; other `#` lines and anything else skipped.
+fn first_table(text: &str) -> Vec<(f64, f64)> {
     let mut rows = Vec::new();
     for line in text.lines() {
         if line.starts_with("# Size") && !rows.is_empty() {
@@ -110,12 +112,32 @@ pub fn latency_rows(text: &str) -> Vec<(f64, f64)> {
         let mut f = line.split_whitespace();
         let row = (|| {
             let bytes: u64 = f.next()?.parse().ok()?;
-            let us: f64 = f.next()?.parse().ok()?;
-            Some((bytes as f64, us * 1e-6))
+            let value: f64 = f.next()?.parse().ok()?;
+            Some((bytes as f64, value))
         })();
         rows.extend(row.filter(|_| !line.starts_with('#')));
     }
     rows
+}
+
+/// The `(bytes, seconds)` rows of OSU-format latency output (`osu_latency`, `mpiflow bench
+/// latency`): one-way times, from microseconds. What [`Link::fit`] takes.
+pub fn latency_rows(text: &str) -> Vec<(f64, f64)> {
+    first_table(text)
+        .into_iter()
+        .map(|(m, us)| (m, us * 1e-6))
+        .collect()
+}
+
+/// The `(bytes, seconds)` rows of OSU-format bidirectional bandwidth output (`osu_bibw -W
+/// 1`, `mpiflow bench bibw -W 1`): the time of an exchange of `bytes` each way, from the
+/// MB/s both directions carried together (rows of 0 MB/s skipped).
+pub fn exchange_rows(text: &str) -> Vec<(f64, f64)> {
+    first_table(text)
+        .into_iter()
+        .filter(|(_, mbs)| *mbs > 0.0)
+        .map(|(m, mbs)| (m, 2.0 * m / (mbs * 1e6)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -173,5 +195,14 @@ mod tests {
         // The two-host TCP link of benches/results/2026-11-24-hosts.md, unshaped: ~6 us.
         let fit = Link::fit(&rows).unwrap();
         assert!(fit.latency > 4e-6 && fit.latency < 8e-6, "{fit:?}");
+        // Both ways at once: 4 MiB each way at 1978 MB/s in all is 4.24 ms.
+        let text = "# OSU MPI Bi-Directional Bandwidth Test v7.4\n# Size      Bandwidth (MB/s)\n\
+                    1 0.00\n1048576 2027.49\n4194304 1978.39\n";
+        let rows = exchange_rows(text);
+        assert_eq!(rows.len(), 2);
+        assert!(
+            (rows[1].1 - 2.0 * 4194304.0 / 1978.39e6).abs() < 1e-12,
+            "{rows:?}"
+        );
     }
 }

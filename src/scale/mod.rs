@@ -1,8 +1,8 @@
 //! A scale model of a training step across hosts.
 //!
-//! Each link class (shared memory within a host, the network between hosts) costs a
-//! message of `m` bytes `latency + m × per_byte` (Hockney's model, [`link`]), fitted to
-//! measured one-way latencies. On hosts running workers and ps tasks, [`cost`] gives the
+//! Each link class (shared memory within a host, the network between hosts one way, and
+//! both ways at once) costs a message of `m` bytes `latency + m × per_byte` (Hockney's
+//! model, [`link`]), fitted to measured latencies and bidirectional bandwidths. On hosts running workers and ps tasks, [`cost`] gives the
 //! time of an allreduce (ring, recursive doubling, Rabenseifner, the flat ring and the
 //! hierarchical algorithm, with the adds of the reduction) and of a synchronous
 //! parameter-server step (ports, messages, the ps's update). [`workload`] measures a
@@ -22,8 +22,8 @@ pub mod predict;
 pub mod run;
 pub mod workload;
 
-pub use cost::{Cluster, HostTasks, PsStep, Update};
-pub use link::{latency_rows, FitError, Link};
+pub use cost::{Cluster, HostTasks, Links, PsStep, Update};
+pub use link::{exchange_rows, latency_rows, FitError, Link};
 pub use predict::{weak_scaling, Mode, Row, Step};
 pub use run::{Run, RunError};
 pub use workload::Workload;

@@ -1,8 +1,7 @@
 //! A training step predicted: a worker's compute and the communication it waits for, by
 //! mode, on any number of hosts.
 
-use super::cost::{hierarchical, ps_step, Cluster};
-use super::link::Link;
+use super::cost::{hierarchical, ps_step, Cluster, Links};
 use super::workload::Workload;
 
 /// How the workers combine their gradients.
@@ -80,20 +79,19 @@ pub fn weak_scaling(
     hosts: &[usize],
     workers_per_host: usize,
     w: &Workload,
-    shm: Link,
-    net: Link,
+    links: Links,
 ) -> Vec<Row> {
     hosts
         .iter()
         .map(|&h| Row {
             hosts: h,
             allreduce: step(
-                &Cluster::uniform(h, workers_per_host, 0, shm, net),
+                &Cluster::uniform(h, workers_per_host, 0, links),
                 w,
                 Mode::Allreduce,
             ),
             ps: step(
-                &Cluster::uniform(h, workers_per_host, 1, shm, net),
+                &Cluster::uniform(h, workers_per_host, 1, links),
                 w,
                 Mode::Ps,
             ),
@@ -101,16 +99,21 @@ pub fn weak_scaling(
         .collect()
 }
 
-/// The first host count from which the ps step is the faster, if any.
-pub fn ps_wins_from(rows: &[Row]) -> Option<usize> {
-    rows.iter()
-        .find(|r| r.ps.total() < r.allreduce.total())
-        .map(|r| r.hosts)
+impl Row {
+    /// The mode of the shorter step (allreduce on a tie).
+    pub fn faster(&self) -> Mode {
+        if self.ps.total() < self.allreduce.total() {
+            Mode::Ps
+        } else {
+            Mode::Allreduce
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::cost::Update;
+    use super::super::link::Link;
     use super::*;
 
     const NET: Link = Link {
@@ -120,6 +123,11 @@ mod tests {
     const SHM: Link = Link {
         latency: 0.4e-6,
         per_byte: 1.0 / 10e9,
+    };
+    const LINKS: Links = Links {
+        shm: SHM,
+        net: NET,
+        exchange: NET,
     };
 
     fn workload(mb: f64, compute: f64) -> Workload {
@@ -136,8 +144,8 @@ mod tests {
     #[test]
     fn efficiency_falls_with_hosts_and_with_the_models_size() {
         let hosts = [2, 4, 16, 64, 256, 1024];
-        let big = weak_scaling(&hosts, 2, &workload(7.5, 0.01), SHM, NET);
-        let small = weak_scaling(&hosts, 2, &workload(0.4, 0.01), SHM, NET);
+        let big = weak_scaling(&hosts, 2, &workload(7.5, 0.01), LINKS);
+        let small = weak_scaling(&hosts, 2, &workload(0.4, 0.01), LINKS);
         for rows in [&big, &small] {
             for pair in rows.windows(2) {
                 assert!(pair[1].allreduce.efficiency() <= pair[0].allreduce.efficiency());
@@ -162,9 +170,9 @@ mod tests {
         // One worker and one ps per host: both move the same bytes through a port, but
         // each replica applies the whole update while each ps applies its slice.
         let w = workload(7.5, 0.01);
-        let rows = weak_scaling(&[2, 8, 1024], 1, &w, SHM, NET);
-        assert_eq!(ps_wins_from(&rows), Some(2), "{rows:?}");
-        assert!(rows[1].ps.total() < rows[1].allreduce.total());
+        let rows = weak_scaling(&[2, 8, 1024], 1, &w, LINKS);
+        assert_eq!(rows[0].faster(), Mode::Ps, "{rows:?}");
+        assert_eq!(rows[1].faster(), Mode::Ps, "{rows:?}");
         // At 1024 hosts each ps serves 1023 messages per phase.
         assert!(
             rows[2].ps.total() > rows[2].allreduce.total(),
@@ -179,7 +187,7 @@ mod tests {
             },
             ..w
         };
-        let rows = weak_scaling(&[2, 8, 1024], 1, &free, SHM, NET);
+        let rows = weak_scaling(&[2, 8, 1024], 1, &free, LINKS);
         assert!(
             rows.iter().all(|r| r.ps.total() >= r.allreduce.total()),
             "{rows:?}"

@@ -2,8 +2,7 @@
 //! hosts, read into the cluster it ran on, the step it measured and the part of the step
 //! its workers spent alone.
 
-use super::cost::{Cluster, HostTasks};
-use super::link::Link;
+use super::cost::{Cluster, HostTasks, Links};
 use super::predict::{comm, Mode};
 use super::workload::Workload;
 use crate::observe::metrics::Record;
@@ -96,18 +95,17 @@ impl Run {
     }
 
     /// The cluster it ran on, with these links.
-    pub fn cluster(&self, shm: Link, net: Link) -> Cluster {
+    pub fn cluster(&self, links: Links) -> Cluster {
         Cluster {
             hosts: self.hosts.clone(),
-            shm,
-            net,
+            links,
         }
     }
 
     /// The step the model predicts for this run: its workers' time alone, as measured,
     /// and the communication of its mode on its cluster for `w`'s parameters.
-    pub fn predicted(&self, w: &Workload, shm: Link, net: Link) -> f64 {
-        self.alone + comm(&self.cluster(shm, net), w, self.mode)
+    pub fn predicted(&self, w: &Workload, links: Links) -> f64 {
+        self.alone + comm(&self.cluster(links), w, self.mode)
     }
 }
 
@@ -193,7 +191,7 @@ mod tests {
         assert_eq!(Run::from_records(&[], 2), Err(RunError::NoSteps));
         let odd = window(100, 10.0, &[("evaluator:0", 1.0, 1.0)]);
         assert_eq!(
-            Run::from_records(&[odd.clone()], 2),
+            Run::from_records(std::slice::from_ref(&odd), 2),
             Err(RunError::Task("evaluator:0".into()))
         );
         assert_eq!(Run::from_records(&[odd], 0), Err(RunError::NoHosts));

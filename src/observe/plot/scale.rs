@@ -50,9 +50,11 @@ pub fn scale_svg(
     let xs = span(all().map(|p| p.hosts), true);
     let xs = xs.start.max(1.0)..xs.end;
 
-    let times = all()
-        .map(|p| p.step_s * 1e3)
-        .chain(measured.iter().flat_map(|m| [m.measured_s, m.predicted_s].map(|s| s * 1e3)));
+    let times = all().map(|p| p.step_s * 1e3).chain(
+        measured
+            .iter()
+            .flat_map(|m| [m.measured_s, m.predicted_s].map(|s| s * 1e3)),
+    );
     let mut chart = ChartBuilder::on(&left)
         .caption("predicted step against hosts", ("sans-serif", 18))
         .margin(12)
@@ -81,7 +83,11 @@ pub fn scale_svg(
             .draw_series([Circle::new((m.hosts, m.measured_s * 1e3), 5, col.filled())])
             .map_err(|e| err(e.to_string()))?;
         chart
-            .draw_series([Cross::new((m.hosts, m.predicted_s * 1e3), 6, col.stroke_width(2))])
+            .draw_series([Cross::new(
+                (m.hosts, m.predicted_s * 1e3),
+                6,
+                col.stroke_width(2),
+            )])
             .map_err(|e| err(e.to_string()))?;
     }
     chart

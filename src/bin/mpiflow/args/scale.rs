@@ -17,6 +17,11 @@ pub(crate) struct ScaleArgs {
     /// The same between two hosts: the network link.
     #[arg(long, value_name = "FILE")]
     pub(crate) net: PathBuf,
+    /// OSU-format bidirectional bandwidth between two hosts, one message each way at a
+    /// time (`osu_bibw -W 1`, `mpiflow bench bibw -W 1`): what an exchange costs (each
+    /// allreduce step is one). Without it the ports are taken as full duplex.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) net_bibw: Option<PathBuf>,
     /// The models to predict, comma-separated (mlp, cnn).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "mlp")]
     pub(crate) model: Vec<ModelChoice>,

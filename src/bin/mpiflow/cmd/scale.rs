@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use clap::ValueEnum;
 use mpiflow::model::Model;
 use mpiflow::observe::plot::{self, MeasuredStep, ScaleCurve, ScalePoint};
-use mpiflow::scale::{latency_rows, predict, weak_scaling, Link, Mode, Run, Workload};
+use mpiflow::scale::{
+    exchange_rows, latency_rows, predict, weak_scaling, Link, Links, Mode, Run, Workload,
+};
 use mpiflow::train::data::Dataset;
 use mpiflow::train::optim::Optimizer;
 
@@ -49,13 +51,17 @@ fn parse_run(s: &str, models: &[ModelChoice]) -> Result<RunArg, Failure> {
     })
 }
 
-/// The link fitted to the OSU-format latencies in `path`.
-fn fit_file(path: &Path, flag: &str) -> Result<(Link, usize), Failure> {
+/// The link fitted to the OSU-format output in `path`, read into rows by `rows`.
+fn fit_file(
+    path: &Path,
+    flag: &str,
+    rows: fn(&str) -> Vec<(f64, f64)>,
+) -> Result<(Link, usize), Failure> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Failure::local(format!("{flag} {}: {e}", path.display())))?;
-    let rows = latency_rows(&text);
-    let link = Link::fit(&rows)
-        .map_err(|e| Failure::local(format!("{flag} {}: {e}", path.display())))?;
+    let rows = rows(&text);
+    let link =
+        Link::fit(&rows).map_err(|e| Failure::local(format!("{flag} {}: {e}", path.display())))?;
     Ok((link, rows.len()))
 }
 
@@ -68,8 +74,17 @@ fn describe(link: &Link) -> String {
 }
 
 pub(crate) fn run(args: &ScaleArgs) -> Result<(), Failure> {
-    let (shm, shm_n) = fit_file(&args.shm, "--shm")?;
-    let (net, net_n) = fit_file(&args.net, "--net")?;
+    let (shm, shm_n) = fit_file(&args.shm, "--shm", latency_rows)?;
+    let (net, net_n) = fit_file(&args.net, "--net", latency_rows)?;
+    let mut links = Links::full_duplex(shm, net);
+    let exchange = match &args.net_bibw {
+        Some(p) => {
+            let (x, n) = fit_file(p, "--net-bibw", exchange_rows)?;
+            links.exchange = x;
+            format!("{} ({n} sizes of {})", describe(&x), p.display())
+        }
+        None => "as one way (full duplex)".to_string(),
+    };
     let runs: Vec<RunArg> = args
         .run
         .iter()
@@ -91,6 +106,7 @@ pub(crate) fn run(args: &ScaleArgs) -> Result<(), Failure> {
         "# mpiflow scale: links fitted to one-way latencies (latency: messages to 1 KiB; bandwidth: from 64 KiB)\n\
          # shared memory: {} ({shm_n} sizes of {})\n\
          # network:       {} ({net_n} sizes of {})\n\
+         # both ways:     {exchange}\n\
          # workers: {} per host, batch {} each, {}, {} BLAS thread(s); ps mode: one ps per host\n",
         describe(&shm),
         args.shm.display(),
@@ -114,13 +130,14 @@ pub(crate) fn run(args: &ScaleArgs) -> Result<(), Failure> {
             w.apply() * 1e3,
             w.param_bytes * w.update.add_per_byte * 1e3
         ));
-        let rows = weak_scaling(&args.hosts, args.workers_per_host, &w, shm, net);
+        let rows = weak_scaling(&args.hosts, args.workers_per_host, &w, links);
         emit(&table(&rows, args.workers_per_host, args.batch));
-        if let Some(h) = predict::ps_wins_from(&rows) {
-            emit(&format!("# the ps step is the shorter from {h} hosts\n"));
-        }
+        emit(&format!("# the shorter step: {}\n", shorter(&rows)));
         for (mode, pick) in [
-            (Mode::Allreduce, (|r: &predict::Row| r.allreduce) as fn(&predict::Row) -> _),
+            (
+                Mode::Allreduce,
+                (|r: &predict::Row| r.allreduce) as fn(&predict::Row) -> _,
+            ),
             (Mode::Ps, |r: &predict::Row| r.ps),
         ] {
             curves.push(ScaleCurve {
@@ -137,7 +154,7 @@ pub(crate) fn run(args: &ScaleArgs) -> Result<(), Failure> {
         }
         workloads.push(w);
     }
-    let (measured, off) = check_runs(&runs, args, &workloads, shm, net)?;
+    let (measured, off) = check_runs(&runs, args, &workloads, links)?;
     if let Some(svg) = &args.svg {
         plot::scale_svg(&curves, &measured, svg).map_err(Failure::local)?;
         emit(&format!("# wrote {}\n", svg.display()));
@@ -174,14 +191,30 @@ fn table(rows: &[predict::Row], per_host: usize, batch: usize) -> String {
     out
 }
 
+/// Which mode's step is the shorter over runs of host counts: `ps at 2-128 hosts,
+/// allreduce at 256-1024 hosts`.
+fn shorter(rows: &[predict::Row]) -> String {
+    let mut spans: Vec<(Mode, usize, usize)> = Vec::new();
+    for r in rows {
+        match spans.last_mut() {
+            Some((m, _, last)) if *m == r.faster() => *last = r.hosts,
+            _ => spans.push((r.faster(), r.hosts, r.hosts)),
+        }
+    }
+    let span = |(m, a, b): &(Mode, usize, usize)| match a == b {
+        true => format!("{m} at {a} hosts"),
+        false => format!("{m} at {a}-{b} hosts"),
+    };
+    spans.iter().map(span).collect::<Vec<_>>().join(", ")
+}
+
 /// Each run against its prediction: a table, the runs for the plot, and how many are
 /// off by more than the tolerance.
 fn check_runs(
     runs: &[RunArg],
     args: &ScaleArgs,
     workloads: &[Workload],
-    shm: Link,
-    net: Link,
+    links: Links,
 ) -> Result<(Vec<MeasuredStep>, usize), Failure> {
     if runs.is_empty() {
         return Ok((Vec::new(), 0));
@@ -198,7 +231,7 @@ fn check_runs(
         let run = Run::from_records(&records, r.hosts)
             .map_err(|e| Failure::local(format!("--run {}: {e}", r.path.display())))?;
         let w = &workloads[r.model];
-        let predicted = run.predicted(w, shm, net);
+        let predicted = run.predicted(w, links);
         let ratio = predicted / run.step;
         let within = (ratio - 1.0).abs() <= args.tolerance;
         off += usize::from(!within);
