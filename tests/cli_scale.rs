@@ -20,54 +20,28 @@ fn predictions(stdout: &str) -> Vec<(usize, f64, f64)> {
         .collect()
 }
 
+/// `mpirun -np 2 mpiflow ARGS` (split at spaces), which must succeed: its stdout.
+fn two_ranks(args: &str) -> String {
+    let mut cmd = vec!["-np", "2", mpiflow()];
+    cmd.extend(args.split(' '));
+    let run = mpirun(&cmd);
+    assert_eq!(run.code, 0, "{args}: {run:?}");
+    run.stdout
+}
+
 #[test]
 fn a_measured_run_is_checked_and_hosts_are_predicted() {
     let dir = tmpdir("cli-scale");
     let lat = dir.join("latency.txt");
     let metrics = dir.join("ar.jsonl");
     let (lat_s, metrics_s) = (lat.to_str().unwrap(), metrics.to_str().unwrap());
-    let bench = mpirun(&[
-        "-np",
-        "2",
-        mpiflow(),
-        "bench",
-        "latency",
-        "--path",
-        "mpiflow",
-    ]);
-    assert_eq!(bench.code, 0, "{bench:?}");
-    std::fs::write(&lat, &bench.stdout).unwrap();
+    std::fs::write(&lat, two_ranks("bench latency --path mpiflow")).unwrap();
     let bibw_path = dir.join("bibw.txt");
-    let bibw = mpirun(&[
-        "-np",
-        "2",
-        mpiflow(),
-        "bench",
-        "bibw",
-        "-W",
-        "1",
-        "--path",
-        "mpiflow",
-    ]);
-    assert_eq!(bibw.code, 0, "{bibw:?}");
-    std::fs::write(&bibw_path, &bibw.stdout).unwrap();
-    let train = mpirun(&[
-        "-np",
-        "2",
-        mpiflow(),
-        "train",
-        "--mode",
-        "allreduce",
-        "--steps",
-        "200",
-        "--log-every",
-        "50",
-        "--progress",
-        "lines",
-        "--metrics",
-        metrics_s,
-    ]);
-    assert_eq!(train.code, 0, "{train:?}");
+    std::fs::write(&bibw_path, two_ranks("bench bibw -W 1 --path mpiflow")).unwrap();
+    let train = format!(
+        "train --mode allreduce --steps 200 --log-every 50 --progress lines --metrics {metrics_s}"
+    );
+    two_ranks(&train);
 
     // One node: the same file for both links; the run on 1 host of 2 workers.
     let run = format!("mlp:1:{metrics_s}");

@@ -217,16 +217,9 @@ pub fn ps_step(c: &Cluster, bytes: f64, update: Update) -> PsStep {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fixtures::*;
     use super::*;
 
-    const NET: Link = Link {
-        latency: 6e-6,
-        per_byte: 1.0 / 1.19e9,
-    };
-    const SHM: Link = Link {
-        latency: 0.4e-6,
-        per_byte: 1.0 / 10e9,
-    };
     const ONE: Link = Link {
         latency: 1.0,
         per_byte: 0.0,

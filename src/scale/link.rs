@@ -142,12 +142,8 @@ pub fn exchange_rows(text: &str) -> Vec<(f64, f64)> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fixtures::*;
     use super::*;
-
-    const NET: Link = Link {
-        latency: 6e-6,
-        per_byte: 1.0 / 1.19e9,
-    };
 
     #[test]
     fn a_fit_recovers_the_link_it_was_measured_on_and_refuses_nonsense() {

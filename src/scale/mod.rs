@@ -27,3 +27,19 @@ pub use link::{exchange_rows, latency_rows, FitError, Link};
 pub use predict::{weak_scaling, Mode, Row, Step};
 pub use run::{Run, RunError};
 pub use workload::Workload;
+
+/// Links the unit tests share: about the namespace cluster's 10 Gbit/s network and a
+/// host's shared memory.
+#[cfg(test)]
+mod fixtures {
+    use super::Link;
+
+    pub const NET: Link = Link {
+        latency: 6e-6,
+        per_byte: 1.0 / 1.19e9,
+    };
+    pub const SHM: Link = Link {
+        latency: 0.4e-6,
+        per_byte: 1.0 / 10e9,
+    };
+}

@@ -113,17 +113,9 @@ impl Row {
 #[cfg(test)]
 mod tests {
     use super::super::cost::Update;
-    use super::super::link::Link;
+    use super::super::fixtures::*;
     use super::*;
 
-    const NET: Link = Link {
-        latency: 6e-6,
-        per_byte: 1.0 / 1.19e9,
-    };
-    const SHM: Link = Link {
-        latency: 0.4e-6,
-        per_byte: 1.0 / 10e9,
-    };
     const LINKS: Links = Links {
         shm: SHM,
         net: NET,

@@ -48,6 +48,25 @@ pub(super) fn draw_err(path: &Path) -> impl Fn(String) -> PlotError + '_ {
     }
 }
 
+/// Draws `chart`'s legend at `at`: a white box with a black border, a line per labelled
+/// series.
+pub(super) fn legend<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    at: SeriesLabelPosition,
+) -> Result<(), String>
+where
+    DB: DrawingBackend + 'a,
+    CT: plotters::coord::CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .position(at)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
 /// A range around `values` (a margin on either side; a span where all are equal).
 pub(super) fn span(values: impl Iterator<Item = f64>, log: bool) -> std::ops::Range<f64> {
     let (lo, hi) = values

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::{color, draw_err, span, PlotError};
+use super::{color, draw_err, legend, span, PlotError};
 
 /// One curve of a benchmark: its label, what its values are (the column header, such as
 /// `Avg Latency(us)`), and (size, value) points.
@@ -121,13 +121,7 @@ pub fn osu_svg(curves: &[Curve], path: &Path) -> Result<(), PlotError> {
                     PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft).map_err(&err)?;
     }
     root.present().map_err(|e| err(e.to_string()))
 }

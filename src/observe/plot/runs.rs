@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::{color, draw_err, span, PlotError};
+use super::{color, draw_err, legend, span, PlotError};
 use crate::observe::metrics::Record;
 
 /// One run's metrics, under the name its curves carry.
@@ -117,13 +117,7 @@ pub fn metrics_svg(runs: &[Run], path: &Path) -> Result<(), PlotError> {
             true => SeriesLabelPosition::LowerRight,
             false => SeriesLabelPosition::UpperRight,
         };
-        chart
-            .configure_series_labels()
-            .position(corner)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
+        legend(&mut chart, corner).map_err(&err)?;
     }
     root.present().map_err(|e| err(e.to_string()))
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::{color, draw_err, span, PlotError};
+use super::{color, draw_err, legend, span, PlotError};
 
 /// A predicted step at a host count.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -90,13 +90,7 @@ pub fn scale_svg(
             )])
             .map_err(|e| err(e.to_string()))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(e.to_string()))?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft).map_err(&err)?;
 
     let mut chart = ChartBuilder::on(&right)
         .caption("weak-scaling efficiency against hosts", ("sans-serif", 18))

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::{color, draw_err, PlotError};
+use super::{color, draw_err, legend, PlotError};
 use crate::observe::timeline::{SpanRead, Track};
 
 /// The steps a picture shows (`first..=last`).
@@ -146,13 +146,7 @@ pub fn timeline_svg(
             .label(*span_name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(e.to_string()))?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight).map_err(&err)?;
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(steps)
 }

@@ -606,7 +606,9 @@ mod tests {
                     let ran = coll
                         .allreduce_tensor(&mut t, ReduceOp::Average, Algorithm::Hierarchical)
                         .unwrap();
-                    let mut w = Tensor::from_slice(&[3], &[r as u8 * 100, 1, r as u8]).unwrap();
+                    let mut w =
+                        Tensor::from_slice(&[3], &[(r as u8).wrapping_mul(100), 1, r as u8])
+                            .unwrap();
                     coll.allreduce_tensor(&mut w, ReduceOp::Sum, Algorithm::Hierarchical)
                         .unwrap();
                     let mut m = Tensor::from_slice(&[2], &[r as i64, -(r as i64)]).unwrap();
