@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::net::TcpListener;
 
@@ -485,4 +486,81 @@ fn bad_fusion_settings_are_one_line() {
         &[],
     )
     .assert_one_line_error("invalid value 'tree' for '--allreduce-algorithm");
+}
+
+#[test]
+fn stages_preview_keeps_replicas_inside_hosts_and_tf_config_takes_replica_jobs() {
+    // openmpi-cluster: node01 and node02 of 4 slots, node03 and node04 of 2.
+    let r = run(
+        &[
+            "spec",
+            "--hostfile",
+            "hostfiles/openmpi-cluster",
+            "-np",
+            "9",
+            "--ps",
+            "1",
+            "--stages",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let got: Vec<(String, String)> = rows(&r.stdout)
+        .into_iter()
+        .map(|row| (row[1].clone(), format!("{}:{}", row[3], row[4])))
+        .collect();
+    let replica_hosts = |job: &str| -> BTreeSet<String> {
+        got.iter()
+            .filter(|(_, t)| t.starts_with(&format!("{job}:")))
+            .map(|(h, _)| h.clone())
+            .collect()
+    };
+    // Four replicas of two stages; three inside one host, node01's leftover with node03.
+    let spans: Vec<usize> = (0..4)
+        .map(|i| replica_hosts(&format!("replica_{i}")).len())
+        .collect();
+    assert_eq!(spans.iter().filter(|n| **n == 1).count(), 3, "{}", r.stdout);
+    assert_eq!(spans.iter().filter(|n| **n == 2).count(), 1, "{}", r.stdout);
+    // TF_CONFIG with replica jobs is read back; one that TensorFlow would not name is refused.
+    let tf = r#"{"cluster":{"ps":["a:1"],"replica_0":["b:1","b:2"]},"task":{"type":"replica_0","index":1}}"#;
+    let r = run(
+        &["spec", "--from", "tf-config", "--format", "json"],
+        &[("TF_CONFIG", tf)],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(
+        r.json_lines()[0]["task"],
+        json!({"type": "replica_0", "index": 1})
+    );
+    let tf = r#"{"cluster":{"replica_01":["b:1"]},"task":{"type":"replica_01","index":0}}"#;
+    let r = run(&["spec", "--from", "tf-config"], &[("TF_CONFIG", tf)]);
+    assert_eq!(r.code, 1, "{r:?}");
+    assert!(
+        r.stderr.contains(r#"unknown job type "replica_01""#),
+        "{r:?}"
+    );
+    // The legacy flags know only ps and worker jobs.
+    let r = run(
+        &[
+            "spec",
+            "--hostfile",
+            "hostfiles/localhost",
+            "-np",
+            "3",
+            "--ps",
+            "1",
+            "--stages",
+            "2",
+            "--format",
+            "flags",
+        ],
+        &[],
+    );
+    assert_ne!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr
+            .contains("legacy flags cannot express a replica_0 job"),
+        "{r:?}"
+    );
 }

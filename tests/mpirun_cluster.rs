@@ -360,3 +360,66 @@ fn launch_of_a_missing_program_is_one_error_before_anything_runs() {
     ]);
     run.assert_one_line_error("legacy flags cannot express a chief job");
 }
+
+#[test]
+fn stages_map_replica_jobs_on_every_rank_and_launch_passes_them_on() {
+    // spec: every rank the same cluster of a ps job and two replica jobs of two stages.
+    let args = ["-np", "5", mpiflow(), "spec", "--ps", "1", "--stages", "2"];
+    let run = mpirun(&[&args[..], &["--format", "json"]].concat());
+    assert_eq!(run.code, 0, "{run:?}");
+    let (cluster, by_rank) = per_rank(&run.json_lines(), 5);
+    assert_eq!(
+        tasks(&by_rank),
+        [
+            "ps:0",
+            "replica_0:0",
+            "replica_0:1",
+            "replica_1:0",
+            "replica_1:1"
+        ]
+    );
+    for job in ["replica_0", "replica_1"] {
+        assert_eq!(cluster[job].as_array().unwrap().len(), 2, "{cluster}");
+    }
+    assert!(cluster.get("worker").is_none(), "{cluster}");
+
+    // launch: each stage's program gets TF_CONFIG naming its replica job and stage, and
+    // the ps is stopped once the replicas' tasks are done.
+    let launch = format!("-np 3 {} launch --ps 1 --stages 2 -- sh -c", mpiflow());
+    let mut cmd: Vec<&str> = launch.split(' ').collect();
+    cmd.push("echo \"$TF_CONFIG\"");
+    let run = mpirun(&cmd);
+    assert_eq!(run.code, 0, "{run:?}");
+    let mut got: Vec<String> = run
+        .json_lines()
+        .iter()
+        .map(|c| {
+            format!(
+                "{}:{}",
+                c["task"]["type"].as_str().unwrap(),
+                c["task"]["index"]
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(got, ["ps:0", "replica_0:0", "replica_0:1"], "{run:?}");
+
+    // A rank count that does not divide, and training (not built yet): one line, no hang.
+    let run = mpirun(&["-np", "4", mpiflow(), "spec", "--ps", "1", "--stages", "2"]);
+    assert_ne!(run.code, 0, "{run:?}");
+    assert_eq!(
+        run.error_lines(),
+        ["mpiflow: error: --stages 2: the 3 ranks left for replicas after --ps 1 do not divide into replicas of 2 stages"],
+        "{run:?}"
+    );
+    let train = format!("-np 3 {} train --mode ps --ps 1 --stages 2", mpiflow());
+    let run = mpirun(&train.split(' ').collect::<Vec<_>>());
+    assert_ne!(run.code, 0, "{run:?}");
+    let lines = run.error_lines();
+    assert!(!lines.is_empty(), "{run:?}");
+    assert!(
+        lines.iter().all(|l| l.ends_with("--stages 2: training a model split into stages is not built yet (mpiflow spec and launch map such clusters)")),
+        "{run:?}"
+    );
+    assert!(!run.stderr.contains("panicked"), "{run:?}");
+}

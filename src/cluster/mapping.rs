@@ -9,11 +9,17 @@
 //! Of the ranks left, in rank order: the chief (with `--chief`) takes the lowest, the
 //! evaluator (with `--evaluator`) the highest, and the workers the rest. ps task indices
 //! follow rank order.
+//!
+//! With `--stages S` the rest are not workers but R model replicas of S stages each (the
+//! seeds' mapping: a job per replica, a task per stage): jobs `replica_0` to
+//! `replica_{R-1}`, task s of each its stage s. Each host holds as many whole replicas as
+//! its ranks allow (pipeline traffic stays inside a node); the hosts' leftover ranks, in
+//! host order, make the others. Replicas are numbered by their lowest rank.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::spec::{Address, ClusterSpec, SpecError, TaskId};
+use super::spec::{replica_job, Address, ClusterSpec, SpecError, TaskId};
 use super::tf_config::TfConfig;
 
 /// Errors from mapping ranks onto roles.
@@ -28,6 +34,14 @@ pub enum MappingError {
         extra: String,
         need: usize,
     },
+    #[error("--stages {stages}: the {ranks} ranks left for replicas{after} do not divide into replicas of {stages} stages")]
+    StagesDoNotDivide {
+        stages: usize,
+        ranks: usize,
+        after: String,
+    },
+    #[error("--stages must be 1 or more")]
+    NoStages,
     #[error("port {base} + {offset} for rank {rank} on {host} is above 65535 (lower --port-base)")]
     PortOutOfRange {
         rank: usize,
@@ -67,6 +81,8 @@ pub struct MappingOptions {
     pub chief: bool,
     pub evaluator: bool,
     pub placement: Placement,
+    /// Replicas of this many stages instead of workers (`--stages`); `None`: workers.
+    pub stages: Option<usize>,
 }
 
 /// The task of each rank, given the host of each rank.
@@ -78,9 +94,12 @@ pub fn assign_roles(hosts: &[String], opts: &MappingOptions) -> Result<Vec<TaskI
             ranks: n,
         });
     }
-    // At least one task must compute: a chief, or else a worker.
-    let need =
-        opts.ps + usize::from(opts.chief) + usize::from(opts.evaluator) + usize::from(!opts.chief);
+    // At least one task must compute: a chief, or else a worker; with stages, a replica.
+    let computing = match opts.stages {
+        Some(s) => s,
+        None => usize::from(!opts.chief),
+    };
+    let need = opts.ps + usize::from(opts.chief) + usize::from(opts.evaluator) + computing;
     if need > n {
         let mut extra = String::new();
         if opts.chief {
@@ -88,6 +107,9 @@ pub fn assign_roles(hosts: &[String], opts: &MappingOptions) -> Result<Vec<TaskI
         }
         if opts.evaluator {
             extra.push_str(" --evaluator");
+        }
+        if let Some(s) = opts.stages {
+            extra.push_str(&format!(" --stages {s}"));
         }
         return Err(MappingError::TooFewRanks {
             ranks: n,
@@ -113,13 +135,80 @@ pub fn assign_roles(hosts: &[String], opts: &MappingOptions) -> Result<Vec<TaskI
         let last = rest.pop().expect("checked above: enough ranks");
         tasks[last] = Some(TaskId::new("evaluator", 0));
     }
-    for (i, r) in rest.into_iter().enumerate() {
-        tasks[r] = Some(TaskId::new("worker", i));
+    match opts.stages {
+        None => {
+            for (i, r) in rest.into_iter().enumerate() {
+                tasks[r] = Some(TaskId::new("worker", i));
+            }
+        }
+        Some(stages) => {
+            for (i, r) in replica_order(hosts, rest, stages, opts)?
+                .into_iter()
+                .enumerate()
+            {
+                tasks[r] = Some(TaskId::new(replica_job(i / stages), i % stages));
+            }
+        }
     }
     Ok(tasks
         .into_iter()
         .map(|t| t.expect("every rank assigned"))
         .collect())
+}
+
+/// The ranks left for replicas of `stages` stages, in replica order (taken `stages` at a
+/// time they make the replicas, stage by stage): as many whole replicas inside each host as
+/// it holds, then the hosts' leftovers together.
+fn replica_order(
+    hosts: &[String],
+    rest: Vec<usize>,
+    stages: usize,
+    opts: &MappingOptions,
+) -> Result<Vec<usize>, MappingError> {
+    if stages == 0 {
+        return Err(MappingError::NoStages);
+    }
+    if !rest.len().is_multiple_of(stages) {
+        let mut after = String::new();
+        for (on, flag) in [
+            (opts.ps > 0, format!(" --ps {}", opts.ps)),
+            (opts.chief, " --chief".to_string()),
+            (opts.evaluator, " --evaluator".to_string()),
+        ] {
+            if on {
+                after += &flag;
+            }
+        }
+        if !after.is_empty() {
+            after = format!(" after{after}");
+        }
+        return Err(MappingError::StagesDoNotDivide {
+            stages,
+            ranks: rest.len(),
+            after,
+        });
+    }
+    // Each host's ranks in order, hosts in order of their first rank.
+    let mut by_host: Vec<(&str, Vec<usize>)> = Vec::new();
+    for r in rest {
+        match by_host.iter_mut().find(|(h, _)| *h == hosts[r]) {
+            Some((_, rs)) => rs.push(r),
+            None => by_host.push((hosts[r].as_str(), vec![r])),
+        }
+    }
+    // Whole replicas inside each host first; the hosts' leftovers, in host order, make
+    // the rest (each spanning as few hosts as the leftovers allow).
+    let mut replicas: Vec<Vec<usize>> = Vec::new();
+    let mut leftovers = Vec::new();
+    for (_, rs) in by_host {
+        let whole = rs.len() / stages * stages;
+        replicas.extend(rs[..whole].chunks(stages).map(<[usize]>::to_vec));
+        leftovers.extend_from_slice(&rs[whole..]);
+    }
+    replicas.extend(leftovers.chunks(stages).map(<[usize]>::to_vec));
+    // Replica numbers follow each replica's lowest rank.
+    replicas.sort_by_key(|r| r[0]);
+    Ok(replicas.concat())
 }
 
 /// `count` ranks dealt round-robin over hosts in order of first appearance.
@@ -483,5 +572,83 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("duplicate address a:1"));
+    }
+
+    #[test]
+    fn stages_make_replica_jobs_kept_inside_hosts_where_they_fit() {
+        let stages = |ps: usize, s: usize| MappingOptions {
+            ps,
+            stages: Some(s),
+            ..Default::default()
+        };
+        // The ps on a; a's three other ranks hold one whole replica of 2 and a leftover,
+        // b's four hold two; the leftover pairs with c's rank.
+        let h = hosts("a a a a b b b b c");
+        let t = assign_roles(&h, &stages(1, 2)).unwrap();
+        assert_eq!(
+            roles(&t),
+            [
+                "ps:0",
+                "replica_0:0",
+                "replica_0:1",
+                "replica_1:0",
+                "replica_2:0",
+                "replica_2:1",
+                "replica_3:0",
+                "replica_3:1",
+                "replica_1:1"
+            ]
+        );
+        // map-by node: the ranks of a host are not consecutive, its replicas still are.
+        let h = hosts("a b a b a b");
+        let t = assign_roles(&h, &stages(0, 3)).unwrap();
+        assert_eq!(
+            roles(&t),
+            [
+                "replica_0:0",
+                "replica_1:0",
+                "replica_0:1",
+                "replica_1:1",
+                "replica_0:2",
+                "replica_1:2"
+            ]
+        );
+        // A chief job stays apart; one stage is a replica per rank.
+        let chief = MappingOptions {
+            chief: true,
+            ..stages(1, 1)
+        };
+        let t = assign_roles(&hosts("a a a"), &chief).unwrap();
+        assert_eq!(roles(&t), ["ps:0", "chief:0", "replica_0:0"]);
+        let l = Layout::single_host(5, &stages(1, 2)).unwrap();
+        assert_eq!(l.spec.num_tasks("replica_1").unwrap(), 2);
+        assert!(l.spec.validate_roles().is_ok());
+    }
+
+    #[test]
+    fn stages_that_do_not_divide_or_fit_are_refused() {
+        let opts = MappingOptions {
+            ps: 1,
+            stages: Some(3),
+            ..Default::default()
+        };
+        let e = assign_roles(&hosts("a a a a a"), &opts).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--stages 3: the 4 ranks left for replicas after --ps 1 do not divide into replicas of 3 stages"
+        );
+        let e = assign_roles(&hosts("a a a"), &opts).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "3 ranks are too few for --ps 1 --stages 3: need at least 4"
+        );
+        let none = MappingOptions {
+            stages: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(
+            assign_roles(&hosts("a a"), &none),
+            Err(MappingError::NoStages)
+        );
     }
 }

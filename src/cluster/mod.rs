@@ -21,5 +21,5 @@ pub mod tf_config;
 
 pub use mapping::{Layout, MappingOptions, Placement, RankInfo};
 pub use resolve::{Request, ResolveError, Resolved, Source};
-pub use spec::{Address, ClusterSpec, Role, TaskId};
+pub use spec::{replica_job, Address, ClusterSpec, Role, TaskId};
 pub use tf_config::TfConfig;

@@ -38,30 +38,48 @@ pub enum SpecError {
     },
     #[error("job {job}: {why}")]
     BadJob { job: String, why: String },
-    #[error("unknown job type {0:?} (expected chief, worker, ps or evaluator)")]
+    #[error("unknown job type {0:?} (expected chief, worker, ps, evaluator or replica_N)")]
     UnknownRole(String),
     #[error("{job} job has {count} tasks; at most one {job} is allowed")]
     TooMany { job: String, count: usize },
 }
 
-/// The four kinds of job a training cluster knows.
+/// The kinds of job a training cluster knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
     Chief,
     Worker,
     Ps,
     Evaluator,
+    /// One model replica split into stages (`--stages`): jobs `replica_0`, `replica_1`,
+    /// ..., each task one stage of the model ([`replica_job`]).
+    Replica,
 }
 
-impl Role {
-    pub const ALL: [Role; 4] = [Role::Chief, Role::Worker, Role::Ps, Role::Evaluator];
+/// The job of model replica `r` when replicas are split into stages: `replica_r`.
+pub fn replica_job(r: usize) -> String {
+    format!("{REPLICA_PREFIX}{r}")
+}
 
+const REPLICA_PREFIX: &str = "replica_";
+
+impl Role {
+    pub const ALL: [Role; 5] = [
+        Role::Chief,
+        Role::Worker,
+        Role::Ps,
+        Role::Evaluator,
+        Role::Replica,
+    ];
+
+    /// The job's name, or for replica jobs the kind (`replica`).
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Chief => "chief",
             Role::Worker => "worker",
             Role::Ps => "ps",
             Role::Evaluator => "evaluator",
+            Role::Replica => "replica",
         }
     }
 }
@@ -77,7 +95,13 @@ impl FromStr for Role {
     fn from_str(s: &str) -> Result<Self, SpecError> {
         Role::ALL
             .into_iter()
-            .find(|r| r.as_str() == s)
+            .find(|r| *r != Role::Replica && r.as_str() == s)
+            .or_else(|| {
+                // replica_N: digits without a leading zero (TensorFlow's job names allow it).
+                let n = s.strip_prefix(REPLICA_PREFIX)?;
+                let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+                (digits && (n == "0" || !n.starts_with('0'))).then_some(Role::Replica)
+            })
             .ok_or_else(|| SpecError::UnknownRole(s.to_string()))
     }
 }
@@ -97,7 +121,7 @@ impl TaskId {
         }
     }
 
-    /// The task's role, if its job is one of the four known kinds.
+    /// The task's role, if its job is one of the known kinds.
     pub fn role(&self) -> Result<Role, SpecError> {
         self.job.parse()
     }
@@ -276,7 +300,8 @@ impl ClusterSpec {
         Ok(())
     }
 
-    /// Checks TensorFlow's role rules: only the four known jobs, at most one chief and one evaluator.
+    /// Checks TensorFlow's role rules: only the known jobs (the four, and replica jobs), at
+    /// most one chief and one evaluator.
     pub fn validate_roles(&self) -> Result<(), SpecError> {
         for job in self.jobs.keys() {
             job.parse::<Role>()?;
@@ -461,6 +486,35 @@ mod tests {
         let without = ClusterSpec::from_json(&json!({"worker": ["a:1", "b:1"]})).unwrap();
         assert_eq!(without.chief(), Some(TaskId::new("worker", 0)));
         assert_eq!(without.worker_id(&TaskId::new("worker", 1)), Some(1));
+    }
+
+    #[test]
+    fn replica_jobs_are_a_role_with_a_number() {
+        for job in ["replica_0", "replica_7", "replica_12"] {
+            assert_eq!(job.parse::<Role>().unwrap(), Role::Replica, "{job}");
+        }
+        assert_eq!(replica_job(3), "replica_3");
+        for job in [
+            "replica",
+            "replica_",
+            "replica_01",
+            "replica_x",
+            "replica_1a",
+            "Replica_1",
+        ] {
+            assert!(
+                matches!(job.parse::<Role>(), Err(SpecError::UnknownRole(_))),
+                "{job}"
+            );
+        }
+        let spec =
+            ClusterSpec::from_json(&json!({"ps": ["p:1"], "replica_0": ["a:1", "a:2"]})).unwrap();
+        assert!(spec.validate_roles().is_ok());
+        let bad = ClusterSpec::from_json(&json!({"replica_00": ["a:1"]})).unwrap();
+        assert_eq!(
+            bad.validate_roles().unwrap_err().to_string(),
+            "unknown job type \"replica_00\" (expected chief, worker, ps, evaluator or replica_N)"
+        );
     }
 
     #[test]

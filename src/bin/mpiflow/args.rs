@@ -388,6 +388,10 @@ pub(crate) struct ClusterArgs {
     /// Where ps tasks go: the first ranks, or spread over hosts.
     #[arg(long, value_parser = named::<Placement>(), default_value = "block")]
     pub(crate) placement: Placement,
+    /// Model replicas of S stages instead of workers: jobs replica_0, replica_1, ...,
+    /// task s of each its stage s, a replica's stages on as few hosts as possible.
+    #[arg(long, value_name = "S", value_parser = positive_usize)]
+    pub(crate) stages: Option<usize>,
     /// First port to try for each task (probed upward under MPI).
     #[arg(long, default_value_t = 2222, value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) port_base: u16,
@@ -510,6 +514,7 @@ impl ClusterArgs {
                 chief: self.chief,
                 evaluator: self.evaluator,
                 placement: self.placement,
+                stages: self.stages,
             },
             port_base: self.port_base,
             hostfile: self.hostfile.clone(),
