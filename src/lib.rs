@@ -5,6 +5,7 @@
 //! - [`transport`]: the MPI context and the data plane.
 //! - [`kernels`]: BLAS (OpenBLAS through cblas), element-wise and convolution kernels.
 //! - [`model`]: the model interface every mode trains through; layers, the MLP, the CNN.
+//! - [`pipeline`]: a model's layers split into stages (model parallelism in a replica).
 //! - [`topology`]: hwloc topology, pinning plans, BLAS threads per rank.
 //! - [`train`]: data sets, optimizers, and the training modes (local, ps, allreduce).
 //! - [`rng`]: the seeded generator behind every random choice.
@@ -29,6 +30,7 @@ pub mod launch;
 pub mod model;
 pub mod named;
 pub mod observe;
+pub mod pipeline;
 pub mod rng;
 pub mod scale;
 pub mod signals;

@@ -168,6 +168,33 @@ impl Sequential {
     }
 }
 
+impl Sequential {
+    /// Each layer's counted cost per sample, in multiply-adds: its parameters' elements
+    /// times the positions they apply at (each output pixel of a convolution, once for a
+    /// dense layer), plus one per input element (ReLU, pooling, copies). What
+    /// [`crate::pipeline::balance`] splits into stages.
+    pub fn layer_costs(&self) -> Vec<f64> {
+        self.ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let weights: usize = self.specs[r.clone()].iter().map(ParamSpec::numel).sum();
+                let positions = match self.shapes[i + 1][..] {
+                    [h, w, _] => h * w,
+                    _ => 1,
+                };
+                let input: usize = self.shapes[i].iter().product();
+                (weights * positions + input) as f64
+            })
+            .collect()
+    }
+
+    /// Layer `i`'s description (`dense 128`).
+    pub fn layer_describe(&self, i: usize) -> Option<String> {
+        self.layers.get(i).map(|l| l.describe())
+    }
+}
+
 fn slices(ts: &[Tensor]) -> Result<Vec<&[f32]>, ModelError> {
     ts.iter()
         .map(|t| t.as_slice::<f32>().map_err(ModelError::from))
@@ -355,6 +382,27 @@ mod tests {
             names,
             ["layer0/w", "layer0/b", "layer1/w", "layer1/b", "layer2/w", "layer2/b"]
         );
+    }
+
+    #[test]
+    fn layer_costs_count_weights_where_they_apply_and_split_the_cnn() {
+        // 784-128-10: dense (weights and biases, then inputs), relu, dense.
+        let m = mlp(784, &[128], 10).unwrap();
+        assert_eq!(
+            m.layer_costs(),
+            [100_352.0 + 128.0 + 784.0, 128.0, 1_280.0 + 10.0 + 128.0]
+        );
+        assert_eq!(m.layer_describe(1).as_deref(), Some("relu"));
+        let c = cnn([28, 28, 1], 10).unwrap();
+        let costs = c.layer_costs();
+        assert_eq!(costs.len(), 10);
+        // conv 5x5x1x16 (+16 biases) at 28x28 output pixels, plus its 784 inputs.
+        assert_eq!(costs[0], ((25 * 16 + 16) * 28 * 28 + 784) as f64);
+        // Two stages: the first convolution block against the rest.
+        let stages = crate::pipeline::balance(&costs, 2).unwrap();
+        assert_eq!(stages.len(), 2);
+        assert_eq!(stages[0].start, 0);
+        assert_eq!(stages[1].end, 10);
     }
 
     #[test]
