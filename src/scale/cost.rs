@@ -166,12 +166,12 @@ impl PsStep {
 }
 
 /// A synchronous parameter-server step of parameters of `bytes`, sliced evenly over the
-/// ps tasks of `c`. Each worker sends a slice to every ps and pulls it back. A phase takes
-/// the longest of: a ps handling one message from every worker (a latency each, through
-/// shared memory from its own host's workers), and a host's port carrying what crosses it
-/// (into a host: its ps tasks' slices from other hosts' workers; out: its workers' slices
-/// to other hosts' ps tasks) or its shared memory the copies inside it, whichever is
-/// longer (they proceed side by side). Pull mirrors
+/// ps tasks of `c`. Each worker sends a slice to every ps and pulls it back. A phase takes,
+/// on its slowest host, the time its port carries what crosses it (into the host: its ps
+/// tasks' slices from other hosts' workers; out: its workers' slices to other hosts' ps
+/// tasks) or its shared memory the copies inside it, whichever is longer (they proceed side
+/// by side), plus the messages: a ps handles one from every worker (a latency each, through
+/// shared memory from its own host's workers), a worker sends one to every ps. Pull mirrors
 /// push. Push and pull do not overlap: the ps replies once the step's update is applied.
 pub fn ps_step(c: &Cluster, bytes: f64, update: Update) -> PsStep {
     let (w, p) = (c.workers(), c.ps());
