@@ -184,6 +184,15 @@ fn bad_inputs_are_one_line_errors() {
             "{line}\nwant: {want}"
         );
     }
+    let out = mpiflow_alone(
+        &["scale", "--shm", lat, "--net", lat, "--tolerance", "-1"],
+        &[],
+    );
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(
+        out.stderr.contains("-1 is not a fraction of 0 or more"),
+        "{out:?}"
+    );
     let run = format!("mlp:2:{metrics}");
     let out = mpiflow_alone(
         &[

@@ -50,7 +50,7 @@ pub(crate) struct ScaleArgs {
     pub(crate) run: Vec<String>,
     /// How far a prediction may be from a measured run, as a fraction: beyond it the
     /// command fails.
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 0.25, value_parser = fraction)]
     pub(crate) tolerance: f64,
     /// Timed repetitions of a model's step (the median counts).
     #[arg(long, default_value_t = 20, value_parser = positive_usize)]
@@ -61,4 +61,12 @@ pub(crate) struct ScaleArgs {
     /// Draw the predictions (and the runs) as an SVG here.
     #[arg(long, value_name = "SVG")]
     pub(crate) svg: Option<PathBuf>,
+}
+
+/// A fraction of 0 or more (`--tolerance`).
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f >= 0.0 => Ok(f),
+        _ => Err(format!("{s} is not a fraction of 0 or more (0.25 is 25%)")),
+    }
 }
