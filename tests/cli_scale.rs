@@ -185,7 +185,7 @@ fn bad_inputs_are_one_line_errors() {
         );
     }
     let out = mpiflow_alone(
-        &["scale", "--shm", lat, "--net", lat, "--tolerance", "-1"],
+        &["scale", "--shm", lat, "--net", lat, "--tolerance=-1"],
         &[],
     );
     assert_eq!(out.code, 2, "{out:?}");
