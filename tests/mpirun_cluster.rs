@@ -232,6 +232,11 @@ fn ranks_started_with_different_flags_stop_the_job() {
     run.assert_one_line_error(
         "rank 1 was started with --placement=spread but rank 0 with --placement=block",
     );
+    let cmd = format!("-np 2 {m} spec --stages 2 : -np 2 {m} spec --stages 4");
+    let run = mpirun(&cmd.split(' ').collect::<Vec<_>>());
+    run.assert_one_line_error(
+        "rank 2 was started with --stages=4 but rank 0 with --stages=2: all ranks must get the same mapping flags",
+    );
 }
 
 #[test]

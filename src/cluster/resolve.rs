@@ -130,6 +130,10 @@ impl Request {
                 "--placement".into(),
                 format!("{:?}", m.placement).to_lowercase(),
             ),
+            (
+                "--stages".into(),
+                m.stages.map_or_else(|| "none".into(), |s| s.to_string()),
+            ),
             ("--port-base".into(), self.port_base.to_string()),
             (
                 "--rpc-layer".into(),
