@@ -101,13 +101,7 @@ pub fn assign_roles(hosts: &[String], opts: &MappingOptions) -> Result<Vec<TaskI
     };
     let need = opts.ps + usize::from(opts.chief) + usize::from(opts.evaluator) + computing;
     if need > n {
-        let mut extra = String::new();
-        if opts.chief {
-            extra.push_str(" --chief");
-        }
-        if opts.evaluator {
-            extra.push_str(" --evaluator");
-        }
+        let mut extra = role_flags(opts);
         if let Some(s) = opts.stages {
             extra.push_str(&format!(" --stages {s}"));
         }
@@ -156,6 +150,18 @@ pub fn assign_roles(hosts: &[String], opts: &MappingOptions) -> Result<Vec<TaskI
         .collect())
 }
 
+/// ` --chief` and ` --evaluator` as they were asked for: what the errors name beside `--ps`.
+fn role_flags(opts: &MappingOptions) -> String {
+    let mut flags = String::new();
+    if opts.chief {
+        flags.push_str(" --chief");
+    }
+    if opts.evaluator {
+        flags.push_str(" --evaluator");
+    }
+    flags
+}
+
 /// The ranks left for replicas of `stages` stages, in replica order (taken `stages` at a
 /// time they make the replicas, stage by stage): as many whole replicas inside each host as
 /// it holds, then the hosts' leftovers together.
@@ -169,16 +175,11 @@ fn replica_order(
         return Err(MappingError::NoStages);
     }
     if !rest.len().is_multiple_of(stages) {
-        let mut after = String::new();
-        for (on, flag) in [
-            (opts.ps > 0, format!(" --ps {}", opts.ps)),
-            (opts.chief, " --chief".to_string()),
-            (opts.evaluator, " --evaluator".to_string()),
-        ] {
-            if on {
-                after += &flag;
-            }
-        }
+        let ps = match opts.ps {
+            0 => String::new(),
+            n => format!(" --ps {n}"),
+        };
+        let mut after = ps + &role_flags(opts);
         if !after.is_empty() {
             after = format!(" after{after}");
         }
@@ -188,19 +189,11 @@ fn replica_order(
             after,
         });
     }
-    // Each host's ranks in order, hosts in order of their first rank.
-    let mut by_host: Vec<(&str, Vec<usize>)> = Vec::new();
-    for r in rest {
-        match by_host.iter_mut().find(|(h, _)| *h == hosts[r]) {
-            Some((_, rs)) => rs.push(r),
-            None => by_host.push((hosts[r].as_str(), vec![r])),
-        }
-    }
     // Whole replicas inside each host first; the hosts' leftovers, in host order, make
     // the rest (each spanning as few hosts as the leftovers allow).
     let mut replicas: Vec<Vec<usize>> = Vec::new();
     let mut leftovers = Vec::new();
-    for (_, rs) in by_host {
+    for rs in by_host(hosts, rest) {
         let whole = rs.len() / stages * stages;
         replicas.extend(rs[..whole].chunks(stages).map(<[usize]>::to_vec));
         leftovers.extend_from_slice(&rs[whole..]);
@@ -211,18 +204,28 @@ fn replica_order(
     Ok(replicas.concat())
 }
 
-/// `count` ranks dealt round-robin over hosts in order of first appearance.
-fn spread(hosts: &[String], count: usize) -> Vec<usize> {
-    let mut queues: Vec<(&str, std::collections::VecDeque<usize>)> = Vec::new();
-    for (r, h) in hosts.iter().enumerate() {
-        match queues.iter_mut().find(|(name, _)| *name == h) {
-            Some((_, q)) => q.push_back(r),
-            None => queues.push((h, [r].into())),
+/// `ranks` grouped by their host: each host's ranks in the order given, hosts in order of
+/// their first rank there.
+fn by_host(hosts: &[String], ranks: impl IntoIterator<Item = usize>) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for r in ranks {
+        match groups.iter_mut().find(|(h, _)| *h == hosts[r]) {
+            Some((_, rs)) => rs.push(r),
+            None => groups.push((hosts[r].as_str(), vec![r])),
         }
     }
+    groups.into_iter().map(|(_, rs)| rs).collect()
+}
+
+/// `count` ranks dealt round-robin over hosts in order of first appearance.
+fn spread(hosts: &[String], count: usize) -> Vec<usize> {
+    let mut queues: Vec<std::collections::VecDeque<usize>> = by_host(hosts, 0..hosts.len())
+        .into_iter()
+        .map(Into::into)
+        .collect();
     let mut out = Vec::with_capacity(count);
     while out.len() < count {
-        for (_, q) in queues.iter_mut() {
+        for q in queues.iter_mut() {
             if out.len() < count {
                 if let Some(r) = q.pop_front() {
                     out.push(r);

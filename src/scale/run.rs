@@ -5,6 +5,7 @@
 use super::cost::{Cluster, HostTasks, Links};
 use super::predict::{comm, Mode};
 use super::workload::Workload;
+use crate::bench::median;
 use crate::observe::metrics::Record;
 
 /// Errors of [`Run::from_records`].
@@ -73,9 +74,10 @@ impl Run {
         } else {
             &windows[..]
         };
-        let step = median(used.iter().map(|(s, _)| 1.0 / **s).collect());
+        let step = median(&mut used.iter().map(|(s, _)| 1.0 / **s).collect::<Vec<_>>());
         let alone = median(
-            used.iter()
+            &mut used
+                .iter()
                 .map(|(_, ranks)| {
                     ranks
                         .iter()
@@ -83,7 +85,7 @@ impl Run {
                         .map(|r| (r.times.compute + r.times.other) / r.times.steps as f64)
                         .fold(0.0, f64::max)
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
         );
         Ok(Run {
             mode,
@@ -107,11 +109,6 @@ impl Run {
     pub fn predicted(&self, w: &Workload, links: Links) -> f64 {
         self.alone + comm(&self.cluster(links), w, self.mode)
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 #[cfg(test)]

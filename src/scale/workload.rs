@@ -88,8 +88,7 @@ fn median_of(
         f()?;
         t.push(start.elapsed().as_secs_f64());
     }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    Ok(crate::bench::median(&mut t))
 }
 
 #[cfg(test)]

@@ -235,8 +235,8 @@ fn check_runs(
         let ratio = predicted / run.step;
         let within = (ratio - 1.0).abs() <= args.tolerance;
         off += usize::from(!within);
-        let workers: usize = run.hosts.iter().map(|h| h.workers).sum();
-        let ps: usize = run.hosts.iter().map(|h| h.ps).sum();
+        let cluster = run.cluster(links);
+        let (workers, ps) = (cluster.workers(), cluster.ps());
         emit(&format!(
             "{:>7} {:>9} {:>5} {:>7} {:>3} {:>8.3} {:>8.3} {:>12.3} {:>11.3} {:>6.2}{} {}\n",
             name(args.model[r.model]),
