@@ -212,24 +212,25 @@ pub fn check_data(
 /// same seed gives the same values on every machine.
 pub fn initial_values(specs: &[ParamSpec], seed: u64) -> Vec<Tensor> {
     let mut rng = Rng::new(seed);
-    specs
-        .iter()
-        .map(|s| {
-            let n = s.numel();
-            let data: Vec<f32> = match s.init {
-                Init::Zeros => vec![0.0; n],
-                Init::Constant(c) => vec![c; n],
-                Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
-                Init::HeNormal { fan_in } => {
-                    let std = (2.0 / fan_in.max(1) as f64).sqrt();
-                    (0..n).map(|_| (rng.normal() * std) as f32).collect()
-                }
-            };
-            Tensor::from_slice(&s.shape, &data)
-                .expect("data has the shape's length")
-                .named(&s.name)
-        })
-        .collect()
+    specs.iter().map(|s| draw_values(s, &mut rng)).collect()
+}
+
+/// The initial values of one parameter, drawn from `rng` (the next ones in
+/// [`initial_values`]' order).
+pub fn draw_values(s: &ParamSpec, rng: &mut Rng) -> Tensor {
+    let n = s.numel();
+    let data: Vec<f32> = match s.init {
+        Init::Zeros => vec![0.0; n],
+        Init::Constant(c) => vec![c; n],
+        Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+        Init::HeNormal { fan_in } => {
+            let std = (2.0 / fan_in.max(1) as f64).sqrt();
+            (0..n).map(|_| (rng.normal() * std) as f32).collect()
+        }
+    };
+    Tensor::from_slice(&s.shape, &data)
+        .expect("data has the shape's length")
+        .named(&s.name)
 }
 
 /// One copy of a model's parameters, with the model that computes on them: what one

@@ -30,11 +30,44 @@ pub struct Sequential {
 /// One pass's buffers: every layer's output and saved values, and the running gradient.
 /// Kept between steps, so a step allocates nothing once they have grown to the batch.
 #[derive(Default)]
-struct Scratch {
+pub(crate) struct Scratch {
     outs: Vec<Vec<f32>>,
     saved: Vec<Saved>,
     delta: Vec<f32>,
     dx: Vec<f32>,
+}
+
+impl Scratch {
+    /// The last layer's output of the last forward pass.
+    pub(crate) fn output(&self) -> &[f32] {
+        self.outs.last().map_or(&[], Vec::as_slice)
+    }
+
+    /// The running gradient as `len` values: set it to the output's gradient before a
+    /// backward pass; after one that asked for it, it holds the input's.
+    pub(crate) fn gradient_mut(&mut self, len: usize) -> &mut [f32] {
+        sized(&mut self.delta, len)
+    }
+
+    /// The running gradient.
+    pub(crate) fn gradient(&self) -> &[f32] {
+        &self.delta
+    }
+
+    /// Bytes held (allocated) by the buffers: the activations one pass keeps.
+    pub(crate) fn bytes(&self) -> usize {
+        let saved: usize = self
+            .saved
+            .iter()
+            .map(|s| match s {
+                Saved::Nothing => 0,
+                Saved::Workspace(w) => 4 * w.capacity(),
+                Saved::Argmax(a) => 4 * a.capacity(),
+            })
+            .sum();
+        let outs: usize = self.outs.iter().map(|o| 4 * o.capacity()).sum();
+        saved + outs + 4 * (self.delta.capacity() + self.dx.capacity())
+    }
 }
 
 impl Sequential {
@@ -90,33 +123,93 @@ impl Sequential {
         })
     }
 
-    /// Spare buffers sized for this model's layers, or new ones.
+    /// Spare buffers, or new ones.
     fn take_scratch(&self) -> Scratch {
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let mut s = spare.unwrap_or_default();
-        s.outs.resize_with(self.layers.len(), Vec::new);
-        s.saved.resize_with(self.layers.len(), Saved::default);
-        s
+        spare.unwrap_or_default()
     }
 
     fn give_back(&self, s: Scratch) {
         self.spare.lock().unwrap_or_else(|e| e.into_inner()).push(s);
     }
 
-    /// Every layer's output for `n` samples `x` into `s.outs` (the logits last), and what
-    /// each saves into `s.saved`.
-    fn forward(
+    /// Runs the layers of `layers` forward on `n` samples `x` (the first one's input):
+    /// their outputs into `s.outs` (the last layer's last), what each saves into
+    /// `s.saved`. `params` are those layers' parameters, from the first one's
+    /// ([`Self::param_range`]).
+    pub(crate) fn forward_layers(
         &self,
+        layers: Range<usize>,
         params: &[Tensor],
         x: &[f32],
         n: usize,
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
-        for (i, l) in self.layers.iter().enumerate() {
-            let p = slices(&params[self.ranges[i].clone()])?;
-            let (before, rest) = s.outs.split_at_mut(i);
-            let input = if i == 0 { x } else { &before[i - 1] };
-            l.forward_into(&p, &self.shapes[i], input, n, &mut rest[0], &mut s.saved[i])?;
+        s.outs.resize_with(layers.len(), Vec::new);
+        s.saved.resize_with(layers.len(), Saved::default);
+        let base = self.ranges[layers.start].start;
+        for (j, i) in layers.enumerate() {
+            let r = &self.ranges[i];
+            let p = slices(&params[r.start - base..r.end - base])?;
+            let (before, rest) = s.outs.split_at_mut(j);
+            let input = if j == 0 { x } else { &before[j - 1] };
+            self.layers[i].forward_into(
+                &p,
+                &self.shapes[i],
+                input,
+                n,
+                &mut rest[0],
+                &mut s.saved[j],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The backward pass of the layers of `layers` (last first) after
+    /// [`Self::forward_layers`] on the same `x`, from the gradient of their output in
+    /// `s.delta`: their parameter gradients written into `grads` (aligned like `params`),
+    /// `ready` called as each layer's are, and with `input_gradient` the gradient of `x`
+    /// left in `s.delta`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward_layers(
+        &self,
+        layers: Range<usize>,
+        params: &[Tensor],
+        x: &[f32],
+        n: usize,
+        grads: &mut [Tensor],
+        ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
+        input_gradient: bool,
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let base = self.ranges[layers.start].start;
+        let first = layers.start;
+        for (j, i) in layers.enumerate().rev() {
+            let range = self.ranges[i].start - base..self.ranges[i].end - base;
+            let p = slices(&params[range.clone()])?;
+            {
+                let mut g: Vec<&mut [f32]> = grads[range.clone()]
+                    .iter_mut()
+                    .map(|t| t.as_mut_slice::<f32>())
+                    .collect::<Result<_, _>>()?;
+                self.layers[i].backward_into(
+                    &p,
+                    &self.shapes[i],
+                    Backward {
+                        x: if j == 0 { x } else { &s.outs[j - 1] },
+                        y: &s.outs[j],
+                        saved: &mut s.saved[j],
+                        n,
+                        dy: &s.delta,
+                    },
+                    &mut g,
+                    (i > first || input_gradient).then_some(&mut s.dx),
+                )?;
+            }
+            if !range.is_empty() {
+                ready(range, grads);
+            }
+            std::mem::swap(&mut s.delta, &mut s.dx);
         }
         Ok(())
     }
@@ -133,37 +226,12 @@ impl Sequential {
         s: &mut Scratch,
     ) -> Result<f32, ModelError> {
         let (n, classes) = (y.len(), self.classes());
-        self.forward(params, x, n, s)?;
+        let all = 0..self.layers.len();
+        self.forward_layers(all.clone(), params, x, n, s)?;
         let delta = sized(&mut s.delta, n * classes);
         let loss =
             kernels::softmax_cross_entropy(s.outs.last().expect("logits"), y, classes, delta);
-        for i in (0..self.layers.len()).rev() {
-            let range = self.ranges[i].clone();
-            let p = slices(&params[range.clone()])?;
-            {
-                let mut g: Vec<&mut [f32]> = grads[range.clone()]
-                    .iter_mut()
-                    .map(|t| t.as_mut_slice::<f32>())
-                    .collect::<Result<_, _>>()?;
-                self.layers[i].backward_into(
-                    &p,
-                    &self.shapes[i],
-                    Backward {
-                        x: if i == 0 { x } else { &s.outs[i - 1] },
-                        y: &s.outs[i],
-                        saved: &mut s.saved[i],
-                        n,
-                        dy: &s.delta,
-                    },
-                    &mut g,
-                    (i > 0).then_some(&mut s.dx),
-                )?;
-            }
-            if !range.is_empty() {
-                ready(range, grads);
-            }
-            std::mem::swap(&mut s.delta, &mut s.dx);
-        }
+        self.backward_layers(all, params, x, n, grads, ready, false, s)?;
         Ok(loss)
     }
 }
@@ -187,6 +255,25 @@ impl Sequential {
                 (weights * positions + input) as f64
             })
             .collect()
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The parameters of the layers of `layers`, as a range of [`Model::parameters`].
+    pub fn param_range(&self, layers: Range<usize>) -> Range<usize> {
+        match (self.ranges.get(layers.start), layers.end.checked_sub(1)) {
+            (Some(first), Some(last)) if last >= layers.start => first.start..self.ranges[last].end,
+            _ => 0..0,
+        }
+    }
+
+    /// The shape of one sample's input to layer `i` (`i` = the number of layers: the
+    /// logits').
+    pub fn shape_at(&self, i: usize) -> &[usize] {
+        &self.shapes[i]
     }
 
     /// Layer `i`'s description (`dense 128`).
@@ -243,7 +330,7 @@ impl Model for Sequential {
 
     fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
         let mut s = self.take_scratch();
-        let done = self.forward(params, x, rows, &mut s);
+        let done = self.forward_layers(0..self.layers.len(), params, x, rows, &mut s);
         let logits = s.outs.last().cloned().unwrap_or_default();
         self.give_back(s);
         done.map(|()| logits)

@@ -1,0 +1,413 @@
+//! One stage of a [`Sequential`] model: a contiguous range of its layers, the parameters
+//! of those layers alone, and the activations of the micro-batches in flight.
+//!
+//! A stage runs a micro-batch forward from its input (the data on the first stage, the
+//! previous stage's output on the others) and keeps what the backward pass needs; the
+//! last stage turns its output (the logits) into the loss and its gradient. The backward
+//! pass of a micro-batch starts from the gradient of the stage's output and adds the
+//! parameter gradients into the step's sums, leaving the gradient of the stage's input
+//! for the previous stage. Gradients are summed over samples (the loss gradient is scaled
+//! by the micro-batch's size): divided by the global batch after the step's reduction,
+//! they are exactly the combined batch's mean gradient.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::kernels;
+use crate::model::sequential::Scratch;
+use crate::model::{zeros_like, Model, ModelError, Sequential};
+use crate::rng::Rng;
+use crate::tensor::Tensor;
+
+/// A micro-batch between its forward and its backward pass.
+#[derive(Default)]
+struct Pass {
+    /// The stage's input (kept: its first layer's backward pass reads it).
+    input: Vec<f32>,
+    n: usize,
+    act: Scratch,
+}
+
+impl Pass {
+    fn bytes(&self) -> usize {
+        4 * self.input.capacity() + self.act.bytes()
+    }
+}
+
+/// One stage of a model split into `stages`.
+pub struct Stage<'m> {
+    model: &'m Sequential,
+    index: usize,
+    stages: usize,
+    layers: Range<usize>,
+    /// This stage's parameters as a range of the model's.
+    params_range: Range<usize>,
+    /// This stage's parameters (the model's, in `params_range`).
+    pub params: Vec<Tensor>,
+    /// The step's gradient sums, shaped like `params`.
+    pub grads: Vec<Tensor>,
+    /// One micro-batch's gradients, before they are added to `grads`.
+    scratch: Vec<Tensor>,
+    /// Micro-batches started, not yet finished, by number.
+    in_flight: BTreeMap<usize, Pass>,
+    spare: Vec<Pass>,
+    /// Micro-batches whose backward pass ran this step.
+    summed: usize,
+    /// The most activation bytes held at once since [`Stage::take_peak_bytes`].
+    peak_bytes: usize,
+}
+
+impl std::fmt::Debug for Stage<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("index", &self.index)
+            .field("stages", &self.stages)
+            .field("layers", &self.layers)
+            .field("params", &self.params_range)
+            .finish()
+    }
+}
+
+/// The initial values of the parameters `keep` of `model`, drawn as
+/// [`crate::model::initial_values`] draws all of them from `seed` (so every stage holds
+/// exactly its part of the values local training starts from), without holding the rest.
+fn initial_part(model: &dyn Model, seed: u64, keep: Range<usize>) -> Vec<Tensor> {
+    let specs = model.parameters();
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::with_capacity(keep.len());
+    for (i, s) in specs.iter().enumerate() {
+        let one = crate::model::draw_values(s, &mut rng);
+        if keep.contains(&i) {
+            out.push(one);
+        }
+    }
+    out
+}
+
+impl<'m> Stage<'m> {
+    /// Stage `index` of `ranges` (contiguous layer ranges covering `model`, as
+    /// [`super::balance`] gives), with its part of the initial values from `seed`.
+    pub fn new(
+        model: &'m Sequential,
+        ranges: &[Range<usize>],
+        index: usize,
+        seed: u64,
+    ) -> Result<Stage<'m>, ModelError> {
+        let bad = |why: String| ModelError::Shape {
+            model: model.describe(),
+            why,
+        };
+        let covers = ranges.first().map(|r| r.start) == Some(0)
+            && ranges.last().map(|r| r.end) == Some(model.num_layers())
+            && ranges.windows(2).all(|w| w[0].end == w[1].start)
+            && ranges.iter().all(|r| !r.is_empty());
+        if !covers {
+            return Err(bad(format!(
+                "stages {ranges:?} do not cover its {} layers in order",
+                model.num_layers()
+            )));
+        }
+        let Some(layers) = ranges.get(index).cloned() else {
+            return Err(bad(format!("no stage {index} of {}", ranges.len())));
+        };
+        let params_range = model.param_range(layers.clone());
+        let params = initial_part(model, seed, params_range.clone());
+        Ok(Stage {
+            model,
+            index,
+            stages: ranges.len(),
+            layers,
+            grads: zeros_like(&params),
+            scratch: zeros_like(&params),
+            params_range,
+            params,
+            in_flight: BTreeMap::new(),
+            spare: Vec::new(),
+            summed: 0,
+            peak_bytes: 0,
+        })
+    }
+
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.stages
+    }
+
+    /// The model's layers this stage runs.
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+
+    /// This stage's parameters as a range of the model's ([`Model::parameters`]).
+    pub fn param_range(&self) -> Range<usize> {
+        self.params_range.clone()
+    }
+
+    /// Values of one sample's input (the previous stage's output).
+    pub fn input_width(&self) -> usize {
+        self.model.shape_at(self.layers.start).iter().product()
+    }
+
+    /// Values of one sample's output (the logits on the last stage).
+    pub fn output_width(&self) -> usize {
+        self.model.shape_at(self.layers.end).iter().product()
+    }
+
+    /// Bytes of parameters this stage holds.
+    pub fn param_bytes(&self) -> usize {
+        self.params.iter().map(Tensor::nbytes).sum()
+    }
+
+    /// The most bytes of activations held at once since the last call (micro-batches in
+    /// flight with their inputs), then starts counting again.
+    pub fn take_peak_bytes(&mut self) -> usize {
+        std::mem::take(&mut self.peak_bytes)
+    }
+
+    /// Starts micro-batch `mb` of `n` samples: runs the stage forward on `input` (taken:
+    /// it is kept for the backward pass) and returns the output.
+    pub fn forward(&mut self, mb: usize, input: Vec<f32>, n: usize) -> Result<&[f32], ModelError> {
+        let want = n * self.input_width();
+        if input.len() != want {
+            return Err(ModelError::Shape {
+                model: self.model.describe(),
+                why: format!(
+                    "stage {} takes {want} values for {n} samples, got {}",
+                    self.index,
+                    input.len()
+                ),
+            });
+        }
+        let mut pass = self.spare.pop().unwrap_or_default();
+        pass.input = input;
+        pass.n = n;
+        self.model.forward_layers(
+            self.layers.clone(),
+            &self.params,
+            &pass.input,
+            n,
+            &mut pass.act,
+        )?;
+        self.in_flight.insert(mb, pass);
+        let held: usize = self.in_flight.values().map(Pass::bytes).sum();
+        self.peak_bytes = self.peak_bytes.max(held);
+        Ok(self.in_flight[&mb].act.output())
+    }
+
+    /// A spare input buffer of `len` values for the next [`Stage::forward`] (receive the
+    /// previous stage's output into it).
+    pub fn input_buffer(&mut self, len: usize) -> Vec<f32> {
+        let mut v = self
+            .spare
+            .last_mut()
+            .map(|p| std::mem::take(&mut p.input))
+            .unwrap_or_default();
+        v.resize(len, 0.0);
+        v
+    }
+
+    fn pass(&mut self, mb: usize) -> Result<&mut Pass, ModelError> {
+        let model = self.model.describe();
+        let index = self.index;
+        self.in_flight
+            .get_mut(&mb)
+            .ok_or_else(|| ModelError::Shape {
+                model,
+                why: format!("stage {index}: micro-batch {mb} has not run forward"),
+            })
+    }
+
+    /// On the last stage: the mean loss of micro-batch `mb` against `labels`, and the
+    /// gradient of its output (the logits) for the backward pass, summed over samples.
+    pub fn loss(&mut self, mb: usize, labels: &[u8]) -> Result<f32, ModelError> {
+        let classes = self.output_width();
+        let model = self.model.describe();
+        let pass = self.pass(mb)?;
+        if labels.len() != pass.n {
+            return Err(ModelError::Shape {
+                model,
+                why: format!("{} labels for {} samples", labels.len(), pass.n),
+            });
+        }
+        if let Some(bad) = labels.iter().find(|l| usize::from(**l) >= classes) {
+            return Err(ModelError::Shape {
+                model,
+                why: format!("label {bad} is not below the model's {classes} classes"),
+            });
+        }
+        let n = pass.n;
+        let logits = pass.act.output().to_vec();
+        let delta = pass.act.gradient_mut(n * classes);
+        let loss = kernels::softmax_cross_entropy(&logits, labels, classes, delta);
+        delta.iter_mut().for_each(|v| *v *= n as f32);
+        Ok(loss)
+    }
+
+    /// Where the gradient of micro-batch `mb`'s output goes before its backward pass (on
+    /// every stage but the last: receive the next stage's input gradient into it).
+    pub fn output_gradient_mut(&mut self, mb: usize) -> Result<&mut [f32], ModelError> {
+        let width = self.output_width();
+        let pass = self.pass(mb)?;
+        let len = pass.n * width;
+        Ok(pass.act.gradient_mut(len))
+    }
+
+    /// The backward pass of micro-batch `mb`: its parameter gradients added into
+    /// [`Stage::grads`]; returns the gradient of its input (empty on the first stage),
+    /// valid until the next call.
+    pub fn backward(&mut self, mb: usize) -> Result<&[f32], ModelError> {
+        let mut pass = match self.in_flight.remove(&mb) {
+            Some(p) => p,
+            None => return Err(self.pass(mb).err().expect("not in flight")),
+        };
+        let first = self.summed == 0;
+        let input_gradient = !self.is_first();
+        let into = if first {
+            &mut self.grads
+        } else {
+            &mut self.scratch
+        };
+        self.model.backward_layers(
+            self.layers.clone(),
+            &self.params,
+            &pass.input,
+            pass.n,
+            into,
+            &mut |_, _| {},
+            input_gradient,
+            &mut pass.act,
+        )?;
+        if !first {
+            for (g, s) in self.grads.iter_mut().zip(&self.scratch) {
+                let g = g.as_mut_slice::<f32>()?;
+                kernels::axpy(1.0, s.as_slice::<f32>()?, g)?;
+            }
+        }
+        self.summed += 1;
+        let len = if self.is_first() {
+            0
+        } else {
+            pass.n * self.input_width()
+        };
+        self.spare.push(pass);
+        Ok(&self.spare.last().expect("pushed").act.gradient()[..len])
+    }
+
+    /// Ends the step's backward passes: the next one starts new sums. Errors if a
+    /// micro-batch is still in flight.
+    pub fn finish_step(&mut self) -> Result<(), ModelError> {
+        if let Some(mb) = self.in_flight.keys().next() {
+            return Err(ModelError::Shape {
+                model: self.model.describe(),
+                why: format!(
+                    "stage {}: micro-batch {mb} ran forward but not backward",
+                    self.index
+                ),
+            });
+        }
+        if self.summed == 0 {
+            for g in &mut self.grads {
+                g.as_mut_slice::<f32>()?.fill(0.0);
+            }
+        }
+        self.summed = 0;
+        Ok(())
+    }
+
+    /// Output of `n` samples `input` with no backward pass to follow (evaluation).
+    pub fn infer(&mut self, input: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
+        let mut pass = self.spare.pop().unwrap_or_default();
+        let done =
+            self.model
+                .forward_layers(self.layers.clone(), &self.params, input, n, &mut pass.act);
+        let out = pass.act.output().to_vec();
+        self.spare.push(pass);
+        done.map(|()| out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Replica;
+    use crate::rng::Rng;
+
+    /// The model's local gradient sums over a batch cut into micro-batches equal the
+    /// stages' own, run stage by stage by hand.
+    #[test]
+    fn stages_in_sequence_give_the_whole_model_gradients_and_initial_values() {
+        let model = crate::model::cnn([8, 8, 1], 3).unwrap();
+        let local = Replica::new(&model, 5);
+        let n = 6;
+        let mut rng = Rng::new(9);
+        let x: Vec<f32> = (0..n * 64).map(|_| rng.normal() as f32).collect();
+        let y: Vec<u8> = (0..n).map(|i| (i % 3) as u8).collect();
+        let mut want = local.zeros_like();
+        let loss = local.gradients_into(&x, &y, &mut want).unwrap();
+        let ranges = super::super::balance(&model.layer_costs(), 3).unwrap();
+        let mut stages: Vec<Stage> = (0..3)
+            .map(|k| Stage::new(&model, &ranges, k, 5).unwrap())
+            .collect();
+        let all: Vec<Tensor> = stages.iter().flat_map(|s| s.params.clone()).collect();
+        assert!(all
+            .iter()
+            .zip(&local.params)
+            .all(|(a, b)| a.bytes() == b.bytes() && a.name() == b.name()));
+        // Two micro-batches of 4 and 2 samples.
+        let mut losses = 0.0;
+        for (mb, rows) in [(0usize, 0..4usize), (1, 4..6)] {
+            let m = rows.len();
+            let mut act = x[rows.start * 64..rows.end * 64].to_vec();
+            for s in stages.iter_mut() {
+                act = s.forward(mb, act, m).unwrap().to_vec();
+            }
+            losses += stages[2].loss(mb, &y[rows]).unwrap() * m as f32;
+        }
+        for mb in [1, 0] {
+            let mut dy: Vec<f32> = Vec::new();
+            for s in stages.iter_mut().rev() {
+                if !s.is_last() {
+                    s.output_gradient_mut(mb).unwrap().copy_from_slice(&dy);
+                }
+                dy = s.backward(mb).unwrap().to_vec();
+            }
+            assert!(dy.is_empty());
+        }
+        assert!((losses / n as f32 - loss).abs() < 1e-5);
+        let got: Vec<Tensor> = stages
+            .iter_mut()
+            .flat_map(|s| {
+                s.finish_step().unwrap();
+                s.grads.clone()
+            })
+            .collect();
+        for (g, w) in got.iter().zip(&want) {
+            for (a, b) in g
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .zip(w.as_slice::<f32>().unwrap())
+            {
+                let b = b * n as f32;
+                assert!(
+                    (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                    "{}: {a} vs {b}",
+                    g.name()
+                );
+            }
+        }
+        assert!(stages[0].take_peak_bytes() > 0);
+        let e = stages[1].backward(7).unwrap_err();
+        assert!(
+            e.to_string().contains("micro-batch 7 has not run forward"),
+            "{e}"
+        );
+    }
+}
