@@ -412,6 +412,28 @@ impl ClusterSpec {
     }
 
     /// The worker id used by collectives: the chief is 0, worker i is i + number of chiefs.
+    /// The (replica, stage) a `replica_N` task is (`--stages`): replica N, stage its index.
+    pub fn replica_stage(&self, task: &TaskId) -> Option<(usize, usize)> {
+        let n = task.job.strip_prefix(REPLICA_PREFIX)?;
+        (task.job.parse::<Role>().ok() == Some(Role::Replica))
+            .then(|| n.parse().ok().map(|r| (r, task.index)))
+            .flatten()
+    }
+
+    /// The replica jobs' count and their tasks' (stages'), if every replica has the same
+    /// number; `None` if there are none or they differ.
+    pub fn replica_shape(&self) -> Option<(usize, usize)> {
+        let counts: Vec<usize> = self
+            .jobs()
+            .into_iter()
+            .filter(|j| j.parse::<Role>().ok() == Some(Role::Replica))
+            .map(|j| self.num_tasks(j).unwrap_or(0))
+            .collect();
+        let stages = *counts.first()?;
+        let numbered = (0..counts.len()).all(|r| self.num_tasks(&replica_job(r)).is_ok());
+        (numbered && counts.iter().all(|c| *c == stages)).then_some((counts.len(), stages))
+    }
+
     pub fn worker_id(&self, task: &TaskId) -> Option<usize> {
         let chiefs = self.num_tasks("chief").unwrap_or(0);
         match task.job.as_str() {
@@ -486,6 +508,30 @@ mod tests {
         let without = ClusterSpec::from_json(&json!({"worker": ["a:1", "b:1"]})).unwrap();
         assert_eq!(without.chief(), Some(TaskId::new("worker", 0)));
         assert_eq!(without.worker_id(&TaskId::new("worker", 1)), Some(1));
+    }
+
+    #[test]
+    fn replica_tasks_name_their_replica_and_stage() {
+        let spec = ClusterSpec::from_json(&json!({
+            "ps": ["p:1"],
+            "replica_0": ["a:1", "a:2"],
+            "replica_1": ["b:1", "b:2"]
+        }))
+        .unwrap();
+        assert_eq!(spec.replica_shape(), Some((2, 2)));
+        assert_eq!(
+            spec.replica_stage(&TaskId::new("replica_1", 0)),
+            Some((1, 0))
+        );
+        assert_eq!(spec.replica_stage(&TaskId::new("ps", 0)), None);
+        let uneven = ClusterSpec::from_json(&json!({
+            "replica_0": ["a:1", "a:2"],
+            "replica_1": ["b:1"]
+        }))
+        .unwrap();
+        assert_eq!(uneven.replica_shape(), None);
+        let gap = ClusterSpec::from_json(&json!({"replica_1": ["b:1"]})).unwrap();
+        assert_eq!(gap.replica_shape(), None);
     }
 
     #[test]

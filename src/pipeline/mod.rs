@@ -4,14 +4,22 @@
 //! - [`schedule`]: the order of a stage's forward and backward passes over a step's
 //!   micro-batches (GPipe, 1F1B), and the bubble they leave.
 //! - [`stage`]: one stage's layers, parameters and activations in flight.
+//! - [`link`]: activations and gradients between consecutive stages.
+//! - [`train`]: pipeline training over replicas of S stages.
 //!
 //! The cluster mapping (jobs `replica_0`, ... of one task per stage) lives in
 //! [`crate::cluster::mapping`].
 
+pub mod link;
 pub mod partition;
 pub mod schedule;
 pub mod stage;
+pub mod train;
 
 pub use partition::{balance, PartitionError};
 pub use schedule::{Op, Schedule};
 pub use stage::Stage;
+pub use train::{PipelineConfig, PipelineError};
+
+#[cfg(test)]
+mod tests;

@@ -38,7 +38,8 @@ impl Pass {
 pub struct Stage<'m> {
     model: &'m Sequential,
     index: usize,
-    stages: usize,
+    /// Every stage's layers.
+    partition: Vec<Range<usize>>,
     layers: Range<usize>,
     /// This stage's parameters as a range of the model's.
     params_range: Range<usize>,
@@ -61,7 +62,7 @@ impl std::fmt::Debug for Stage<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stage")
             .field("index", &self.index)
-            .field("stages", &self.stages)
+            .field("stages", &self.partition.len())
             .field("layers", &self.layers)
             .field("params", &self.params_range)
             .finish()
@@ -115,7 +116,7 @@ impl<'m> Stage<'m> {
         Ok(Stage {
             model,
             index,
-            stages: ranges.len(),
+            partition: ranges.to_vec(),
             layers,
             grads: zeros_like(&params),
             scratch: zeros_like(&params),
@@ -137,7 +138,17 @@ impl<'m> Stage<'m> {
     }
 
     pub fn is_last(&self) -> bool {
-        self.index + 1 == self.stages
+        self.index + 1 == self.partition.len()
+    }
+
+    /// Number of stages.
+    pub fn stages(&self) -> usize {
+        self.partition.len()
+    }
+
+    /// Every stage's layers.
+    pub fn partition(&self) -> &[Range<usize>] {
+        &self.partition
     }
 
     /// The model's layers this stage runs.

@@ -333,7 +333,7 @@ pub fn run<C: Comm + Send>(
 /// Every replica's phase times of the window closing now, named by world rank and task,
 /// with each rank's time in the reduction split into communication and waiting
 /// ([`phases::split_collective`]).
-fn gather_times<C: Comm>(
+pub(crate) fn gather_times<C: Comm>(
     coll: &Collectives<C>,
     layout: &Layout,
     world_rank: usize,

@@ -1,0 +1,581 @@
+//! Pipeline training (`mpiflow train --stages S --micro-batches M --schedule gpipe|1f1b`,
+//! `--mode allreduce`): every replica (a `replica_N` job) runs the model split into S
+//! stages, one per task; replicas train on their shares of the global batch.
+//!
+//! A step: each replica cuts its share into M micro-batches and runs them through its
+//! stages in the schedule's order, activations forward and their gradients backward by
+//! [`super::link`]; each stage sums its parameters' gradients over the micro-batches,
+//! the replicas' stage-k tasks sum theirs by a fused allreduce on a communicator of
+//! their own, and dividing by the global batch gives exactly the combined batch's
+//! gradient. Every task then applies the optimizer to its own parameters. One small sum
+//! over every replica task carries the step's word (the loss, a non-finite value, a stop
+//! signal) so all of them reach the same verdict.
+//!
+//! Evaluation runs the held-out samples through replica 0's stages; its last stage
+//! reports. With `save_params`, replica 0's stages send their parameters to its last
+//! stage, which writes the whole model (the checkpoint file format).
+
+use std::ops::Range;
+use std::time::Instant;
+
+use super::link::{Direction, Link, LinkError};
+use super::schedule::{self, Op, Schedule};
+use super::stage::Stage;
+use super::PartitionError;
+use crate::cluster::Layout;
+use crate::model::{Model, ModelError, Sequential};
+use crate::observe::phases::{Clock, Phase};
+use crate::tensor::{DType, Tensor};
+use crate::train::data::{shard, Batches, Dataset};
+use crate::train::events::Event;
+use crate::train::optim::Slots;
+use crate::train::{checkpoint, guard, StepLog, Stopped, TrainConfig};
+use crate::transport::fusion::{Fusion, FusionConfig, FusionError};
+use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
+
+/// Settings of pipeline training.
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    pub train: TrainConfig,
+    /// Micro-batches a replica's share of a step is cut into.
+    pub micro_batches: usize,
+    pub schedule: Schedule,
+    /// How the replicas' stage-k tasks sum their gradients.
+    pub fusion: FusionConfig,
+    /// Compare the replicas' parameter checksums, stage by stage, every N steps (0: never).
+    pub check_every: u64,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig {
+            train: TrainConfig::default(),
+            micro_batches: 4,
+            schedule: Schedule::OneFOneB,
+            fusion: FusionConfig::default(),
+            check_every: 100,
+        }
+    }
+}
+
+/// Errors of pipeline training.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PipelineError {
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+    #[error("{0}")]
+    Link(#[from] LinkError),
+    #[error("{0}")]
+    Fusion(#[from] FusionError),
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Partition(#[from] PartitionError),
+    #[error("{0}")]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("{0}")]
+    NonFinite(#[from] guard::NonFinite),
+    #[error("{0}")]
+    Stopped(#[from] Stopped),
+    #[error(
+        "replicas diverged at step {step}: stage {stage} of replica {replica} differs from replica 0's"
+    )]
+    Diverged {
+        step: u64,
+        stage: usize,
+        replica: usize,
+    },
+    /// A setting every rank judges alike (so every rank stops with it).
+    #[error("{0}")]
+    Config(String),
+    #[error("{task} (rank {rank}): {what}")]
+    Mismatch {
+        task: String,
+        rank: usize,
+        what: String,
+    },
+}
+
+impl PipelineError {
+    /// True for an error every replica task raises at the same point, so none is left
+    /// waiting on another.
+    pub fn is_agreed(&self) -> bool {
+        matches!(
+            self,
+            PipelineError::NonFinite(_)
+                | PipelineError::Stopped(_)
+                | PipelineError::Diverged { .. }
+                | PipelineError::Config(_)
+                | PipelineError::Partition(_)
+                | PipelineError::Mismatch { .. }
+        )
+    }
+}
+
+/// The layers of each stage of `model` in `stages`, by counted cost, one line each:
+/// `stage 0: layers 0..3 (conv 5x5x16/1 pad 2, relu, maxpool 2/2), 1,664 parameter bytes`.
+pub fn describe_partition(model: &Sequential, ranges: &[Range<usize>]) -> Vec<String> {
+    let specs = model.parameters();
+    ranges
+        .iter()
+        .enumerate()
+        .map(|(k, r)| {
+            let names: Vec<String> = r.clone().filter_map(|i| model.layer_describe(i)).collect();
+            let bytes: usize = specs[model.param_range(r.clone())]
+                .iter()
+                .map(|p| 4 * p.numel())
+                .sum();
+            format!(
+                "stage {k}: layers {}..{} ({}), {bytes} parameter bytes",
+                r.start,
+                r.end,
+                names.join(", ")
+            )
+        })
+        .collect()
+}
+
+/// The world rank that reports (replica 0's last stage), if the cluster has replicas.
+pub fn reporter(layout: &Layout) -> Option<usize> {
+    let (_, stages) = layout.spec.replica_shape()?;
+    layout
+        .ranks
+        .iter()
+        .position(|r| layout.spec.replica_stage(&r.task) == Some((0, stages - 1)))
+}
+
+/// What every replica task says about a step, summed over all of them: the last stages'
+/// sample-weighted losses and samples, how many saw a NaN and an infinite loss, how many
+/// stages' reduced gradients were not finite, how many tasks were asked to stop and the
+/// sum of their signal numbers.
+struct Verdict(Tensor);
+
+impl Verdict {
+    fn new() -> Verdict {
+        Verdict(
+            Tensor::zeros(DType::F32, &[7])
+                .expect("1-D")
+                .named("pipeline verdict"),
+        )
+    }
+
+    fn values(&self) -> &[f32] {
+        self.0.as_slice::<f32>().expect("f32")
+    }
+
+    fn loss(&self) -> f32 {
+        let v = self.values();
+        v[0] / v[1].max(1.0)
+    }
+
+    fn stop(&self) -> Option<i32> {
+        let v = self.values();
+        (v[5] > 0.0).then(|| (v[6] / v[5]).round() as i32)
+    }
+}
+
+/// The plan every replica task must share, compared before the first step.
+fn plan(model: &Sequential, ranges: &[Range<usize>], cfg: &PipelineConfig) -> String {
+    format!(
+        "model {}; stages {ranges:?}; --micro-batches {}; --schedule {}; batch {}; seed {}",
+        model.describe(),
+        cfg.micro_batches,
+        crate::named::Named::name(cfg.schedule),
+        cfg.train.batch,
+        cfg.train.seed
+    )
+}
+
+/// Runs this rank's part of pipeline training; `events` sees what this rank reports
+/// (replica 0's last stage reports the steps and the accuracy).
+pub fn run<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    model: &Sequential,
+    cfg: &PipelineConfig,
+    train: &Dataset,
+    test: &Dataset,
+    events: &mut dyn FnMut(&Event),
+) -> Result<(), PipelineError> {
+    let me = &layout.ranks[comm.rank()];
+    let place = layout.spec.replica_stage(&me.task);
+    let shape = layout.spec.replica_shape();
+    let (replicas, stages) = shape.unwrap_or((0, 0));
+    // Communicators, made by every rank (collectives): every replica task; a replica's
+    // stages (rank = stage); the replicas' tasks of one stage (rank = replica).
+    let (replica, stage) = place.unwrap_or((replicas, stages));
+    let group = comm.split(u32::from(place.is_none()), comm.rank())?;
+    let pipe = comm.split(replica as u32, stage)?;
+    let peers = comm.split(stage as u32, replica)?;
+    let Some((replica, stage)) = place else {
+        events(&Event::Warning(format!(
+            "{} (rank {}): not a replica in pipeline training; idle",
+            me.task,
+            comm.rank()
+        )));
+        return Ok(());
+    };
+    let Some((replicas, stages)) = shape else {
+        return Err(PipelineError::Config(
+            "the replica jobs (replica_0, replica_1, ...) differ in their number of stages".into(),
+        ));
+    };
+    let group = Collectives::new(group);
+    let peers = Collectives::new(peers);
+    crate::model::check_data(model, "train", train.features, train.classes)?;
+    let ranges = super::balance(&model.layer_costs(), stages)?;
+    let share = cfg.train.batch / replicas;
+    if cfg.micro_batches == 0 || share < cfg.micro_batches {
+        return Err(PipelineError::Config(format!(
+            "--micro-batches {}: each of the {replicas} replicas' share of batch {} is {share} samples; take 1 to {share} micro-batches",
+            cfg.micro_batches, cfg.train.batch
+        )));
+    }
+    agree_on_plan(&group, layout, &plan(model, &ranges, cfg))?;
+    let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?;
+    let reporting = replica == 0 && st.is_last();
+    if reporting {
+        events(&Event::Note(format!(
+            "pipeline: {replicas} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by counted cost: {}",
+            cfg.micro_batches,
+            crate::named::Named::name(cfg.schedule),
+            describe_partition(model, &ranges).join("; ")
+        )));
+    }
+    let opt = cfg.train.optimizer;
+    let mut slots: Vec<Slots> = st.params.iter().map(|p| opt.state(p.numel())).collect();
+    let mut link = Link::new(&pipe);
+    let mut fusion = Fusion::new(cfg.fusion);
+    let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
+    let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+    let mut clock = Clock::new();
+    let mut verdict = Verdict::new();
+    let mut step = 0u64;
+    let mut peak_activations = 0usize;
+    let (first, last) = (st.is_first(), st.is_last());
+    while step < cfg.train.steps {
+        let signal = cfg
+            .train
+            .stop_on_signal
+            .then(crate::signals::stop_requested)
+            .flatten();
+        let t = Instant::now();
+        link.step = step;
+        let global = batches.global(step);
+        let mine = shard(&global, replica, replicas);
+        let mut loss_sum = 0.0f32;
+        let mut waited = std::time::Duration::ZERO;
+        for op in &plan_ops {
+            match *op {
+                Op::Forward(mb) => {
+                    let idx = shard(mine, mb, cfg.micro_batches);
+                    let n = idx.len();
+                    let input = if st.is_first() {
+                        train.rows(idx).0
+                    } else {
+                        let mut buf = st.input_buffer(n * st.input_width());
+                        let w = Instant::now();
+                        link.receive(&mut buf, stage - 1, Direction::Activations, mb)?;
+                        waited += w.elapsed();
+                        buf
+                    };
+                    let out = st.forward(mb, input, n)?;
+                    if !last {
+                        link.send(out, stage + 1, Direction::Activations)?;
+                    } else {
+                        let labels: Vec<u8> = idx.iter().map(|i| train.y[*i]).collect();
+                        loss_sum += st.loss(mb, &labels)? * n as f32;
+                    }
+                }
+                Op::Backward(mb) => {
+                    if !st.is_last() {
+                        let into = st.output_gradient_mut(mb)?;
+                        let w = Instant::now();
+                        link.receive(into, stage + 1, Direction::Gradients, mb)?;
+                        waited += w.elapsed();
+                    }
+                    let dx = st.backward(mb)?;
+                    if !first {
+                        link.send(dx, stage - 1, Direction::Gradients)?;
+                    }
+                }
+            }
+        }
+        let w = Instant::now();
+        link.flush()?;
+        st.finish_step()?;
+        if replicas > 1 {
+            let mut refs: Vec<&mut Tensor> = st.grads.iter_mut().collect();
+            fusion.allreduce(&peers, &mut refs, ReduceOp::Sum)?;
+        }
+        waited += w.elapsed();
+        let total = global.len() as f32;
+        for g in &mut st.grads {
+            g.as_mut_slice::<f32>()
+                .expect("f32")
+                .iter_mut()
+                .for_each(|v| *v /= total);
+        }
+        let grads_finite = st
+            .grads
+            .iter()
+            .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
+        verdict
+            .0
+            .as_mut_slice::<f32>()
+            .expect("f32")
+            .copy_from_slice(&[
+                if loss_sum.is_finite() { loss_sum } else { 0.0 },
+                if last { mine.len() as f32 } else { 0.0 },
+                f32::from(u8::from(loss_sum.is_nan())),
+                f32::from(u8::from(loss_sum.is_infinite())),
+                f32::from(u8::from(!grads_finite)),
+                f32::from(u8::from(signal.is_some())),
+                signal.unwrap_or(0) as f32,
+            ]);
+        let w = Instant::now();
+        group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
+        waited += w.elapsed();
+        let v = verdict.values().to_vec();
+        if v[2] + v[3] > 0.0 {
+            let value = if v[2] > 0.0 { f32::NAN } else { f32::INFINITY };
+            let whose = format!(" on {} of {replicas} replicas", (v[2] + v[3]) as usize);
+            guard::check_loss(step, value, whose)?;
+        }
+        if v[4] > 0.0 {
+            return Err(PipelineError::NonFinite(guard::NonFinite::Gradient {
+                step,
+                tensor: format!("(the reduced gradients of {} stages)", v[4] as usize),
+                value: "a non-finite value".into(),
+            }));
+        }
+        for ((p, g), s) in st.params.iter_mut().zip(&st.grads).zip(&mut slots) {
+            opt.apply(
+                p.as_mut_slice::<f32>().expect("f32"),
+                g.as_slice::<f32>().expect("f32"),
+                s,
+            );
+        }
+        clock.charge(Phase::Comm, waited);
+        clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
+        clock.steps(1);
+        peak_activations = peak_activations.max(st.take_peak_bytes());
+        step += 1;
+        if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) && replicas > 1 {
+            let sum = st.params.iter().fold(0u64, |h, p| {
+                checkpoint::checksum(p.bytes()) ^ h.rotate_left(7)
+            });
+            let sums = peers.allgather_varlen(&sum.to_le_bytes())?;
+            if let Some(r) = sums.iter().position(|s| *s != sums[0]) {
+                return Err(PipelineError::Diverged {
+                    step,
+                    stage,
+                    replica: r,
+                });
+            }
+        }
+        let every = cfg.train.log_every;
+        if every > 0 && step.is_multiple_of(every) {
+            let mine = clock.take();
+            let ranks = crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
+                .map_err(|e| PipelineError::Config(e.to_string()))?;
+            if reporting {
+                let secs = mine.total().max(1e-9);
+                events(&Event::Step(StepLog {
+                    step,
+                    loss: verdict.loss(),
+                    steps_per_sec: mine.steps as f64 / secs,
+                    samples_per_sec: (mine.steps * cfg.train.batch as u64) as f64 / secs,
+                    comm_fraction: Some(mine.comm / secs),
+                    ranks,
+                }));
+            }
+        }
+        if let Some(signal) = verdict.stop() {
+            return Err(Stopped {
+                signal: crate::signals::name(signal),
+                step,
+                checkpoint: None,
+            }
+            .into());
+        }
+    }
+    report_memory(&group, &st, &slots, peak_activations, reporting, events)?;
+    if replica == 0 {
+        evaluate(&mut st, &mut link, test, step, events)?;
+        if let Some(path) = &cfg.train.save_params {
+            save_params(&mut st, &mut link, model, path, step)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every replica task's plan against rank 0's: the first that differs is named.
+fn agree_on_plan<C: Comm>(
+    group: &Collectives<C>,
+    layout: &Layout,
+    plan: &str,
+) -> Result<(), PipelineError> {
+    let all = group.allgather_varlen(plan.as_bytes())?;
+    let Some(i) = all.iter().position(|p| *p != all[0]) else {
+        return Ok(());
+    };
+    // The group is the replica tasks in world-rank order.
+    let members: Vec<usize> = (0..layout.ranks.len())
+        .filter(|r| layout.spec.replica_stage(&layout.ranks[*r].task).is_some())
+        .collect();
+    let rank = members.get(i).copied().unwrap_or(i);
+    let first = members.first().copied().unwrap_or(0);
+    Err(PipelineError::Mismatch {
+        task: layout.ranks[rank].task.to_string(),
+        rank,
+        what: format!(
+            "its pipeline ({}) differs from rank {first}'s ({})",
+            String::from_utf8_lossy(&all[i]),
+            String::from_utf8_lossy(&all[0])
+        ),
+    })
+}
+
+/// Each stage's parameter, optimizer-state and peak activation bytes, to the reporter.
+fn report_memory<C: Comm>(
+    group: &Collectives<C>,
+    st: &Stage<'_>,
+    slots: &[Slots],
+    peak_activations: usize,
+    reporting: bool,
+    events: &mut dyn FnMut(&Event),
+) -> Result<(), PipelineError> {
+    let state: usize = slots.iter().map(|s| 4 * (s.m.len() + s.v.len())).sum();
+    let mine = [st.index(), st.param_bytes(), state, peak_activations]
+        .iter()
+        .flat_map(|v| (*v as u64).to_le_bytes())
+        .collect::<Vec<u8>>();
+    let all = group.allgather_varlen(&mine)?;
+    if reporting {
+        let mut per_stage: Vec<[u64; 4]> = all
+            .iter()
+            .map(|b| {
+                let v: Vec<u64> = b
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect();
+                [v[0], v[1], v[2], v[3]]
+            })
+            .collect();
+        per_stage.sort_unstable();
+        per_stage.dedup_by_key(|v| v[0]);
+        let lines: Vec<String> = per_stage
+            .iter()
+            .map(|v| {
+                format!(
+                    "stage {}: parameters {} B, optimizer state {} B, peak activations {} B",
+                    v[0], v[1], v[2], v[3]
+                )
+            })
+            .collect();
+        events(&Event::Note(format!(
+            "memory per task: {}",
+            lines.join("; ")
+        )));
+    }
+    Ok(())
+}
+
+/// Samples per evaluation pass through the pipeline.
+const EVAL_CHUNK: usize = 500;
+
+/// Runs `test` through the replica's stages in chunks; the last stage reports the
+/// accuracy.
+fn evaluate<C: Comm>(
+    st: &mut Stage<'_>,
+    link: &mut Link<'_, C>,
+    test: &Dataset,
+    step: u64,
+    events: &mut dyn FnMut(&Event),
+) -> Result<(), PipelineError> {
+    let k = st.index();
+    let mut correct = 0usize;
+    for (chunk, start) in (0..test.len()).step_by(EVAL_CHUNK).enumerate() {
+        let n = EVAL_CHUNK.min(test.len() - start);
+        let input = if st.is_first() {
+            test.x[start * test.features..(start + n) * test.features].to_vec()
+        } else {
+            let mut buf = vec![0.0; n * st.input_width()];
+            link.receive(&mut buf, k - 1, Direction::Inference, chunk)?;
+            buf
+        };
+        let out = st.infer(&input, n)?;
+        if st.is_last() {
+            let pred = crate::kernels::argmax_rows(&out, st.output_width());
+            correct += pred
+                .iter()
+                .zip(&test.y[start..start + n])
+                .filter(|(p, l)| **p == usize::from(**l))
+                .count();
+        } else {
+            link.send(&out, k + 1, Direction::Inference)?;
+        }
+    }
+    link.flush()?;
+    if st.is_last() {
+        let total = test.len();
+        events(&Event::Accuracy {
+            accuracy: correct as f64 / total.max(1) as f64,
+            correct,
+            total,
+            step,
+        });
+    }
+    Ok(())
+}
+
+/// Replica 0's stages send their parameters to its last stage, which writes the whole
+/// model to `path`.
+fn save_params<C: Comm>(
+    st: &mut Stage<'_>,
+    link: &mut Link<'_, C>,
+    model: &Sequential,
+    path: &std::path::Path,
+    step: u64,
+) -> Result<(), PipelineError> {
+    let last = st.stages() - 1;
+    if !st.is_last() {
+        for p in &st.params {
+            link.send(
+                p.as_slice::<f32>().expect("f32"),
+                last,
+                Direction::Parameters,
+            )?;
+        }
+        link.flush()?;
+        return Ok(());
+    }
+    let specs = model.parameters();
+    let mut arrays = Vec::with_capacity(specs.len());
+    let mine = st.param_range();
+    for (k, layers) in st.partition().iter().enumerate() {
+        for i in model.param_range(layers.clone()) {
+            let values = if k == st.index() {
+                st.params[i - mine.start]
+                    .as_slice::<f32>()
+                    .expect("f32")
+                    .to_vec()
+            } else {
+                let mut buf = vec![0.0; specs[i].numel()];
+                link.receive(&mut buf, k, Direction::Parameters, i)?;
+                buf
+            };
+            arrays.push((specs[i].name.clone(), values));
+        }
+    }
+    checkpoint::write_file(
+        path,
+        &checkpoint::Arrays {
+            step,
+            meta: serde_json::json!({}),
+            arrays,
+        },
+    )?;
+    Ok(())
+}
