@@ -11,14 +11,14 @@ use mpiflow::cluster::hostfile::MapBy;
 use mpiflow::cluster::{MappingOptions, Placement, Request, Source};
 use mpiflow::named::Named;
 use mpiflow::topology::Policy;
-use mpiflow::train::optim::{Decay, Optimizer, OptimizerKind};
-use mpiflow::train::ps::placement::Strategy;
 use mpiflow::train::ps::PsTransport;
 use mpiflow::transport::stack::RdmaStack;
 use mpiflow::transport::Algorithm;
 
 mod scale;
+mod train;
 pub(crate) use scale::ScaleArgs;
+pub(crate) use train::TrainArgs;
 
 /// clap's parser for a library enum: its names as the possible values, with their help.
 fn named<T: Named + Send + Sync + Clone>() -> impl TypedValueParser<Value = T> {
@@ -157,121 +157,6 @@ pub(crate) enum ProgressArg {
     Live,
     /// A plain line per logged step.
     Lines,
-}
-
-#[derive(Args)]
-pub(crate) struct TrainArgs {
-    #[arg(long, value_enum, default_value_t)]
-    pub(crate) mode: Mode,
-    /// The model to train.
-    #[arg(long, value_enum, default_value_t)]
-    pub(crate) model: ModelChoice,
-    #[command(flatten)]
-    pub(crate) cluster: ClusterArgs,
-    /// Synchronous replicas (the default in ps mode).
-    #[arg(long, conflicts_with = "async_")]
-    pub(crate) sync: bool,
-    /// Asynchronous updates: each push is applied as it arrives.
-    #[arg(long = "async")]
-    pub(crate) async_: bool,
-    /// How ps-mode workers reach the ps: messages (p2p), or one-sided MPI windows (rma:
-    /// MPI_Get / MPI_Accumulate, the RDMA path).
-    #[arg(long, value_parser = named::<PsTransport>(), default_value = "p2p")]
-    pub(crate) transport: PsTransport,
-    /// Gradients per update in sync mode (default: all workers; fewer makes backup workers).
-    #[arg(long)]
-    pub(crate) replicas_to_aggregate: Option<usize>,
-    /// How variables are placed on ps tasks.
-    #[arg(long, value_parser = named::<Strategy>(), default_value = "greedy")]
-    pub(crate) var_placement: Strategy,
-    /// Slice size for --var-placement partition.
-    #[arg(long, default_value_t = 4 << 20)]
-    pub(crate) partition_bytes: usize,
-    /// Write checkpoints here (and restore the newest valid one at start).
-    #[arg(long)]
-    pub(crate) checkpoint_dir: Option<PathBuf>,
-    /// Checkpoint every N global steps (and at the end).
-    #[arg(long, default_value_t = 500)]
-    pub(crate) checkpoint_every: u64,
-    /// Seconds without a message from a needed peer before it counts as lost.
-    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) peer_timeout: u64,
-    /// allreduce mode: reduce each layer's gradients during the backward pass on a
-    /// communication thread (needs MPI_THREAD_MULTIPLE; pays off only when each rank has a
-    /// spare core for that thread).
-    #[arg(long)]
-    pub(crate) overlap: bool,
-    /// allreduce mode: gradients are packed into fusion buffers of at most this many bytes,
-    /// one allreduce each (1: one allreduce per tensor).
-    #[arg(long, default_value_t = 64 << 20, value_parser = positive_usize)]
-    pub(crate) fusion_threshold: usize,
-    /// allreduce mode: the gradient allreduce's algorithm.
-    #[arg(long, value_parser = named::<Algorithm>(), default_value = "auto")]
-    pub(crate) allreduce_algorithm: Algorithm,
-    /// Test-only: this replica changes a parameter after step 1 (allreduce mode).
-    #[arg(long, hide = true)]
-    pub(crate) perturb_rank: Option<usize>,
-    /// allreduce mode: compare the replicas' parameter checksums every N steps (0: never).
-    #[arg(long, default_value_t = 100)]
-    pub(crate) check_every: u64,
-    /// Write the final parameters to this file (mpiflow checkpoint format).
-    #[arg(long)]
-    pub(crate) save_params: Option<PathBuf>,
-    /// digits (the shipped UCI set), fashion-mnist (Debian's dataset-fashion-mnist, official
-    /// split), digits:PATH, fashion-mnist:DIR, synthetic, or idx:IMAGES,LABELS.
-    #[arg(long, default_value = "digits")]
-    pub(crate) data: String,
-    /// Hidden layer widths of the MLP, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
-    pub(crate) hidden: Vec<usize>,
-    /// Global batch size.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) batch: u64,
-    /// Train until this global step.
-    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) steps: u64,
-    #[arg(long, value_parser = named::<OptimizerKind>(), default_value = "adam")]
-    pub(crate) optimizer: OptimizerKind,
-    /// Learning rate (the base rate of a decay).
-    #[arg(long, default_value_t = 0.003, value_parser = positive_f32)]
-    pub(crate) lr: f32,
-    /// How the learning rate changes over the run: constant, or cosine (from --lr at the
-    /// first step to 0 at --steps, TensorFlow's cosine_decay).
-    #[arg(long, value_enum, default_value_t)]
-    pub(crate) lr_decay: DecayArg,
-    #[arg(long, default_value_t = 1)]
-    pub(crate) seed: u64,
-    /// Log every N steps (0: never).
-    #[arg(long, default_value_t = 250)]
-    pub(crate) log_every: u64,
-    /// Write metrics as the run goes (the chief): per logged step the loss, samples/s and
-    /// every rank's seconds in compute, communication and waiting; each evaluation's
-    /// accuracy. CSV (FILE.csv) or JSON lines (FILE.jsonl).
-    #[arg(long, value_name = "FILE")]
-    pub(crate) metrics: Option<PathBuf>,
-    /// Write a timeline of every rank's phases (Chrome trace-event JSON, for Perfetto or
-    /// chrome://tracing), merged by the chief when training ends.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) timeline: Option<PathBuf>,
-    /// When a rank has waited this many seconds in a collective or a ps step, the chief
-    /// prints one line naming the step, the operation and tensors, and the tasks that have
-    /// not arrived; again every interval until it clears (also in --metrics and
-    /// --timeline). 0: never. In ps mode a worker silent for --peer-timeout is lost first.
-    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
-    pub(crate) stall_warning: u64,
-    /// How the chief shows progress: live (one line redrawn in place), lines (a line per
-    /// logged step, with the ETA), or auto (live on a terminal, also through mpirun).
-    #[arg(long, value_enum, default_value_t)]
-    pub(crate) progress: ProgressArg,
-    /// Every rank prints its own notes (by default only the chief reports).
-    #[arg(long)]
-    pub(crate) verbose: bool,
-    /// CPU binding of each rank.
-    #[arg(long, value_parser = named::<Policy>(), default_value = "compact")]
-    pub(crate) bind: Policy,
-    /// OpenBLAS threads per rank (default: the cores of the rank's CPU set).
-    #[arg(long)]
-    pub(crate) blas_threads: Option<usize>,
 }
 
 /// `mpiflow bench`: OSU's options (`-m -i -x -W -f -c`), plus mpiflow's.
@@ -530,27 +415,6 @@ impl ClusterArgs {
     }
 }
 
-impl TrainArgs {
-    /// What every mode shares.
-    pub(crate) fn train_config(&self) -> mpiflow::train::TrainConfig {
-        let decay = match self.lr_decay {
-            DecayArg::Constant => Decay::Constant,
-            DecayArg::Cosine => Decay::Cosine { steps: self.steps },
-        };
-        mpiflow::train::TrainConfig {
-            batch: self.batch as usize,
-            steps: self.steps,
-            optimizer: Optimizer::new(self.optimizer, self.lr).with_decay(decay),
-            seed: self.seed,
-            log_every: self.log_every,
-            checkpoint_dir: self.checkpoint_dir.clone(),
-            checkpoint_every: self.checkpoint_every,
-            save_params: self.save_params.clone(),
-            stop_on_signal: true,
-        }
-    }
-}
-
 pub(crate) fn positive_usize(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
@@ -609,6 +473,8 @@ mod tests {
     use clap::CommandFactory;
 
     use super::*;
+    use mpiflow::train::optim::{Decay, OptimizerKind};
+    use mpiflow::train::ps::placement::Strategy;
 
     /// Every flag's default parses (clap checks defaults against the possible values).
     #[test]

@@ -43,7 +43,13 @@ impl Failure {
     /// An error all ranks agreed on, printed once by rank 0, right away: while MPI is still
     /// initialised, so no rank can exit (and make mpirun end the job) before it is printed.
     pub(crate) fn agreed(e: impl std::fmt::Display, ctx: &Context) -> Self {
-        if ctx.rank() == 0 {
+        Failure::agreed_by(e, ctx.rank() == 0)
+    }
+
+    /// An error some ranks agreed on (those taking part), printed once by the one that
+    /// `prints`, as [`Failure::agreed`].
+    pub(crate) fn agreed_by(e: impl std::fmt::Display, prints: bool) -> Self {
+        if prints {
             say!("mpiflow: error: {e}");
         }
         Failure(None, 1)

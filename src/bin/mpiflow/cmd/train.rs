@@ -14,7 +14,7 @@ use crate::report::{self, Reporter};
 pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::{data::Dataset, train_local, TrainConfig};
     if let Some(s) = args.cluster.stages {
-        return Err(stages_not_built(args, s));
+        refuse_with_stages(args, s)?;
     }
     // First: a stop asked for during setup is kept for the first step boundary.
     catch_stop_signals();
@@ -73,31 +73,20 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     Ok(())
 }
 
-/// `--stages S`: the model's layers partitioned by counted cost (or why they cannot be),
-/// in the error that says the pipeline that would train them is not built yet.
-fn stages_not_built(args: &TrainArgs, stages: usize) -> Failure {
-    let split = || -> Result<String, String> {
-        let (train, _) = mpiflow::train::data::Dataset::load_split(&args.data, args.seed)
-            .map_err(|e| e.to_string())?;
-        let model = build_model(args, &train)?;
-        let ranges =
-            mpiflow::pipeline::balance(&model.layer_costs(), stages).map_err(|e| e.to_string())?;
-        let stage = |(k, r): (usize, &std::ops::Range<usize>)| {
-            let names: Vec<String> = r.clone().filter_map(|i| model.layer_describe(i)).collect();
-            format!("stage {k}: {}", names.join(", "))
-        };
-        Ok(ranges
-            .iter()
-            .enumerate()
-            .map(stage)
-            .collect::<Vec<_>>()
-            .join("; "))
+/// What `--stages` does not train (yet), in one line before anything starts.
+fn refuse_with_stages(args: &TrainArgs, stages: usize) -> Result<(), Failure> {
+    let refused = match args.mode {
+        Mode::Local => Some("trains replicas split into stages under mpirun: add --mode allreduce"),
+        Mode::Ps => Some("with --mode ps is not built yet (stages' gradients to the ps tasks holding their variables); use --mode allreduce"),
+        Mode::Allreduce if args.checkpoint_dir.is_some() => {
+            Some("with --checkpoint-dir is not built yet (per-stage checkpoint shards)")
+        }
+        Mode::Allreduce if args.overlap => Some("does not overlap (--overlap): each stage's gradients are summed after its micro-batches"),
+        Mode::Allreduce => None,
     };
-    match split() {
-        Ok(plan) => Failure::local(format!(
-            "--stages {stages}: training a model split into stages is not built yet (mpiflow spec and launch map such clusters); by counted cost its layers would go {plan}"
-        )),
-        Err(e) => Failure::local(e),
+    match refused {
+        Some(why) => Err(Failure::local(format!("--stages {stages} {why}"))),
+        None => Ok(()),
     }
 }
 
@@ -234,8 +223,11 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     .map_err(|e| Failure::agreed(e, &ctx))?;
     // The chief (worker 0) reports, writes the metrics and gathers the timeline; the
     // others speak only with --verbose.
-    let root =
-        (0..layout.ranks.len()).find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0));
+    let root = match args.cluster.stages {
+        Some(_) => mpiflow::pipeline::train::reporter(layout),
+        None => (0..layout.ranks.len())
+            .find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0)),
+    };
     let chief = root == Some(ctx.rank());
     let root = root.unwrap_or(0);
     let metrics = ctx
@@ -259,6 +251,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         let mode = match args.mode {
             Mode::Ps if args.async_ => "ps, async",
             Mode::Ps => "ps, sync",
+            _ if args.cluster.stages.is_some() => "allreduce, pipeline",
             _ => "allreduce",
         };
         let mode = match (args.mode, args.transport) {
@@ -318,6 +311,37 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                     drop((watch, reporter));
                     timeline(&comm)?;
                     return Err(Failure::stopped(&s, chief));
+                }
+                r => r.map_err(|e| e.to_string()),
+            }
+        }
+        _ if args.cluster.stages.is_some() => {
+            use mpiflow::pipeline::{train as pipeline, PipelineConfig};
+            let cfg = PipelineConfig {
+                train: args.train_config(),
+                micro_batches: args.micro_batches,
+                schedule: args.schedule,
+                fusion: mpiflow::transport::fusion::FusionConfig {
+                    threshold_bytes: args.fusion_threshold,
+                    algorithm: args.allreduce_algorithm,
+                },
+                check_every: args.check_every,
+            };
+            match pipeline::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
+                Err(mpiflow::pipeline::PipelineError::Stopped(s)) => {
+                    drop((watch, reporter));
+                    timeline(&comm)?;
+                    return Err(Failure::stopped(&s, chief));
+                }
+                Err(e) if e.is_agreed() => {
+                    // Agreed by the replica tasks: the first of them prints it.
+                    let spec = &layout.spec;
+                    let first = layout
+                        .ranks
+                        .iter()
+                        .position(|r| spec.replica_stage(&r.task).is_some());
+                    drop((watch, comm, reporter));
+                    return Err(Failure::agreed_by(e, first == Some(ctx.rank())));
                 }
                 r => r.map_err(|e| e.to_string()),
             }

@@ -1,0 +1,102 @@
+//! Model parallelism under real `mpirun` (`train --stages`): replicas of S stages equal
+//! local training of the same global batch, by both schedules; a rank started with other
+//! pipeline settings stops every rank with one line naming it.
+
+mod common;
+
+use common::{accuracy, max_relative_difference, mpiflow, mpirun, tmpdir};
+
+#[test]
+fn replicas_of_stages_equal_local_training_under_mpirun() {
+    let dir = tmpdir("pipeline-equal");
+    // The CNN with SGD (see mpirun_models.rs: Adam turns summation-order rounding into
+    // visible differences); the MLP with the default Adam.
+    let cnn = ["--model", "cnn", "--optimizer", "sgd", "--lr", "0.05"];
+    let mlp = ["--model", "mlp", "--hidden", "64,32"];
+    for (name, model, runs) in [
+        (
+            "cnn",
+            &cnn[..],
+            // (ranks, --ps, --stages, --micro-batches, --schedule)
+            &[("4", "0", "2", "4", "1f1b"), ("5", "1", "2", "3", "gpipe")][..],
+        ),
+        (
+            "mlp",
+            &mlp[..],
+            &[("3", "0", "3", "4", "1f1b"), ("4", "0", "2", "2", "gpipe")][..],
+        ),
+    ] {
+        let local = dir.join(format!("{name}-local.bin"));
+        common::train_local_reference("40", &local, model);
+        for (np, ps, stages, micro, schedule) in runs {
+            let out = dir.join(format!("{name}-{np}-{stages}.bin"));
+            let mut args = vec!["-np", np, mpiflow(), "train", "--mode", "allreduce"];
+            args.extend_from_slice(&["--ps", ps, "--stages", stages, "--steps", "40"]);
+            args.extend_from_slice(&["--micro-batches", micro, "--schedule", schedule]);
+            args.extend_from_slice(model);
+            args.extend_from_slice(&["--log-every", "20", "--check-every", "10"]);
+            args.extend_from_slice(&["--save-params", out.to_str().unwrap()]);
+            let run = mpirun(&args);
+            let case = format!("{name} -np {np} --ps {ps} --stages {stages} M={micro} {schedule}");
+            assert_eq!(run.code, 0, "{case}: {run:?}");
+            // The partition, two logged steps, the memory per stage, the accuracy: once.
+            for prefix in ["# pipeline: ", "step ", "# memory per task: ", "accuracy "] {
+                let n = run.stdout.lines().filter(|l| l.starts_with(prefix)).count();
+                let want = if prefix == "step " { 2 } else { 1 };
+                assert_eq!(n, want, "{case}: {prefix:?}\n{}", run.stdout);
+            }
+            assert!(accuracy(&run.stdout) > 0.5, "{case}\n{}", run.stdout);
+            let worst = max_relative_difference(&local, &out);
+            assert!(worst < 1e-4, "{case}: largest relative difference {worst}");
+        }
+    }
+}
+
+#[test]
+fn pipeline_settings_that_differ_or_cannot_run_stop_the_job_in_one_line() {
+    let m = mpiflow();
+    // Rank 2 with other micro-batches: every replica task names it, the first prints.
+    let cmd = format!(
+        "-np 2 {m} train --mode allreduce --stages 2 --steps 5 : -np 2 {m} train --mode allreduce --stages 2 --steps 5 --micro-batches 2"
+    );
+    let run = mpirun(&cmd.split(' ').collect::<Vec<_>>());
+    assert_ne!(run.code, 0, "{run:?}");
+    let lines = run.error_lines();
+    assert_eq!(lines.len(), 1, "{run:?}");
+    assert!(
+        lines[0].starts_with("mpiflow: error: replica_1:0 (rank 2): its pipeline (model mlp")
+            && lines[0].contains("--micro-batches 2;")
+            && lines[0].contains("differs from rank 0's"),
+        "{run:?}"
+    );
+    assert!(!run.stderr.contains("panicked"), "{run:?}");
+    // More micro-batches than a replica's share; more stages than layers.
+    let run = mpirun(&[
+        "-np",
+        "4",
+        m,
+        "train",
+        "--mode",
+        "allreduce",
+        "--stages",
+        "2",
+        "--batch",
+        "8",
+        "--micro-batches",
+        "5",
+    ]);
+    run.assert_one_line_error(
+        "--micro-batches 5: each of the 2 replicas' share of batch 8 is 4 samples; take 1 to 4 micro-batches",
+    );
+    let run = mpirun(&[
+        "-np",
+        "4",
+        m,
+        "train",
+        "--mode",
+        "allreduce",
+        "--stages",
+        "4",
+    ]);
+    run.assert_one_line_error("--stages 4: the model has 3 layers, fewer than the stages");
+}
