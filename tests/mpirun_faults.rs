@@ -201,11 +201,13 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
     let m = mpiflow();
     let mpirun2 = ["mpirun", "--oversubscribe", "-np", "2", m];
     let mpirun3 = ["mpirun", "--oversubscribe", "-np", "3", m];
+    let mpirun4 = ["mpirun", "--oversubscribe", "-np", "4", m];
+    let stages = ["--mode", "allreduce", "--stages", "2"];
     // Where the job's command starts, and what to signal: mpirun itself (which passes
     // SIGUSR1 on to every rank), or one rank only (a ps task, or a worker: the newest
     // process).
     let ps = ["--mode", "ps", "--ps", "1"];
-    let cases: [Case; 6] = [
+    let cases: [Case; 8] = [
         (
             "local",
             &[m],
@@ -253,6 +255,22 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
             "-INT",
             &["-n", "-f", "^[^ ]*mpiflow train --mode ps"],
             "SIGINT",
+        ),
+        (
+            "pipeline-mpirun",
+            &mpirun4,
+            &stages,
+            "-USR1",
+            &["-f", "^mpirun "],
+            "SIGUSR1",
+        ),
+        (
+            "pipeline-one-stage",
+            &mpirun4,
+            &stages,
+            "-TERM",
+            &["-n", "-f", "^[^ ]*mpiflow train --mode allreduce --stages"],
+            "SIGTERM",
         ),
     ];
     for (name, start, mode, signal, pattern, said) in cases {

@@ -71,32 +71,82 @@ fn pipeline_settings_that_differ_or_cannot_run_stop_the_job_in_one_line() {
     );
     assert!(!run.stderr.contains("panicked"), "{run:?}");
     // More micro-batches than a replica's share; more stages than layers.
-    let run = mpirun(&[
-        "-np",
-        "4",
-        m,
-        "train",
-        "--mode",
-        "allreduce",
-        "--stages",
-        "2",
-        "--batch",
-        "8",
-        "--micro-batches",
-        "5",
-    ]);
+    let train = |extra: &str| {
+        let cmd = format!("-np 4 {m} train --mode allreduce {extra}");
+        mpirun(&cmd.split(' ').collect::<Vec<_>>())
+    };
+    let run = train("--stages 2 --batch 8 --micro-batches 5");
     run.assert_one_line_error(
         "--micro-batches 5: each of the 2 replicas' share of batch 8 is 4 samples; take 1 to 4 micro-batches",
     );
-    let run = mpirun(&[
-        "-np",
-        "4",
-        m,
-        "train",
-        "--mode",
-        "allreduce",
-        "--stages",
-        "4",
-    ]);
+    let run = train("--stages 4");
     run.assert_one_line_error("--stages 4: the model has 3 layers, fewer than the stages");
+}
+
+#[test]
+fn a_killed_stage_ends_the_job_and_a_rerun_resumes_from_the_stage_shards() {
+    let dir = tmpdir("pipeline-kill");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let m = mpiflow();
+    let train = |steps: &'static str| {
+        vec![
+            "-np",
+            "4",
+            m,
+            "train",
+            "--mode",
+            "allreduce",
+            "--stages",
+            "2",
+            "--steps",
+            steps,
+            "--checkpoint-every",
+            "200",
+            "--log-every",
+            "0",
+            "--checkpoint-dir",
+            c,
+        ]
+    };
+    // SIGKILL the last rank (a stage of replica 1) once a checkpoint is committed.
+    let marker = ckpt.join("ckpt-200").join("manifest.json");
+    let mut killed = None;
+    let (text, code) = common::with_rank_when(
+        &train("1000000"),
+        None,
+        || marker.exists(),
+        |pid, _| {
+            killed = Some(std::time::Instant::now());
+            common::signal(pid, "-KILL")
+        },
+    );
+    assert_ne!(code, Some(0), "{text}");
+    // Every other rank stops within 30 s of the kill.
+    let secs = killed.expect("killed").elapsed().as_secs_f64();
+    assert!(secs < 30.0, "the job ended {secs} s after the kill: {text}");
+    // The job's map names the task of the rank mpirun reports dead.
+    assert!(text.contains("3=replica_1:1"), "{text}");
+    let newest: u64 = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("ckpt-")?.parse::<u64>().ok()?;
+            e.path().join("manifest.json").exists().then_some(step)
+        })
+        .max()
+        .unwrap();
+    // Rerun: every task restores its stage from the newest committed checkpoint.
+    let end = (newest + 200).to_string();
+    let end: &'static str = Box::leak(end.into_boxed_str());
+    let run = mpirun(&train(end));
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains(&format!("ckpt-{newest} (global step {newest})")),
+        "{}",
+        run.stdout
+    );
+    assert!(accuracy(&run.stdout) > 0.9, "{}", run.stdout);
 }

@@ -6,12 +6,16 @@
 //! - [`stage`]: one stage's layers, parameters and activations in flight.
 //! - [`link`]: activations and gradients between consecutive stages.
 //! - [`train`]: pipeline training over replicas of S stages.
+//! - [`save`]: checkpoints in per-stage shards, and the final parameters.
+//! - [`report`]: the partition, each stage's memory, the held-out accuracy.
 //!
 //! The cluster mapping (jobs `replica_0`, ... of one task per stage) lives in
 //! [`crate::cluster::mapping`].
 
 pub mod link;
 pub mod partition;
+pub mod report;
+pub mod save;
 pub mod schedule;
 pub mod stage;
 pub mod train;

@@ -201,3 +201,77 @@ fn settings_that_cannot_run_stop_every_rank_with_one_verdict() {
         );
     }
 }
+
+#[test]
+fn checkpoints_in_stage_shards_resume_exactly_with_any_number_of_stages() {
+    let data = Dataset::load("digits", 0).unwrap();
+    let (train, test) = data.split_holdout(1);
+    let model = crate::model::mlp(64, &[32, 16], 10).unwrap();
+    let dir = std::env::temp_dir().join(format!("mpiflow-pipe-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let file = |name: &str| dir.join(format!("{name}.bin"));
+    let cfg = |steps: u64, ckpt: bool, out: &str| PipelineConfig {
+        train: TrainConfig {
+            steps,
+            log_every: 0,
+            checkpoint_dir: ckpt.then(|| dir.join("ckpt")),
+            checkpoint_every: 10,
+            save_params: Some(file(out)),
+            ..TrainConfig::default()
+        },
+        micro_batches: 2,
+        ..PipelineConfig::default()
+    };
+    let run_ok = |l: &Layout, c: PipelineConfig| {
+        let said = train_on(l, &model, &|_| c.clone(), &train, &test);
+        said.into_iter()
+            .flat_map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+            .collect::<Vec<String>>()
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    let two_by_two = layout(0, 4, 2);
+    run_ok(&two_by_two, cfg(40, false, "straight"));
+    // 20 steps with checkpoints at 10 and 20, then on to 30 from the newest.
+    let said = run_ok(&two_by_two, cfg(20, true, "first"));
+    assert_eq!(
+        said.iter()
+            .filter(|l| l.starts_with("# checkpoint "))
+            .count(),
+        2,
+        "{said:?}"
+    );
+    let ckpt20 = dir.join("ckpt").join("ckpt-20");
+    for f in ["manifest.json", "shard-stage0.bin", "shard-stage1.bin"] {
+        assert!(ckpt20.join(f).exists(), "{f}");
+    }
+    let said = run_ok(&two_by_two, cfg(30, true, "resumed"));
+    assert!(
+        said.iter()
+            .any(|l| l.contains("# restored ") && l.contains("ckpt-20")),
+        "{said:?}"
+    );
+    // Three stages of one replica resume the two-stage checkpoint of step 30.
+    run_ok(&layout(0, 3, 3), cfg(40, true, "restaged"));
+    let restaged = crate::train::checkpoint::read_file(&file("restaged"), None).unwrap();
+    let straight = crate::train::checkpoint::read_file(&file("straight"), None).unwrap();
+    assert_eq!(restaged.step, 40);
+    for (name, want) in &straight.arrays {
+        let got = restaged.get(name).unwrap();
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "{name}: {worst}");
+    }
+    // Allreduce mode resumes a pipeline's checkpoint (the common format).
+    let vars: Vec<(String, usize)> = crate::model::Replica::new(&model, 1)
+        .params
+        .iter()
+        .map(|p| (p.name().to_string(), p.numel()))
+        .collect();
+    let state =
+        crate::train::checkpoint::State::open(&dir.join("ckpt").join("ckpt-40"), &vars).unwrap();
+    assert_eq!(state.step, 40);
+    let _ = std::fs::remove_dir_all(&dir);
+}

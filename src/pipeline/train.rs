@@ -19,6 +19,8 @@ use std::ops::Range;
 use std::time::Instant;
 
 use super::link::{Direction, Link, LinkError};
+use super::report::{describe_partition, evaluate, report_memory};
+use super::save::{self, Saver, Writers};
 use super::schedule::{self, Op, Schedule};
 use super::stage::Stage;
 use super::PartitionError;
@@ -112,29 +114,6 @@ impl PipelineError {
     }
 }
 
-/// The layers of each stage of `model` in `stages`, by counted cost, one line each:
-/// `stage 0: layers 0..3 (conv 5x5x16/1 pad 2, relu, maxpool 2/2), 1,664 parameter bytes`.
-pub fn describe_partition(model: &Sequential, ranges: &[Range<usize>]) -> Vec<String> {
-    let specs = model.parameters();
-    ranges
-        .iter()
-        .enumerate()
-        .map(|(k, r)| {
-            let names: Vec<String> = r.clone().filter_map(|i| model.layer_describe(i)).collect();
-            let bytes: usize = specs[model.param_range(r.clone())]
-                .iter()
-                .map(|p| 4 * p.numel())
-                .sum();
-            format!(
-                "stage {k}: layers {}..{} ({}), {bytes} parameter bytes",
-                r.start,
-                r.end,
-                names.join(", ")
-            )
-        })
-        .collect()
-}
-
 /// The world rank that reports (replica 0's last stage), if the cluster has replicas.
 pub fn reporter(layout: &Layout) -> Option<usize> {
     let (_, stages) = layout.spec.replica_shape()?;
@@ -161,6 +140,42 @@ impl Verdict {
 
     fn values(&self) -> &[f32] {
         self.0.as_slice::<f32>().expect("f32")
+    }
+
+    /// This task's word: its loss sum over its `samples` (the last stage's), whether its
+    /// reduced gradients are finite, the signal it was sent.
+    fn fill(&mut self, loss_sum: f32, samples: usize, grads_finite: bool, signal: Option<i32>) {
+        let flag = |b: bool| f32::from(u8::from(b));
+        self.0
+            .as_mut_slice::<f32>()
+            .expect("f32")
+            .copy_from_slice(&[
+                if loss_sum.is_finite() { loss_sum } else { 0.0 },
+                samples as f32,
+                flag(loss_sum.is_nan()),
+                flag(loss_sum.is_infinite()),
+                flag(!grads_finite),
+                flag(signal.is_some()),
+                signal.unwrap_or(0) as f32,
+            ]);
+    }
+
+    /// After the sum: a non-finite loss or gradient anywhere stops every task.
+    fn check(&self, step: u64, replicas: usize) -> Result<(), PipelineError> {
+        let v = self.values();
+        if v[2] + v[3] > 0.0 {
+            let value = if v[2] > 0.0 { f32::NAN } else { f32::INFINITY };
+            let whose = format!(" on {} of {replicas} replicas", (v[2] + v[3]) as usize);
+            guard::check_loss(step, value, whose)?;
+        }
+        if v[4] > 0.0 {
+            return Err(PipelineError::NonFinite(guard::NonFinite::Gradient {
+                step,
+                tensor: format!("(the reduced gradients of {} stages)", v[4] as usize),
+                value: "a non-finite value".into(),
+            }));
+        }
+        Ok(())
     }
 
     fn loss(&self) -> f32 {
@@ -231,7 +246,8 @@ pub fn run<C: Comm>(
             cfg.micro_batches, cfg.train.batch
         )));
     }
-    agree_on_plan(&group, layout, &plan(model, &ranges, cfg))?;
+    let members = members(layout);
+    agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
     let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?;
     let reporting = replica == 0 && st.is_last();
     if reporting {
@@ -244,15 +260,38 @@ pub fn run<C: Comm>(
     }
     let opt = cfg.train.optimizer;
     let mut slots: Vec<Slots> = st.params.iter().map(|p| opt.state(p.numel())).collect();
-    let mut link = Link::new(&pipe);
+    // Replica 0's stage 0 coordinates checkpoints: the lowest-ranked replica task of all.
+    let writers = Writers {
+        coordinator: members
+            .iter()
+            .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
+            .unwrap_or(0),
+        writes: replica == 0,
+    };
+    let mut step = 0u64;
+    let saver = cfg.train.checkpoint_dir.as_deref().map(|dir| Saver {
+        group: &group,
+        who: writers,
+        dir,
+        model,
+    });
+    if let Some(at) = &saver {
+        step = save::restore(at, &mut st, &mut slots, &opt, events)?.unwrap_or(0);
+    }
+    let mut last_ckpt = step;
+    let checkpoint =
+        |step: u64, st: &Stage<'_>, slots: &[Slots], events: &mut dyn FnMut(&Event)| {
+            let at = saver.as_ref().expect("a checkpoint directory");
+            save::write(at, step, st, slots, events)
+        };
+    let pipe = Collectives::new(pipe);
+    let mut link = Link::new(pipe.comm());
     let mut fusion = Fusion::new(cfg.fusion);
     let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut clock = Clock::new();
     let mut verdict = Verdict::new();
-    let mut step = 0u64;
     let mut peak_activations = 0usize;
-    let (first, last) = (st.is_first(), st.is_last());
     while step < cfg.train.steps {
         let signal = cfg
             .train
@@ -263,98 +302,34 @@ pub fn run<C: Comm>(
         link.step = step;
         let global = batches.global(step);
         let mine = shard(&global, replica, replicas);
-        let mut loss_sum = 0.0f32;
-        let mut waited = std::time::Duration::ZERO;
-        for op in &plan_ops {
-            match *op {
-                Op::Forward(mb) => {
-                    let idx = shard(mine, mb, cfg.micro_batches);
-                    let n = idx.len();
-                    let input = if st.is_first() {
-                        train.rows(idx).0
-                    } else {
-                        let mut buf = st.input_buffer(n * st.input_width());
-                        let w = Instant::now();
-                        link.receive(&mut buf, stage - 1, Direction::Activations, mb)?;
-                        waited += w.elapsed();
-                        buf
-                    };
-                    let out = st.forward(mb, input, n)?;
-                    if !last {
-                        link.send(out, stage + 1, Direction::Activations)?;
-                    } else {
-                        let labels: Vec<u8> = idx.iter().map(|i| train.y[*i]).collect();
-                        loss_sum += st.loss(mb, &labels)? * n as f32;
-                    }
-                }
-                Op::Backward(mb) => {
-                    if !st.is_last() {
-                        let into = st.output_gradient_mut(mb)?;
-                        let w = Instant::now();
-                        link.receive(into, stage + 1, Direction::Gradients, mb)?;
-                        waited += w.elapsed();
-                    }
-                    let dx = st.backward(mb)?;
-                    if !first {
-                        link.send(dx, stage - 1, Direction::Gradients)?;
-                    }
-                }
-            }
-        }
+        let micro = MicroBatches {
+            data: train,
+            mine,
+            count: cfg.micro_batches,
+        };
+        let (loss_sum, mut waited) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
         let w = Instant::now();
-        link.flush()?;
-        st.finish_step()?;
         if replicas > 1 {
             let mut refs: Vec<&mut Tensor> = st.grads.iter_mut().collect();
             fusion.allreduce(&peers, &mut refs, ReduceOp::Sum)?;
         }
-        waited += w.elapsed();
         let total = global.len() as f32;
         for g in &mut st.grads {
-            g.as_mut_slice::<f32>()
-                .expect("f32")
-                .iter_mut()
-                .for_each(|v| *v /= total);
+            let g = g.as_mut_slice::<f32>().expect("f32");
+            g.iter_mut().for_each(|v| *v /= total);
         }
         let grads_finite = st
             .grads
             .iter()
             .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
-        verdict
-            .0
-            .as_mut_slice::<f32>()
-            .expect("f32")
-            .copy_from_slice(&[
-                if loss_sum.is_finite() { loss_sum } else { 0.0 },
-                if last { mine.len() as f32 } else { 0.0 },
-                f32::from(u8::from(loss_sum.is_nan())),
-                f32::from(u8::from(loss_sum.is_infinite())),
-                f32::from(u8::from(!grads_finite)),
-                f32::from(u8::from(signal.is_some())),
-                signal.unwrap_or(0) as f32,
-            ]);
-        let w = Instant::now();
+        let samples = if st.is_last() { mine.len() } else { 0 };
+        verdict.fill(loss_sum, samples, grads_finite, signal);
         group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
         waited += w.elapsed();
-        let v = verdict.values().to_vec();
-        if v[2] + v[3] > 0.0 {
-            let value = if v[2] > 0.0 { f32::NAN } else { f32::INFINITY };
-            let whose = format!(" on {} of {replicas} replicas", (v[2] + v[3]) as usize);
-            guard::check_loss(step, value, whose)?;
-        }
-        if v[4] > 0.0 {
-            return Err(PipelineError::NonFinite(guard::NonFinite::Gradient {
-                step,
-                tensor: format!("(the reduced gradients of {} stages)", v[4] as usize),
-                value: "a non-finite value".into(),
-            }));
-        }
+        verdict.check(step, replicas)?;
         for ((p, g), s) in st.params.iter_mut().zip(&st.grads).zip(&mut slots) {
-            opt.apply(
-                p.as_mut_slice::<f32>().expect("f32"),
-                g.as_slice::<f32>().expect("f32"),
-                s,
-            );
+            let g = g.as_slice::<f32>().expect("f32");
+            opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
         }
         clock.charge(Phase::Comm, waited);
         clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
@@ -362,17 +337,7 @@ pub fn run<C: Comm>(
         peak_activations = peak_activations.max(st.take_peak_bytes());
         step += 1;
         if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) && replicas > 1 {
-            let sum = st.params.iter().fold(0u64, |h, p| {
-                checkpoint::checksum(p.bytes()) ^ h.rotate_left(7)
-            });
-            let sums = peers.allgather_varlen(&sum.to_le_bytes())?;
-            if let Some(r) = sums.iter().position(|s| *s != sums[0]) {
-                return Err(PipelineError::Diverged {
-                    step,
-                    stage,
-                    replica: r,
-                });
-            }
+            compare_replicas(&peers, &st, step)?;
         }
         let every = cfg.train.log_every;
         if every > 0 && step.is_multiple_of(every) {
@@ -380,50 +345,156 @@ pub fn run<C: Comm>(
             let ranks = crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
                 .map_err(|e| PipelineError::Config(e.to_string()))?;
             if reporting {
-                let secs = mine.total().max(1e-9);
-                events(&Event::Step(StepLog {
-                    step,
-                    loss: verdict.loss(),
-                    steps_per_sec: mine.steps as f64 / secs,
-                    samples_per_sec: (mine.steps * cfg.train.batch as u64) as f64 / secs,
-                    comm_fraction: Some(mine.comm / secs),
-                    ranks,
-                }));
+                let log = StepLog::of_window(step, verdict.loss(), &mine, cfg.train.batch, ranks);
+                events(&Event::Step(log));
             }
         }
+        let every = cfg.train.checkpoint_every;
+        let due = every > 0 && step.is_multiple_of(every) && step < cfg.train.steps;
+        if cfg.train.checkpoint_dir.is_some() && due {
+            checkpoint(step, &st, &slots, events)?;
+            last_ckpt = step;
+        }
         if let Some(signal) = verdict.stop() {
+            // Every task stops after the same step; its checkpoint is kept.
+            let mut written = cfg
+                .train
+                .checkpoint_dir
+                .as_deref()
+                .map(|d| crate::train::checkpoint::path_of(d, step));
+            if cfg.train.checkpoint_dir.is_some() && last_ckpt != step {
+                written = Some(checkpoint(step, &st, &slots, events)?);
+            }
             return Err(Stopped {
                 signal: crate::signals::name(signal),
                 step,
-                checkpoint: None,
+                checkpoint: written,
             }
             .into());
         }
+    }
+    if cfg.train.checkpoint_dir.is_some() && last_ckpt != step {
+        checkpoint(step, &st, &slots, events)?;
     }
     report_memory(&group, &st, &slots, peak_activations, reporting, events)?;
     if replica == 0 {
         evaluate(&mut st, &mut link, test, step, events)?;
         if let Some(path) = &cfg.train.save_params {
-            save_params(&mut st, &mut link, model, path, step)?;
+            save::save_params(&st, &mut link, model, path, step)?;
         }
     }
     Ok(())
+}
+
+/// A replica's share of a step, cut into micro-batches.
+struct MicroBatches<'d> {
+    data: &'d Dataset,
+    /// The replica's samples (indices into `data`).
+    mine: &'d [usize],
+    count: usize,
+}
+
+impl MicroBatches<'_> {
+    fn indices(&self, mb: usize) -> &[usize] {
+        shard(self.mine, mb, self.count)
+    }
+}
+
+/// Runs this stage's passes of one step in the schedule's order (`ops`), receiving and
+/// sending through `link`; the stage's gradient sums are then complete. Returns the sum
+/// of the micro-batches' sample-weighted losses (the last stage's; 0 elsewhere) and the
+/// time spent waiting for the neighbours.
+fn run_passes<C: Comm>(
+    st: &mut Stage<'_>,
+    link: &mut Link<'_, C>,
+    ops: &[Op],
+    micro: &MicroBatches<'_>,
+) -> Result<(f32, std::time::Duration), PipelineError> {
+    let (first, last, k) = (st.is_first(), st.is_last(), st.index());
+    let mut loss_sum = 0.0f32;
+    let mut waited = std::time::Duration::ZERO;
+    for op in ops {
+        match *op {
+            Op::Forward(mb) => {
+                let idx = micro.indices(mb);
+                let n = idx.len();
+                let input = if first {
+                    micro.data.rows(idx).0
+                } else {
+                    let mut buf = st.input_buffer(n * st.input_width());
+                    let w = Instant::now();
+                    link.receive(&mut buf, k - 1, Direction::Activations, mb)?;
+                    waited += w.elapsed();
+                    buf
+                };
+                let out = st.forward(mb, input, n)?;
+                if !last {
+                    link.send(out, k + 1, Direction::Activations)?;
+                } else {
+                    let labels: Vec<u8> = idx.iter().map(|i| micro.data.y[*i]).collect();
+                    loss_sum += st.loss(mb, &labels)? * n as f32;
+                }
+            }
+            Op::Backward(mb) => {
+                if !last {
+                    let into = st.output_gradient_mut(mb)?;
+                    let w = Instant::now();
+                    link.receive(into, k + 1, Direction::Gradients, mb)?;
+                    waited += w.elapsed();
+                }
+                let dx = st.backward(mb)?;
+                if !first {
+                    link.send(dx, k - 1, Direction::Gradients)?;
+                }
+            }
+        }
+    }
+    let w = Instant::now();
+    link.flush()?;
+    waited += w.elapsed();
+    st.finish_step()?;
+    Ok((loss_sum, waited))
+}
+
+/// The replicas' stage-k tasks compare their parameters' checksum.
+fn compare_replicas<C: Comm>(
+    peers: &Collectives<C>,
+    st: &Stage<'_>,
+    step: u64,
+) -> Result<(), PipelineError> {
+    let sum = st.params.iter().fold(0u64, |h, p| {
+        crate::train::checkpoint::checksum(p.bytes()) ^ h.rotate_left(7)
+    });
+    let sums = peers.allgather_varlen(&sum.to_le_bytes())?;
+    match sums.iter().position(|s| *s != sums[0]) {
+        Some(replica) => Err(PipelineError::Diverged {
+            step,
+            stage: st.index(),
+            replica,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The replica tasks' world ranks, in order: the ranks of the replica tasks'
+/// communicator.
+fn members(layout: &Layout) -> Vec<usize> {
+    (0..layout.ranks.len())
+        .filter(|r| layout.spec.replica_stage(&layout.ranks[*r].task).is_some())
+        .collect()
 }
 
 /// Every replica task's plan against rank 0's: the first that differs is named.
 fn agree_on_plan<C: Comm>(
     group: &Collectives<C>,
     layout: &Layout,
+    members: &[usize],
     plan: &str,
 ) -> Result<(), PipelineError> {
     let all = group.allgather_varlen(plan.as_bytes())?;
     let Some(i) = all.iter().position(|p| *p != all[0]) else {
         return Ok(());
     };
-    // The group is the replica tasks in world-rank order.
-    let members: Vec<usize> = (0..layout.ranks.len())
-        .filter(|r| layout.spec.replica_stage(&layout.ranks[*r].task).is_some())
-        .collect();
     let rank = members.get(i).copied().unwrap_or(i);
     let first = members.first().copied().unwrap_or(0);
     Err(PipelineError::Mismatch {
@@ -435,147 +506,4 @@ fn agree_on_plan<C: Comm>(
             String::from_utf8_lossy(&all[0])
         ),
     })
-}
-
-/// Each stage's parameter, optimizer-state and peak activation bytes, to the reporter.
-fn report_memory<C: Comm>(
-    group: &Collectives<C>,
-    st: &Stage<'_>,
-    slots: &[Slots],
-    peak_activations: usize,
-    reporting: bool,
-    events: &mut dyn FnMut(&Event),
-) -> Result<(), PipelineError> {
-    let state: usize = slots.iter().map(|s| 4 * (s.m.len() + s.v.len())).sum();
-    let mine = [st.index(), st.param_bytes(), state, peak_activations]
-        .iter()
-        .flat_map(|v| (*v as u64).to_le_bytes())
-        .collect::<Vec<u8>>();
-    let all = group.allgather_varlen(&mine)?;
-    if reporting {
-        let mut per_stage: Vec<[u64; 4]> = all
-            .iter()
-            .map(|b| {
-                let v: Vec<u64> = b
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect();
-                [v[0], v[1], v[2], v[3]]
-            })
-            .collect();
-        per_stage.sort_unstable();
-        per_stage.dedup_by_key(|v| v[0]);
-        let lines: Vec<String> = per_stage
-            .iter()
-            .map(|v| {
-                format!(
-                    "stage {}: parameters {} B, optimizer state {} B, peak activations {} B",
-                    v[0], v[1], v[2], v[3]
-                )
-            })
-            .collect();
-        events(&Event::Note(format!(
-            "memory per task: {}",
-            lines.join("; ")
-        )));
-    }
-    Ok(())
-}
-
-/// Samples per evaluation pass through the pipeline.
-const EVAL_CHUNK: usize = 500;
-
-/// Runs `test` through the replica's stages in chunks; the last stage reports the
-/// accuracy.
-fn evaluate<C: Comm>(
-    st: &mut Stage<'_>,
-    link: &mut Link<'_, C>,
-    test: &Dataset,
-    step: u64,
-    events: &mut dyn FnMut(&Event),
-) -> Result<(), PipelineError> {
-    let k = st.index();
-    let mut correct = 0usize;
-    for (chunk, start) in (0..test.len()).step_by(EVAL_CHUNK).enumerate() {
-        let n = EVAL_CHUNK.min(test.len() - start);
-        let input = if st.is_first() {
-            test.x[start * test.features..(start + n) * test.features].to_vec()
-        } else {
-            let mut buf = vec![0.0; n * st.input_width()];
-            link.receive(&mut buf, k - 1, Direction::Inference, chunk)?;
-            buf
-        };
-        let out = st.infer(&input, n)?;
-        if st.is_last() {
-            let pred = crate::kernels::argmax_rows(&out, st.output_width());
-            correct += pred
-                .iter()
-                .zip(&test.y[start..start + n])
-                .filter(|(p, l)| **p == usize::from(**l))
-                .count();
-        } else {
-            link.send(&out, k + 1, Direction::Inference)?;
-        }
-    }
-    link.flush()?;
-    if st.is_last() {
-        let total = test.len();
-        events(&Event::Accuracy {
-            accuracy: correct as f64 / total.max(1) as f64,
-            correct,
-            total,
-            step,
-        });
-    }
-    Ok(())
-}
-
-/// Replica 0's stages send their parameters to its last stage, which writes the whole
-/// model to `path`.
-fn save_params<C: Comm>(
-    st: &mut Stage<'_>,
-    link: &mut Link<'_, C>,
-    model: &Sequential,
-    path: &std::path::Path,
-    step: u64,
-) -> Result<(), PipelineError> {
-    let last = st.stages() - 1;
-    if !st.is_last() {
-        for p in &st.params {
-            link.send(
-                p.as_slice::<f32>().expect("f32"),
-                last,
-                Direction::Parameters,
-            )?;
-        }
-        link.flush()?;
-        return Ok(());
-    }
-    let specs = model.parameters();
-    let mut arrays = Vec::with_capacity(specs.len());
-    let mine = st.param_range();
-    for (k, layers) in st.partition().iter().enumerate() {
-        for i in model.param_range(layers.clone()) {
-            let values = if k == st.index() {
-                st.params[i - mine.start]
-                    .as_slice::<f32>()
-                    .expect("f32")
-                    .to_vec()
-            } else {
-                let mut buf = vec![0.0; specs[i].numel()];
-                link.receive(&mut buf, k, Direction::Parameters, i)?;
-                buf
-            };
-            arrays.push((specs[i].name.clone(), values));
-        }
-    }
-    checkpoint::write_file(
-        path,
-        &checkpoint::Arrays {
-            step,
-            meta: serde_json::json!({}),
-            arrays,
-        },
-    )?;
-    Ok(())
 }

@@ -102,6 +102,26 @@ pub struct StepLog {
 }
 
 impl StepLog {
+    /// The log of a window of synchronous steps ending at `step` whose times on this rank
+    /// were `mine`, each of `batch` samples, with the share spent communicating.
+    pub fn of_window(
+        step: u64,
+        loss: f32,
+        mine: &crate::observe::phases::Times,
+        batch: usize,
+        ranks: Vec<RankTimes>,
+    ) -> StepLog {
+        let secs = mine.total().max(1e-9);
+        StepLog {
+            step,
+            loss,
+            steps_per_sec: mine.steps as f64 / secs,
+            samples_per_sec: (mine.steps * batch as u64) as f64 / secs,
+            comm_fraction: Some(mine.comm / secs),
+            ranks,
+        }
+    }
+
     /// The log line (`step N loss L steps/s S samples/s R`, then `comm C%` if known).
     pub fn line(&self) -> String {
         let mut line = format!(

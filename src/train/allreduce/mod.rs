@@ -115,19 +115,6 @@ fn params_checksum(model: &Replica<'_>) -> u64 {
         .fold(0, |h, p| checkpoint::checksum(p.bytes()) ^ h.rotate_left(7))
 }
 
-/// Broadcasts a byte string of any length from rank 0 of `coll`.
-fn bcast_bytes<C: Comm>(coll: &Collectives<C>, mine: Vec<u8>) -> Result<Vec<u8>, TransportError> {
-    let mut len = (mine.len() as u64).to_le_bytes();
-    coll.bcast(&mut len, 0)?;
-    let mut buf = if coll.rank() == 0 {
-        mine
-    } else {
-        vec![0u8; u64::from_le_bytes(len) as usize]
-    };
-    coll.bcast(&mut buf, 0)?;
-    Ok(buf)
-}
-
 /// Runs this rank's part of allreduce training; `events` sees what the chief reports.
 pub fn run<C: Comm + Send>(
     comm: &C,
@@ -174,7 +161,7 @@ pub fn run<C: Comm + Send>(
         let start = restored.unwrap_or_else(|| State::of_replica(&model, &slots, 0));
         start_bytes = checkpoint::encode(&start.arrays(&vars));
     }
-    let start = bcast_bytes(&coll, start_bytes)?;
+    let start = coll.bcast_varlen(start_bytes, 0)?;
     let arrays = checkpoint::parse(std::path::Path::new("<broadcast>"), &start, None)?;
     let state = State::assemble(std::path::Path::new("<broadcast>"), &[arrays], &vars)?;
     state.apply_to(&mut model, &mut slots, &opt);
@@ -282,15 +269,9 @@ pub fn run<C: Comm + Send>(
                     gather_times(&coll, layout, comm.rank(), mine)?
                 };
                 if chief {
-                    let secs = mine.total().max(1e-9);
-                    events(&Event::Step(StepLog {
-                        step,
-                        loss: verdict.loss(),
-                        steps_per_sec: mine.steps as f64 / secs,
-                        samples_per_sec: (mine.steps * cfg.train.batch as u64) as f64 / secs,
-                        comm_fraction: Some(mine.comm / secs),
-                        ranks,
-                    }));
+                    let log =
+                        StepLog::of_window(step, verdict.loss(), &mine, cfg.train.batch, ranks);
+                    events(&Event::Step(log));
                 }
             }
             if chief

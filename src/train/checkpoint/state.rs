@@ -199,11 +199,16 @@ impl State {
 
     /// A replica's state: its parameters and their optimizer state at `step`.
     pub fn of_replica(model: &Replica<'_>, slots: &[Slots], step: u64) -> State {
+        State::of_params(&model.params, slots, step)
+    }
+
+    /// The state of parameters `params` (all of a model's, or a part: a pipeline stage's)
+    /// and their optimizer state at `step`.
+    pub fn of_params(params: &[crate::tensor::Tensor], slots: &[Slots], step: u64) -> State {
         State {
             step,
             t: slots.first().map_or(0, |s| s.t),
-            vars: model
-                .params
+            vars: params
                 .iter()
                 .zip(slots)
                 .map(|(p, s)| VarState {

@@ -212,6 +212,19 @@ impl<C: Comm> Collectives<C> {
         self.bcast(t.bytes_mut(), root)
     }
 
+    /// Broadcast of a byte string of any length from `root` (`mine` is read there only).
+    pub fn bcast_varlen(&self, mine: Vec<u8>, root: usize) -> Result<Vec<u8>, TransportError> {
+        let mut len = (mine.len() as u64).to_le_bytes();
+        self.bcast(&mut len, root)?;
+        let mut buf = if self.rank() == root {
+            mine
+        } else {
+            vec![0u8; u64::from_le_bytes(len) as usize]
+        };
+        self.bcast(&mut buf, root)?;
+        Ok(buf)
+    }
+
     /// Allgather of equal-size blocks.
     pub fn allgather(&self, mine: &[u8], out: &mut [u8]) -> Result<(), TransportError> {
         allgather_bytes(&self.comm, mine, out)

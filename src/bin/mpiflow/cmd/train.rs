@@ -78,9 +78,6 @@ fn refuse_with_stages(args: &TrainArgs, stages: usize) -> Result<(), Failure> {
     let refused = match args.mode {
         Mode::Local => Some("trains replicas split into stages under mpirun: add --mode allreduce"),
         Mode::Ps => Some("with --mode ps is not built yet (stages' gradients to the ps tasks holding their variables); use --mode allreduce"),
-        Mode::Allreduce if args.checkpoint_dir.is_some() => {
-            Some("with --checkpoint-dir is not built yet (per-stage checkpoint shards)")
-        }
         Mode::Allreduce if args.overlap => Some("does not overlap (--overlap): each stage's gradients are summed after its micro-batches"),
         Mode::Allreduce => None,
     };

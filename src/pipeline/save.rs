@@ -1,0 +1,240 @@
+//! What a pipeline keeps on disk: checkpoints in per-stage shards, and the final
+//! parameters.
+//!
+//! A checkpoint of a pipeline is the common format ([`crate::train::checkpoint`]) with one
+//! file per stage, `shard-stage<k>.bin`, holding that stage's variables whole (values and
+//! optimizer state, `var@0/param`, `/m`, `/v`): replica 0's tasks write them, one each, and
+//! the manifest lists every variable of the model. So a pipeline resumes from any mode's
+//! checkpoint (and with another number of stages), and any mode from a pipeline's.
+//!
+//! Every replica task takes part in each step of writing and restoring (collectives on
+//! the replica tasks' communicator), so all of them reach the same verdict: the
+//! checkpoint written and its path, or the error that stops them all.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use super::link::{Direction, Link};
+use super::stage::Stage;
+use super::train::PipelineError;
+use crate::model::{Model, Sequential};
+use crate::train::checkpoint::state;
+use crate::train::checkpoint::{self, Arrays, State};
+use crate::train::events::Event;
+use crate::train::optim::{Optimizer, Slots};
+use crate::transport::{Collectives, Comm};
+
+/// The file of stage `k` in a pipeline checkpoint.
+pub fn stage_file(k: usize) -> String {
+    format!("shard-stage{k}.bin")
+}
+
+/// Where this task stands in the replica tasks' communicator.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Writers {
+    /// The group rank that begins and commits checkpoints (replica 0's stage 0).
+    pub coordinator: usize,
+    /// This task writes its stage's shard (it is in replica 0).
+    pub writes: bool,
+}
+
+/// Where and by whom a pipeline's checkpoints are written.
+pub(crate) struct Saver<'a, C: Comm> {
+    /// Every replica task.
+    pub group: &'a Collectives<C>,
+    pub who: Writers,
+    pub dir: &'a Path,
+    pub model: &'a Sequential,
+}
+
+/// The model's variables: name and elements, in order.
+fn variables(model: &Sequential) -> Vec<(String, usize)> {
+    model
+        .parameters()
+        .into_iter()
+        .map(|p| {
+            let n = p.numel();
+            (p.name, n)
+        })
+        .collect()
+}
+
+/// Every task's result, agreed: the first error any task met (by group rank), or `Ok`.
+fn agree<C: Comm>(group: &Collectives<C>, mine: Result<(), String>) -> Result<(), PipelineError> {
+    let said = group.allgather_varlen(mine.err().unwrap_or_default().as_bytes())?;
+    match said.iter().find(|s| !s.is_empty()) {
+        Some(e) => Err(PipelineError::Config(
+            String::from_utf8_lossy(e).into_owned(),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Restores the newest valid checkpoint in `dir` (any mode's) into this stage: its
+/// parameters and their optimizer state; returns its step (`None`: none there). The
+/// coordinator picks the checkpoint, so every task restores the same one.
+pub(crate) fn restore<C: Comm>(
+    at: &Saver<'_, C>,
+    st: &mut Stage<'_>,
+    slots: &mut [Slots],
+    opt: &Optimizer,
+    events: &mut dyn FnMut(&Event),
+) -> Result<Option<u64>, PipelineError> {
+    let (group, who, dir, model) = (at.group, at.who, at.dir, at.model);
+    let mut picked = Ok(None);
+    if group.rank() == who.coordinator {
+        picked = std::fs::create_dir_all(dir)
+            .map_err(|e| format!("checkpoint {}: {e}", dir.display()))
+            .map(|()| {
+                let (found, warnings) = checkpoint::latest(dir);
+                for w in warnings {
+                    events(&Event::Warning(w));
+                }
+                found.map(|f| f.path)
+            });
+    }
+    let mine = match &picked {
+        Ok(Some(p)) => format!("+{}", p.display()),
+        Ok(None) => "+".to_string(),
+        Err(e) => format!("-{e}"),
+    };
+    let said = group.bcast_varlen(mine.into_bytes(), who.coordinator)?;
+    let said = String::from_utf8_lossy(&said).into_owned();
+    let path = match said.split_at(1) {
+        ("-", e) => return Err(PipelineError::Config(e.to_string())),
+        (_, "") => None,
+        (_, p) => Some(PathBuf::from(p)),
+    };
+    let Some(path) = path else {
+        agree(group, Ok(()))?;
+        return Ok(None);
+    };
+    let vars = variables(model);
+    let opened = State::open(&path, &vars);
+    agree(group, opened.as_ref().map(drop).map_err(|e| e.to_string()))?;
+    let state = opened.expect("agreed");
+    let mine = st.param_range();
+    for ((p, s), v) in st.params.iter_mut().zip(slots).zip(&state.vars[mine]) {
+        p.as_mut_slice::<f32>()
+            .expect("f32")
+            .copy_from_slice(&v.param);
+        *s = opt.resume(v.param.len(), v.m.clone(), v.v.clone(), state.t);
+    }
+    if st.is_last() && who.writes {
+        events(&Event::Restored {
+            path,
+            step: state.step,
+        });
+    }
+    Ok(Some(state.step))
+}
+
+/// This stage's variables at `step` as a checkpoint file's arrays.
+fn shard(st: &Stage<'_>, slots: &[Slots], vars: &[(String, usize)], step: u64) -> Arrays {
+    State::of_params(&st.params, slots, step).arrays(&vars[st.param_range()])
+}
+
+/// Writes the checkpoint of `step` into `dir`: replica 0's stages one shard each, the
+/// coordinator the manifest, atomically; every task returns its path, or the same error.
+pub(crate) fn write<C: Comm>(
+    at: &Saver<'_, C>,
+    step: u64,
+    st: &Stage<'_>,
+    slots: &[Slots],
+    events: &mut dyn FnMut(&Event),
+) -> Result<PathBuf, PipelineError> {
+    let (group, who, dir, model) = (at.group, at.who, at.dir, at.model);
+    let coordinating = group.rank() == who.coordinator;
+    let begun = match coordinating {
+        true => checkpoint::begin(dir, step).map(drop),
+        false => Ok(()),
+    };
+    let fail = |e: &dyn std::fmt::Display| checkpoint::abandoned(dir, step, e).to_string();
+    agree(group, begun.map_err(|e| fail(&e)))?;
+    let vars = variables(model);
+    let mut written = String::new();
+    let mut status = Ok(());
+    if who.writes {
+        let file = stage_file(st.index());
+        let tmp = checkpoint::staging_dir(dir, step).join(&file);
+        match checkpoint::write_file(&tmp, &shard(st, slots, &vars, step)) {
+            Ok((bytes, sum)) => written = format!("{file} {bytes} {sum}"),
+            Err(e) => status = Err(fail(&e)),
+        }
+    }
+    agree(group, status)?;
+    let listed = group.allgather_varlen(written.as_bytes())?;
+    let mut committed = Ok(PathBuf::new());
+    if coordinating {
+        let files: Vec<(String, u64, u64)> = listed
+            .iter()
+            .filter_map(|l| {
+                let l = String::from_utf8_lossy(l);
+                let mut it = l.split(' ');
+                let (f, b, c) = (it.next()?, it.next()?, it.next()?);
+                Some((f.to_string(), b.parse().ok()?, c.parse().ok()?))
+            })
+            .collect();
+        let meta = state::model_meta(&model.describe(), &vars);
+        committed = checkpoint::commit(dir, step, &files, meta).map_err(|e| fail(&e));
+    }
+    agree(group, committed.as_ref().map(drop).map_err(Clone::clone))?;
+    let path = checkpoint::path_of(dir, step);
+    if st.is_last() && who.writes {
+        events(&Event::Checkpoint {
+            path: path.clone(),
+            step,
+        });
+    }
+    Ok(path)
+}
+
+/// Replica 0's stages send their parameters to its last stage, which writes the whole
+/// model to `path` (`--save-params`).
+pub(crate) fn save_params<C: Comm>(
+    st: &Stage<'_>,
+    link: &mut Link<'_, C>,
+    model: &Sequential,
+    path: &Path,
+    step: u64,
+) -> Result<(), PipelineError> {
+    let last = st.stages() - 1;
+    if !st.is_last() {
+        for p in &st.params {
+            link.send(
+                p.as_slice::<f32>().expect("f32"),
+                last,
+                Direction::Parameters,
+            )?;
+        }
+        link.flush()?;
+        return Ok(());
+    }
+    let specs = model.parameters();
+    let mut arrays = Vec::with_capacity(specs.len());
+    let mine: Range<usize> = st.param_range();
+    for (k, layers) in st.partition().iter().enumerate() {
+        for i in model.param_range(layers.clone()) {
+            let values = if k == st.index() {
+                st.params[i - mine.start]
+                    .as_slice::<f32>()
+                    .expect("f32")
+                    .to_vec()
+            } else {
+                let mut buf = vec![0.0; specs[i].numel()];
+                link.receive(&mut buf, k, Direction::Parameters, i)?;
+                buf
+            };
+            arrays.push((specs[i].name.clone(), values));
+        }
+    }
+    checkpoint::write_file(
+        path,
+        &Arrays {
+            step,
+            meta: serde_json::json!({}),
+            arrays,
+        },
+    )?;
+    Ok(())
+}
