@@ -52,5 +52,7 @@ mod tests {
         check::<crate::train::optim::OptimizerKind>();
         check::<crate::train::ps::placement::Strategy>();
         check::<crate::transport::stack::RdmaStack>();
+        check::<crate::pipeline::Schedule>();
+        check::<crate::pipeline::Balance>();
     }
 }

@@ -20,7 +20,7 @@ pub mod schedule;
 pub mod stage;
 pub mod train;
 
-pub use partition::{balance, PartitionError};
+pub use partition::{balance, Balance, PartitionError};
 pub use schedule::{Op, Schedule};
 pub use stage::Stage;
 pub use train::{PipelineConfig, PipelineError};

@@ -3,6 +3,87 @@
 //! can be (the pipeline's step is paced by its slowest stage).
 
 use std::ops::Range;
+use std::time::Instant;
+
+use crate::model::sequential::Scratch;
+use crate::model::{Model, ModelError, Sequential};
+use crate::rng::Rng;
+use crate::tensor::Tensor;
+
+/// How a pipeline weighs its layers to balance the stages (`--balance`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Balance {
+    /// Multiply-adds counted from the shapes ([`Sequential::layer_costs`]): the same
+    /// everywhere, free.
+    Counted,
+    /// Each layer's forward and backward pass timed on this machine (one rank times them,
+    /// every rank uses its numbers): what the counts miss (a convolution over one input
+    /// channel costs more than its multiply-adds, element-wise layers more than their
+    /// elements).
+    #[default]
+    Measured,
+}
+
+impl crate::named::Named for Balance {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Balance::Counted,
+            "counted",
+            "multiply-adds counted from the shapes",
+        ),
+        (
+            Balance::Measured,
+            "measured",
+            "each layer's forward and backward pass timed on one rank",
+        ),
+    ];
+}
+
+/// Each layer's seconds for a forward and a backward pass over `rows` random samples,
+/// the best of `reps` (a slow phase only slows), on random parameters.
+pub fn measure_layer_costs(
+    model: &Sequential,
+    rows: usize,
+    reps: usize,
+) -> Result<Vec<f64>, ModelError> {
+    let specs = model.parameters();
+    let mut rng = Rng::new(7);
+    let mut costs = Vec::with_capacity(model.num_layers());
+    for i in 0..model.num_layers() {
+        let layer = i..i + 1;
+        let params: Vec<Tensor> = specs[model.param_range(layer.clone())]
+            .iter()
+            .map(|s| crate::model::draw_values(s, &mut rng))
+            .collect();
+        let mut grads = crate::model::zeros_like(&params);
+        let width: usize = model.shape_at(i).iter().product();
+        let out: usize = model.shape_at(i + 1).iter().product();
+        let x: Vec<f32> = (0..rows * width).map(|_| rng.normal() as f32).collect();
+        let dy: Vec<f32> = (0..rows * out).map(|_| rng.normal() as f32).collect();
+        let mut s = Scratch::default();
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            let t = Instant::now();
+            model.forward_layers(layer.clone(), &params, &x, rows, &mut s)?;
+            s.gradient_mut(dy.len()).copy_from_slice(&dy);
+            let input_gradient = i > 0;
+            let ready = &mut |_, _: &[Tensor]| {};
+            model.backward_layers(
+                layer.clone(),
+                &params,
+                &x,
+                rows,
+                &mut grads,
+                ready,
+                input_gradient,
+                &mut s,
+            )?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        costs.push(best);
+    }
+    Ok(costs)
+}
 
 /// Errors of [`balance`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -68,6 +149,16 @@ pub fn balance(costs: &[f64], stages: usize) -> Result<Vec<Range<usize>>, Partit
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn measured_costs_time_every_layer_and_partition_like_counted_ones() {
+        let model = crate::model::cnn([8, 8, 1], 3).unwrap();
+        let costs = measure_layer_costs(&model, 4, 2).unwrap();
+        assert_eq!(costs.len(), model.num_layers());
+        assert!(costs.iter().all(|c| c.is_finite() && *c > 0.0), "{costs:?}");
+        let stages = balance(&costs, 3).unwrap();
+        assert_eq!((stages[0].start, stages[2].end), (0, model.num_layers()));
+    }
 
     /// The largest stage of `ranges` over `costs`.
     fn worst(costs: &[f64], ranges: &[Range<usize>]) -> f64 {

@@ -8,7 +8,6 @@ use super::train::PipelineError;
 use crate::model::{Model, Sequential};
 use crate::train::data::Dataset;
 use crate::train::events::Event;
-use crate::train::optim::Slots;
 use crate::transport::{Collectives, Comm};
 /// The layers of each stage of `model` in `stages`, by counted cost, one line each:
 /// `stage 0: layers 0..3 (conv 5x5x16/1 pad 2, relu, maxpool 2/2), 1,664 parameter bytes`.
@@ -33,48 +32,74 @@ pub fn describe_partition(model: &Sequential, ranges: &[Range<usize>]) -> Vec<St
         .collect()
 }
 
-/// Each stage's parameter, optimizer-state and peak activation bytes, to the reporter.
-pub(crate) fn report_memory<C: Comm>(
+/// What one task tells the reporter when training ends.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct StageReport {
+    pub stage: usize,
+    pub param_bytes: usize,
+    pub state_bytes: usize,
+    pub peak_activation_bytes: usize,
+    /// Seconds in the steps' pipeline passes (from the first pass to the last send's
+    /// completion), and of those, waiting for a neighbour.
+    pub pass_secs: f64,
+    pub idle_secs: f64,
+}
+
+/// Every task's [`StageReport`] to the reporter, which tells each stage's memory (replica
+/// 0's tasks') and the share of its passes each stage spent idle, against GPipe's bubble.
+pub(crate) fn report_stages<C: Comm>(
     group: &Collectives<C>,
-    st: &Stage<'_>,
-    slots: &[Slots],
-    peak_activations: usize,
+    mine: StageReport,
+    micro_batches: usize,
     reporting: bool,
     events: &mut dyn FnMut(&Event),
 ) -> Result<(), PipelineError> {
-    let state: usize = slots.iter().map(|s| 4 * (s.m.len() + s.v.len())).sum();
-    let mine = [st.index(), st.param_bytes(), state, peak_activations]
-        .iter()
-        .flat_map(|v| (*v as u64).to_le_bytes())
-        .collect::<Vec<u8>>();
-    let all = group.allgather_varlen(&mine)?;
-    if reporting {
-        let mut per_stage: Vec<[u64; 4]> = all
-            .iter()
-            .map(|b| {
-                let v: Vec<u64> = b
-                    .chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect();
-                [v[0], v[1], v[2], v[3]]
-            })
-            .collect();
-        per_stage.sort_unstable();
-        per_stage.dedup_by_key(|v| v[0]);
-        let lines: Vec<String> = per_stage
-            .iter()
-            .map(|v| {
-                format!(
-                    "stage {}: parameters {} B, optimizer state {} B, peak activations {} B",
-                    v[0], v[1], v[2], v[3]
-                )
-            })
-            .collect();
-        events(&Event::Note(format!(
-            "memory per task: {}",
-            lines.join("; ")
-        )));
+    let bytes = serde_json::to_vec(&mine).expect("plain values serialise");
+    let all = group.allgather_varlen(&bytes)?;
+    if !reporting {
+        return Ok(());
     }
+    let reports: Vec<StageReport> = all
+        .iter()
+        .map(|b| serde_json::from_slice(b))
+        .collect::<Result<_, _>>()
+        .map_err(|e| PipelineError::Config(format!("a stage's report: {e}")))?;
+    let stages = reports.iter().map(|r| r.stage + 1).max().unwrap_or(0);
+    let mut memory = Vec::new();
+    // Per stage, summed over the replicas: the passes' time and the busy part of it.
+    let mut pass = vec![0.0f64; stages];
+    let mut busy = vec![0.0f64; stages];
+    for k in 0..stages {
+        let of: Vec<&StageReport> = reports.iter().filter(|r| r.stage == k).collect();
+        let r = of[0];
+        memory.push(format!(
+            "stage {k}: parameters {} B, optimizer state {} B, peak activations {} B",
+            r.param_bytes, r.state_bytes, r.peak_activation_bytes
+        ));
+        pass[k] = of.iter().map(|r| r.pass_secs).sum();
+        busy[k] = of.iter().map(|r| r.pass_secs - r.idle_secs).sum();
+    }
+    events(&Event::Note(format!(
+        "memory per task: {}",
+        memory.join("; ")
+    )));
+    // The steps start together on every stage (after the step's collectives), so the
+    // pipeline's span is the longest stage's passes; a stage is idle for the rest of it.
+    let span = pass.iter().copied().fold(1e-12, f64::max);
+    let idle: Vec<f64> = busy.iter().map(|b| 1.0 - b / span).collect();
+    let mean = idle.iter().sum::<f64>() / stages.max(1) as f64;
+    let each: Vec<String> = idle
+        .iter()
+        .enumerate()
+        .map(|(k, f)| format!("stage {k} {:.1}%", 100.0 * f))
+        .collect();
+    let bubble = super::schedule::gpipe_bubble(stages, micro_batches);
+    events(&Event::Note(format!(
+        "bubble: {:.1}% of the pipeline's span idle ({}; GPipe's (S-1)/(M+S-1) = {:.1}%)",
+        100.0 * mean,
+        each.join(", "),
+        100.0 * bubble
+    )));
     Ok(())
 }
 

@@ -19,7 +19,8 @@ use std::ops::Range;
 use std::time::Instant;
 
 use super::link::{Direction, Link, LinkError};
-use super::report::{describe_partition, evaluate, report_memory};
+use super::partition::{self, Balance};
+use super::report::{describe_partition, evaluate, report_stages, StageReport};
 use super::save::{self, Saver, Writers};
 use super::schedule::{self, Op, Schedule};
 use super::stage::Stage;
@@ -42,6 +43,8 @@ pub struct PipelineConfig {
     /// Micro-batches a replica's share of a step is cut into.
     pub micro_batches: usize,
     pub schedule: Schedule,
+    /// How the layers are weighed to balance the stages.
+    pub balance: Balance,
     /// How the replicas' stage-k tasks sum their gradients.
     pub fusion: FusionConfig,
     /// Compare the replicas' parameter checksums, stage by stage, every N steps (0: never).
@@ -54,6 +57,7 @@ impl Default for PipelineConfig {
             train: TrainConfig::default(),
             micro_batches: 4,
             schedule: Schedule::OneFOneB,
+            balance: Balance::default(),
             fusion: FusionConfig::default(),
             check_every: 100,
         }
@@ -192,10 +196,11 @@ impl Verdict {
 /// The plan every replica task must share, compared before the first step.
 fn plan(model: &Sequential, ranges: &[Range<usize>], cfg: &PipelineConfig) -> String {
     format!(
-        "model {}; stages {ranges:?}; --micro-batches {}; --schedule {}; batch {}; seed {}",
+        "model {}; stages {ranges:?}; --micro-batches {}; --schedule {}; --balance {}; batch {}; seed {}",
         model.describe(),
         cfg.micro_batches,
         crate::named::Named::name(cfg.schedule),
+        crate::named::Named::name(cfg.balance),
         cfg.train.batch,
         cfg.train.seed
     )
@@ -238,7 +243,6 @@ pub fn run<C: Comm>(
     let group = Collectives::new(group);
     let peers = Collectives::new(peers);
     crate::model::check_data(model, "train", train.features, train.classes)?;
-    let ranges = super::balance(&model.layer_costs(), stages)?;
     let share = cfg.train.batch / replicas;
     if cfg.micro_batches == 0 || share < cfg.micro_batches {
         return Err(PipelineError::Config(format!(
@@ -247,25 +251,29 @@ pub fn run<C: Comm>(
         )));
     }
     let members = members(layout);
+    // Replica 0's stage 0 coordinates: it times the layers and checkpoints.
+    let coordinator = members
+        .iter()
+        .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
+        .unwrap_or(0);
+    let costs = layer_costs(&group, coordinator, model, cfg, share)?;
+    let ranges = super::balance(&costs, stages)?;
     agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
     let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?;
     let reporting = replica == 0 && st.is_last();
     if reporting {
         events(&Event::Note(format!(
-            "pipeline: {replicas} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by counted cost: {}",
+            "pipeline: {replicas} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by {} cost: {}",
             cfg.micro_batches,
             crate::named::Named::name(cfg.schedule),
+            crate::named::Named::name(cfg.balance),
             describe_partition(model, &ranges).join("; ")
         )));
     }
     let opt = cfg.train.optimizer;
     let mut slots: Vec<Slots> = st.params.iter().map(|p| opt.state(p.numel())).collect();
-    // Replica 0's stage 0 coordinates checkpoints: the lowest-ranked replica task of all.
     let writers = Writers {
-        coordinator: members
-            .iter()
-            .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
-            .unwrap_or(0),
+        coordinator,
         writes: replica == 0,
     };
     let mut step = 0u64;
@@ -292,6 +300,8 @@ pub fn run<C: Comm>(
     let mut clock = Clock::new();
     let mut verdict = Verdict::new();
     let mut peak_activations = 0usize;
+    let mut passes = PassTimes::default();
+    let first_step = step;
     while step < cfg.train.steps {
         let signal = cfg
             .train
@@ -307,7 +317,13 @@ pub fn run<C: Comm>(
             mine,
             count: cfg.micro_batches,
         };
-        let (loss_sum, mut waited) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
+        let (loss_sum, times) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
+        let mut waited = times.idle;
+        if step > first_step {
+            // The first step pays for allocations and first contacts.
+            passes.total += times.total;
+            passes.idle += times.idle;
+        }
         let w = Instant::now();
         if replicas > 1 {
             let mut refs: Vec<&mut Tensor> = st.grads.iter_mut().collect();
@@ -376,7 +392,16 @@ pub fn run<C: Comm>(
     if cfg.train.checkpoint_dir.is_some() && last_ckpt != step {
         checkpoint(step, &st, &slots, events)?;
     }
-    report_memory(&group, &st, &slots, peak_activations, reporting, events)?;
+    let state_bytes = slots.iter().map(|s| 4 * (s.m.len() + s.v.len())).sum();
+    let mine = StageReport {
+        stage,
+        param_bytes: st.param_bytes(),
+        state_bytes,
+        peak_activation_bytes: peak_activations,
+        pass_secs: passes.total.as_secs_f64(),
+        idle_secs: passes.idle.as_secs_f64(),
+    };
+    report_stages(&group, mine, cfg.micro_batches, reporting, events)?;
     if replica == 0 {
         evaluate(&mut st, &mut link, test, step, events)?;
         if let Some(path) = &cfg.train.save_params {
@@ -400,16 +425,24 @@ impl MicroBatches<'_> {
     }
 }
 
+/// Time in a stage's pipeline passes, and of it waiting for a neighbour.
+#[derive(Debug, Clone, Copy, Default)]
+struct PassTimes {
+    total: std::time::Duration,
+    idle: std::time::Duration,
+}
+
 /// Runs this stage's passes of one step in the schedule's order (`ops`), receiving and
 /// sending through `link`; the stage's gradient sums are then complete. Returns the sum
 /// of the micro-batches' sample-weighted losses (the last stage's; 0 elsewhere) and the
-/// time spent waiting for the neighbours.
+/// passes' time, with the time spent waiting for the neighbours.
 fn run_passes<C: Comm>(
     st: &mut Stage<'_>,
     link: &mut Link<'_, C>,
     ops: &[Op],
     micro: &MicroBatches<'_>,
-) -> Result<(f32, std::time::Duration), PipelineError> {
+) -> Result<(f32, PassTimes), PipelineError> {
+    let start = Instant::now();
     let (first, last, k) = (st.is_first(), st.is_last(), st.index());
     let mut loss_sum = 0.0f32;
     let mut waited = std::time::Duration::ZERO;
@@ -453,7 +486,14 @@ fn run_passes<C: Comm>(
     link.flush()?;
     waited += w.elapsed();
     st.finish_step()?;
-    Ok((loss_sum, waited))
+    let total = start.elapsed();
+    Ok((
+        loss_sum,
+        PassTimes {
+            total,
+            idle: waited,
+        },
+    ))
 }
 
 /// The replicas' stage-k tasks compare their parameters' checksum.
@@ -474,6 +514,31 @@ fn compare_replicas<C: Comm>(
         }),
         None => Ok(()),
     }
+}
+
+/// The layers' costs by `cfg.balance`: counted on every task, or timed by the
+/// coordinator on a micro-batch's samples and sent to every task (so all cut alike).
+fn layer_costs<C: Comm>(
+    group: &Collectives<C>,
+    coordinator: usize,
+    model: &Sequential,
+    cfg: &PipelineConfig,
+    share: usize,
+) -> Result<Vec<f64>, PipelineError> {
+    if cfg.balance == Balance::Counted {
+        return Ok(model.layer_costs());
+    }
+    let mut mine = Vec::new();
+    if group.rank() == coordinator {
+        let rows = share.div_ceil(cfg.micro_batches.max(1));
+        let costs = partition::measure_layer_costs(model, rows, 5)?;
+        mine = costs.iter().flat_map(|c| c.to_le_bytes()).collect();
+    }
+    let got = group.bcast_varlen(mine, coordinator)?;
+    Ok(got
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
 }
 
 /// The replica tasks' world ranks, in order: the ranks of the replica tasks'

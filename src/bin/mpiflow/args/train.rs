@@ -7,7 +7,7 @@ use clap::Args;
 use super::{
     named, positive_f32, positive_usize, ClusterArgs, DecayArg, Mode, ModelChoice, ProgressArg,
 };
-use mpiflow::pipeline::Schedule;
+use mpiflow::pipeline::{Balance, Schedule};
 use mpiflow::topology::Policy;
 use mpiflow::train::optim::{Decay, Optimizer, OptimizerKind};
 use mpiflow::train::ps::placement::Strategy;
@@ -72,6 +72,10 @@ pub(crate) struct TrainArgs {
     /// forward, then all backward) or 1f1b (alternating; fewer activations held).
     #[arg(long, value_parser = named::<Schedule>(), default_value = "1f1b")]
     pub(crate) schedule: Schedule,
+    /// With --stages: how the layers are weighed to balance the stages: measured (each
+    /// layer's passes timed on one rank) or counted (multiply-adds from the shapes).
+    #[arg(long, value_parser = named::<Balance>(), default_value = "measured")]
+    pub(crate) balance: Balance,
     /// Test-only: this replica changes a parameter after step 1 (allreduce mode).
     #[arg(long, hide = true)]
     pub(crate) perturb_rank: Option<usize>,

@@ -318,6 +318,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 train: args.train_config(),
                 micro_batches: args.micro_batches,
                 schedule: args.schedule,
+                balance: args.balance,
                 fusion: mpiflow::transport::fusion::FusionConfig {
                     threshold_bytes: args.fusion_threshold,
                     algorithm: args.allreduce_algorithm,
