@@ -150,3 +150,40 @@ fn a_killed_stage_ends_the_job_and_a_rerun_resumes_from_the_stage_shards() {
     );
     assert!(accuracy(&run.stdout) > 0.9, "{}", run.stdout);
 }
+
+#[test]
+fn a_model_larger_than_a_task_trains_with_enough_stages() {
+    let m = mpiflow();
+    // 64-256-256-10: layers of 66,560, 263,168 and 10,280 parameter bytes, 340,008 in all.
+    let model = "--hidden 256,256 --max-param-bytes 270000";
+    let train = |np: &str, extra: &str| {
+        let cmd = format!("-np {np} {m} train {model} --steps 300 --log-every 100 {extra}");
+        mpirun(&cmd.split(' ').collect::<Vec<_>>())
+    };
+    // Whole, it fits no task: the error names the stages it takes.
+    let run = train("2", "--mode allreduce");
+    run.assert_one_line_error(
+        "the model holds 340008 parameter bytes, more than --max-param-bytes 270000: split it into stages (--mode allreduce --stages 3 or more)",
+    );
+    let run = train("2", "--mode allreduce --stages 2");
+    run.assert_one_line_error(
+        "--stages 2: no split keeps each stage's parameters within --max-param-bytes 270000 (the model's 340008 bytes take at least 3 stages)",
+    );
+    // In three stages each holds at most the limit, and it learns.
+    let run = train("3", "--mode allreduce --stages 3");
+    assert_eq!(run.code, 0, "{run:?}");
+    let memory = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("# memory per task: "))
+        .unwrap_or_else(|| panic!("{}", run.stdout));
+    let held: Vec<u64> = memory
+        .split("parameters ")
+        .skip(1)
+        .map(|s| s.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(held.len(), 3, "{memory}");
+    assert!(held.iter().all(|b| *b <= 270_000), "{memory}");
+    assert_eq!(held.iter().sum::<u64>(), 340_008, "{memory}");
+    assert!(accuracy(&run.stdout) > 0.9, "{}", run.stdout);
+}

@@ -11,6 +11,7 @@
 //! - [`layers`]: dense, 2-D convolution (im2col + sgemm), max pooling, ReLU, flatten.
 //! - [`sequential`]: a model that is a stack of layers, and the built-in [`mlp`] and
 //!   [`cnn`].
+//! - [`towers`]: a batch's gradients computed by K threads of one task (`--towers`).
 //!
 //! A model of your own implements [`Model`]; a linear classifier in full:
 //! ```
@@ -57,6 +58,7 @@
 
 pub mod layers;
 pub mod sequential;
+pub mod towers;
 
 use std::ops::Range;
 

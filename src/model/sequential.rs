@@ -257,6 +257,19 @@ impl Sequential {
             .collect()
     }
 
+    /// Each layer's parameter bytes (f32): what `--max-param-bytes` bounds per stage.
+    pub fn layer_param_bytes(&self) -> Vec<u64> {
+        self.ranges
+            .iter()
+            .map(|r| {
+                4 * self.specs[r.clone()]
+                    .iter()
+                    .map(ParamSpec::numel)
+                    .sum::<usize>() as u64
+            })
+            .collect()
+    }
+
     /// Number of layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()

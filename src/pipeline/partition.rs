@@ -94,12 +94,56 @@ pub enum PartitionError {
     NoStages,
     #[error("layer {layer}: cost {cost} is not a finite number of 0 or more")]
     BadCost { layer: usize, cost: f64 },
+    #[error("layer {layer} alone holds {bytes} parameter bytes, more than --max-param-bytes {limit}: no split into stages fits it")]
+    LayerTooLarge {
+        layer: usize,
+        bytes: u64,
+        limit: u64,
+    },
+    #[error("--stages {stages}: no split keeps each stage's parameters within --max-param-bytes {limit} (the model's {total} bytes take at least {fewest} stages)")]
+    ParamLimit {
+        stages: usize,
+        limit: u64,
+        total: u64,
+        fewest: usize,
+    },
+}
+
+/// The fewest contiguous stages whose parameters (`sizes`, bytes per layer) each fit in
+/// `limit` bytes (greedy packing is optimal for contiguous ranges).
+pub fn fewest_stages(sizes: &[u64], limit: u64) -> Result<usize, PartitionError> {
+    if let Some((layer, &bytes)) = sizes.iter().enumerate().find(|(_, b)| **b > limit) {
+        return Err(PartitionError::LayerTooLarge {
+            layer,
+            bytes,
+            limit,
+        });
+    }
+    let (mut stages, mut used) = (1, 0u64);
+    for b in sizes {
+        if used + b > limit {
+            stages += 1;
+            used = 0;
+        }
+        used += b;
+    }
+    Ok(stages)
 }
 
 /// The S contiguous ranges of `costs` whose largest sum is smallest (ties: the earliest
 /// cuts), each holding at least one layer. Exact, by dynamic programming over (stages,
 /// layers): O(S L²).
 pub fn balance(costs: &[f64], stages: usize) -> Result<Vec<Range<usize>>, PartitionError> {
+    balance_within(costs, stages, None)
+}
+
+/// [`balance`] among the splits whose every stage holds at most `limit.1` bytes of
+/// parameters, `limit.0` being each layer's (`--max-param-bytes`).
+pub fn balance_within(
+    costs: &[f64],
+    stages: usize,
+    limit: Option<(&[u64], u64)>,
+) -> Result<Vec<Range<usize>>, PartitionError> {
     let layers = costs.len();
     if stages == 0 {
         return Err(PartitionError::NoStages);
@@ -119,6 +163,13 @@ pub fn balance(costs: &[f64], stages: usize) -> Result<Vec<Range<usize>>, Partit
         prefix[i + 1] = prefix[i] + c;
     }
     let sum = |a: usize, b: usize| prefix[b] - prefix[a];
+    let mut bytes = vec![0u64; layers + 1];
+    if let Some((sizes, _)) = limit {
+        for (i, b) in sizes.iter().enumerate().take(layers) {
+            bytes[i + 1] = bytes[i] + b;
+        }
+    }
+    let fits = |a: usize, b: usize| limit.is_none_or(|(_, l)| bytes[b] - bytes[a] <= l);
     // best[s][j]: the smallest largest stage of the first j layers in s stages; cut[s][j]:
     // where its last stage starts.
     let mut best = vec![vec![f64::INFINITY; layers + 1]; stages + 1];
@@ -127,6 +178,9 @@ pub fn balance(costs: &[f64], stages: usize) -> Result<Vec<Range<usize>>, Partit
     for s in 1..=stages {
         for j in s..=layers {
             for i in (s - 1)..j {
+                if !fits(i, j) {
+                    continue;
+                }
                 let worst = best[s - 1][i].max(sum(i, j));
                 if worst < best[s][j] {
                     best[s][j] = worst;
@@ -134,6 +188,15 @@ pub fn balance(costs: &[f64], stages: usize) -> Result<Vec<Range<usize>>, Partit
                 }
             }
         }
+    }
+    if let (Some((sizes, limit)), true) = (limit, best[stages][layers].is_infinite()) {
+        let fewest = fewest_stages(sizes, limit)?;
+        return Err(PartitionError::ParamLimit {
+            stages,
+            limit,
+            total: bytes[layers],
+            fewest,
+        });
     }
     let mut ranges = Vec::with_capacity(stages);
     let mut end = layers;
@@ -149,6 +212,26 @@ pub fn balance(costs: &[f64], stages: usize) -> Result<Vec<Range<usize>>, Partit
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parameter_limit_moves_the_cuts_or_says_how_many_stages_it_takes() {
+        // Cheap but large first layers, a costly small last one.
+        let costs = [1.0, 1.0, 1.0, 6.0];
+        let sizes = [40u64, 40, 40, 10];
+        assert_eq!(balance(&costs, 2).unwrap(), [0..3, 3..4]);
+        // At most 80 bytes a stage: the first stage cannot hold all three large layers.
+        let within = balance_within(&costs, 2, Some((&sizes, 80))).unwrap();
+        assert_eq!(within, [0..2, 2..4]);
+        assert_eq!(fewest_stages(&sizes, 80), Ok(2));
+        assert_eq!(
+            balance_within(&costs, 2, Some((&sizes, 50))).unwrap_err().to_string(),
+            "--stages 2: no split keeps each stage's parameters within --max-param-bytes 50 (the model's 130 bytes take at least 3 stages)"
+        );
+        assert_eq!(
+            fewest_stages(&sizes, 30).unwrap_err().to_string(),
+            "layer 0 alone holds 40 parameter bytes, more than --max-param-bytes 30: no split into stages fits it"
+        );
+    }
 
     #[test]
     fn measured_costs_time_every_layer_and_partition_like_counted_ones() {

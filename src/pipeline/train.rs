@@ -45,6 +45,9 @@ pub struct PipelineConfig {
     pub schedule: Schedule,
     /// How the layers are weighed to balance the stages.
     pub balance: Balance,
+    /// The most parameter bytes one task may hold (`--max-param-bytes`): the stages are
+    /// cut so that none holds more.
+    pub max_param_bytes: Option<u64>,
     /// How the replicas' stage-k tasks sum their gradients.
     pub fusion: FusionConfig,
     /// Compare the replicas' parameter checksums, stage by stage, every N steps (0: never).
@@ -58,6 +61,7 @@ impl Default for PipelineConfig {
             micro_batches: 4,
             schedule: Schedule::OneFOneB,
             balance: Balance::default(),
+            max_param_bytes: None,
             fusion: FusionConfig::default(),
             check_every: 100,
         }
@@ -257,7 +261,9 @@ pub fn run<C: Comm>(
         .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
         .unwrap_or(0);
     let costs = layer_costs(&group, coordinator, model, cfg, share)?;
-    let ranges = super::balance(&costs, stages)?;
+    let sizes = model.layer_param_bytes();
+    let limit = cfg.max_param_bytes.map(|l| (sizes.as_slice(), l));
+    let ranges = partition::balance_within(&costs, stages, limit)?;
     agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
     let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?;
     let reporting = replica == 0 && st.is_last();

@@ -76,6 +76,11 @@ pub(crate) struct TrainArgs {
     /// layer's passes timed on one rank) or counted (multiply-adds from the shapes).
     #[arg(long, value_parser = named::<Balance>(), default_value = "measured")]
     pub(crate) balance: Balance,
+    /// The most parameter bytes one task may hold: a whole model larger than this is
+    /// refused (naming the stages it takes), and --stages cuts the model so that no stage
+    /// holds more.
+    #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) max_param_bytes: Option<u64>,
     /// Test-only: this replica changes a parameter after step 1 (allreduce mode).
     #[arg(long, hide = true)]
     pub(crate) perturb_rank: Option<usize>,

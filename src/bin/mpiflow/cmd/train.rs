@@ -27,6 +27,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     }
     let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
     let model = build_model(args, &train).map_err(Failure::local)?;
+    whole_model_fits(args, &model).map_err(Failure::local)?;
     let cfg: TrainConfig = args.train_config();
     let need = resources::replica_need(&model, cfg.batch, &cfg.optimizer);
     resources::check("training", &need, resources::share(1).as_ref()).map_err(Failure::local)?;
@@ -85,6 +86,24 @@ fn refuse_with_stages(args: &TrainArgs, stages: usize) -> Result<(), Failure> {
         Some(why) => Err(Failure::local(format!("--stages {stages} {why}"))),
         None => Ok(()),
     }
+}
+
+/// `--max-param-bytes` without `--stages`: a task holds the whole model (a replica, a ps
+/// worker), which must fit; if not, the error names the stages it would take.
+fn whole_model_fits(args: &TrainArgs, model: &mpiflow::model::Sequential) -> Result<(), String> {
+    let (Some(limit), None) = (args.max_param_bytes, args.cluster.stages) else {
+        return Ok(());
+    };
+    let sizes = model.layer_param_bytes();
+    let total: u64 = sizes.iter().sum();
+    if total <= limit {
+        return Ok(());
+    }
+    let fewest =
+        mpiflow::pipeline::partition::fewest_stages(&sizes, limit).map_err(|e| e.to_string())?;
+    Err(format!(
+        "the model holds {total} parameter bytes, more than --max-param-bytes {limit}: split it into stages (--mode allreduce --stages {fewest} or more)"
+    ))
 }
 
 /// SIGTERM, SIGINT and SIGUSR1 (Slurm's time limit, `scancel`, `--signal=USR1@120`, a
@@ -211,6 +230,8 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let model = ctx
         .agree(build_model(args, &train))
         .map_err(|e| Failure::agreed(e, &ctx))?;
+    ctx.agree(whole_model_fits(args, &model))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
     let need = rank_need(args, layout, &me.task, &model);
     ctx.agree(resources::check(
         &me.task.to_string(),
@@ -319,6 +340,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 micro_batches: args.micro_batches,
                 schedule: args.schedule,
                 balance: args.balance,
+                max_param_bytes: args.max_param_bytes,
                 fusion: mpiflow::transport::fusion::FusionConfig {
                     threshold_bytes: args.fusion_threshold,
                     algorithm: args.allreduce_algorithm,
