@@ -17,27 +17,37 @@ fn replicas_of_stages_equal_local_training_under_mpirun() {
         (
             "cnn",
             &cnn[..],
-            // (ranks, --ps, --stages, --micro-batches, --schedule)
-            &[("4", "0", "2", "4", "1f1b"), ("5", "1", "2", "3", "gpipe")][..],
+            // (ranks, --ps, --stages, --micro-batches, --schedule, --towers)
+            &[
+                ("4", "0", "2", "4", "1f1b", "1"),
+                ("5", "1", "2", "3", "gpipe", "1"),
+                ("2", "0", "2", "2", "1f1b", "3"),
+            ][..],
         ),
         (
             "mlp",
             &mlp[..],
-            &[("3", "0", "3", "4", "1f1b"), ("4", "0", "2", "2", "gpipe")][..],
+            &[
+                ("3", "0", "3", "4", "1f1b", "1"),
+                ("4", "0", "2", "2", "gpipe", "1"),
+            ][..],
         ),
     ] {
         let local = dir.join(format!("{name}-local.bin"));
         common::train_local_reference("40", &local, model);
-        for (np, ps, stages, micro, schedule) in runs {
-            let out = dir.join(format!("{name}-{np}-{stages}.bin"));
+        for (np, ps, stages, micro, schedule, towers) in runs {
+            let out = dir.join(format!("{name}-{np}-{stages}-{towers}.bin"));
             let mut args = vec!["-np", np, mpiflow(), "train", "--mode", "allreduce"];
             args.extend_from_slice(&["--ps", ps, "--stages", stages, "--steps", "40"]);
             args.extend_from_slice(&["--micro-batches", micro, "--schedule", schedule]);
+            args.extend_from_slice(&["--towers", towers]);
             args.extend_from_slice(model);
             args.extend_from_slice(&["--log-every", "20", "--check-every", "10"]);
             args.extend_from_slice(&["--save-params", out.to_str().unwrap()]);
             let run = mpirun(&args);
-            let case = format!("{name} -np {np} --ps {ps} --stages {stages} M={micro} {schedule}");
+            let case = format!(
+                "{name} -np {np} --ps {ps} --stages {stages} M={micro} {schedule} K={towers}"
+            );
             assert_eq!(run.code, 0, "{case}: {run:?}");
             // The partition, two logged steps, the memory per stage, the accuracy: once.
             for prefix in ["# pipeline: ", "step ", "# memory per task: ", "accuracy "] {

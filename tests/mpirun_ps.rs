@@ -61,6 +61,16 @@ fn sync_training_equals_local_training_on_the_combined_batch() {
     let worst = max_relative_difference(&a, &b);
     // Float32 sums in another order (per worker, then weighted) differ by rounding only.
     assert!(worst < 1e-4, "largest relative difference {worst}");
+    // Two workers of three towers each (their 32 samples cut 10, 11, 11), one ps.
+    let towers = dir.join("towers.bin");
+    let args = "-np 3 {m} train --mode ps --ps 1 --towers 3 --steps 60 --save-params";
+    let mut args: Vec<&str> = args.split(' ').collect();
+    args[2] = mpiflow();
+    args.push(towers.to_str().unwrap());
+    let run = mpirun(&args);
+    assert_eq!(run.code, 0, "{run:?}");
+    let worst = max_relative_difference(&a, &towers);
+    assert!(worst < 1e-4, "towers: largest relative difference {worst}");
 }
 
 #[test]

@@ -15,6 +15,7 @@ use std::ops::Range;
 
 use crate::kernels;
 use crate::model::sequential::Scratch;
+use crate::model::towers::share;
 use crate::model::{zeros_like, Model, ModelError, Sequential};
 use crate::rng::Rng;
 use crate::tensor::Tensor;
@@ -25,13 +26,46 @@ struct Pass {
     /// The stage's input (kept: its first layer's backward pass reads it).
     input: Vec<f32>,
     n: usize,
-    act: Scratch,
+    /// Each tower's activations, of its rows ([`share`]); one tower: all of them.
+    acts: Vec<Scratch>,
+    /// With several towers: their outputs, the output's gradient and the input's
+    /// gradient, side by side (one tower keeps them in its activations).
+    out: Vec<f32>,
+    dy: Vec<f32>,
+    dx: Vec<f32>,
 }
 
 impl Pass {
     fn bytes(&self) -> usize {
-        4 * self.input.capacity() + self.act.bytes()
+        let sides = self.out.capacity() + self.dy.capacity() + self.dx.capacity();
+        4 * (self.input.capacity() + sides) + self.acts.iter().map(Scratch::bytes).sum::<usize>()
     }
+
+    fn output(&self) -> &[f32] {
+        match self.acts.as_slice() {
+            [one] => one.output(),
+            _ => &self.out,
+        }
+    }
+
+    /// Where the output's gradient goes, `len` values.
+    fn output_gradient_mut(&mut self, len: usize) -> &mut [f32] {
+        match self.acts.as_mut_slice() {
+            [one] => one.gradient_mut(len),
+            _ => crate::model::layers::sized(&mut self.dy, len),
+        }
+    }
+}
+
+/// Waits for every thread of `handles`, the first error first.
+fn joined<'s>(
+    handles: Vec<std::thread::ScopedJoinHandle<'s, Result<(), ModelError>>>,
+) -> Result<(), ModelError> {
+    let results: Vec<Result<(), ModelError>> = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        .collect();
+    results.into_iter().collect()
 }
 
 /// One stage of a model split into `stages`.
@@ -47,8 +81,10 @@ pub struct Stage<'m> {
     pub params: Vec<Tensor>,
     /// The step's gradient sums, shaped like `params`.
     pub grads: Vec<Tensor>,
-    /// One micro-batch's gradients, before they are added to `grads`.
-    scratch: Vec<Tensor>,
+    /// Each tower's gradients of one micro-batch, before they are added to `grads`.
+    scratch: Vec<Vec<Tensor>>,
+    /// Threads sharing each micro-batch's rows ([`crate::model::towers`]).
+    towers: usize,
     /// Micro-batches started, not yet finished, by number.
     in_flight: BTreeMap<usize, Pass>,
     spare: Vec<Pass>,
@@ -119,7 +155,8 @@ impl<'m> Stage<'m> {
             partition: ranges.to_vec(),
             layers,
             grads: zeros_like(&params),
-            scratch: zeros_like(&params),
+            scratch: Vec::new(),
+            towers: 1,
             params_range,
             params,
             in_flight: BTreeMap::new(),
@@ -127,6 +164,12 @@ impl<'m> Stage<'m> {
             summed: 0,
             peak_bytes: 0,
         })
+    }
+
+    /// This stage with `k` towers: each micro-batch's rows shared by `k` threads.
+    pub fn with_towers(mut self, k: usize) -> Self {
+        self.towers = k.max(1);
+        self
     }
 
     pub fn index(&self) -> usize {
@@ -199,17 +242,41 @@ impl<'m> Stage<'m> {
         let mut pass = self.spare.pop().unwrap_or_default();
         pass.input = input;
         pass.n = n;
-        self.model.forward_layers(
-            self.layers.clone(),
-            &self.params,
-            &pass.input,
-            n,
-            &mut pass.act,
-        )?;
+        let k = self.towers.min(n).max(1);
+        pass.acts.resize_with(k, Scratch::default);
+        let (model, params, win) = (self.model, &self.params, self.input_width());
+        if k == 1 {
+            model.forward_layers(
+                self.layers.clone(),
+                params,
+                &pass.input,
+                n,
+                &mut pass.acts[0],
+            )?;
+        } else {
+            let input = &pass.input;
+            std::thread::scope(|s| {
+                let handles = pass
+                    .acts
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(t, act)| {
+                        let (rows, layers) = (share(n, t, k), self.layers.clone());
+                        let x = &input[rows.start * win..rows.end * win];
+                        s.spawn(move || model.forward_layers(layers, params, x, rows.len(), act))
+                    })
+                    .collect();
+                joined(handles)
+            })?;
+            pass.out.clear();
+            for act in &pass.acts {
+                pass.out.extend_from_slice(act.output());
+            }
+        }
         self.in_flight.insert(mb, pass);
         let held: usize = self.in_flight.values().map(Pass::bytes).sum();
         self.peak_bytes = self.peak_bytes.max(held);
-        Ok(self.in_flight[&mb].act.output())
+        Ok(self.in_flight[&mb].output())
     }
 
     /// A spare input buffer of `len` values for the next [`Stage::forward`] (receive the
@@ -254,8 +321,8 @@ impl<'m> Stage<'m> {
             });
         }
         let n = pass.n;
-        let logits = pass.act.output().to_vec();
-        let delta = pass.act.gradient_mut(n * classes);
+        let logits = pass.output().to_vec();
+        let delta = pass.output_gradient_mut(n * classes);
         let loss = kernels::softmax_cross_entropy(&logits, labels, classes, delta);
         delta.iter_mut().for_each(|v| *v *= n as f32);
         Ok(loss)
@@ -267,7 +334,7 @@ impl<'m> Stage<'m> {
         let width = self.output_width();
         let pass = self.pass(mb)?;
         let len = pass.n * width;
-        Ok(pass.act.gradient_mut(len))
+        Ok(pass.output_gradient_mut(len))
     }
 
     /// The backward pass of micro-batch `mb`: its parameter gradients added into
@@ -280,35 +347,107 @@ impl<'m> Stage<'m> {
         };
         let first = self.summed == 0;
         let input_gradient = !self.is_first();
-        let into = if first {
-            &mut self.grads
+        let (n, k) = (pass.n, pass.acts.len());
+        let (model, params) = (self.model, &self.params);
+        let (win, wout) = (self.input_width(), self.output_width());
+        if self.scratch.len() < k {
+            self.scratch
+                .resize_with(k, || crate::model::zeros_like(params));
+        }
+        if k == 1 {
+            // The step's first micro-batch writes the sums; the others are added.
+            let into = if first {
+                &mut self.grads
+            } else {
+                &mut self.scratch[0]
+            };
+            let (input, act) = (&pass.input, &mut pass.acts[0]);
+            model.backward_layers(
+                self.layers.clone(),
+                params,
+                input,
+                n,
+                into,
+                &mut |_, _| {},
+                input_gradient,
+                act,
+            )?;
         } else {
-            &mut self.scratch
-        };
-        self.model.backward_layers(
-            self.layers.clone(),
-            &self.params,
-            &pass.input,
-            pass.n,
-            into,
-            &mut |_, _| {},
-            input_gradient,
-            &mut pass.act,
-        )?;
-        if !first {
-            for (g, s) in self.grads.iter_mut().zip(&self.scratch) {
-                let g = g.as_mut_slice::<f32>()?;
-                kernels::axpy(1.0, s.as_slice::<f32>()?, g)?;
+            let (input, dy) = (&pass.input, &pass.dy);
+            std::thread::scope(|s| {
+                let handles = pass
+                    .acts
+                    .iter_mut()
+                    .zip(self.scratch.iter_mut())
+                    .enumerate()
+                    .map(|(t, (act, g))| {
+                        let (rows, layers) = (share(n, t, k), self.layers.clone());
+                        let x = &input[rows.start * win..rows.end * win];
+                        act.gradient_mut(rows.len() * wout)
+                            .copy_from_slice(&dy[rows.start * wout..rows.end * wout]);
+                        s.spawn(move || {
+                            let ready = &mut |_, _: &[Tensor]| {};
+                            model.backward_layers(
+                                layers,
+                                params,
+                                x,
+                                rows.len(),
+                                g,
+                                ready,
+                                input_gradient,
+                                act,
+                            )
+                        })
+                    })
+                    .collect();
+                joined(handles)
+            })?;
+            pass.dx.clear();
+            if input_gradient {
+                for (t, act) in pass.acts.iter().enumerate() {
+                    pass.dx
+                        .extend_from_slice(&act.gradient()[..share(n, t, k).len() * win]);
+                }
+            }
+        }
+        // Every tower's gradients into the sums (one tower's first micro-batch is there).
+        for (t, tower) in self.scratch.iter().enumerate().take(k) {
+            if k == 1 && first {
+                break;
+            }
+            for (g, s) in self.grads.iter_mut().zip(tower) {
+                let (g, s) = (g.as_mut_slice::<f32>()?, s.as_slice::<f32>()?);
+                if first && t == 0 {
+                    g.copy_from_slice(s);
+                } else {
+                    kernels::axpy(1.0, s, g)?;
+                }
             }
         }
         self.summed += 1;
-        let len = if self.is_first() {
-            0
-        } else {
-            pass.n * self.input_width()
-        };
+        let len = if self.is_first() { 0 } else { n * win };
         self.spare.push(pass);
-        Ok(&self.spare.last().expect("pushed").act.gradient()[..len])
+        let pass = self.spare.last().expect("pushed");
+        Ok(match pass.acts.as_slice() {
+            [one] => &one.gradient()[..len],
+            _ => &pass.dx[..len],
+        })
+    }
+
+    /// Output of `n` samples `input` with no backward pass to follow (evaluation).
+    pub fn infer(&mut self, input: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
+        let mut pass = self.spare.pop().unwrap_or_default();
+        pass.acts.resize_with(1, Scratch::default);
+        let done = self.model.forward_layers(
+            self.layers.clone(),
+            &self.params,
+            input,
+            n,
+            &mut pass.acts[0],
+        );
+        let out = pass.acts[0].output().to_vec();
+        self.spare.push(pass);
+        done.map(|()| out)
     }
 
     /// Ends the step's backward passes: the next one starts new sums. Errors if a
@@ -331,17 +470,6 @@ impl<'m> Stage<'m> {
         self.summed = 0;
         Ok(())
     }
-
-    /// Output of `n` samples `input` with no backward pass to follow (evaluation).
-    pub fn infer(&mut self, input: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
-        let mut pass = self.spare.pop().unwrap_or_default();
-        let done =
-            self.model
-                .forward_layers(self.layers.clone(), &self.params, input, n, &mut pass.act);
-        let out = pass.act.output().to_vec();
-        self.spare.push(pass);
-        done.map(|()| out)
-    }
 }
 
 #[cfg(test)]
@@ -363,8 +491,25 @@ mod tests {
         let mut want = local.zeros_like();
         let loss = local.gradients_into(&x, &y, &mut want).unwrap();
         let ranges = super::super::balance(&model.layer_costs(), 3).unwrap();
+        for towers in [1, 2, 3] {
+            check_stages_against(&model, &ranges, towers, (&x, &y), loss, &want);
+        }
+    }
+
+    /// The stages of `ranges` with `towers` towers, run by hand on two micro-batches of
+    /// `x`, `y`: the loss and gradient sums of the whole model (`loss`, `want`: means).
+    fn check_stages_against(
+        model: &Sequential,
+        ranges: &[Range<usize>],
+        towers: usize,
+        (x, y): (&[f32], &[u8]),
+        loss: f32,
+        want: &[Tensor],
+    ) {
+        let local = Replica::new(model, 5);
+        let n = y.len();
         let mut stages: Vec<Stage> = (0..3)
-            .map(|k| Stage::new(&model, &ranges, k, 5).unwrap())
+            .map(|k| Stage::new(model, ranges, k, 5).unwrap().with_towers(towers))
             .collect();
         let all: Vec<Tensor> = stages.iter().flat_map(|s| s.params.clone()).collect();
         assert!(all
@@ -391,7 +536,7 @@ mod tests {
             }
             assert!(dy.is_empty());
         }
-        assert!((losses / n as f32 - loss).abs() < 1e-5);
+        assert!((losses / n as f32 - loss).abs() < 1e-5, "{towers} towers");
         let got: Vec<Tensor> = stages
             .iter_mut()
             .flat_map(|s| {
@@ -399,7 +544,7 @@ mod tests {
                 s.grads.clone()
             })
             .collect();
-        for (g, w) in got.iter().zip(&want) {
+        for (g, w) in got.iter().zip(want) {
             for (a, b) in g
                 .as_slice::<f32>()
                 .unwrap()
@@ -409,7 +554,7 @@ mod tests {
                 let b = b * n as f32;
                 assert!(
                     (a - b).abs() < 1e-4 * (1.0 + b.abs()),
-                    "{}: {a} vs {b}",
+                    "{towers} towers, {}: {a} vs {b}",
                     g.name()
                 );
             }

@@ -58,14 +58,19 @@ fn stages_by_replicas_equal_local_training_of_the_global_batch() {
         };
         let local = train_local(model, &tc, &train, &test, &mut |_| {}).unwrap();
         for (stages, replicas, ps) in [(2, 1, 0), (2, 2, 1), (3, 1, 0)] {
-            for (schedule, micro) in [(Schedule::GPipe, 4), (Schedule::OneFOneB, 3)] {
+            for (schedule, micro, towers) in [
+                (Schedule::GPipe, 4, 1),
+                (Schedule::OneFOneB, 3, 1),
+                (Schedule::OneFOneB, 2, 3),
+            ] {
                 let out = std::env::temp_dir().join(format!(
-                    "mpiflow-pipe-{}-{name}-{stages}-{replicas}-{micro}.bin",
+                    "mpiflow-pipe-{}-{name}-{stages}-{replicas}-{micro}-{towers}.bin",
                     std::process::id()
                 ));
                 let cfg = PipelineConfig {
                     train: TrainConfig {
                         save_params: Some(out.clone()),
+                        towers,
                         ..tc.clone()
                     },
                     micro_batches: micro,
@@ -75,7 +80,8 @@ fn stages_by_replicas_equal_local_training_of_the_global_batch() {
                 };
                 let l = layout(ps, ps + stages * replicas, stages);
                 let said = train_on(&l, model, &|_| cfg.clone(), &train, &test);
-                let case = format!("{name} S={stages} R={replicas} {schedule:?} M={micro}");
+                let case =
+                    format!("{name} S={stages} R={replicas} {schedule:?} M={micro} K={towers}");
                 let lines: Vec<String> = said
                     .into_iter()
                     .flat_map(|r| r.unwrap_or_else(|e| panic!("{case}: {e}")))

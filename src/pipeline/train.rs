@@ -200,13 +200,14 @@ impl Verdict {
 /// The plan every replica task must share, compared before the first step.
 fn plan(model: &Sequential, ranges: &[Range<usize>], cfg: &PipelineConfig) -> String {
     format!(
-        "model {}; stages {ranges:?}; --micro-batches {}; --schedule {}; --balance {}; batch {}; seed {}",
+        "model {}; stages {ranges:?}; --micro-batches {}; --schedule {}; --balance {}; batch {}; seed {}; --towers {}",
         model.describe(),
         cfg.micro_batches,
         crate::named::Named::name(cfg.schedule),
         crate::named::Named::name(cfg.balance),
         cfg.train.batch,
-        cfg.train.seed
+        cfg.train.seed,
+        cfg.train.towers
     )
 }
 
@@ -265,7 +266,7 @@ pub fn run<C: Comm>(
     let limit = cfg.max_param_bytes.map(|l| (sizes.as_slice(), l));
     let ranges = partition::balance_within(&costs, stages, limit)?;
     agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
-    let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?;
+    let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?.with_towers(cfg.train.towers);
     let reporting = replica == 0 && st.is_last();
     if reporting {
         events(&Event::Note(format!(

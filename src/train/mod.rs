@@ -58,6 +58,9 @@ pub struct TrainConfig {
     /// Stop at the next step boundary once SIGTERM, SIGINT or SIGUSR1 was noted
     /// ([`crate::signals`]; the caller catches them): checkpoint, then [`Stopped`].
     pub stop_on_signal: bool,
+    /// Threads computing a task's gradients, each on its share of the task's samples
+    /// ([`crate::model::towers`]); 1: the calling thread alone.
+    pub towers: usize,
 }
 
 impl Default for TrainConfig {
@@ -72,6 +75,7 @@ impl Default for TrainConfig {
             checkpoint_every: 500,
             save_params: None,
             stop_on_signal: false,
+            towers: 1,
         }
     }
 }
@@ -250,6 +254,7 @@ pub fn train_local<'m>(
         }
     }
     let mut grads = model.zeros_like();
+    let mut towers = crate::model::towers::Towers::new(cfg.towers);
     let batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     let start = Instant::now();
     // The log window: its steps and its length.
@@ -287,7 +292,7 @@ pub fn train_local<'m>(
         }
         let (x, y) = train.rows(&batches.global(step));
         let t = Instant::now();
-        loss = model.gradients_into(&x, &y, &mut grads)?;
+        loss = towers.gradients_into(&model, &x, &y, &mut grads)?;
         guard::check_step(step, loss, &grads)?;
         for ((p, g), s) in model.params.iter_mut().zip(&grads).zip(&mut slots) {
             opt.apply(

@@ -178,6 +178,7 @@ pub fn run<C: Comm + Send>(
     };
     std::thread::scope(|scope| -> Result<(), AllreduceError> {
         let mut reducer = Reducer::new(scope, comm_thread, &model, cfg.fusion);
+        let mut towers = crate::model::towers::Towers::new(cfg.train.towers);
         let mut last_ckpt = step;
         // The log window: its steps, its time in the gradient allreduce, its length.
         let mut clock = Clock::new();
@@ -195,8 +196,14 @@ pub fn run<C: Comm + Send>(
                 .flatten();
             let t = Instant::now();
             verdict.step = step;
-            let (secs, stats) =
-                reducer.step(&coll, &model, &what, &x, &y, &mut grads, &mut verdict)?;
+            let (secs, stats) = reducer.step(
+                &coll,
+                (&model, &mut towers),
+                &what,
+                (&x, &y),
+                &mut grads,
+                &mut verdict,
+            )?;
             let reduced = Instant::now();
             let comm_time = std::time::Duration::from_secs_f64(secs);
             clock.charge(Phase::Comm, comm_time);
@@ -393,14 +400,18 @@ mod tests {
                 threshold_bytes: 1,
                 algorithm: crate::transport::Algorithm::Ring,
             };
-            for (overlap, fusion) in [
-                (false, FusionConfig::default()),
-                (true, FusionConfig::default()),
-                (false, one_by_one),
+            // And three towers per replica, overlapped: their gradients are ready only
+            // once all towers are done, as one bucket.
+            for (overlap, fusion, towers) in [
+                (false, FusionConfig::default(), 1),
+                (true, FusionConfig::default(), 1),
+                (false, one_by_one, 1),
+                (true, FusionConfig::default(), 3),
             ] {
                 let cfg = AllreduceConfig {
                     train: TrainConfig {
                         save_params: Some(out.clone()),
+                        towers,
                         ..tc.clone()
                     },
                     check_every: 10,
@@ -419,9 +430,10 @@ mod tests {
                 let lines: Vec<String> = logs.into_iter().flatten().collect();
                 // Two layers: two weights and two biases, reduced as the settings say.
                 // The verdict rides in the fused buffer, or goes on its own.
-                let calls = match (overlap, fusion.threshold_bytes) {
-                    (true, _) => 3,
-                    (false, 1) => 5,
+                let calls = match (overlap, fusion.threshold_bytes, towers) {
+                    (true, _, 1) => 3,
+                    (true, _, _) => 2,
+                    (false, 1, _) => 5,
                     _ => 1,
                 };
                 let said = format!(
@@ -433,12 +445,12 @@ mod tests {
                     lines
                         .iter()
                         .any(|l| l.starts_with("# gradients: 4 ") && l.contains(&said)),
-                    "{n} replicas, overlap {overlap}, {fusion:?}: {lines:?}"
+                    "{n} replicas, overlap {overlap}, {fusion:?}, {towers} towers: {lines:?}"
                 );
                 let worst = super::super::max_relative_difference(&local.model, &out);
                 assert!(
                     worst < 1e-4,
-                    "{n} replicas, overlap {overlap}, {fusion:?}: largest relative difference {worst}"
+                    "{n} replicas, overlap {overlap}, {fusion:?}, {towers} towers: largest relative difference {worst}"
                 );
             }
         }

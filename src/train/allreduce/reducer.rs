@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use super::AllreduceError;
+use crate::model::towers::Towers;
 use crate::model::Replica;
 use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::{self, Detail};
@@ -139,14 +140,12 @@ impl<'s> Reducer<'s> {
     /// fills its word in `verdict` (`verdict`'s signal is set by the caller), and sums both
     /// over the replicas into `grads` and `verdict`; returns the seconds spent waiting on
     /// the sum, and what the sum took. `what` names the gradients (a stall report's).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn step<C: Comm>(
         &mut self,
         coll: &Collectives<C>,
-        model: &Replica<'_>,
+        (model, towers): (&Replica<'_>, &mut Towers),
         what: &std::sync::Arc<str>,
-        x: &[f32],
-        y: &[u8],
+        (x, y): (&[f32], &[u8]),
         grads: &mut [Tensor],
         verdict: &mut Verdict,
     ) -> Result<(f64, FusionStats), AllreduceError> {
@@ -167,7 +166,7 @@ impl<'s> Reducer<'s> {
         };
         match self {
             Reducer::Fused(fusion) => {
-                let loss = model.gradients_into(x, y, grads).map_err(setup)?;
+                let loss = towers.gradients_into(model, x, y, grads).map_err(setup)?;
                 for g in grads.iter_mut() {
                     g.as_mut_slice::<f32>()
                         .expect("f32")
@@ -199,8 +198,8 @@ impl<'s> Reducer<'s> {
                 // Same negotiation as the fused path: every replica, the same list.
                 crate::transport::fusion::negotiate(coll, *signature_hash, || signature.clone())?;
                 let mut sent = 0;
-                let loss = model
-                    .gradients_with(x, y, grads, &mut |range, g| {
+                let loss = towers
+                    .gradients_with(model, x, y, grads, &mut |range, g| {
                         let data: Vec<f32> = g[range.clone()]
                             .iter()
                             .flat_map(|t| t.as_slice::<f32>().expect("f32"))

@@ -180,6 +180,7 @@ pub fn run<C: Comm>(
         log_every: cfg.train.log_every,
         peer_timeout: cfg.peer_timeout,
         stop_on_signal: cfg.train.stop_on_signal,
+        towers: cfg.train.towers,
     };
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));

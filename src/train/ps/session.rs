@@ -70,6 +70,8 @@ pub struct SessionOptions {
     /// this process asks the whole job to stop at the next step boundary (see
     /// [`MonitoredSession::stop_signal`]).
     pub stop_on_signal: bool,
+    /// Threads computing this worker's gradients ([`crate::model::towers`]).
+    pub towers: usize,
 }
 
 impl Default for SessionOptions {
@@ -86,6 +88,7 @@ impl Default for SessionOptions {
             log_every: 0,
             peer_timeout: Duration::from_secs(60),
             stop_on_signal: false,
+            towers: 1,
         }
     }
 }
@@ -118,6 +121,7 @@ pub struct MonitoredSession<'s, 'e, C: Comm> {
     client: Client<'s, C>,
     replica: Replica<'s>,
     grads: Vec<crate::tensor::Tensor>,
+    towers: crate::model::towers::Towers,
     opts: SessionOptions,
     chief: bool,
     step: u64,
@@ -176,6 +180,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             client,
             replica,
             grads,
+            towers: crate::model::towers::Towers::new(opts.towers),
             opts,
             chief: w == 0,
             step: 0,
@@ -311,8 +316,8 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     fn step_once(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
         let t = Instant::now();
         let loss = self
-            .replica
-            .gradients_into(x, y, &mut self.grads)
+            .towers
+            .gradients_into(&self.replica, x, y, &mut self.grads)
             .map_err(|e| PsError::Setup(format!("{}: {e}", self.client.me())))?;
         crate::train::guard::check_step(self.step, loss, &self.grads).map_err(|source| {
             PsError::NonFinite {

@@ -76,6 +76,11 @@ pub(crate) struct TrainArgs {
     /// layer's passes timed on one rank) or counted (multiply-adds from the shapes).
     #[arg(long, value_parser = named::<Balance>(), default_value = "measured")]
     pub(crate) balance: Balance,
+    /// Threads per task computing its gradients, each on its share of the task's samples
+    /// (TensorFlow's towers, or clones), averaged in the task before the push or the
+    /// allreduce. Give each a core: --blas-threads then defaults to 1.
+    #[arg(long, default_value_t = 1, value_parser = positive_usize)]
+    pub(crate) towers: usize,
     /// The most parameter bytes one task may hold: a whole model larger than this is
     /// refused (naming the stages it takes), and --stages cuts the model so that no stage
     /// holds more.
@@ -164,6 +169,7 @@ impl TrainArgs {
             checkpoint_every: self.checkpoint_every,
             save_params: self.save_params.clone(),
             stop_on_signal: true,
+            towers: self.towers,
         }
     }
 }

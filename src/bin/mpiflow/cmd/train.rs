@@ -120,7 +120,9 @@ fn catch_stop_signals() {
 /// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan).
 fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::Pinning {
     let mut pin = mpiflow::topology::pin(local, count, args.bind);
-    if let Some(n) = args.blas_threads {
+    // Towers are the rank's threads: each calls BLAS alone.
+    let towers = (args.towers > 1).then_some(1);
+    if let Some(n) = args.blas_threads.or(towers) {
         mpiflow::kernels::set_blas_threads(n);
         pin.blas_threads = mpiflow::kernels::blas_threads();
     }

@@ -55,6 +55,7 @@ impl Rma<'_> {
         let chief = w == 0;
         let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
         let mut grads = model.zeros_like();
+        let mut towers = crate::model::towers::Towers::new(cfg.train.towers);
         // Where training starts: step 0, or the restored checkpoint's step.
         let start = ctl.fetch_and_add(roles.ps[0], STEP, 0)? as u64;
         let (mut window, mut logged, mut last_loss) = (Instant::now(), start, f32::NAN);
@@ -135,8 +136,8 @@ impl Rma<'_> {
             let global = batches.global(s);
             let mine = shard(&global, w, nw);
             let (x, y) = train.rows(mine);
-            let loss = model
-                .gradients_into(&x, &y, &mut grads)
+            let loss = towers
+                .gradients_into(model, &x, &y, &mut grads)
                 .map_err(|e| PsError::Setup(e.to_string()))?;
             crate::train::guard::check_step(s, loss, &grads).map_err(|source| {
                 PsError::NonFinite {
