@@ -270,6 +270,21 @@ impl Sequential {
             .collect()
     }
 
+    /// Values a training pass of the layers `layers` keeps per sample: each layer's output
+    /// and saved values (about its output's size), and the running gradient and input
+    /// gradient (the widest of their inputs and outputs, twice).
+    pub fn activations_of(&self, layers: Range<usize>) -> usize {
+        let sizes = self.shapes[layers.start + 1..=layers.end]
+            .iter()
+            .map(|s| s.iter().product::<usize>());
+        let widest = self.shapes[layers.start..=layers.end]
+            .iter()
+            .map(|s| s.iter().product())
+            .max()
+            .unwrap_or(0);
+        2 * sizes.sum::<usize>() + 2 * widest
+    }
+
     /// Number of layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
@@ -323,14 +338,7 @@ impl Model for Sequential {
     /// Each layer's output and saved values (about its output's size), and the running
     /// gradient and input gradient (the widest layer's, twice).
     fn activations_per_sample(&self) -> usize {
-        let sizes = self.shapes[1..].iter().map(|s| s.iter().product::<usize>());
-        let widest = self
-            .shapes
-            .iter()
-            .map(|s| s.iter().product())
-            .max()
-            .unwrap_or(0);
-        2 * sizes.sum::<usize>() + 2 * widest
+        self.activations_of(0..self.layers.len())
     }
 
     fn classes(&self) -> usize {

@@ -60,7 +60,10 @@ fn variables(model: &Sequential) -> Vec<(String, usize)> {
 }
 
 /// Every task's result, agreed: the first error any task met (by group rank), or `Ok`.
-fn agree<C: Comm>(group: &Collectives<C>, mine: Result<(), String>) -> Result<(), PipelineError> {
+pub(crate) fn agree<C: Comm>(
+    group: &Collectives<C>,
+    mine: Result<(), String>,
+) -> Result<(), PipelineError> {
     let said = group.allgather_varlen(mine.err().unwrap_or_default().as_bytes())?;
     match said.iter().find(|s| !s.is_empty()) {
         Some(e) => Err(PipelineError::Config(

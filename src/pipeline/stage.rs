@@ -17,8 +17,11 @@ use crate::kernels;
 use crate::model::sequential::Scratch;
 use crate::model::towers::share;
 use crate::model::{zeros_like, Model, ModelError, Sequential};
+use crate::named::Named;
 use crate::rng::Rng;
 use crate::tensor::Tensor;
+use crate::train::optim::Optimizer;
+use crate::train::resources::{self, Need};
 
 /// A micro-batch between its forward and its backward pass.
 #[derive(Default)]
@@ -164,6 +167,28 @@ impl<'m> Stage<'m> {
             summed: 0,
             peak_bytes: 0,
         })
+    }
+
+    /// What this stage holds in training, before it allocates: its parameters, their
+    /// gradient sums and each tower's, the optimizer's state, and `in_flight` micro-batches
+    /// of `rows` samples (their inputs, activations and outgoing copies).
+    pub fn need(&self, rows: usize, in_flight: usize, opt: &Optimizer) -> Need {
+        let p = self.param_bytes() as u64;
+        let per_sample = self.model.activations_of(self.layers.clone())
+            + self.input_width()
+            + self.output_width();
+        let activations = 4 * (per_sample * rows * in_flight) as u64;
+        Need {
+            parts: vec![
+                ("parameters".into(), p),
+                ("gradients".into(), p * (1 + self.towers as u64)),
+                (
+                    format!("{} state", opt.kind.name()),
+                    p * resources::slots(opt),
+                ),
+                ("activations".into(), activations),
+            ],
+        }
     }
 
     /// This stage with `k` towers: each micro-batch's rows shared by `k` threads.

@@ -281,3 +281,37 @@ fn checkpoints_in_stage_shards_resume_exactly_with_any_number_of_stages() {
     assert_eq!(state.step, 40);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_stage_that_does_not_fit_its_memory_share_stops_every_task_naming_it() {
+    let data = Dataset::load("digits", 0).unwrap();
+    let (train, test) = data.split_holdout(1);
+    let model = crate::model::mlp(64, &[256], 10).unwrap();
+    let cfg = PipelineConfig {
+        train: TrainConfig {
+            steps: 2,
+            log_every: 0,
+            ..TrainConfig::default()
+        },
+        // Stage 0 (dense 256: 66,560 parameter bytes) needs more than 200 KB with
+        // Adam; stage 1 (dense 10: 10,280) less.
+        memory_share: Some(crate::train::resources::Share {
+            bytes: 200_000,
+            why: "a test's share".into(),
+        }),
+        balance: crate::pipeline::Balance::Counted,
+        ..PipelineConfig::default()
+    };
+    let said = train_on(&layout(0, 2, 2), &model, &|_| cfg.clone(), &train, &test);
+    for r in said {
+        let e = r.unwrap_err();
+        assert!(e.is_agreed());
+        let e = e.to_string();
+        assert!(
+            e.starts_with("replica_0:0 needs at least ")
+                && e.contains("parameters 66.6 KB")
+                && e.contains("but may use 200.0 KB (a test's share)"),
+            "{e}"
+        );
+    }
+}

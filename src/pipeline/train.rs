@@ -32,6 +32,7 @@ use crate::tensor::{DType, Tensor};
 use crate::train::data::{shard, Batches, Dataset};
 use crate::train::events::Event;
 use crate::train::optim::Slots;
+use crate::train::resources;
 use crate::train::{checkpoint, guard, StepLog, Stopped, TrainConfig};
 use crate::transport::fusion::{Fusion, FusionConfig, FusionError};
 use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
@@ -48,6 +49,8 @@ pub struct PipelineConfig {
     /// The most parameter bytes one task may hold (`--max-param-bytes`): the stages are
     /// cut so that none holds more.
     pub max_param_bytes: Option<u64>,
+    /// The memory each task may use ([`resources::share`]); `None`: not checked.
+    pub memory_share: Option<resources::Share>,
     /// How the replicas' stage-k tasks sum their gradients.
     pub fusion: FusionConfig,
     /// Compare the replicas' parameter checksums, stage by stage, every N steps (0: never).
@@ -62,6 +65,7 @@ impl Default for PipelineConfig {
             schedule: Schedule::OneFOneB,
             balance: Balance::default(),
             max_param_bytes: None,
+            memory_share: None,
             fusion: FusionConfig::default(),
             check_every: 100,
         }
@@ -267,6 +271,17 @@ pub fn run<C: Comm>(
     let ranges = partition::balance_within(&costs, stages, limit)?;
     agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
     let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?.with_towers(cfg.train.towers);
+    // What this task will hold must fit its share of the node, on every task.
+    let rows = share.div_ceil(cfg.micro_batches);
+    let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
+    let need = st.need(
+        rows,
+        schedule::peak_in_flight(&plan_ops),
+        &cfg.train.optimizer,
+    );
+    let task = me.task.to_string();
+    let fits = resources::check(&task, &need, cfg.memory_share.as_ref());
+    save::agree(&group, fits.map_err(|e| e.to_string()))?;
     let reporting = replica == 0 && st.is_last();
     if reporting {
         events(&Event::Note(format!(
@@ -302,7 +317,6 @@ pub fn run<C: Comm>(
     let pipe = Collectives::new(pipe);
     let mut link = Link::new(pipe.comm());
     let mut fusion = Fusion::new(cfg.fusion);
-    let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut clock = Clock::new();
     let mut verdict = Verdict::new();

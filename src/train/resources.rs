@@ -49,7 +49,7 @@ fn values_of(model: &dyn Model) -> u64 {
 }
 
 /// Moments the optimizer keeps per parameter value.
-fn slots(opt: &Optimizer) -> u64 {
+pub fn slots(opt: &Optimizer) -> u64 {
     match opt.kind {
         OptimizerKind::Sgd => 0,
         OptimizerKind::Momentum | OptimizerKind::Adagrad => 1,

@@ -343,6 +343,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 schedule: args.schedule,
                 balance: args.balance,
                 max_param_bytes: args.max_param_bytes,
+                memory_share: resources::share(count),
                 fusion: mpiflow::transport::fusion::FusionConfig {
                     threshold_bytes: args.fusion_threshold,
                     algorithm: args.allreduce_algorithm,
