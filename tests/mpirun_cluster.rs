@@ -409,8 +409,8 @@ fn stages_map_replica_jobs_on_every_rank_and_launch_passes_them_on() {
     got.sort();
     assert_eq!(got, ["ps:0", "replica_0:0", "replica_0:1"], "{run:?}");
 
-    // A rank count that does not divide, and --stages by the ps (not built yet): one
-    // line, no hang.
+    // A rank count that does not divide, and --stages by the asynchronous ps (stages
+    // train synchronously): one line, no hang.
     let run = mpirun(&["-np", "4", mpiflow(), "spec", "--ps", "1", "--stages", "2"]);
     assert_ne!(run.code, 0, "{run:?}");
     assert_eq!(
@@ -418,7 +418,10 @@ fn stages_map_replica_jobs_on_every_rank_and_launch_passes_them_on() {
         ["mpiflow: error: --stages 2: the 3 ranks left for replicas after --ps 1 do not divide into replicas of 2 stages"],
         "{run:?}"
     );
-    let train = format!("-np 3 {} train --mode ps --ps 1 --stages 2", mpiflow());
+    let train = format!(
+        "-np 3 {} train --mode ps --ps 1 --stages 2 --async",
+        mpiflow()
+    );
     let run = mpirun(&train.split(' ').collect::<Vec<_>>());
     assert_ne!(run.code, 0, "{run:?}");
     let lines = run.error_lines();
@@ -426,7 +429,7 @@ fn stages_map_replica_jobs_on_every_rank_and_launch_passes_them_on() {
     assert!(
         lines
             .iter()
-            .all(|l| l.contains("--stages 2 with --mode ps is not built yet")),
+            .all(|l| l.contains("--stages 2 trains synchronously: drop --async")),
         "{run:?}"
     );
     assert!(!run.stderr.contains("panicked"), "{run:?}");

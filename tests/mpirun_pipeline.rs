@@ -17,7 +17,8 @@ fn replicas_of_stages_equal_local_training_under_mpirun() {
         (
             "cnn",
             &cnn[..],
-            // (ranks, --ps, --stages, --micro-batches, --schedule, --towers)
+            // (ranks, --ps, --stages, --micro-batches, --schedule, --towers); with ps
+            // tasks by --mode ps (the ps tasks hold each stage's variables).
             &[
                 ("4", "0", "2", "4", "1f1b", "1"),
                 ("5", "1", "2", "3", "gpipe", "1"),
@@ -30,6 +31,7 @@ fn replicas_of_stages_equal_local_training_under_mpirun() {
             &[
                 ("3", "0", "3", "4", "1f1b", "1"),
                 ("4", "0", "2", "2", "gpipe", "1"),
+                ("5", "2", "3", "2", "1f1b", "1"),
             ][..],
         ),
     ] {
@@ -37,7 +39,8 @@ fn replicas_of_stages_equal_local_training_under_mpirun() {
         common::train_local_reference("40", &local, model);
         for (np, ps, stages, micro, schedule, towers) in runs {
             let out = dir.join(format!("{name}-{np}-{stages}-{towers}.bin"));
-            let mut args = vec!["-np", np, mpiflow(), "train", "--mode", "allreduce"];
+            let mode = if *ps == "0" { "allreduce" } else { "ps" };
+            let mut args = vec!["-np", np, mpiflow(), "train", "--mode", mode];
             args.extend_from_slice(&["--ps", ps, "--stages", stages, "--steps", "40"]);
             args.extend_from_slice(&["--micro-batches", micro, "--schedule", schedule]);
             args.extend_from_slice(&["--towers", towers]);

@@ -62,6 +62,7 @@ fn p2p_rounds<C: Comm>(
             shards: client.shards.clone(),
             optimizer: Optimizer::new(OptimizerKind::Sgd, 1e-12),
             sync: None,
+            stage: None,
         };
         client.init(&setup, &mut params)?;
     }

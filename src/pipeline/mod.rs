@@ -7,6 +7,7 @@
 //! - [`link`]: activations and gradients between consecutive stages.
 //! - [`train`]: pipeline training over replicas of S stages.
 //! - [`save`]: checkpoints in per-stage shards, and the final parameters.
+//! - [`update`]: a stage's update, by allreduce or by the ps tasks ([`ps`]).
 //! - [`report`]: the partition, each stage's memory, the held-out accuracy.
 //!
 //! The cluster mapping (jobs `replica_0`, ... of one task per stage) lives in
@@ -14,11 +15,13 @@
 
 pub mod link;
 pub mod partition;
+pub mod ps;
 pub mod report;
 pub mod save;
 pub mod schedule;
 pub mod stage;
 pub mod train;
+pub mod update;
 
 pub use partition::{balance, Balance, PartitionError};
 pub use schedule::{Op, Schedule};

@@ -38,6 +38,9 @@ pub(crate) struct Writers {
     pub writes: bool,
 }
 
+/// A checkpoint file: its name, bytes and checksum (as a manifest lists it).
+type FileEntry = (String, u64, u64);
+
 /// Where and by whom a pipeline's checkpoints are written.
 pub(crate) struct Saver<'a, C: Comm> {
     /// Every replica task.
@@ -83,32 +86,8 @@ pub(crate) fn restore<C: Comm>(
     opt: &Optimizer,
     events: &mut dyn FnMut(&Event),
 ) -> Result<Option<u64>, PipelineError> {
-    let (group, who, dir, model) = (at.group, at.who, at.dir, at.model);
-    let mut picked = Ok(None);
-    if group.rank() == who.coordinator {
-        picked = std::fs::create_dir_all(dir)
-            .map_err(|e| format!("checkpoint {}: {e}", dir.display()))
-            .map(|()| {
-                let (found, warnings) = checkpoint::latest(dir);
-                for w in warnings {
-                    events(&Event::Warning(w));
-                }
-                found.map(|f| f.path)
-            });
-    }
-    let mine = match &picked {
-        Ok(Some(p)) => format!("+{}", p.display()),
-        Ok(None) => "+".to_string(),
-        Err(e) => format!("-{e}"),
-    };
-    let said = group.bcast_varlen(mine.into_bytes(), who.coordinator)?;
-    let said = String::from_utf8_lossy(&said).into_owned();
-    let path = match said.split_at(1) {
-        ("-", e) => return Err(PipelineError::Config(e.to_string())),
-        (_, "") => None,
-        (_, p) => Some(PathBuf::from(p)),
-    };
-    let Some(path) = path else {
+    let (group, who, model) = (at.group, at.who, at.model);
+    let Some(path) = newest(at, events)? else {
         agree(group, Ok(()))?;
         return Ok(None);
     };
@@ -146,6 +125,28 @@ pub(crate) fn write<C: Comm>(
     slots: &[Slots],
     events: &mut dyn FnMut(&Event),
 ) -> Result<PathBuf, PipelineError> {
+    let vars = variables(at.model);
+    write_with(at, step, st.is_last(), events, |staging| {
+        let file = stage_file(st.index());
+        let (bytes, sum) =
+            checkpoint::write_file(&staging.join(&file), &shard(st, slots, &vars, step))
+                .map_err(|e| e.to_string())?;
+        Ok(vec![(file, bytes, sum)])
+    })
+}
+
+/// A checkpoint of `step` into `at.dir` whose files replica 0's tasks write with `files`
+/// (given the staging directory, returning each file's name, bytes and checksum): the
+/// coordinator begins it and commits the manifest over every task's files; every task
+/// returns its path, or the same error. `last`: this task is its replica's last stage
+/// (replica 0's reports the checkpoint).
+pub(crate) fn write_with<C: Comm>(
+    at: &Saver<'_, C>,
+    step: u64,
+    last: bool,
+    events: &mut dyn FnMut(&Event),
+    files: impl FnOnce(&Path) -> Result<Vec<(String, u64, u64)>, String>,
+) -> Result<PathBuf, PipelineError> {
     let (group, who, dir, model) = (at.group, at.who, at.dir, at.model);
     let coordinating = group.rank() == who.coordinator;
     let begun = match coordinating {
@@ -154,42 +155,72 @@ pub(crate) fn write<C: Comm>(
     };
     let fail = |e: &dyn std::fmt::Display| checkpoint::abandoned(dir, step, e).to_string();
     agree(group, begun.map_err(|e| fail(&e)))?;
-    let vars = variables(model);
-    let mut written = String::new();
+    let mut written = Vec::new();
     let mut status = Ok(());
     if who.writes {
-        let file = stage_file(st.index());
-        let tmp = checkpoint::staging_dir(dir, step).join(&file);
-        match checkpoint::write_file(&tmp, &shard(st, slots, &vars, step)) {
-            Ok((bytes, sum)) => written = format!("{file} {bytes} {sum}"),
+        match files(&checkpoint::staging_dir(dir, step)) {
+            Ok(f) => written = f,
             Err(e) => status = Err(fail(&e)),
         }
     }
     agree(group, status)?;
-    let listed = group.allgather_varlen(written.as_bytes())?;
+    let mine = serde_json::to_vec(&written).expect("names and numbers serialise");
+    let listed = group.allgather_varlen(&mine)?;
     let mut committed = Ok(PathBuf::new());
     if coordinating {
-        let files: Vec<(String, u64, u64)> = listed
-            .iter()
-            .filter_map(|l| {
-                let l = String::from_utf8_lossy(l);
-                let mut it = l.split(' ');
-                let (f, b, c) = (it.next()?, it.next()?, it.next()?);
-                Some((f.to_string(), b.parse().ok()?, c.parse().ok()?))
-            })
-            .collect();
-        let meta = state::model_meta(&model.describe(), &vars);
-        committed = checkpoint::commit(dir, step, &files, meta).map_err(|e| fail(&e));
+        let parsed: Result<Vec<Vec<FileEntry>>, _> =
+            listed.iter().map(|l| serde_json::from_slice(l)).collect();
+        committed = match parsed {
+            Ok(all) => {
+                let files: Vec<(String, u64, u64)> = all.into_iter().flatten().collect();
+                let meta = state::model_meta(&model.describe(), &variables(model));
+                checkpoint::commit(dir, step, &files, meta).map_err(|e| fail(&e))
+            }
+            Err(e) => Err(fail(&e)),
+        };
     }
     agree(group, committed.as_ref().map(drop).map_err(Clone::clone))?;
     let path = checkpoint::path_of(dir, step);
-    if st.is_last() && who.writes {
+    if last && who.writes {
         events(&Event::Checkpoint {
             path: path.clone(),
             step,
         });
     }
     Ok(path)
+}
+
+/// The newest valid checkpoint in `at.dir` for the whole model, as the coordinator finds
+/// it (the others hear its path, so every task takes the same one): `None` if there is none.
+pub(crate) fn newest<C: Comm>(
+    at: &Saver<'_, C>,
+    events: &mut dyn FnMut(&Event),
+) -> Result<Option<PathBuf>, PipelineError> {
+    let (group, who, dir) = (at.group, at.who, at.dir);
+    let mut picked = Ok(None);
+    if group.rank() == who.coordinator {
+        picked = std::fs::create_dir_all(dir)
+            .map_err(|e| format!("checkpoint {}: {e}", dir.display()))
+            .map(|()| {
+                let (found, warnings) = checkpoint::latest(dir);
+                for w in warnings {
+                    events(&Event::Warning(w));
+                }
+                found.map(|f| f.path)
+            });
+    }
+    let mine = match &picked {
+        Ok(Some(p)) => format!("+{}", p.display()),
+        Ok(None) => "+".to_string(),
+        Err(e) => format!("-{e}"),
+    };
+    let said = group.bcast_varlen(mine.into_bytes(), who.coordinator)?;
+    let said = String::from_utf8_lossy(&said).into_owned();
+    match said.split_at(1) {
+        ("-", e) => Err(PipelineError::Config(e.to_string())),
+        (_, "") => Ok(None),
+        (_, p) => Ok(Some(PathBuf::from(p))),
+    }
 }
 
 /// Replica 0's stages send their parameters to its last stage, which writes the whole

@@ -315,3 +315,98 @@ fn a_stage_that_does_not_fit_its_memory_share_stops_every_task_naming_it() {
         );
     }
 }
+
+#[test]
+fn stages_with_ps_tasks_equal_local_training_and_checkpoint_in_the_common_format() {
+    use crate::train::ps::placement::{DeviceSetter, Strategy};
+    let data = Dataset::load("digits", 0).unwrap();
+    let (train, test) = data.split_holdout(1);
+    let model = crate::model::mlp(64, &[48, 32], 10).unwrap();
+    let tc = TrainConfig {
+        steps: 30,
+        log_every: 10,
+        ..TrainConfig::default()
+    };
+    let local = train_local(&model, &tc, &train, &test, &mut |_| {}).unwrap();
+    let dir = std::env::temp_dir().join(format!("mpiflow-pipe-ps-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // (stages, replicas, ps tasks, placement)
+    for (stages, replicas, ps, strategy) in [
+        (2, 2, 1, Strategy::Greedy),
+        (3, 1, 2, Strategy::Partition),
+        (2, 1, 2, Strategy::RoundRobin),
+    ] {
+        let case = format!("S={stages} R={replicas} ps={ps} {strategy:?}");
+        let out = dir.join(format!("{stages}-{replicas}-{ps}.bin"));
+        let ckpt = dir.join(format!("ckpt-{stages}-{replicas}-{ps}"));
+        let cfg = PipelineConfig {
+            train: TrainConfig {
+                save_params: Some(out.clone()),
+                checkpoint_dir: Some(ckpt.clone()),
+                checkpoint_every: 10,
+                ..tc.clone()
+            },
+            micro_batches: 2,
+            ps: Some(super::ps::StagePs {
+                placement: DeviceSetter {
+                    strategy,
+                    partition_bytes: 4096,
+                },
+                peer_timeout: std::time::Duration::from_secs(20),
+            }),
+            ..PipelineConfig::default()
+        };
+        let l = layout(ps, ps + stages * replicas, stages);
+        let said = train_on(&l, &model, &|_| cfg.clone(), &train, &test);
+        let lines: Vec<String> = said
+            .into_iter()
+            .flat_map(|r| r.unwrap_or_else(|e| panic!("{case}: {e}")))
+            .collect();
+        let count = |p: &str| lines.iter().filter(|l| l.starts_with(p)).count();
+        assert_eq!(count("step "), 3, "{case}: {lines:?}");
+        assert_eq!(count("accuracy "), 1, "{case}: {lines:?}");
+        assert_eq!(count("# checkpoint "), 3, "{case}: {lines:?}");
+        let worst = max_relative_difference(&local.model, &out);
+        assert!(worst < 1e-4, "{case}: largest relative difference {worst}");
+        // The ps tasks' files, one per stage each holds variables of, under one manifest
+        // that any mode reads whole.
+        let vars: Vec<(String, usize)> = local
+            .model
+            .params
+            .iter()
+            .map(|p| (p.name().to_string(), p.numel()))
+            .collect();
+        let state = crate::train::checkpoint::State::open(&ckpt.join("ckpt-30"), &vars).unwrap();
+        assert_eq!(state.step, 30, "{case}");
+        for (v, p) in state.vars.iter().zip(&local.model.params) {
+            let worst = v
+                .param
+                .iter()
+                .zip(p.as_slice::<f32>().unwrap())
+                .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-4, "{case}: checkpoint {}: {worst}", p.name());
+        }
+    }
+    // Resumed from the last checkpoint (a 2-stage ps run's) by 3 stages and allreduce.
+    let cfg = PipelineConfig {
+        train: TrainConfig {
+            steps: 40,
+            log_every: 0,
+            checkpoint_dir: Some(dir.join("ckpt-2-1-2")),
+            ..TrainConfig::default()
+        },
+        micro_batches: 2,
+        ..PipelineConfig::default()
+    };
+    let said = train_on(&layout(0, 3, 3), &model, &|_| cfg.clone(), &train, &test);
+    let lines: Vec<String> = said.into_iter().flat_map(Result::unwrap).collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("# restored ") && l.contains("ckpt-30")),
+        "{lines:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -20,10 +20,12 @@ use std::time::Instant;
 
 use super::link::{Direction, Link, LinkError};
 use super::partition::{self, Balance};
+use super::ps::{StageClient, StagePs};
 use super::report::{describe_partition, evaluate, report_stages, StageReport};
 use super::save::{self, Saver, Writers};
 use super::schedule::{self, Op, Schedule};
 use super::stage::Stage;
+use super::update::Updater;
 use super::PartitionError;
 use crate::cluster::Layout;
 use crate::model::{Model, ModelError, Sequential};
@@ -31,7 +33,6 @@ use crate::observe::phases::{Clock, Phase};
 use crate::tensor::{DType, Tensor};
 use crate::train::data::{shard, Batches, Dataset};
 use crate::train::events::Event;
-use crate::train::optim::Slots;
 use crate::train::resources;
 use crate::train::{checkpoint, guard, StepLog, Stopped, TrainConfig};
 use crate::transport::fusion::{Fusion, FusionConfig, FusionError};
@@ -51,6 +52,9 @@ pub struct PipelineConfig {
     pub max_param_bytes: Option<u64>,
     /// The memory each task may use ([`resources::share`]); `None`: not checked.
     pub memory_share: Option<resources::Share>,
+    /// Parameter servers hold the variables (`--mode ps`); `None`: the replicas' stage
+    /// tasks sum their gradients by allreduce.
+    pub ps: Option<StagePs>,
     /// How the replicas' stage-k tasks sum their gradients.
     pub fusion: FusionConfig,
     /// Compare the replicas' parameter checksums, stage by stage, every N steps (0: never).
@@ -66,6 +70,7 @@ impl Default for PipelineConfig {
             balance: Balance::default(),
             max_param_bytes: None,
             memory_share: None,
+            ps: None,
             fusion: FusionConfig::default(),
             check_every: 100,
         }
@@ -102,6 +107,8 @@ pub enum PipelineError {
     /// A setting every rank judges alike (so every rank stops with it).
     #[error("{0}")]
     Config(String),
+    #[error("{0}")]
+    Ps(String),
     #[error("{task} (rank {rank}): {what}")]
     Mismatch {
         task: String,
@@ -236,6 +243,21 @@ pub fn run<C: Comm>(
     let group = comm.split(u32::from(place.is_none()), comm.rank())?;
     let pipe = comm.split(replica as u32, stage)?;
     let peers = comm.split(stage as u32, replica)?;
+    // With ps tasks, each stage's tasks and the ps tasks: one job per stage.
+    let stage_jobs = match cfg.ps {
+        Some(_) => (0..stages)
+            .map(|k| super::ps::stage_job(comm, layout, k))
+            .collect::<Result<Vec<_>, _>>()?,
+        None => Vec::new(),
+    };
+    if let (Some(ps), "ps") = (&cfg.ps, me.task.job.as_str()) {
+        let jobs: Vec<(&C, &crate::train::ps::Roles)> = stage_jobs
+            .iter()
+            .filter_map(|(c, r)| r.as_ref().map(|r| (c, r)))
+            .collect();
+        let served = crate::train::ps::server::serve_many(&jobs, me.task.index, ps.peer_timeout);
+        return served.map_err(PipelineError::from);
+    }
     let Some((replica, stage)) = place else {
         events(&Event::Warning(format!(
             "{} (rank {}): not a replica in pipeline training; idle",
@@ -292,132 +314,148 @@ pub fn run<C: Comm>(
             describe_partition(model, &ranges).join("; ")
         )));
     }
-    let opt = cfg.train.optimizer;
-    let mut slots: Vec<Slots> = st.params.iter().map(|p| opt.state(p.numel())).collect();
     let writers = Writers {
         coordinator,
         writes: replica == 0,
     };
-    let mut step = 0u64;
     let saver = cfg.train.checkpoint_dir.as_deref().map(|dir| Saver {
         group: &group,
         who: writers,
         dir,
         model,
     });
-    if let Some(at) = &saver {
-        step = save::restore(at, &mut st, &mut slots, &opt, events)?.unwrap_or(0);
-    }
-    let mut last_ckpt = step;
-    let checkpoint =
-        |step: u64, st: &Stage<'_>, slots: &[Slots], events: &mut dyn FnMut(&Event)| {
-            let at = saver.as_ref().expect("a checkpoint directory");
-            save::write(at, step, st, slots, events)
-        };
+    let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
+        (Some(ps), Some((sub, Some(roles)))) => {
+            let vars: Vec<(String, usize)> = st
+                .params
+                .iter()
+                .map(|p| (p.name().to_string(), p.numel()))
+                .collect();
+            let client = StageClient::new(sub, roles, ps, &vars, stage, replicas, cfg);
+            Updater::Ps { client }
+        }
+        _ => Updater::Allreduce {
+            peers: Box::new(peers),
+            fusion: Fusion::new(cfg.fusion),
+            opt: cfg.train.optimizer,
+            slots: st
+                .params
+                .iter()
+                .map(|p| cfg.train.optimizer.state(p.numel()))
+                .collect(),
+        },
+    };
+    let mut step = updater.start(saver.as_ref(), &mut st, replica == 0, events)?;
     let pipe = Collectives::new(pipe);
     let mut link = Link::new(pipe.comm());
-    let mut fusion = Fusion::new(cfg.fusion);
     let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut clock = Clock::new();
     let mut verdict = Verdict::new();
     let mut peak_activations = 0usize;
     let mut passes = PassTimes::default();
+    let mut last_ckpt = step;
     let first_step = step;
-    while step < cfg.train.steps {
-        let signal = cfg
-            .train
-            .stop_on_signal
-            .then(crate::signals::stop_requested)
-            .flatten();
-        let t = Instant::now();
-        link.step = step;
-        let global = batches.global(step);
-        let mine = shard(&global, replica, replicas);
-        let micro = MicroBatches {
-            data: train,
-            mine,
-            count: cfg.micro_batches,
-        };
-        let (loss_sum, times) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
-        let mut waited = times.idle;
-        if step > first_step {
-            // The first step pays for allocations and first contacts.
-            passes.total += times.total;
-            passes.idle += times.idle;
-        }
-        let w = Instant::now();
-        if replicas > 1 {
-            let mut refs: Vec<&mut Tensor> = st.grads.iter_mut().collect();
-            fusion.allreduce(&peers, &mut refs, ReduceOp::Sum)?;
-        }
-        let total = global.len() as f32;
-        for g in &mut st.grads {
-            let g = g.as_mut_slice::<f32>().expect("f32");
-            g.iter_mut().for_each(|v| *v /= total);
-        }
-        let grads_finite = st
-            .grads
-            .iter()
-            .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
-        let samples = if st.is_last() { mine.len() } else { 0 };
-        verdict.fill(loss_sum, samples, grads_finite, signal);
-        group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
-        waited += w.elapsed();
-        verdict.check(step, replicas)?;
-        for ((p, g), s) in st.params.iter_mut().zip(&st.grads).zip(&mut slots) {
-            let g = g.as_slice::<f32>().expect("f32");
-            opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
-        }
-        clock.charge(Phase::Comm, waited);
-        clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
-        clock.steps(1);
-        peak_activations = peak_activations.max(st.take_peak_bytes());
-        step += 1;
-        if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) && replicas > 1 {
-            compare_replicas(&peers, &st, step)?;
-        }
-        let every = cfg.train.log_every;
-        if every > 0 && step.is_multiple_of(every) {
-            let mine = clock.take();
-            let ranks = crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
-                .map_err(|e| PipelineError::Config(e.to_string()))?;
-            if reporting {
-                let log = StepLog::of_window(step, verdict.loss(), &mine, cfg.train.batch, ranks);
-                events(&Event::Step(log));
-            }
-        }
-        let every = cfg.train.checkpoint_every;
-        let due = every > 0 && step.is_multiple_of(every) && step < cfg.train.steps;
-        if cfg.train.checkpoint_dir.is_some() && due {
-            checkpoint(step, &st, &slots, events)?;
-            last_ckpt = step;
-        }
-        if let Some(signal) = verdict.stop() {
-            // Every task stops after the same step; its checkpoint is kept.
-            let mut written = cfg
+    let mut steps = || -> Result<Option<i32>, PipelineError> {
+        while step < cfg.train.steps {
+            let signal = cfg
                 .train
-                .checkpoint_dir
-                .as_deref()
-                .map(|d| crate::train::checkpoint::path_of(d, step));
-            if cfg.train.checkpoint_dir.is_some() && last_ckpt != step {
-                written = Some(checkpoint(step, &st, &slots, events)?);
+                .stop_on_signal
+                .then(crate::signals::stop_requested)
+                .flatten();
+            let t = Instant::now();
+            link.step = step;
+            updater.begin(step, &mut st)?;
+            let global = batches.global(step);
+            let mine = shard(&global, replica, replicas);
+            let micro = MicroBatches {
+                data: train,
+                mine,
+                count: cfg.micro_batches,
+            };
+            let (loss_sum, times) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
+            let mut waited = times.idle;
+            if step > first_step {
+                // The first step pays for allocations and first contacts.
+                passes.total += times.total;
+                passes.idle += times.idle;
             }
-            return Err(Stopped {
-                signal: crate::signals::name(signal),
-                step,
-                checkpoint: written,
+            let w = Instant::now();
+            updater.reduce(&mut st, mine.len(), global.len())?;
+            let grads_finite = st
+                .grads
+                .iter()
+                .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
+            let samples = if st.is_last() { mine.len() } else { 0 };
+            verdict.fill(loss_sum, samples, grads_finite, signal);
+            group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
+            verdict.check(step, replicas)?;
+            let loss = if st.is_last() {
+                loss_sum / mine.len().max(1) as f32
+            } else {
+                f32::NAN
+            };
+            updater.apply(&mut st, step, mine.len(), loss)?;
+            waited += w.elapsed();
+            clock.charge(Phase::Comm, waited);
+            clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
+            clock.steps(1);
+            peak_activations = peak_activations.max(st.take_peak_bytes());
+            step += 1;
+            if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
+                updater.compare(&st, step)?;
             }
-            .into());
+            let every = cfg.train.log_every;
+            if every > 0 && step.is_multiple_of(every) {
+                let mine = clock.take();
+                let ranks =
+                    crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
+                        .map_err(|e| PipelineError::Config(e.to_string()))?;
+                if reporting {
+                    let batch = cfg.train.batch;
+                    let log = StepLog::of_window(step, verdict.loss(), &mine, batch, ranks);
+                    events(&Event::Step(log));
+                }
+            }
+            let every = cfg.train.checkpoint_every;
+            let due = every > 0 && step.is_multiple_of(every) && step < cfg.train.steps;
+            let stop = verdict.stop();
+            if let (Some(at), true) = (&saver, due || (stop.is_some() && last_ckpt != step)) {
+                updater.checkpoint(at, step, &mut st, events)?;
+                last_ckpt = step;
+            }
+            if stop.is_some() {
+                // Every task stops after the same step, its checkpoint kept.
+                return Ok(stop);
+            }
         }
+        if let (Some(at), true) = (&saver, last_ckpt != step) {
+            updater.checkpoint(at, step, &mut st, events)?;
+        }
+        Ok(None)
+    };
+    let ended = steps();
+    let stopped = match ended {
+        Ok(stop) => stop,
+        Err(e) => {
+            // The ps tasks tell this stage's other tasks; the others stop on their own.
+            updater.abort(&e.to_string());
+            return Err(e);
+        }
+    };
+    updater.finish(&mut st, step, stopped)?;
+    if let Some(signal) = stopped {
+        let dir = cfg.train.checkpoint_dir.as_deref();
+        return Err(Stopped {
+            signal: crate::signals::name(signal),
+            step,
+            checkpoint: dir.map(|d| crate::train::checkpoint::path_of(d, step)),
+        }
+        .into());
     }
-    if cfg.train.checkpoint_dir.is_some() && last_ckpt != step {
-        checkpoint(step, &st, &slots, events)?;
-    }
-    let state_bytes = slots.iter().map(|s| 4 * (s.m.len() + s.v.len())).sum();
     let mine = StageReport {
         stage,
         param_bytes: st.param_bytes(),
-        state_bytes,
+        state_bytes: updater.state_bytes(),
         peak_activation_bytes: peak_activations,
         pass_secs: passes.total.as_secs_f64(),
         idle_secs: passes.idle.as_secs_f64(),
@@ -515,26 +553,6 @@ fn run_passes<C: Comm>(
             idle: waited,
         },
     ))
-}
-
-/// The replicas' stage-k tasks compare their parameters' checksum.
-fn compare_replicas<C: Comm>(
-    peers: &Collectives<C>,
-    st: &Stage<'_>,
-    step: u64,
-) -> Result<(), PipelineError> {
-    let sum = st.params.iter().fold(0u64, |h, p| {
-        crate::train::checkpoint::checksum(p.bytes()) ^ h.rotate_left(7)
-    });
-    let sums = peers.allgather_varlen(&sum.to_le_bytes())?;
-    match sums.iter().position(|s| *s != sums[0]) {
-        Some(replica) => Err(PipelineError::Diverged {
-            step,
-            stage: st.index(),
-            replica,
-        }),
-        None => Ok(()),
-    }
 }
 
 /// The layers' costs by `cfg.balance`: counted on every task, or timed by the

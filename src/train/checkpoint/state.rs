@@ -128,12 +128,45 @@ impl State {
         Ok(state)
     }
 
+    /// [`State::open`] for some of the checkpoint's variables (a pipeline stage's): each
+    /// of `vars` must be one of its variables, of the same size; the others are skipped.
+    pub fn open_part(path: &Path, vars: &Variables) -> Result<State, CheckpointError> {
+        let (found, files) = super::open(path)?;
+        if let Some(listed) = found.meta["variables"].as_array() {
+            for (name, n) in vars {
+                let theirs = listed.iter().find(|v| v[0].as_str() == Some(name.as_str()));
+                let size = theirs.and_then(|v| v[1].as_u64()).map(|m| m as usize);
+                if size != Some(*n) {
+                    let model = found.meta["model"].as_str().unwrap_or("a model");
+                    return Err(other_model(
+                        &found.path,
+                        format!("it holds no variable {name} of {n} elements ({model})"),
+                    ));
+                }
+            }
+        }
+        let mut state = State::assemble_from(&found.path, &files, vars, true)?;
+        state.step = found.step;
+        Ok(state)
+    }
+
     /// The state `files` (each a checkpoint file's arrays) hold for variables `vars`;
     /// `path` names them in errors.
     pub fn assemble(
         path: &Path,
         files: &[Arrays],
         vars: &Variables,
+    ) -> Result<State, CheckpointError> {
+        State::assemble_from(path, files, vars, false)
+    }
+
+    /// [`State::assemble`]; with `subset`, arrays of other variables are skipped, not
+    /// refused.
+    fn assemble_from(
+        path: &Path,
+        files: &[Arrays],
+        vars: &Variables,
+        subset: bool,
     ) -> Result<State, CheckpointError> {
         let mut state = State {
             step: 0,
@@ -155,6 +188,9 @@ impl State {
                 let (name, offset, part) = parse_key(key)
                     .ok_or_else(|| other_model(path, format!("it holds an array named {key:?}")))?;
                 let Some(i) = vars.iter().position(|(n, _)| n == name) else {
+                    if subset {
+                        continue;
+                    }
                     return Err(other_model(
                         path,
                         format!("it holds variable {name}, which this model does not have"),

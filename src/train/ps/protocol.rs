@@ -32,6 +32,12 @@ pub struct Setup {
     pub optimizer: Optimizer,
     /// Synchronous replicas, or `None` for asynchronous updates.
     pub sync: Option<SyncReplicas>,
+    /// The pipeline stage whose variables these are (`train --stages` with ps tasks: each
+    /// stage's workers are a job of their own on the same ps tasks); `None`: the whole
+    /// model's. Names this ps's checkpoint file, and restores read this stage's variables
+    /// of a whole model's checkpoint.
+    #[serde(default)]
+    pub stage: Option<usize>,
 }
 
 /// TensorFlow's `SyncReplicasOptimizer`: a step's update averages the first
@@ -361,6 +367,7 @@ mod tests {
                 0.1,
             ),
             sync: None,
+            stage: None,
         };
         assert!(Request::Init { setup }.payload(0).is_empty());
         assert!(Request::Done { stop: None }.payload(0).is_empty());

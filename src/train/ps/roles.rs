@@ -56,6 +56,16 @@ impl Roles {
             .map_or(format!("rank {rank}"), |t| t.to_string())
     }
 
+    /// The roles of a communicator of some of a job's ranks: `ps` and `workers` (the
+    /// chief first) by their ranks on it, `tasks` naming each of its ranks.
+    pub fn from_parts(
+        ps: Vec<usize>,
+        workers: Vec<usize>,
+        tasks: BTreeMap<usize, TaskId>,
+    ) -> Roles {
+        Roles { ps, workers, tasks }
+    }
+
     /// `worker:1 (rank 2)`: how errors and logs name a rank.
     pub fn task(&self, rank: usize) -> String {
         self.tasks

@@ -247,6 +247,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             shards: self.client.shards.clone(),
             optimizer: self.opts.optimizer,
             sync: self.opts.sync,
+            stage: None,
         }
     }
 

@@ -81,19 +81,34 @@ pub fn file(k: usize) -> String {
     format!("shard-ps{k}.bin")
 }
 
+/// The file name of ps `k`'s shard of pipeline stage `stage`'s variables (`None`: of the
+/// whole model, [`file`]).
+pub fn file_of(k: usize, stage: Option<usize>) -> String {
+    match stage {
+        Some(s) => format!("shard-stage{s}-ps{k}.bin"),
+        None => file(k),
+    }
+}
+
 /// One ps's restored state: parameters and optimizer state per shard, and the step.
 pub type Contents = (Vec<Vec<f32>>, Vec<Slots>, u64);
 
 /// Reads the shards `mine` of checkpoint `dir` for the variables `all` cut (every shard
 /// of every variable): whichever mode and placement wrote it; an error (never a partial
-/// result) if anything is missing or mis-sized.
+/// result) if anything is missing or mis-sized. `part`: the variables are some of the
+/// checkpoint's (a pipeline stage's), read by name.
 pub fn read(
     dir: &Path,
     mine: &[Shard],
     all: &[Shard],
     opt: &Optimizer,
+    part: bool,
 ) -> Result<Contents, PsError> {
-    let state = checkpoint::State::open(dir, &variables(all))?;
+    let vars = variables(all);
+    let state = match part {
+        true => checkpoint::State::open_part(dir, &vars)?,
+        false => checkpoint::State::open(dir, &vars)?,
+    };
     let (params, slots) = mine
         .iter()
         .map(|s| state.slice(s.var_index, s.offset, s.len, opt))

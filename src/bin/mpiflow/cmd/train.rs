@@ -78,7 +78,14 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
 fn refuse_with_stages(args: &TrainArgs, stages: usize) -> Result<(), Failure> {
     let refused = match args.mode {
         Mode::Local => Some("trains replicas split into stages under mpirun: add --mode allreduce"),
-        Mode::Ps => Some("with --mode ps is not built yet (stages' gradients to the ps tasks holding their variables); use --mode allreduce"),
+        Mode::Ps if args.async_ => Some("trains synchronously: drop --async"),
+        Mode::Ps if args.transport == mpiflow::train::ps::PsTransport::Rma => {
+            Some("reaches the ps tasks by messages: drop --transport rma")
+        }
+        Mode::Ps if args.replicas_to_aggregate.is_some() => {
+            Some("aggregates every replica's gradients: drop --replicas-to-aggregate")
+        }
+        Mode::Ps => None,
         Mode::Allreduce if args.overlap => Some("does not overlap (--overlap): each stage's gradients are summed after its micro-batches"),
         Mode::Allreduce => None,
     };
@@ -269,6 +276,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     }
     if ctx.rank() == 0 {
         let mode = match args.mode {
+            Mode::Ps if args.cluster.stages.is_some() => "ps, sync, pipeline",
             Mode::Ps if args.async_ => "ps, async",
             Mode::Ps => "ps, sync",
             _ if args.cluster.stages.is_some() => "allreduce, pipeline",
@@ -307,7 +315,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     };
     let mut log = |e: &Event| report::event(&reporter, e);
     let result = match args.mode {
-        Mode::Ps => {
+        Mode::Ps if args.cluster.stages.is_none() => {
             let cfg = PsConfig {
                 train: args.train_config(),
                 sync: !args.async_,
@@ -344,6 +352,13 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 balance: args.balance,
                 max_param_bytes: args.max_param_bytes,
                 memory_share: resources::share(count),
+                ps: (args.mode == Mode::Ps).then(|| mpiflow::pipeline::ps::StagePs {
+                    placement: mpiflow::train::ps::placement::DeviceSetter {
+                        strategy: args.var_placement,
+                        partition_bytes: args.partition_bytes,
+                    },
+                    peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
+                }),
                 fusion: mpiflow::transport::fusion::FusionConfig {
                     threshold_bytes: args.fusion_threshold,
                     algorithm: args.allreduce_algorithm,

@@ -252,7 +252,7 @@ pub fn run(
         let (slots, start) = match &restored {
             Some(found) => {
                 let (params, slots, step) =
-                    crate::train::ps::shards::read(&found.path, &mine, &shards, &opt)?;
+                    crate::train::ps::shards::read(&found.path, &mine, &shards, &opt, false)?;
                 let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
                 for (a, p) in at.zip(&params) {
                     mem[a..a + p.len()].copy_from_slice(p);

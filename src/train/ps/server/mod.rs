@@ -48,12 +48,42 @@ mod payload;
 /// Serves ps task `k` (this rank) until every worker is done. The error names the lost
 /// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
 pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> Result<(), PsError> {
-    let mut server = Server::new(comm, roles, k, timeout);
-    server.serve()?;
-    match server.stopped {
-        Some(signal) => Err(PsError::Stopped(crate::train::Stopped {
+    serve_many(&[(comm, roles)], k, timeout)
+}
+
+/// Serves ps task `k` of several jobs at once, from this thread: each a communicator with
+/// its roles (a pipeline's stages, each stage's workers with the ps tasks on a
+/// communicator of their own), polled in turn until every worker of every job is done.
+pub fn serve_many<C: Comm>(
+    jobs: &[(&C, &Roles)],
+    k: usize,
+    timeout: Duration,
+) -> Result<(), PsError> {
+    let mut servers: Vec<Server<'_, C>> = jobs
+        .iter()
+        .map(|(comm, roles)| Server::new(*comm, roles, k, timeout))
+        .collect();
+    let mut backoff = Backoff::new(Duration::from_micros(200));
+    let mut idle_since = vec![None; servers.len()];
+    while !servers.iter().all(Server::finished) {
+        let mut handled = false;
+        for (server, idle) in servers.iter_mut().zip(&mut idle_since) {
+            if !server.finished() {
+                handled |= server.poll(idle)?;
+            }
+        }
+        match handled {
+            true => backoff.reset(),
+            false => backoff.idle(),
+        }
+    }
+    match servers
+        .iter()
+        .find_map(|s| s.stopped.map(|sig| (sig, s.global_step)))
+    {
+        Some((signal, step)) => Err(PsError::Stopped(crate::train::Stopped {
             signal: crate::signals::name(signal),
-            step: server.global_step,
+            step,
             checkpoint: None,
         })),
         None => Ok(()),
@@ -99,6 +129,8 @@ struct Server<'a, C: Comm> {
     opt: Optimizer,
     /// Gradients per update when synchronous.
     sync: Option<usize>,
+    /// The pipeline stage whose variables this server holds (see [`Setup::stage`]).
+    stage: Option<usize>,
     global_step: u64,
     initialized: bool,
     /// Parked pulls.
@@ -151,6 +183,7 @@ impl<'a, C: Comm> Server<'a, C> {
             slots: Vec::new(),
             opt: Optimizer::new(OptimizerKind::Sgd, 0.0),
             sync: None,
+            stage: None,
             global_step: 0,
             initialized: false,
             pending: Vec::new(),
@@ -280,6 +313,7 @@ impl<'a, C: Comm> Server<'a, C> {
             }
         }
         self.opt = setup.optimizer;
+        self.stage = setup.stage;
         self.sync = setup.sync.map(|s| s.replicas_to_aggregate);
         self.store = Store::new(mine.iter().map(|s| s.len));
         self.slots = mine.iter().map(|s| self.opt.state(s.len)).collect();
@@ -487,7 +521,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 }
             }
             Request::Save { dir } => {
-                let file = shards::file(self.k);
+                let file = shards::file_of(self.k, self.stage);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
                     Ok((bytes, checksum)) => self.reply(
                         from,
@@ -602,7 +636,8 @@ impl<'a, C: Comm> Server<'a, C> {
     /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
     fn restore(&mut self, dir: &Path, all: &[Shard]) -> Result<(), String> {
         let (params, slots, step) =
-            shards::read(dir, &self.shards, all, &self.opt).map_err(|e| e.to_string())?;
+            shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
+                .map_err(|e| e.to_string())?;
         // All or nothing: only now replace the live state.
         for (i, p) in params.iter().enumerate() {
             let r = self.store.range(i);
@@ -660,57 +695,56 @@ impl<'a, C: Comm> Server<'a, C> {
         err
     }
 
-    fn serve(&mut self) -> Result<(), PsError> {
-        let mut backoff = Backoff::new(Duration::from_micros(200));
-        // Since when this ps polls with no request (one span on the timeline).
-        let mut idle_since = None;
-        while !self.done.iter().all(|d| *d) {
-            if let Some(signal) = crate::signals::stop_requested() {
-                self.note_stop(signal);
+    /// True once every worker is done.
+    fn finished(&self) -> bool {
+        self.done.iter().all(|d| *d)
+    }
+
+    /// Takes one request if one has arrived and handles it; `false`: none had. `idle_since`:
+    /// since when this server has polled with no request (one span on the timeline).
+    fn poll(&mut self, idle_since: &mut Option<Instant>) -> Result<bool, PsError> {
+        if let Some(signal) = crate::signals::stop_requested() {
+            self.note_stop(signal);
+        }
+        let mut inbox = std::mem::take(&mut self.inbox);
+        let t = Instant::now();
+        let got = match self.comm.try_receive_into(
+            ANY_SOURCE,
+            request_tag(self.comm),
+            self.timeout,
+            &mut inbox,
+        ) {
+            Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
+            other => other?,
+        };
+        // Handling a request is communication but for the updates it makes (compute,
+        // charged where they are made); polling for one is waiting.
+        let computed = self.clock.charged(Phase::Compute);
+        let handled = got.map(|from| self.handle(from, &inbox));
+        self.inbox = inbox;
+        match handled {
+            Some(handled) => {
+                let end = Instant::now();
+                let d = (end - t).as_secs_f64() - (self.clock.charged(Phase::Compute) - computed);
+                self.clock
+                    .charge(Phase::Comm, std::time::Duration::from_secs_f64(d.max(0.0)));
+                if let Some(i) = idle_since.take() {
+                    timeline::span("idle", "wait", i, t, Detail::default());
+                }
+                let at = Detail::at(self.global_step);
+                timeline::span("request", "comm", t, end, at);
+                handled.map(|()| true)
             }
-            let mut inbox = std::mem::take(&mut self.inbox);
-            let t = Instant::now();
-            let got = match self.comm.try_receive_into(
-                ANY_SOURCE,
-                request_tag(self.comm),
-                self.timeout,
-                &mut inbox,
-            ) {
-                Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
-                other => other?,
-            };
-            // Handling a request is communication but for the updates it makes (compute,
-            // charged where they are made); polling for one is waiting.
-            let computed = self.clock.charged(Phase::Compute);
-            let handled = got.map(|from| self.handle(from, &inbox));
-            self.inbox = inbox;
-            match handled {
-                Some(handled) => {
-                    let end = Instant::now();
-                    let d =
-                        (end - t).as_secs_f64() - (self.clock.charged(Phase::Compute) - computed);
-                    self.clock
-                        .charge(Phase::Comm, std::time::Duration::from_secs_f64(d.max(0.0)));
-                    if let Some(i) = idle_since.take() {
-                        timeline::span("idle", "wait", i, t, Detail::default());
-                    }
-                    let at = Detail::at(self.global_step);
-                    timeline::span("request", "comm", t, end, at);
-                    backoff.reset();
-                    handled?;
+            None => {
+                self.mark_board();
+                if let Some(w) = self.lost() {
+                    return Err(self.lose(self.roles.workers[w]));
                 }
-                None => {
-                    self.mark_board();
-                    if let Some(w) = self.lost() {
-                        return Err(self.lose(self.roles.workers[w]));
-                    }
-                    backoff.idle();
-                    self.clock.charge(Phase::Wait, t.elapsed());
-                    idle_since = idle_since.or(Some(t));
-                }
+                self.clock.charge(Phase::Wait, t.elapsed());
+                *idle_since = idle_since.or(Some(t));
+                Ok(false)
             }
         }
-        Ok(())
     }
 }
 
