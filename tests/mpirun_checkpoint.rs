@@ -113,6 +113,28 @@ fn a_checkpoint_of_another_model_is_one_line_in_every_mode() {
             "--transport",
             "rma",
         ][..],
+        &[
+            "-np",
+            "2",
+            mpiflow(),
+            "train",
+            "--mode",
+            "allreduce",
+            "--stages",
+            "2",
+        ][..],
+        &[
+            "-np",
+            "3",
+            mpiflow(),
+            "train",
+            "--mode",
+            "ps",
+            "--ps",
+            "1",
+            "--stages",
+            "2",
+        ][..],
     ] {
         let mut args = mode.to_vec();
         args.extend_from_slice(&["--steps", "20", "--checkpoint-dir", c]);

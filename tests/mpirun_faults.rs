@@ -203,11 +203,13 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
     let mpirun3 = ["mpirun", "--oversubscribe", "-np", "3", m];
     let mpirun4 = ["mpirun", "--oversubscribe", "-np", "4", m];
     let stages = ["--mode", "allreduce", "--stages", "2"];
+    let mpirun5 = ["mpirun", "--oversubscribe", "-np", "5", m];
+    let ps_stages = ["--mode", "ps", "--ps", "1", "--stages", "2"];
     // Where the job's command starts, and what to signal: mpirun itself (which passes
     // SIGUSR1 on to every rank), or one rank only (a ps task, or a worker: the newest
     // process).
     let ps = ["--mode", "ps", "--ps", "1"];
-    let cases: [Case; 8] = [
+    let cases: [Case; 9] = [
         (
             "local",
             &[m],
@@ -271,6 +273,14 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
             "-TERM",
             &["-n", "-f", "^[^ ]*mpiflow train --mode allreduce --stages"],
             "SIGTERM",
+        ),
+        (
+            "pipeline-ps-one-stage",
+            &mpirun5,
+            &ps_stages,
+            "-USR1",
+            &["-n", "-f", "^[^ ]*mpiflow train --mode ps --ps 1 --stages"],
+            "SIGUSR1",
         ),
     ];
     for (name, start, mode, signal, pattern, said) in cases {

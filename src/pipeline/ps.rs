@@ -162,9 +162,4 @@ impl<'a, C: Comm> StageClient<'a, C> {
     pub(crate) fn done(&self, stop: Option<i32>) -> Result<(), PipelineError> {
         Ok(self.client.done(stop)?)
     }
-
-    /// Tells the ps tasks this task stops with `message` (they tell the stage's others).
-    pub(crate) fn abort(&self, message: &str) {
-        self.client.abort(message);
-    }
 }

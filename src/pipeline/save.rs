@@ -91,12 +91,13 @@ pub(crate) fn restore<C: Comm>(
         agree(group, Ok(()))?;
         return Ok(None);
     };
-    let vars = variables(model);
-    let opened = State::open(&path, &vars);
+    // This stage's variables alone, by name: the state assembled holds no other stage's.
+    let all = variables(model);
+    let vars: Vec<(String, usize)> = all[st.param_range()].to_vec();
+    let opened = State::open_part(&path, &vars, Some(&all));
     agree(group, opened.as_ref().map(drop).map_err(|e| e.to_string()))?;
     let state = opened.expect("agreed");
-    let mine = st.param_range();
-    for ((p, s), v) in st.params.iter_mut().zip(slots).zip(&state.vars[mine]) {
+    for ((p, s), v) in st.params.iter_mut().zip(slots).zip(&state.vars) {
         p.as_mut_slice::<f32>()
             .expect("f32")
             .copy_from_slice(&v.param);
@@ -201,12 +202,15 @@ pub(crate) fn newest<C: Comm>(
     if group.rank() == who.coordinator {
         picked = std::fs::create_dir_all(dir)
             .map_err(|e| format!("checkpoint {}: {e}", dir.display()))
-            .map(|()| {
+            .and_then(|()| {
                 let (found, warnings) = checkpoint::latest(dir);
                 for w in warnings {
                     events(&Event::Warning(w));
                 }
-                found.map(|f| f.path)
+                // Another model's checkpoint is refused here, for every stage at once.
+                let vars = variables(at.model);
+                let checked = found.map(|f| state::check_model(&f, &vars).map(|()| f.path));
+                checked.transpose().map_err(|e| e.to_string())
             });
     }
     let mine = match &picked {

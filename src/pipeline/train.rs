@@ -271,203 +271,207 @@ pub fn run<C: Comm>(
             "the replica jobs (replica_0, replica_1, ...) differ in their number of stages".into(),
         ));
     };
-    let group = Collectives::new(group);
-    let peers = Collectives::new(peers);
-    crate::model::check_data(model, "train", train.features, train.classes)?;
-    let share = cfg.train.batch / replicas;
-    if cfg.micro_batches == 0 || share < cfg.micro_batches {
-        return Err(PipelineError::Config(format!(
-            "--micro-batches {}: each of the {replicas} replicas' share of batch {} is {share} samples; take 1 to {share} micro-batches",
-            cfg.micro_batches, cfg.train.batch
-        )));
-    }
-    let members = members(layout);
-    // Replica 0's stage 0 coordinates: it times the layers and checkpoints.
-    let coordinator = members
-        .iter()
-        .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
-        .unwrap_or(0);
-    let costs = layer_costs(&group, coordinator, model, cfg, share)?;
-    let sizes = model.layer_param_bytes();
-    let limit = cfg.max_param_bytes.map(|l| (sizes.as_slice(), l));
-    let ranges = partition::balance_within(&costs, stages, limit)?;
-    agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
-    let mut st = Stage::new(model, &ranges, stage, cfg.train.seed)?.with_towers(cfg.train.towers);
-    // What this task will hold must fit its share of the node, on every task.
-    let rows = share.div_ceil(cfg.micro_batches);
-    let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
-    let need = st.need(
-        rows,
-        schedule::peak_in_flight(&plan_ops),
-        &cfg.train.optimizer,
-    );
-    let task = me.task.to_string();
-    let fits = resources::check(&task, &need, cfg.memory_share.as_ref());
-    save::agree(&group, fits.map_err(|e| e.to_string()))?;
-    let reporting = replica == 0 && st.is_last();
-    if reporting {
-        events(&Event::Note(format!(
-            "pipeline: {replicas} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by {} cost: {}",
-            cfg.micro_batches,
-            crate::named::Named::name(cfg.schedule),
-            crate::named::Named::name(cfg.balance),
-            describe_partition(model, &ranges).join("; ")
-        )));
-    }
-    let writers = Writers {
-        coordinator,
-        writes: replica == 0,
-    };
-    let saver = cfg.train.checkpoint_dir.as_deref().map(|dir| Saver {
-        group: &group,
-        who: writers,
-        dir,
-        model,
-    });
-    let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
-        (Some(ps), Some((sub, Some(roles)))) => {
-            let vars: Vec<(String, usize)> = st
-                .params
-                .iter()
-                .map(|p| (p.name().to_string(), p.numel()))
-                .collect();
-            let client = StageClient::new(sub, roles, ps, &vars, stage, replicas, cfg);
-            Updater::Ps { client }
+    // With ps tasks, any error of this task reaches them (they tell the stage's others),
+    // so none waits for a task that stopped.
+    let result = (|| -> Result<(), PipelineError> {
+        let group = Collectives::new(group);
+        let peers = Collectives::new(peers);
+        crate::model::check_data(model, "train", train.features, train.classes)?;
+        let share = cfg.train.batch / replicas;
+        if cfg.micro_batches == 0 || share < cfg.micro_batches {
+            return Err(PipelineError::Config(format!(
+                "--micro-batches {}: each of the {replicas} replicas' share of batch {} is {share} samples; take 1 to {share} micro-batches",
+                cfg.micro_batches, cfg.train.batch
+            )));
         }
-        _ => Updater::Allreduce {
-            peers: Box::new(peers),
-            fusion: Fusion::new(cfg.fusion),
-            opt: cfg.train.optimizer,
-            slots: st
-                .params
-                .iter()
-                .map(|p| cfg.train.optimizer.state(p.numel()))
-                .collect(),
-        },
-    };
-    let mut step = updater.start(saver.as_ref(), &mut st, replica == 0, events)?;
-    let pipe = Collectives::new(pipe);
-    let mut link = Link::new(pipe.comm());
-    let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
-    let mut clock = Clock::new();
-    let mut verdict = Verdict::new();
-    let mut peak_activations = 0usize;
-    let mut passes = PassTimes::default();
-    let mut last_ckpt = step;
-    let first_step = step;
-    let mut steps = || -> Result<Option<i32>, PipelineError> {
-        while step < cfg.train.steps {
-            let signal = cfg
-                .train
-                .stop_on_signal
-                .then(crate::signals::stop_requested)
-                .flatten();
-            let t = Instant::now();
-            link.step = step;
-            updater.begin(step, &mut st)?;
-            let global = batches.global(step);
-            let mine = shard(&global, replica, replicas);
-            let micro = MicroBatches {
-                data: train,
-                mine,
-                count: cfg.micro_batches,
-            };
-            let (loss_sum, times) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
-            let mut waited = times.idle;
-            if step > first_step {
-                // The first step pays for allocations and first contacts.
-                passes.total += times.total;
-                passes.idle += times.idle;
+        let members = members(layout);
+        // Replica 0's stage 0 coordinates: it times the layers and checkpoints.
+        let coordinator = members
+            .iter()
+            .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
+            .unwrap_or(0);
+        let costs = layer_costs(&group, coordinator, model, cfg, share)?;
+        let sizes = model.layer_param_bytes();
+        let limit = cfg.max_param_bytes.map(|l| (sizes.as_slice(), l));
+        let ranges = partition::balance_within(&costs, stages, limit)?;
+        agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
+        let mut st =
+            Stage::new(model, &ranges, stage, cfg.train.seed)?.with_towers(cfg.train.towers);
+        // What this task will hold must fit its share of the node, on every task.
+        let rows = share.div_ceil(cfg.micro_batches);
+        let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
+        let need = st.need(
+            rows,
+            schedule::peak_in_flight(&plan_ops),
+            &cfg.train.optimizer,
+        );
+        let task = me.task.to_string();
+        let fits = resources::check(&task, &need, cfg.memory_share.as_ref());
+        save::agree(&group, fits.map_err(|e| e.to_string()))?;
+        let reporting = replica == 0 && st.is_last();
+        if reporting {
+            events(&Event::Note(format!(
+                "pipeline: {replicas} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by {} cost: {}",
+                cfg.micro_batches,
+                crate::named::Named::name(cfg.schedule),
+                crate::named::Named::name(cfg.balance),
+                describe_partition(model, &ranges).join("; ")
+            )));
+        }
+        let writers = Writers {
+            coordinator,
+            writes: replica == 0,
+        };
+        let saver = cfg.train.checkpoint_dir.as_deref().map(|dir| Saver {
+            group: &group,
+            who: writers,
+            dir,
+            model,
+        });
+        let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
+            (Some(ps), Some((sub, Some(roles)))) => {
+                let vars: Vec<(String, usize)> = st
+                    .params
+                    .iter()
+                    .map(|p| (p.name().to_string(), p.numel()))
+                    .collect();
+                let client = StageClient::new(sub, roles, ps, &vars, stage, replicas, cfg);
+                Updater::Ps { client }
             }
-            let w = Instant::now();
-            updater.reduce(&mut st, mine.len(), global.len())?;
-            let grads_finite = st
-                .grads
-                .iter()
-                .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
-            let samples = if st.is_last() { mine.len() } else { 0 };
-            verdict.fill(loss_sum, samples, grads_finite, signal);
-            group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
-            verdict.check(step, replicas)?;
-            let loss = if st.is_last() {
-                loss_sum / mine.len().max(1) as f32
-            } else {
-                f32::NAN
-            };
-            updater.apply(&mut st, step, mine.len(), loss)?;
-            waited += w.elapsed();
-            clock.charge(Phase::Comm, waited);
-            clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
-            clock.steps(1);
-            peak_activations = peak_activations.max(st.take_peak_bytes());
-            step += 1;
-            if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
-                updater.compare(&st, step)?;
-            }
-            let every = cfg.train.log_every;
-            if every > 0 && step.is_multiple_of(every) {
-                let mine = clock.take();
-                let ranks =
-                    crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
-                        .map_err(|e| PipelineError::Config(e.to_string()))?;
-                if reporting {
-                    let batch = cfg.train.batch;
-                    let log = StepLog::of_window(step, verdict.loss(), &mine, batch, ranks);
-                    events(&Event::Step(log));
+            _ => Updater::Allreduce {
+                peers: Box::new(peers),
+                fusion: Fusion::new(cfg.fusion),
+                opt: cfg.train.optimizer,
+                slots: st
+                    .params
+                    .iter()
+                    .map(|p| cfg.train.optimizer.state(p.numel()))
+                    .collect(),
+            },
+        };
+        let mut step = updater.start(saver.as_ref(), &mut st, replica == 0, events)?;
+        let pipe = Collectives::new(pipe);
+        let mut link = Link::new(pipe.comm());
+        let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+        let mut clock = Clock::new();
+        let mut verdict = Verdict::new();
+        let mut peak_activations = 0usize;
+        let mut passes = PassTimes::default();
+        let mut last_ckpt = step;
+        let first_step = step;
+        let mut steps = || -> Result<Option<i32>, PipelineError> {
+            while step < cfg.train.steps {
+                let signal = cfg
+                    .train
+                    .stop_on_signal
+                    .then(crate::signals::stop_requested)
+                    .flatten();
+                let t = Instant::now();
+                link.step = step;
+                updater.begin(step, &mut st)?;
+                let global = batches.global(step);
+                let mine = shard(&global, replica, replicas);
+                let micro = MicroBatches {
+                    data: train,
+                    mine,
+                    count: cfg.micro_batches,
+                };
+                let (loss_sum, times) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
+                let mut waited = times.idle;
+                if step > first_step {
+                    // The first step pays for allocations and first contacts.
+                    passes.total += times.total;
+                    passes.idle += times.idle;
+                }
+                let w = Instant::now();
+                updater.reduce(&mut st, mine.len(), global.len())?;
+                let grads_finite = st
+                    .grads
+                    .iter()
+                    .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
+                let samples = if st.is_last() { mine.len() } else { 0 };
+                verdict.fill(loss_sum, samples, grads_finite, signal);
+                group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
+                verdict.check(step, replicas)?;
+                let loss = if st.is_last() {
+                    loss_sum / mine.len().max(1) as f32
+                } else {
+                    f32::NAN
+                };
+                updater.apply(&mut st, step, mine.len(), loss)?;
+                waited += w.elapsed();
+                clock.charge(Phase::Comm, waited);
+                clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
+                clock.steps(1);
+                peak_activations = peak_activations.max(st.take_peak_bytes());
+                step += 1;
+                if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
+                    updater.compare(&st, step)?;
+                }
+                let every = cfg.train.log_every;
+                if every > 0 && step.is_multiple_of(every) {
+                    let mine = clock.take();
+                    let ranks =
+                        crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
+                            .map_err(|e| PipelineError::Config(e.to_string()))?;
+                    if reporting {
+                        let batch = cfg.train.batch;
+                        let log = StepLog::of_window(step, verdict.loss(), &mine, batch, ranks);
+                        events(&Event::Step(log));
+                    }
+                }
+                let every = cfg.train.checkpoint_every;
+                let due = every > 0 && step.is_multiple_of(every) && step < cfg.train.steps;
+                let stop = verdict.stop();
+                if let (Some(at), true) = (&saver, due || (stop.is_some() && last_ckpt != step)) {
+                    updater.checkpoint(at, step, &mut st, events)?;
+                    last_ckpt = step;
+                }
+                if stop.is_some() {
+                    // Every task stops after the same step, its checkpoint kept.
+                    return Ok(stop);
                 }
             }
-            let every = cfg.train.checkpoint_every;
-            let due = every > 0 && step.is_multiple_of(every) && step < cfg.train.steps;
-            let stop = verdict.stop();
-            if let (Some(at), true) = (&saver, due || (stop.is_some() && last_ckpt != step)) {
+            if let (Some(at), true) = (&saver, last_ckpt != step) {
                 updater.checkpoint(at, step, &mut st, events)?;
-                last_ckpt = step;
             }
-            if stop.is_some() {
-                // Every task stops after the same step, its checkpoint kept.
-                return Ok(stop);
+            Ok(None)
+        };
+        let ended = steps();
+        let stopped = ended?;
+        updater.finish(&mut st, step, stopped)?;
+        if let Some(signal) = stopped {
+            let dir = cfg.train.checkpoint_dir.as_deref();
+            return Err(Stopped {
+                signal: crate::signals::name(signal),
+                step,
+                checkpoint: dir.map(|d| crate::train::checkpoint::path_of(d, step)),
+            }
+            .into());
+        }
+        let mine = StageReport {
+            stage,
+            param_bytes: st.param_bytes(),
+            state_bytes: updater.state_bytes(),
+            peak_activation_bytes: peak_activations,
+            pass_secs: passes.total.as_secs_f64(),
+            idle_secs: passes.idle.as_secs_f64(),
+        };
+        report_stages(&group, mine, cfg.micro_batches, reporting, events)?;
+        if replica == 0 {
+            evaluate(&mut st, &mut link, test, step, events)?;
+            if let Some(path) = &cfg.train.save_params {
+                save::save_params(&st, &mut link, model, path, step)?;
             }
         }
-        if let (Some(at), true) = (&saver, last_ckpt != step) {
-            updater.checkpoint(at, step, &mut st, events)?;
-        }
-        Ok(None)
-    };
-    let ended = steps();
-    let stopped = match ended {
-        Ok(stop) => stop,
-        Err(e) => {
-            // The ps tasks tell this stage's other tasks; the others stop on their own.
-            updater.abort(&e.to_string());
-            return Err(e);
-        }
-    };
-    updater.finish(&mut st, step, stopped)?;
-    if let Some(signal) = stopped {
-        let dir = cfg.train.checkpoint_dir.as_deref();
-        return Err(Stopped {
-            signal: crate::signals::name(signal),
-            step,
-            checkpoint: dir.map(|d| crate::train::checkpoint::path_of(d, step)),
-        }
-        .into());
-    }
-    let mine = StageReport {
-        stage,
-        param_bytes: st.param_bytes(),
-        state_bytes: updater.state_bytes(),
-        peak_activation_bytes: peak_activations,
-        pass_secs: passes.total.as_secs_f64(),
-        idle_secs: passes.idle.as_secs_f64(),
-    };
-    report_stages(&group, mine, cfg.micro_batches, reporting, events)?;
-    if replica == 0 {
-        evaluate(&mut st, &mut link, test, step, events)?;
-        if let Some(path) = &cfg.train.save_params {
-            save::save_params(&st, &mut link, model, path, step)?;
+        Ok(())
+    })();
+    if let (Err(e), Some((sub, Some(roles)))) = (&result, stage_jobs.get(stage)) {
+        if !matches!(e, PipelineError::Stopped(_)) {
+            crate::train::ps::worker::abort(sub, roles, &e.to_string());
         }
     }
-    Ok(())
+    result
 }
 
 /// A replica's share of a step, cut into micro-batches.

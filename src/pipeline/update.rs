@@ -185,11 +185,4 @@ impl<C: Comm> Updater<'_, C> {
             Updater::Ps { .. } => 0,
         }
     }
-
-    /// Tells the ps tasks this task stops with an error (they tell the stage's others).
-    pub(crate) fn abort(&self, message: &str) {
-        if let Updater::Ps { client } = self {
-            client.abort(message);
-        }
-    }
 }

@@ -130,8 +130,16 @@ impl State {
 
     /// [`State::open`] for some of the checkpoint's variables (a pipeline stage's): each
     /// of `vars` must be one of its variables, of the same size; the others are skipped.
-    pub fn open_part(path: &Path, vars: &Variables) -> Result<State, CheckpointError> {
+    /// With `model`, the whole model's variables, the checkpoint must be of that model.
+    pub fn open_part(
+        path: &Path,
+        vars: &Variables,
+        model: Option<&Variables>,
+    ) -> Result<State, CheckpointError> {
         let (found, files) = super::open(path)?;
+        if let Some(all) = model {
+            check_model(&found, all)?;
+        }
         if let Some(listed) = found.meta["variables"].as_array() {
             for (name, n) in vars {
                 let theirs = listed.iter().find(|v| v[0].as_str() == Some(name.as_str()));

@@ -106,7 +106,7 @@ pub fn read(
 ) -> Result<Contents, PsError> {
     let vars = variables(all);
     let state = match part {
-        true => checkpoint::State::open_part(dir, &vars)?,
+        true => checkpoint::State::open_part(dir, &vars, None)?,
         false => checkpoint::State::open(dir, &vars)?,
     };
     let (params, slots) = mine

@@ -371,15 +371,7 @@ impl<'a, C: Comm> Client<'a, C> {
 
     /// Tells every ps this worker stops with `message`; they tell the other workers.
     pub fn abort(&self, message: &str) {
-        let m = encode(&Request::Abort {
-            message: message.to_string(),
-        });
-        notify(
-            self.comm,
-            &m,
-            self.roles.ps.iter().copied(),
-            request_tag(self.comm),
-        );
+        abort(self.comm, self.roles, message);
     }
 
     /// Tells every ps this worker is done (`stop`: stopped by that signal).
@@ -390,6 +382,15 @@ impl<'a, C: Comm> Client<'a, C> {
         }
         Ok(())
     }
+}
+
+/// Tells every ps of `roles` that this worker stops with `message` (they tell the other
+/// workers): also before a [`Client`] exists (a setup error).
+pub fn abort<C: Comm>(comm: &C, roles: &Roles, message: &str) {
+    let m = encode(&Request::Abort {
+        message: message.to_string(),
+    });
+    notify(comm, &m, roles.ps.iter().copied(), request_tag(comm));
 }
 
 /// What a pull brought besides the parameters.
