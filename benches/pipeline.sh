@@ -48,10 +48,12 @@ CONFIGS=(
   "S3-R1-M6-1f1b mlp 3 --mode allreduce --stages 3 --micro-batches 6 --schedule 1f1b"
   "S4-R1-M8-gpipe mlp 4 --mode allreduce --stages 4 --micro-batches 8 --schedule gpipe"
   "S4-R1-M8-1f1b mlp 4 --mode allreduce --stages 4 --micro-batches 8 --schedule 1f1b"
+  "ps-S2-R1-M4-1f1b mlp 3 --mode ps --ps 1 --stages 2 --micro-batches 4 --schedule 1f1b"
   "cnn-local cnn 1 --mode local"
   "cnn-allreduce-R2 cnn 2 --mode allreduce"
   "cnn-S2-R1-M4-1f1b cnn 2 --mode allreduce --stages 2 --micro-batches 4 --schedule 1f1b"
   "cnn-S2-R2-M4-1f1b cnn 4 --mode allreduce --stages 2 --micro-batches 4 --schedule 1f1b"
+  "cnn-ps-S2-R2-M4-1f1b cnn 5 --mode ps --ps 1 --stages 2 --micro-batches 4 --schedule 1f1b"
 )
 
 for r in $(seq "$ROUNDS"); do
