@@ -5,6 +5,7 @@
 //!   micro-batches (GPipe, 1F1B), and the bubble they leave.
 //! - [`stage`]: one stage's layers, parameters and activations in flight.
 //! - [`link`]: activations and gradients between consecutive stages.
+//! - [`passes`]: one step's passes through a stage, in the schedule's order.
 //! - [`train`]: pipeline training over replicas of S stages.
 //! - [`save`]: checkpoints in per-stage shards, and the final parameters.
 //! - [`update`]: a stage's update, by allreduce or by the ps tasks ([`ps`]).
@@ -15,6 +16,7 @@
 
 pub mod link;
 pub mod partition;
+pub mod passes;
 pub mod ps;
 pub mod report;
 pub mod save;

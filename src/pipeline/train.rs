@@ -18,12 +18,13 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use super::link::{Direction, Link, LinkError};
+use super::link::{Link, LinkError};
 use super::partition::{self, Balance};
+use super::passes::{run_passes, MicroBatches, PassTimes};
 use super::ps::{StageClient, StagePs};
 use super::report::{describe_partition, evaluate, report_stages, StageReport};
 use super::save::{self, Saver, Writers};
-use super::schedule::{self, Op, Schedule};
+use super::schedule::{self, Schedule};
 use super::stage::Stage;
 use super::update::Updater;
 use super::PartitionError;
@@ -472,91 +473,6 @@ pub fn run<C: Comm>(
         }
     }
     result
-}
-
-/// A replica's share of a step, cut into micro-batches.
-struct MicroBatches<'d> {
-    data: &'d Dataset,
-    /// The replica's samples (indices into `data`).
-    mine: &'d [usize],
-    count: usize,
-}
-
-impl MicroBatches<'_> {
-    fn indices(&self, mb: usize) -> &[usize] {
-        shard(self.mine, mb, self.count)
-    }
-}
-
-/// Time in a stage's pipeline passes, and of it waiting for a neighbour.
-#[derive(Debug, Clone, Copy, Default)]
-struct PassTimes {
-    total: std::time::Duration,
-    idle: std::time::Duration,
-}
-
-/// Runs this stage's passes of one step in the schedule's order (`ops`), receiving and
-/// sending through `link`; the stage's gradient sums are then complete. Returns the sum
-/// of the micro-batches' sample-weighted losses (the last stage's; 0 elsewhere) and the
-/// passes' time, with the time spent waiting for the neighbours.
-fn run_passes<C: Comm>(
-    st: &mut Stage<'_>,
-    link: &mut Link<'_, C>,
-    ops: &[Op],
-    micro: &MicroBatches<'_>,
-) -> Result<(f32, PassTimes), PipelineError> {
-    let start = Instant::now();
-    let (first, last, k) = (st.is_first(), st.is_last(), st.index());
-    let mut loss_sum = 0.0f32;
-    let mut waited = std::time::Duration::ZERO;
-    for op in ops {
-        match *op {
-            Op::Forward(mb) => {
-                let idx = micro.indices(mb);
-                let n = idx.len();
-                let input = if first {
-                    micro.data.rows(idx).0
-                } else {
-                    let mut buf = st.input_buffer(n * st.input_width());
-                    let w = Instant::now();
-                    link.receive(&mut buf, k - 1, Direction::Activations, mb)?;
-                    waited += w.elapsed();
-                    buf
-                };
-                let out = st.forward(mb, input, n)?;
-                if !last {
-                    link.send(out, k + 1, Direction::Activations)?;
-                } else {
-                    let labels: Vec<u8> = idx.iter().map(|i| micro.data.y[*i]).collect();
-                    loss_sum += st.loss(mb, &labels)? * n as f32;
-                }
-            }
-            Op::Backward(mb) => {
-                if !last {
-                    let into = st.output_gradient_mut(mb)?;
-                    let w = Instant::now();
-                    link.receive(into, k + 1, Direction::Gradients, mb)?;
-                    waited += w.elapsed();
-                }
-                let dx = st.backward(mb)?;
-                if !first {
-                    link.send(dx, k - 1, Direction::Gradients)?;
-                }
-            }
-        }
-    }
-    let w = Instant::now();
-    link.flush()?;
-    waited += w.elapsed();
-    st.finish_step()?;
-    let total = start.elapsed();
-    Ok((
-        loss_sum,
-        PassTimes {
-            total,
-            idle: waited,
-        },
-    ))
 }
 
 /// The layers' costs by `cfg.balance`: counted on every task, or timed by the

@@ -1,0 +1,96 @@
+//! One step's passes through a stage: the micro-batches forward and backward in the
+//! schedule's order, activations and gradients to and from the neighbouring stages.
+
+use std::time::{Duration, Instant};
+
+use super::link::{Direction, Link};
+use super::schedule::Op;
+use super::stage::Stage;
+use super::train::PipelineError;
+use crate::train::data::{shard, Dataset};
+use crate::transport::Comm;
+
+/// A replica's share of a step, cut into micro-batches.
+pub(crate) struct MicroBatches<'d> {
+    pub data: &'d Dataset,
+    /// The replica's samples (indices into `data`).
+    pub mine: &'d [usize],
+    pub count: usize,
+}
+
+impl MicroBatches<'_> {
+    fn indices(&self, mb: usize) -> &[usize] {
+        shard(self.mine, mb, self.count)
+    }
+}
+
+/// Time in a stage's pipeline passes, and of it waiting for a neighbour.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PassTimes {
+    pub total: Duration,
+    pub idle: Duration,
+}
+
+/// Runs this stage's passes of one step in the schedule's order (`ops`), receiving and
+/// sending through `link`; the stage's gradient sums are then complete. Returns the sum
+/// of the micro-batches' sample-weighted losses (the last stage's; 0 elsewhere) and the
+/// passes' time, with the time spent waiting for the neighbours.
+pub(crate) fn run_passes<C: Comm>(
+    st: &mut Stage<'_>,
+    link: &mut Link<'_, C>,
+    ops: &[Op],
+    micro: &MicroBatches<'_>,
+) -> Result<(f32, PassTimes), PipelineError> {
+    let start = Instant::now();
+    let (first, last, k) = (st.is_first(), st.is_last(), st.index());
+    let mut loss_sum = 0.0f32;
+    let mut waited = Duration::ZERO;
+    for op in ops {
+        match *op {
+            Op::Forward(mb) => {
+                let idx = micro.indices(mb);
+                let n = idx.len();
+                let input = if first {
+                    micro.data.rows(idx).0
+                } else {
+                    let mut buf = st.input_buffer(n * st.input_width());
+                    let w = Instant::now();
+                    link.receive(&mut buf, k - 1, Direction::Activations, mb)?;
+                    waited += w.elapsed();
+                    buf
+                };
+                let out = st.forward(mb, input, n)?;
+                if !last {
+                    link.send(out, k + 1, Direction::Activations)?;
+                } else {
+                    let labels: Vec<u8> = idx.iter().map(|i| micro.data.y[*i]).collect();
+                    loss_sum += st.loss(mb, &labels)? * n as f32;
+                }
+            }
+            Op::Backward(mb) => {
+                if !last {
+                    let into = st.output_gradient_mut(mb)?;
+                    let w = Instant::now();
+                    link.receive(into, k + 1, Direction::Gradients, mb)?;
+                    waited += w.elapsed();
+                }
+                let dx = st.backward(mb)?;
+                if !first {
+                    link.send(dx, k - 1, Direction::Gradients)?;
+                }
+            }
+        }
+    }
+    let w = Instant::now();
+    link.flush()?;
+    waited += w.elapsed();
+    st.finish_step()?;
+    let total = start.elapsed();
+    Ok((
+        loss_sum,
+        PassTimes {
+            total,
+            idle: waited,
+        },
+    ))
+}
