@@ -99,43 +99,15 @@ fn a_checkpoint_of_another_model_is_one_line_in_every_mode() {
     let run = mpiflow_alone(&["train", "--steps", "20", "--checkpoint-dir", c], &[]);
     run.assert_one_line_error(want);
     for mode in [
-        &["-np", "3", mpiflow(), "train", "--mode", "allreduce"][..],
-        &["-np", "3", mpiflow(), "train", "--mode", "ps", "--ps", "1"][..],
-        &[
-            "-np",
-            "3",
-            mpiflow(),
-            "train",
-            "--mode",
-            "ps",
-            "--ps",
-            "1",
-            "--transport",
-            "rma",
-        ][..],
-        &[
-            "-np",
-            "2",
-            mpiflow(),
-            "train",
-            "--mode",
-            "allreduce",
-            "--stages",
-            "2",
-        ][..],
-        &[
-            "-np",
-            "3",
-            mpiflow(),
-            "train",
-            "--mode",
-            "ps",
-            "--ps",
-            "1",
-            "--stages",
-            "2",
-        ][..],
+        "-np 3 train --mode allreduce",
+        "-np 3 train --mode ps --ps 1",
+        "-np 3 train --mode ps --ps 1 --transport rma",
+        "-np 2 train --mode allreduce --stages 2",
+        "-np 3 train --mode ps --ps 1 --stages 2",
     ] {
+        // mpiflow after the rank count.
+        let mut mode: Vec<&str> = mode.split(' ').collect();
+        mode.insert(2, mpiflow());
         let mut args = mode.to_vec();
         args.extend_from_slice(&["--steps", "20", "--checkpoint-dir", c]);
         let run = mpirun(&args);
