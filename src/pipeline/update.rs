@@ -1,6 +1,6 @@
 //! How a stage's gradients become its next parameters: summed over the replicas' tasks of
-//! the stage by allreduce and applied by each task ([`Updater::Allreduce`]), or pushed to
-//! the ps tasks holding the stage's variables and pulled back ([`Updater::Ps`]). The
+//! the stage by allreduce and applied by each task (`Updater::Allreduce`), or pushed to
+//! the ps tasks holding the stage's variables and pulled back (`Updater::Ps`). The
 //! pipeline's step loop is the same for both.
 
 use std::path::PathBuf;

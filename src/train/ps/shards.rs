@@ -82,7 +82,7 @@ pub fn file(k: usize) -> String {
 }
 
 /// The file name of ps `k`'s shard of pipeline stage `stage`'s variables (`None`: of the
-/// whole model, [`file`]).
+/// whole model, [`file()`]).
 pub fn file_of(k: usize, stage: Option<usize>) -> String {
     match stage {
         Some(s) => format!("shard-stage{s}-ps{k}.bin"),
