@@ -378,6 +378,31 @@ fn ps_training_template_by_srun_pmix_on_four_nodes_reaches_accuracy() {
 }
 
 #[test]
+fn pipeline_training_by_srun_keeps_each_replica_inside_a_node() {
+    let Some(slurm) = LocalSlurm::start("pipeline") else {
+        return;
+    };
+    // 4 nodes x 2 tasks: the two ps tasks on node1, then 3 replicas of 2 stages, each
+    // inside a node; the ps tasks hold every stage's variables.
+    let job = slurm.sbatch(
+        &[],
+        &template("train-srun.sbatch"),
+        &[
+            "--mode", "ps", "--ps", "2", "--stages", "2", "--steps", "600",
+        ],
+        &[("MPIFLOW_CPU_BIND", "none")],
+    );
+    job.assert_completed();
+    let ranks = "# ranks: 0=ps:0 1=ps:1 2=replica_0:0 3=replica_0:1 4=replica_1:0 \
+                 5=replica_1:1 6=replica_2:0 7=replica_2:1";
+    assert!(job.output.contains(ranks), "{}", job.output);
+    assert!(job.output.contains("# pipeline: "), "{}", job.output);
+    let acc = common::accuracy(&job.output);
+    assert!(acc >= 0.9, "accuracy {acc}: {}", job.output);
+    assert!(job.output.contains("# checkpoint "), "{}", job.output);
+}
+
+#[test]
 fn allreduce_template_by_mpirun_inside_sbatch_reaches_accuracy() {
     let Some(slurm) = LocalSlurm::start("mpirun") else {
         return;
