@@ -13,6 +13,53 @@
 //!
 //! The cluster mapping (jobs `replica_0`, ... of one task per stage) lives in
 //! [`crate::cluster::mapping`].
+//!
+//! A model of your own trains in stages with no pipeline code: build it as a
+//! [`Sequential`](crate::model::Sequential) of layers (yours implement
+//! [`Layer`](crate::model::layers::Layer)) and hand it to [`train::run`] on every rank.
+//! Here two replicas of two stages, as threads of one process (the same code runs under
+//! `mpirun` with an `MpiComm`):
+//! ```
+//! use mpiflow::cluster::{Layout, MappingOptions};
+//! use mpiflow::model::layers::{Dense, Layer, Relu};
+//! use mpiflow::model::Sequential;
+//! use mpiflow::pipeline::{train, PipelineConfig, Schedule};
+//! use mpiflow::train::{data::Dataset, TrainConfig};
+//! use mpiflow::transport::local::LocalComm;
+//!
+//! let layers: Vec<Box<dyn Layer>> = vec![
+//!     Box::new(Dense { units: 32 }),
+//!     Box::new(Relu),
+//!     Box::new(Dense { units: 3 }),
+//! ];
+//! let model = Sequential::new("mine", &[8], layers).unwrap();
+//! let data = Dataset::synthetic(600, 8, 3, 1);
+//! let (train_set, test_set) = data.split_holdout(1);
+//! let opts = MappingOptions { stages: Some(2), ..MappingOptions::default() };
+//! let layout = Layout::single_host(4, &opts).unwrap(); // replica_0:0..1, replica_1:0..1
+//! let cfg = PipelineConfig {
+//!     train: TrainConfig { steps: 200, batch: 32, log_every: 0, ..TrainConfig::default() },
+//!     micro_batches: 4,
+//!     schedule: Schedule::OneFOneB,
+//!     ..PipelineConfig::default()
+//! };
+//! let said = LocalComm::run(4, |comm| {
+//!     let mut lines = Vec::new();
+//!     train::run(&comm, &layout, &model, &cfg, &train_set, &test_set, &mut |e| {
+//!         lines.push(e.to_string())
+//!     })
+//!     .map(|()| lines)
+//! });
+//! // Replica 0's last stage reports the partition and the held-out accuracy.
+//! let lines: Vec<String> = said.into_iter().flat_map(Result::unwrap).collect();
+//! assert!(lines.iter().any(|l| l.starts_with("# pipeline: 2 replicas x 2 stages")));
+//! let accuracy: f64 = lines
+//!     .iter()
+//!     .find_map(|l| l.strip_prefix("accuracy "))
+//!     .and_then(|l| l.split(' ').next()?.parse().ok())
+//!     .unwrap();
+//! assert!(accuracy > 0.9, "{accuracy}");
+//! ```
 
 pub mod link;
 pub mod partition;
