@@ -209,3 +209,31 @@ fn a_model_larger_than_a_task_trains_with_enough_stages() {
     assert_eq!(held.iter().sum::<u64>(), 340_008, "{memory}");
     assert!(accuracy(&run.stdout) > 0.9, "{}", run.stdout);
 }
+
+#[test]
+fn the_timeline_shows_every_stage_pass_of_every_micro_batch() {
+    let dir = tmpdir("pipeline-timeline");
+    let trace = dir.join("trace.json");
+    let args = "-np 4 {m} train --mode allreduce --stages 2 --steps 5 --micro-batches 3 --timeline";
+    let mut args: Vec<&str> = args.split(' ').collect();
+    args[2] = mpiflow();
+    args.push(trace.to_str().unwrap());
+    let run = mpirun(&args);
+    assert_eq!(run.code, 0, "{run:?}");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = v["traceEvents"].as_array().or(v.as_array()).unwrap();
+    // 4 ranks x 5 steps x 3 micro-batches, each forward and backward once.
+    for pass in ["forward", "backward"] {
+        let n = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["name"] == pass)
+            .count();
+        assert_eq!(n, 4 * 5 * 3, "{pass} spans");
+    }
+    // Stage 1 of each replica waits for activations, stage 0 for gradients.
+    for wait in ["wait for activations", "wait for gradients"] {
+        let n = events.iter().filter(|e| e["name"] == wait).count();
+        assert_eq!(n, 2 * 5 * 3, "{wait} spans");
+    }
+}

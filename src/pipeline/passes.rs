@@ -7,6 +7,7 @@ use super::link::{Direction, Link};
 use super::schedule::Op;
 use super::stage::Stage;
 use super::train::PipelineError;
+use crate::observe::timeline::{self, Detail};
 use crate::train::data::{shard, Dataset};
 use crate::transport::Comm;
 
@@ -29,6 +30,19 @@ impl MicroBatches<'_> {
 pub(crate) struct PassTimes {
     pub total: Duration,
     pub idle: Duration,
+}
+
+/// A span of the timeline (`--timeline`) from `start` to now: one pass, or one wait, of
+/// micro-batch `mb` of `step` (the micro-batch named as the span's peer).
+fn mark(name: &'static str, cat: &'static str, start: Instant, step: u64, mb: usize) {
+    if timeline::enabled() {
+        let detail = Detail {
+            step: Some(step),
+            peer: Some(format!("micro-batch {mb}").into()),
+            bytes: None,
+        };
+        timeline::span(name, cat, start, Instant::now(), detail);
+    }
 }
 
 /// Runs this stage's passes of one step in the schedule's order (`ops`), receiving and
@@ -57,9 +71,12 @@ pub(crate) fn run_passes<C: Comm>(
                     let w = Instant::now();
                     link.receive(&mut buf, k - 1, Direction::Activations, mb)?;
                     waited += w.elapsed();
+                    mark("wait for activations", "wait", w, link.step, mb);
                     buf
                 };
+                let t = Instant::now();
                 let out = st.forward(mb, input, n)?;
+                mark("forward", "compute", t, link.step, mb);
                 if !last {
                     link.send(out, k + 1, Direction::Activations)?;
                 } else {
@@ -73,8 +90,11 @@ pub(crate) fn run_passes<C: Comm>(
                     let w = Instant::now();
                     link.receive(into, k + 1, Direction::Gradients, mb)?;
                     waited += w.elapsed();
+                    mark("wait for gradients", "wait", w, link.step, mb);
                 }
+                let t = Instant::now();
                 let dx = st.backward(mb)?;
+                mark("backward", "compute", t, link.step, mb);
                 if !first {
                     link.send(dx, k - 1, Direction::Gradients)?;
                 }
@@ -84,6 +104,13 @@ pub(crate) fn run_passes<C: Comm>(
     let w = Instant::now();
     link.flush()?;
     waited += w.elapsed();
+    timeline::span(
+        "sends done",
+        "wait",
+        w,
+        Instant::now(),
+        Detail::at(link.step),
+    );
     st.finish_step()?;
     let total = start.elapsed();
     Ok((

@@ -31,6 +31,7 @@ use super::PartitionError;
 use crate::cluster::Layout;
 use crate::model::{Model, ModelError, Sequential};
 use crate::observe::phases::{Clock, Phase};
+use crate::observe::timeline::{self, Detail};
 use crate::tensor::{DType, Tensor};
 use crate::train::data::{shard, Batches, Dataset};
 use crate::train::events::Event;
@@ -401,6 +402,13 @@ pub fn run<C: Comm>(
                 };
                 updater.apply(&mut st, step, mine.len(), loss)?;
                 waited += w.elapsed();
+                timeline::span(
+                    "reduce and update",
+                    "comm",
+                    w,
+                    Instant::now(),
+                    Detail::at(step),
+                );
                 clock.charge(Phase::Comm, waited);
                 clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
                 clock.steps(1);
