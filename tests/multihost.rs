@@ -347,3 +347,42 @@ fn allreduce_in_two_levels_across_hosts_checks_and_trains_as_local_training() {
         );
     }
 }
+
+#[test]
+fn pipelines_across_hosts_keep_replicas_inside_hosts_and_train_as_local_training() {
+    let Some(script) = cluster_script() else {
+        return;
+    };
+    let dir = common::tmpdir("netns-pipeline");
+    let local = dir.join("local.bin");
+    common::train_local_reference("60", &local, &["--hidden", "64,32"]);
+    let m = mpiflow();
+    let params = |name: &str| dir.join(format!("{name}.bin"));
+    let train = |name: &str, np: usize, mode: &str| {
+        format!(
+            "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np {np} {m} train \
+             {mode} --stages 2 --hidden 64,32 --steps 60 --log-every 30 --save-params {}",
+            params(name).display()
+        )
+    };
+    // 6 ranks, 2 a host: a replica of 2 stages on each host, its stages' gradients summed
+    // across the hosts. 5 ranks and a ps: h2 holds a whole replica; h1's and h3's leftover
+    // ranks make the other, its pipeline between hosts.
+    let inner = format!(
+        "set -e; {}; {}",
+        train("allreduce", 6, "--mode allreduce"),
+        train("ps", 5, "--mode ps --ps 1")
+    );
+    let run = run_bounded(300, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    for ranks in [
+        "# ranks: 0=replica_0:0 1=replica_0:1 2=replica_1:0 3=replica_1:1 4=replica_2:0 5=replica_2:1",
+        "# ranks: 0=ps:0 1=replica_0:0 2=replica_1:0 3=replica_1:1 4=replica_0:1",
+    ] {
+        assert!(run.stdout.contains(ranks), "{}", run.stdout);
+    }
+    for name in ["allreduce", "ps"] {
+        let worst = common::max_relative_difference(&local, &params(name));
+        assert!(worst < 1e-4, "{name}: largest relative difference {worst}");
+    }
+}
