@@ -485,7 +485,11 @@ fn task_of(text: &str, rank: usize) -> String {
 #[test]
 fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
     let dir = tmpdir("observe-stall");
-    for (np, mode) in [("3", "--mode allreduce"), ("4", "--mode ps --ps 1")] {
+    for (np, mode) in [
+        ("3", "--mode allreduce"),
+        ("4", "--mode ps --ps 1"),
+        ("4", "--mode allreduce --stages 2"),
+    ] {
         let metrics = dir.join(format!("{}.jsonl", mode.replace([' ', '-'], "")));
         let trace = metrics.with_extension("json");
         let mut args = vec!["-np", np, mpiflow(), "train"];
@@ -529,7 +533,11 @@ fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
         }
         // The workers wait in the allreduce, or in their pull (or push, when the ps is
         // held up replying to the stopped worker); the ps gathers the pushes or replies.
-        let ops: &[&str] = if mode.contains("ps") {
+        // With stages: the stopped stage's neighbour waits in its receive, the others in
+        // the step's allreduce.
+        let ops: &[&str] = if mode.contains("stages") {
+            &["allreduce", "pipeline receive"]
+        } else if mode.contains("ps") {
             &["pull", "push", "gather of pushes", "reply"]
         } else {
             &["allreduce"]

@@ -31,6 +31,7 @@ use super::PartitionError;
 use crate::cluster::Layout;
 use crate::model::{Model, ModelError, Sequential};
 use crate::observe::phases::{Clock, Phase};
+use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::{DType, Tensor};
 use crate::train::data::{shard, Batches, Dataset};
@@ -386,6 +387,13 @@ pub fn run<C: Comm>(
                     passes.idle += times.idle;
                 }
                 let w = Instant::now();
+                let reducing = stall::wait(|| Wait {
+                    op: "allreduce",
+                    step,
+                    what: Some("the stage's gradients and the step's verdict".into()),
+                    peer: None,
+                    bytes: st.param_bytes() as u64,
+                });
                 updater.reduce(&mut st, mine.len(), global.len())?;
                 let grads_finite = st
                     .grads
@@ -394,6 +402,7 @@ pub fn run<C: Comm>(
                 let samples = if st.is_last() { mine.len() } else { 0 };
                 verdict.fill(loss_sum, samples, grads_finite, signal);
                 group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
+                drop(reducing);
                 verdict.check(step, replicas)?;
                 let loss = if st.is_last() {
                     loss_sum / mine.len().max(1) as f32
