@@ -209,7 +209,7 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
     // SIGUSR1 on to every rank), or one rank only (a ps task, or a worker: the newest
     // process).
     let ps = ["--mode", "ps", "--ps", "1"];
-    let cases: [Case; 9] = [
+    let cases: [Case; 10] = [
         (
             "local",
             &[m],
@@ -272,6 +272,14 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
             &stages,
             "-TERM",
             &["-n", "-f", "^[^ ]*mpiflow train --mode allreduce --stages"],
+            "SIGTERM",
+        ),
+        (
+            "pipeline-ps-ps-rank",
+            &mpirun5,
+            &ps_stages,
+            "-TERM",
+            &["-o", "-f", "^[^ ]*mpiflow train --mode ps --ps 1 --stages"],
             "SIGTERM",
         ),
         (

@@ -132,13 +132,14 @@ impl<'a, C: Comm> StageClient<'a, C> {
     }
 
     /// The stage's parameters once the ps tasks applied `step` updates, into `params`;
-    /// returns their global step.
+    /// returns their global step, and the stop signal a ps announces (one it was sent).
     pub(crate) fn pull(
         &self,
         step: u64,
         params: &mut Vec<crate::tensor::Tensor>,
-    ) -> Result<u64, PipelineError> {
-        Ok(self.client.pull(step, false, params)?.step)
+    ) -> Result<(u64, Option<i32>), PipelineError> {
+        let pulled = self.client.pull(step, false, params)?;
+        Ok((pulled.step, pulled.stop))
     }
 
     /// Pushes the stage's mean gradients of `samples` samples for `step`.

@@ -371,7 +371,8 @@ pub fn run<C: Comm>(
                     .flatten();
                 let t = Instant::now();
                 link.step = step;
-                updater.begin(step, &mut st)?;
+                // A signal to a ps task reaches the stage tasks in its pull replies.
+                let signal = signal.or(updater.begin(step, &mut st)?);
                 let global = batches.global(step);
                 let mine = shard(&global, replica, replicas);
                 let micro = MicroBatches {

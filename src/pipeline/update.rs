@@ -58,17 +58,22 @@ impl<C: Comm> Updater<'_, C> {
                         });
                     }
                 }
-                client.pull(0, &mut st.params)
+                Ok(client.pull(0, &mut st.params)?.0)
             }
         }
     }
 
-    /// Before step `step`'s passes: the ps's parameters of that step.
-    pub(crate) fn begin(&mut self, step: u64, st: &mut Stage<'_>) -> Result<(), PipelineError> {
-        if let Updater::Ps { client } = self {
-            client.pull(step, &mut st.params)?;
+    /// Before step `step`'s passes: the ps's parameters of that step; returns the stop
+    /// signal a ps task announces (it was sent one), for the step's word.
+    pub(crate) fn begin(
+        &mut self,
+        step: u64,
+        st: &mut Stage<'_>,
+    ) -> Result<Option<i32>, PipelineError> {
+        match self {
+            Updater::Ps { client } => Ok(client.pull(step, &mut st.params)?.1),
+            Updater::Allreduce { .. } => Ok(None),
         }
-        Ok(())
     }
 
     /// The stage's gradient sums over this replica's `samples` become what the update
