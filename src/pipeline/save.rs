@@ -87,7 +87,7 @@ pub(crate) fn restore<C: Comm>(
     events: &mut dyn FnMut(&Event),
 ) -> Result<Option<u64>, PipelineError> {
     let (group, who, model) = (at.group, at.who, at.model);
-    let Some(path) = newest(at, events)? else {
+    let Some((path, _)) = newest(at, events)? else {
         agree(group, Ok(()))?;
         return Ok(None);
     };
@@ -146,7 +146,7 @@ pub(crate) fn write_with<C: Comm>(
     step: u64,
     last: bool,
     events: &mut dyn FnMut(&Event),
-    files: impl FnOnce(&Path) -> Result<Vec<(String, u64, u64)>, String>,
+    files: impl FnOnce(&Path) -> Result<Vec<FileEntry>, String>,
 ) -> Result<PathBuf, PipelineError> {
     let (group, who, dir, model) = (at.group, at.who, at.dir, at.model);
     let coordinating = group.rank() == who.coordinator;
@@ -173,7 +173,7 @@ pub(crate) fn write_with<C: Comm>(
             listed.iter().map(|l| serde_json::from_slice(l)).collect();
         committed = match parsed {
             Ok(all) => {
-                let files: Vec<(String, u64, u64)> = all.into_iter().flatten().collect();
+                let files: Vec<FileEntry> = all.into_iter().flatten().collect();
                 let meta = state::model_meta(&model.describe(), &variables(model));
                 checkpoint::commit(dir, step, &files, meta).map_err(|e| fail(&e))
             }
@@ -191,14 +191,15 @@ pub(crate) fn write_with<C: Comm>(
     Ok(path)
 }
 
-/// The newest valid checkpoint in `at.dir` for the whole model, as the coordinator finds
-/// it (the others hear its path, so every task takes the same one): `None` if there is none.
+/// The newest valid checkpoint in `at.dir` for the whole model and its step, as the
+/// coordinator finds it (the others hear it, so every task takes the same one): `None` if
+/// there is none.
 pub(crate) fn newest<C: Comm>(
     at: &Saver<'_, C>,
     events: &mut dyn FnMut(&Event),
-) -> Result<Option<PathBuf>, PipelineError> {
+) -> Result<Option<(PathBuf, u64)>, PipelineError> {
     let (group, who, dir) = (at.group, at.who, at.dir);
-    let mut picked = Ok(None);
+    let mut picked: Result<Option<(String, u64)>, String> = Ok(None);
     if group.rank() == who.coordinator {
         picked = std::fs::create_dir_all(dir)
             .map_err(|e| format!("checkpoint {}: {e}", dir.display()))
@@ -209,22 +210,19 @@ pub(crate) fn newest<C: Comm>(
                 }
                 // Another model's checkpoint is refused here, for every stage at once.
                 let vars = variables(at.model);
-                let checked = found.map(|f| state::check_model(&f, &vars).map(|()| f.path));
+                let checked = found.map(|f| {
+                    state::check_model(&f, &vars).map(|()| (f.path.display().to_string(), f.step))
+                });
                 checked.transpose().map_err(|e| e.to_string())
             });
     }
-    let mine = match &picked {
-        Ok(Some(p)) => format!("+{}", p.display()),
-        Ok(None) => "+".to_string(),
-        Err(e) => format!("-{e}"),
-    };
-    let said = group.bcast_varlen(mine.into_bytes(), who.coordinator)?;
-    let said = String::from_utf8_lossy(&said).into_owned();
-    match said.split_at(1) {
-        ("-", e) => Err(PipelineError::Config(e.to_string())),
-        (_, "") => Ok(None),
-        (_, p) => Ok(Some(PathBuf::from(p))),
-    }
+    let mine = serde_json::to_vec(&picked).expect("strings and numbers serialise");
+    let said = group.bcast_varlen(mine, who.coordinator)?;
+    let said: Result<Option<(String, u64)>, String> = serde_json::from_slice(&said)
+        .map_err(|e| PipelineError::Config(format!("the coordinator's checkpoint: {e}")))?;
+    Ok(said
+        .map_err(PipelineError::Config)?
+        .map(|(path, step)| (PathBuf::from(path), step)))
 }
 
 /// Replica 0's stages send their parameters to its last stage, which writes the whole

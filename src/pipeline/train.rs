@@ -1,13 +1,14 @@
 //! Pipeline training (`mpiflow train --stages S --micro-batches M --schedule gpipe|1f1b`,
-//! `--mode allreduce`): every replica (a `replica_N` job) runs the model split into S
-//! stages, one per task; replicas train on their shares of the global batch.
+//! `--mode allreduce` or `--mode ps`): every replica (a `replica_N` job) runs the model
+//! split into S stages, one per task; replicas train on their shares of the global batch.
 //!
 //! A step: each replica cuts its share into M micro-batches and runs them through its
 //! stages in the schedule's order, activations forward and their gradients backward by
 //! [`super::link`]; each stage sums its parameters' gradients over the micro-batches,
 //! the replicas' stage-k tasks sum theirs by a fused allreduce on a communicator of
 //! their own, and dividing by the global batch gives exactly the combined batch's
-//! gradient. Every task then applies the optimizer to its own parameters. One small sum
+//! gradient. Every task then applies the optimizer to its own parameters (with ps tasks,
+//! each stage's gradients go to its own ps job instead: [`super::update`]). One small sum
 //! over every replica task carries the step's word (the loss, a non-finite value, a stop
 //! signal) so all of them reach the same verdict.
 //!
@@ -293,7 +294,9 @@ pub fn run<C: Comm>(
             .iter()
             .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
             .unwrap_or(0);
-        let costs = layer_costs(&group, coordinator, model, cfg, share)?;
+        // Rows of a micro-batch (the last may hold fewer).
+        let rows = share.div_ceil(cfg.micro_batches);
+        let costs = layer_costs(&group, coordinator, model, cfg.balance, rows)?;
         let sizes = model.layer_param_bytes();
         let limit = cfg.max_param_bytes.map(|l| (sizes.as_slice(), l));
         let ranges = partition::balance_within(&costs, stages, limit)?;
@@ -301,7 +304,6 @@ pub fn run<C: Comm>(
         let mut st =
             Stage::new(model, &ranges, stage, cfg.train.seed)?.with_towers(cfg.train.towers);
         // What this task will hold must fit its share of the node, on every task.
-        let rows = share.div_ceil(cfg.micro_batches);
         let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
         let need = st.need(
             rows,
@@ -333,11 +335,7 @@ pub fn run<C: Comm>(
         });
         let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
             (Some(ps), Some((sub, Some(roles)))) => {
-                let vars: Vec<(String, usize)> = st
-                    .params
-                    .iter()
-                    .map(|p| (p.name().to_string(), p.numel()))
-                    .collect();
+                let vars = crate::train::ps::variables_of(&st.params);
                 let client = StageClient::new(sub, roles, ps, &vars, stage, replicas, cfg);
                 Updater::Ps { client }
             }
@@ -431,8 +429,7 @@ pub fn run<C: Comm>(
                 if every > 0 && step.is_multiple_of(every) {
                     let mine = clock.take();
                     let ranks =
-                        crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)
-                            .map_err(|e| PipelineError::Config(e.to_string()))?;
+                        crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)?;
                     if reporting {
                         let batch = cfg.train.batch;
                         let log = StepLog::of_window(step, verdict.loss(), &mine, batch, ranks);
@@ -456,8 +453,7 @@ pub fn run<C: Comm>(
             }
             Ok(None)
         };
-        let ended = steps();
-        let stopped = ended?;
+        let stopped = steps()?;
         updater.finish(&mut st, step, stopped)?;
         if let Some(signal) = stopped {
             let dir = cfg.train.checkpoint_dir.as_deref();
@@ -493,21 +489,20 @@ pub fn run<C: Comm>(
     result
 }
 
-/// The layers' costs by `cfg.balance`: counted on every task, or timed by the
-/// coordinator on a micro-batch's samples and sent to every task (so all cut alike).
+/// The layers' costs by `balance`: counted on every task, or timed by the coordinator on
+/// a micro-batch of `rows` samples and sent to every task (so all cut alike).
 fn layer_costs<C: Comm>(
     group: &Collectives<C>,
     coordinator: usize,
     model: &Sequential,
-    cfg: &PipelineConfig,
-    share: usize,
+    balance: Balance,
+    rows: usize,
 ) -> Result<Vec<f64>, PipelineError> {
-    if cfg.balance == Balance::Counted {
+    if balance == Balance::Counted {
         return Ok(model.layer_costs());
     }
     let mut mine = Vec::new();
     if group.rank() == coordinator {
-        let rows = share.div_ceil(cfg.micro_batches.max(1));
         let costs = partition::measure_layer_costs(model, rows, 5)?;
         mine = costs.iter().flat_map(|c| c.to_le_bytes()).collect();
     }

@@ -44,18 +44,14 @@ impl<C: Comm> Updater<'_, C> {
                 None => Ok(0),
             },
             Updater::Ps { client } => {
-                let path = match at {
+                let found = match at {
                     Some(at) => save::newest(at, events)?,
                     None => None,
                 };
                 if chief {
-                    client.start(path.as_deref(), &st.params)?;
-                    if let (Some(path), true) = (&path, st.is_last()) {
-                        let step = crate::train::checkpoint::verify(path)?.step;
-                        events(&Event::Restored {
-                            path: path.clone(),
-                            step,
-                        });
+                    client.start(found.as_ref().map(|(path, _)| path.as_path()), &st.params)?;
+                    if let (Some((path, step)), true) = (found, st.is_last()) {
+                        events(&Event::Restored { path, step });
                     }
                 }
                 Ok(client.pull(0, &mut st.params)?.0)

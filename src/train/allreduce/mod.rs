@@ -326,7 +326,7 @@ pub(crate) fn gather_times<C: Comm>(
     layout: &Layout,
     world_rank: usize,
     mine: Times,
-) -> Result<Vec<RankTimes>, AllreduceError> {
+) -> Result<Vec<RankTimes>, TransportError> {
     let mut bytes = (world_rank as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(&mine.to_bytes());
     let mut all = vec![0u8; bytes.len() * coll.size()];

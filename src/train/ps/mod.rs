@@ -215,8 +215,13 @@ pub fn run<C: Comm>(
 
 /// The variables of a replica: name and element count, in creation order.
 pub(crate) fn variables(model: &crate::model::Replica<'_>) -> Vec<(String, usize)> {
-    model
-        .params
+    variables_of(&model.params)
+}
+
+/// The variables `params` hold (a model's, or a pipeline stage's part): name and element
+/// count, in order.
+pub(crate) fn variables_of(params: &[crate::tensor::Tensor]) -> Vec<(String, usize)> {
+    params
         .iter()
         .map(|p| (p.name().to_string(), p.numel()))
         .collect()
