@@ -70,6 +70,7 @@ pub(crate) fn error_string(rc: c_int) -> String {
 }
 
 /// The low 32 bits of the `MPI_Status` field at byte offset `at`.
+#[inline(always)]
 fn status_u32(status: &ffi::MPI_Status, at: usize) -> u32 {
     // SAFETY: the status is plain data of size_of::<MPI_Status>() bytes, and callers only
     // pass offsets with 4 bytes inside it (checked in count_offset).
@@ -347,7 +348,7 @@ impl Comm for MpiComm {
         self.check("MPI_Send", rc)
     }
 
-    #[inline]
+    #[inline(always)]
     fn recv_blocking(
         &self,
         buf: &mut [u8],
