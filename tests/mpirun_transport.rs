@@ -291,7 +291,22 @@ fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
     ]);
     assert_eq!(run.code, 0, "{run:?}");
     let t = osu_tables(&run.stdout, "# Size        Bandwidth (MB/s)");
-    assert_eq!(t.len(), 2, "{}", run.stdout);
+    // Plain messages, the ps protocol, plain messages with the ps's SGD update.
+    assert_eq!(t.len(), 3, "{}", run.stdout);
+    for path in ["mpi", "mpiflow", "mpi-sgd"] {
+        assert!(
+            run.stdout.contains(&format!("# mpiflow path: {path}\n")),
+            "{}",
+            run.stdout
+        );
+    }
+    for ratio in ["mpiflow/mpi ", "mpi-sgd/mpi ", "mpiflow/mpi-sgd "] {
+        assert!(
+            run.stdout.contains(&format!("# ratio {ratio}")),
+            "{}",
+            run.stdout
+        );
+    }
     for rows in &t {
         assert_eq!(
             rows.iter().map(|r| r.0).collect::<Vec<_>>(),
@@ -328,6 +343,8 @@ fn bad_benchmark_requests_are_one_line_errors() {
         "channel",
     ])
     .assert_one_line_error("all ranks: --path channel is for latency, bw and bibw, not allreduce");
+    mpirun(&["-np", "2", mpiflow(), "bench", "bw", "--path", "mpi-sgd"])
+        .assert_one_line_error("all ranks: --path mpi-sgd is for pushpull, not bw");
     mpirun(&[
         "-np",
         "2",

@@ -172,24 +172,17 @@ pub(crate) fn best_of_rounds<P: Copy + Label>(
     let tables: Vec<Vec<Row>> = (0..paths.len())
         .map(|k| samples.iter().map(|s| better.best(&s[k])).collect())
         .collect();
-    let paired = (0..paths.len())
-        .map(|k| {
-            samples
-                .iter()
-                .map(|s| {
-                    let mut r: Vec<f64> = s[k]
-                        .iter()
-                        .zip(&s[0])
-                        .map(|(a, b)| a.value / b.value)
-                        .collect();
-                    median(&mut r)
-                })
+    let values = samples
+        .iter()
+        .map(|s| {
+            s.iter()
+                .map(|r| r.iter().map(|x| x.value).collect())
                 .collect()
         })
         .collect();
     Ok(Rounds {
         tables: paths.iter().map(Label::label).zip(tables).collect(),
-        paired,
+        values,
     })
 }
 
@@ -199,9 +192,9 @@ pub(crate) trait Label {
 }
 
 impl Label for Path {
-    /// `mpi`, `mpiflow`, `channel`.
+    /// `mpi`, `mpiflow`, `channel`, `mpi-sgd`: the path's name on the command line.
     fn label(&self) -> String {
-        format!("{self:?}").to_lowercase()
+        crate::named::Named::name(*self).to_string()
     }
 }
 
@@ -216,16 +209,35 @@ pub(crate) struct Rounds {
     /// Per path, its name (`mpi`, `mpiflow`) and a row per size: the best value of all
     /// rounds.
     pub tables: Vec<(String, Vec<Row>)>,
-    /// Per path, per size: the median over rounds of its value divided by the first
-    /// path's value in the same round. Paired in time, so a slow phase of the machine
-    /// slows both sides of a ratio; the ratio lines print these.
-    pub paired: Vec<Vec<f64>>,
+    /// Per size, per path, every round's value.
+    values: Vec<Vec<Vec<f64>>>,
 }
 
 impl Rounds {
     /// The OSU tables of every path, then the paired ratios to the first path.
     pub fn render(&self, table: impl Fn(&[Row]) -> String) -> String {
-        osu::render(&self.tables, &self.paired, table)
+        let paired: Vec<Vec<f64>> = (0..self.tables.len()).map(|k| self.paired(k, 0)).collect();
+        osu::render(&self.tables, &paired, table)
+    }
+
+    /// Per size, the median over rounds of path `k`'s value divided by path `base`'s in
+    /// the same round. Paired in time, so a slow phase of the machine slows both sides of
+    /// a ratio; the ratio lines print these.
+    pub fn paired(&self, k: usize, base: usize) -> Vec<f64> {
+        self.values
+            .iter()
+            .map(|s| {
+                let mut r: Vec<f64> = s[k].iter().zip(&s[base]).map(|(a, b)| a / b).collect();
+                median(&mut r)
+            })
+            .collect()
+    }
+
+    /// The ratio lines of path `k` to path `base` (`mpiflow/mpi-sgd`).
+    pub fn ratio(&self, k: usize, base: usize) -> String {
+        let (label, rows) = (&self.tables[k].0, &self.tables[base].1);
+        let label = format!("{label}/{} {}", self.tables[base].0, osu::PAIRED);
+        osu::ratio_table(&label, rows, &self.paired(k, base))
     }
 }
 
@@ -244,6 +256,11 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
     if opts.path == osu::Path::Channel && !matches!(name, "latency" | "bw" | "bibw") {
         return Err(BenchError::Option(format!(
             "--path channel is for latency, bw and bibw, not {name}"
+        )));
+    }
+    if opts.path == osu::Path::MpiSgd && name != "pushpull" {
+        return Err(BenchError::Option(format!(
+            "--path mpi-sgd is for pushpull, not {name}"
         )));
     }
     match (name, opts.algorithms.len()) {

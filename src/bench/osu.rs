@@ -15,7 +15,10 @@ pub enum Path {
     /// mpiflow's persistent channels (latency, bw, bibw): the header crosses once, when
     /// the channel opens; messages carry the payload alone.
     Channel,
-    /// Both, alternating at every size.
+    /// Plain rsmpi push and pull whose ps applies the SGD update to its parameters
+    /// between them (pushpull): what any parameter server that updates costs.
+    MpiSgd,
+    /// Every path the benchmark has, alternating at every size.
     #[default]
     Both,
 }
@@ -34,9 +37,14 @@ impl crate::named::Named for Path {
             "mpiflow's persistent channels (latency, bw, bibw)",
         ),
         (
+            Path::MpiSgd,
+            "mpi-sgd",
+            "Plain rsmpi push and pull with the SGD update on the ps (pushpull)",
+        ),
+        (
             Path::Both,
             "both",
-            "mpi and mpiflow, alternating at every size",
+            "mpi and mpiflow (with channel for latency, bw and bibw, mpi-sgd for pushpull), alternating at every size",
         ),
     ];
 }

@@ -81,30 +81,34 @@ fn p2p_rounds<C: Comm>(
     Ok(Some(secs))
 }
 
-/// The plain-MPI path: returns mean seconds per round on workers, `None` on ps ranks.
-fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) -> Option<f64> {
+/// The plain-MPI paths: returns mean seconds per round on workers, `None` on ps ranks.
+/// With `sgd`, the ps receives each push into a gradient buffer and applies
+/// `params -= lr * grad` before the ack, and pulls are answered from `params`.
+fn raw(
+    comm: &MpiComm,
+    ps: usize,
+    bytes: usize,
+    rounds: usize,
+    warmup: usize,
+    sgd: bool,
+) -> Option<f64> {
     let world = comm.raw();
     let (me, n) = (comm.rank(), comm.size());
     let slice = bytes.div_ceil(ps).max(1);
     if me < ps {
-        let reply = vec![1u8; slice];
-        let mut done = 0;
-        while done < n - ps {
-            let (data, status) = world
-                .any_process()
-                .matched_probe_with_tag(TAG)
-                .matched_receive_vec::<u8>();
-            let from = world.process_at_rank(status.source_rank());
-            match data.first() {
-                Some(0) => from.send_with_tag(&[1u8][..], TAG),
-                Some(1) => from.send_with_tag(&reply[..], TAG),
-                _ => done += 1,
-            }
+        if sgd {
+            raw_sgd_ps(comm, n - ps, slice.div_ceil(4));
+        } else {
+            raw_ps(comm, n - ps, slice);
         }
         return None;
     }
+    // The plain pattern's push leads with a 0 byte; the sgd variant's is the floats.
+    let floats = slice.div_ceil(4);
     let mut push = vec![0u8; slice + 1];
+    let grad = vec![0f32; floats];
     let mut back = vec![0u8; slice];
+    let mut back_f = vec![0f32; floats];
     let mut ack = [0u8; 1];
     let mut start = std::time::Instant::now();
     for i in 0..warmup + rounds {
@@ -113,9 +117,12 @@ fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) ->
         }
         push[0] = 0;
         for p in 0..ps {
-            world
-                .process_at_rank(p as i32)
-                .send_with_tag(&push[..], TAG);
+            let to = world.process_at_rank(p as i32);
+            if sgd {
+                to.send_with_tag(&grad[..], TAG);
+            } else {
+                to.send_with_tag(&push[..], TAG);
+            }
         }
         for p in 0..ps {
             world
@@ -128,9 +135,12 @@ fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) ->
                 .send_with_tag(&[1u8][..], TAG);
         }
         for p in 0..ps {
-            world
-                .process_at_rank(p as i32)
-                .receive_into_with_tag(&mut back[..], TAG);
+            let from = world.process_at_rank(p as i32);
+            if sgd {
+                from.receive_into_with_tag(&mut back_f[..], TAG);
+            } else {
+                from.receive_into_with_tag(&mut back[..], TAG);
+            }
         }
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
@@ -140,6 +150,51 @@ fn raw(comm: &MpiComm, ps: usize, bytes: usize, rounds: usize, warmup: usize) ->
             .send_with_tag(&[2u8][..], TAG);
     }
     Some(secs)
+}
+
+/// The plain pattern's ps: a matched-probe loop that does nothing else.
+fn raw_ps(comm: &MpiComm, workers: usize, slice: usize) {
+    let world = comm.raw();
+    let reply = vec![1u8; slice];
+    let mut done = 0;
+    while done < workers {
+        let (data, status) = world
+            .any_process()
+            .matched_probe_with_tag(TAG)
+            .matched_receive_vec::<u8>();
+        let from = world.process_at_rank(status.source_rank());
+        match data.first() {
+            Some(0) => from.send_with_tag(&[1u8][..], TAG),
+            Some(1) => from.send_with_tag(&reply[..], TAG),
+            _ => done += 1,
+        }
+    }
+}
+
+/// The sgd variant's ps: a push (more than one byte) lands in the gradient buffer and is
+/// applied to the parameters at once; a 1-byte request is answered from the parameters.
+fn raw_sgd_ps(comm: &MpiComm, workers: usize, floats: usize) {
+    let world = comm.raw();
+    let mut params = vec![0f32; floats];
+    let mut grad = vec![0f32; floats];
+    let lr = 1e-12f32;
+    let mut done = 0;
+    while done < workers {
+        let (msg, status) = world.any_process().matched_probe_with_tag(TAG);
+        let from = world.process_at_rank(status.source_rank());
+        if status.count(u8::equivalent_datatype()) > 1 {
+            msg.matched_receive_into(&mut grad[..]);
+            params.iter_mut().zip(&grad).for_each(|(p, g)| *p -= lr * g);
+            from.send_with_tag(&[1u8][..], TAG);
+            continue;
+        }
+        let mut what = [0u8; 1];
+        msg.matched_receive_into(&mut what[..]);
+        match what[0] {
+            1 => from.send_with_tag(&params[..], TAG),
+            _ => done += 1,
+        }
+    }
 }
 
 /// Mean over workers of their round time (collective).
@@ -176,7 +231,10 @@ pub fn run(
     )
     .map_err(|e| BenchError::Validation(e.to_string()))?;
     let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
-    let (paths, rounds) = opts.plan();
+    let (mut paths, rounds) = opts.plan();
+    if opts.path == Path::Both {
+        paths.push(Path::MpiSgd);
+    }
     // Whole floats.
     let sizes = osu::sizes(min.max(4), max).into_iter().map(|s| s / 4 * 4);
     let measured = best_of_rounds(
@@ -189,7 +247,8 @@ pub fn run(
         |path, size| {
             let (iters, warmup) = osu::iterations(opts, size, (100, 10), (20, 2), 1 << 20);
             let mine = match path {
-                Path::Mpi => raw(comm, ps, size, iters, warmup),
+                Path::Mpi => raw(comm, ps, size, iters, warmup, false),
+                Path::MpiSgd => raw(comm, ps, size, iters, warmup, true),
                 _ => match opts.transport {
                     PsTransport::P2p => p2p_rounds(comm, &l, size / 4, iters, warmup),
                     PsTransport::Rma => {
@@ -211,8 +270,11 @@ pub fn run(
         PsTransport::Rma => "rma",
     };
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps, transport {how})");
-    Ok(
-        measured
-            .render(|rows| osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows, false)),
-    )
+    let mut out = measured
+        .render(|rows| osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows, false));
+    if paths.len() == 3 {
+        // The protocol's cost alone: mpiflow beside plain MPI doing the same update.
+        out += &measured.ratio(1, 2);
+    }
+    Ok(out)
 }

@@ -306,27 +306,36 @@ pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
     }
 }
 
-/// Waiting without burning a core: the first polls yield the CPU, later ones sleep a little
-/// longer each time, up to `max_sleep`. Busy waiting starves oversubscribed ranks (more
-/// ranks than cores is normal on small machines), so every polling loop uses this.
+/// Waiting without burning a core: polls yield the CPU for the first [`Backoff::SPIN`] of
+/// a wait (and at least 64 polls), later ones sleep a little longer each time, up to
+/// `max_sleep`. Busy waiting starves oversubscribed ranks (more ranks than cores is normal
+/// on small machines), so every polling loop uses this; sleeping at once costs a wait that
+/// ends soon a wake-up (tens of microseconds with the kernel's timer slack), which a
+/// parameter server's round trip of a few megabytes pays twice.
 #[derive(Debug, Clone)]
 pub struct Backoff {
     polls: u32,
     max_sleep: std::time::Duration,
+    since: Option<std::time::Instant>,
 }
 
 impl Backoff {
+    /// How long a wait yields before it sleeps.
+    pub const SPIN: std::time::Duration = std::time::Duration::from_millis(1);
+
     pub fn new(max_sleep: std::time::Duration) -> Backoff {
         Backoff {
             polls: 0,
             max_sleep,
+            since: None,
         }
     }
 
     /// After a poll that found nothing.
     pub fn idle(&mut self) {
         self.polls = self.polls.saturating_add(1);
-        if self.polls < 64 {
+        let since = *self.since.get_or_insert_with(std::time::Instant::now);
+        if self.polls < 64 || since.elapsed() < Self::SPIN {
             std::thread::yield_now();
         } else {
             let us = std::time::Duration::from_micros(u64::from(self.polls));
@@ -337,5 +346,6 @@ impl Backoff {
     /// After a poll that found work.
     pub fn reset(&mut self) {
         self.polls = 0;
+        self.since = None;
     }
 }
