@@ -1,0 +1,105 @@
+/* How fast can a window of small messages arrive in one buffer, in plain MPI?
+ *
+ *   mpicc -O2 -o target/receive_order benches/compare/receive_order.c
+ *   mpirun -np 2 target/receive_order [ROUNDS] [MAX_SIZE]
+ *
+ * osu_bw's default (`-b single`) has the receiver post its whole window of 64 receives
+ * into ONE buffer, then wait for them all: several pending receives writing the same
+ * memory. A tensor API whose receive borrows its tensor exclusively cannot do that; the
+ * nearest it can do with one tensor is to receive the window one message at a time.
+ * This program measures both orders in plain MPI, alternating in the same job, with
+ * osu_bw's sender (a window of MPI_Isend from one buffer, MPI_Waitall, a 1-byte reply):
+ *
+ *   posted      the receiver posts 64 MPI_Irecv into one buffer, then MPI_Waitall (OSU)
+ *   sequential  the receiver calls MPI_Recv 64 times into one buffer
+ *
+ * Per size it prints each order's best bandwidth over the rounds (MB/s, as osu_bw) and
+ * the median over rounds of the in-round ratio sequential/posted: the ceiling of a
+ * one-tensor receive relative to osu_bw, before any cost of the tensor API itself.
+ * Used by benches/results/2026-11-25-osu.md.
+ */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define WINDOW 64
+#define MAX_ROUNDS 64
+
+static int cmp(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* Seconds for `iters` windows of `size` bytes after `warmup` untimed ones. */
+static double run(int me, int sequential, char *sb, char *rb, int size, int iters, int warmup) {
+  MPI_Request req[WINDOW];
+  char ack = 0;
+  double t0 = 0;
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (int i = 0; i < warmup + iters; i++) {
+    if (i == warmup) t0 = MPI_Wtime();
+    if (me == 0) {
+      for (int j = 0; j < WINDOW; j++)
+        MPI_Isend(sb, size, MPI_CHAR, 1, 100, MPI_COMM_WORLD, &req[j]);
+      MPI_Waitall(WINDOW, req, MPI_STATUSES_IGNORE);
+      MPI_Recv(&ack, 1, MPI_CHAR, 1, 101, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    } else if (me == 1) {
+      if (sequential) {
+        for (int j = 0; j < WINDOW; j++)
+          MPI_Recv(rb, size, MPI_CHAR, 0, 100, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      } else {
+        for (int j = 0; j < WINDOW; j++)
+          MPI_Irecv(rb, size, MPI_CHAR, 0, 100, MPI_COMM_WORLD, &req[j]);
+        MPI_Waitall(WINDOW, req, MPI_STATUSES_IGNORE);
+      }
+      MPI_Send(&ack, 1, MPI_CHAR, 0, 101, MPI_COMM_WORLD);
+    }
+  }
+  double t = MPI_Wtime() - t0;
+  MPI_Bcast(&t, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  return t;
+}
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  int me, n;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  int rounds = argc > 1 ? atoi(argv[1]) : 5;
+  int max = argc > 2 ? atoi(argv[2]) : 4096;
+  if (n < 2 || rounds < 1 || rounds > MAX_ROUNDS || max < 1) {
+    if (me == 0) fprintf(stderr, "usage: mpirun -np 2 receive_order [ROUNDS 1-64] [MAX_SIZE]\n");
+    MPI_Finalize();
+    return 2;
+  }
+  char *sb = aligned_alloc(4096, ((size_t)max + 4095) / 4096 * 4096);
+  char *rb = aligned_alloc(4096, ((size_t)max + 4095) / 4096 * 4096);
+  memset(sb, 'a', max);
+  memset(rb, 'b', max);
+  if (me == 0) {
+    printf("# receive order, plain MPI, window %d, best of %d rounds (MB/s)\n", WINDOW, rounds);
+    printf("# %-8s %14s %14s %18s\n", "Size", "posted", "sequential", "seq/posted(median)");
+  }
+  for (int size = 1; size <= max; size *= 2) {
+    /* osu_bw's counts: 100 iterations and 10 warm-up up to 8 KiB, 20 and 2 above. */
+    int iters = size <= 8192 ? 100 : 20, warmup = size <= 8192 ? 10 : 2;
+    double best[2] = {0, 0}, ratio[MAX_ROUNDS];
+    for (int r = 0; r < rounds; r++) {
+      double bw[2];
+      for (int k = 0; k < 2; k++) {
+        int order = (k + r) % 2; /* which order goes first alternates by round */
+        double t = run(me, order, sb, rb, size, iters, warmup);
+        bw[order] = (double)size * iters * WINDOW / t / 1e6;
+        if (bw[order] > best[order]) best[order] = bw[order];
+      }
+      ratio[r] = bw[1] / bw[0];
+    }
+    qsort(ratio, rounds, sizeof ratio[0], cmp);
+    if (me == 0) printf("%-10d %14.2f %14.2f %18.3f\n", size, best[0], best[1], ratio[rounds / 2]);
+  }
+  free(sb);
+  free(rb);
+  MPI_Finalize();
+  return 0;
+}
