@@ -140,13 +140,13 @@ impl<'c, C: Comm> Link<'c, C> {
             let bytes = f32_bytes_mut(into);
             self.comm.recv_blocking(bytes, from, dir.tag())?
         };
-        if done.count != want || done.truncated {
+        if done.count != want || done.truncated() {
             return Err(LinkError::Size {
                 stage: self.comm.rank(),
                 peer: from,
                 what: dir.name(),
                 mb,
-                got: if done.truncated {
+                got: if done.truncated() {
                     format!("more than {want}")
                 } else {
                     done.count.to_string()

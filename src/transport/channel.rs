@@ -44,7 +44,7 @@ impl Channel {
             nbytes: t.nbytes(),
             describe: t.describe(),
         };
-        if got.truncated || theirs[..got.count] != *ours {
+        if got.truncated() || theirs[..got.count] != *ours {
             let theirs = crate::tensor::describe_header(&theirs[..got.count]);
             return Err(ch.tensor_error(
                 c.rank(),
@@ -110,7 +110,7 @@ impl Channel {
     #[cold]
     #[inline(never)]
     fn wrong_length(&self, rank: usize, done: Completion) -> P2pError {
-        let got = if done.truncated {
+        let got = if done.truncated() {
             format!("more than {} bytes", self.nbytes)
         } else {
             format!("{} bytes", done.count)
@@ -183,7 +183,7 @@ impl ExactLength for Channel {
     /// Anything but exactly the channel's bytes is an error naming the channel's tensor.
     #[inline]
     fn check_length(&self, rank: usize, done: Completion) -> Result<(), P2pError> {
-        if done.truncated || done.count != self.nbytes {
+        if done.truncated() || done.count != self.nbytes {
             return Err(self.wrong_length(rank, done));
         }
         Ok(())

@@ -186,11 +186,7 @@ impl Comm for LocalComm {
 
     fn wait(&self, req: LocalRequest) -> Result<Completion, TransportError> {
         let LocalRequest::Recv { buf, len, src, tag } = req else {
-            return Ok(Completion {
-                count: 0,
-                truncated: false,
-                source: self.rank,
-            });
+            return Ok(Completion::new(0, false, self.rank));
         };
         let mb = &self.hub.boxes[self.rank];
         let mut q = mb.queue.lock().expect("mailbox lock");
@@ -204,11 +200,7 @@ impl Comm for LocalComm {
                 // SAFETY: the caller of irecv guarantees buf..buf+len is valid and unaliased
                 // until this wait returns; count <= len.
                 unsafe { std::ptr::copy_nonoverlapping(m.data.as_ptr(), buf, count) };
-                return Ok(Completion {
-                    count,
-                    truncated: m.data.len() > len,
-                    source: m.src,
-                });
+                return Ok(Completion::new(count, m.data.len() > len, m.src));
             }
             let (guard, timeout) = mb
                 .arrived
@@ -250,11 +242,7 @@ impl Comm for LocalComm {
 
     fn test(&self, req: &mut LocalRequest) -> Result<Option<Completion>, TransportError> {
         match req {
-            LocalRequest::Sent => Ok(Some(Completion {
-                count: 0,
-                truncated: false,
-                source: self.rank,
-            })),
+            LocalRequest::Sent => Ok(Some(Completion::new(0, false, self.rank))),
             LocalRequest::Recv { src, tag, .. } => {
                 let ready = self.hub.boxes[self.rank]
                     .queue
@@ -379,7 +367,7 @@ mod tests {
                 let n = recv(&c, &mut b, 0, 7).unwrap().count;
                 let second = String::from_utf8_lossy(&b[..n]).into_owned();
                 let t = recv(&c, &mut b[..4], ANY_SOURCE, 9).unwrap();
-                assert!(t.truncated && t.count == 4 && t.source == 0);
+                assert!(t.truncated() && t.count == 4 && t.source == 0);
                 format!("{first},{second}")
             }
         });

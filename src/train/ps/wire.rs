@@ -200,7 +200,7 @@ pub fn receive_all_within<C: Comm>(
             }
             match c.test(r) {
                 Ok(Some(done)) => {
-                    if done.truncated || done.count != *want {
+                    if done.truncated() || done.count != *want {
                         wrong = wrong.or(Some(Received::Length {
                             from: *from,
                             want: *want,

@@ -68,11 +68,7 @@ impl MpiComm {
         } else {
             (count as usize).min(len)
         };
-        Completion {
-            count,
-            truncated,
-            source: status.MPI_SOURCE.max(0) as usize,
-        }
+        Completion::new(count, truncated, status.MPI_SOURCE.max(0) as usize)
     }
 
     #[inline]

@@ -187,7 +187,7 @@ impl<'a, C: Comm> Receives<'a, C> {
         for (check, &done) in self.checks.drain(..).zip(&self.done) {
             let r = match check {
                 Check::Link(t, arrival) => links.settle(self.comm, arrival, t, done),
-                Check::Exact { len, .. } if !done.truncated && done.count == len => continue,
+                Check::Exact { len, .. } if !done.truncated() && done.count == len => continue,
                 Check::Exact { by, .. } => by.check_length(rank, done),
             };
             if r.is_err() && first.is_ok() {

@@ -145,7 +145,7 @@ impl Links {
         t: &mut Tensor,
         done: Completion,
     ) -> Result<(), P2pError> {
-        if arrival.landing == Landing::Payload && !done.truncated && done.count == t.nbytes() {
+        if arrival.landing == Landing::Payload && !done.truncated() && done.count == t.nbytes() {
             return Ok(());
         }
         self.settle_whole(c.rank(), arrival, t, done)
@@ -175,7 +175,7 @@ impl Links {
             peer: src,
             source,
         };
-        if let Some(last) = before.filter(|l| !done.truncated && done.count == l.nbytes) {
+        if let Some(last) = before.filter(|l| !done.truncated() && done.count == l.nbytes) {
             // The payload alone of the link's previous tensor: the sender still sends that.
             t.restore_header();
             let theirs = describe_header(&last.header);
@@ -185,7 +185,7 @@ impl Links {
                 theirs,
             }));
         }
-        t.check_arrival(landing, done.count, done.truncated)
+        t.check_arrival(landing, done.count, done.truncated())
             .map_err(|u| {
                 match u.header.and_then(Last::from_header) {
                     Some(theirs) => drop(self.received.set(key, theirs)),
