@@ -1,7 +1,7 @@
 /* How fast can a window of small messages arrive in one buffer, in plain MPI?
  *
  *   mpicc -O2 -o target/receive_order benches/compare/receive_order.c
- *   mpirun -np 2 target/receive_order [ROUNDS] [MAX_SIZE]
+ *   mpirun -np 2 target/receive_order [bw|bibw] [ROUNDS] [MAX_SIZE]
  *
  * osu_bw's default (`-b single`) has the receiver post its whole window of 64 receives
  * into ONE buffer, then wait for them all: several pending receives writing the same
@@ -12,6 +12,10 @@
  *
  *   posted      the receiver posts 64 MPI_Irecv into one buffer, then MPI_Waitall (OSU)
  *   sequential  the receiver calls MPI_Recv 64 times into one buffer
+ *
+ * With `bibw`, both ranks send and receive a window as osu_bibw does (posted: receives
+ * into one buffer, then sends, MPI_Waitall on each; sequential: the sends in flight,
+ * then MPI_Recv 64 times, then MPI_Waitall on the sends), both directions counted.
  *
  * Per size it prints each order's best bandwidth over the rounds (MB/s, as osu_bw) and
  * the median over rounds of the in-round ratio sequential/posted: the ceiling of a
@@ -32,14 +36,27 @@ static int cmp(const void *a, const void *b) {
 }
 
 /* Seconds for `iters` windows of `size` bytes after `warmup` untimed ones. */
-static double run(int me, int sequential, char *sb, char *rb, int size, int iters, int warmup) {
-  MPI_Request req[WINDOW];
+static double run(int me, int bibw, int sequential, char *sb, char *rb, int size, int iters,
+                  int warmup) {
+  MPI_Request req[WINDOW], sreq[WINDOW];
   char ack = 0;
   double t0 = 0;
   MPI_Barrier(MPI_COMM_WORLD);
   for (int i = 0; i < warmup + iters; i++) {
     if (i == warmup) t0 = MPI_Wtime();
-    if (me == 0) {
+    if (bibw && me < 2) {
+      int peer = 1 - me;
+      if (!sequential)
+        for (int j = 0; j < WINDOW; j++)
+          MPI_Irecv(rb, size, MPI_CHAR, peer, 100, MPI_COMM_WORLD, &req[j]);
+      for (int j = 0; j < WINDOW; j++)
+        MPI_Isend(sb, size, MPI_CHAR, peer, 100, MPI_COMM_WORLD, &sreq[j]);
+      if (sequential)
+        for (int j = 0; j < WINDOW; j++)
+          MPI_Recv(rb, size, MPI_CHAR, peer, 100, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      MPI_Waitall(WINDOW, sreq, MPI_STATUSES_IGNORE);
+      if (!sequential) MPI_Waitall(WINDOW, req, MPI_STATUSES_IGNORE);
+    } else if (me == 0) {
       for (int j = 0; j < WINDOW; j++)
         MPI_Isend(sb, size, MPI_CHAR, 1, 100, MPI_COMM_WORLD, &req[j]);
       MPI_Waitall(WINDOW, req, MPI_STATUSES_IGNORE);
@@ -66,10 +83,13 @@ int main(int argc, char **argv) {
   int me, n;
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  int rounds = argc > 1 ? atoi(argv[1]) : 5;
-  int max = argc > 2 ? atoi(argv[2]) : 4096;
-  if (n < 2 || rounds < 1 || rounds > MAX_ROUNDS || max < 1) {
-    if (me == 0) fprintf(stderr, "usage: mpirun -np 2 receive_order [ROUNDS 1-64] [MAX_SIZE]\n");
+  int bibw = argc > 1 && strcmp(argv[1], "bibw") == 0;
+  int rounds = argc > 2 ? atoi(argv[2]) : 5;
+  int max = argc > 3 ? atoi(argv[3]) : 4096;
+  if (n < 2 || rounds < 1 || rounds > MAX_ROUNDS || max < 1 ||
+      (argc > 1 && !bibw && strcmp(argv[1], "bw") != 0)) {
+    if (me == 0)
+      fprintf(stderr, "usage: mpirun -np 2 receive_order [bw|bibw] [ROUNDS 1-64] [MAX_SIZE]\n");
     MPI_Finalize();
     return 2;
   }
@@ -78,7 +98,8 @@ int main(int argc, char **argv) {
   memset(sb, 'a', max);
   memset(rb, 'b', max);
   if (me == 0) {
-    printf("# receive order, plain MPI, window %d, best of %d rounds (MB/s)\n", WINDOW, rounds);
+    printf("# receive order, plain MPI, %s, window %d, best of %d rounds (MB/s)\n",
+           bibw ? "bibw" : "bw", WINDOW, rounds);
     printf("# %-8s %14s %14s %18s\n", "Size", "posted", "sequential", "seq/posted(median)");
   }
   for (int size = 1; size <= max; size *= 2) {
@@ -89,8 +110,8 @@ int main(int argc, char **argv) {
       double bw[2];
       for (int k = 0; k < 2; k++) {
         int order = (k + r) % 2; /* which order goes first alternates by round */
-        double t = run(me, order, sb, rb, size, iters, warmup);
-        bw[order] = (double)size * iters * WINDOW / t / 1e6;
+        double t = run(me, bibw, order, sb, rb, size, iters, warmup);
+        bw[order] = (double)size * iters * WINDOW * (bibw ? 2 : 1) / t / 1e6;
         if (bw[order] > best[order]) best[order] = bw[order];
       }
       ratio[r] = bw[1] / bw[0];
