@@ -214,7 +214,7 @@ fn ranks_started_with_different_flags_stop_the_job() {
         "-np", "2", m, "spec", "--ps", "1", ":", "-np", "1", m, "spec", "--ps", "0",
     ]);
     run.assert_one_line_error(
-        "rank 2 was started with --ps=0 but rank 0 with --ps=1: all ranks must get the same mapping flags",
+        "rank 2 was started with --ps=0 but rank 0 with --ps=1: all ranks must get the same flags",
     );
     let run = mpirun(&[
         "-np",
@@ -235,8 +235,30 @@ fn ranks_started_with_different_flags_stop_the_job() {
     let cmd = format!("-np 2 {m} spec --stages 2 : -np 2 {m} spec --stages 4");
     let run = mpirun(&cmd.split(' ').collect::<Vec<_>>());
     run.assert_one_line_error(
-        "rank 2 was started with --stages=4 but rank 0 with --stages=2: all ranks must get the same mapping flags",
+        "rank 2 was started with --stages=4 but rank 0 with --stages=2: all ranks must get the same flags",
     );
+    // Training's own flags too, before any mode joins a collective of its own; flags of
+    // one rank's own (--verbose) may differ.
+    let cmd = format!(
+        "-np 2 {m} train --mode allreduce --ps 1 --steps 20 : -np 1 {m} train --mode ps --ps 1 --steps 20"
+    );
+    let run = mpirun(&cmd.split(' ').collect::<Vec<_>>());
+    run.assert_one_line_error(
+        "rank 2 was started with --mode=ps but rank 0 with --mode=allreduce: all ranks must get the same flags",
+    );
+    let cmd = format!(
+        "-np 1 {m} train --mode allreduce --steps 20 --lr 0.01 : -np 1 {m} train --mode allreduce --steps 20"
+    );
+    let run = mpirun(&cmd.split(' ').collect::<Vec<_>>());
+    run.assert_one_line_error(
+        "rank 1 was started with --lr=0.003 but rank 0 with --lr=0.01: all ranks must get the same flags",
+    );
+    let cmd = format!(
+        "-np 1 {m} train --mode allreduce --steps 20 --verbose : -np 1 {m} train --mode allreduce --steps 20"
+    );
+    let run = mpirun(&cmd.split(' ').collect::<Vec<_>>());
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("at global step 20"), "{run:?}");
 }
 
 #[test]

@@ -95,6 +95,9 @@ pub struct Request {
     pub legacy_flags: Vec<String>,
     /// `rpc_layer` for the TF_CONFIG of clusters mpiflow builds (e.g. `grpc`).
     pub rpc_layer: Option<String>,
+    /// The command's own flags that every rank must be given alike, as `(flag, value)`
+    /// (`mpiflow train`'s mode, model, steps...): compared with the mapping flags.
+    pub agreed: Vec<(String, String)>,
 }
 
 impl Request {
@@ -119,7 +122,8 @@ impl Request {
         }
     }
 
-    /// The flags that decide the mapping, in a canonical order, so ranks can compare them.
+    /// The flags that decide the mapping, then the command's own [`Request::agreed`], in a
+    /// canonical order, so ranks can compare them.
     pub fn canonical_args(&self) -> Vec<(String, String)> {
         let m = &self.mapping;
         vec![
@@ -140,6 +144,9 @@ impl Request {
                 self.rpc_layer.clone().unwrap_or_default(),
             ),
         ]
+        .into_iter()
+        .chain(self.agreed.iter().cloned())
+        .collect()
     }
 }
 
@@ -148,7 +155,7 @@ impl Request {
 pub enum ResolveError {
     #[error("{0}")]
     Rank(#[from] RankError),
-    #[error("rank {rank} was started with {theirs} but rank 0 with {ours}: all ranks must get the same mapping flags")]
+    #[error("rank {rank} was started with {theirs} but rank 0 with {ours}: all ranks must get the same flags")]
     ArgsDiffer {
         rank: usize,
         theirs: String,

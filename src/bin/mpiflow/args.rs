@@ -411,6 +411,7 @@ impl ClusterArgs {
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             legacy_flags,
             rpc_layer: self.rpc_layer.clone(),
+            agreed: Vec::new(),
         }
     }
 }

@@ -172,4 +172,64 @@ impl TrainArgs {
             towers: self.towers,
         }
     }
+
+    /// The flags every rank must be given alike, as `(flag, value)`: all that decides what
+    /// a rank computes or which collectives it joins. Compared across ranks with the
+    /// mapping flags before anything else, so ranks started differently (an MPMD launch, a
+    /// wrapper script) stop with one line naming the first differing flag instead of
+    /// joining different collectives. Flags of one rank's own (`--verbose`, `--progress`,
+    /// `--metrics`, written by the chief alone, `--bind`, `--blas-threads`) may differ.
+    pub(crate) fn agreed(&self) -> Vec<(String, String)> {
+        fn cli<T: clap::ValueEnum>(v: &T) -> String {
+            v.to_possible_value()
+                .map_or_else(String::new, |p| p.get_name().to_string())
+        }
+        fn named<T: mpiflow::named::Named>(v: T) -> String {
+            v.name().to_string()
+        }
+        fn opt<T: ToString>(v: &Option<T>) -> String {
+            v.as_ref()
+                .map_or_else(|| "none".into(), ToString::to_string)
+        }
+        let path = |p: &Option<PathBuf>| opt(&p.as_ref().map(|p| p.display().to_string()));
+        let hidden: Vec<String> = self.hidden.iter().map(ToString::to_string).collect();
+        [
+            ("--mode", cli(&self.mode)),
+            ("--model", cli(&self.model)),
+            ("--sync", self.sync.to_string()),
+            ("--async", self.async_.to_string()),
+            ("--transport", named(self.transport)),
+            ("--replicas-to-aggregate", opt(&self.replicas_to_aggregate)),
+            ("--var-placement", named(self.var_placement)),
+            ("--partition-bytes", self.partition_bytes.to_string()),
+            ("--checkpoint-dir", path(&self.checkpoint_dir)),
+            ("--checkpoint-every", self.checkpoint_every.to_string()),
+            ("--peer-timeout", self.peer_timeout.to_string()),
+            ("--overlap", self.overlap.to_string()),
+            ("--fusion-threshold", self.fusion_threshold.to_string()),
+            ("--allreduce-algorithm", named(self.allreduce_algorithm)),
+            ("--micro-batches", self.micro_batches.to_string()),
+            ("--schedule", named(self.schedule)),
+            ("--balance", named(self.balance)),
+            ("--towers", self.towers.to_string()),
+            ("--max-param-bytes", opt(&self.max_param_bytes)),
+            ("--perturb-rank", opt(&self.perturb_rank)),
+            ("--check-every", self.check_every.to_string()),
+            ("--save-params", path(&self.save_params)),
+            ("--data", self.data.clone()),
+            ("--hidden", hidden.join(",")),
+            ("--batch", self.batch.to_string()),
+            ("--steps", self.steps.to_string()),
+            ("--optimizer", named(self.optimizer)),
+            ("--lr", self.lr.to_string()),
+            ("--lr-decay", cli(&self.lr_decay)),
+            ("--seed", self.seed.to_string()),
+            ("--log-every", self.log_every.to_string()),
+            ("--timeline", path(&self.timeline)),
+            ("--stall-warning", self.stall_warning.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
 }

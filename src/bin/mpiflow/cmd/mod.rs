@@ -12,7 +12,7 @@ pub(crate) mod train;
 
 use std::collections::BTreeMap;
 
-use mpiflow::cluster::resolve::{resolve_mpi, resolve_offline};
+use mpiflow::cluster::resolve::{resolve_mpi, resolve_offline, Request};
 use mpiflow::cluster::{Resolved, Source};
 use mpiflow::transport::Context;
 
@@ -24,17 +24,22 @@ pub(crate) fn resolve(
     args: &ClusterArgs,
     env: &BTreeMap<String, String>,
 ) -> Result<(Resolved, Option<Context>), Failure> {
-    resolve_with(args, env, false).map(|(r, c, _)| (r, c))
+    resolve_with(args, Vec::new(), env, false).map(|(r, c, _)| (r, c))
 }
 
-/// As [`resolve`]; with `threaded`, MPI is asked for `MPI_THREAD_MULTIPLE` and the last
-/// value says whether it was granted.
+/// As [`resolve`], with the command's own flags that every rank must be given alike
+/// (`agreed`, compared with the mapping flags); with `threaded`, MPI is asked for
+/// `MPI_THREAD_MULTIPLE` and the last value says whether it was granted.
 pub(crate) fn resolve_with(
     args: &ClusterArgs,
+    agreed: Vec<(String, String)>,
     env: &BTreeMap<String, String>,
     threaded: bool,
 ) -> Result<(Resolved, Option<Context>, bool), Failure> {
-    let req = args.request();
+    let req = Request {
+        agreed,
+        ..args.request()
+    };
     match req.pick_source(env) {
         Source::Mpi => {
             let (ctx, multiple) = init(threaded)?;

@@ -206,7 +206,8 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         _ => None,
     };
     let watching = args.stall_warning > 0 && refused.is_none();
-    let (resolved, ctx, multiple) = resolve_with(&args.cluster, env, overlap || watching)?;
+    let (resolved, ctx, multiple) =
+        resolve_with(&args.cluster, args.agreed(), env, overlap || watching)?;
     let Some(ctx) = ctx else {
         return Err(Failure::local(
             "distributed training runs under mpirun (or srun --mpi=pmix)",
