@@ -107,18 +107,27 @@ fn run(args: &[String]) -> Result<Ended, String> {
     Ok(Ended::Done)
 }
 
+/// One line on stderr in one write: `eprintln!` writes its pieces one by one, and mpirun,
+/// forwarding several processes' stderr, may put its own text between them.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("{line}\n").as_bytes());
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
         Ok(Ended::Done) => ExitCode::SUCCESS,
         Ok(Ended::Stopped(line)) => {
             if let Some(line) = line {
-                eprintln!("trainer: {line}");
+                say(&format!("trainer: {line}"));
             }
             ExitCode::from(mpiflow::train::Stopped::EXIT_STATUS)
         }
         Err(e) => {
-            eprintln!("trainer: {e}");
+            say(&format!("trainer: {e}"));
             ExitCode::FAILURE
         }
     }
