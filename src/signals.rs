@@ -72,6 +72,12 @@ pub fn stop_requested() -> Option<libc::c_int> {
     (asked != 0).then(|| asked.trailing_zeros() as libc::c_int)
 }
 
+/// [`stop_requested`] for a job that stops on signals (`watch`, a config's
+/// `stop_on_signal`), else nothing.
+pub fn stop_requested_if(watch: bool) -> Option<libc::c_int> {
+    watch.then(stop_requested).flatten()
+}
+
 /// The usual name of a signal number.
 pub fn name(s: i32) -> String {
     let known = [

@@ -362,11 +362,7 @@ pub fn run<C: Comm>(
         let first_step = step;
         let mut steps = || -> Result<Option<i32>, PipelineError> {
             while step < cfg.train.steps {
-                let signal = cfg
-                    .train
-                    .stop_on_signal
-                    .then(crate::signals::stop_requested)
-                    .flatten();
+                let signal = crate::signals::stop_requested_if(cfg.train.stop_on_signal);
                 let t = Instant::now();
                 link.step = step;
                 // A signal to a ps task reaches the stage tasks in its pull replies.

@@ -262,11 +262,7 @@ pub fn train_local<'m>(
     let mut loss = f32::NAN;
     let mut last_saved = first;
     for step in first..cfg.steps {
-        if let Some(signal) = cfg
-            .stop_on_signal
-            .then(crate::signals::stop_requested)
-            .flatten()
-        {
+        if let Some(signal) = crate::signals::stop_requested_if(cfg.stop_on_signal) {
             let mut checkpoint = None;
             if let Some(dir) = &cfg.checkpoint_dir {
                 checkpoint = Some(checkpoint::path_of(dir, step));

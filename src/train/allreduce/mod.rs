@@ -189,11 +189,7 @@ pub fn run<C: Comm + Send>(
             let (x, y) = train.rows(mine);
             // Sum of (mean gradient x samples) over replicas, over the global batch: exact.
             let first = step == state.step;
-            verdict.signal = cfg
-                .train
-                .stop_on_signal
-                .then(crate::signals::stop_requested)
-                .flatten();
+            verdict.signal = crate::signals::stop_requested_if(cfg.train.stop_on_signal);
             let t = Instant::now();
             verdict.step = step;
             let (secs, stats) = reducer.step(

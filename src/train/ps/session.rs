@@ -326,11 +326,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 source,
             }
         })?;
-        let noted = self
-            .opts
-            .stop_on_signal
-            .then(crate::signals::stop_requested)
-            .flatten();
+        let noted = crate::signals::stop_requested_if(self.opts.stop_on_signal);
         let step = self.step;
         let t = self
             .clock

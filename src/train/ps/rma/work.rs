@@ -179,11 +179,8 @@ impl Rma<'_> {
                 }
                 Ok(())
             })??;
-            let noted = cfg
-                .train
-                .stop_on_signal
-                .then(crate::signals::stop_requested);
-            if let (Some(signal), false) = (noted.flatten(), asked) {
+            let noted = crate::signals::stop_requested_if(cfg.train.stop_on_signal);
+            if let (Some(signal), false) = (noted, asked) {
                 // Before this push counts: every ps reads it once the step is in.
                 asked = true;
                 if cfg.sync {
