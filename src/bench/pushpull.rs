@@ -5,7 +5,10 @@
 //!   loop that does nothing else: the transfer ceiling;
 //! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps)
 //!   with `--transport p2p`; with `--transport rma`, one-sided accumulate and get on the
-//!   ps tasks' windows ([`crate::train::ps::rma::bench_pushpull`]).
+//!   ps tasks' windows ([`crate::train::ps::rma::bench_pushpull`]);
+//! - `mpi-sgd`: the `mpi` pattern whose ps receives each push into a gradient buffer and
+//!   applies `params -= lr * grad` before the ack, answering pulls from `params`: what any
+//!   ps that updates costs (the `mpiflow/mpi-sgd` ratio line is the protocol's own cost).
 //!
 //! Bandwidth is the bytes all workers move per second: `W x 2S / mean round time`.
 
