@@ -243,7 +243,8 @@ proptest! {
     fn ps_messages_round_trip(lens in proptest::collection::vec(0usize..1 << 20, 0..6), step in any::<u64>(), samples in 0usize..1024, name in "[a-z/]{1,8}", stop in proptest::option::of(1i32..64), compute in proptest::option::of(0.0f64..1e9)) {
         let vars: Vec<(String, usize)> = lens.iter().map(|l| (name.clone(), *l)).collect();
         let times = compute.map(|c| mpiflow::observe::phases::Times { compute: c, comm: c / 3.0, wait: 0.0, other: 1e-9, steps: step });
-        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop, times };
+        let pull = stop.map(|s| protocol::Then { step: s as u64, report: step % 2 == 0 });
+        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop, times, pull };
         let back = protocol::decode::<Request>(&protocol::encode(&req)).unwrap();
         prop_assert_eq!(&back, &req);
         // The payload the header declares: its parts, in pieces that cover each once.

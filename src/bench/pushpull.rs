@@ -4,7 +4,8 @@
 //!   1-byte ack back; pull: a 1-byte request, S/P bytes back), served by a matched-probe
 //!   loop that does nothing else: the transfer ceiling;
 //! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps)
-//!   with `--transport p2p`; with `--transport rma`, one-sided accumulate and get on the
+//!   with `--transport p2p`, as training drives it: each push and the pull after it in one
+//!   request where that is safe ([`crate::train::ps::worker::Client::push_pull`]); with `--transport rma`, one-sided accumulate and get on the
 //!   ps tasks' windows ([`crate::train::ps::rma::bench_pushpull`]);
 //! - `mpi-sgd`: the `mpi` pattern whose ps receives each push into a gradient buffer and
 //!   applies `params -= lr * grad` before the ack, answering pulls from `params`: what any
@@ -29,7 +30,7 @@ use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 const TAG: i32 = 7;
 
 /// The mpiflow path over messages: ps ranks serve, workers run `warmup +
-/// rounds` rounds of one push and one pull of `floats` floats, sliced evenly over the ps
+/// rounds` rounds of one push and the pull after it of `floats` floats, sliced evenly over the ps
 /// tasks, through the real protocol (async, SGD). Workers return the mean seconds of a
 /// timed round; ps ranks return `None`.
 fn p2p_rounds<C: Comm>(
@@ -76,8 +77,17 @@ fn p2p_rounds<C: Comm>(
         if i == warmup {
             start = Instant::now();
         }
-        client.push(0, 1, 0.0, &mut grads, Default::default())?;
-        client.pull(0, false, &mut params)?;
+        let push = ps::worker::Gradients {
+            step: 0,
+            samples: 1,
+            loss: 0.0,
+            note: Default::default(),
+        };
+        let then = ps::protocol::Then {
+            step: 0,
+            report: false,
+        };
+        client.push_pull(push, &mut grads, then, &mut params)?;
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
     client.done(None)?;

@@ -172,6 +172,26 @@ pub fn crowding(seats: &[Seat]) -> Option<Crowding> {
     })
 }
 
+/// Whether every rank of `rank`'s machine can have a CPU of its own: no more ranks than
+/// the CPUs they may run on together (their affinity masks, which a cgroup narrows too;
+/// a rank that could not read its mask counts as free to run on every CPU online).
+pub fn cpu_each(seats: &[Seat], rank: usize) -> bool {
+    let Some(key) = seats.get(rank).map(Seat::machine_key) else {
+        return false;
+    };
+    let here: Vec<&Seat> = seats.iter().filter(|s| s.machine_key() == key).collect();
+    let mut cpus: Vec<usize> = Vec::new();
+    for s in &here {
+        match s.cpus.is_empty() {
+            true => cpus.extend(0..s.online),
+            false => cpus.extend(&s.cpus),
+        }
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    here.len() <= cpus.len()
+}
+
 /// For each rank of `seats`: its index among the ranks of its machine (in rank order) and
 /// how many ranks that machine has; what a pinning plan needs.
 pub fn machine_locals(seats: &[Seat]) -> Vec<(usize, usize)> {
@@ -241,6 +261,29 @@ mod tests {
         // No boot id: the host name stands for the machine, so nothing is shared.
         let unknown = [seat("", "h1", &[0]), seat("", "h2", &[0])];
         assert_eq!(clash(&unknown), None);
+    }
+
+    #[test]
+    fn ranks_spin_only_where_each_has_a_cpu() {
+        // 4 CPUs online: four unbound ranks fit, a fifth does not (on that machine only).
+        let mut seats: Vec<Seat> = (0..4).map(|_| seat("m", "h1", &[0, 1, 2, 3])).collect();
+        assert!((0..4).all(|r| cpu_each(&seats, r)));
+        seats.push(seat("m", "h2", &[]));
+        seats.push(seat("n", "n1", &[0]));
+        assert!(!cpu_each(&seats, 0) && !cpu_each(&seats, 4));
+        assert!(cpu_each(&seats, 5));
+        // A cpuset of 2 CPUs for 3 ranks, whatever the machine has online.
+        let narrowed = [
+            seat("m", "h1", &[2, 3]),
+            seat("m", "h1", &[2, 3]),
+            seat("m", "h1", &[3]),
+        ];
+        assert!(!cpu_each(&narrowed, 1));
+        assert!(cpu_each(&narrowed[..2], 0));
+        // Bound to one core each: one rank per core.
+        let bound = [seat("m", "h1", &[0]), seat("m", "h1", &[1])];
+        assert!(cpu_each(&bound, 0));
+        assert!(!cpu_each(&bound, 2));
     }
 
     #[test]

@@ -327,20 +327,44 @@ pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
     }
 }
 
-/// Waiting without burning a core: polls yield the CPU for the first [`Backoff::SPIN`] of
-/// a wait (and at least 64 polls), later ones sleep a little longer each time, up to
-/// `max_sleep`. Busy waiting starves oversubscribed ranks (more ranks than cores is normal
-/// on small machines), so every polling loop uses this; sleeping at once costs a wait that
-/// ends soon a wake-up (tens of microseconds with the kernel's timer slack), which a
-/// parameter server's round trip of a few megabytes pays twice.
+/// Waits may spin before they yield: set at start when every rank of this machine has a CPU
+/// of its own and MPI itself spins ([`spin_while_waiting`]). Off until then: threads of one
+/// process (`LocalComm`) and oversubscribed jobs yield from the first poll.
+static SPIN_FIRST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets every [`Backoff`] of this process spin for its first [`Backoff::BUSY`] (`true`: no
+/// rank of this machine waits for a CPU that a spinning rank holds), or not.
+pub fn spin_while_waiting(on: bool) {
+    SPIN_FIRST.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether waits spin first (see [`spin_while_waiting`]).
+pub fn spins_while_waiting() -> bool {
+    SPIN_FIRST.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Waiting without burning a core for long: where every rank has a CPU of its own
+/// ([`spin_while_waiting`]), polls spin for the first [`Backoff::BUSY`] of a wait, as MPI's
+/// own waits do; then they yield the CPU until [`Backoff::SPIN`] (and for at least 64
+/// polls); later ones sleep a little longer each time, up to `max_sleep`. A yield is a
+/// system call (about a microsecond here) in which the awaited message can arrive: a
+/// parameter server's round trip of a small model paid it on each of its four waits. Busy
+/// waiting starves oversubscribed ranks (more ranks than cores is normal on small
+/// machines), so they never spin; sleeping at once costs a wait that ends soon a wake-up
+/// (tens of microseconds with the kernel's timer slack), which a parameter server's round
+/// trip of a few megabytes pays twice.
 #[derive(Debug, Clone)]
 pub struct Backoff {
+    /// Polls since the wait stopped spinning.
     polls: u32,
     max_sleep: std::time::Duration,
     since: Option<std::time::Instant>,
+    spin: bool,
 }
 
 impl Backoff {
+    /// How long a wait spins before it yields, where it may spin.
+    pub const BUSY: std::time::Duration = std::time::Duration::from_micros(100);
     /// How long a wait yields before it sleeps.
     pub const SPIN: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -349,14 +373,20 @@ impl Backoff {
             polls: 0,
             max_sleep,
             since: None,
+            spin: spins_while_waiting(),
         }
     }
 
     /// After a poll that found nothing.
     pub fn idle(&mut self) {
-        self.polls = self.polls.saturating_add(1);
         let since = *self.since.get_or_insert_with(std::time::Instant::now);
-        if self.polls < 64 || since.elapsed() < Self::SPIN {
+        let waited = since.elapsed();
+        if self.spin && waited < Self::BUSY {
+            std::hint::spin_loop();
+            return;
+        }
+        self.polls = self.polls.saturating_add(1);
+        if self.polls < 64 || waited < Self::SPIN {
             std::thread::yield_now();
         } else {
             let us = std::time::Duration::from_micros(u64::from(self.polls));

@@ -76,7 +76,9 @@ impl Context {
 
     /// Learns which ranks share a machine, unbinds ranks that launchers of different hosts
     /// of one machine bound to the same CPUs, and makes MPI yield while waiting where such
-    /// hosts together oversubscribe their machine ([`crate::topology::colocated`]).
+    /// hosts together oversubscribe their machine ([`crate::topology::colocated`]); mpiflow's
+    /// own waits spin before they yield where MPI's spin and every rank of the machine has a
+    /// CPU of its own ([`super::comm::spin_while_waiting`]).
     /// Collective; every rank ends with the same verdicts.
     fn seat(&mut self) {
         use crate::topology::colocated::{self, Seat};
@@ -128,6 +130,8 @@ impl Context {
                 });
             }
         }
+        let own_cpu = colocated::cpu_each(&seats, self.rank());
+        super::comm::spin_while_waiting(own_cpu && !super::mpi::idle::yields());
     }
 
     /// This rank's host name: `MPIFLOW_HOST`, a test-only setting for fake nodes that

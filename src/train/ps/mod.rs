@@ -351,9 +351,10 @@ mod tests {
     }
 
     /// Payloads above the inline size travel as pieces (a variable of more than one piece
-    /// too), sync and async, with a backup worker whose late pushes are taken and dropped:
-    /// the parameters still equal local training's (async: one worker, the same updates in
-    /// the same order).
+    /// too), sync and async, with a backup worker whose late pushes are taken and dropped,
+    /// each push with its pull in one request (one ps) or apart (two): the parameters
+    /// still equal local training's (async: one worker, the same updates in the same
+    /// order).
     #[test]
     fn large_variables_travel_as_pieces_and_training_still_equals_local() {
         let data = Dataset::load("digits", 0).unwrap();
@@ -364,7 +365,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("mpiflow-ps-big-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("params.bin");
-        for (n, sync, backup) in [(2, false, false), (4, true, false), (4, true, true)] {
+        let cases = [
+            (2, false, false),
+            (3, true, false),
+            (3, true, true),
+            (4, true, false),
+            (4, true, true),
+        ];
+        for (n, sync, backup) in cases {
             let mut c = cfg(steps, sync);
             if backup {
                 // Two workers, one aggregated per step: the other's push is stale.
@@ -417,6 +425,7 @@ mod tests {
                         vars,
                         stop: None,
                         times: None,
+                        pull: None,
                     };
                     // A small payload rides in the header's message.
                     let m = protocol::encode_with(&push, &[&vec![0.0; n]]);

@@ -79,6 +79,12 @@ pub enum Request {
         /// on to the chief).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         times: Option<Times>,
+        /// The pull that follows this push, in the same request: the ps answers it (a
+        /// `Params` reply, parked like a [`Request::Pull`]'s) instead of `Ok` or `Stale`:
+        /// one round trip per step. See [`super::worker::Client::push_pull`] for when a
+        /// worker asks.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pull: Option<Then>,
     },
     /// The chief: write this ps's shard into checkpoint staging directory `dir`.
     Save { dir: PathBuf },
@@ -90,6 +96,15 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stop: Option<i32>,
     },
+}
+
+/// The pull a push asks for ([`Request::Push`]'s `pull`): as [`Request::Pull`]'s fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Then {
+    /// The parameters once the global step is at least this.
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub report: bool,
 }
 
 /// A ps's reply.
@@ -276,12 +291,16 @@ mod tests {
             vars: vec![("layer0/w@0".into(), 3)],
             stop: None,
             times: None,
+            pull: None,
         };
         assert_eq!(decode::<Request>(&encode(&r)), Some(r.clone()));
         // No stop, no times: the fields are left out, and a header without them reads
         // as none.
         let text = String::from_utf8_lossy(&encode(&r)).to_string();
-        assert!(!text.contains("stop") && !text.contains("times"), "{text}");
+        assert!(
+            !text.contains("stop") && !text.contains("times") && !text.contains("pull"),
+            "{text}"
+        );
         let timed = Request::Push {
             step: 7,
             samples: 21,
@@ -292,6 +311,10 @@ mod tests {
                 compute: 0.5,
                 steps: 3,
                 ..Times::default()
+            }),
+            pull: Some(Then {
+                step: 8,
+                report: true,
             }),
         };
         assert_eq!(decode::<Request>(&encode(&timed)), Some(timed));

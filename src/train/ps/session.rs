@@ -31,9 +31,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::placement::DeviceSetter;
-use super::protocol::{Setup, SyncReplicas};
+use super::protocol::{Setup, SyncReplicas, Then};
 use super::roles::Roles;
-use super::worker::{Client, PushNote};
+use super::worker::{Client, Gradients, PushNote};
 use super::{shards, PsError};
 use crate::model::{Model, Replica};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
@@ -356,32 +356,31 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         }
         let note = PushNote { stop: noted, times };
         let (bytes, peers) = self.moved();
-        let wait = self.client.waiting("push", self.step, bytes);
-        self.client
-            .push(self.step, y.len(), loss, &mut self.grads, note)?;
-        drop(wait);
-        let t = self
-            .clock
-            .since_as(Phase::Comm, t, "push", Detail::moved(step, bytes, &peers));
-        let want = if self.opts.sync.is_some() {
-            self.step + 1
-        } else {
-            0
+        // Sync: the pull asks for the update of this step (the ps gathers every worker's
+        // push of it).
+        let then = Then {
+            step: self.opts.sync.map_or(0, |_| self.step + 1),
+            report: report && self.chief,
         };
-        let ask = report && self.chief;
-        // Sync: the update of this step (the ps gathers every worker's push of it).
-        let wait = self.client.waiting("pull", self.step, bytes);
-        let pulled = self.client.pull(want, ask, &mut self.replica.params)?;
+        let push = Gradients {
+            step: self.step,
+            samples: y.len(),
+            loss,
+            note,
+        };
+        let wait = self.client.waiting("push and pull", self.step, bytes);
+        let (pulled, sent) =
+            self.client
+                .push_pull(push, &mut self.grads, then, &mut self.replica.params)?;
         drop(wait);
+        // The push until its gradients are sent; the pull from there.
+        let moved = Detail::moved(step, bytes, &peers);
+        timeline::span("push", "comm", t, sent, moved.clone());
+        self.clock.charge(Phase::Comm, sent - t);
+        let t = sent;
         // The time the pull waited at the ps tasks is waiting; the rest, communication.
         let took = t.elapsed();
-        timeline::span(
-            "pull",
-            "comm",
-            t,
-            t + took,
-            Detail::moved(step, bytes, &peers),
-        );
+        timeline::span("pull", "comm", t, t + took, moved);
         let held = pulled.held.min(took);
         self.clock.charge(Phase::Wait, held);
         self.clock.charge(Phase::Comm, took - held);

@@ -4,12 +4,12 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::placement::Shard;
 use super::protocol::{
     decode_with, encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag,
-    read_inline, reply_tag, request_tag, Reply, Request, Setup, PIECE_FLOATS,
+    read_inline, reply_tag, request_tag, Reply, Request, Setup, Then, PIECE_FLOATS,
 };
 use super::roles::Roles;
 use super::wire::{
@@ -143,11 +143,13 @@ impl<'a, C: Comm> Client<'a, C> {
         request: impl Fn(usize) -> Request,
         payload: impl Fn(usize) -> Vec<&'p [f32]>,
     ) -> Result<Vec<Reply>, PsError> {
-        self.round_then(request, payload, |_, _, _| Ok(()))
+        let (replies, _) = self.round_then(request, payload, |_, _, _| Ok(()))?;
+        Ok(replies)
     }
 
     /// [`Client::round`] that takes what follows each ps's reply (`then(k, reply, inline
-    /// payload)`) as soon as that reply is in, ps by ps in their order, before awaiting the next ps's reply.
+    /// payload)`) as soon as that reply is in, ps by ps in their order, before awaiting the
+    /// next ps's reply; returns the replies and when the request's sends completed.
     /// The order matters: a ps waits for its reply's payload to be taken before it serves
     /// anyone else, so a worker that awaited every reply first could wait on a ps that
     /// waits on another worker that waits on this worker's first ps.
@@ -156,7 +158,7 @@ impl<'a, C: Comm> Client<'a, C> {
         request: impl Fn(usize) -> Request,
         payload: impl Fn(usize) -> Vec<&'p [f32]>,
         mut then: impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
-    ) -> Result<Vec<Reply>, PsError> {
+    ) -> Result<(Vec<Reply>, Instant), PsError> {
         // Twice the ps's own deadline: a ps that lost another task says so first.
         let deadline = self.timeout * 2;
         let payloads: Vec<Vec<&[f32]>> = (0..self.roles.ps.len()).map(payload).collect();
@@ -191,6 +193,7 @@ impl<'a, C: Comm> Client<'a, C> {
                 });
             }
         }
+        let sent = Instant::now();
         let mut replies = Vec::with_capacity(early.len());
         for (seen, r) in early.into_iter().zip(&self.roles.ps) {
             let m = match seen {
@@ -209,7 +212,7 @@ impl<'a, C: Comm> Client<'a, C> {
             then(replies.len(), &reply, inline)?;
             replies.push(reply);
         }
-        Ok(replies)
+        Ok((replies, sent))
     }
 
     /// The chief: hands every ps its setup and initial values `init` (per variable). On an
@@ -253,6 +256,70 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     fn pull_into(&self, step: u64, report: bool, params: &mut [Tensor]) -> Result<Pulled, PsError> {
+        let request = |_| Request::Pull { step, report };
+        self.exchange(request, |_| Vec::new(), params)
+            .map(|(p, _)| p)
+    }
+
+    /// A push of gradients `grads` (per variable) and the pull that follows it (the
+    /// parameters once the global step is at least `then.step`, into `params` in place):
+    /// as [`Client::push`], then [`Client::pull`], but in one request to each ps where it
+    /// is safe, [`Client::fused`]. Returns what the pull brought and when the push's
+    /// sends completed. On an error `grads` and `params` are given up (MPI may still read
+    /// or write them) and left empty.
+    pub fn push_pull(
+        &self,
+        push: Gradients,
+        grads: &mut Vec<Tensor>,
+        then: Then,
+        params: &mut Vec<Tensor>,
+    ) -> Result<(Pulled, Instant), PsError> {
+        if !self.fused() {
+            let pushed = self.push(push.step, push.samples, push.loss, grads, push.note);
+            let sent = Instant::now();
+            pushed.inspect_err(|_| give_up(params))?;
+            return Ok((self.pull(then.step, then.report, params)?, sent));
+        }
+        let request = |k: usize| self.push_request(&push, k, Some(then));
+        let r = self.exchange(request, |k| self.gather(k, grads), params);
+        r.inspect_err(|_| {
+            give_up(grads);
+            give_up(params);
+        })
+    }
+
+    /// Whether a push and its pull may go in one request to each ps: with one ps task, or
+    /// parameters that ride in every ps's reply header. A reply's separate pieces go out
+    /// in sends the ps waits on; with several ps tasks, one replying so to this worker
+    /// while it still sends to a second, itself replying to a worker that waits on the
+    /// first, would wait for good.
+    pub fn fused(&self) -> bool {
+        let ps = self.roles.ps.len();
+        ps == 1 || (0..ps).all(|k| inline(self.mine(k).map(|s| s.len)))
+    }
+
+    /// ps `k`'s push request of `push` (the phase times go to ps 0 only), with the pull
+    /// `then` that follows it in the same request, if any.
+    fn push_request(&self, push: &Gradients, k: usize, then: Option<Then>) -> Request {
+        Request::Push {
+            step: push.step,
+            samples: push.samples,
+            loss: finite(push.loss),
+            vars: self.vars_of(k),
+            stop: push.note.stop,
+            times: push.note.times.filter(|_| k == 0),
+            pull: then,
+        }
+    }
+
+    /// One round whose replies are `Params`, each ps's received into its places in
+    /// `params`; returns what the pull brought and when the request's sends completed.
+    fn exchange<'p>(
+        &self,
+        request: impl Fn(usize) -> Request,
+        payload: impl Fn(usize) -> Vec<&'p [f32]>,
+        params: &mut [Tensor],
+    ) -> Result<(Pulled, Instant), PsError> {
         let mut places = self.places(params);
         let data = payload_tag(self.comm);
         // Each ps's payload, its shards, comes with its reply or follows it in pieces: into
@@ -289,7 +356,7 @@ impl<'a, C: Comm> Client<'a, C> {
                 }),
             }
         };
-        let replies = self.round_then(|_| Request::Pull { step, report }, |_| Vec::new(), take)?;
+        let (replies, sent) = self.round_then(request, payload, take)?;
         let mut pulled = Pulled {
             step: u64::MAX,
             loss: f32::NAN,
@@ -315,7 +382,7 @@ impl<'a, C: Comm> Client<'a, C> {
                 }
             }
         }
-        Ok(pulled)
+        Ok((pulled, sent))
     }
 
     /// Pushes gradients `grads` (per variable) of `samples` samples computed at `step`,
@@ -330,15 +397,14 @@ impl<'a, C: Comm> Client<'a, C> {
         grads: &mut Vec<Tensor>,
         note: PushNote,
     ) -> Result<(), PsError> {
+        let push = Gradients {
+            step,
+            samples,
+            loss,
+            note,
+        };
         let r = self.round(
-            |k| Request::Push {
-                step,
-                samples,
-                loss: finite(loss),
-                vars: self.vars_of(k),
-                stop: note.stop,
-                times: note.times.filter(|_| k == 0),
-            },
+            |k| self.push_request(&push, k, None),
             |k| self.gather(k, grads),
         );
         r.map(drop).inspect_err(|_| give_up(grads))
@@ -406,6 +472,16 @@ pub struct Pulled {
     pub held: Duration,
     /// Phase times the ps tasks gathered, if asked for.
     pub reports: Vec<RankTimes>,
+}
+
+/// A push's header: the step its gradients were computed at, their samples and loss
+/// (this worker's batch), and its note.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gradients {
+    pub step: u64,
+    pub samples: usize,
+    pub loss: f32,
+    pub note: PushNote,
 }
 
 /// What a push tells the ps tasks besides the gradients.

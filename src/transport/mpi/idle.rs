@@ -17,6 +17,15 @@ fn symbol(name: &std::ffi::CStr) -> *mut c_void {
     unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }
 }
 
+/// Whether Open MPI's progress engine yields the CPU while it waits (`false` for another
+/// library: MPICH busy-polls).
+pub fn yields() -> bool {
+    let now = symbol(c"opal_progress_yield_when_idle");
+    // SAFETY: in Open MPI (opal/runtime/opal_progress.c) this symbol is the engine's
+    // `bool opal_progress_yield_when_idle`, written only by its setter (`yield_when_idle`).
+    !now.is_null() && unsafe { *now.cast::<bool>() }
+}
+
 /// Makes Open MPI's progress engine yield when idle. `Ok(false)` when it already did (the
 /// user or the launcher asked for it), an error when the library is not Open MPI.
 pub fn yield_when_idle() -> Result<bool, String> {
@@ -24,10 +33,7 @@ pub fn yield_when_idle() -> Result<bool, String> {
     if set.is_null() {
         return Err("this MPI library has no Open MPI progress engine to tell".into());
     }
-    let now = symbol(c"opal_progress_yield_when_idle");
-    // SAFETY: in Open MPI (opal/runtime/opal_progress.c) this symbol is the engine's
-    // `bool opal_progress_yield_when_idle`, written only by the setter below.
-    if !now.is_null() && unsafe { *now.cast::<bool>() } {
+    if yields() {
         return Ok(false);
     }
     // SAFETY: Open MPI declares `bool opal_progress_set_yield_when_idle(bool yieldopt)`

@@ -478,6 +478,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 loss,
                 stop,
                 times,
+                pull,
                 ..
             } => {
                 if let Some(signal) = stop {
@@ -496,8 +497,24 @@ impl<'a, C: Comm> Server<'a, C> {
                     return self.error(from, e);
                 }
                 let loss = loss.unwrap_or(f32::NAN);
+                // The pull that came with the push is answered in its place (parked first:
+                // the update below may make it ready).
+                let then = pull.map(|p| Parked {
+                    from,
+                    step: p.step,
+                    since: Instant::now(),
+                    report: p.report,
+                });
+                let answered = match (&verdict, then) {
+                    (Verdict::Reject(_), _) | (_, None) => false,
+                    (_, Some(parked)) => {
+                        self.pending.push(parked);
+                        true
+                    }
+                };
                 match verdict {
                     Verdict::Reject(e) => self.error(from, e),
+                    Verdict::Stale if answered => self.answer_pending(),
                     Verdict::Stale => {
                         let step = self.global_step;
                         self.reply(from, &Reply::Stale { step })
@@ -506,12 +523,16 @@ impl<'a, C: Comm> Server<'a, C> {
                         self.global_step += 1;
                         self.clock.steps(1);
                         self.last_loss = loss;
-                        self.ok(from)?;
+                        if !answered {
+                            self.ok(from)?;
+                        }
                         self.answer_pending()
                     }
                     Verdict::Accept => {
                         self.accum.insert(w, (samples as f32, loss));
-                        self.ok(from)?;
+                        if !answered {
+                            self.ok(from)?;
+                        }
                         if self.accum.len() >= self.sync.unwrap_or(1) {
                             self.apply_accumulated();
                             self.answer_pending()?;
@@ -666,8 +687,8 @@ impl<'a, C: Comm> Server<'a, C> {
         }
     }
 
-    /// A worker this ps waits on and has not heard from within the timeout.
-    fn lost(&self) -> Option<usize> {
+    /// A worker this ps waits on and has not heard from within the timeout, at `now`.
+    fn lost(&self, now: Instant) -> Option<usize> {
         let waiting_on = |w: usize| -> bool {
             if self.done[w] {
                 return false;
@@ -682,7 +703,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 true
             }
         };
-        (0..self.done.len()).find(|w| waiting_on(*w) && self.heard[*w].elapsed() > self.timeout)
+        (0..self.done.len()).find(|w| waiting_on(*w) && now - self.heard[*w] > self.timeout)
     }
 
     fn lose(&self, rank: usize) -> PsError {
@@ -737,10 +758,11 @@ impl<'a, C: Comm> Server<'a, C> {
             }
             None => {
                 self.mark_board();
-                if let Some(w) = self.lost() {
+                let now = Instant::now();
+                if let Some(w) = self.lost(now) {
                     return Err(self.lose(self.roles.workers[w]));
                 }
-                self.clock.charge(Phase::Wait, t.elapsed());
+                self.clock.charge(Phase::Wait, now - t);
                 *idle_since = idle_since.or(Some(t));
                 Ok(false)
             }
