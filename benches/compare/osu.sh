@@ -5,6 +5,7 @@
 #   ROUNDS=6 NP=2 benches/compare/osu.sh latency bw
 #   OSU_ARGS="-b multiple" benches/compare/osu.sh bw bibw   # options given to both
 #   MPIFLOW_RDMA_STACK=ucx benches/compare/osu.sh put_latency acc_latency   # both on UCX
+#   NP=4 OSU_ARGS="-m 1048576:16777216" benches/compare/osu.sh pushpull   # ps beside plain MPI
 #   tests/netns/cluster.sh with -- env MPIRUN_ARGS='$MPIFLOW_NETNS_MCA --hostfile
 #     hostfiles/netns-3hosts --map-by node --bind-to none' benches/compare/osu.sh latency
 #                                                # across the namespace hosts
@@ -15,7 +16,8 @@
 # noise only ever slows a run, so each program's best round per size estimates its cost;
 # the table prints those bests side by side, the ratios to OSU's best (>1 is slower for
 # latencies, faster for bandwidths), and each column's spread over rounds (worst/best).
-# Not part of the tests.
+# `pushpull` has no OSU program: its jobs are mpiflow's alone and its reference column is
+# the plain-MPI pattern (`mpi`). Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-6}
@@ -56,21 +58,25 @@ rows() {
 }
 for name in "${names[@]}"; do
   case $name in
-    latency | bw | bibw) better=lower; [[ $name != latency ]] && better=higher ;;
-    allreduce | bcast | put_latency | get_latency | acc_latency) better=lower ;;
-    get_bw) better=higher ;;
+    latency | bw | bibw) better=lower ref=osu; [[ $name != latency ]] && better=higher ;;
+    allreduce | bcast | put_latency | get_latency | acc_latency) better=lower ref=osu ;;
+    get_bw) better=higher ref=osu ;;
+    pushpull) better=higher ref=mpi ;;
     *) echo "unknown benchmark $name" >&2; exit 2 ;;
   esac
   : >"$out/$name"
   for r in $(seq "$ROUNDS"); do
-    # shellcheck disable=SC2086 # OSU_ARGS is a list of options
-    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
+    if [[ $ref == osu ]]; then
+      # shellcheck disable=SC2086 # OSU_ARGS is a list of options
+      timeout 900 mpirun $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
+    fi
     # shellcheck disable=SC2086
     timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 $OSU_ARGS \
       | rows mpiflow >>"$out/$name"
   done
   echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
-  awk -v better="$better" '
+  awk -v better="$better" -v ref="$ref" '
+    BEGIN { np = 1; paths[1] = ref; seen[ref] = 1 }
     {
       key = $1 SUBSEP $2
       if (!(key in best)) { best[key] = $3; worst[key] = $3 }
@@ -82,12 +88,12 @@ for name in "${names[@]}"; do
     END {
       printf "%-9s", "# size"
       for (p = 1; p <= np; p++) printf " %14s", substr(paths[p], 1, 14)
-      for (p = 2; p <= np; p++) printf " %10s", substr(paths[p], 1, 6) "/osu"
+      for (p = 2; p <= np; p++) printf " %10s", substr(paths[p], 1, 6) "/" ref
       printf "   spread (worst/best):"
       for (p = 1; p <= np; p++) printf " %s", paths[p]
       printf "\n"
       for (i = 1; i <= ns; i++) {
-        s = order[i]; o = best["osu" SUBSEP s]
+        s = order[i]; o = best[ref SUBSEP s]
         # A program that has no row at a size (mpiflow starts allreduce at one float)
         # shows "-".
         printf "%-9s", s

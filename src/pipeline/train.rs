@@ -424,8 +424,13 @@ pub fn run<C: Comm>(
                 let every = cfg.train.log_every;
                 if every > 0 && step.is_multiple_of(every) {
                     let mine = clock.take();
-                    let ranks =
-                        crate::train::allreduce::gather_times(&group, layout, comm.rank(), mine)?;
+                    let ranks = crate::train::allreduce::gather_times(
+                        &group,
+                        layout,
+                        comm.rank(),
+                        mine,
+                        step,
+                    )?;
                     if reporting {
                         let batch = cfg.train.batch;
                         let log = StepLog::of_window(step, verdict.loss(), &mine, batch, ranks);

@@ -132,7 +132,10 @@ impl<C: Comm> Updater<'_, C> {
         let sum = st.params.iter().fold(0u64, |h, p| {
             crate::train::checkpoint::checksum(p.bytes()) ^ h.rotate_left(7)
         });
-        let sums = peers.allgather_varlen(&sum.to_le_bytes())?;
+        let sums = {
+            let _wait = crate::train::allreduce::gathering(step, "parameter checksums", 8);
+            peers.allgather_varlen(&sum.to_le_bytes())?
+        };
         match sums.iter().position(|s| *s != sums[0]) {
             Some(replica) => Err(PipelineError::Diverged {
                 step,

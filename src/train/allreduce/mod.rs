@@ -248,7 +248,10 @@ pub fn run<C: Comm + Send>(
                 model.params[0].as_mut_slice::<f32>().expect("f32")[0] += 1e-3;
             }
             if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
-                let sums = coll.allgather_varlen(&params_checksum(&model).to_le_bytes())?;
+                let sums = {
+                    let _wait = gathering(step, "parameter checksums", 8);
+                    coll.allgather_varlen(&params_checksum(&model).to_le_bytes())?
+                };
                 if let Some(rank) = sums.iter().position(|s| *s != sums[0]) {
                     return Err(AllreduceError::Diverged {
                         step,
@@ -261,16 +264,7 @@ pub fn run<C: Comm + Send>(
             if every > 0 && step.is_multiple_of(every) {
                 // Every replica's window, to the chief (all of them log at this step).
                 let mine = clock.take();
-                let ranks = {
-                    let _wait = stall::wait(|| Wait {
-                        op: "allgather",
-                        step,
-                        what: Some("phase times".into()),
-                        peer: None,
-                        bytes: Times::BYTES as u64,
-                    });
-                    gather_times(&coll, layout, comm.rank(), mine)?
-                };
+                let ranks = gather_times(&coll, layout, comm.rank(), mine, step)?;
                 if chief {
                     let log =
                         StepLog::of_window(step, verdict.loss(), &mine, cfg.train.batch, ranks);
@@ -314,19 +308,36 @@ pub fn run<C: Comm + Send>(
     })
 }
 
-/// Every replica's phase times of the window closing now, named by world rank and task,
-/// with each rank's time in the reduction split into communication and waiting
-/// ([`phases::split_collective`]).
+/// Marks this rank as waiting in an allgather of `step` (`what` it gathers, `bytes` of its
+/// own) on the stall board: the replicas' periodic checks and logs wait on every replica
+/// as the step's allreduce does, so a rank that stops there is named too.
+pub(crate) fn gathering(step: u64, what: &'static str, bytes: usize) -> stall::Waiting<'static> {
+    stall::wait(|| Wait {
+        op: "allgather",
+        step,
+        what: Some(what.into()),
+        peer: None,
+        bytes: bytes as u64,
+    })
+}
+
+/// Every replica's phase times of the window closing now (after `step`), named by world
+/// rank and task, with each rank's time in the reduction split into communication and
+/// waiting ([`phases::split_collective`]).
 pub(crate) fn gather_times<C: Comm>(
     coll: &Collectives<C>,
     layout: &Layout,
     world_rank: usize,
     mine: Times,
+    step: u64,
 ) -> Result<Vec<RankTimes>, TransportError> {
     let mut bytes = (world_rank as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(&mine.to_bytes());
     let mut all = vec![0u8; bytes.len() * coll.size()];
-    coll.allgather(&bytes, &mut all)?;
+    {
+        let _wait = gathering(step, "phase times", bytes.len());
+        coll.allgather(&bytes, &mut all)?;
+    }
     let (ranks, mut times): (Vec<usize>, Vec<Times>) = all
         .chunks_exact(bytes.len())
         .map(|c| {

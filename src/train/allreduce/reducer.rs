@@ -195,8 +195,15 @@ impl<'s> Reducer<'s> {
                 signature_hash,
                 ..
             } => {
-                // Same negotiation as the fused path: every replica, the same list.
-                crate::transport::fusion::negotiate(coll, *signature_hash, || signature.clone())?;
+                // Same negotiation as the fused path: every replica, the same list (a wait
+                // for the slowest replica, as the fused path's allreduce is).
+                let bytes = grads.iter().map(Tensor::nbytes).sum::<usize>();
+                {
+                    let _wait = stall::wait(waiting(bytes + verdict.tensor.nbytes()));
+                    crate::transport::fusion::negotiate(coll, *signature_hash, || {
+                        signature.clone()
+                    })?;
+                }
                 let mut sent = 0;
                 let loss = towers
                     .gradients_with(model, x, y, grads, &mut |range, g| {
@@ -217,7 +224,6 @@ impl<'s> Reducer<'s> {
                 // The layers' allreduces ran on the communication thread during the
                 // backward pass: what is left is waiting for the last of them.
                 timeline::span("gradients", "compute", start, t, Detail::at(step));
-                let bytes = grads.iter().map(Tensor::nbytes).sum::<usize>();
                 let _wait = stall::wait(waiting(bytes + verdict.tensor.nbytes()));
                 let mut stats = FusionStats::default();
                 for _ in 0..sent {
