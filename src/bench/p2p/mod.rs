@@ -23,9 +23,11 @@
 //! several pending receives into one buffer under `-b single`. A tensor cannot be the
 //! target of two pending receives (a receive borrows it exclusively), so the mpiflow paths
 //! receive a single-buffer window message by message into the one tensor, with every send
-//! of the window in flight. Measured here with plain MPI, that order is as fast as OSU's
-//! from 4 KiB; below, where messages go eagerly and arrive before their receive is posted
-//! (MPI's unexpected-message path, one more copy), it reads 0.7-0.8x of OSU's bandwidth.
+//! of the window in flight. Measured with plain MPI (`benches/compare/receive_order.c`),
+//! that order is as fast as OSU's from 4 KiB on an AMD VM and 0.94-0.97x at 4-16 KiB on an
+//! Intel one; below, where messages go eagerly and arrive before their receive is posted
+//! (MPI's unexpected-message path, one more copy), it reads 0.8-0.95x of OSU's bandwidth
+//! at 1-32 B (and faster at 64-256 B, where OSU's window overflows Open MPI's fast box).
 
 use std::time::Instant;
 
