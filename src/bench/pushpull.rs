@@ -60,7 +60,9 @@ fn p2p_rounds<C: Comm>(
         .map_err(|e| PsError::Setup(e.to_string()))?
         .named("model");
     let mut params = vec![zeros];
+    // Gradients that hold data, as the plain paths' (see `raw`).
     let mut grads = params.clone();
+    grads[0].as_mut_slice::<f32>().expect("f32").fill(1.0);
     if w == 0 {
         let setup = ps::protocol::Setup {
             shards: client.shards.clone(),
@@ -116,10 +118,13 @@ fn raw(
         }
         return None;
     }
-    // The plain pattern's push leads with a 0 byte; the sgd variant's is the floats.
+    // The plain pattern's push leads with a 0 byte; the sgd variant's is the floats. What
+    // is sent holds data, as OSU's buffers do (`memset` with 'a') and a backward pass's
+    // gradients do: memory never written maps the kernel's one zero page, which the ps's
+    // copy would read from its own cache at any size.
     let floats = slice.div_ceil(4);
-    let mut push = vec![0u8; slice + 1];
-    let grad = vec![0f32; floats];
+    let mut push = vec![b'a'; slice + 1];
+    let grad = vec![1f32; floats];
     let mut back = vec![0u8; slice];
     let mut back_f = vec![0f32; floats];
     let mut ack = [0u8; 1];
@@ -188,7 +193,8 @@ fn raw_ps(comm: &MpiComm, workers: usize, slice: usize) {
 /// applied to the parameters at once; a 1-byte request is answered from the parameters.
 fn raw_sgd_ps(comm: &MpiComm, workers: usize, floats: usize) {
     let world = comm.raw();
-    let mut params = vec![0f32; floats];
+    // Parameters that hold data from the start (see `raw`); the update writes them anyway.
+    let mut params = vec![1f32; floats];
     let mut grad = vec![0f32; floats];
     let lr = 1e-12f32;
     let mut done = 0;

@@ -4,9 +4,13 @@
 //!
 //! Rank 0 is the origin and rank 1 the target, which only waits in a barrier (as in OMB:
 //! where one-sided operations are emulated, that barrier is what serves them). Windows
-//! come from `MPI_Win_allocate`; one passive-target epoch spans the timed loop; latency
+//! come from `MPI_Win_allocate`, and they and the origin's buffers hold data (OSU's 'a'
+//! bytes; mpiflow's windows start zeroed) before anything is timed; one passive-target
+//! epoch spans the timed loop; latency
 //! is one operation plus `MPI_Win_flush`, per iteration; bandwidth is a window of `-W`
-//! gets, then one flush; the clock is read around every timed iteration, as OSU does.
+//! gets, the j-th from offset j x size of a target window of `-W` x size bytes into its
+//! own part of the local buffer (so a window reads `-W` x size distinct bytes), then one
+//! flush; the clock is read around every timed iteration, as OSU does.
 //! Paths:
 //! - `mpi`: the raw `mpi::ffi` calls as OSU makes them (a shared `MPI_Win_lock` on the
 //!   target, not `MPI_Win_lock_all`), checked only after the timed loop;
@@ -61,6 +65,12 @@ impl RawWindow {
             )
         };
         assert_eq!(rc, ffi::MPI_SUCCESS as c_int, "MPI_Win_allocate");
+        if bytes > 0 && !base.is_null() {
+            // OSU fills its window with 'a': memory never written maps the kernel's zero
+            // page, which a get would read from cache at any size.
+            // SAFETY: MPI returned `bytes` bytes at `base`, which nothing accesses yet.
+            unsafe { std::ptr::write_bytes(base.cast::<u8>(), b'a', bytes) };
+        }
         RawWindow { win }
     }
 
@@ -88,12 +98,13 @@ fn raw_loop(
     window: usize,
 ) -> f64 {
     let n = elements(name, size);
-    let mut bytes = vec![0u8; size * window.max(1)];
-    let mut ints = vec![0i32; n];
+    // Filled as OSU's buffers ('a' in every byte).
+    let mut bytes = vec![b'a'; size * window.max(1)];
+    let mut ints = vec![i32::from_ne_bytes([b'a'; 4]); n];
     // SAFETY: constant handles.
     let (u8t, i32t, sum) = unsafe { (ffi::RSMPI_UINT8_T, ffi::RSMPI_INT32_T, ffi::RSMPI_SUM) };
-    // SAFETY: the window is valid; rank 1's window holds `size` bytes (n i32 for acc), so
-    // every displacement and count below is in range; each operation's local buffer lives
+    // SAFETY: the window is valid; rank 1's window holds `size` bytes (`window` x `size`
+    // for get_bw, n i32 for acc), so every displacement and count below is in range; each operation's local buffer lives
     // until the flush that follows it; return codes are checked after the loop (a failed
     // call leaves rc non-zero).
     unsafe {
@@ -138,13 +149,13 @@ fn raw_loop(
                 ),
                 _ => {
                     let mut r = 0;
-                    for chunk in bytes.chunks_mut(size) {
+                    for (j, chunk) in bytes.chunks_mut(size).enumerate() {
                         r |= ffi::MPI_Get(
                             chunk.as_mut_ptr().cast(),
                             size as c_int,
                             u8t,
                             1,
-                            0,
+                            (j * size) as ffi::MPI_Aint,
                             size as c_int,
                             u8t,
                             w.win,
@@ -167,12 +178,12 @@ fn raw_loop(
 fn our_loop<T: RmaType>(
     name: &str,
     w: &mut Window<T>,
-    n: usize,
+    (n, fill): (usize, T),
     iters: usize,
     warmup: usize,
     window: usize,
 ) -> Result<f64, BenchError> {
-    let mut buf = vec![T::default(); n * window.max(1)];
+    let mut buf = vec![fill; n * window.max(1)];
     let ep = w.lock_all()?;
     let mut start = Instant::now();
     for i in 0..warmup + iters {
@@ -185,8 +196,8 @@ fn our_loop<T: RmaType>(
             "get_latency" => ep.get_into(1, 0, &mut buf[..n])?,
             "acc_latency" => ep.accumulate_sum(1, 0, &buf[..n])?,
             _ => ep.batch(|b| -> Result<(), RmaError> {
-                for chunk in buf.chunks_mut(n) {
-                    b.get_into(1, 0, chunk)?;
+                for (j, chunk) in buf.chunks_mut(n).enumerate() {
+                    b.get_into(1, j * n, chunk)?;
                 }
                 Ok(())
             })??,
@@ -232,7 +243,11 @@ fn measure(
     let here = |len: usize| if me == 1 { len } else { 0 };
     let t = match path {
         Path::Mpi => {
-            let bytes = if name == "acc_latency" { 4 * n } else { size };
+            let bytes = if name == "acc_latency" {
+                4 * n
+            } else {
+                size * window
+            };
             let w = RawWindow::allocate(comm, here(bytes));
             let t = (me == 0).then(|| raw_loop(name, &w, size, iters, warmup, window));
             comm.raw().barrier();
@@ -242,16 +257,25 @@ fn measure(
         _ if name == "acc_latency" => {
             let mut w = Window::<i32>::allocate(comm, here(n)).map_err(alloc_error)?;
             let t = (me == 0)
-                .then(|| our_loop(name, &mut w, n, iters, warmup, window))
+                .then(|| {
+                    our_loop(
+                        name,
+                        &mut w,
+                        (n, i32::from_ne_bytes([b'a'; 4])),
+                        iters,
+                        warmup,
+                        window,
+                    )
+                })
                 .transpose()?;
             comm.raw().barrier();
             w.free()?;
             t
         }
         _ => {
-            let mut w = Window::<u8>::allocate(comm, here(size)).map_err(alloc_error)?;
+            let mut w = Window::<u8>::allocate(comm, here(size * window)).map_err(alloc_error)?;
             let t = (me == 0)
-                .then(|| our_loop(name, &mut w, size, iters, warmup, window))
+                .then(|| our_loop(name, &mut w, (size, b'a'), iters, warmup, window))
                 .transpose()?;
             comm.raw().barrier();
             w.free()?;

@@ -27,7 +27,9 @@ pub fn bench_pushpull(
     let mut w = Window::<f32>::allocate(comm, mine).map_err(|e| PsError::Setup(e.to_string()))?;
     let mut secs = None;
     if roles.workers.contains(&me) {
-        let grads = vec![0f32; floats];
+        // Gradients that hold data (memory never written maps the zero page, which an
+        // accumulate would read from cache at any size).
+        let grads = vec![1f32; floats];
         let mut params = vec![0f32; floats];
         let ep = w.lock_all()?;
         let mut start = Instant::now();
