@@ -6,11 +6,11 @@
 //! where one-sided operations are emulated, that barrier is what serves them). Windows
 //! come from `MPI_Win_allocate`, and they and the origin's buffers hold data (OSU's 'a'
 //! bytes; mpiflow's windows start zeroed) before anything is timed; one passive-target
-//! epoch spans the timed loop; latency
-//! is one operation plus `MPI_Win_flush`, per iteration; bandwidth is a window of `-W`
-//! gets, the j-th from offset j x size of a target window of `-W` x size bytes into its
-//! own part of the local buffer (so a window reads `-W` x size distinct bytes), then one
-//! flush; the clock is read around every timed iteration, as OSU does.
+//! epoch spans the timed loop; latency is one operation plus `MPI_Win_flush`, per
+//! iteration; bandwidth is a window of `-W` gets, the j-th from offset j x size of a
+//! target window of `-W` x size bytes into its own part of the local buffer (a window
+//! reads `-W` x size distinct bytes), then one flush; the clock is read around every timed
+//! iteration, as OSU does.
 //! Paths:
 //! - `mpi`: the raw `mpi::ffi` calls as OSU makes them (a shared `MPI_Win_lock` on the
 //!   target, not `MPI_Win_lock_all`), checked only after the timed loop;
@@ -104,9 +104,9 @@ fn raw_loop(
     // SAFETY: constant handles.
     let (u8t, i32t, sum) = unsafe { (ffi::RSMPI_UINT8_T, ffi::RSMPI_INT32_T, ffi::RSMPI_SUM) };
     // SAFETY: the window is valid; rank 1's window holds `size` bytes (`window` x `size`
-    // for get_bw, n i32 for acc), so every displacement and count below is in range; each operation's local buffer lives
-    // until the flush that follows it; return codes are checked after the loop (a failed
-    // call leaves rc non-zero).
+    // for get_bw, n i32 for acc), so every displacement and count below is in range; each
+    // operation's local buffer lives until the flush that follows it; return codes are
+    // checked after the loop (a failed call leaves rc non-zero).
     unsafe {
         let mut rc = ffi::MPI_Win_lock(ffi::MPI_LOCK_SHARED as c_int, 1, 0, w.win);
         let mut start = Instant::now();
