@@ -8,8 +8,8 @@
 //!   buffers are page-aligned on ordinary pages, filled with `a` and `b` at each size, and,
 //!   single, allocated once at the largest size (`AlignedBuf::paged`); the mpiflow paths'
 //!   are tensors as the runtime makes them, filled the same way.
-//! - **Loop**: `-x` untimed iterations, then `-i` timed ones, each timed on its own (the
-//!   sum of the iterations' times), after a barrier; OSU's counts by default.
+//! - **Loop**: `-x` untimed iterations, then `-i` timed ones, each timed on its own by rank
+//!   0 (the sum of the iterations' times), after a barrier; OSU's counts by default.
 //! - **latency**: rank 0 sends and receives, rank 1 receives and sends; half the round trip.
 //! - **bw**: rank 0 posts a window of `-W` sends and waits for them, then for rank 1's
 //!   1-byte reply; rank 1 receives the window, then replies.
@@ -305,6 +305,8 @@ fn measure(
     };
     let mut raw = Raw::new(comm, peer);
     let mut total = 0.0;
+    // Rank 0 reads the clock, as in OSU's loops; its peer's turnaround stays MPI's alone.
+    let timed = me == 0;
     for i in 0..warmup + iters {
         if opts.validate {
             for j in 0..sends.min(count) {
@@ -314,7 +316,7 @@ fn measure(
                 bufs.recv_bytes(j)[..size].fill(b'b');
             }
         }
-        let start = Instant::now();
+        let start = timed.then(Instant::now);
         match (&mut bufs, kind) {
             (Side::Raw(b), Kind::Latency) => {
                 if me == 0 {
@@ -354,7 +356,7 @@ fn measure(
             }
         }
         if i >= warmup {
-            total += secs(start);
+            total += start.map_or(0.0, secs);
         }
         if opts.validate {
             // Message j of the window went from send buffer j to receive buffer j (from the

@@ -87,28 +87,33 @@ impl<'c> Raw<'c> {
         self.mpi.check("MPI_Recv", rc)
     }
 
+    /// Posts request `j` of a window by `start` (`MPI_Irecv` or `MPI_Isend` into the
+    /// handle it is given, in place in the window's array, as OSU's `request[j]`); after a
+    /// failure, the requests already posted are waited for (their buffers must outlive
+    /// them) before the error is returned. As OSU's loop to the instruction, nearly: at
+    /// 16-32 B Open MPI's shared-memory fast box runs in one of two regimes, and a handle
+    /// written to the stack and pushed onto a `Vec` per message (a few nanoseconds) put
+    /// this path in the slow one, 0.65x of `osu_bw` on an Intel VM
+    /// (`benches/results/2026-11-25-osu.md`).
+    #[inline(always)]
+    fn post(
+        &mut self,
+        j: usize,
+        call: &'static str,
+        start: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
+    ) -> Result<(), TransportError> {
+        let rc = start(&mut self.requests[j]);
+        if rc != ffi::MPI_SUCCESS as c_int {
+            waitall(&mut self.requests[..j]);
+            return self.mpi.check(call, rc);
+        }
+        Ok(())
+    }
+
     /// One side of a window: `receives` receives of `size` bytes posted into the receive
     /// buffers in turn (the same one again and again when there is one, as OSU's `-b
     /// single`), then `sends` sends from the send buffers in turn; waits for the sends,
     /// then the receives (`MPI_Waitall`, as OSU).
-    /// Posts one request by `start` (`MPI_Irecv` or `MPI_Isend` into the handle it is
-    /// given); after a failure, the requests already posted are waited for (their buffers
-    /// must outlive them) before the error is returned.
-    fn post(
-        &mut self,
-        call: &'static str,
-        start: impl FnOnce(&mut ffi::MPI_Request) -> c_int,
-    ) -> Result<(), TransportError> {
-        let mut req = null_request();
-        let result = self.mpi.check(call, start(&mut req));
-        if result.is_ok() {
-            self.requests.push(req);
-        } else {
-            waitall(&mut self.requests);
-        }
-        result
-    }
-
     pub(super) fn window(
         &mut self,
         bufs: &mut RawBuffers,
@@ -116,8 +121,10 @@ impl<'c> Raw<'c> {
         receives: usize,
         sends: usize,
     ) -> Result<(), TransportError> {
-        self.requests.clear();
         let (peer, comm) = (self.peer, self.comm);
+        // Handles written in place by `post` (a handle from an earlier window is null:
+        // `MPI_Waitall` freed it).
+        self.requests.resize(receives + sends, null_request());
         let nr = bufs.recv.len();
         for j in 0..receives {
             let buf = bufs.recv[j % nr].as_mut_ptr();
@@ -126,7 +133,7 @@ impl<'c> Raw<'c> {
             // `waitall` below before it does (after a failed call too, see `post`).
             // Several pending receives may write one buffer: MPI writes raw bytes, and no
             // Rust reference to it exists meanwhile.
-            self.post("MPI_Irecv", |req| unsafe {
+            self.post(j, "MPI_Irecv", |req| unsafe {
                 ffi::MPI_Irecv(buf.cast(), size as c_int, byte(), peer, TAG, comm, req)
             })?;
         }
@@ -134,7 +141,7 @@ impl<'c> Raw<'c> {
         for j in 0..sends {
             let buf = bufs.send[j % ns].as_ptr();
             // SAFETY: as above; send buffers are only read.
-            self.post("MPI_Isend", |req| unsafe {
+            self.post(receives + j, "MPI_Isend", |req| unsafe {
                 ffi::MPI_Isend(buf.cast(), size as c_int, byte(), peer, TAG, comm, req)
             })?;
         }
