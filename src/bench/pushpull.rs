@@ -5,8 +5,9 @@
 //!   loop that does nothing else: the transfer ceiling;
 //! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps)
 //!   with `--transport p2p`, as training drives it: each push and the pull after it in one
-//!   request where that is safe ([`crate::train::ps::worker::Client::push_pull`]); with `--transport rma`, one-sided accumulate and get on the
-//!   ps tasks' windows ([`crate::train::ps::rma::bench_pushpull`]);
+//!   request where that is safe ([`crate::train::ps::worker::Client::push_pull`]); with
+//!   `--transport rma`, one-sided accumulate and get on the ps tasks' windows
+//!   ([`crate::train::ps::rma::bench_pushpull`]);
 //! - `mpi-sgd`: the `mpi` pattern whose ps receives each push into a gradient buffer and
 //!   applies `params -= lr * grad` before the ack, answering pulls from `params`: what any
 //!   ps that updates costs (the `mpiflow/mpi-sgd` ratio line is the protocol's own cost).
@@ -29,9 +30,9 @@ use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 const TAG: i32 = 7;
 
-/// The mpiflow path over messages: ps ranks serve, workers run `warmup +
-/// rounds` rounds of one push and the pull after it of `floats` floats, sliced evenly over the ps
-/// tasks, through the real protocol (async, SGD). Workers return the mean seconds of a
+/// The mpiflow path over messages: ps ranks serve, workers run `warmup + rounds` rounds of
+/// one push and the pull after it of `floats` floats, sliced evenly over the ps tasks,
+/// through the real protocol (async, SGD). Workers return the mean seconds of a
 /// timed round; ps ranks return `None`.
 fn p2p_rounds<C: Comm>(
     comm: &C,

@@ -406,10 +406,10 @@ mod tests {
             if comm.rank() == 2 {
                 // worker:1 waits for the chief's initialisation, then misbehaves before
                 // taking part: an unknown variable, a wrong length.
-                let pull = protocol::encode(&protocol::Request::Pull {
+                let pull = protocol::encode(&protocol::Request::Pull(protocol::Then {
                     step: 0,
                     report: false,
-                });
+                }));
                 let req = protocol::request_tag(&comm);
                 crate::transport::comm::send(&comm, &pull, 0, req).unwrap();
                 let reply = protocol::reply_tag(&comm);

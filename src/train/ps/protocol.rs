@@ -56,13 +56,8 @@ pub enum Request {
     Init { setup: Setup },
     /// The chief: take `setup` and load this ps's shard of checkpoint `path`.
     Restore { setup: Setup, path: PathBuf },
-    /// The parameters once the global step is at least `step` (sync; async: at once);
-    /// `report`: the chief asks for the phase times the ps gathered since it last asked.
-    Pull {
-        step: u64,
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        report: bool,
-    },
+    /// The parameters, as [`Then`] says.
+    Pull(Then),
     /// Gradients of `samples` samples computed at `step`; the payload is this ps's
     /// shards' gradients in the order of `vars` (`var@offset`, length).
     Push {
@@ -98,10 +93,11 @@ pub enum Request {
     },
 }
 
-/// The pull a push asks for ([`Request::Push`]'s `pull`): as [`Request::Pull`]'s fields.
+/// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the
+/// parameters once the global step is at least `step` (sync; async: at once); `report`:
+/// the chief asks for the phase times the ps gathered since it last asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Then {
-    /// The parameters once the global step is at least this.
     pub step: u64,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub report: bool,
@@ -331,10 +327,10 @@ mod tests {
             text.contains(r#"{"reply":"params","step":4,"loss":null}"#),
             "{text}"
         );
-        let pull = Request::Pull {
+        let pull = Request::Pull(Then {
             step: 1,
             report: false,
-        };
+        });
         let text = String::from_utf8_lossy(&encode(&pull)).to_string();
         assert!(text.contains(r#"{"op":"pull","step":1}"#), "{text}");
         let done = Request::Done { stop: Some(10) };

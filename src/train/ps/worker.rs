@@ -256,7 +256,7 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     fn pull_into(&self, step: u64, report: bool, params: &mut [Tensor]) -> Result<Pulled, PsError> {
-        let request = |_| Request::Pull { step, report };
+        let request = |_| Request::Pull(Then { step, report });
         self.exchange(request, |_| Vec::new(), params)
             .map(|(p, _)| p)
     }

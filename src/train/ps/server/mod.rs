@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use super::placement::Shard;
 use super::protocol::{
     decode_with, encode, encode_with, f32_bytes, finite, inline, payload_tag, reply_tag,
-    request_tag, Reply, Request, Setup, PIECE_FLOATS,
+    request_tag, Reply, Request, Setup, Then, PIECE_FLOATS,
 };
 use super::roles::Roles;
 use super::store::Store;
@@ -169,6 +169,18 @@ struct Parked {
     since: Instant,
     /// The chief asks for the phase times gathered here.
     report: bool,
+}
+
+impl Parked {
+    /// Worker rank `from`'s pull `then`, parked now.
+    fn new(from: usize, then: Then) -> Parked {
+        Parked {
+            from,
+            step: then.step,
+            since: Instant::now(),
+            report: then.report,
+        }
+    }
 }
 
 impl<'a, C: Comm> Server<'a, C> {
@@ -463,13 +475,8 @@ impl<'a, C: Comm> Server<'a, C> {
                     Err(e) => self.error(from, e),
                 }
             }
-            Request::Pull { step, report } => {
-                self.pending.push(Parked {
-                    from,
-                    step,
-                    since: Instant::now(),
-                    report,
-                });
+            Request::Pull(then) => {
+                self.pending.push(Parked::new(from, then));
                 self.answer_pending()
             }
             Request::Push {
@@ -499,18 +506,12 @@ impl<'a, C: Comm> Server<'a, C> {
                 let loss = loss.unwrap_or(f32::NAN);
                 // The pull that came with the push is answered in its place (parked first:
                 // the update below may make it ready).
-                let then = pull.map(|p| Parked {
-                    from,
-                    step: p.step,
-                    since: Instant::now(),
-                    report: p.report,
-                });
-                let answered = match (&verdict, then) {
-                    (Verdict::Reject(_), _) | (_, None) => false,
-                    (_, Some(parked)) => {
-                        self.pending.push(parked);
+                let answered = match pull {
+                    Some(then) if !matches!(verdict, Verdict::Reject(_)) => {
+                        self.pending.push(Parked::new(from, then));
                         true
                     }
+                    _ => false,
                 };
                 match verdict {
                     Verdict::Reject(e) => self.error(from, e),
