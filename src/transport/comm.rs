@@ -139,6 +139,44 @@ pub trait Comm {
         tag: i32,
     ) -> Result<Self::Request, TransportError>;
 
+    /// [`Comm::isend`] that writes the request into `slot` instead of returning it: a
+    /// window's next handle, in place (see [`super::p2p::Sends`]). `slot` holds a request
+    /// exactly when this returns `Ok`.
+    ///
+    /// # Safety
+    /// As [`Comm::isend`]; `slot` is valid for writes of a request.
+    #[inline]
+    unsafe fn isend_into(
+        &self,
+        buf: *const u8,
+        len: usize,
+        dst: usize,
+        tag: i32,
+        slot: *mut Self::Request,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller's contract, passed on; slot is valid for writes.
+        unsafe { slot.write(self.isend(buf, len, dst, tag)?) };
+        Ok(())
+    }
+
+    /// [`Comm::irecv`] that writes the request into `slot`, as [`Comm::isend_into`].
+    ///
+    /// # Safety
+    /// As [`Comm::irecv`]; `slot` is valid for writes of a request.
+    #[inline]
+    unsafe fn irecv_into(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+        slot: *mut Self::Request,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller's contract, passed on; slot is valid for writes.
+        unsafe { slot.write(self.irecv(buf, len, src, tag)?) };
+        Ok(())
+    }
+
     /// Waits for one request.
     fn wait(&self, req: Self::Request) -> Result<Completion, TransportError>;
 
@@ -325,6 +363,21 @@ pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
             size: c.size(),
         })
     }
+}
+
+/// The request `start` writes into a slot of its own, returned: `isend` and `irecv` of a
+/// transport whose own forms are [`Comm::isend_into`] and [`Comm::irecv_into`].
+///
+/// # Safety
+/// `start` writes a request into the slot exactly when it returns `Ok`.
+#[inline(always)]
+pub(crate) unsafe fn returned<R>(
+    start: impl FnOnce(*mut R) -> Result<(), TransportError>,
+) -> Result<R, TransportError> {
+    let mut r = std::mem::MaybeUninit::uninit();
+    start(r.as_mut_ptr())?;
+    // SAFETY: start returned Ok, so it wrote the request (this function's contract).
+    Ok(unsafe { r.assume_init() })
 }
 
 /// Waits may spin before they yield: set at start when every rank of this machine has a CPU

@@ -6,7 +6,7 @@ use std::os::raw::c_int;
 use mpi::ffi;
 use mpi::raw::AsRaw;
 
-use super::TAG;
+use super::{turns, TAG};
 use crate::tensor::AlignedBuf;
 use crate::transport::mpi::MpiComm;
 use crate::transport::TransportError;
@@ -125,9 +125,8 @@ impl<'c> Raw<'c> {
         // Handles written in place by `post` (a handle from an earlier window is null:
         // `MPI_Waitall` freed it).
         self.requests.resize(receives + sends, null_request());
-        let nr = bufs.recv.len();
-        for j in 0..receives {
-            let buf = bufs.recv[j % nr].as_mut_ptr();
+        for (j, k) in turns(bufs.recv.len(), receives).enumerate() {
+            let buf = bufs.recv[k].as_mut_ptr();
             // SAFETY: the buffer (at least `size` bytes) belongs to `bufs`, borrowed
             // mutably until this function returns, and every request is completed by the
             // `waitall` below before it does (after a failed call too, see `post`).
@@ -137,9 +136,8 @@ impl<'c> Raw<'c> {
                 ffi::MPI_Irecv(buf.cast(), size as c_int, byte(), peer, TAG, comm, req)
             })?;
         }
-        let ns = bufs.send.len();
-        for j in 0..sends {
-            let buf = bufs.send[j % ns].as_ptr();
+        for (j, k) in turns(bufs.send.len(), sends).enumerate() {
+            let buf = bufs.send[k].as_ptr();
             // SAFETY: as above; send buffers are only read.
             self.post(receives + j, "MPI_Isend", |req| unsafe {
                 ffi::MPI_Isend(buf.cast(), size as c_int, byte(), peer, TAG, comm, req)

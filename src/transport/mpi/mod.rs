@@ -17,7 +17,9 @@ pub mod idle;
 mod shared;
 mod waits;
 
-use super::comm::{check_peer, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE};
+use super::comm::{
+    check_peer, returned, Backoff, Comm, Completion, ReduceOp, TransportError, ANY_SOURCE,
+};
 use super::links::Links;
 use super::segments::SharedSegments;
 use super::tags::{TagError, Tags, STANDARD_TAG_UB, TAG_UB_VAR};
@@ -26,6 +28,9 @@ use crate::tensor::DType;
 /// A communicator for mpiflow's own traffic.
 pub struct MpiComm {
     comm: SimpleCommunicator,
+    /// `comm`'s handle, read once: rsmpi's `as_raw` tells built-in communicators from
+    /// others on every call, a branch and two loads on each message's path.
+    handle: ffi::MPI_Comm,
     rank: usize,
     size: usize,
     in_place: Option<*mut c_void>,
@@ -198,6 +203,7 @@ impl MpiComm {
             size: dup.size() as usize,
             count_at: count_offset(&dup, &version),
             in_place: library_in_place(&version),
+            handle: dup.as_raw(),
             comm: dup,
             links: Links::default(),
             // Context::init refused a bad MPIFLOW_TAG_UB already; the fallback is the
@@ -245,6 +251,37 @@ impl MpiComm {
     }
 }
 
+impl MpiComm {
+    /// Starts a request of `len` bytes with `peer` by `start` (`MPI_Isend` or `MPI_Irecv`,
+    /// given the count and the peer as MPI takes them), its handle written by MPI straight
+    /// into `slot`, a window's next element: a small message is posted in tens of
+    /// nanoseconds, and a handle written to the stack, returned and copied into the window
+    /// put `bench bw` at 16-64 B in Open MPI's slower shared-memory regime
+    /// (`benches/results/2026-11-25-osu.md`).
+    ///
+    /// # Safety
+    /// `slot` is valid for writes; `start` is an MPI call whose buffer the caller keeps
+    /// valid until the request completes.
+    #[inline(always)]
+    unsafe fn post(
+        &self,
+        call: &'static str,
+        len: usize,
+        peer: usize,
+        slot: *mut MpiRequest,
+        start: impl FnOnce(c_int, c_int, *mut ffi::MPI_Request) -> c_int,
+    ) -> Result<(), TransportError> {
+        let (n, peer) = (self.count(len)?, self.peer(peer)?);
+        // SAFETY: slot is valid for writes (this function's contract); MPI writes the
+        // handle in place.
+        let rc = unsafe {
+            (&raw mut (*slot).len).write(len);
+            start(n, peer, &raw mut (*slot).req)
+        };
+        self.check(call, rc)
+    }
+}
+
 impl Comm for MpiComm {
     type Request = MpiRequest;
 
@@ -272,23 +309,27 @@ impl Comm for MpiComm {
         dst: usize,
         tag: i32,
     ) -> Result<MpiRequest, TransportError> {
-        let (n, dst) = (self.count(len)?, self.peer(dst)?);
-        // SAFETY: a zeroed MPI_Request is a valid out-parameter.
-        let mut req: ffi::MPI_Request = unsafe { std::mem::zeroed() };
-        // SAFETY: the caller keeps buf..buf+len valid until the request completes.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                buf.cast(),
-                n,
-                byte(),
-                dst,
-                tag,
-                self.comm.as_raw(),
-                &mut req,
-            )
-        };
-        self.check("MPI_Isend", rc)?;
-        Ok(MpiRequest { req, len })
+        // SAFETY: the caller's contract, passed on; `isend_into` writes the slot it is
+        // given exactly when it returns Ok.
+        unsafe { returned(|slot| self.isend_into(buf, len, dst, tag, slot)) }
+    }
+
+    #[inline(always)]
+    unsafe fn isend_into(
+        &self,
+        buf: *const u8,
+        len: usize,
+        dst: usize,
+        tag: i32,
+        slot: *mut MpiRequest,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller keeps buf..buf+len valid until the request completes, and
+        // slot is valid for writes.
+        unsafe {
+            self.post("MPI_Isend", len, dst, slot, |n, dst, req| {
+                ffi::MPI_Isend(buf.cast(), n, byte(), dst, tag, self.handle, req)
+            })
+        }
     }
 
     #[inline]
@@ -299,23 +340,27 @@ impl Comm for MpiComm {
         src: usize,
         tag: i32,
     ) -> Result<MpiRequest, TransportError> {
-        let (n, src) = (self.count(len)?, self.peer(src)?);
-        // SAFETY: a zeroed MPI_Request is a valid out-parameter.
-        let mut req: ffi::MPI_Request = unsafe { std::mem::zeroed() };
-        // SAFETY: the caller keeps buf..buf+len valid and unaliased until completion.
-        let rc = unsafe {
-            ffi::MPI_Irecv(
-                buf.cast(),
-                n,
-                byte(),
-                src,
-                tag,
-                self.comm.as_raw(),
-                &mut req,
-            )
-        };
-        self.check("MPI_Irecv", rc)?;
-        Ok(MpiRequest { req, len })
+        // SAFETY: the caller's contract, passed on; `irecv_into` writes the slot it is
+        // given exactly when it returns Ok.
+        unsafe { returned(|slot| self.irecv_into(buf, len, src, tag, slot)) }
+    }
+
+    #[inline(always)]
+    unsafe fn irecv_into(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+        slot: *mut MpiRequest,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller keeps buf..buf+len valid and unaliased until the request
+        // completes, and slot is valid for writes.
+        unsafe {
+            self.post("MPI_Irecv", len, src, slot, |n, src, req| {
+                ffi::MPI_Irecv(buf.cast(), n, byte(), src, tag, self.handle, req)
+            })
+        }
     }
 
     #[inline]
@@ -343,8 +388,7 @@ impl Comm for MpiComm {
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         let (n, dst) = (self.count(buf.len())?, self.peer(dst)?);
         // SAFETY: buf is valid for n bytes for the duration of the blocking call.
-        let rc =
-            unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.comm.as_raw()) };
+        let rc = unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.handle) };
         self.check("MPI_Send", rc)
     }
 
@@ -366,7 +410,7 @@ impl Comm for MpiComm {
                 byte(),
                 src,
                 tag,
-                self.comm.as_raw(),
+                self.handle,
                 &mut status,
             )
         };
@@ -386,16 +430,8 @@ impl Comm for MpiComm {
         let (mut msg, mut status): (ffi::MPI_Message, ffi::MPI_Status) =
             unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
         // SAFETY: valid communicator and out-parameters.
-        let rc = unsafe {
-            ffi::MPI_Improbe(
-                src,
-                tag,
-                self.comm.as_raw(),
-                &mut flag,
-                &mut msg,
-                &mut status,
-            )
-        };
+        let rc =
+            unsafe { ffi::MPI_Improbe(src, tag, self.handle, &mut flag, &mut msg, &mut status) };
         self.check("MPI_Improbe", rc)?;
         if flag == 0 {
             return Ok(None);
@@ -492,7 +528,7 @@ impl Comm for MpiComm {
                     n,
                     dtype_raw(dtype),
                     mpi_op,
-                    self.comm.as_raw(),
+                    self.handle,
                 )
             },
             None => {
@@ -505,7 +541,7 @@ impl Comm for MpiComm {
                         n,
                         dtype_raw(dtype),
                         mpi_op,
-                        self.comm.as_raw(),
+                        self.handle,
                     )
                 }
             }
@@ -523,7 +559,7 @@ impl Comm for MpiComm {
                     n,
                     byte(),
                     root as c_int,
-                    self.comm.as_raw(),
+                    self.handle,
                 )
             };
             self.check("MPI_Bcast", rc)
@@ -533,7 +569,7 @@ impl Comm for MpiComm {
 
     fn native_barrier(&self) -> Option<Result<(), TransportError>> {
         // SAFETY: a valid communicator.
-        let rc = unsafe { ffi::MPI_Barrier(self.comm.as_raw()) };
+        let rc = unsafe { ffi::MPI_Barrier(self.handle) };
         Some(self.check("MPI_Barrier", rc))
     }
 

@@ -4,7 +4,6 @@
 use std::os::raw::{c_int, c_void};
 
 use mpi::ffi;
-use mpi::raw::AsRaw;
 
 use super::MpiComm;
 use crate::transport::comm::TransportError;
@@ -22,7 +21,7 @@ impl MpiComm {
         // SAFETY: a valid communicator; keyed by our rank, so node ranks keep our order.
         let rc = unsafe {
             ffi::MPI_Comm_split_type(
-                self.comm.as_raw(),
+                self.handle,
                 ffi::RSMPI_COMM_TYPE_SHARED,
                 self.rank as c_int,
                 ffi::RSMPI_INFO_NULL,

@@ -12,9 +12,29 @@
 
 use std::marker::PhantomData;
 
-use super::{check_link, start_receive, Arrival, P2pError};
+use super::{check_link, start_receive_into, Arrival, P2pError};
 use crate::tensor::Tensor;
 use crate::transport::comm::{Comm, Completion};
+
+/// Appends to `reqs` the request `start` writes into the slot it is given (the vector's
+/// next element, in place: no request is returned and copied per message); `reqs` is
+/// unchanged if `start` fails.
+///
+/// # Safety
+/// `start` writes a request into the slot exactly when it returns `Ok`.
+#[inline(always)]
+unsafe fn push_in_place<R, T, E>(
+    reqs: &mut Vec<R>,
+    start: impl FnOnce(*mut R) -> Result<T, E>,
+) -> Result<T, E> {
+    reqs.reserve(1);
+    let n = reqs.len();
+    // SAFETY: reserve made room for element n, which `start` may write.
+    let out = start(unsafe { reqs.as_mut_ptr().add(n) })?;
+    // SAFETY: `start` returned Ok, so element n holds a request.
+    unsafe { reqs.set_len(n + 1) };
+    Ok(out)
+}
 
 /// A window of sends in flight, completed together by [`Sends::wait_all`].
 pub struct Sends<'a, C: Comm> {
@@ -39,7 +59,7 @@ impl<'a, C: Comm> Sends<'a, C> {
     }
 
     /// Starts sending `t` to `dst` on `tag` (`MPI_Isend`), as [`super::immediate_send`].
-    #[inline]
+    #[inline(always)]
     pub fn immediate_send(&mut self, t: &'a Tensor, dst: usize, tag: i32) -> Result<(), P2pError> {
         check_link(self.comm, dst, tag)?;
         let bytes = self.comm.links().outgoing(t, dst, tag);
@@ -47,7 +67,7 @@ impl<'a, C: Comm> Sends<'a, C> {
     }
 
     /// Starts sending raw bytes of a tensor (a channel's payload).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn send_bytes(
         &mut self,
         bytes: &'a [u8],
@@ -56,8 +76,12 @@ impl<'a, C: Comm> Sends<'a, C> {
     ) -> Result<(), P2pError> {
         // SAFETY: the window borrows the bytes for 'a and completes every request before
         // it is gone (wait_all or the destructor), so they stay valid and unmodified.
-        let req = unsafe { self.comm.isend(bytes.as_ptr(), bytes.len(), dst, tag)? };
-        self.reqs.push(req);
+        unsafe {
+            push_in_place(&mut self.reqs, |slot| {
+                self.comm
+                    .isend_into(bytes.as_ptr(), bytes.len(), dst, tag, slot)
+            })?
+        };
         Ok(())
     }
 
@@ -137,10 +161,14 @@ impl<'a, C: Comm> Receives<'a, C> {
         src: usize,
         tag: i32,
     ) -> Result<(), P2pError> {
+        let comm = self.comm;
         // SAFETY: the window holds `t` mutably for 'a and completes every request before
         // it is gone (wait_all or the destructor): nothing else touches it meanwhile.
-        let (req, arrival) = unsafe { start_receive(self.comm, t, src, tag)? };
-        self.reqs.push(req);
+        let arrival = unsafe {
+            push_in_place(&mut self.reqs, |slot| {
+                start_receive_into(comm, t, src, tag, slot)
+            })?
+        };
         self.checks.push(Check::Link(t, arrival));
         Ok(())
     }
@@ -155,12 +183,13 @@ impl<'a, C: Comm> Receives<'a, C> {
         check: &'a dyn ExactLength,
     ) -> Result<(), P2pError> {
         let len = region.len();
+        let comm = self.comm;
         // SAFETY: as in immediate_receive_into; the window holds the region for 'a.
-        let req = unsafe {
-            self.comm
-                .irecv(region.as_mut_ptr(), region.len(), src, tag)?
+        unsafe {
+            push_in_place(&mut self.reqs, |slot| {
+                comm.irecv_into(region.as_mut_ptr(), len, src, tag, slot)
+            })?
         };
-        self.reqs.push(req);
         self.checks.push(Check::Exact { len, by: check });
         Ok(())
     }

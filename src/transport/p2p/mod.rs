@@ -329,24 +329,28 @@ fn landing_region(t: &mut Tensor, landing: Landing) -> &mut [u8] {
 }
 
 /// Starts a checked receive into `t` from `src` (`MPI_Irecv` where the link says the
-/// message lands): the request and what [`Links::settle`] needs once it completes.
+/// message lands), its request written into `slot`: returns what [`Links::settle`] needs
+/// once it completes.
 ///
 /// # Safety
 /// The caller keeps `t` exclusively borrowed, and neither reads nor moves it, until the
-/// request completes.
-#[inline]
-unsafe fn start_receive<C: Comm>(
+/// request completes; `slot` is valid for writes, and holds the request exactly when this
+/// returns `Ok`.
+#[inline(always)]
+unsafe fn start_receive_into<C: Comm>(
     c: &C,
     t: &mut Tensor,
     src: usize,
     tag: i32,
-) -> Result<(C::Request, Arrival), P2pError> {
+    slot: *mut C::Request,
+) -> Result<Arrival, P2pError> {
     check_link(c, src, tag)?;
     let arrival = c.links().incoming(t, src, tag);
     let region = landing_region(t, arrival.landing);
-    // SAFETY: the caller holds `t` until the request completes (this function's contract).
-    let req = unsafe { c.irecv(region.as_mut_ptr(), region.len(), src, tag)? };
-    Ok((req, arrival))
+    // SAFETY: the caller holds `t` until the request completes and gives a writable slot
+    // (this function's contract).
+    unsafe { c.irecv_into(region.as_mut_ptr(), region.len(), src, tag, slot)? };
+    Ok(arrival)
 }
 
 /// Starts receiving into `t` from rank `src` (`MPI_Irecv`).
@@ -357,12 +361,14 @@ pub fn immediate_receive_into<'a, C: Comm>(
     src: usize,
     tag: i32,
 ) -> Result<RecvRequest<'a, C>, P2pError> {
+    let mut req = std::mem::MaybeUninit::uninit();
     // SAFETY: the request holds `t` mutably for 'a, so nothing else touches it until it
-    // is waited on (by `wait` or by the destructor).
-    let (req, arrival) = unsafe { start_receive(c, t, src, tag)? };
+    // is waited on (by `wait` or by the destructor); `req` is ours to write.
+    let arrival = unsafe { start_receive_into(c, t, src, tag, req.as_mut_ptr())? };
     Ok(RecvRequest {
         comm: c,
-        req: Some(req),
+        // SAFETY: start_receive_into returned Ok, so it wrote the request.
+        req: Some(unsafe { req.assume_init() }),
         tensor: t,
         arrival,
     })
