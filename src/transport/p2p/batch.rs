@@ -3,8 +3,8 @@
 //! A window of tensors to or from peers (a step's gradients to a parameter server, a
 //! benchmark's window of messages) is started one transfer at a time and completed in one
 //! `MPI_Waitall`, as rsmpi's request collections do. A transfer in a window costs its
-//! `MPI_Isend`/`MPI_Irecv` and a handle in a vector: no request object per message, no
-//! wait per message. Receives are checked as [`super::immediate_receive_into`]'s are, in
+//! `MPI_Isend`/`MPI_Irecv` and a handle that MPI writes straight into a vector: no
+//! request object per message, no wait per message. Receives are checked as [`super::immediate_receive_into`]'s are, in
 //! the order they were started, after the window completes.
 //!
 //! A window borrows every tensor it holds until it completes; dropping one unwaited waits
