@@ -115,6 +115,23 @@ fn arms(name: &str, paths: &[Path], opts: &BenchOptions) -> Vec<Arm> {
     out
 }
 
+/// The `mpi` arm's buffers, as `osu_allreduce.c` and `osu_bcast.c` allocate them: once
+/// for the run, at its largest size, page-aligned; the send buffer's bytes set to 1, the
+/// receive buffer's to 0 (the mpiflow arms use tensors as the runtime makes them).
+struct OsuBuffers {
+    send: AlignedBuf,
+    recv: AlignedBuf,
+}
+
+impl OsuBuffers {
+    fn new(max: usize) -> OsuBuffers {
+        OsuBuffers {
+            send: AlignedBuf::paged(max, 1),
+            recv: AlignedBuf::paged(max, 0),
+        }
+    }
+}
+
 /// One measurement of allreduce or bcast on one path.
 fn measure(
     coll: &Collectives<MpiComm>,
@@ -122,18 +139,16 @@ fn measure(
     arm: Arm,
     size: usize,
     opts: &BenchOptions,
+    osu_bufs: &mut OsuBuffers,
 ) -> Result<Row, BenchError> {
     let (iters, warmup) = osu::iterations(opts, size, (1000, 100), (100, 10), 8192);
     let world = coll.comm().raw();
-    // OSU's buffers: page-aligned, the send buffer's bytes set to 1, the receive buffer's
-    // to 0 (the mpiflow arms use tensors as the runtime makes them).
     let barrier = Some(world);
     let us = match (name, arm) {
         ("allreduce", Arm::Mpi) => {
             let n = size / 4;
-            let (mut s, mut r) = (AlignedBuf::paged(size, 1), AlignedBuf::paged(size, 0));
-            let send = &*floats(&mut s, n);
-            let recv = floats(&mut r, n);
+            let send = &*floats(&mut osu_bufs.send, n);
+            let recv = floats(&mut osu_bufs.recv, n);
             time_loop(iters, warmup, barrier, || {
                 world.all_reduce_into(send, &mut recv[..], SystemOperation::sum());
                 Ok(())
@@ -147,7 +162,7 @@ fn measure(
             })?
         }
         (_, Arm::Mpi) => {
-            let mut b = AlignedBuf::paged(size, 1);
+            let b = &mut osu_bufs.send;
             let root = world.process_at_rank(0);
             time_loop(iters, warmup, barrier, || {
                 root.broadcast_into(&mut b.as_mut_slice()[..size]);
@@ -285,6 +300,7 @@ pub fn run(
             _ => Some(size),
         });
     let arms = arms(name, &paths, opts);
+    let mut osu_bufs = OsuBuffers::new(max);
     let measured = best_of_rounds(
         coll,
         sizes,
@@ -292,7 +308,7 @@ pub fn run(
         rounds,
         Better::Lower,
         opts.progress,
-        |arm, size| measure(coll, name, arm, size, opts),
+        |arm, size| measure(coll, name, arm, size, opts, &mut osu_bufs),
     )?;
     out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
     if name == "allreduce" {
