@@ -4,8 +4,9 @@
 //! benchmark's window of messages) is started one transfer at a time and completed in one
 //! `MPI_Waitall`, as rsmpi's request collections do. A transfer in a window costs its
 //! `MPI_Isend`/`MPI_Irecv` and a handle that MPI writes straight into a vector: no
-//! request object per message, no wait per message. Receives are checked as [`super::immediate_receive_into`]'s are, in
-//! the order they were started, after the window completes.
+//! request object per message, no wait per message. Receives are checked as
+//! [`super::immediate_receive_into`]'s are, in the order they were started, after the
+//! window completes.
 //!
 //! A window borrows every tensor it holds until it completes; dropping one unwaited waits
 //! for it (and still checks its receives, so each link learns what arrived).
