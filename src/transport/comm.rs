@@ -365,19 +365,20 @@ pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
     }
 }
 
-/// The request `start` writes into a slot of its own, returned: `isend` and `irecv` of a
-/// transport whose own forms are [`Comm::isend_into`] and [`Comm::irecv_into`].
+/// The request `start` writes into a slot of its own, returned with what `start` returns:
+/// `isend` and `irecv` of a transport whose own forms are [`Comm::isend_into`] and
+/// [`Comm::irecv_into`], and a single checked receive ([`super::p2p`]).
 ///
 /// # Safety
 /// `start` writes a request into the slot exactly when it returns `Ok`.
 #[inline(always)]
-pub(crate) unsafe fn returned<R>(
-    start: impl FnOnce(*mut R) -> Result<(), TransportError>,
-) -> Result<R, TransportError> {
+pub(crate) unsafe fn returned<R, T, E>(
+    start: impl FnOnce(*mut R) -> Result<T, E>,
+) -> Result<(R, T), E> {
     let mut r = std::mem::MaybeUninit::uninit();
-    start(r.as_mut_ptr())?;
+    let out = start(r.as_mut_ptr())?;
     // SAFETY: start returned Ok, so it wrote the request (this function's contract).
-    Ok(unsafe { r.assume_init() })
+    Ok((unsafe { r.assume_init() }, out))
 }
 
 /// Waits may spin before they yield: set at start when every rank of this machine has a CPU

@@ -197,9 +197,10 @@ impl<'s> Reducer<'s> {
             } => {
                 // Same negotiation as the fused path: every replica, the same list (a wait
                 // for the slowest replica, as the fused path's allreduce is).
-                let bytes = grads.iter().map(Tensor::nbytes).sum::<usize>();
+                let bytes =
+                    grads.iter().map(Tensor::nbytes).sum::<usize>() + verdict.tensor.nbytes();
                 {
-                    let _wait = stall::wait(waiting(bytes + verdict.tensor.nbytes()));
+                    let _wait = stall::wait(waiting(bytes));
                     crate::transport::fusion::negotiate(coll, *signature_hash, || {
                         signature.clone()
                     })?;
@@ -224,7 +225,7 @@ impl<'s> Reducer<'s> {
                 // The layers' allreduces ran on the communication thread during the
                 // backward pass: what is left is waiting for the last of them.
                 timeline::span("gradients", "compute", start, t, Detail::at(step));
-                let _wait = stall::wait(waiting(bytes + verdict.tensor.nbytes()));
+                let _wait = stall::wait(waiting(bytes));
                 let mut stats = FusionStats::default();
                 for _ in 0..sent {
                     let (slot, r) = from_comm.recv().map_err(|_| {

@@ -311,7 +311,7 @@ impl Comm for MpiComm {
     ) -> Result<MpiRequest, TransportError> {
         // SAFETY: the caller's contract, passed on; `isend_into` writes the slot it is
         // given exactly when it returns Ok.
-        unsafe { returned(|slot| self.isend_into(buf, len, dst, tag, slot)) }
+        unsafe { returned(|slot| self.isend_into(buf, len, dst, tag, slot)) }.map(|(r, ())| r)
     }
 
     #[inline(always)]
@@ -342,7 +342,7 @@ impl Comm for MpiComm {
     ) -> Result<MpiRequest, TransportError> {
         // SAFETY: the caller's contract, passed on; `irecv_into` writes the slot it is
         // given exactly when it returns Ok.
-        unsafe { returned(|slot| self.irecv_into(buf, len, src, tag, slot)) }
+        unsafe { returned(|slot| self.irecv_into(buf, len, src, tag, slot)) }.map(|(r, ())| r)
     }
 
     #[inline(always)]

@@ -30,7 +30,7 @@ mod batch;
 pub(crate) use batch::ExactLength;
 pub use batch::{Receives, Sends};
 
-use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
+use super::comm::{check_peer, returned, Comm, Completion, TransportError, ANY_SOURCE};
 use super::links::{link_key, Last, Links};
 use crate::tensor::{describe_header, Landing, Tensor, TensorError};
 
@@ -361,14 +361,13 @@ pub fn immediate_receive_into<'a, C: Comm>(
     src: usize,
     tag: i32,
 ) -> Result<RecvRequest<'a, C>, P2pError> {
-    let mut req = std::mem::MaybeUninit::uninit();
     // SAFETY: the request holds `t` mutably for 'a, so nothing else touches it until it
-    // is waited on (by `wait` or by the destructor); `req` is ours to write.
-    let arrival = unsafe { start_receive_into(c, t, src, tag, req.as_mut_ptr())? };
+    // is waited on (by `wait` or by the destructor); start_receive_into writes the slot
+    // it is given exactly when it returns Ok.
+    let (req, arrival) = unsafe { returned(|slot| start_receive_into(c, t, src, tag, slot))? };
     Ok(RecvRequest {
         comm: c,
-        // SAFETY: start_receive_into returned Ok, so it wrote the request.
-        req: Some(unsafe { req.assume_init() }),
+        req: Some(req),
         tensor: t,
         arrival,
     })
