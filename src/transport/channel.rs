@@ -71,7 +71,7 @@ impl Channel {
     }
 
     /// `t` must be the tensor the channel was opened for (name, dtype, shape).
-    #[inline]
+    #[inline(always)]
     fn check_tensor<C: Comm>(&self, c: &C, t: &Tensor) -> Result<(), P2pError> {
         if t.signature() == self.signature {
             return Ok(());
@@ -155,8 +155,10 @@ impl Channel {
         })
     }
 
-    /// Starts sending `t`'s payload as part of the window `sends`.
-    #[inline]
+    /// Starts sending `t`'s payload as part of the window `sends`. Always inlined: a call
+    /// per message saves and restores registers, stores that slow a window of small
+    /// messages (see [`Comm::isend_window_into`]).
+    #[inline(always)]
     pub fn immediate_send_in<'a, C: Comm>(
         &self,
         sends: &mut Sends<'a, C>,
@@ -168,7 +170,7 @@ impl Channel {
 
     /// Starts receiving into `t`'s payload as part of the window `receives`, checked
     /// when the window completes.
-    #[inline]
+    #[inline(always)]
     pub fn immediate_receive_in<'a, C: Comm>(
         &'a self,
         receives: &mut Receives<'a, C>,

@@ -139,27 +139,42 @@ pub trait Comm {
         tag: i32,
     ) -> Result<Self::Request, TransportError>;
 
-    /// [`Comm::isend`] that writes the request into `slot` instead of returning it: a
-    /// window's next handle, in place (see [`super::p2p::Sends`]). `slot` holds a request
-    /// exactly when this returns `Ok`.
+    /// A send of a window ([`super::p2p::Sends`]): completed only together with the
+    /// window's others, by [`Comm::wait_window_sends`], so it keeps nothing for a
+    /// completion (for MPI the bare handle, where a [`Comm::Request`] also keeps its
+    /// buffer's length: one store less per message, which at 16 bytes decides Open MPI's
+    /// shared-memory regime, see [`Comm::isend_window_into`]).
+    type WindowSend;
+
+    /// Starts sending `len` bytes at `buf` to `dst` as part of a window, the send written
+    /// into `slot` (the window's next element, in place: nothing is returned and copied
+    /// per message). `slot` holds a send exactly when this returns `Ok`.
+    ///
+    /// A window of small messages is bound by what the sender stores per message: Open
+    /// MPI's shared-memory fast box takes each message in a cache line the receiver is
+    /// polling, and every further store waits behind those in the store buffer. One more
+    /// store per message (a request's length) read 0.75x the bandwidth of `MPI_Isend`
+    /// alone at 16 bytes (`benches/results/2026-11-25-osu.md`).
     ///
     /// # Safety
-    /// As [`Comm::isend`]; `slot` is valid for writes of a request.
-    #[inline]
-    unsafe fn isend_into(
+    /// As [`Comm::isend`]; `slot` is valid for writes of a send.
+    unsafe fn isend_window_into(
         &self,
         buf: *const u8,
         len: usize,
         dst: usize,
         tag: i32,
-        slot: *mut Self::Request,
-    ) -> Result<(), TransportError> {
-        // SAFETY: the caller's contract, passed on; slot is valid for writes.
-        unsafe { slot.write(self.isend(buf, len, dst, tag)?) };
-        Ok(())
-    }
+        slot: *mut Self::WindowSend,
+    ) -> Result<(), TransportError>;
 
-    /// [`Comm::irecv`] that writes the request into `slot`, as [`Comm::isend_into`].
+    /// Waits for every send of `sends` and empties it (`MPI_Waitall`); an error still
+    /// completes or waits for every send before it returns, so no buffer is left in MPI's
+    /// hands.
+    fn wait_window_sends(&self, sends: &mut Vec<Self::WindowSend>) -> Result<(), TransportError>;
+
+    /// [`Comm::irecv`] that writes the request into `slot` instead of returning it: a
+    /// window's next receive, in place (see [`super::p2p::Receives`]). `slot` holds a
+    /// request exactly when this returns `Ok`.
     ///
     /// # Safety
     /// As [`Comm::irecv`]; `slot` is valid for writes of a request.
@@ -194,18 +209,20 @@ pub trait Comm {
         first
     }
 
-    /// [`Comm::wait_all`] that also reports how each request completed, appended to `done`
-    /// in order (what a window of receives needs to check each). On an error every request
-    /// is still completed or waited for, and `done` is incomplete.
-    fn wait_all_into(
+    /// [`Comm::wait_all`] that also hands how each request completed to `each`, in order
+    /// (what a window of receives needs to check each), as they are read: no vector of
+    /// completions is written and read back. After a request fails, `each` sees no more;
+    /// every request is still completed or waited for.
+    fn wait_all_each(
         &self,
         reqs: &mut Vec<Self::Request>,
-        done: &mut Vec<Completion>,
+        mut each: impl FnMut(Completion),
     ) -> Result<(), TransportError> {
         let mut first = Ok(());
         for r in reqs.drain(..) {
             match self.wait(r) {
-                Ok(c) => done.push(c),
+                Ok(c) if first.is_ok() => each(c),
+                Ok(_) => {}
                 Err(e) => first = first.and(Err(e)),
             }
         }
@@ -366,8 +383,8 @@ pub fn check_peer<C: Comm>(c: &C, peer: usize) -> Result<(), TransportError> {
 }
 
 /// The request `start` writes into a slot of its own, returned with what `start` returns:
-/// `isend` and `irecv` of a transport whose own forms are [`Comm::isend_into`] and
-/// [`Comm::irecv_into`], and a single checked receive ([`super::p2p`]).
+/// `isend` and `irecv` of a transport whose own forms write in place (as
+/// [`Comm::irecv_into`]), and a single checked receive ([`super::p2p`]).
 ///
 /// # Safety
 /// `start` writes a request into the slot exactly when it returns `Ok`.

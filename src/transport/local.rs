@@ -184,6 +184,25 @@ impl Comm for LocalComm {
         Ok(LocalRequest::Recv { buf, len, src, tag })
     }
 
+    type WindowSend = LocalRequest;
+
+    unsafe fn isend_window_into(
+        &self,
+        buf: *const u8,
+        len: usize,
+        dst: usize,
+        tag: i32,
+        slot: *mut LocalRequest,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller's contract, passed on; slot is valid for writes.
+        unsafe { slot.write(self.isend(buf, len, dst, tag)?) };
+        Ok(())
+    }
+
+    fn wait_window_sends(&self, sends: &mut Vec<LocalRequest>) -> Result<(), TransportError> {
+        self.wait_all(sends)
+    }
+
     fn wait(&self, req: LocalRequest) -> Result<Completion, TransportError> {
         let LocalRequest::Recv { buf, len, src, tag } = req else {
             return Ok(Completion::new(0, false, self.rank));

@@ -53,6 +53,11 @@ pub struct MpiRequest {
     len: usize,
 }
 
+/// A send of a window in flight: the bare handle (see [`Comm::WindowSend`]); a window's
+/// vector of them is the array `MPI_Waitall` takes.
+#[repr(transparent)]
+pub struct MpiWindowSend(ffi::MPI_Request);
+
 fn library_in_place(v: &str) -> Option<*mut c_void> {
     // MPI_IN_PLACE is a macro, absent from the bindings: OpenMPI defines it as (void *) 1
     // and MPICH as (void *) -1. With another library, in-place collectives copy instead.
@@ -309,27 +314,57 @@ impl Comm for MpiComm {
         dst: usize,
         tag: i32,
     ) -> Result<MpiRequest, TransportError> {
-        // SAFETY: the caller's contract, passed on; `isend_into` writes the slot it is
-        // given exactly when it returns Ok.
-        unsafe { returned(|slot| self.isend_into(buf, len, dst, tag, slot)) }.map(|(r, ())| r)
+        // SAFETY: the caller's contract, passed on; `post` writes the slot it is given
+        // exactly when it returns Ok.
+        unsafe {
+            returned(|slot| {
+                self.post("MPI_Isend", len, dst, slot, |n, dst, req| {
+                    ffi::MPI_Isend(buf.cast(), n, byte(), dst, tag, self.handle, req)
+                })
+            })
+        }
+        .map(|(r, ())| r)
     }
 
+    type WindowSend = MpiWindowSend;
+
     #[inline(always)]
-    unsafe fn isend_into(
+    unsafe fn isend_window_into(
         &self,
         buf: *const u8,
         len: usize,
         dst: usize,
         tag: i32,
-        slot: *mut MpiRequest,
+        slot: *mut MpiWindowSend,
     ) -> Result<(), TransportError> {
-        // SAFETY: the caller keeps buf..buf+len valid until the request completes, and
-        // slot is valid for writes.
-        unsafe {
-            self.post("MPI_Isend", len, dst, slot, |n, dst, req| {
-                ffi::MPI_Isend(buf.cast(), n, byte(), dst, tag, self.handle, req)
-            })
+        let (n, dst) = (self.count(len)?, self.peer(dst)?);
+        // SAFETY: the caller keeps buf..buf+len valid until the send completes; MPI writes
+        // the handle into slot, valid for writes.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.cast(),
+                n,
+                byte(),
+                dst,
+                tag,
+                self.handle,
+                &raw mut (*slot).0,
+            )
+        };
+        self.check("MPI_Isend", rc)
+    }
+
+    fn wait_window_sends(&self, sends: &mut Vec<MpiWindowSend>) -> Result<(), TransportError> {
+        // SAFETY: MpiWindowSend is a transparent MPI_Request, so the vector's elements are
+        // the array of handles MPI_Waitall takes.
+        let handles =
+            unsafe { std::slice::from_raw_parts_mut(sends.as_mut_ptr().cast(), sends.len()) };
+        let mut done = Ok(());
+        for chunk in handles.chunks_mut(c_int::MAX as usize) {
+            done = done.and(self.wait_handles(chunk));
         }
+        sends.clear();
+        done
     }
 
     #[inline]
@@ -369,15 +404,16 @@ impl Comm for MpiComm {
     }
 
     fn wait_all(&self, reqs: &mut Vec<MpiRequest>) -> Result<(), TransportError> {
-        self.wait_every(reqs, None)
+        self.wait_every(reqs, None::<fn(Completion)>)
     }
 
-    fn wait_all_into(
+    #[inline]
+    fn wait_all_each(
         &self,
         reqs: &mut Vec<MpiRequest>,
-        done: &mut Vec<Completion>,
+        each: impl FnMut(Completion),
     ) -> Result<(), TransportError> {
-        self.wait_every(reqs, Some(done))
+        self.wait_every(reqs, Some(each))
     }
 
     fn test(&self, r: &mut MpiRequest) -> Result<Option<Completion>, TransportError> {

@@ -90,14 +90,14 @@ impl MpiComm {
     }
 
     /// Completes every request of `reqs` and empties it: one `MPI_Waitall` per [`CHUNK`]
-    /// requests. With `done`, each request's [`Completion`] is appended in order (a
-    /// truncated receive is a completion that says so, as from `MPI_Wait`); without it MPI
-    /// writes no statuses (what sends need). On an error every request is still completed
-    /// before this returns (no buffer is left in MPI's hands) and `done` is incomplete.
+    /// requests. With `each`, each request's [`Completion`] is handed to it in order (a
+    /// truncated receive is a completion that says so, as from `MPI_Wait`) until one
+    /// fails; without it MPI writes no statuses (what sends need). On an error every
+    /// request is still completed before this returns (no buffer is left in MPI's hands).
     pub(super) fn wait_every(
         &self,
         reqs: &mut Vec<MpiRequest>,
-        mut done: Option<&mut Vec<Completion>>,
+        mut each: Option<impl FnMut(Completion)>,
     ) -> Result<(), TransportError> {
         let mut result = Ok(());
         for chunk in reqs.chunks(CHUNK) {
@@ -106,7 +106,7 @@ impl MpiComm {
                 *h = r.req;
             }
             let handles = &mut handles[..chunk.len()];
-            let Some(done) = done.as_deref_mut() else {
+            let Some(each) = each.as_mut() else {
                 result = result.and(self.wait_handles(handles));
                 continue;
             };
@@ -136,25 +136,20 @@ impl MpiComm {
                     handles.len(),
                 )
             };
-            if rc == ffi::MPI_SUCCESS as c_int {
-                for (status, r) in statuses.iter().zip(chunk) {
-                    match self.completion("MPI_Waitall", rc, status, r.len) {
-                        Ok(c) => done.push(c),
-                        Err(e) => result = result.and(Err(e)),
+            // Each status holds its request's outcome where some failed; MPI_ERR_PENDING
+            // marks one not yet complete (another failed first), waited for on its own.
+            for ((h, status), r) in handles.iter_mut().zip(statuses.iter_mut()).zip(chunk) {
+                let mut code = rc;
+                if rc != ffi::MPI_SUCCESS as c_int {
+                    code = status.MPI_ERROR;
+                    if code == ffi::MPI_ERR_PENDING as c_int {
+                        // SAFETY: h is the pending request; waiting completes it.
+                        code = unsafe { ffi::MPI_Wait(h, status) };
                     }
                 }
-                continue;
-            }
-            // Each status holds its request's outcome; MPI_ERR_PENDING marks one not yet
-            // complete (another failed first), which is waited for on its own.
-            for ((h, status), r) in handles.iter_mut().zip(statuses.iter_mut()).zip(chunk) {
-                let mut code = status.MPI_ERROR;
-                if code == ffi::MPI_ERR_PENDING as c_int {
-                    // SAFETY: h is the pending request; waiting completes it.
-                    code = unsafe { ffi::MPI_Wait(h, status) };
-                }
                 match self.completion("MPI_Waitall", code, status, r.len) {
-                    Ok(c) => done.push(c),
+                    Ok(c) if result.is_ok() => each(c),
+                    Ok(_) => {}
                     Err(e) => result = result.and(Err(e)),
                 }
             }
@@ -163,8 +158,12 @@ impl MpiComm {
         result
     }
 
-    /// `MPI_Waitall` on `handles` without statuses.
-    fn wait_handles(&self, handles: &mut [ffi::MPI_Request]) -> Result<(), TransportError> {
+    /// `MPI_Waitall` on `handles` without statuses; on an error every handle is still
+    /// completed before this returns.
+    pub(super) fn wait_handles(
+        &self,
+        handles: &mut [ffi::MPI_Request],
+    ) -> Result<(), TransportError> {
         // SAFETY: each handle is an active request of this rank (or already null);
         // MPI_Waitall completes and frees them, writing null handles back.
         let rc = unsafe {
