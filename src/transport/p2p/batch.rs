@@ -72,6 +72,21 @@ unsafe fn push_send<C: Comm>(
     Ok(())
 }
 
+/// Ends the process if dropped. Armed around a loop that holds a window's sends in a
+/// local ([`Sends::immediate_send_each`]) and disarmed after it, it runs only if the loop
+/// unwinds (a caller's iterator panics): the sends started so far could then not be waited
+/// for, and MPI might read their tensors after they are gone. (A guard that waited for
+/// them would hold the local's address, and the compiler would then store the window's
+/// length around every `MPI_Isend` again.)
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        eprintln!("mpiflow: a panic while a window's sends were starting; aborting, as MPI may still read their tensors");
+        std::process::abort();
+    }
+}
+
 /// A window of sends in flight, completed together by [`Sends::wait_all`].
 pub struct Sends<'a, C: Comm> {
     comm: &'a C,
@@ -118,15 +133,18 @@ impl<'a, C: Comm> Sends<'a, C> {
     ) -> Result<(), P2pError> {
         check_link(self.comm, dst, tag)?;
         let (comm, mut reqs) = (self.comm, std::mem::take(&mut self.reqs));
+        let armed = AbortOnUnwind;
         let mut done = Ok(());
         for t in tensors {
             let bytes = comm.links().outgoing(t, dst, tag);
-            // SAFETY: as in send_bytes.
+            // SAFETY: as in send_bytes: every send is given back to the window below, or
+            // the process ends (`armed`) before a tensor could go.
             if let Err(e) = unsafe { push_send(comm, &mut reqs, bytes, dst, tag) } {
                 done = Err(e);
                 break;
             }
         }
+        std::mem::forget(armed);
         self.reqs = reqs;
         done
     }
