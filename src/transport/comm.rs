@@ -150,11 +150,12 @@ pub trait Comm {
     /// into `slot` (the window's next element, in place: nothing is returned and copied
     /// per message). `slot` holds a send exactly when this returns `Ok`.
     ///
-    /// A window of small messages is bound by what the sender stores per message: Open
-    /// MPI's shared-memory fast box takes each message in a cache line the receiver is
-    /// polling, and every further store waits behind those in the store buffer. One more
-    /// store per message (a request's length) read 0.75x the bandwidth of `MPI_Isend`
-    /// alone at 16 bytes (`benches/results/2026-11-25-osu.md`).
+    /// A window of small messages is bound by what the sender stores per message: one
+    /// more store per message (a request's length beside its handle) read 143 against 195
+    /// MB/s at 16 bytes (`benches/results/2026-11-25-osu.md`). Open MPI's shared-memory
+    /// fast box takes each message in a cache line the receiver is polling; a reading
+    /// consistent with every variant measured is that the message's stores wait for that
+    /// line, and every later store queues behind them.
     ///
     /// # Safety
     /// As [`Comm::isend`]; `slot` is valid for writes of a send.
