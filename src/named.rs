@@ -49,6 +49,7 @@ mod tests {
         check::<crate::train::ps::PsTransport>();
         check::<crate::bench::osu::Path>();
         check::<crate::bench::osu::ShmStores>();
+        check::<crate::bench::osu::Element>();
         check::<crate::train::optim::OptimizerKind>();
         check::<crate::train::ps::placement::Strategy>();
         check::<crate::transport::stack::RdmaStack>();

@@ -211,9 +211,38 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "# mpiflow path: mpiflow (algorithm auto)\n",
         "# mpiflow path: mpiflow (algorithm recursive-doubling)\n",
         "# ratio mpiflow (algorithm recursive-doubling)/mpi (median over rounds",
+        // OSU's default elements: bytes.
+        "# Datatype: MPI_CHAR.\n",
     ] {
         assert!(run.stdout.contains(line), "{line}: {}", run.stdout);
     }
+    // OSU's -T: 32-bit integers, so no size below one element.
+    let run = mpirun(&[
+        "-np",
+        "2",
+        mpiflow(),
+        "bench",
+        "allreduce",
+        "-T",
+        "mpi_int",
+        "-m",
+        "1:16",
+        "-i",
+        "10",
+        "-x",
+        "2",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let t = osu_tables(&run.stdout, "# Size         Avg Latency(us)");
+    assert_eq!(t.len(), 2, "{}", run.stdout);
+    assert!(t.iter().all(|rows| rows.iter().map(|r| r.0).eq([4, 8, 16])));
+    assert!(
+        run.stdout.contains("# Datatype: MPI_INT.\n"),
+        "{}",
+        run.stdout
+    );
 
     let run = mpirun(&[
         "-np",
@@ -345,6 +374,10 @@ fn bad_benchmark_requests_are_one_line_errors() {
     .assert_one_line_error("all ranks: --path channel is for latency, bw and bibw, not allreduce");
     mpirun(&["-np", "2", mpiflow(), "bench", "bw", "--path", "mpi-sgd"])
         .assert_one_line_error("all ranks: --path mpi-sgd is for pushpull, not bw");
+    mpirun(&["-np", "2", mpiflow(), "bench", "bw", "-T", "mpi_float"])
+        .assert_one_line_error("all ranks: -T is for allreduce (the elements it sums), not bw");
+    common::mpiflow_alone(&["bench", "allreduce", "-T", "mpi_double"], &[])
+        .assert_one_line_error("invalid value 'mpi_double' for '--type <ELEMENT>'");
     mpirun(&[
         "-np",
         "2",

@@ -6,7 +6,7 @@ use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use super::osu::{self, BenchOptions, Path, ShmStores};
+use super::osu::{self, BenchOptions, Element, Path, ShmStores};
 use super::{best_of_rounds, secs, BenchError, Better, Label, Row};
 use crate::named::Named;
 use crate::tensor::{AlignedBuf, DType, Tensor};
@@ -73,11 +73,29 @@ fn over_ranks(
     })
 }
 
-fn floats(b: &mut AlignedBuf, n: usize) -> &mut [f32] {
-    // SAFETY: AlignedBuf is at least 64-byte aligned and initialised, and every bit
-    // pattern is an f32; n floats fit (checked by the slice bound below).
-    let (_, mid, _) = unsafe { b.as_mut_slice().align_to_mut::<f32>() };
+/// The first `n` elements of `b` as `T` (a plain number type: every bit pattern valid).
+fn elements<T: Copy>(b: &mut AlignedBuf, n: usize) -> &mut [T] {
+    // SAFETY: AlignedBuf is at least 64-byte aligned and initialised, and the callers' T
+    // are i8, i32 and f32, for which every bit pattern is a value; n elements fit
+    // (checked by the slice bound below).
+    let (_, mid, _) = unsafe { b.as_mut_slice().align_to_mut::<T>() };
     &mut mid[..n]
+}
+
+/// OSU's timed loop of `MPI_Allreduce` (sum) on `n` elements of `T` of its buffers.
+fn mpi_allreduce<T: Copy + Equivalence>(
+    world: &SimpleCommunicator,
+    bufs: &mut OsuBuffers,
+    n: usize,
+    iters: usize,
+    warmup: usize,
+) -> Result<f64, BenchError> {
+    let send = &*elements::<T>(&mut bufs.send, n);
+    let recv = elements::<T>(&mut bufs.recv, n);
+    time_loop(iters, warmup, Some(world), || {
+        world.all_reduce_into(send, &mut recv[..], SystemOperation::sum());
+        Ok(())
+    })
 }
 
 /// A path of the allreduce and bcast tables.
@@ -146,16 +164,16 @@ fn measure(
     let barrier = Some(world);
     let us = match (name, arm) {
         ("allreduce", Arm::Mpi) => {
-            let n = size / 4;
-            let send = &*floats(&mut osu_bufs.send, n);
-            let recv = floats(&mut osu_bufs.recv, n);
-            time_loop(iters, warmup, barrier, || {
-                world.all_reduce_into(send, &mut recv[..], SystemOperation::sum());
-                Ok(())
-            })?
+            let n = size / opts.element.dtype().size();
+            match opts.element {
+                Element::Char => mpi_allreduce::<i8>(world, osu_bufs, n, iters, warmup)?,
+                Element::Int => mpi_allreduce::<i32>(world, osu_bufs, n, iters, warmup)?,
+                Element::Float => mpi_allreduce::<f32>(world, osu_bufs, n, iters, warmup)?,
+            }
         }
         (_, Arm::Allreduce(algorithm)) => {
-            let mut t = Tensor::zeros(DType::F32, &[size / 4])?.named("bench");
+            let dtype = opts.element.dtype();
+            let mut t = Tensor::zeros(dtype, &[size / dtype.size()])?.named("bench");
             time_loop(iters, warmup, barrier, || {
                 coll.allreduce_tensor(&mut t, ReduceOp::Sum, algorithm)?;
                 Ok(())
@@ -285,18 +303,19 @@ pub fn run(
         out.push_str(&stores_line(coll, opts));
         return Ok(out);
     }
-    let (title, datatype, default_min) = if name == "allreduce" {
-        ("Allreduce Latency Test", "MPI_FLOAT", 4)
+    let (title, datatype) = if name == "allreduce" {
+        ("Allreduce Latency Test", opts.element.mpi_name())
     } else {
-        ("Broadcast Latency Test", "MPI_CHAR", 1)
+        ("Broadcast Latency Test", "MPI_CHAR")
     };
-    let (min, max) = opts.sizes.unwrap_or((default_min, 1 << 20));
+    let (min, max) = opts.sizes.unwrap_or((1, 1 << 20));
     let (paths, rounds) = opts.plan();
+    let element = opts.element.dtype().size();
     let sizes = osu::sizes(min, max)
         .into_iter()
         .filter_map(|size| match name {
-            "allreduce" if size < 4 => None, // OSU skips sizes below one element
-            "allreduce" => Some(size / 4 * 4),
+            "allreduce" if size < element => None, // OSU skips sizes below one element
+            "allreduce" => Some(size / element * element),
             _ => Some(size),
         });
     let arms = arms(name, &paths, opts);

@@ -272,6 +272,11 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
             )))
         }
     }
+    if opts.element != osu::Element::Char && name != "allreduce" {
+        return Err(BenchError::Option(format!(
+            "-T is for allreduce (the elements it sums), not {name}"
+        )));
+    }
     let shm_tuned = opts.shm_slot_bytes.is_some() || opts.shm_stores != osu::ShmStores::Auto;
     if shm_tuned && !matches!(name, "allreduce" | "allreduce-fused") {
         return Err(BenchError::Option(format!(

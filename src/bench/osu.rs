@@ -66,6 +66,9 @@ pub struct BenchOptions {
     pub full: bool,
     /// Check the data that arrived (outside the timed loop).
     pub validate: bool,
+    /// OSU's `-T`: the elements an allreduce sums (allreduce only; OSU's default is
+    /// `mpi_char`).
+    pub element: Element,
     /// Which path to measure.
     pub path: Path,
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
@@ -115,6 +118,48 @@ impl crate::named::Named for Buffers {
     ];
 }
 
+/// OSU's `-T mpi_char|mpi_int|mpi_float`: the elements `osu_allreduce` sums, bytes by
+/// default. The `mpi` path reduces the same MPI type (for `mpi_char` `MPI_INT8_T`, which
+/// rsmpi names where it has no `MPI_CHAR`: one byte, summed by the same kernel in Open MPI,
+/// measured the same in `benches/compare/allreduce_loop.c`); the mpiflow path a tensor of
+/// `u8`, `i32` or `f32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Element {
+    #[default]
+    Char,
+    Int,
+    Float,
+}
+
+impl crate::named::Named for Element {
+    const NAMES: &'static [(Self, &'static str, &'static str)] = &[
+        (Element::Char, "mpi_char", "Bytes (OSU's default)"),
+        (Element::Int, "mpi_int", "32-bit integers"),
+        (Element::Float, "mpi_float", "32-bit floats, as gradients"),
+    ];
+}
+
+impl Element {
+    /// The MPI type's name, as OSU's tables print it.
+    pub fn mpi_name(self) -> &'static str {
+        match self {
+            Element::Char => "MPI_CHAR",
+            Element::Int => "MPI_INT",
+            Element::Float => "MPI_FLOAT",
+        }
+    }
+
+    /// The tensor dtype of the mpiflow path.
+    pub fn dtype(self) -> crate::tensor::DType {
+        use crate::tensor::DType;
+        match self {
+            Element::Char => DType::U8,
+            Element::Int => DType::I32,
+            Element::Float => DType::F32,
+        }
+    }
+}
+
 /// `--shm-stores`: see [`crate::transport::collectives::stores`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmStores {
@@ -159,6 +204,7 @@ impl Default for BenchOptions {
             buffers: Buffers::Single,
             full: false,
             validate: false,
+            element: Element::Char,
             path: Path::Both,
             rounds: 3,
             algorithms: vec![Algorithm::Auto],

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use mpiflow::bench::osu::{BenchOptions, Buffers, Path as BenchPath, ShmStores};
+use mpiflow::bench::osu::{BenchOptions, Buffers, Element, Path as BenchPath, ShmStores};
 use mpiflow::cluster::hostfile::MapBy;
 use mpiflow::cluster::{MappingOptions, Placement, Request, Source};
 use mpiflow::named::Named;
@@ -186,6 +186,9 @@ pub(crate) struct BenchArgs {
     /// Check the data that arrived (outside the timed loop).
     #[arg(short = 'c', long = "validation")]
     validate: bool,
+    /// The elements an allreduce sums, as OSU's `-T` (allreduce only).
+    #[arg(short = 'T', long = "type", value_parser = named::<Element>(), default_value = "mpi_char")]
+    element: Element,
     /// Which path to measure.
     #[arg(long, value_parser = named::<BenchPath>(), default_value = "both")]
     path: BenchPath,
@@ -230,6 +233,7 @@ impl BenchArgs {
             buffers: self.buffers,
             full: self.full,
             validate: self.validate,
+            element: self.element,
             path: self.path,
             rounds: self.rounds,
             algorithms: self.algorithms.clone(),
