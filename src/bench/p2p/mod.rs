@@ -159,11 +159,11 @@ trait Way {
         tensors: impl Iterator<Item = &'a Tensor>,
     ) -> Result<(), P2pError>;
 
-    /// Starts receiving into `t` in the window `receives`.
-    fn receive_in<'a>(
+    /// Starts receiving into each of `tensors` in the window `receives`.
+    fn receive_each<'a>(
         &'a self,
         receives: &mut Receives<'a, MpiComm>,
-        t: &'a mut Tensor,
+        tensors: impl Iterator<Item = &'a mut Tensor>,
     ) -> Result<(), P2pError>;
 
     /// Receives into `t` (blocking).
@@ -184,12 +184,12 @@ impl Way for Headers {
     }
 
     #[inline(always)]
-    fn receive_in<'a>(
+    fn receive_each<'a>(
         &'a self,
         receives: &mut Receives<'a, MpiComm>,
-        t: &'a mut Tensor,
+        tensors: impl Iterator<Item = &'a mut Tensor>,
     ) -> Result<(), P2pError> {
-        receives.immediate_receive_into(t, self.0, TAG)
+        receives.immediate_receive_each(tensors, self.0, TAG)
     }
 
     #[inline(always)]
@@ -212,12 +212,15 @@ impl Way for Channel {
     }
 
     #[inline(always)]
-    fn receive_in<'a>(
+    fn receive_each<'a>(
         &'a self,
         receives: &mut Receives<'a, MpiComm>,
-        t: &'a mut Tensor,
+        tensors: impl Iterator<Item = &'a mut Tensor>,
     ) -> Result<(), P2pError> {
-        self.immediate_receive_in(receives, t)
+        for t in tensors {
+            self.immediate_receive_in(receives, t)?;
+        }
+        Ok(())
     }
 
     #[inline(always)]
@@ -294,9 +297,7 @@ impl Tensors {
             return sending.wait_all();
         }
         let mut incoming = Receives::with_capacity(c, receives);
-        for t in self.recv[..receives].iter_mut() {
-            way.receive_in(&mut incoming, t)?;
-        }
+        way.receive_each(&mut incoming, self.recv[..receives].iter_mut())?;
         way.send_each(&mut sending, outgoing)?;
         sending.wait_all()?;
         incoming.wait_all()

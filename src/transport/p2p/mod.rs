@@ -345,6 +345,22 @@ unsafe fn start_receive_into<C: Comm>(
     slot: *mut C::Request,
 ) -> Result<Arrival, P2pError> {
     check_link(c, src, tag)?;
+    // SAFETY: this function's contract.
+    unsafe { start_checked_receive_into(c, t, src, tag, slot) }
+}
+
+/// [`start_receive_into`] on a link already checked ([`check_link`]).
+///
+/// # Safety
+/// As [`start_receive_into`].
+#[inline(always)]
+unsafe fn start_checked_receive_into<C: Comm>(
+    c: &C,
+    t: &mut Tensor,
+    src: usize,
+    tag: i32,
+    slot: *mut C::Request,
+) -> Result<Arrival, P2pError> {
     let arrival = c.links().incoming(t, src, tag);
     let region = landing_region(t, arrival.landing);
     // SAFETY: the caller holds `t` until the request completes and gives a writable slot
