@@ -13,7 +13,7 @@
 
 use std::marker::PhantomData;
 
-use super::{check_link, start_checked_receive_into, start_receive_into, Arrival, P2pError};
+use super::{check_link, start_receive_into, Arrival, P2pError};
 use crate::tensor::{Landing, Tensor};
 use crate::transport::comm::{Comm, Completion};
 
@@ -242,6 +242,7 @@ impl<'a, C: Comm> Receives<'a, C> {
         src: usize,
         tag: i32,
     ) -> Result<(), P2pError> {
+        check_link(self.comm, src, tag)?;
         let comm = self.comm;
         // SAFETY: the window holds `t` mutably for 'a and completes every request before
         // it is gone (wait_all or the destructor): nothing else touches it meanwhile.
@@ -284,7 +285,7 @@ impl<'a, C: Comm> Receives<'a, C> {
             // window below, or the process ends (`armed`) before a tensor could go.
             let started = unsafe {
                 push_in_place(&mut reqs, |slot| {
-                    start_checked_receive_into(comm, &mut *t, src, tag, slot)
+                    start_receive_into(comm, &mut *t, src, tag, slot)
                 })
             };
             match started {

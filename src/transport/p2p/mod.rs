@@ -329,8 +329,8 @@ fn landing_region(t: &mut Tensor, landing: Landing) -> &mut [u8] {
 }
 
 /// Starts a checked receive into `t` from `src` (`MPI_Irecv` where the link says the
-/// message lands), its request written into `slot`: returns what [`Links::settle`] needs
-/// once it completes.
+/// message lands) on a link its caller has checked ([`check_link`]), its request written
+/// into `slot`: returns what [`Links::settle`] needs once it completes.
 ///
 /// # Safety
 /// The caller keeps `t` exclusively borrowed, and neither reads nor moves it, until the
@@ -338,23 +338,6 @@ fn landing_region(t: &mut Tensor, landing: Landing) -> &mut [u8] {
 /// returns `Ok`.
 #[inline(always)]
 unsafe fn start_receive_into<C: Comm>(
-    c: &C,
-    t: &mut Tensor,
-    src: usize,
-    tag: i32,
-    slot: *mut C::Request,
-) -> Result<Arrival, P2pError> {
-    check_link(c, src, tag)?;
-    // SAFETY: this function's contract.
-    unsafe { start_checked_receive_into(c, t, src, tag, slot) }
-}
-
-/// [`start_receive_into`] on a link already checked ([`check_link`]).
-///
-/// # Safety
-/// As [`start_receive_into`].
-#[inline(always)]
-unsafe fn start_checked_receive_into<C: Comm>(
     c: &C,
     t: &mut Tensor,
     src: usize,
@@ -377,6 +360,7 @@ pub fn immediate_receive_into<'a, C: Comm>(
     src: usize,
     tag: i32,
 ) -> Result<RecvRequest<'a, C>, P2pError> {
+    check_link(c, src, tag)?;
     // SAFETY: the request holds `t` mutably for 'a, so nothing else touches it until it
     // is waited on (by `wait` or by the destructor); start_receive_into writes the slot
     // it is given exactly when it returns Ok.
