@@ -16,6 +16,10 @@
 # noise only ever slows a run, so each program's best round per size estimates its cost;
 # the table prints those bests side by side, the ratios to OSU's best (>1 is slower for
 # latencies, faster for bandwidths), and each column's spread over rounds (worst/best).
+# Where whole jobs run in slow and fast phases (an AMD VM: 2-4x apart below 4 KiB), bests of
+# separate jobs can still differ by tens of percent from run to run; the `~` columns hold
+# what does not: mpiflow's paths against its `mpi` path measured in the same job, round by
+# round (the ratio lines of `mpiflow bench`), the median over the ROUNDS jobs.
 # `pushpull` has no OSU program: its jobs are mpiflow's alone and its reference column is
 # the plain-MPI pattern (`mpi`). Not part of the tests.
 set -euo pipefail
@@ -49,10 +53,14 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # The rows of every table in a run's output, as `path size value` (OSU's own output has no
-# `# mpiflow path:` line: its path is `osu`).
+# `# mpiflow path:` line: its path is `osu`), and the rows of mpiflow's ratio lines (two
+# paths measured in the same job, `# ratio mpiflow/mpi ...`) as `paired:mpiflow/mpi size
+# ratio`.
 rows() {
   awk -v first="$1" '
-    /^# mpiflow path:/ { sub(/^# mpiflow path: /, ""); path = $0; gsub(/ /, "_", path); next }
+    /^# mpiflow path:/ { sub(/^# mpiflow path: /, ""); path = $0; gsub(/ /, "_", path); ratio = ""; next }
+    /^# ratio / { ratio = $0; sub(/^# ratio /, "", ratio); sub(/ \(median.*$/, "", ratio); gsub(/ /, "_", ratio); next }
+    ratio != "" && $1 == "#" && $2 ~ /^[0-9]+$/ { print "paired:" ratio, $2, $3; next }
     /^#/ || NF < 2 { next }
     $1 ~ /^[0-9]+$/ { print (path == "" ? first : path), $1, $2 }'
 }
@@ -75,8 +83,16 @@ for name in "${names[@]}"; do
       | rows mpiflow >>"$out/$name"
   done
   echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
+  echo "# a/b~: median over the jobs of a/b measured in the same job (see the head of this script)"
   awk -v better="$better" -v ref="$ref" '
     BEGIN { np = 1; paths[1] = ref; seen[ref] = 1 }
+    # In-job ratios of every job, per pair of paths and size; the median is printed.
+    $1 ~ /^paired:/ {
+      k = substr($1, 8)
+      if (!(k in pseen)) { pseen[k] = 1; pairs[++npairs] = k }
+      pv[k, $2, ++pn[k, $2]] = $3
+      next
+    }
     {
       key = $1 SUBSEP $2
       if (!(key in best)) { best[key] = $3; worst[key] = $3 }
@@ -89,6 +105,7 @@ for name in "${names[@]}"; do
       printf "%-9s", "# size"
       for (p = 1; p <= np; p++) printf " %14s", substr(paths[p], 1, 14)
       for (p = 2; p <= np; p++) printf " %10s", substr(paths[p], 1, 6) "/" ref
+      for (q = 1; q <= npairs; q++) printf " %14s", substr(pairs[q], 1, 13) "~"
       printf "   spread (worst/best):"
       for (p = 1; p <= np; p++) printf " %s", paths[p]
       printf "\n"
@@ -104,6 +121,14 @@ for name in "${names[@]}"; do
         for (p = 2; p <= np; p++) {
           k = paths[p] SUBSEP s
           if ((k in best) && o > 0) printf " %10.3f", best[k] / o; else printf " %10s", "-"
+        }
+        for (q = 1; q <= npairs; q++) {
+          n = pn[pairs[q], s]
+          if (n == 0) { printf " %14s", "-"; continue }
+          # The median (the upper middle one of an even count), by insertion sort.
+          for (x1 = 1; x1 <= n; x1++) v[x1] = pv[pairs[q], s, x1]
+          for (x1 = 2; x1 <= n; x1++) for (x2 = x1; x2 > 1 && v[x2 - 1] > v[x2]; x2--) { t = v[x2]; v[x2] = v[x2 - 1]; v[x2 - 1] = t }
+          printf " %14.3f", v[int(n / 2) + 1]
         }
         printf "   "
         for (p = 1; p <= np; p++) {

@@ -197,8 +197,8 @@ enum Check<'a> {
     /// Not a receive: the link of the [`Check::Payload`]s after it.
     Run { src: usize, tag: i32 },
     /// A tensor of [`Receives::immediate_receive_each`] whose payload alone lands (its
-    /// link held it): as `Link`, the link that of the last `Run`. One word stored per
-    /// receive while the window is posted.
+    /// link held it): checked as a `Link` is, on the link of the last `Run` before it. One
+    /// word stored per receive while the window is posted.
     Payload(&'a mut Tensor),
     /// A payload of `len` bytes (a channel's); `by` names what it expected otherwise.
     Exact { len: usize, by: &'a dyn ExactLength },
