@@ -367,12 +367,9 @@ impl<C: Comm> Collectives<C> {
             Algorithm::Mpi => match self.comm.native_allreduce(buf, dtype, op) {
                 Some(r) => r?,
                 // No native allreduce for this dtype (8-bit: see `native_allreduce`): what
-                // auto picks without one. Recursive doubling, not the ring, below
-                // `small_bytes`: 0.37-0.52 us against 0.58-0.94 at 1-256 bytes.
-                None if buf.len() < self.tuning.small_bytes => {
-                    self.recursive_doubling(buf, dtype, op)?
-                }
-                None => self.ring(buf, dtype, op)?,
+                // auto runs without one (recursive doubling below `small_bytes`: 0.37-0.52
+                // us against the ring's 0.58-0.94 at 1-256 bytes).
+                None => return self.allreduce_one(buf, dtype, op, self.by_messages(buf.len())),
             },
             Algorithm::Ring | Algorithm::Shm => self.ring(buf, dtype, op)?,
             Algorithm::RecursiveDoubling | Algorithm::Auto => {

@@ -129,13 +129,21 @@ impl<C: Comm> Collectives<C> {
             Algorithm::Hierarchical
         } else if bytes >= t.ring_min_bytes && self.size() <= t.ring_max_ranks {
             Algorithm::Ring
-        } else if bytes < t.small_bytes && !native {
-            Algorithm::RecursiveDoubling
         } else if native {
             Algorithm::Mpi
         } else {
-            Algorithm::Ring
+            self.by_messages(bytes)
         })
+    }
+
+    /// What `auto` runs by messages where the library's own allreduce does not serve:
+    /// recursive doubling below `small_bytes`, else the ring.
+    pub(super) fn by_messages(&self, bytes: usize) -> Algorithm {
+        if bytes < self.tuning.small_bytes {
+            Algorithm::RecursiveDoubling
+        } else {
+            Algorithm::Ring
+        }
     }
 
     /// The algorithm that runs when `algo` is asked for: `auto` chosen by size, `shm`
