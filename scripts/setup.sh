@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PKGS=(openmpi-bin libopenmpi-dev libclang-dev clang pkg-config libhwloc-dev hwloc
-      libopenblas-dev libudev-dev libffi-dev python3 iproute2 util-linux iputils-ping procps
+      libopenblas-dev libudev-dev python3 iproute2 util-linux iputils-ping procps
       dataset-fashion-mnist ucx-utils)
 # Slurm is only needed by the Slurm tests; install it when asked.
 if [[ "${MPIFLOW_WITH_SLURM:-0}" == 1 ]]; then

@@ -209,7 +209,7 @@ fn kill_rank(victim: usize) -> (String, f64) {
             "--steps",
             "1000000",
             "--peer-timeout",
-            "5",
+            "3",
         ],
         victim,
     );

@@ -73,7 +73,7 @@ fn rma_dead_worker_or_ps_is_named_within_30_seconds() {
                 &["--mca", "orte_enable_recovery", "1"][..],
                 &rma_args(
                     "4",
-                    &["--ps", "1", "--steps", "100000000", "--peer-timeout", "5"],
+                    &["--ps", "1", "--steps", "100000000", "--peer-timeout", "3"],
                 ),
             ]
             .concat(),

@@ -46,7 +46,7 @@ fn a_killed_rank_costs_one_restart_from_the_newest_checkpoint() {
             "--mode",
             "allreduce",
             "--steps",
-            "100000",
+            "40000",
             "--log-every",
             "1000",
         ])
@@ -112,7 +112,7 @@ fn a_killed_rank_costs_one_restart_from_the_newest_checkpoint() {
     let last = mpiflow::train::checkpoint::latest(&dir)
         .0
         .expect("a final checkpoint");
-    assert_eq!(last.step, 100000);
+    assert_eq!(last.step, 40000);
 }
 
 #[test]

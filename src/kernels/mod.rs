@@ -225,16 +225,29 @@ pub fn sum_rows(g: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `out = max(x, 0)`, element-wise (`out` as long as `x`).
+/// `out = max(x, 0)`, element-wise (`out` as long as `x`; NaN gives 0).
+///
+/// Both ReLU kernels are selects on slices of one length, which the compiler turns into
+/// vector compares and masks; `f32::max` and a zip of three slices stayed scalar, and the
+/// backward's branch on a sign that is a coin toss mispredicted (ReLU was 8-10% of a CNN
+/// step).
 pub fn relu_into(x: &[f32], out: &mut [f32]) {
-    out.iter_mut().zip(x).for_each(|(o, v)| *o = v.max(0.0));
+    let x = &x[..out.len()];
+    for (o, &v) in out.iter_mut().zip(x) {
+        let keep = ((v > 0.0) as u32).wrapping_neg();
+        *o = f32::from_bits(v.to_bits() & keep);
+    }
 }
 
 /// ReLU's backward: `dx = dy` where the forward output was positive, zero elsewhere.
 pub fn relu_backward_into(out: &[f32], dy: &[f32], dx: &mut [f32]) {
-    dx.iter_mut()
-        .zip(dy.iter().zip(out))
-        .for_each(|(d, (g, o))| *d = if *o > 0.0 { *g } else { 0.0 });
+    let n = dx.len();
+    let (out, dy) = (&out[..n], &dy[..n]);
+    for ((d, &g), &o) in dx.iter_mut().zip(dy).zip(out) {
+        // All ones where the output was positive: dy's bits pass, else +0.0.
+        let keep = ((o > 0.0) as u32).wrapping_neg();
+        *d = f32::from_bits(g.to_bits() & keep);
+    }
 }
 
 /// Softmax cross-entropy over `logits` (`rows x classes`) with integer labels: returns the
