@@ -302,6 +302,42 @@ pub fn argmax_rows(x: &[f32], cols: usize) -> Vec<usize> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn relu_keeps_positives_and_zeroes_the_rest_at_every_lane() {
+        // 37 values: whole vectors and a tail; the specials in the middle.
+        let mut x: Vec<f32> = (0..37).map(|i| i as f32 - 18.5).collect();
+        x[10..16].copy_from_slice(&[
+            f32::NAN,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            -0.0,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+        ]);
+        let mut out = vec![7.0; x.len()];
+        relu_into(&x, &mut out);
+        for (v, o) in x.iter().zip(&out) {
+            let want = if *v > 0.0 { *v } else { 0.0 };
+            assert_eq!(o.to_bits(), want.to_bits(), "relu({v}) = {o}");
+        }
+        // The backward passes dy's bits where the output was positive, else +0.0, whatever
+        // dy holds there.
+        let dy: Vec<f32> = (0..37)
+            .map(|i| match i % 4 {
+                0 => f32::NAN,
+                1 => -1.5 * i as f32,
+                2 => f32::INFINITY,
+                _ => -0.0,
+            })
+            .collect();
+        let mut dx = vec![7.0; dy.len()];
+        relu_backward_into(&out, &dy, &mut dx);
+        for ((o, g), d) in out.iter().zip(&dy).zip(&dx) {
+            let want = if *o > 0.0 { *g } else { 0.0 };
+            assert_eq!(d.to_bits(), want.to_bits(), "out {o}, dy {g}: dx {d}");
+        }
+    }
+
     fn naive(ta: bool, tb: bool, m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
         let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
         let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
