@@ -227,8 +227,9 @@ pub fn sum_rows(g: &[f32], out: &mut [f32]) {
 
 /// `out = max(x, 0)`, element-wise (`out` as long as `x`; NaN gives 0).
 ///
-/// Both ReLU kernels are selects on slices of one length, which the compiler turns into
-/// vector compares and masks; `f32::max` and a zip of three slices stayed scalar, and the
+/// Both ReLU kernels pass a value's bits through a mask (all ones where the output is
+/// positive, else zero) over slices of one length, which the compiler makes vector
+/// compares and bitwise ands; `f32::max`, a branch or an `if` select stayed scalar, and the
 /// backward's branch on a sign that is a coin toss mispredicted (ReLU was 8-10% of a CNN
 /// step).
 pub fn relu_into(x: &[f32], out: &mut [f32]) {
