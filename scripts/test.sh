@@ -32,28 +32,40 @@ phase "cargo doc (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
 
 phase "cargo test (OpenMPI)"
-# The MPICH build (its own target directory) runs beside the tests at the lowest priority:
-# they spend minutes waiting on Slurm, signals and timeouts, which it fills, and it takes
-# the CPU from them only when they leave it idle. It builds once the tests are built.
 log=$(mktemp) mpich_log=$(mktemp)
-# Its own session, so that an early exit stops the whole build (cargo and its rustc).
+# The MPICH build runs in its own session, so that an early exit stops all of it.
 trap 'rm -f "$log" "$mpich_log"; [[ -n ${mpich_pid:-} ]] && kill -- "-$mpich_pid" 2>/dev/null || true' EXIT
+# One test thread: the mpirun tests must not run at once on 2 cores.
+run_tests() {
+  timeout 1500 cargo test --release "$@" -- --test-threads=1 2>&1 | tee -a "$log"
+  local status=${PIPESTATUS[0]}
+  if [[ $status -ne 0 ]]; then
+    exit "$status"
+  fi
+}
 cargo test --release --no-run --quiet
+# The Slurm tests first, with the MPICH build (its own target directory) beside them at
+# the lowest priority: they wait on Slurm's scheduler and time limits for most of their
+# two minutes, which the build fills. (Beside the CPU-bound tests it cost them more than
+# it saved: ranks that yield the CPU while they wait gave it to the build.)
 setsid nice -n 19 bash scripts/mpich-check.sh build >"$mpich_log" 2>&1 &
 mpich_pid=$!
-# One test thread: the mpirun tests must not run at once on 2 cores.
-timeout 1500 cargo test --release -- --test-threads=1 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
-if [[ $status -ne 0 ]]; then
-  exit "$status"
-fi
-
-phase "MPICH build and smoke run"
+run_tests --test slurm
 if ! wait "$mpich_pid"; then
   mpich_pid=
   echo "MPICH build failed:"; cat "$mpich_log"; exit 1
 fi
 mpich_pid=
+# Then everything else: the unit tests, every other integration test, the doctests.
+others=(--lib --bins)
+for f in tests/*.rs; do
+  name=$(basename "$f" .rs)
+  if [[ $name != slurm ]]; then others+=(--test "$name"); fi
+done
+run_tests "${others[@]}"
+run_tests --doc
+
+phase "MPICH smoke run"
 bash scripts/mpich-check.sh | tee -a "$log"
 
 # One closing line over everything that ran.
