@@ -511,14 +511,14 @@ fn a_stopped_srun_job_requeues_itself_and_resumes_from_its_checkpoint() {
     // operator could, lets it start sooner.
     slurm.wait_state(&id, &out, 90, |s| s == "PENDING");
     assert_eq!(slurm.job_field(&id, "Restarts"), "1");
-    // 10 s, not at once: the slurmd daemons clean up the first run's step (the same
+    // 20 s, not at once: the slurmd daemons clean up the first run's step (the same
     // job and step id) for a few seconds after the job is requeued; a start within ~3 s
     // of it failed to launch its tasks here.
     slurm.client(&[
         "scontrol",
         "update",
         &format!("JobId={id}"),
-        "StartTime=now+10",
+        "StartTime=now+20",
     ]);
     let job = slurm.wait_end(&id, &out, 120);
     job.assert_completed();
