@@ -357,7 +357,7 @@ fn a_signal_stops_training_at_a_step_boundary_and_a_rerun_resumes_there() {
 }
 
 /// A small tmpfs mounted for one test, unmounted when dropped (also when the test fails).
-struct SmallDisk(std::path::PathBuf);
+struct SmallDisk(common::TempDir);
 
 impl SmallDisk {
     /// A tmpfs of `size` (`mount -o size=`) at a fresh directory; `None` (the test is
@@ -383,7 +383,6 @@ impl SmallDisk {
 impl Drop for SmallDisk {
     fn drop(&mut self) {
         let _ = common::run_bounded(30, &["umount", self.0.to_str().unwrap()], &[]);
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -25,7 +25,7 @@ fn next() -> usize {
 
 /// One private Slurm; dropping it stops every daemon (also when a test panics).
 struct LocalSlurm {
-    dir: PathBuf,
+    dir: common::TempDir,
 }
 
 /// A finished batch job.
@@ -274,14 +274,12 @@ impl Drop for LocalSlurm {
     fn drop(&mut self) {
         let down = Command::new("timeout")
             .args(["-k", "5", "60", &script(), "down"])
-            .arg(&self.dir)
+            .arg(&*self.dir)
             .status();
-        let stopped = matches!(down, Ok(s) if s.success());
-        if !stopped || std::thread::panicking() {
-            // Keep the daemons' logs and the jobs' output for whoever reads the failure.
-            eprintln!("local Slurm state and logs kept in {}", self.dir.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
+        if !matches!(down, Ok(s) if s.success()) {
+            // The daemons' logs and the jobs' output, for whoever reads the failure.
+            eprintln!("local Slurm did not stop: {down:?}");
+            self.dir.keep();
         }
     }
 }
@@ -713,7 +711,7 @@ fn daemons_stop_by_pidfile_with_a_job_still_running() {
         })
         .collect();
     assert_eq!(pids.len(), 6, "munged, slurmctld and four slurmd: {pids:?}");
-    let dir = slurm.dir.clone();
+    let dir = slurm.dir.to_path_buf();
     drop(slurm);
     for pid in &pids {
         assert!(

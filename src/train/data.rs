@@ -386,6 +386,7 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains(":1: 2 fields"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! and `mpirun` runs are serialised by a lock so a test binary never starts two at once.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
 
@@ -162,12 +163,54 @@ pub fn accuracy(stdout: &str) -> f64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
-/// A fresh temporary directory for one test.
-pub fn tmpdir(name: &str) -> std::path::PathBuf {
+/// A fresh temporary directory for one test, removed when it goes out of scope, unless
+/// the test is failing (a panic is unwinding) or [`TempDir::keep`] was called: then it
+/// stays, and its path is said, for whoever reads the failure.
+pub fn tmpdir(name: &str) -> TempDir {
     let d = std::env::temp_dir().join(format!("mpiflow-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir {
+        path: d,
+        keep: false,
+    }
+}
+
+/// See [`tmpdir`].
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl TempDir {
+    /// Keeps the directory when this is dropped.
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if self.keep || std::thread::panicking() {
+            eprintln!("test files kept in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 /// Largest |a - b| / (1 + |a|) over every parameter of two saved parameter files.

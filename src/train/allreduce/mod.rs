@@ -460,6 +460,7 @@ mod tests {
                     "{n} replicas, overlap {overlap}, {fusion:?}, {towers} towers: largest relative difference {worst}"
                 );
             }
+            std::fs::remove_file(&out).unwrap();
         }
     }
 }

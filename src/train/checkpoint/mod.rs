@@ -384,5 +384,6 @@ mod tests {
         let bytes = fs::read(&g).unwrap();
         fs::write(&g, &bytes[..bytes.len() - 3]).unwrap();
         assert!(latest(&dir).0.is_none());
+        fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -281,6 +281,7 @@ mod tests {
         });
         let worst = crate::train::max_relative_difference(&local.model, &out);
         assert!(worst < 1e-4, "largest relative difference {worst}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The chief's logged steps carry every rank's phase times: its own, the other
@@ -393,6 +394,7 @@ mod tests {
                 );
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
