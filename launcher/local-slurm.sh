@@ -134,6 +134,13 @@ up() {
   d=$(realpath -m "$1")
   need
   LOGDIR="$d/log"
+  # Another Slurm on these ports would answer for this one (its nodes, its jobs).
+  local p
+  for p in $(seq "$PORT" $((PORT + NODES))); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+      die "port $p is taken (another local Slurm? MPIFLOW_SLURM_PORT picks other ports)"
+    fi
+  done
   write_config "$d"
   export SLURM_CONF="$d/slurm.conf"
   # A fresh key: 1 KiB of random bytes, readable by its owner only.
@@ -151,13 +158,22 @@ up() {
   wait_for "the four nodes" 150 all_idle
 }
 
+# Whether process PID runs: it exists and is not a zombie (dead, its exit status not yet
+# collected by its parent; a daemon's parent is init, which can take seconds to do it).
+running() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  # The state follows the command name, which is in parentheses and may hold spaces.
+  [[ ${stat##*) } != Z* ]]
+}
+
 # Stops the daemons of the given pidfiles together: SIGTERM, up to 5 s, then SIGKILL.
 stop_pidfiles() {
   local f pid pids=()
   for f in "$@"; do
     [[ -f "$f" ]] || continue
     pid=$(cat "$f" 2>/dev/null || true)
-    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+    if [[ -n "$pid" ]] && running "$pid"; then
       kill "$pid" 2>/dev/null || true
       pids+=("$pid")
     fi
@@ -165,7 +181,7 @@ stop_pidfiles() {
   done
   for _ in $(seq 50); do
     local alive=0
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    for pid in "${pids[@]}"; do running "$pid" && alive=1; done
     ((alive)) || return 0
     sleep 0.1
   done
@@ -202,7 +218,7 @@ down() {
     ((${#left[@]})) || break
     for _ in $(seq 50); do
       alive=0
-      for p in "${left[@]}"; do [[ -d "$p" ]] && alive=1; done
+      for p in "${left[@]}"; do running "${p#/proc/}" && alive=1; done
       ((alive)) || break
       sleep 0.1
     done

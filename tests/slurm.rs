@@ -92,6 +92,16 @@ fn crashed_by_signal(output: &str) -> bool {
     })
 }
 
+/// Whether process `pid` runs: it exists and is not a zombie (dead, not yet collected by
+/// its parent; a daemon's parent is init, which may take seconds to collect it).
+fn running(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name, which is in parentheses.
+        let state = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
+        !state.starts_with('Z')
+    })
+}
+
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
@@ -714,10 +724,7 @@ fn daemons_stop_by_pidfile_with_a_job_still_running() {
     let dir = slurm.dir.to_path_buf();
     drop(slurm);
     for pid in &pids {
-        assert!(
-            !Path::new(&format!("/proc/{pid}")).exists(),
-            "daemon {pid} still runs"
-        );
+        assert!(!running(pid), "daemon {pid} still runs");
     }
     // Nothing the instance started (step daemons, the job's sleep) is left.
     let marker = format!("MPIFLOW_LOCAL_SLURM={}", dir.display());
