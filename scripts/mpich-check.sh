@@ -8,7 +8,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MPIFLOW_WITH_MPICH=1 bash scripts/setup.sh
 export MPICC=mpicc.mpich CARGO_TARGET_DIR=${MPIFLOW_MPICH_TARGET:-target/mpich}
+# A first build starts from a copy of the OpenMPI release build, if there is one: every
+# dependency but MPI's bindings is the same, so only mpi-sys (its build script reads
+# MPICC, but cargo reruns it only when its sources change: hence the clean) and what
+# depends on it are compiled again (here 63 s, against 135 s for everything).
+if [[ ! -d $CARGO_TARGET_DIR/release && -d target/release/deps ]]; then
+  mkdir -p "$CARGO_TARGET_DIR"
+  cp -a target/release "$CARGO_TARGET_DIR/release"
+  cargo clean --release --quiet -p mpi-sys
+fi
 cargo build --release --quiet --bin mpiflow
+if ! ldd "$CARGO_TARGET_DIR/release/mpiflow" | grep -q libmpich; then
+  echo "MPICH check failed: $CARGO_TARGET_DIR/release/mpiflow is not linked to MPICH"; exit 1
+fi
 if [[ "${1:-}" == build ]]; then
   exit 0
 fi
