@@ -18,7 +18,7 @@ if [[ ! -d $CARGO_TARGET_DIR/release && -d target/release/deps ]]; then
   cargo clean --release --quiet -p mpi-sys
 fi
 cargo build --release --quiet --bin mpiflow
-if ! ldd "$CARGO_TARGET_DIR/release/mpiflow" | grep -q libmpich; then
+if ! ldd "$CARGO_TARGET_DIR/release/mpiflow" | grep libmpich >/dev/null; then
   echo "MPICH check failed: $CARGO_TARGET_DIR/release/mpiflow is not linked to MPICH"; exit 1
 fi
 if [[ "${1:-}" == build ]]; then
