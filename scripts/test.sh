@@ -44,10 +44,10 @@ cargo test --release --no-run --quiet
 # The Slurm tests first, with the MPICH build (its own target directory) beside them at
 # the lowest priority: they wait on Slurm's scheduler and time limits for most of their
 # two minutes, which the build fills. (Beside the CPU-bound tests it cost them more than
-# it saved: ranks that yield the CPU while they wait gave it to the build.) Its own
-# session is its own scheduling group where the kernel groups by session (autogroup):
-# that group's nice is what ranks it against the tests' jobs (Slurm's steps run in other
-# sessions), so it is set too.
+# it saved, when its group below was at nice 0: ranks that yield the CPU while they wait
+# gave it to the build.) Its own session is its own scheduling group where the kernel
+# groups by session (autogroup): that group's nice is what ranks it against the tests'
+# jobs (Slurm's steps run in other sessions), so it is set too.
 setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null
   exec nice -n 19 bash scripts/mpich-check.sh build' >"$mpich_log" 2>&1 &
 mpich_pid=$!
