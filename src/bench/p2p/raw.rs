@@ -43,6 +43,10 @@ pub(super) struct Raw<'c> {
     comm: ffi::MPI_Comm,
     peer: c_int,
     requests: Vec<ffi::MPI_Request>,
+    /// OSU's `reqstat`: the statuses its `MPI_Recv` and `MPI_Waitall` write, one per
+    /// request of a window (OSU never passes `MPI_STATUS_IGNORE`, and a status written
+    /// is work the library does: sends' too).
+    statuses: Vec<ffi::MPI_Status>,
 }
 
 impl<'c> Raw<'c> {
@@ -52,6 +56,8 @@ impl<'c> Raw<'c> {
             comm: comm.raw().as_raw(),
             peer: peer as c_int,
             requests: Vec::new(),
+            // SAFETY: a zeroed status is a valid out-parameter (OSU's is a zeroed global).
+            statuses: vec![unsafe { std::mem::zeroed() }; 1],
         }
     }
 
@@ -70,9 +76,9 @@ impl<'c> Raw<'c> {
         self.mpi.check("MPI_Send", rc)
     }
 
-    pub(super) fn recv(&self, buf: &mut [u8], tag: i32) -> Result<(), TransportError> {
-        // SAFETY: buf is valid and exclusively ours during the blocking call; the status is
-        // ignored as OSU does (MPI_STATUS_IGNORE).
+    pub(super) fn recv(&mut self, buf: &mut [u8], tag: i32) -> Result<(), TransportError> {
+        // SAFETY: buf is valid and exclusively ours during the blocking call; the status,
+        // written as OSU's `&reqstat[0]`, is ours.
         let rc = unsafe {
             ffi::MPI_Recv(
                 buf.as_mut_ptr().cast(),
@@ -81,7 +87,7 @@ impl<'c> Raw<'c> {
                 self.peer,
                 tag,
                 self.comm,
-                ffi::RSMPI_STATUS_IGNORE,
+                self.statuses.as_mut_ptr(),
             )
         };
         self.mpi.check("MPI_Recv", rc)
@@ -104,7 +110,7 @@ impl<'c> Raw<'c> {
     ) -> Result<(), TransportError> {
         let rc = start(&mut self.requests[j]);
         if rc != ffi::MPI_SUCCESS as c_int {
-            waitall(&mut self.requests[..j]);
+            waitall(&mut self.requests[..j], &mut []);
             return self.mpi.check(call, rc);
         }
         Ok(())
@@ -125,6 +131,11 @@ impl<'c> Raw<'c> {
         // Handles written in place by `post` (a handle from an earlier window is null:
         // `MPI_Waitall` freed it).
         self.requests.resize(receives + sends, null_request());
+        let most = receives.max(sends).max(1);
+        if self.statuses.len() < most {
+            // SAFETY: as in `new`.
+            self.statuses.resize(most, unsafe { std::mem::zeroed() });
+        }
         for (j, k) in turns(bufs.recv.len(), receives).enumerate() {
             let buf = bufs.recv[k].as_mut_ptr();
             // SAFETY: the buffer (at least `size` bytes) belongs to `bufs`, borrowed
@@ -144,8 +155,9 @@ impl<'c> Raw<'c> {
             })?;
         }
         let (recvs, sends) = self.requests.split_at_mut(receives);
-        self.mpi.check("MPI_Waitall", waitall(sends))?;
-        self.mpi.check("MPI_Waitall", waitall(recvs))
+        let statuses = &mut self.statuses;
+        self.mpi.check("MPI_Waitall", waitall(sends, statuses))?;
+        self.mpi.check("MPI_Waitall", waitall(recvs, statuses))
     }
 }
 
@@ -159,17 +171,20 @@ fn null_request() -> ffi::MPI_Request {
     unsafe { std::mem::zeroed() }
 }
 
-/// `MPI_Waitall`'s return code.
-fn waitall(reqs: &mut [ffi::MPI_Request]) -> c_int {
+/// `MPI_Waitall`'s return code, its statuses written into `statuses` as OSU's (or
+/// ignored when `statuses` is empty, as after a failure).
+fn waitall(reqs: &mut [ffi::MPI_Request], statuses: &mut [ffi::MPI_Status]) -> c_int {
     if reqs.is_empty() {
         return ffi::MPI_SUCCESS as c_int;
     }
-    // SAFETY: every handle is an active request of this rank; MPI completes and frees them.
-    unsafe {
-        ffi::MPI_Waitall(
-            reqs.len() as c_int,
-            reqs.as_mut_ptr(),
-            ffi::RSMPI_STATUSES_IGNORE,
-        )
-    }
+    let out = if statuses.is_empty() {
+        // SAFETY: a constant.
+        unsafe { ffi::RSMPI_STATUSES_IGNORE }
+    } else {
+        assert!(statuses.len() >= reqs.len(), "a status per request");
+        statuses.as_mut_ptr()
+    };
+    // SAFETY: every handle is an active request of this rank; MPI completes and frees
+    // them, writing one status per request into `out` (checked long enough above).
+    unsafe { ffi::MPI_Waitall(reqs.len() as c_int, reqs.as_mut_ptr(), out) }
 }
