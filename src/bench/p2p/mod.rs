@@ -128,30 +128,19 @@ impl Via {
             _ => Via::Headers,
         })
     }
-
-    #[inline]
-    fn send(&self, c: &MpiComm, t: &Tensor, peer: usize) -> Result<(), P2pError> {
-        match self {
-            Via::Headers => p2p::send(c, t, peer, TAG),
-            Via::Channel(ch) => ch.send(c, t),
-        }
-    }
-
-    #[inline]
-    fn receive_into(&self, c: &MpiComm, t: &mut Tensor, peer: usize) -> Result<(), P2pError> {
-        match self {
-            Via::Headers => p2p::receive_into(c, t, peer, TAG),
-            Via::Channel(ch) => ch.receive_into(c, t),
-        }
-    }
 }
 
-/// A path's calls on a window of tensors, for [`Tensors::window_on`]: one instance per
-/// path, dispatched once per window. A window of small messages is bound by what the
-/// sender stores per message (see `Comm::isend_window_into`): a match per message, or a
-/// loop that spilled one more register around each `MPI_Isend`, read 129-154 MB/s at 16
-/// bytes where the loop without read 186-205.
+/// A path's calls on tensors, for [`Tensors::window_on`] and [`Tensors::round_trip_on`]:
+/// one instance per path, dispatched once per window or round trip (a match per message
+/// put the latency of the header path at 1.07-1.10x of the `mpi` path at 1-8 B, where
+/// calling `p2p` straight read 1.05-1.07, in the same jobs). A window of small messages
+/// is bound by what the sender stores per message (see `Comm::isend_window_into`): a
+/// match per message, or a loop that spilled one more register around each `MPI_Isend`,
+/// read 129-154 MB/s at 16 bytes where the loop without read 186-205.
 trait Way {
+    /// Sends `t` (blocking).
+    fn send(&self, c: &MpiComm, t: &Tensor) -> Result<(), P2pError>;
+
     /// Starts sending each of `tensors` in the window `sends`.
     fn send_each<'a>(
         &self,
@@ -174,6 +163,11 @@ trait Way {
 struct Headers(usize);
 
 impl Way for Headers {
+    #[inline(always)]
+    fn send(&self, c: &MpiComm, t: &Tensor) -> Result<(), P2pError> {
+        p2p::send(c, t, self.0, TAG)
+    }
+
     #[inline(always)]
     fn send_each<'a>(
         &self,
@@ -199,6 +193,11 @@ impl Way for Headers {
 }
 
 impl Way for Channel {
+    #[inline(always)]
+    fn send(&self, c: &MpiComm, t: &Tensor) -> Result<(), P2pError> {
+        Channel::send(self, c, t)
+    }
+
     #[inline(always)]
     fn send_each<'a>(
         &self,
@@ -273,6 +272,33 @@ impl Tensors {
         match via {
             Via::Headers => self.window_on(c, &Headers(peer), receives, sends),
             Via::Channel(ch) => self.window_on(c, ch, receives, sends),
+        }
+    }
+
+    /// One iteration of latency on an mpiflow path, dispatched once to the path's
+    /// [`Way`]: rank 0 (`first`) sends, then receives; its peer the other way round.
+    fn round_trip(
+        &mut self,
+        c: &MpiComm,
+        via: &Via,
+        peer: usize,
+        first: bool,
+    ) -> Result<(), P2pError> {
+        match via {
+            Via::Headers => self.round_trip_on(c, &Headers(peer), first),
+            Via::Channel(ch) => self.round_trip_on(c, ch, first),
+        }
+    }
+
+    #[inline(always)]
+    fn round_trip_on<W: Way>(&mut self, c: &MpiComm, way: &W, first: bool) -> Result<(), P2pError> {
+        let (send, recv) = (&self.send[0], &mut self.recv[0]);
+        if first {
+            way.send(c, send)?;
+            way.receive_into(c, recv)
+        } else {
+            way.receive_into(c, recv)?;
+            way.send(c, send)
         }
     }
 
@@ -408,13 +434,7 @@ fn measure(
             }
             (Side::Tensors(tv), Kind::Latency) => {
                 let (t, via) = (&mut tv.0, &tv.1);
-                if me == 0 {
-                    via.send(comm, &t.send[0], peer)?;
-                    via.receive_into(comm, &mut t.recv[0], peer)?;
-                } else {
-                    via.receive_into(comm, &mut t.recv[0], peer)?;
-                    via.send(comm, &t.send[0], peer)?;
-                }
+                t.round_trip(comm, via, peer, me == 0)?;
             }
             (Side::Tensors(tv), _) => {
                 let (t, via) = (&mut tv.0, &tv.1);
