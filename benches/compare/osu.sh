@@ -10,12 +10,13 @@
 #     hostfiles/netns-3hosts --map-by node --bind-to none' benches/compare/osu.sh latency
 #                                                # across the namespace hosts
 #
-# Builds OSU 7.4 from ../shared/tools/osu-7.4 (or $OSU_SRC) into target/osu-7.4 once, then
-# for each benchmark runs ROUNDS rounds of two jobs: OSU's program, then `mpiflow bench`
-# with all its paths (mpi, mpiflow, and channel for latency, bw, bibw). This machine's
-# noise only ever slows a run, so each program's best round per size estimates its cost;
-# the table prints those bests side by side, the ratios to OSU's best (>1 is slower for
-# latencies, faster for bandwidths), and each column's spread over rounds (worst/best).
+# Builds OSU 7.4 from ../shared/tools/osu-7.4 (or $OSU_SRC) into target/osu-7.4 once
+# (printing DIGITS digits, see below), then for each benchmark runs ROUNDS rounds of two
+# jobs: OSU's program, then `mpiflow bench` with all its paths (mpi, mpiflow, and channel
+# for latency, bw, bibw). This machine's noise only ever slows a run, so each program's
+# best round per size estimates its cost; the table prints those bests side by side, the
+# ratios to OSU's best (>1 is slower for latencies, faster for bandwidths), and each
+# column's spread over rounds (worst/best).
 # Where whole jobs run in slow and fast phases (an AMD VM: 2-4x apart below 4 KiB), bests of
 # separate jobs can still differ by tens of percent from run to run; the `~` columns hold
 # what does not: mpiflow's paths against its `mpi` path measured in the same job, round by
@@ -27,8 +28,14 @@ cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-6}
 NP=${NP:-2}
 OSU_SRC=${OSU_SRC:-../shared/tools/osu-7.4}
+# A directory given is used as it is (an OSU built elsewhere), target/osu-7.4 is built here.
+own_osu=${OSU_DIR:+no}
 OSU_DIR=${OSU_DIR:-target/osu-7.4}
 OSU_ARGS=${OSU_ARGS:-}
+# Digits after the point in both programs' tables: OSU prints 2 (its compile-time
+# FLOAT_PRECISION, which rounds a 0.2 us latency to 5%), so its build here sets 4, the
+# source unchanged, and `mpiflow bench` gets `--digits` to match.
+DIGITS=${DIGITS:-4}
 # Options for mpirun (hosts, mapping); `$VARIABLES` in them are expanded here.
 MPIRUN_ARGS=$(eval echo "${MPIRUN_ARGS:-}")
 names=("$@")
@@ -47,11 +54,16 @@ case ${MPIFLOW_RDMA_STACK:-auto} in
   *) if [[ -z $rdma ]]; then export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,pt2pt}; fi ;;
 esac
 cargo build --release --quiet --bin mpiflow
-if [[ ! -x $OSU_DIR/osu_latency ]]; then
-  bash "$OSU_SRC/build.sh" "$OSU_DIR" >/dev/null
-fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+# OSU's build script takes the compiler from $MPICC: a wrapper adds the precision.
+if [[ ! -x $OSU_DIR/osu_latency ]] ||
+  [[ -z $own_osu && $(cat "$OSU_DIR/DIGITS" 2>/dev/null) != "$DIGITS" ]]; then
+  printf '#!/bin/sh\nexec %s -DFLOAT_PRECISION=%s "$@"\n' "${MPICC:-mpicc}" "$DIGITS" >"$out/mpicc"
+  chmod +x "$out/mpicc"
+  MPICC=$out/mpicc bash "$OSU_SRC/build.sh" "$OSU_DIR" >/dev/null
+  echo "$DIGITS" >"$OSU_DIR/DIGITS"
+fi
 # The rows of every table in a run's output, as `path size value` (OSU's own output has no
 # `# mpiflow path:` line: its path is `osu`), and the rows of mpiflow's ratio lines (two
 # paths measured in the same job, `# ratio mpiflow/mpi ...`) as `paired:mpiflow/mpi size
@@ -79,12 +91,12 @@ for name in "${names[@]}"; do
       timeout 900 mpirun $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
     fi
     # shellcheck disable=SC2086
-    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 $OSU_ARGS \
+    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 --digits "$DIGITS" $OSU_ARGS \
       | rows mpiflow >>"$out/$name"
   done
   echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
   echo "# a/b~: median over the jobs of a/b measured in the same job (see the head of this script)"
-  awk -v better="$better" -v ref="$ref" '
+  awk -v better="$better" -v ref="$ref" -v digits="$DIGITS" '
     BEGIN { np = 1; paths[1] = ref; seen[ref] = 1 }
     # In-job ratios of every job, per pair of paths and size; the median is printed.
     $1 ~ /^paired:/ {
@@ -116,7 +128,7 @@ for name in "${names[@]}"; do
         printf "%-9s", s
         for (p = 1; p <= np; p++) {
           k = paths[p] SUBSEP s
-          if (k in best) printf " %14.2f", best[k]; else printf " %14s", "-"
+          if (k in best) printf " %14." digits "f", best[k]; else printf " %14s", "-"
         }
         for (p = 2; p <= np; p++) {
           k = paths[p] SUBSEP s

@@ -288,7 +288,13 @@ pub fn run(
         .zip(&tables)
         {
             out.push_str(&format!("# mpiflow path: {label}\n"));
-            out.push_str(&osu::collective_table(&title, "MPI_FLOAT", rows, opts.full));
+            out.push_str(&osu::collective_table(
+                &title,
+                "MPI_FLOAT",
+                rows,
+                opts.full,
+                opts.digits,
+            ));
         }
         out.push_str(&osu::ratio_table(
             &format!("one-by-one/fused (speed-up of fusion) {}", osu::PAIRED),
@@ -329,7 +335,10 @@ pub fn run(
         opts.progress,
         |arm, size| measure(coll, name, arm, size, opts, &mut osu_bufs),
     )?;
-    out.push_str(&measured.render(|rows| osu::collective_table(title, datatype, rows, opts.full)));
+    out.push_str(
+        &measured
+            .render(|rows| osu::collective_table(title, datatype, rows, opts.full, opts.digits)),
+    );
     if name == "allreduce" {
         out.push_str(&stores_line(coll, opts));
     }

@@ -66,6 +66,9 @@ pub struct BenchOptions {
     pub full: bool,
     /// Check the data that arrived (outside the timed loop).
     pub validate: bool,
+    /// Digits after the point in the tables: OSU's compile-time `FLOAT_PRECISION` (2),
+    /// which rounds a 0.2 us latency to 5%; more to compare runs finer.
+    pub digits: usize,
     /// OSU's `-T`: the elements an allreduce sums (allreduce only; OSU's default is
     /// `mpi_char`).
     pub element: Element,
@@ -204,6 +207,7 @@ impl Default for BenchOptions {
             buffers: Buffers::Single,
             full: false,
             validate: false,
+            digits: 2,
             element: Element::Char,
             path: Path::Both,
             rounds: 3,
@@ -309,37 +313,50 @@ pub fn p2p_table(
     column: &str,
     rows: &[Row],
     validated: bool,
+    digits: usize,
 ) -> String {
     if !validated {
-        return value_rows(preamble(title, datatype), column, rows);
+        return value_rows(preamble(title, datatype), column, rows, digits);
     }
     let mut out = preamble(title, datatype);
     let _ = writeln!(out, "{:<10}{:>20}{:>20}", "# Size", column, "Validation");
     for r in rows {
-        let _ = writeln!(out, "{:<10}{:>20.2}{:>20}", r.size, r.value, "Pass");
+        let _ = writeln!(out, "{:<10}{:>20.digits$}{:>20}", r.size, r.value, "Pass");
     }
     out
 }
 
 /// A table of OMB's one-sided tests (`osu_put_latency` ...): the title names the MPI call
 /// (`MPI_Put Latency Test`), then how the window was made and synchronised.
-pub fn one_sided_table(title: &str, datatype: &str, column: &str, rows: &[Row]) -> String {
+pub fn one_sided_table(
+    title: &str,
+    datatype: &str,
+    column: &str,
+    rows: &[Row],
+    digits: usize,
+) -> String {
     let head = format!(
         "# OSU {title} v7.4\n# Window creation: MPI_Win_allocate\n# Synchronization: MPI_Win_flush\n# Datatype: {datatype}.\n"
     );
-    value_rows(head, column, rows)
+    value_rows(head, column, rows, digits)
 }
 
-fn value_rows(mut out: String, column: &str, rows: &[Row]) -> String {
+fn value_rows(mut out: String, column: &str, rows: &[Row], digits: usize) -> String {
     let _ = writeln!(out, "{:<10}{:>20}", "# Size", column);
     for r in rows {
-        let _ = writeln!(out, "{:<10}{:>20.2}", r.size, r.value);
+        let _ = writeln!(out, "{:<10}{:>20.digits$}", r.size, r.value);
     }
     out
 }
 
 /// A collective table, with `-f`'s extra columns when `full`.
-pub fn collective_table(title: &str, datatype: &str, rows: &[Row], full: bool) -> String {
+pub fn collective_table(
+    title: &str,
+    datatype: &str,
+    rows: &[Row],
+    full: bool,
+    digits: usize,
+) -> String {
     let mut out = preamble(title, datatype);
     let _ = write!(out, "{:<10}{:>20}", "# Size", "Avg Latency(us)");
     if full {
@@ -352,9 +369,10 @@ pub fn collective_table(title: &str, datatype: &str, rows: &[Row], full: bool) -
         out.push('\n');
     }
     for r in rows {
-        let _ = write!(out, "{:<10}{:>20.2}", r.size, r.value);
+        let _ = write!(out, "{:<10}{:>20.digits$}", r.size, r.value);
         if full {
-            let _ = writeln!(out, "{:>20.2}{:>20.2}{:>12}", r.min, r.max, r.iterations);
+            let (min, max, n) = (r.min, r.max, r.iterations);
+            let _ = writeln!(out, "{min:>20.digits$}{max:>20.digits$}{n:>12}");
         } else {
             out.push('\n');
         }
@@ -394,16 +412,35 @@ mod tests {
             },
         ];
         assert_eq!(
-            p2p_table("Latency Test", "MPI_CHAR", "Avg Latency(us)", &rows, false),
+            p2p_table("Latency Test", "MPI_CHAR", "Avg Latency(us)", &rows, false, 2),
             "# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n# Size         Avg Latency(us)\n1                         0.15\n4194304               12345.68\n"
         );
         assert_eq!(
-            p2p_table("Bandwidth Test", "MPI_CHAR", "Bandwidth (MB/s)", &rows[..1], true),
+            p2p_table("Bandwidth Test", "MPI_CHAR", "Bandwidth (MB/s)", &rows[..1], true, 2),
             "# OSU MPI Bandwidth Test v7.4\n# Datatype: MPI_CHAR.\n# Size        Bandwidth (MB/s)          Validation\n1                         0.15                Pass\n"
         );
         assert_eq!(
-            collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], true),
+            collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], true, 2),
             "# OSU MPI Allreduce Latency Test v7.4\n# Datatype: MPI_FLOAT.\n# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations\n1                         0.15                0.10                0.20        1000\n"
+        );
+    }
+
+    #[test]
+    fn more_digits_keep_the_columns() {
+        let rows = [Row {
+            size: 8,
+            value: 0.213_456,
+            min: 0.2,
+            max: 0.25,
+            iterations: 10,
+        }];
+        assert_eq!(
+            p2p_table("Latency Test", "MPI_CHAR", "Avg Latency(us)", &rows, false, 4),
+            "# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n# Size         Avg Latency(us)\n8                       0.2135\n"
+        );
+        assert!(
+            collective_table("Bcast Latency Test", "MPI_CHAR", &rows, true, 3)
+                .ends_with("\n8                        0.213               0.200               0.250          10\n")
         );
     }
 

@@ -290,8 +290,16 @@ pub fn run(
         PsTransport::Rma => "rma",
     };
     let title = format!("Push-Pull Bandwidth Test ({workers} workers, {ps} ps, transport {how})");
-    let mut out = measured
-        .render(|rows| osu::p2p_table(&title, "MPI_FLOAT", "Bandwidth (MB/s)", rows, false));
+    let mut out = measured.render(|rows| {
+        osu::p2p_table(
+            &title,
+            "MPI_FLOAT",
+            "Bandwidth (MB/s)",
+            rows,
+            false,
+            opts.digits,
+        )
+    });
     if paths.len() == 3 {
         // The protocol's cost alone: mpiflow beside plain MPI doing the same update.
         out += &measured.ratio(1, 2);

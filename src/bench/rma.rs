@@ -321,6 +321,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         _ => ("MPI_Get Bandwidth Test", "MPI_CHAR", "Bandwidth (MB/s)"),
     };
     let mut out = crate::transport::rma::path_note() + "\n";
-    out += &measured.render(|rows| osu::one_sided_table(title, datatype, column, rows));
+    out +=
+        &measured.render(|rows| osu::one_sided_table(title, datatype, column, rows, opts.digits));
     Ok(out)
 }

@@ -508,7 +508,8 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
         Kind::Bw => ("Bandwidth Test", "Bandwidth (MB/s)"),
         Kind::Bibw => ("Bi-Directional Bandwidth Test", "Bandwidth (MB/s)"),
     };
-    Ok(rounds.render(|rows| osu::p2p_table(title, "MPI_CHAR", column, rows, opts.validate)))
+    Ok(rounds
+        .render(|rows| osu::p2p_table(title, "MPI_CHAR", column, rows, opts.validate, opts.digits)))
 }
 
 #[cfg(test)]
