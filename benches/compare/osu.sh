@@ -20,7 +20,9 @@
 # Where whole jobs run in slow and fast phases (an AMD VM: 2-4x apart below 4 KiB), bests of
 # separate jobs can still differ by tens of percent from run to run; the `~` columns hold
 # what does not: mpiflow's paths against its `mpi` path measured in the same job, round by
-# round (the ratio lines of `mpiflow bench`), the median over the ROUNDS jobs.
+# round (the ratio lines of `mpiflow bench`), the median over the ROUNDS jobs; job r starts
+# its rotation of paths r places on (`--rotate`), so each path goes first in as many jobs as
+# the others (a path's place in the order was worth 1-2%).
 # `pushpull` has no OSU program: its jobs are mpiflow's alone and its reference column is
 # the plain-MPI pattern (`mpi`). Not part of the tests.
 set -euo pipefail
@@ -91,7 +93,7 @@ for name in "${names[@]}"; do
       timeout 900 mpirun $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
     fi
     # shellcheck disable=SC2086
-    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 --digits "$DIGITS" $OSU_ARGS \
+    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 --rotate "$r" --digits "$DIGITS" $OSU_ARGS \
       | rows mpiflow >>"$out/$name"
   done
   echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"

@@ -120,8 +120,16 @@ impl Better {
     }
 }
 
+/// How [`best_of_rounds`] alternates: `rounds` passes over all sizes, path `first` first in
+/// the first (the first path rotating from round to round).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Schedule {
+    pub(crate) rounds: usize,
+    pub(crate) first: usize,
+}
+
 /// The alternation every table uses: `rounds` passes over all sizes, each path in turn
-/// at each size (the first path rotating from round to round), a barrier before every
+/// at each size (the first path rotating from round to round, see [`Schedule`]), a barrier before every
 /// measurement, keeping each path's best value; returns one table of rows per path.
 /// Rounds go over all sizes rather than repeating one size, so that each size's samples
 /// spread over the whole run: on a shared machine slow phases last seconds, and a size
@@ -134,12 +142,13 @@ pub(crate) fn best_of_rounds<P: Copy + Label>(
     coll: &Collectives<MpiComm>,
     sizes: impl IntoIterator<Item = usize>,
     paths: &[P],
-    rounds: usize,
+    schedule: Schedule,
     better: Better,
     progress: Option<Style>,
     mut measure: impl FnMut(P, usize) -> Result<Row, BenchError>,
 ) -> Result<Rounds, BenchError> {
     let sizes: Vec<usize> = sizes.into_iter().collect();
+    let Schedule { rounds, first } = schedule;
     // samples[i][k]: every round's row of path k at size i.
     let mut samples = vec![vec![Vec::with_capacity(rounds); paths.len()]; sizes.len()];
     // Rank 0 shows where a long run is, on stderr (stdout holds the tables).
@@ -150,7 +159,7 @@ pub(crate) fn best_of_rounds<P: Copy + Label>(
     for round in 0..rounds {
         for (i, &size) in sizes.iter().enumerate() {
             for j in 0..paths.len() {
-                let k = (j + round) % paths.len();
+                let k = (j + round + first) % paths.len();
                 coll.barrier()?;
                 samples[i][k].push(measure(paths[k], size)?);
             }

@@ -76,6 +76,9 @@ pub struct BenchOptions {
     pub path: Path,
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
     pub rounds: usize,
+    /// Places the paths' order turns before the first round (0: `mpi` first), so that
+    /// separate jobs of one round each can balance the order between them.
+    pub rotate: usize,
     /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
     /// path of its own in the same job, all paired with `mpi` (allreduce only).
     pub algorithms: Vec<Algorithm>,
@@ -211,6 +214,7 @@ impl Default for BenchOptions {
             element: Element::Char,
             path: Path::Both,
             rounds: 3,
+            rotate: 0,
             algorithms: vec![Algorithm::Auto],
             count: 100,
             ps: 1,
@@ -223,11 +227,23 @@ impl Default for BenchOptions {
 }
 
 impl BenchOptions {
-    /// The paths to measure, and how many alternating rounds each size gets.
-    pub fn plan(&self) -> (Vec<Path>, usize) {
+    /// The paths to measure, and how they alternate (rounds per size, the first path).
+    pub(crate) fn plan(&self) -> (Vec<Path>, super::Schedule) {
         match self.path {
-            Path::Both => (vec![Path::Mpi, Path::Mpiflow], self.rounds.max(1)),
-            p => (vec![p], 1),
+            Path::Both => (
+                vec![Path::Mpi, Path::Mpiflow],
+                super::Schedule {
+                    rounds: self.rounds.max(1),
+                    first: self.rotate,
+                },
+            ),
+            p => (
+                vec![p],
+                super::Schedule {
+                    rounds: 1,
+                    first: 0,
+                },
+            ),
         }
     }
 }

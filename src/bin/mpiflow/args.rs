@@ -199,6 +199,10 @@ pub(crate) struct BenchArgs {
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Places the paths' order turns before the first round (0: mpi first), to balance the
+    /// order over separate jobs (benches/compare/osu.sh gives its job r `--rotate r`).
+    #[arg(long, default_value_t = 0)]
+    rotate: usize,
     /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
     /// path of its own in the same job, all paired with `mpi` (allreduce only).
     #[arg(long = "algorithm", value_parser = named::<Algorithm>(), value_delimiter = ',', default_value = "auto")]
@@ -241,6 +245,7 @@ impl BenchArgs {
             element: self.element,
             path: self.path,
             rounds: self.rounds,
+            rotate: self.rotate,
             algorithms: self.algorithms.clone(),
             count: self.count,
             ps: self.ps,
