@@ -129,8 +129,9 @@ pub(crate) struct Schedule {
 }
 
 /// The alternation every table uses: `rounds` passes over all sizes, each path in turn
-/// at each size (the first path rotating from round to round, see [`Schedule`]), a barrier before every
-/// measurement, keeping each path's best value; returns one table of rows per path.
+/// at each size (the first path rotating from round to round, see [`Schedule`]), a
+/// barrier before every measurement, keeping each path's best value; returns one table of
+/// rows per path.
 /// Rounds go over all sizes rather than repeating one size, so that each size's samples
 /// spread over the whole run: on a shared machine slow phases last seconds, and a size
 /// measured only inside one would show the phase, not the code. `measure(path, size)`
