@@ -208,15 +208,21 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 &vars,
                 roles.ps.len(),
             )));
-            if let Err(e) = sess.init_or_restore() {
-                sess.client.abort(&e.to_string());
-                sess.closed = true;
-                return Err(e);
+            match sess.init_or_restore() {
+                Ok(on_disk) => sess.last_ckpt.0 = on_disk,
+                Err(e) => {
+                    sess.client.abort(&e.to_string());
+                    sess.closed = true;
+                    return Err(e);
+                }
             }
         }
         let pulled = sess.client.pull(0, false, &mut sess.replica.params)?;
         sess.step = pulled.step;
-        sess.last_ckpt = (pulled.step, Instant::now());
+        // The last checkpoint is the one on disk, not the step pulled: asynchronous workers
+        // may have trained from the restored state before this first pull (even to the
+        // stop step), and the chief's close must still write their steps.
+        sess.last_ckpt.1 = Instant::now();
         sess.window = (0, 0, Instant::now());
         sess.clock = Clock::new();
         sess.reported = (pulled.step, Instant::now());
@@ -251,8 +257,9 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         }
     }
 
-    /// The chief: restore the newest valid checkpoint, or initialise.
-    fn init_or_restore(&mut self) -> Result<(), PsError> {
+    /// The chief: restore the newest valid checkpoint, or initialise; returns the global
+    /// step of the checkpoint restored (0 when initialised).
+    fn init_or_restore(&mut self) -> Result<u64, PsError> {
         let dir = self.opts.checkpoint_dir.clone();
         let vars = super::variables(&self.replica);
         let (found, warnings) = shards::newest(dir.as_deref(), &vars)?;
@@ -266,10 +273,13 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                     path: f.path,
                     step: f.step,
                 });
+                Ok(f.step)
             }
-            None => self.client.init(&self.setup(), &mut self.replica.params)?,
+            None => {
+                self.client.init(&self.setup(), &mut self.replica.params)?;
+                Ok(0)
+            }
         }
-        Ok(())
     }
 
     /// Whether training is over: a hook asked, the stop step is reached, or the job is
