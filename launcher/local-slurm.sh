@@ -97,8 +97,12 @@ echo "export OMPI_MCA_mpi_yield_when_idle=1"
 # these tests may use.
 echo "export OMPI_MCA_btl_tcp_if_include=lo"
 echo "export OMPI_MCA_oob_tcp_if_include=lo"
+# A directory per node and per run of a job: a requeued job keeps its id, and its steps'
+# segment files would carry the names of the first run's (named after the job and step).
 if [ -n "\$SLURM_STEP_ID" ]; then
-  echo "export OMPI_MCA_btl_vader_backing_directory=$d/tmp/\$SLURMD_NODENAME"
+  vader=$d/tmp/\$SLURMD_NODENAME/vader.\$SLURM_JOB_ID.\${SLURM_RESTART_COUNT:-0}
+  mkdir -p "\$vader"
+  echo "export OMPI_MCA_btl_vader_backing_directory=\$vader"
 fi
 EOF
   chmod 755 "$d/task-prolog.sh"
