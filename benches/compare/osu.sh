@@ -31,7 +31,7 @@ ROUNDS=${ROUNDS:-6}
 NP=${NP:-2}
 OSU_SRC=${OSU_SRC:-../shared/tools/osu-7.4}
 # A directory given is used as it is (an OSU built elsewhere), target/osu-7.4 is built here.
-own_osu=${OSU_DIR:+no}
+osu_given=${OSU_DIR:+yes}
 OSU_DIR=${OSU_DIR:-target/osu-7.4}
 OSU_ARGS=${OSU_ARGS:-}
 # Digits after the point in both programs' tables: OSU prints 2 (its compile-time
@@ -60,7 +60,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # OSU's build script takes the compiler from $MPICC: a wrapper adds the precision.
 if [[ ! -x $OSU_DIR/osu_latency ]] ||
-  [[ -z $own_osu && $(cat "$OSU_DIR/DIGITS" 2>/dev/null) != "$DIGITS" ]]; then
+  [[ -z $osu_given && $(cat "$OSU_DIR/DIGITS" 2>/dev/null) != "$DIGITS" ]]; then
   printf '#!/bin/sh\nexec %s -DFLOAT_PRECISION=%s "$@"\n' "${MPICC:-mpicc}" "$DIGITS" >"$out/mpicc"
   chmod +x "$out/mpicc"
   MPICC=$out/mpicc bash "$OSU_SRC/build.sh" "$OSU_DIR" >/dev/null
