@@ -283,6 +283,8 @@ fn too_many_ps_is_one_clear_error() {
 #[test]
 fn launch_runs_a_program_that_checks_its_role_like_tensorflow() {
     let script = format!("{}/launcher/examples/check_role.py", common::root());
+    // The workers wait for ps:0's line: the job stops its ps when they end.
+    let ready = common::tmpdir("role-ps-ready");
     let run = mpirun(&[
         "-np",
         "4",
@@ -294,6 +296,8 @@ fn launch_runs_a_program_that_checks_its_role_like_tensorflow() {
         "--",
         "python3",
         &script,
+        "--ps-ready",
+        ready.to_str().unwrap(),
     ]);
     assert_eq!(run.code, 0, "{run:?}");
     let lines = run.json_lines();

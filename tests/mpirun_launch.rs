@@ -28,7 +28,13 @@ fn launch(np: &str, launch_args: &[&str], program: &[&str]) -> (common::Run, Dur
 #[test]
 fn a_tf1_job_ends_when_its_workers_are_done() {
     let c = checker();
-    let (run, took) = launch("4", &[], &["python3", &c, "--join", "--sleep", "1"]);
+    let ready = common::tmpdir("tf1-ps-ready");
+    let ready = ready.to_str().unwrap();
+    let (run, took) = launch(
+        "4",
+        &[],
+        &["python3", &c, "--join", "--sleep", "1", "--ps-ready", ready],
+    );
     assert_eq!(run.code, 0, "{run:?}");
     let mut roles: Vec<String> = run
         .json_lines()

@@ -551,12 +551,22 @@ fn tf_launch_template_gives_each_task_its_role_and_ends_with_its_workers() {
         return;
     };
     let checker = format!("{}/launcher/examples/check_role.py", common::root());
-    // The ps task blocks forever after its line, as `server.join()` does.
+    // The ps task blocks forever after its line, as `server.join()` does; the workers
+    // wait for that line, since the job stops its ps when they end.
+    let ready = common::tmpdir("slurm-tf-ps-ready");
     let t = Instant::now();
     let job = slurm.sbatch(
         &[],
         &template("tf-launch.sbatch"),
-        &["python3", &checker, "--join", "--sleep", "1"],
+        &[
+            "python3",
+            &checker,
+            "--join",
+            "--sleep",
+            "1",
+            "--ps-ready",
+            ready.to_str().unwrap(),
+        ],
         &[("MPIFLOW_LEGACY_FLAGS", "1"), ("MPIFLOW_CPU_BIND", "none")],
     );
     job.assert_completed();

@@ -7,6 +7,12 @@ chief:0 or else worker:0), cross-checks the legacy flags and MPIFLOW_* variables
 present, and prints one JSON line. Exits 1 with a one-line reason if anything disagrees,
 or with --exit-code N to test exit-status propagation.
 
+Test options: --join (a ps blocks forever after its line, as `server.join()` does),
+--sleep S (then sleep before exiting), --exit TYPE:INDEX=N (that task exits with N),
+--ps-ready DIR (a ps task marks DIR once its line is out; the others wait, at most 60 s,
+until every ps task has, so a job that stops its ps when the workers end still shows
+every line).
+
 Needs only the Python standard library (no TensorFlow).
 """
 import json
@@ -30,6 +36,18 @@ def parse_legacy(argv):
     return out
 
 
+def wait_for_ps(directory, ttype, tindex, num_ps):
+    """A ps task marks `directory`; every other task waits until all of them have."""
+    if ttype == "ps":
+        open(os.path.join(directory, f"ps.{tindex}"), "w").close()
+        return
+    deadline = time.monotonic() + 60
+    while sum(f.startswith("ps.") for f in os.listdir(directory)) < num_ps:
+        if time.monotonic() > deadline:
+            fail(f"the ps tasks did not all mark {directory} within 60 s")
+        time.sleep(0.05)
+
+
 def main():
     argv = sys.argv[1:]
     exit_code = 0
@@ -38,6 +56,7 @@ def main():
     join = "--join" in argv
     exits = dict(a.split("=") for a in (argv[i + 1] for i, v in enumerate(argv) if v == "--exit"))
     sleep = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
+    ready = argv[argv.index("--ps-ready") + 1] if "--ps-ready" in argv else None
     raw = os.environ.get("TF_CONFIG")
     if raw is None:
         fail("TF_CONFIG is not set")
@@ -90,6 +109,8 @@ def main():
     })
     # One write per line: mpirun splices lines written in pieces.
     os.write(1, (line + "\n").encode())
+    if ready is not None:
+        wait_for_ps(ready, ttype, tindex, len(tasks_of("ps")))
     if join and ttype == "ps":
         while True:  # server.join()
             signal.pause()
