@@ -511,7 +511,11 @@ fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
             trace.to_str().unwrap(),
         ]);
         let start = std::time::Instant::now();
-        let ready = || start.elapsed() > std::time::Duration::from_secs(3);
+        // Training is under way (a step logged), for 3 s at least.
+        let ready = || {
+            start.elapsed() > std::time::Duration::from_secs(3)
+                && std::fs::read_to_string(&metrics).is_ok_and(|t| t.contains(r#""kind":"step""#))
+        };
         let last = np.parse::<usize>().unwrap() - 1;
         let (text, code) = common::with_rank_when(&args, Some(last), ready, |pid, mpirun| {
             common::signal(pid, "-STOP");
