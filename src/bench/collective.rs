@@ -7,7 +7,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Element, Path, ShmStores};
-use super::{best_of_rounds, secs, BenchError, Better, Label, Row};
+use super::{best_of_rounds, secs, BenchError, Better, Label, Row, Schedule};
 use crate::named::Named;
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig};
@@ -198,50 +198,123 @@ fn measure(
     over_ranks(coll, size, us, iters)
 }
 
-/// N tensors of `size` bytes per round: N raw MPI_Allreduce calls, N mpiflow allreduces,
-/// and one fused mpiflow allreduce (with negotiation).
+/// The three arms of `allreduce-fused`, each N tensors of `size` bytes per iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FusedArm {
+    /// N raw `MPI_Allreduce` calls.
+    Mpi,
+    /// N mpiflow allreduces.
+    OneByOne,
+    /// One fused mpiflow allreduce of the N (with negotiation).
+    Fused,
+}
+
+impl Label for FusedArm {
+    fn label(&self) -> String {
+        match self {
+            FusedArm::Mpi => "mpi (one MPI_Allreduce per tensor)",
+            FusedArm::OneByOne => "mpiflow (one allreduce per tensor)",
+            FusedArm::Fused => "mpiflow (fused)",
+        }
+        .into()
+    }
+}
+
+/// One arm of `allreduce-fused` at `size` bytes per tensor.
 fn measure_fused(
     coll: &Collectives<MpiComm>,
+    arm: FusedArm,
     size: usize,
     opts: &BenchOptions,
-) -> Result<[Row; 3], BenchError> {
+) -> Result<Row, BenchError> {
     let (iters, warmup) = osu::iterations(opts, size, (100, 10), (100, 10), 8192);
     let n = opts.count.max(1);
     // One algorithm (checked by `validate`).
     let algorithm = opts.algorithms[0];
-    let world = coll.comm().raw();
     let elems = size / 4;
-    let mut tensors: Vec<Tensor> = (0..n)
-        .map(|i| Tensor::zeros(DType::F32, &[elems]).map(|t| t.named(&format!("grad/{i}"))))
-        .collect::<Result<_, _>>()?;
-    let send: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; elems]).collect();
-    let mut recv: Vec<Vec<f32>> = vec![vec![0.0; elems]; n];
-    let raw = time_loop(iters, warmup, None, || {
-        for (s, r) in send.iter().zip(recv.iter_mut()) {
-            world.all_reduce_into(&s[..], &mut r[..], SystemOperation::sum());
+    let us = if arm == FusedArm::Mpi {
+        let world = coll.comm().raw();
+        let send: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; elems]).collect();
+        let mut recv: Vec<Vec<f32>> = vec![vec![0.0; elems]; n];
+        time_loop(iters, warmup, None, || {
+            for (s, r) in send.iter().zip(recv.iter_mut()) {
+                world.all_reduce_into(&s[..], &mut r[..], SystemOperation::sum());
+            }
+            Ok(())
+        })?
+    } else {
+        let mut tensors: Vec<Tensor> = (0..n)
+            .map(|i| Tensor::zeros(DType::F32, &[elems]).map(|t| t.named(&format!("grad/{i}"))))
+            .collect::<Result<_, _>>()?;
+        if arm == FusedArm::OneByOne {
+            time_loop(iters, warmup, None, || {
+                for t in tensors.iter_mut() {
+                    coll.allreduce_tensor(t, ReduceOp::Sum, algorithm)?;
+                }
+                Ok(())
+            })?
+        } else {
+            let mut fusion = Fusion::new(FusionConfig {
+                algorithm,
+                ..FusionConfig::default()
+            });
+            time_loop(iters, warmup, None, || {
+                let mut refs: Vec<&mut Tensor> = tensors.iter_mut().collect();
+                fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
+                Ok(())
+            })?
         }
-        Ok(())
-    })?;
-    let single = time_loop(iters, warmup, None, || {
-        for t in tensors.iter_mut() {
-            coll.allreduce_tensor(t, ReduceOp::Sum, algorithm)?;
-        }
-        Ok(())
-    })?;
-    let mut fusion = Fusion::new(FusionConfig {
-        algorithm,
-        ..FusionConfig::default()
-    });
-    let fused = time_loop(iters, warmup, None, || {
-        let mut refs: Vec<&mut Tensor> = tensors.iter_mut().collect();
-        fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
-        Ok(())
-    })?;
-    Ok([
-        over_ranks(coll, size, raw, iters)?,
-        over_ranks(coll, size, single, iters)?,
-        over_ranks(coll, size, fused, iters)?,
-    ])
+    };
+    over_ranks(coll, size, us, iters)
+}
+
+/// `allreduce-fused`: the three arms alternating as every table's paths do
+/// ([`best_of_rounds`], `--rounds` and `--rotate`), each arm's table, then the speed-up of
+/// fusion over each one-by-one arm, paired in time.
+fn run_fused(coll: &Collectives<MpiComm>, opts: &BenchOptions) -> Result<String, BenchError> {
+    let (min, max) = opts.sizes.unwrap_or((10240, 10240));
+    let arms = [FusedArm::Mpi, FusedArm::OneByOne, FusedArm::Fused];
+    let schedule = Schedule {
+        rounds: opts.rounds.max(1),
+        first: opts.rotate,
+    };
+    let measured = best_of_rounds(
+        coll,
+        osu::sizes(min.max(4), max),
+        &arms,
+        schedule,
+        Better::Lower,
+        opts.progress,
+        |arm, size| measure_fused(coll, arm, size, opts),
+    )?;
+    let title = format!(
+        "Allreduce Latency Test ({} tensors per round)",
+        opts.count.max(1)
+    );
+    let mut out = String::new();
+    for (label, rows) in &measured.tables {
+        out.push_str(&format!("# mpiflow path: {label}\n"));
+        out.push_str(&osu::collective_table(
+            &title,
+            "MPI_FLOAT",
+            rows,
+            opts.full,
+            opts.digits,
+        ));
+    }
+    let fused = &measured.tables[2].1;
+    out.push_str(&osu::ratio_table(
+        &format!("one-by-one/fused (speed-up of fusion) {}", osu::PAIRED),
+        fused,
+        &measured.paired(1, 2),
+    ));
+    out.push_str(&osu::ratio_table(
+        &format!("mpi one-by-one/fused {}", osu::PAIRED),
+        fused,
+        &measured.paired(0, 2),
+    ));
+    out.push_str(&stores_line(coll, opts));
+    Ok(out)
 }
 
 pub fn run(
@@ -249,66 +322,10 @@ pub fn run(
     name: &str,
     opts: &BenchOptions,
 ) -> Result<String, BenchError> {
-    let mut out = String::new();
     if name == "allreduce-fused" {
-        let (min, max) = opts.sizes.unwrap_or((10240, 10240));
-        let mut tables: [Vec<Row>; 3] = Default::default();
-        // Per size, the median over rounds of (one-by-one / fused) within a round, for
-        // MPI's and mpiflow's one-by-one: paired in time, as best_of_rounds does.
-        let mut speedups: [Vec<f64>; 2] = Default::default();
-        for size in osu::sizes(min.max(4), max) {
-            let mut rounds: [Vec<Row>; 3] = Default::default();
-            let mut ratios: [Vec<f64>; 2] = Default::default();
-            for _ in 0..opts.rounds.max(1) {
-                let rows = measure_fused(coll, size, opts)?;
-                for k in 0..3 {
-                    rounds[k].push(rows[k]);
-                }
-                for k in 0..2 {
-                    ratios[k].push(rows[k].value / rows[2].value);
-                }
-            }
-            for k in 0..3 {
-                tables[k].push(Better::Lower.best(&rounds[k]));
-            }
-            for k in 0..2 {
-                speedups[k].push(super::median(&mut ratios[k]));
-            }
-        }
-        let title = format!(
-            "Allreduce Latency Test ({} tensors per round)",
-            opts.count.max(1)
-        );
-        for (label, rows) in [
-            "mpi (one MPI_Allreduce per tensor)",
-            "mpiflow (one allreduce per tensor)",
-            "mpiflow (fused)",
-        ]
-        .iter()
-        .zip(&tables)
-        {
-            out.push_str(&format!("# mpiflow path: {label}\n"));
-            out.push_str(&osu::collective_table(
-                &title,
-                "MPI_FLOAT",
-                rows,
-                opts.full,
-                opts.digits,
-            ));
-        }
-        out.push_str(&osu::ratio_table(
-            &format!("one-by-one/fused (speed-up of fusion) {}", osu::PAIRED),
-            &tables[2],
-            &speedups[1],
-        ));
-        out.push_str(&osu::ratio_table(
-            &format!("mpi one-by-one/fused {}", osu::PAIRED),
-            &tables[2],
-            &speedups[0],
-        ));
-        out.push_str(&stores_line(coll, opts));
-        return Ok(out);
+        return run_fused(coll, opts);
     }
+    let mut out = String::new();
     let (title, datatype) = if name == "allreduce" {
         ("Allreduce Latency Test", opts.element.mpi_name())
     } else {

@@ -77,8 +77,7 @@ pub struct BenchOptions {
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
     pub rounds: usize,
     /// Places the paths' order turns before the first round (0: `mpi` first), so that
-    /// separate jobs of one round each can balance the order between them (every
-    /// benchmark but allreduce-fused, whose three arms run in a fixed order).
+    /// separate jobs of one round each can balance the order between them.
     pub rotate: usize,
     /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
     /// path of its own in the same job, all paired with `mpi` (allreduce only).

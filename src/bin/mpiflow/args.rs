@@ -200,8 +200,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Places the paths' order turns before the first round (0: mpi first), to balance the
-    /// order over separate jobs (benches/compare/osu.sh gives its job r `--rotate r`); not
-    /// allreduce-fused, whose three arms run in a fixed order.
+    /// order over separate jobs (benches/compare/osu.sh gives its job r `--rotate r`).
     #[arg(long, default_value_t = 0)]
     rotate: usize,
     /// Allreduce algorithm of the mpiflow path; a list (`auto,ring,shm`) measures each as a
