@@ -145,7 +145,7 @@ fn a_dead_rank_stops_the_others_within_30_seconds_and_is_named() {
             "--steps",
             "1000000",
             "--log-every",
-            "1000000",
+            "1000",
         ],
         1,
     );

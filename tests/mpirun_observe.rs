@@ -512,7 +512,7 @@ fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
         ]);
         let start = std::time::Instant::now();
         // Training is under way (a step logged), for 3 s at least.
-        let ready = || {
+        let ready = |_: &str| {
             start.elapsed() > std::time::Duration::from_secs(3)
                 && std::fs::read_to_string(&metrics).is_ok_and(|t| t.contains(r#""kind":"step""#))
         };

@@ -130,7 +130,7 @@ fn a_killed_stage_ends_the_job_and_a_rerun_resumes_from_the_stage_shards() {
     let (text, code) = common::with_rank_when(
         &train("1000000"),
         None,
-        || marker.exists(),
+        |_| marker.exists(),
         |pid, _| {
             killed = Some(std::time::Instant::now());
             common::signal(pid, "-KILL")

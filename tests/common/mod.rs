@@ -232,24 +232,25 @@ pub fn max_relative_difference(a: &std::path::Path, b: &std::path::Path) -> f32 
 /// Starts `mpirun ARGS`, waits for `marker` to exist, SIGKILLs the last rank, and waits for
 /// the job to end; returns whether it succeeded (it must not).
 pub fn kill_one_rank_when(args: &[&str], marker: &std::path::Path) -> bool {
-    kill_rank_when(args, None, || marker.exists()).2
+    kill_rank_when(args, None, |_| marker.exists()).2
 }
 
-/// Runs `mpirun --oversubscribe ARGS` (ARGS start with `-np N`), SIGKILLs rank `victim`
-/// two seconds in, and waits for the job to end. Returns everything it printed, the
-/// seconds from the kill until it ended, and whether it exited successfully.
+/// Runs `mpirun --oversubscribe ARGS` (ARGS start with `-np N`, a `train` that logs its
+/// steps), SIGKILLs rank `victim` once training is under way (a `step` line is out), and
+/// waits for the job to end. Returns everything it printed, the seconds from the kill
+/// until it ended, and whether it exited successfully.
 pub fn kill_rank_after_start(args: &[&str], victim: usize) -> (String, f64, bool) {
-    let start = std::time::Instant::now();
-    kill_rank_when(args, Some(victim), || {
-        start.elapsed() > std::time::Duration::from_secs(2)
+    kill_rank_when(args, Some(victim), |out| {
+        out.lines().any(|l| l.starts_with("step "))
     })
 }
 
-/// SIGKILLs rank `victim` (the last rank if `None`) once `ready()` holds (within 60 s).
+/// SIGKILLs rank `victim` (the last rank if `None`) once `ready(stdout so far)` holds
+/// (within 60 s).
 fn kill_rank_when(
     args: &[&str],
     victim: Option<usize>,
-    ready: impl Fn() -> bool,
+    ready: impl Fn(&str) -> bool,
 ) -> (String, f64, bool) {
     let mut killed = None;
     let (text, code) = with_rank_when(args, victim, ready, |pid, _| {
@@ -268,17 +269,17 @@ pub fn signal(pid: u32, signal: &str) {
         .unwrap();
 }
 
-/// Runs `mpirun --oversubscribe ARGS` (bounded); once `ready()` holds (within 60 s),
-/// calls `act(pid of rank victim, pid of mpirun)` (the last rank if `None`) and waits for
-/// the job to end. Returns everything it printed and mpirun's exit code.
+/// Runs `mpirun --oversubscribe ARGS` (bounded); once `ready(stdout so far)` holds
+/// (within 60 s), calls `act(pid of rank victim, pid of mpirun)` (the last rank if `None`)
+/// and waits for the job to end. Returns everything it printed and mpirun's exit code.
 pub fn with_rank_when(
     args: &[&str],
     victim: Option<usize>,
-    ready: impl Fn() -> bool,
+    ready: impl Fn(&str) -> bool,
     act: impl FnOnce(u32, u32),
 ) -> (String, Option<i32>) {
     let _g = lock();
-    let child = Command::new("timeout")
+    let mut child = Command::new("timeout")
         .args(["-k", "5", "90", "mpirun", "--oversubscribe"])
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -287,8 +288,25 @@ pub fn with_rank_when(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // Both streams read as they come (a full pipe would stop the job), stdout kept
+    // where `ready` can see it.
+    let read_all = |pipe: Box<dyn std::io::Read + Send>| {
+        let text = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let sink = text.clone();
+        let reader = std::thread::spawn(move || {
+            let mut pipe = pipe;
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = pipe.read(&mut buf) {
+                sink.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        });
+        (text, reader)
+    };
+    let (stdout, out_reader) = read_all(Box::new(child.stdout.take().unwrap()));
+    let (stderr, err_reader) = read_all(Box::new(child.stderr.take().unwrap()));
+    let so_far = || String::from_utf8_lossy(&stdout.lock().unwrap()).into_owned();
     let waiting = std::time::Instant::now();
-    while !ready() {
+    while !ready(&so_far()) {
         assert!(
             waiting.elapsed() < std::time::Duration::from_secs(60),
             "the job never got ready to be killed"
@@ -334,11 +352,13 @@ pub fn with_rank_when(
         .unwrap_or_else(|| panic!("rank {victim} among {seen:?}"))
         .1;
     act(pid, mpirun[0]);
-    let out = child.wait_with_output().unwrap();
+    let status = child.wait().unwrap();
+    out_reader.join().unwrap();
+    err_reader.join().unwrap();
     let text = format!(
         "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        so_far(),
+        String::from_utf8_lossy(&stderr.lock().unwrap())
     );
-    (text, out.status.code())
+    (text, status.code())
 }
