@@ -415,10 +415,16 @@ fn stages_map_replica_jobs_on_every_rank_and_launch_passes_them_on() {
     assert!(cluster.get("worker").is_none(), "{cluster}");
 
     // launch: each stage's program gets TF_CONFIG naming its replica job and stage, and
-    // the ps is stopped once the replicas' tasks are done.
+    // the ps is stopped once the replicas' tasks are done (they wait for its line).
+    let ready = common::tmpdir("stages-ps-ready");
     let launch = format!("-np 3 {} launch --ps 1 --stages 2 -- sh -c", mpiflow());
     let mut cmd: Vec<&str> = launch.split(' ').collect();
-    cmd.push("echo \"$TF_CONFIG\"");
+    let program = format!(
+        "echo \"$TF_CONFIG\"; if [ \"$MPIFLOW_JOB\" = ps ]; then touch {0}/ps; \
+         else while [ ! -e {0}/ps ]; do sleep 0.05; done; fi",
+        ready.display()
+    );
+    cmd.push(&program);
     let run = mpirun(&cmd);
     assert_eq!(run.code, 0, "{run:?}");
     let mut got: Vec<String> = run
