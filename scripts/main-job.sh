@@ -23,6 +23,10 @@ echo "== mpirun -np $NP mpiflow train --mode ps --ps 2 --chief --checkpoint-dir 
 timeout 300 mpirun -np "$NP" --hostfile hostfiles/localhost "$BIN" train --mode ps --ps 2 --chief \
   --checkpoint-dir "$CKPT" --checkpoint-every 500
 
-echo "== mpirun -np $NP mpiflow launch --ps 2 --chief -- python3 launcher/examples/check_role.py"
+# The job stops its ps tasks once the workers end: --ps-ready makes the workers wait for
+# the ps tasks' lines first, so that every task's line shows.
+ready=$(mktemp -d)
+trap 'rm -rf "$ready"' EXIT
+echo "== mpirun -np $NP mpiflow launch --ps 2 --chief -- python3 launcher/examples/check_role.py --ps-ready DIR"
 timeout 120 mpirun -np "$NP" --hostfile hostfiles/localhost "$BIN" launch --ps 2 --chief -- \
-  python3 launcher/examples/check_role.py | sort
+  python3 launcher/examples/check_role.py --ps-ready "$ready" | sort
