@@ -9,10 +9,11 @@
 #   benches/compare/tf.sh             # uses $MPIFLOW_TF_VENV (default ../venv-tf)
 #   ROUNDS=5 HIDDEN=256 WORKERS=3 STEPS=600 benches/compare/tf.sh
 #
-# Each round runs mpiflow then TensorFlow (alternating jobs); prints the job's samples/s of
-# both (mpiflow: its last logged window; TensorFlow: the sum of the workers' rates after
-# their warm-up steps), the best of ROUNDS each with the worst beside it, and the ratio
-# of bests mpiflow/TensorFlow. Not part of the tests.
+# Each round runs mpiflow's ps over messages (--transport p2p), over one-sided windows
+# (rma; sync only: its async updates are plain SGD), then TensorFlow's (alternating jobs); prints the job's samples/s of each (mpiflow:
+# its last logged window; TensorFlow: the sum of the workers' rates after their warm-up
+# steps), the best of ROUNDS each with the worst beside it, and the ratios of bests to
+# TensorFlow's. Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${MPIFLOW_TF_VENV:-../venv-tf}
@@ -50,9 +51,10 @@ failed() {
   exit 1
 }
 
-# mpiflow's samples/s: the last logged window (the first one holds the start-up).
+# mpiflow's samples/s (MODE TRANSPORT): the last logged window (the first one holds the
+# start-up).
 ours() {
-  job target/release/mpiflow train --mode ps --ps 1 "$1" --data synthetic:784 \
+  job target/release/mpiflow train --mode ps --ps 1 "$1" --transport "$2" --data synthetic:784 \
     --hidden "$HIDDEN" --batch $((64 * WORKERS)) --blas-threads 1 --steps "$STEPS" \
     --log-every $((STEPS / 3))
   awk '/^step/ { v = $8 } END { if (v == "") exit 1; print v }' "$log" ||
@@ -71,15 +73,24 @@ theirs() {
 # best worst (of higher-is-better values)
 best_worst() { tr ' ' '\n' | awk 'NF { if (b == "" || $1 > b) b = $1; if (w == "" || $1 < w) w = $1 } END { print b, w }'; }
 
-printf '%-6s %22s %22s %8s\n' "# mode" "mpiflow samples/s" "TensorFlow samples/s" "ratio"
+printf '%-6s %22s %22s %22s %8s %8s\n' "# mode" "mpiflow p2p samples/s" "mpiflow rma samples/s" \
+  "TensorFlow samples/s" "p2p/TF" "rma/TF"
 for mode in sync async; do
-  ours_v='' tf_v=''
+  p2p_v='' rma_v='' tf_v=''
   for _ in $(seq "$ROUNDS"); do
-    ours_v+=" $(ours "--$mode")"
+    p2p_v+=" $(ours "--$mode" p2p)"
+    # Asynchronous updates through windows are plain SGD (MPI_Accumulate), not Adam.
+    if [[ $mode == sync ]]; then rma_v+=" $(ours "--$mode" rma)"; fi
     tf_v+=" $(theirs "--$mode")"
   done
-  read -r ob ow <<<"$(echo "$ours_v" | best_worst)"
+  read -r pb pw <<<"$(echo "$p2p_v" | best_worst)"
   read -r tb tw <<<"$(echo "$tf_v" | best_worst)"
-  ratio=$(awk -v a="$ob" -v b="$tb" 'BEGIN { printf "%.2f", a / b }')
-  printf '%-6s %22s %22s %8s\n' "$mode" "$ob (worst $ow)" "$tb (worst $tw)" "$ratio"
+  ratio() { awk -v a="$1" -v b="$tb" 'BEGIN { printf "%.2f", a / b }'; }
+  rma="n/a (SGD only)" rma_ratio=-
+  if [[ -n $rma_v ]]; then
+    read -r rb rw <<<"$(echo "$rma_v" | best_worst)"
+    rma="$rb (worst $rw)" rma_ratio=$(ratio "$rb")
+  fi
+  printf '%-6s %22s %22s %22s %8s %8s\n' "$mode" "$pb (worst $pw)" "$rma" "$tb (worst $tw)" \
+    "$(ratio "$pb")" "$rma_ratio"
 done

@@ -23,6 +23,7 @@ over its own wall time from its `--warmup`-th step to the step that sees the glo
 reach nine tenths of `--steps` (the job's rate is their sum).
 """
 import argparse
+import os
 import sys
 import time
 
@@ -121,7 +122,8 @@ def main(flags):
         sys.exit(f"tf_ps_train: worker {flags.task_index} ran {local} steps and did not "
                  f"see global step {until} after its {flags.warmup} warm-up steps")
     rate = timed * flags.batch / (end - start)
-    print(f"tf worker {flags.task_index} samples/s {rate:.1f} steps {local}", flush=True)
+    # One write per line: mpirun splices lines written in pieces.
+    os.write(1, f"tf worker {flags.task_index} samples/s {rate:.1f} steps {local}\n".encode())
 
 
 class WorkerSessionCreator(tf1.train.SessionCreator):
