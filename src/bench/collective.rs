@@ -291,17 +291,9 @@ fn run_fused(coll: &Collectives<MpiComm>, opts: &BenchOptions) -> Result<String,
         "Allreduce Latency Test ({} tensors per round)",
         opts.count.max(1)
     );
-    let mut out = String::new();
-    for (label, rows) in &measured.tables {
-        out.push_str(&format!("# mpiflow path: {label}\n"));
-        out.push_str(&osu::collective_table(
-            &title,
-            "MPI_FLOAT",
-            rows,
-            opts.full,
-            opts.digits,
-        ));
-    }
+    let mut out = osu::tables(&measured.tables, |rows| {
+        osu::collective_table(&title, "MPI_FLOAT", rows, opts.full, opts.digits)
+    });
     let fused = &measured.tables[2].1;
     out.push_str(&osu::ratio_table(
         &format!("one-by-one/fused (speed-up of fusion) {}", osu::PAIRED),

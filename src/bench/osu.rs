@@ -251,19 +251,25 @@ impl BenchOptions {
 /// How ratio lines computed from paired samples say so.
 pub const PAIRED: &str = "(median over rounds of the ratio within a round)";
 
-/// Every path's table after a `# mpiflow path: LABEL` line, then, when the first path is
-/// `mpi`, each other path's ratio to it (`mpiflow/mpi`, `channel/mpi`) from `paired`:
-/// per path, per size, the median over rounds of the ratio within a round.
-pub fn render(
-    paths: &[(String, Vec<Row>)],
-    paired: &[Vec<f64>],
-    table: impl Fn(&[Row]) -> String,
-) -> String {
+/// Every path's table after a `# mpiflow path: LABEL` line.
+pub fn tables(paths: &[(String, Vec<Row>)], table: impl Fn(&[Row]) -> String) -> String {
     let mut out = String::new();
     for (label, rows) in paths {
         let _ = writeln!(out, "# mpiflow path: {label}");
         out.push_str(&table(rows));
     }
+    out
+}
+
+/// Every path's table ([`tables`]), then, when the first path is `mpi`, each other path's
+/// ratio to it (`mpiflow/mpi`, `channel/mpi`) from `paired`: per path, per size, the
+/// median over rounds of the ratio within a round.
+pub fn render(
+    paths: &[(String, Vec<Row>)],
+    paired: &[Vec<f64>],
+    table: impl Fn(&[Row]) -> String,
+) -> String {
+    let mut out = tables(paths, table);
     if let [(first, a), rest @ ..] = paths {
         for (k, (label, _)) in rest.iter().enumerate().filter(|_| first == "mpi") {
             let label = format!("{label}/mpi {PAIRED}");
