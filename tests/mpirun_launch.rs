@@ -5,8 +5,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{mpiflow, mpirun};
@@ -96,66 +95,33 @@ fn signals_sent_to_the_job_reach_every_program_once() {
                    while :; do sleep 0.1; done; fi; \
                    trap 'echo \"{\\\"usr1\\\": \\\"$MPIFLOW_JOB:$MPIFLOW_TASK_INDEX\\\"}\"; exit 0' USR1; \
                    echo '{\"ready\": 1}'; while :; do sleep 0.1; done";
-    let _guard = common::lock();
-    let mut child = Command::new("timeout")
-        .args(["-k", "5", "60", "mpirun", "--oversubscribe", "-np", "3"])
-        .args([mpiflow(), "launch", "--ps", "1", "--", "sh", "-c", program])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start mpirun");
-    // The workers' lines as they come: the signal goes once both have set their trap.
-    let (tx, lines) = std::sync::mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut seen = Vec::new();
-    let until = Instant::now() + Duration::from_secs(50);
-    while seen
-        .iter()
-        .filter(|l: &&String| l.contains("ready"))
-        .count()
-        < 2
-    {
-        let left = until.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) => seen.push(line),
-            Err(_) => panic!("the workers never said they were ready: {seen:?}"),
-        }
-    }
-    // mpirun passes SIGUSR1 on to its processes, the launchers to their programs.
-    let mpirun_pid = String::from_utf8(
-        Command::new("pgrep")
-            .args(["-P", &child.id().to_string(), "-x", "mpirun"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap();
-    let pid = mpirun_pid.trim();
-    assert!(!pid.is_empty(), "mpirun not found");
-    assert!(Command::new("kill")
-        .args(["-USR1", pid])
-        .status()
-        .unwrap()
-        .success());
-    let out = child.wait_with_output().unwrap();
-    reader.join().unwrap();
-    seen.extend(lines.try_iter());
-    let stdout = seen.join("\n");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
-    let mut got: Vec<&str> = stdout
+    // The signal goes to mpirun once both workers said they set their trap; mpirun passes
+    // SIGUSR1 on to its processes, the launchers to their programs.
+    let args = [
+        "-np",
+        "3",
+        mpiflow(),
+        "launch",
+        "--ps",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        program,
+    ];
+    let (text, code) = common::with_rank_when(
+        &args,
+        None,
+        |out| out.matches("{\"ready\": 1}").count() >= 2,
+        |_, mpirun| common::signal(mpirun, "-USR1"),
+    );
+    assert_eq!(code, Some(0), "{text}");
+    let mut got: Vec<&str> = text
         .lines()
         .filter_map(|l| l.strip_prefix("{\"usr1\": \""))
         .collect();
     got.sort();
-    assert_eq!(got, ["worker:0\"}", "worker:1\"}"], "{stdout}\n{stderr}");
+    assert_eq!(got, ["worker:0\"}", "worker:1\"}"], "{text}");
 }
 
 #[test]
