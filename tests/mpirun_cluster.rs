@@ -417,26 +417,17 @@ fn stages_map_replica_jobs_on_every_rank_and_launch_passes_them_on() {
     // launch: each stage's program gets TF_CONFIG naming its replica job and stage, and
     // the ps is stopped once the replicas' tasks are done (they wait for its line).
     let ready = common::tmpdir("stages-ps-ready");
-    let launch = format!("-np 3 {} launch --ps 1 --stages 2 -- sh -c", mpiflow());
+    let script = format!("{}/launcher/examples/check_role.py", common::root());
+    let launch = format!("-np 3 {} launch --ps 1 --stages 2 -- python3", mpiflow());
     let mut cmd: Vec<&str> = launch.split(' ').collect();
-    let program = format!(
-        "echo \"$TF_CONFIG\"; if [ \"$MPIFLOW_JOB\" = ps ]; then touch {0}/ps; \
-         else while [ ! -e {0}/ps ]; do sleep 0.05; done; fi",
-        ready.display()
-    );
-    cmd.push(&program);
+    cmd.extend([script.as_str(), "--ps-ready", ready.to_str().unwrap()]);
     let run = mpirun(&cmd);
     assert_eq!(run.code, 0, "{run:?}");
+    // check_role.py prints the task its TF_CONFIG names.
     let mut got: Vec<String> = run
         .json_lines()
         .iter()
-        .map(|c| {
-            format!(
-                "{}:{}",
-                c["task"]["type"].as_str().unwrap(),
-                c["task"]["index"]
-            )
-        })
+        .map(|l| format!("{}:{}", l["type"].as_str().unwrap(), l["index"]))
         .collect();
     got.sort();
     assert_eq!(got, ["ps:0", "replica_0:0", "replica_0:1"], "{run:?}");
