@@ -85,7 +85,7 @@ fn run(args: &[String]) -> Result<Ended, String> {
         stop_on_signal: true,
         ..SessionOptions::default()
     };
-    let batches = Batches::new(train.len(), 64, 1);
+    let mut batches = Batches::new(train.len(), 64, 1);
     let mut sess = server.session(&net, opts).map_err(|e| e.to_string())?;
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());

@@ -511,9 +511,9 @@ fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
             trace.to_str().unwrap(),
         ]);
         let start = std::time::Instant::now();
-        // Training is under way (a step logged), for 3 s at least.
+        // Training is under way (a step logged), for a second at least.
         let ready = |_: &str| {
-            start.elapsed() > std::time::Duration::from_secs(3)
+            start.elapsed() > std::time::Duration::from_secs(1)
                 && std::fs::read_to_string(&metrics).is_ok_and(|t| t.contains(r#""kind":"step""#))
         };
         let last = np.parse::<usize>().unwrap() - 1;
@@ -521,7 +521,7 @@ fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
             common::signal(pid, "-STOP");
             std::thread::sleep(std::time::Duration::from_secs(4));
             common::signal(pid, "-CONT");
-            std::thread::sleep(std::time::Duration::from_secs(2));
+            std::thread::sleep(std::time::Duration::from_secs(1));
             common::signal(mpirun, "-USR1");
         });
         assert_eq!(code, Some(75), "{mode}: {text}");

@@ -353,7 +353,7 @@ pub fn run<C: Comm>(
         let mut step = updater.start(saver.as_ref(), &mut st, replica == 0, events)?;
         let pipe = Collectives::new(pipe);
         let mut link = Link::new(pipe.comm());
-        let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+        let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
         let mut clock = Clock::new();
         let mut verdict = Verdict::new();
         let mut peak_activations = 0usize;

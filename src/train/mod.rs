@@ -255,7 +255,7 @@ pub fn train_local<'m>(
     }
     let mut grads = model.zeros_like();
     let mut towers = crate::model::towers::Towers::new(cfg.towers);
-    let batches = Batches::new(train.len(), cfg.batch, cfg.seed);
+    let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     let start = Instant::now();
     // The log window: its steps and its length.
     let mut clock = Clock::new();

@@ -167,7 +167,7 @@ pub fn run<C: Comm + Send>(
     state.apply_to(&mut model, &mut slots, &opt);
     step = step.max(state.step);
 
-    let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut grads: Vec<Tensor> = model.zeros_like();
     let names = model.model.parameters();
     let what = stall::tensors_label(names.iter().map(|p| p.name.as_str()));

@@ -182,7 +182,7 @@ pub fn run<C: Comm>(
         stop_on_signal: cfg.train.stop_on_signal,
         towers: cfg.train.towers,
     };
-    let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());

@@ -53,7 +53,7 @@ impl Rma<'_> {
         let nw = roles.workers.len();
         let me = roles.task(roles.workers[w]);
         let chief = w == 0;
-        let batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+        let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
         let mut grads = model.zeros_like();
         let mut towers = crate::model::towers::Towers::new(cfg.train.towers);
         // Where training starts: step 0, or the restored checkpoint's step.
