@@ -17,8 +17,7 @@ fn mpirun_with(tag_ub: Option<&str>, mca: &[&str], args: &[&str]) -> Run {
         cmd.extend_from_slice(&["-x", "MPIFLOW_TAG_UB"]);
     }
     cmd.extend_from_slice(args);
-    let mut env = vec![common::NO_KILL_WAIT];
-    env.extend(tag_ub.map(|v| ("MPIFLOW_TAG_UB", v)));
+    let env: Vec<(&str, &str)> = tag_ub.map(|v| ("MPIFLOW_TAG_UB", v)).into_iter().collect();
     run_bounded(120, &cmd, &env)
 }
 

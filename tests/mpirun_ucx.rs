@@ -90,7 +90,7 @@ fn a_stack_that_cannot_be_had_is_one_line() {
             "--rdma-stack",
             "ucx",
         ],
-        &[common::NO_KILL_WAIT],
+        &[],
     );
     // Decided before MPI starts, so each rank says it: one line each.
     let each = |run: &common::Run, want: &str| {
@@ -112,7 +112,7 @@ fn a_stack_that_cannot_be_had_is_one_line() {
     let run = run_bounded(
         60,
         &["mpirun", "--oversubscribe", "-np", "2", mpiflow(), "check"],
-        &[("MPIFLOW_RDMA_STACK", "fast"), common::NO_KILL_WAIT],
+        &[("MPIFLOW_RDMA_STACK", "fast")],
     );
     each(&run, "MPIFLOW_RDMA_STACK=fast: not one of auto, ucx, ompi");
 }
