@@ -94,25 +94,17 @@ pub fn run_bounded(secs: u32, cmd: &[&str], env: &[(&str, &str)]) -> Run {
     run
 }
 
-/// OpenMPI's `odls_base_sigkill_timeout` at 0. Once a rank exits non-zero, mpirun ends
-/// the job: SIGTERM to every rank, then SIGKILL this many seconds later (1 by default),
-/// a second it waits even when every rank already ended on its own, as the one-line error
-/// contract has them do. Runs that test what a rank does on SIGTERM keep the default.
-pub const NO_KILL_WAIT: (&str, &str) = ("OMPI_MCA_odls_base_sigkill_timeout", "0");
-
-/// `mpirun --oversubscribe ARGS...` with a time bound, and without mpirun's second
-/// between SIGTERM and SIGKILL ([`NO_KILL_WAIT`]) unless it runs `mpiflow launch` (whose
-/// tasks stop their programs on SIGTERM).
+/// `mpirun --oversubscribe ARGS...` with a time bound.
+///
+/// (When a rank exits non-zero mpirun waits a second before it ends the job, its
+/// `odls_base_sigkill_timeout`, even when every rank already ended on its own. At 0, Open
+/// MPI 4.1's mpirun hung in 5 of 25 jobs of one such test here, and crashed in another: the
+/// tests keep the default.)
 pub fn mpirun(args: &[&str]) -> Run {
     let _guard = lock();
     let mut cmd = vec!["mpirun", "--oversubscribe"];
     cmd.extend_from_slice(args);
-    let env: &[(&str, &str)] = if args.contains(&"launch") {
-        &[]
-    } else {
-        &[NO_KILL_WAIT]
-    };
-    run_bounded(120, &cmd, env)
+    run_bounded(120, &cmd, &[])
 }
 
 /// `mpiflow ARGS...` alone (no MPI launcher), with extra environment.
