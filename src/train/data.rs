@@ -295,7 +295,8 @@ impl Dataset {
 
 /// Global batches: each epoch a fresh seeded permutation of the training set; step `s`
 /// takes the next `batch` indices of that stream. The epoch's permutation is drawn once
-/// and kept (drawing 60,000 indices every step cost a few percent of a CNN's step).
+/// and kept (drawn anew every step, 60,000 indices took 1.7% of a local CNN run on
+/// Fashion-MNIST, and every rank of a job drew them).
 #[derive(Debug, Clone)]
 pub struct Batches {
     n: usize,
