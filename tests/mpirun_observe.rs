@@ -521,7 +521,8 @@ fn a_stopped_rank_is_named_in_a_stall_report_until_it_continues() {
             common::signal(pid, "-STOP");
             std::thread::sleep(std::time::Duration::from_secs(4));
             common::signal(pid, "-CONT");
-            std::thread::sleep(std::time::Duration::from_secs(1));
+            // The chief asks every 0.5 s while a stall lasts: its clearing is out by then.
+            std::thread::sleep(std::time::Duration::from_secs(2));
             common::signal(mpirun, "-USR1");
         });
         assert_eq!(code, Some(75), "{mode}: {text}");
