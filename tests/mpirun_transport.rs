@@ -115,8 +115,8 @@ fn benchmarks_print_osu_tables_for_every_path() {
     );
     assert_eq!(
         t.len(),
-        3,
-        "mpi, mpiflow and channel tables: {}",
+        4,
+        "mpi, mpiflow, channel and inbox tables: {}",
         run.stdout
     );
     for rows in &t {
@@ -128,6 +128,7 @@ fn benchmarks_print_osu_tables_for_every_path() {
     }
     assert!(run.stdout.contains("# ratio mpiflow/mpi"));
     assert!(run.stdout.contains("# ratio channel/mpi"));
+    assert!(run.stdout.contains("# ratio inbox/mpi"));
 
     let run = mpirun(&[
         "-np",
@@ -143,13 +144,21 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "1",
         "-W",
         "8",
+        "-c",
         "--rounds",
         "1",
     ]);
     assert_eq!(run.code, 0, "{run:?}");
+    // The inbox path's receiver withdraws its window of receives posted ahead after every
+    // size: none had matched a message (else the run fails naming the untaken messages).
     assert_eq!(
-        osu_tables(&run.stdout, "# Size        Bandwidth (MB/s)").len(),
-        3
+        osu_tables(
+            &run.stdout,
+            "# Size        Bandwidth (MB/s)          Validation"
+        )
+        .len(),
+        4,
+        "{run:?}"
     );
     // OSU's -b multiple, every message of every window checked on every path.
     let run = mpirun(&[
@@ -174,7 +183,7 @@ fn benchmarks_print_osu_tables_for_every_path() {
     ]);
     assert_eq!(run.code, 0, "{run:?}");
     let header = "# Size        Bandwidth (MB/s)          Validation";
-    assert_eq!(osu_tables(&run.stdout, header).len(), 3, "{run:?}");
+    assert_eq!(osu_tables(&run.stdout, header).len(), 4, "{run:?}");
 
     let run = mpirun(&[
         "-np",
@@ -372,6 +381,8 @@ fn bad_benchmark_requests_are_one_line_errors() {
         "channel",
     ])
     .assert_one_line_error("all ranks: --path channel is for latency, bw and bibw, not allreduce");
+    mpirun(&["-np", "2", mpiflow(), "bench", "bcast", "--path", "inbox"])
+        .assert_one_line_error("all ranks: --path inbox is for latency, bw and bibw, not bcast");
     mpirun(&["-np", "2", mpiflow(), "bench", "bw", "--path", "mpi-sgd"])
         .assert_one_line_error("all ranks: --path mpi-sgd is for pushpull, not bw");
     mpirun(&["-np", "2", mpiflow(), "bench", "bw", "-T", "mpi_float"])

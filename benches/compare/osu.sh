@@ -13,10 +13,10 @@
 # Builds OSU 7.4 from ../shared/tools/osu-7.4 (or $OSU_SRC) into target/osu-7.4 once
 # (printing DIGITS digits, see below), then for each benchmark runs ROUNDS rounds of two
 # jobs: OSU's program, then `mpiflow bench` with all its paths (mpi, mpiflow, and channel
-# for latency, bw, bibw). This machine's noise only ever slows a run, so each program's
-# best round per size estimates its cost; the table prints those bests side by side, the
-# ratios to OSU's best (>1 is slower for latencies, faster for bandwidths), and each
-# column's spread over rounds (worst/best).
+# and inbox for latency, bw, bibw). This machine's noise only ever slows a run, so each
+# program's best round per size estimates its cost; the table prints those bests side by
+# side, the ratios to OSU's best (>1 is slower for latencies, faster for bandwidths), and
+# each column's spread over rounds (worst/best).
 # Where whole jobs run in slow and fast phases (an AMD VM: 2-4x apart below 4 KiB), bests of
 # separate jobs can still differ by tens of percent from run to run; the `~` columns hold
 # what does not: mpiflow's paths against its `mpi` path measured in the same job, round by

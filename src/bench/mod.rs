@@ -263,9 +263,12 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
     if !NAMES.contains(&name) {
         return Err(BenchError::Unknown(name.into()));
     }
-    if opts.path == osu::Path::Channel && !matches!(name, "latency" | "bw" | "bibw") {
+    if matches!(opts.path, osu::Path::Channel | osu::Path::Inbox)
+        && !matches!(name, "latency" | "bw" | "bibw")
+    {
         return Err(BenchError::Option(format!(
-            "--path channel is for latency, bw and bibw, not {name}"
+            "--path {} is for latency, bw and bibw, not {name}",
+            crate::named::Named::name(opts.path)
         )));
     }
     if opts.path == osu::Path::MpiSgd && name != "pushpull" {

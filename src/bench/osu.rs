@@ -15,6 +15,9 @@ pub enum Path {
     /// mpiflow's persistent channels (latency, bw, bibw): the header crosses once, when
     /// the channel opens; messages carry the payload alone.
     Channel,
+    /// Channels whose receiving rank keeps the window's receives posted ahead
+    /// ([`crate::transport::inbox`]; latency, bw, bibw).
+    Inbox,
     /// Plain rsmpi push and pull whose ps applies the SGD update to its parameters
     /// between them (pushpull): what any parameter server that updates costs.
     MpiSgd,
@@ -37,6 +40,11 @@ impl crate::named::Named for Path {
             "mpiflow's persistent channels (latency, bw, bibw)",
         ),
         (
+            Path::Inbox,
+            "inbox",
+            "channels with the window's receives posted ahead (latency, bw, bibw)",
+        ),
+        (
             Path::MpiSgd,
             "mpi-sgd",
             "Plain rsmpi push and pull with the SGD update on the ps (pushpull)",
@@ -44,7 +52,7 @@ impl crate::named::Named for Path {
         (
             Path::Both,
             "both",
-            "mpi and mpiflow (with channel for latency, bw and bibw, mpi-sgd for pushpull), alternating at every size",
+            "mpi and mpiflow (with channel and inbox for latency, bw and bibw, mpi-sgd for pushpull), alternating at every size",
         ),
     ];
 }

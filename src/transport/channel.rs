@@ -62,6 +62,22 @@ impl Channel {
         self.peer
     }
 
+    /// The tag the channel owns between the two ranks.
+    pub fn tag(&self) -> i32 {
+        self.tag
+    }
+
+    /// Receives posted ahead on this channel into tensors like `like` (see
+    /// [`super::inbox`]).
+    pub fn inbox<'c, C: Comm>(
+        &self,
+        c: &'c C,
+        like: &Tensor,
+        depth: usize,
+    ) -> Result<super::inbox::Inbox<'c, C>, P2pError> {
+        super::inbox::Inbox::open(c, self, like, depth)
+    }
+
     fn tensor_error(&self, rank: usize, source: TensorError) -> P2pError {
         P2pError::Tensor {
             rank,
@@ -72,7 +88,7 @@ impl Channel {
 
     /// `t` must be the tensor the channel was opened for (name, dtype, shape).
     #[inline(always)]
-    fn check_tensor<C: Comm>(&self, c: &C, t: &Tensor) -> Result<(), P2pError> {
+    pub(super) fn check_tensor<C: Comm>(&self, c: &C, t: &Tensor) -> Result<(), P2pError> {
         if t.signature() == self.signature {
             return Ok(());
         }

@@ -233,6 +233,11 @@ pub trait Comm {
     /// Completes `req` if it is done (`MPI_Test`); `None` leaves it in flight.
     fn test(&self, req: &mut Self::Request) -> Result<Option<Completion>, TransportError>;
 
+    /// Withdraws a receive posted ahead (`MPI_Cancel`, then its wait): `None` if no
+    /// message had matched it, else what arrived (a message that matched is received,
+    /// never lost in the library).
+    fn cancel_receive(&self, req: Self::Request) -> Result<Option<Completion>, TransportError>;
+
     /// Blocking send (`MPI_Send`); the default starts a request and waits.
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         // SAFETY: the request is waited on before `buf`'s borrow ends.

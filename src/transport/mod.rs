@@ -10,6 +10,7 @@
 //! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory;
 //!   windows of them completed together.
 //! - [`channel`]: persistent channels: one tensor again and again, header checked once.
+//! - [`inbox`]: a channel's receives posted ahead, each message moved into place uncopied.
 //! - [`reduce`]: element-wise reductions of byte buffers, below every algorithm.
 //! - [`segments`]: memory shared by the ranks of one communicator (from its backend).
 //! - [`collectives`]: allreduce (MPI's, ring, recursive doubling, shared memory: one file
@@ -29,6 +30,7 @@ pub mod collectives;
 pub mod comm;
 pub mod context;
 pub mod fusion;
+pub mod inbox;
 pub mod links;
 pub mod local;
 pub mod mpi;

@@ -28,6 +28,8 @@
 //! Intel one; below, where messages go eagerly and arrive before their receive is posted
 //! (MPI's unexpected-message path, one more copy), it reads 0.8-0.95x of OSU's bandwidth
 //! at 1-32 B (and faster at 64-256 B, where OSU's window overflows Open MPI's fast box).
+//! The `inbox` path receives the same way from an [`Inbox`] whose receives were posted a
+//! window ahead, each message moved into the one tensor without a copy.
 
 use std::time::Instant;
 
@@ -35,6 +37,7 @@ use super::osu::{self, BenchOptions, Buffers, Path};
 use super::{best_of_rounds, secs, BenchError, Better, Row};
 use crate::tensor::{DType, Tensor};
 use crate::transport::channel::Channel;
+use crate::transport::inbox::Inbox;
 use crate::transport::mpi::MpiComm;
 use crate::transport::p2p::{P2pError, Receives, Sends};
 use crate::transport::{p2p, Collectives, Comm};
@@ -113,20 +116,46 @@ fn mismatches(got: &[u8], i: usize, j: usize) -> Option<(usize, usize)> {
     Some((first, got[first..].iter().filter(|&&b| b != want).count()))
 }
 
-/// How the mpiflow paths move a tensor: a header on every message, or an open channel.
-enum Via {
+/// How the mpiflow paths move a tensor: a header on every message, an open channel, or a
+/// channel whose receiving rank keeps a window of receives posted ahead (an [`Inbox`]).
+enum Via<'c> {
     Headers,
     Channel(Channel),
+    /// The inbox only on a rank that receives on the channel.
+    Inbox(Channel, Option<Inbox<'c, MpiComm>>),
 }
 
-impl Via {
+impl<'c> Via<'c> {
     /// The way `path` goes between ranks 0 and 1 for tensors like `t` (opening a channel
-    /// is collective between the two).
-    fn open(comm: &MpiComm, path: Path, t: &Tensor, peer: usize) -> Result<Via, P2pError> {
+    /// is collective between the two); an inbox holds `depth` receives, if any.
+    fn open(
+        comm: &'c MpiComm,
+        path: Path,
+        t: &Tensor,
+        peer: usize,
+        depth: usize,
+    ) -> Result<Via<'c>, P2pError> {
         Ok(match path {
             Path::Channel => Via::Channel(Channel::open(comm, t, peer, TAG)?),
+            Path::Inbox => {
+                let ch = Channel::open(comm, t, peer, TAG)?;
+                let inbox = match depth {
+                    0 => None,
+                    d => Some(ch.inbox(comm, t, d)?),
+                };
+                Via::Inbox(ch, inbox)
+            }
             _ => Via::Headers,
         })
+    }
+
+    /// Withdraws an inbox's receives: a message that arrived and was never taken means
+    /// the benchmark lost count, an error.
+    fn close(self) -> Result<(), P2pError> {
+        match self {
+            Via::Inbox(_, Some(inbox)) => inbox.close(),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -235,6 +264,19 @@ fn turns(len: usize, n: usize) -> impl Iterator<Item = usize> {
     (0..len).cycle().take(n)
 }
 
+/// Starts the window's `n` sends from the tensors `send` in turn, on `way`.
+#[inline(always)]
+fn start_sends<'a, W: Way>(
+    c: &'a MpiComm,
+    way: &W,
+    send: &'a [Tensor],
+    n: usize,
+) -> Result<Sends<'a, MpiComm>, P2pError> {
+    let mut sending = Sends::with_capacity(c, n);
+    way.send_each(&mut sending, turns(send.len(), n).map(|j| &send[j]))?;
+    Ok(sending)
+}
+
 /// The mpiflow paths' buffers: tensors as the runtime makes them.
 struct Tensors {
     send: Vec<Tensor>,
@@ -264,7 +306,7 @@ impl Tensors {
     fn window(
         &mut self,
         c: &MpiComm,
-        via: &Via,
+        via: &mut Via,
         peer: usize,
         receives: usize,
         sends: usize,
@@ -272,6 +314,7 @@ impl Tensors {
         match via {
             Via::Headers => self.window_on(c, &Headers(peer), receives, sends),
             Via::Channel(ch) => self.window_on(c, ch, receives, sends),
+            Via::Inbox(ch, inbox) => self.window_inbox(c, ch, inbox.as_mut(), receives, sends),
         }
     }
 
@@ -280,13 +323,24 @@ impl Tensors {
     fn round_trip(
         &mut self,
         c: &MpiComm,
-        via: &Via,
+        via: &mut Via,
         peer: usize,
         first: bool,
     ) -> Result<(), P2pError> {
         match via {
             Via::Headers => self.round_trip_on(c, &Headers(peer), first),
             Via::Channel(ch) => self.round_trip_on(c, ch, first),
+            Via::Inbox(ch, Some(inbox)) => {
+                let (send, recv) = (&self.send[0], &mut self.recv[0]);
+                if first {
+                    ch.send(c, send)?;
+                    inbox.receive_into(recv)
+                } else {
+                    inbox.receive_into(recv)?;
+                    ch.send(c, send)
+                }
+            }
+            Via::Inbox(_, None) => unreachable!("both ranks of latency receive"),
         }
     }
 
@@ -312,11 +366,8 @@ impl Tensors {
         receives: usize,
         sends: usize,
     ) -> Result<(), P2pError> {
-        let ns = self.send.len();
-        let outgoing = turns(ns, sends).map(|j| &self.send[j]);
-        let mut sending = Sends::with_capacity(c, sends);
         if self.recv.len() == 1 {
-            way.send_each(&mut sending, outgoing)?;
+            let sending = start_sends(c, way, &self.send, sends)?;
             for _ in 0..receives {
                 way.receive_into(c, &mut self.recv[0])?;
             }
@@ -324,9 +375,29 @@ impl Tensors {
         }
         let mut incoming = Receives::with_capacity(c, receives);
         way.receive_each(&mut incoming, self.recv[..receives].iter_mut())?;
-        way.send_each(&mut sending, outgoing)?;
-        sending.wait_all()?;
+        start_sends(c, way, &self.send, sends)?.wait_all()?;
         incoming.wait_all()
+    }
+
+    /// One side of a window through an inbox: the sends in flight, then each message
+    /// taken from the inbox (whose receives were posted ahead) into the receive tensors in
+    /// turn; waits for the sends.
+    fn window_inbox(
+        &mut self,
+        c: &MpiComm,
+        ch: &Channel,
+        inbox: Option<&mut Inbox<'_, MpiComm>>,
+        receives: usize,
+        sends: usize,
+    ) -> Result<(), P2pError> {
+        let sending = start_sends(c, ch, &self.send, sends)?;
+        if let Some(inbox) = inbox {
+            let nr = self.recv.len();
+            for j in turns(nr, receives) {
+                inbox.receive_into(&mut self.recv[j])?;
+            }
+        }
+        sending.wait_all()
     }
 }
 
@@ -334,7 +405,7 @@ impl Tensors {
 enum Side<'a> {
     Raw(&'a mut RawBuffers),
     /// Boxed: a side of tensors (and their channel) is large beside a reference.
-    Tensors(Box<(Tensors, Via)>),
+    Tensors(Box<(Tensors, Via<'a>)>),
 }
 
 impl Side<'_> {
@@ -396,7 +467,9 @@ fn measure(
         }
         _ => {
             let t = Tensors::new(count, size)?;
-            let via = Via::open(comm, path, &t.send[0], peer)?;
+            // An inbox holds the window, on a rank that receives.
+            let depth = if receives > 0 { window } else { 0 };
+            let via = Via::open(comm, path, &t.send[0], peer, depth)?;
             Side::Tensors(Box::new((t, via)))
         }
     };
@@ -433,11 +506,11 @@ fn measure(
                 }
             }
             (Side::Tensors(tv), Kind::Latency) => {
-                let (t, via) = (&mut tv.0, &tv.1);
+                let (t, via) = (&mut tv.0, &mut tv.1);
                 t.round_trip(comm, via, peer, me == 0)?;
             }
             (Side::Tensors(tv), _) => {
-                let (t, via) = (&mut tv.0, &tv.1);
+                let (t, via) = (&mut tv.0, &mut tv.1);
                 t.window(comm, via, peer, receives, sends)?;
                 if kind == Kind::Bw && me == 0 {
                     p2p::receive_into(comm, &mut t.ack_in, peer, ACK_TAG)?;
@@ -462,6 +535,9 @@ fn measure(
             }
         }
     }
+    if let Side::Tensors(tv) = bufs {
+        tv.1.close()?;
+    }
     Ok(match kind {
         Kind::Latency => total * 1e6 / (2.0 * iters as f64),
         // Both directions count, as in OSU's bibw.
@@ -476,7 +552,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<String, Be
     let (min, max) = opts.sizes.unwrap_or((1, 1 << 22));
     let (mut paths, nrounds) = opts.plan();
     if opts.path == Path::Both {
-        paths.push(Path::Channel);
+        paths.extend([Path::Channel, Path::Inbox]);
     }
     let coll = Collectives::new(MpiComm::new(comm.raw()));
     let better = if kind == Kind::Latency {

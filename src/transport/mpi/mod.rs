@@ -420,6 +420,10 @@ impl Comm for MpiComm {
         self.test_one(r)
     }
 
+    fn cancel_receive(&self, r: MpiRequest) -> Result<Option<Completion>, TransportError> {
+        self.cancel_one(r)
+    }
+
     #[inline]
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         let (n, dst) = (self.count(buf.len())?, self.peer(dst)?);

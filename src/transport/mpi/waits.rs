@@ -89,6 +89,33 @@ impl MpiComm {
         self.completion("MPI_Test", rc, &status, r.len).map(Some)
     }
 
+    /// [`Comm::cancel_receive`]: `MPI_Cancel`, `MPI_Wait`, then `MPI_Test_cancelled` says
+    /// whether the receive was withdrawn or had matched a message.
+    ///
+    /// [`Comm::cancel_receive`]: crate::transport::Comm::cancel_receive
+    pub(super) fn cancel_one(
+        &self,
+        mut r: MpiRequest,
+    ) -> Result<Option<Completion>, TransportError> {
+        // SAFETY: r.req is an active receive of ours; cancelling only marks it.
+        let rc = unsafe { ffi::MPI_Cancel(&mut r.req) };
+        if let Err(e) = self.check("MPI_Cancel", rc) {
+            // Still complete it: its buffer must not stay in MPI's hands.
+            let _ = self.wait_one(r);
+            return Err(e);
+        }
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: a cancelled request still completes; waiting frees it.
+        let rc = unsafe { ffi::MPI_Wait(&mut r.req, &mut status) };
+        let done = self.completion("MPI_Wait", rc, &status, r.len)?;
+        let mut cancelled: c_int = 0;
+        // SAFETY: status was written by the wait above.
+        let rc = unsafe { ffi::MPI_Test_cancelled(&status, &mut cancelled) };
+        self.check("MPI_Test_cancelled", rc)?;
+        Ok((cancelled == 0).then_some(done))
+    }
+
     /// Completes every request of `reqs` and empties it: one `MPI_Waitall` per [`CHUNK`]
     /// requests. With `each`, each request's [`Completion`] is handed to it in order (a
     /// truncated receive is a completion that says so, as from `MPI_Wait`) until one

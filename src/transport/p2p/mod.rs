@@ -52,6 +52,15 @@ pub enum P2pError {
     },
     #[error("rank {0}: tensor transfers name their peer rank (no ANY_SOURCE): headers are remembered per peer")]
     AnySource(usize),
+    #[error("rank {rank}: closed the inbox of the channel with rank {peer} (tag {tag}) with {count} messages that arrived and were never received")]
+    Untaken {
+        rank: usize,
+        peer: usize,
+        tag: i32,
+        count: usize,
+    },
+    #[error("rank {rank}: the inbox of the channel with rank {peer} (tag {tag}) failed to post a receive before and receives nothing more")]
+    InboxBroken { rank: usize, peer: usize, tag: i32 },
     #[error(
         "rank {rank}: channel with rank {peer} (tag {tag}) was opened for {opened}, not {given}"
     )]

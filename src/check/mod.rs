@@ -2,8 +2,9 @@
 //!
 //! Under `mpirun` (any number of ranks) every rank runs the same list of checks, with
 //! inputs every rank can recompute for every other rank:
-//! - point-to-point: a ring of tensors by rank and by task, and a deliberately mismatched
-//!   receive that must fail naming both tensors;
+//! - point-to-point (module `p2p`): a ring of tensors by rank and by task, a deliberately
+//!   mismatched receive that must fail naming both tensors, links that follow changes, and
+//!   a stream through a channel's inbox;
 //! - allreduce for every dtype, op and algorithm at sizes 1, 7, 1000 and 65 537 elements,
 //!   compared with a serial reduction (exact for integers, min and max; within float
 //!   rounding for sums of floats), with a digest of the result bits that must be equal on
@@ -15,12 +16,12 @@
 
 use serde_json::json;
 
-use crate::cluster::peers::{self, Peer, Tasks};
-use crate::cluster::{Layout, TaskId};
+mod p2p;
+
+use crate::cluster::Layout;
 use crate::tensor::{DType, Element, Tensor};
 use crate::transport::collectives::stores::StoreMode;
 use crate::transport::fusion::Fusion;
-use crate::transport::p2p;
 use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 /// The outcome on one rank.
@@ -97,7 +98,7 @@ fn expected(op: ReduceOp, ranks: &[usize], i: usize, dtype: DType) -> f64 {
     }
 }
 
-fn tensor_of(dtype: DType, r: usize, n: usize) -> Tensor {
+pub(crate) fn tensor_of(dtype: DType, r: usize, n: usize) -> Tensor {
     let shape = [n];
     match dtype {
         DType::F32 => Tensor::from_slice(&shape, &values(r, n, |x| x as f32)),
@@ -154,61 +155,6 @@ fn check_reduced(rep: &mut Report, label: &str, t: &Tensor, op: ReduceOp, ranks:
     rep.absorb(t.bytes());
 }
 
-/// Repeats, changes and mismatches on p2p links (headers travel only when the tensor
-/// changes): every transfer's bytes, and the errors, are what a header on every message
-/// would give. Tag 7 holds 'grad/w' f32[8] from the mismatch before.
-fn links_follow_changes<C: Comm>(
-    c: &C,
-    rep: &mut Report,
-    (left, right): (usize, usize),
-) -> Result<(), String> {
-    let r = c.rank();
-    let e = |x: &dyn std::fmt::Display| x.to_string();
-    // (what is sent, what is expected, the sender's tensor an error must name, if one is
-    // due): repeats (payload alone), a receiver that expects another tensor, a change
-    // whose whole message has the length of the previous payload (f32[8] = 32 bytes; u8[8]
-    // with a 24-byte header), a sender switching back, and repeats again.
-    let a = |k: usize| tensor_of(DType::F32, r + k, 8).named("grad/w");
-    let b = |k: usize| tensor_of(DType::U8, r + k, 8);
-    let plan: [(Tensor, Tensor, Option<&str>); 6] = [
-        (a(1), a(1), None),
-        (a(2), a(2), None),
-        (
-            a(3),
-            Tensor::zeros(DType::F32, &[4])
-                .map_err(|x| e(&x))?
-                .named("grad/b"),
-            Some("'grad/w' f32[8]"),
-        ),
-        (b(4), b(4), None),
-        (b(5), a(5), Some("'' u8[8]")),
-        (b(6), b(6), None),
-    ];
-    for (step, (out, mut want, error)) in plan.into_iter().enumerate() {
-        // What rank `left` sent at this step, as `want` would hold it.
-        let expect_bytes = tensor_of(want.dtype(), left + step + 1, want.numel())
-            .bytes()
-            .to_vec();
-        let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
-        let got = p2p::receive_into(c, &mut want, left, 7);
-        send.wait().map_err(|x| e(&x))?;
-        match (got, error) {
-            (Ok(()), None) => rep.expect(want.bytes() == expect_bytes, || {
-                format!("p2p link step {step}: data from rank {left} differs")
-            }),
-            (Err(x), Some(sent)) => {
-                let msg = x.to_string();
-                rep.expect(
-                    msg.contains(&format!("received {sent} but expected")),
-                    || format!("p2p link step {step}: error {msg:?} does not name {sent}"),
-                )
-            }
-            (got, _) => rep.expect(false, || format!("p2p link step {step}: {got:?}")),
-        }
-    }
-    Ok(())
-}
-
 /// Runs every check on this rank (collective over `coll`).
 ///
 /// `mismatch_rank`: that rank submits its fused list in another order, to exercise the
@@ -224,68 +170,9 @@ pub fn run<C: Comm>(
     let all: Vec<usize> = (0..n).collect();
     let e = |x: &dyn std::fmt::Display| x.to_string();
 
-    // Point-to-point ring, by rank, on the highest tag left to callers under this job's
-    // MPI_TAG_UB (the collectives below use the reserved ones above it).
     rep.tag_ub = c.tags().ub();
-    let top = c.tags().max_user();
-    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    let out = tensor_of(DType::F32, r, 1001).named("ring");
-    let mut inc = Tensor::zeros(DType::F32, &[1001])
-        .map_err(|x| e(&x))?
-        .named("ring");
-    let send = p2p::immediate_send(c, &out, right, top).map_err(|x| e(&x))?;
-    p2p::receive_into(c, &mut inc, left, top).map_err(|x| e(&x))?;
-    send.wait().map_err(|x| e(&x))?;
-    rep.expect(
-        inc.bytes() == tensor_of(DType::F32, left, 1001).bytes(),
-        || format!("p2p ring: data from rank {left} differs"),
-    );
-
-    // By task: each task sends to the task of the next rank.
-    let tasks = Tasks::from_layout(layout);
+    p2p::run(c, layout, &mut rep)?;
     let me = &layout.ranks[r].task;
-    let next: TaskId = layout.ranks[right].task.clone();
-    let prev: TaskId = layout.ranks[left].task.clone();
-    let out = Tensor::from_slice(&[2], &[r as i64, 42])
-        .map_err(|x| e(&x))?
-        .named(&format!("from {me}"));
-    let mut inc = Tensor::zeros(DType::I64, &[2])
-        .map_err(|x| e(&x))?
-        .named(&format!("from {prev}"));
-    let send = p2p::immediate_send(
-        c,
-        &out,
-        tasks.rank(&Peer::Task(next)).map_err(|x| e(&x))?,
-        6,
-    )
-    .map_err(|x| e(&x))?;
-    peers::receive_from(c, &tasks, &mut inc, &Peer::Task(prev.clone()), 6).map_err(|x| e(&x))?;
-    send.wait().map_err(|x| e(&x))?;
-    rep.expect(
-        inc.as_slice::<i64>().ok() == Some(&[left as i64, 42][..]),
-        || format!("p2p by task: from {prev} got {inc:?}"),
-    );
-
-    // A mismatched receive fails, naming both tensors, and the channel stays usable.
-    if n > 1 {
-        let out = tensor_of(DType::F32, r, 8).named("grad/w");
-        let mut wrong = Tensor::zeros(DType::F32, &[4])
-            .map_err(|x| e(&x))?
-            .named("grad/b");
-        let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
-        let err = p2p::receive_into(c, &mut wrong, left, 7)
-            .err()
-            .map(|x| x.to_string())
-            .unwrap_or_default();
-        send.wait().map_err(|x| e(&x))?;
-        let want = format!(
-            "rank {r}: from rank {left}: received 'grad/w' f32[8] but expected 'grad/b' f32[4]"
-        );
-        rep.expect(err == want, || {
-            format!("mismatch: got {err:?}, want {want:?}")
-        });
-        links_follow_changes(c, &mut rep, (left, right))?;
-    }
 
     // Allreduce: every dtype, op, algorithm, and awkward sizes.
     for dtype in DType::ALL {

@@ -1,0 +1,192 @@
+//! Point-to-point checks of `mpiflow check`: tensors by rank and by task, mismatches
+//! that name both sides, links that follow changes, and a stream through an inbox.
+
+use super::{tensor_of, Report};
+use crate::cluster::peers::{self, Peer, Tasks};
+use crate::cluster::{Layout, TaskId};
+use crate::tensor::{DType, Tensor};
+use crate::transport::channel::Channel;
+use crate::transport::{comm, p2p, Comm};
+
+/// Runs the point-to-point checks on this rank (every rank of `c` calls it).
+pub(super) fn run<C: Comm>(c: &C, layout: &Layout, rep: &mut Report) -> Result<(), String> {
+    let (n, r) = (c.size(), c.rank());
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    // Point-to-point ring, by rank, on the highest tag left to callers under this job's
+    // MPI_TAG_UB (the collectives below use the reserved ones above it).
+    let top = c.tags().max_user();
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let out = tensor_of(DType::F32, r, 1001).named("ring");
+    let mut inc = Tensor::zeros(DType::F32, &[1001])
+        .map_err(|x| e(&x))?
+        .named("ring");
+    let send = p2p::immediate_send(c, &out, right, top).map_err(|x| e(&x))?;
+    p2p::receive_into(c, &mut inc, left, top).map_err(|x| e(&x))?;
+    send.wait().map_err(|x| e(&x))?;
+    rep.expect(
+        inc.bytes() == tensor_of(DType::F32, left, 1001).bytes(),
+        || format!("p2p ring: data from rank {left} differs"),
+    );
+
+    // By task: each task sends to the task of the next rank.
+    let tasks = Tasks::from_layout(layout);
+    let me = &layout.ranks[r].task;
+    let next: TaskId = layout.ranks[right].task.clone();
+    let prev: TaskId = layout.ranks[left].task.clone();
+    let out = Tensor::from_slice(&[2], &[r as i64, 42])
+        .map_err(|x| e(&x))?
+        .named(&format!("from {me}"));
+    let mut inc = Tensor::zeros(DType::I64, &[2])
+        .map_err(|x| e(&x))?
+        .named(&format!("from {prev}"));
+    let send = p2p::immediate_send(
+        c,
+        &out,
+        tasks.rank(&Peer::Task(next)).map_err(|x| e(&x))?,
+        6,
+    )
+    .map_err(|x| e(&x))?;
+    peers::receive_from(c, &tasks, &mut inc, &Peer::Task(prev.clone()), 6).map_err(|x| e(&x))?;
+    send.wait().map_err(|x| e(&x))?;
+    rep.expect(
+        inc.as_slice::<i64>().ok() == Some(&[left as i64, 42][..]),
+        || format!("p2p by task: from {prev} got {inc:?}"),
+    );
+
+    // A mismatched receive fails, naming both tensors, and the channel stays usable.
+    if n > 1 {
+        let out = tensor_of(DType::F32, r, 8).named("grad/w");
+        let mut wrong = Tensor::zeros(DType::F32, &[4])
+            .map_err(|x| e(&x))?
+            .named("grad/b");
+        let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
+        let err = p2p::receive_into(c, &mut wrong, left, 7)
+            .err()
+            .map(|x| x.to_string())
+            .unwrap_or_default();
+        send.wait().map_err(|x| e(&x))?;
+        let want = format!(
+            "rank {r}: from rank {left}: received 'grad/w' f32[8] but expected 'grad/b' f32[4]"
+        );
+        rep.expect(err == want, || {
+            format!("mismatch: got {err:?}, want {want:?}")
+        });
+        links_follow_changes(c, rep, (left, right))?;
+        inbox_stream(c, rep, (left, right))?;
+    }
+    Ok(())
+}
+
+/// Repeats, changes and mismatches on p2p links (headers travel only when the tensor
+/// changes): every transfer's bytes, and the errors, are what a header on every message
+/// would give. Tag 7 holds 'grad/w' f32[8] from the mismatch before.
+fn links_follow_changes<C: Comm>(
+    c: &C,
+    rep: &mut Report,
+    (left, right): (usize, usize),
+) -> Result<(), String> {
+    let r = c.rank();
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    // (what is sent, what is expected, the sender's tensor an error must name, if one is
+    // due): repeats (payload alone), a receiver that expects another tensor, a change
+    // whose whole message has the length of the previous payload (f32[8] = 32 bytes; u8[8]
+    // with a 24-byte header), a sender switching back, and repeats again.
+    let a = |k: usize| tensor_of(DType::F32, r + k, 8).named("grad/w");
+    let b = |k: usize| tensor_of(DType::U8, r + k, 8);
+    let plan: [(Tensor, Tensor, Option<&str>); 6] = [
+        (a(1), a(1), None),
+        (a(2), a(2), None),
+        (
+            a(3),
+            Tensor::zeros(DType::F32, &[4])
+                .map_err(|x| e(&x))?
+                .named("grad/b"),
+            Some("'grad/w' f32[8]"),
+        ),
+        (b(4), b(4), None),
+        (b(5), a(5), Some("'' u8[8]")),
+        (b(6), b(6), None),
+    ];
+    for (step, (out, mut want, error)) in plan.into_iter().enumerate() {
+        // What rank `left` sent at this step, as `want` would hold it.
+        let expect_bytes = tensor_of(want.dtype(), left + step + 1, want.numel())
+            .bytes()
+            .to_vec();
+        let send = p2p::immediate_send(c, &out, right, 7).map_err(|x| e(&x))?;
+        let got = p2p::receive_into(c, &mut want, left, 7);
+        send.wait().map_err(|x| e(&x))?;
+        match (got, error) {
+            (Ok(()), None) => rep.expect(want.bytes() == expect_bytes, || {
+                format!("p2p link step {step}: data from rank {left} differs")
+            }),
+            (Err(x), Some(sent)) => {
+                let msg = x.to_string();
+                rep.expect(
+                    msg.contains(&format!("received {sent} but expected")),
+                    || format!("p2p link step {step}: error {msg:?} does not name {sent}"),
+                )
+            }
+            (got, _) => rep.expect(false, || format!("p2p link step {step}: {got:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// A stream of one tensor around the ring (to the right, from the left), received
+/// through an inbox of 4 receives posted ahead: 20 messages in order, a shorter and a
+/// longer stray message on the channel's tag (each an error naming the channel, the stream
+/// going on; longer within the room behind the payload: a truncated non-blocking receive
+/// ends an MPICH job), one more message, and a close that finds no message left untaken
+/// (every receive posted ahead withdrawn by `MPI_Cancel`).
+fn inbox_stream<C: Comm>(
+    c: &C,
+    rep: &mut Report,
+    (left, right): (usize, usize),
+) -> Result<(), String> {
+    const TAG: i32 = 8;
+    let r = c.rank();
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    let of = |k: usize| tensor_of(DType::F32, k, 3).named("stream");
+    let mut t = of(0);
+    // Each open is a header exchange with one peer: even ranks open to the right first, odd
+    // ranks from the left first, so that no cycle of ranks waits on each other.
+    let open = |peer| Channel::open(c, &t, peer, TAG).map_err(|x| e(&x));
+    let (out, inc) = if r.is_multiple_of(2) {
+        let out = open(right)?;
+        (out, open(left)?)
+    } else {
+        let inc = open(left)?;
+        (open(right)?, inc)
+    };
+    let mut inbox = inc.inbox(c, &t, 4).map_err(|x| e(&x))?;
+    for k in 0..20 {
+        out.send(c, &of(r * 100 + k)).map_err(|x| e(&x))?;
+    }
+    comm::send(c, &[1; 5], right, TAG).map_err(|x| e(&x))?;
+    comm::send(c, &[2; 40], right, TAG).map_err(|x| e(&x))?;
+    out.send(c, &of(r * 100 + 99)).map_err(|x| e(&x))?;
+    for k in 0..20 {
+        inbox.receive_into(&mut t).map_err(|x| e(&x))?;
+        rep.expect(t.bytes() == of(left * 100 + k).bytes(), || {
+            format!("inbox stream: message {k} from rank {left} differs")
+        });
+    }
+    for got in ["5 bytes", "40 bytes"] {
+        let err = inbox.receive_into(&mut t).err().map(|x| x.to_string());
+        let want = format!(
+            "rank {r}: from rank {left}: received {got} but expected 'stream' f32[3] (12 bytes) on the channel"
+        );
+        rep.expect(err.as_deref() == Some(&want[..]), || {
+            format!("inbox stream: got {err:?}, want {want:?}")
+        });
+    }
+    inbox.receive_into(&mut t).map_err(|x| e(&x))?;
+    rep.expect(t.bytes() == of(left * 100 + 99).bytes(), || {
+        format!("inbox stream: the message after the errors from rank {left} differs")
+    });
+    let closed = inbox.close().err().map(|x| x.to_string());
+    rep.expect(closed.is_none(), || {
+        format!("inbox stream: close: {closed:?}")
+    });
+    Ok(())
+}
