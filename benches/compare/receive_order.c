@@ -12,14 +12,20 @@
  *
  *   posted      the receiver posts 64 MPI_Irecv into one buffer, then MPI_Waitall (OSU)
  *   sequential  the receiver calls MPI_Recv 64 times into one buffer
+ *   ahead       the receiver keeps 64 MPI_Irecv posted into 64 buffers of its own, posted
+ *               before the first window; each message is an MPI_Wait on the oldest, then
+ *               an MPI_Irecv into its buffer again (what mpiflow's inbox does, whose
+ *               buffer exchange with the caller's tensor copies nothing); the receives
+ *               still posted at the end are cancelled
  *
  * With `bibw`, both ranks send and receive a window as osu_bibw does (posted: receives
  * into one buffer, then sends, MPI_Waitall on each; sequential: the sends in flight,
  * then MPI_Recv 64 times, then MPI_Waitall on the sends), both directions counted.
  *
  * Per size it prints each order's best bandwidth over the rounds (MB/s, as osu_bw) and
- * the median over rounds of the in-round ratio sequential/posted: the ceiling of a
- * one-tensor receive relative to osu_bw, before any cost of the tensor API itself.
+ * the medians over rounds of the in-round ratios sequential/posted and ahead/posted: the
+ * ceilings of a one-tensor receive relative to osu_bw, before any cost of the tensor API
+ * itself. (`ahead` is measured with bw only.)
  * Used by benches/results/2026-11-25-osu.md.
  */
 #include <mpi.h>
@@ -30,17 +36,24 @@
 #define WINDOW 64
 #define MAX_ROUNDS 64
 
+/* The buffers of the `ahead` order, WINDOW of the largest size. */
+static char *slots;
+
 static int cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }
 
 /* Seconds for `iters` windows of `size` bytes after `warmup` untimed ones. */
-static double run(int me, int bibw, int sequential, char *sb, char *rb, int size, int iters,
+static double run(int me, int bibw, int order, char *sb, char *rb, int size, int iters,
                   int warmup) {
-  MPI_Request req[WINDOW], sreq[WINDOW];
+  MPI_Request req[WINDOW], sreq[WINDOW], ring[WINDOW];
   char ack = 0;
   double t0 = 0;
+  int sequential = order == 1, ahead = order == 2 && !bibw, next = 0;
+  if (ahead && me == 1)
+    for (int j = 0; j < WINDOW; j++)
+      MPI_Irecv(slots + (size_t)j * size, size, MPI_CHAR, 0, 100, MPI_COMM_WORLD, &ring[j]);
   MPI_Barrier(MPI_COMM_WORLD);
   for (int i = 0; i < warmup + iters; i++) {
     if (i == warmup) t0 = MPI_Wtime();
@@ -62,7 +75,14 @@ static double run(int me, int bibw, int sequential, char *sb, char *rb, int size
       MPI_Waitall(WINDOW, req, MPI_STATUSES_IGNORE);
       MPI_Recv(&ack, 1, MPI_CHAR, 1, 101, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
     } else if (me == 1) {
-      if (sequential) {
+      if (ahead) {
+        for (int j = 0; j < WINDOW; j++) {
+          MPI_Wait(&ring[next], MPI_STATUS_IGNORE);
+          MPI_Irecv(slots + (size_t)next * size, size, MPI_CHAR, 0, 100, MPI_COMM_WORLD,
+                    &ring[next]);
+          next = next + 1 == WINDOW ? 0 : next + 1;
+        }
+      } else if (sequential) {
         for (int j = 0; j < WINDOW; j++)
           MPI_Recv(rb, size, MPI_CHAR, 0, 100, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       } else {
@@ -74,6 +94,11 @@ static double run(int me, int bibw, int sequential, char *sb, char *rb, int size
     }
   }
   double t = MPI_Wtime() - t0;
+  if (ahead && me == 1)
+    for (int j = 0; j < WINDOW; j++) {
+      MPI_Cancel(&ring[j]);
+      MPI_Wait(&ring[j], MPI_STATUS_IGNORE);
+    }
   MPI_Bcast(&t, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   return t;
 }
@@ -97,30 +122,41 @@ int main(int argc, char **argv) {
   char *rb = aligned_alloc(4096, ((size_t)max + 4095) / 4096 * 4096);
   memset(sb, 'a', max);
   memset(rb, 'b', max);
+  slots = aligned_alloc(4096, ((size_t)max * WINDOW + 4095) / 4096 * 4096);
   if (me == 0) {
     printf("# receive order, plain MPI, %s, window %d, best of %d rounds (MB/s)\n",
            bibw ? "bibw" : "bw", WINDOW, rounds);
-    printf("# %-8s %14s %14s %18s\n", "Size", "posted", "sequential", "seq/posted(median)");
+    printf("# %-8s %14s %14s %14s %18s %20s\n", "Size", "posted", "sequential", "ahead",
+           "seq/posted(median)", "ahead/posted(median)");
   }
   for (int size = 1; size <= max; size *= 2) {
     /* osu_bw's counts: 100 iterations and 10 warm-up up to 8 KiB, 20 and 2 above. */
     int iters = size <= 8192 ? 100 : 20, warmup = size <= 8192 ? 10 : 2;
-    double best[2] = {0, 0}, ratio[MAX_ROUNDS];
+    int orders = bibw ? 2 : 3;
+    double best[3] = {0, 0, 0}, ratio[2][MAX_ROUNDS];
     for (int r = 0; r < rounds; r++) {
-      double bw[2];
-      for (int k = 0; k < 2; k++) {
-        int order = (k + r) % 2; /* which order goes first alternates by round */
+      double bw[3] = {0, 0, 0};
+      for (int k = 0; k < orders; k++) {
+        int order = (k + r) % orders; /* which order goes first rotates by round */
         double t = run(me, bibw, order, sb, rb, size, iters, warmup);
         bw[order] = (double)size * iters * WINDOW * (bibw ? 2 : 1) / t / 1e6;
         if (bw[order] > best[order]) best[order] = bw[order];
       }
-      ratio[r] = bw[1] / bw[0];
+      ratio[0][r] = bw[1] / bw[0];
+      ratio[1][r] = bw[2] / bw[0];
     }
-    qsort(ratio, rounds, sizeof ratio[0], cmp);
-    if (me == 0) printf("%-10d %14.2f %14.2f %18.3f\n", size, best[0], best[1], ratio[rounds / 2]);
+    qsort(ratio[0], rounds, sizeof ratio[0][0], cmp);
+    qsort(ratio[1], rounds, sizeof ratio[1][0], cmp);
+    if (me == 0 && bibw)
+      printf("%-10d %14.2f %14.2f %14s %18.3f %20s\n", size, best[0], best[1], "-",
+             ratio[0][rounds / 2], "-");
+    else if (me == 0)
+      printf("%-10d %14.2f %14.2f %14.2f %18.3f %20.3f\n", size, best[0], best[1], best[2],
+             ratio[0][rounds / 2], ratio[1][rounds / 2]);
   }
   free(sb);
   free(rb);
+  free(slots);
   MPI_Finalize();
   return 0;
 }

@@ -13,6 +13,16 @@
 //! `depth - 1` receives stay posted between calls. MPI matches receives of one (peer, tag)
 //! in the order they were posted, so messages come out in the order they were sent.
 //!
+//! Choosing `depth`: enough for the messages that arrive while the receiver is busy (a
+//! sender's window), within a core's cache in bytes. Each message lands in the next of the
+//! `depth` buffers (and the caller's), so `depth x size` is memory the stream cycles
+//! through; beyond the cache every message lands in cold memory, and large messages go by
+//! rendezvous, where a receive posted late costs little. Measured with `mpiflow bench
+//! --path inbox` (`benches/results/2026-11-26-inbox.md`), a window of 64 messages into one
+//! tensor against plain MPI's window of receives posted into one buffer: 64 receives
+//! ahead read 0.95-1.10x of it at 256 B-2 KiB (0.91-0.95x receiving one message at a
+//! time), but 0.6-0.7x at 256 KiB-1 MiB; the benchmark keeps an inbox within 1 MiB.
+//!
 //! The inbox owns its channel's receiving side while it is open: every message the peer
 //! sends on the channel goes through it. [`Inbox::close`] withdraws the receives posted
 //! ahead (`MPI_Cancel`); a message that had arrived and was never taken is an error naming

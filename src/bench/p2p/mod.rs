@@ -29,7 +29,8 @@
 //! (MPI's unexpected-message path, one more copy), it reads 0.8-0.95x of OSU's bandwidth
 //! at 1-32 B (and faster at 64-256 B, where OSU's window overflows Open MPI's fast box).
 //! The `inbox` path receives the same way from an [`Inbox`] whose receives were posted a
-//! window ahead, each message moved into the one tensor without a copy.
+//! window ahead (within 1 MiB of buffers), each message moved into the one tensor without
+//! a copy.
 
 use std::time::Instant;
 
@@ -264,6 +265,20 @@ fn turns(len: usize, n: usize) -> impl Iterator<Item = usize> {
     (0..len).cycle().take(n)
 }
 
+/// Bytes of buffers an inbox of the benchmark posts ahead at most: the L2 cache of a core
+/// on the machines measured (1 MiB). Each message lands in a buffer of the inbox's in
+/// turn, so beyond the cache every message lands in cold memory: a window of 64 receives
+/// ahead made `bibw` 0.59-0.74x of plain MPI at 256 KiB-1 MiB and lost the huge-page lead
+/// at 2-4 MiB (`benches/results/2026-11-26-inbox.md`), where messages go by rendezvous
+/// and a receive posted late costs little anyway.
+const INBOX_BYTES: usize = 1 << 20;
+
+/// An inbox's depth on a receiving rank: the window, within [`INBOX_BYTES`] of buffers
+/// (at least 2).
+fn inbox_depth(window: usize, size: usize) -> usize {
+    (INBOX_BYTES / size.max(1)).clamp(2, window.max(2))
+}
+
 /// Starts the window's `n` sends from the tensors `send` in turn, on `way`.
 #[inline(always)]
 fn start_sends<'a, W: Way>(
@@ -467,8 +482,11 @@ fn measure(
         }
         _ => {
             let t = Tensors::new(count, size)?;
-            // An inbox holds the window, on a rank that receives.
-            let depth = if receives > 0 { window } else { 0 };
+            let depth = if receives > 0 {
+                inbox_depth(window, size)
+            } else {
+                0
+            };
             let via = Via::open(comm, path, &t.send[0], peer, depth)?;
             Side::Tensors(Box::new((t, via)))
         }
@@ -605,6 +623,16 @@ mod tests {
         got[7] = 0;
         assert_eq!(mismatches(&got, 3, 2), Some((4, 2)));
         assert_eq!(mismatches(&got, 3, 1), Some((0, 10)));
+    }
+
+    #[test]
+    fn an_inbox_holds_the_window_within_a_megabyte() {
+        assert_eq!(inbox_depth(64, 1), 64);
+        assert_eq!(inbox_depth(64, 16384), 64);
+        assert_eq!(inbox_depth(64, 65536), 16);
+        assert_eq!(inbox_depth(64, 1 << 20), 2);
+        assert_eq!(inbox_depth(64, 4 << 20), 2);
+        assert_eq!(inbox_depth(1, 8), 2);
     }
 
     #[test]

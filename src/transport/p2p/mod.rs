@@ -59,7 +59,7 @@ pub enum P2pError {
         tag: i32,
         count: usize,
     },
-    #[error("rank {rank}: the inbox of the channel with rank {peer} (tag {tag}) failed to post a receive before and receives nothing more")]
+    #[error("rank {rank}: the inbox of the channel with rank {peer} (tag {tag}) failed to post one of its receives: close it")]
     InboxBroken { rank: usize, peer: usize, tag: i32 },
     #[error(
         "rank {rank}: channel with rank {peer} (tag {tag}) was opened for {opened}, not {given}"
