@@ -26,8 +26,9 @@
 //! The inbox owns its channel's receiving side while it is open: every message the peer
 //! sends on the channel goes through it. [`Inbox::close`] withdraws the receives posted
 //! ahead (`MPI_Cancel`); a message that had arrived and was never taken is an error naming
-//! the channel and the count, so nothing the peer sent is dropped silently. Dropping an
-//! inbox withdraws them too, without the check.
+//! the channel and the count, so nothing the peer sent is dropped silently (a message still
+//! on its way, matched by no receive yet, stays with MPI for the next receive on the tag).
+//! Dropping an inbox withdraws them too, without the check.
 
 use super::channel::Channel;
 use super::comm::Comm;

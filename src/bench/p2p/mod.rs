@@ -268,7 +268,7 @@ fn turns(len: usize, n: usize) -> impl Iterator<Item = usize> {
 /// Bytes of buffers an inbox of the benchmark posts ahead at most: the L2 cache of a core
 /// on the machines measured (1 MiB). Each message lands in a buffer of the inbox's in
 /// turn, so beyond the cache every message lands in cold memory: a window of 64 receives
-/// ahead made `bibw` 0.59-0.74x of plain MPI at 256 KiB-1 MiB and lost the huge-page lead
+/// ahead made `bibw` 0.61-0.67x of plain MPI at 256 KiB-1 MiB and lost the huge-page lead
 /// at 2-4 MiB (`benches/results/2026-11-26-inbox.md`), where messages go by rendezvous
 /// and a receive posted late costs little anyway.
 const INBOX_BYTES: usize = 1 << 20;
