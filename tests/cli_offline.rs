@@ -313,6 +313,40 @@ fn slurm_table_and_bad_slurm_variables() {
 }
 
 #[test]
+fn slurm_jobs_number_their_ports_from_a_base_of_their_own() {
+    // Without --port-base a Slurm job's tasks take ports from 10000 + 64 x (job id mod
+    // 350): two jobs sharing a node do not number theirs alike. Outside Slurm: 2222.
+    let cluster = |job: &'static str| {
+        let env = slurm_env("0", &[("SLURM_JOB_ID", job)]);
+        let r = run(&["spec", "--ps", "1", "--format", "json"], &with_env(&env));
+        assert_eq!(r.code, 0, "{r:?}");
+        r.json_lines()[0]["cluster"].clone()
+    };
+    assert_eq!(cluster("42")["ps"], json!(["node1:12688"]));
+    assert_eq!(cluster("42")["worker"][0], json!("node1:12689"));
+    assert_eq!(cluster("43")["ps"], json!(["node1:12752"]));
+    assert_eq!(cluster("392")["ps"], json!(["node1:12688"]));
+    let env = slurm_env("0", &[]);
+    let r = run(
+        &[
+            "spec",
+            "--ps",
+            "1",
+            "--port-base",
+            "2222",
+            "--format",
+            "json",
+        ],
+        &with_env(&env),
+    );
+    assert_eq!(
+        r.json_lines()[0]["cluster"]["ps"],
+        json!(["node1:2222"]),
+        "{r:?}"
+    );
+}
+
+#[test]
 fn slurm_port_in_use_is_an_error_naming_the_task() {
     let held = TcpListener::bind(("0.0.0.0", 0)).unwrap();
     let port = held.local_addr().unwrap().port().to_string();

@@ -325,6 +325,7 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
     let job = slurm.sbatch_text(
         &["-N4", "-n8"],
         "set -e\n\
+         echo '=== job'; echo $SLURM_JOB_ID\n\
          echo '=== srun'; srun --mpi=none mpiflow spec --ps 2 --format json\n\
          echo '=== pmix'; srun --mpi=pmix mpiflow spec --ps 2 --format json\n\
          echo '=== mpirun'; mpirun mpiflow spec --ps 2 --format json\n\
@@ -345,8 +346,15 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
         table.contains("# mpiflow cluster (slurm): 8 tasks on 4 hosts: ps=2 worker=6"),
         "{table}"
     );
+    // No --port-base: the job's own ports, 10000 + 64 x (job id mod 350) onwards, so that
+    // jobs sharing a node do not number theirs alike.
+    let id: u64 = job.section("job").output.trim().parse().expect("job id");
+    let base = 10_000 + 64 * (id % 350);
     assert!(
-        table.contains("7     node4 1     worker    5    node4:2223"),
+        table.contains(&format!(
+            "7     node4 1     worker    5    node4:{}",
+            base + 1
+        )),
         "{table}"
     );
     // The program each task exec'd saw its own task in TF_CONFIG.
@@ -356,7 +364,8 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
         let (t, i) = if r < 2 { ("ps", r) } else { ("worker", r - 2) };
         assert_eq!(l["tf"]["task"]["type"].as_str(), Some(t), "{l}");
         assert_eq!(l["tf"]["task"]["index"].as_u64(), Some(i as u64), "{l}");
-        assert_eq!(l["tf"]["cluster"]["ps"][0].as_str(), Some("node1:2222"));
+        let ps0 = format!("node1:{base}");
+        assert_eq!(l["tf"]["cluster"]["ps"][0].as_str(), Some(ps0.as_str()));
     }
 }
 

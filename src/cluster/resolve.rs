@@ -4,7 +4,8 @@
 //!   rank are gathered over MPI; each rank probes a free port on its own host; all ranks
 //!   first check that they were started with the same mapping flags.
 //! - **Slurm** (`srun` without MPI): see [`super::slurm`]; ports are `port_base + local
-//!   task offset`, and this task's port is checked to be free (when the node name is this host's).
+//!   task offset` (by default the job's own base, [`ports::default_base`]), and this
+//!   task's port is checked to be free (when the node name is this host's).
 //! - **Hostfile** (`--hostfile H -np N`, no MPI): a preview of what `mpirun` would do.
 //! - **TF_CONFIG** and the **legacy flags**: the cluster as the user wrote it.
 //!
@@ -84,8 +85,9 @@ pub fn launcher_rank_hint(env: &BTreeMap<String, String>) -> Option<String> {
 pub struct Request {
     pub source: Source,
     pub mapping: MappingOptions,
-    /// First port to probe (MPI) or to number from (Slurm, previews).
-    pub port_base: u16,
+    /// First port to probe (MPI) or to number from (Slurm, previews); `None`: the job's
+    /// own ([`ports::default_base`]).
+    pub port_base: Option<u16>,
     pub hostfile: Option<PathBuf>,
     pub np: Option<usize>,
     pub map_by: MapBy,
@@ -114,6 +116,12 @@ impl Request {
         }
     }
 
+    /// The first port: the one asked for, else the default for Slurm job `job`
+    /// ([`ports::default_base`]).
+    pub fn port_base_in(&self, job: Option<&str>) -> u16 {
+        self.port_base.unwrap_or_else(|| ports::default_base(job))
+    }
+
     /// A layout mpiflow built, with the requested `rpc_layer`.
     fn built(&self, layout: Layout) -> Layout {
         Layout {
@@ -138,7 +146,11 @@ impl Request {
                 "--stages".into(),
                 m.stages.map_or_else(|| "none".into(), |s| s.to_string()),
             ),
-            ("--port-base".into(), self.port_base.to_string()),
+            (
+                "--port-base".into(),
+                self.port_base
+                    .map_or_else(|| "auto".into(), |p| p.to_string()),
+            ),
             (
                 "--rpc-layer".into(),
                 self.rpc_layer.clone().unwrap_or_default(),
@@ -270,16 +282,13 @@ pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveErro
     let host = ctx.host();
     let hosts = ctx.all_gather_strings(&host);
     // Every rank has the same hosts and flags, so a mapping error is the same everywhere.
-    let tasks = roles(&hosts, req, std::env::var("SLURM_JOB_ID").ok())?;
+    let job = std::env::var("SLURM_JOB_ID").ok();
+    let base = req.port_base_in(job.as_deref());
+    let tasks = roles(&hosts, req, job)?;
     let rank = ctx.rank();
     let locals = super::mapping::local_ranks(&hosts);
     let local_count = hosts.iter().filter(|h| **h == host).count();
-    let probed = ctx.agree(ports::probe(
-        &host,
-        req.port_base,
-        locals[rank],
-        local_count,
-    ))?;
+    let probed = ctx.agree(ports::probe(&host, base, locals[rank], local_count))?;
     let (guard, port) = probed;
     let ports: Vec<u16> = ctx
         .all_gather_bytes(&port.to_le_bytes())
@@ -314,7 +323,8 @@ pub fn resolve_offline(
             let hf = Hostfile::read(path, req.default_slots)?;
             let hosts = hf.map(np, req.map_by, req.oversubscribe)?;
             let tasks = assign_roles(&hosts, &req.mapping)?;
-            let ports = sequential_ports(&hosts, req.port_base)?;
+            let base = req.port_base_in(env.get("SLURM_JOB_ID").map(String::as_str));
+            let ports = sequential_ports(&hosts, base)?;
             Ok(Resolved {
                 source,
                 layout: req.built(Layout::from_ranks(&hosts, &ports, tasks)?),
@@ -325,8 +335,10 @@ pub fn resolve_offline(
         }
         Source::Slurm => {
             let step = SlurmStep::from_env(env)?;
-            let tasks = roles(&step.hosts, req, env.get("SLURM_JOB_ID").cloned())?;
-            let ports = sequential_ports(&step.hosts, req.port_base)?;
+            let job = env.get("SLURM_JOB_ID");
+            let base = req.port_base_in(job.map(String::as_str));
+            let tasks = roles(&step.hosts, req, job.cloned())?;
+            let ports = sequential_ports(&step.hosts, base)?;
             let layout = req.built(Layout::from_ranks(&step.hosts, &ports, tasks)?);
             let me = &layout.ranks[step.rank];
             // A node whose Slurm name is not this machine's host name (a fake node of
@@ -492,7 +504,7 @@ mod tests {
                 placement: super::super::mapping::Placement::Spread,
                 ..Default::default()
             },
-            port_base: 30500,
+            port_base: Some(30500),
             ..Request::default()
         };
         let e = env(&[
@@ -510,6 +522,16 @@ mod tests {
         );
         // node2 is not this machine: no port to check or hold here.
         assert!(r.port_guard.is_none());
+        // Without --port-base, the job's own ports (job 1: from 10064).
+        let auto = Request {
+            port_base: None,
+            ..req.clone()
+        };
+        let r = resolve_offline(&auto, Source::Slurm, &e).unwrap();
+        assert_eq!(
+            r.layout.spec.to_string(),
+            r#"{"ps":["node1:10064","node2:10064"],"worker":["node1:10065","node2:10065"]}"#
+        );
         // On this machine's own node, the port this task needs is held: a second resolve
         // of the same task fails.
         let me = hostname().unwrap();

@@ -93,8 +93,9 @@ impl Server {
             source,
             mapping,
             legacy_flags: args.to_vec(),
-            // TensorFlow's port: the first one the MPI mapping probes on each host.
-            port_base: 2222,
+            // The first port the MPI mapping probes on each host: TensorFlow's 2222, or
+            // the Slurm job's own (`cluster::ports::default_base`).
+            port_base: None,
             ..Request::default()
         };
         Server::start_with(&req, &env)

@@ -291,9 +291,10 @@ pub(crate) struct ClusterArgs {
     /// task s of each its stage s, a replica's stages on as few hosts as possible.
     #[arg(long, value_name = "S", value_parser = positive_usize)]
     pub(crate) stages: Option<usize>,
-    /// First port to try for each task (probed upward under MPI).
-    #[arg(long, default_value_t = 2222, value_parser = clap::value_parser!(u16).range(1..))]
-    pub(crate) port_base: u16,
+    /// First port to try for each task (probed upward under MPI). Default: 2222, or inside
+    /// a Slurm job 10000 + 64 x (job id mod 350), so that jobs sharing a node stay apart.
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) port_base: Option<u16>,
     /// Preview the layout `mpirun --hostfile H -np N` would give (no MPI needed).
     #[arg(long)]
     pub(crate) hostfile: Option<PathBuf>,
