@@ -133,11 +133,13 @@ fn links_follow_changes<C: Comm>(
 }
 
 /// A stream of one tensor around the ring (to the right, from the left), received
-/// through an inbox of 4 receives posted ahead: 20 messages in order, a shorter and a
-/// longer stray message on the channel's tag (each an error naming the channel, the stream
-/// going on; longer within the room behind the payload: a truncated non-blocking receive
-/// ends an MPICH job), one more message, and a close that finds no message left untaken
-/// (every receive posted ahead withdrawn by `MPI_Cancel`).
+/// through an inbox of 4 receives posted ahead: 20 messages in order, three stray messages
+/// on the channel's tag, shorter, longer within the room behind the payload, and longer
+/// than that (a truncated non-blocking receive, which MPICH raises on `MPI_COMM_WORLD`;
+/// small enough to go eagerly, since every rank sends before it receives),
+/// each an error naming the channel and the stream going on, one more message, and a
+/// close that finds no message left untaken (every receive posted ahead withdrawn by
+/// `MPI_Cancel`).
 fn inbox_stream<C: Comm>(
     c: &C,
     rep: &mut Report,
@@ -164,6 +166,7 @@ fn inbox_stream<C: Comm>(
     }
     comm::send(c, &[1; 5], right, TAG).map_err(|x| e(&x))?;
     comm::send(c, &[2; 40], right, TAG).map_err(|x| e(&x))?;
+    comm::send(c, &[3; 1000], right, TAG).map_err(|x| e(&x))?;
     out.send(c, &of(r * 100 + 99)).map_err(|x| e(&x))?;
     for k in 0..20 {
         inbox.receive_into(&mut t).map_err(|x| e(&x))?;
@@ -171,7 +174,7 @@ fn inbox_stream<C: Comm>(
             format!("inbox stream: message {k} from rank {left} differs")
         });
     }
-    for got in ["5 bytes", "40 bytes"] {
+    for got in ["5 bytes", "40 bytes", "more than 12 bytes"] {
         let err = inbox.receive_into(&mut t).err().map(|x| x.to_string());
         let want = format!(
             "rank {r}: from rank {left}: received {got} but expected 'stream' f32[3] (12 bytes) on the channel"

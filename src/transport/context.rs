@@ -9,6 +9,7 @@ use std::fmt::Display;
 
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
+use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
@@ -19,6 +20,8 @@ pub enum InitError {
     AlreadyInitialised,
     #[error("{0}")]
     Tags(#[from] super::tags::TagError),
+    #[error("setting MPI_COMM_WORLD's error handler failed: {0}")]
+    ErrorHandler(String),
 }
 
 /// An error raised on one rank (or on all alike) and agreed by all.
@@ -69,6 +72,10 @@ impl Context {
             machine_locals: Vec::new(),
             warnings: Vec::new(),
         };
+        // First: errors of mpiflow's own receives that MPI raises on the world (MPICH)
+        // return to the call, as on mpiflow's communicators (super::mpi::errors).
+        super::mpi::errors::return_receive_errors(ctx.world.as_raw())
+            .map_err(|rc| InitError::ErrorHandler(super::mpi::error_string(rc)))?;
         ctx.check_tags()?;
         ctx.seat();
         Ok(ctx)

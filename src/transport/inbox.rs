@@ -92,9 +92,8 @@ impl<'c, C: Comm> Inbox<'c, C> {
     }
 
     /// Posts slot `i`'s receive into its tensor's payload and the room behind it, so that
-    /// a message up to [`crate::tensor::TAIL_ROOM`] bytes longer shows by its length
-    /// rather than as a truncation (which MPICH reports through `MPI_COMM_WORLD`'s error
-    /// handler from `MPI_Wait`, ending the job).
+    /// a message up to [`crate::tensor::TAIL_ROOM`] bytes longer shows by its length (a
+    /// longer one as a truncation).
     #[inline]
     fn post(&mut self, i: usize) -> Result<(), P2pError> {
         let (peer, tag) = (self.channel.peer(), self.channel.tag());

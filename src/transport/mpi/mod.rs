@@ -2,9 +2,10 @@
 //!
 //! mpiflow's traffic runs on its own duplicate of the communicator (`MPI_Comm_dup`), so it
 //! never matches a user's messages, with `MPI_ERRORS_RETURN` set on it, so a truncated
-//! message is an error value naming both tensors instead of an abort. Every return code
-//! is checked. Point-to-point uses `MPI_Isend`/`MPI_Irecv`/`MPI_Wait` on raw bytes
-//! (`MPI_UINT8_T`); the native collectives are `MPI_Allreduce`, `MPI_Bcast`, `MPI_Barrier`.
+//! message is an error value naming both tensors instead of an abort (also where the
+//! library raises it on `MPI_COMM_WORLD`: `mpi/errors.rs`). Every return code is checked.
+//! Point-to-point uses `MPI_Isend`/`MPI_Irecv`/`MPI_Wait` on raw bytes (`MPI_UINT8_T`);
+//! the native collectives are `MPI_Allreduce`, `MPI_Bcast`, `MPI_Barrier`.
 
 use std::os::raw::{c_int, c_void};
 
@@ -13,6 +14,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+pub(crate) mod errors;
 pub mod idle;
 mod shared;
 mod waits;
