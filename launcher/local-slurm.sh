@@ -112,8 +112,8 @@ EOF
   # (mixed, tree for small fences) about 1 step in 10 of 8 ranks on 4 fake nodes had a
   # rank leave MPI_Init's closing fence while another was still before its PML setup: the
   # first message reached a process with no handler registered and it died of SIGSEGV in
-  # MPI_Init (a C MPI_Init/MPI_Allreduce program too; 15 of 180 steps with mixed or tree,
-  # 0 of 180 with ring, measured with two CPU hogs beside).
+  # MPI_Init (a C MPI_Init/MPI_Allreduce program too: 15 of 180 steps with mixed or tree,
+  # 0 of 300 with ring, measured with two CPU hogs beside).
   echo "PMIxCollFence=ring" >"$d/mpi.conf"
   echo "export SLURM_CONF=$d/slurm.conf" >"$d/env"
 }
