@@ -99,6 +99,16 @@ pub enum ReduceOp {
     Max,
 }
 
+impl ReduceOp {
+    /// Every operation, in declaration order.
+    pub const ALL: [ReduceOp; 4] = [
+        ReduceOp::Sum,
+        ReduceOp::Average,
+        ReduceOp::Min,
+        ReduceOp::Max,
+    ];
+}
+
 /// The operations algorithms are built from.
 pub trait Comm {
     /// An in-flight operation.

@@ -448,12 +448,7 @@ mod tests {
             let coll = Collectives::new(c);
             let r = coll.rank() as i64;
             let mut res = Vec::new();
-            for op in [
-                ReduceOp::Sum,
-                ReduceOp::Average,
-                ReduceOp::Min,
-                ReduceOp::Max,
-            ] {
+            for op in ReduceOp::ALL {
                 for algo in [
                     Algorithm::Ring,
                     Algorithm::RecursiveDoubling,
