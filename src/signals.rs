@@ -2,10 +2,12 @@
 //! owns the process (a launcher passing them on, a training loop at its next step boundary)
 //! reads and clears the bits when it is ready to act.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 
 /// Signals received and not yet taken, one bit per signal number.
 static PENDING: AtomicU64 = AtomicU64::new(0);
+/// The process that sent each signal last (0: the kernel, or none yet), by signal number.
+static SENDERS: [AtomicI32; 64] = [const { AtomicI32::new(0) }; 64];
 /// Whether signals a terminal raised (Ctrl-C) are left out of [`PENDING`].
 static SKIP_TERMINAL: AtomicBool = AtomicBool::new(false);
 /// Whether a signal a terminal raised was left out.
@@ -18,7 +20,17 @@ extern "C" fn note(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c
         TERMINAL_SEEN.store(true, Ordering::SeqCst);
         return;
     }
-    // Async-signal-safe: atomic operations only.
+    // Async-signal-safe: atomic operations only. `si_pid` is set for signals a process
+    // sent (kill, sigqueue, tgkill: codes of 0 and below).
+    let sender = if code <= 0 {
+        // SAFETY: as above; for these codes the kernel filled in the sender's pid.
+        unsafe { (*info).si_pid() }
+    } else {
+        0
+    };
+    if let Some(slot) = usize::try_from(sig).ok().and_then(|s| SENDERS.get(s)) {
+        slot.store(sender, Ordering::SeqCst);
+    }
     PENDING.fetch_or(1 << sig, Ordering::SeqCst);
 }
 
@@ -51,6 +63,12 @@ pub fn terminal_seen() -> bool {
 /// The signals noted since the last call, as a bit set; clears them.
 pub fn take() -> u64 {
     PENDING.swap(0, Ordering::SeqCst)
+}
+
+/// The process that sent the last `sig` noted, if a process sent it (not the kernel).
+pub fn sender(sig: libc::c_int) -> Option<libc::pid_t> {
+    let slot = SENDERS.get(usize::try_from(sig).ok()?)?;
+    Some(slot.load(Ordering::SeqCst)).filter(|&p| p > 0)
 }
 
 /// The lowest-numbered signal noted so far (not cleared), if any.
@@ -113,6 +131,10 @@ mod tests {
         // SAFETY: raising a signal this process catches.
         unsafe { libc::raise(libc::SIGUSR2) };
         assert_eq!(first(), Some(libc::SIGUSR2));
+        assert_eq!(
+            sender(libc::SIGUSR2),
+            Some(std::process::id() as libc::pid_t)
+        );
         assert_eq!(take(), 1 << libc::SIGUSR2);
         assert_eq!(first(), None);
     }

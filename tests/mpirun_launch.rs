@@ -90,38 +90,30 @@ fn a_ps_that_ignores_sigterm_is_killed_after_the_grace_period() {
 
 #[test]
 fn signals_sent_to_the_job_reach_every_program_once() {
-    // Workers report SIGUSR1 (once each: the trap exits) and end; the ps ignores it.
-    let program = "if [ \"$MPIFLOW_JOB\" = ps ]; then trap '' USR1; \
-                   while :; do sleep 0.1; done; fi; \
-                   trap 'echo \"{\\\"usr1\\\": \\\"$MPIFLOW_JOB:$MPIFLOW_TASK_INDEX\\\"}\"; exit 0' USR1; \
-                   echo '{\"ready\": 1}'; while :; do sleep 0.1; done";
-    // The signal goes to mpirun once both workers said they set their trap; mpirun passes
-    // SIGUSR1 on to its processes, the launchers to their programs.
-    let args = [
-        "-np",
-        "3",
-        mpiflow(),
-        "launch",
-        "--ps",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        program,
-    ];
-    let (text, code) = common::with_rank_when(
-        &args,
-        None,
-        |out| out.matches("{\"ready\": 1}").count() >= 2,
-        |_, mpirun| common::signal(mpirun, "-USR1"),
-    );
-    assert_eq!(code, Some(0), "{text}");
-    let mut got: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("{\"usr1\": \""))
-        .collect();
-    got.sort();
-    assert_eq!(got, ["worker:0\"}", "worker:1\"}"], "{text}");
+    // mpirun passes SIGUSR1 on to each task's process group (program included); a launcher
+    // passes on only what reached it alone, so every program counts one.
+    let c = checker();
+    for extra in [
+        &[][..],
+        &["--mca", "odls_base_signal_direct_children_only", "1"],
+    ] {
+        let mut args = extra.to_vec();
+        args.extend(["-np", "3", mpiflow(), "launch", "--ps", "1", "--"]);
+        args.extend(["python3", &c, "--count-usr1", "1.5"]);
+        let (text, code) = common::with_rank_when(
+            &args,
+            None,
+            |out| out.matches("\"type\"").count() >= 3,
+            |_, mpirun| common::signal(mpirun, "-USR1"),
+        );
+        assert_eq!(code, Some(0), "{extra:?}: {text}");
+        let got = common::usr1_counts(&text);
+        assert_eq!(
+            got,
+            ["ps:0 1", "worker:0 1", "worker:1 1"],
+            "{extra:?}: {text}"
+        );
+    }
 }
 
 #[test]

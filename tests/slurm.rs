@@ -627,6 +627,35 @@ fn tf_launch_template_gives_each_task_its_role_and_ends_with_its_workers() {
         "{job:?}"
     );
     assert!(t.elapsed() < Duration::from_secs(60), "{job:?}");
+
+    // `scancel -s USR1` reaches every process of the steps (slurmstepd's process
+    // tracking): each program counts it once, none passed on again by its launcher.
+    let (id, out) = slurm.submit(
+        &[],
+        &template("tf-launch.sbatch"),
+        &["python3", &checker, "--count-usr1", "1.5"],
+        &[("MPIFLOW_CPU_BIND", "none")],
+    );
+    let t = Instant::now();
+    let roles_out = || {
+        std::fs::read_to_string(&out)
+            .unwrap_or_default()
+            .matches("\"is_chief\"")
+            .count()
+    };
+    while roles_out() < 4 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "job {id}: no 4 roles"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    slurm.client(&["scancel", "--signal=USR1", &id]);
+    let job = slurm.wait_end(&id, &out, 60);
+    job.assert_completed();
+    let counts = common::usr1_counts(&job.output);
+    let want = ["ps:0 1", "worker:0 1", "worker:1 1", "worker:2 1"];
+    assert_eq!(counts, want, "{job:?}");
 }
 
 #[test]

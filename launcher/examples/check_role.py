@@ -11,7 +11,9 @@ Test options: --join (a ps blocks forever after its line, as `server.join()` doe
 --sleep S (then sleep before exiting), --exit TYPE:INDEX=N (that task exits with N),
 --ps-ready DIR (a ps task marks DIR once its line is out; the others wait, at most 60 s,
 until every ps task has, so a job that stops its ps when the workers end still shows
-every line).
+every line), --count-usr1 S (SIGUSR1 is blocked before the line; after it, each SIGUSR1
+is taken one at a time until S seconds after the first, at most 60 s for that one, and
+the task prints {"usr1": COUNT, "type": ..., "index": ...}).
 
 Needs only the Python standard library (no TensorFlow).
 """
@@ -48,6 +50,18 @@ def wait_for_ps(directory, ttype, tindex, num_ps):
         time.sleep(0.05)
 
 
+def count_usr1(ttype, tindex, window):
+    """Counts SIGUSR1 (blocked, so none merge) until `window` s after the first."""
+    n, until = 0, time.monotonic() + 60
+    while time.monotonic() < until:
+        if signal.sigtimedwait([signal.SIGUSR1], until - time.monotonic()) is None:
+            break
+        n += 1
+        if n == 1:
+            until = time.monotonic() + window
+    os.write(1, (json.dumps({"usr1": n, "type": ttype, "index": tindex}) + "\n").encode())
+
+
 def main():
     argv = sys.argv[1:]
     exit_code = 0
@@ -57,6 +71,9 @@ def main():
     exits = dict(a.split("=") for a in (argv[i + 1] for i, v in enumerate(argv) if v == "--exit"))
     sleep = float(argv[argv.index("--sleep") + 1]) if "--sleep" in argv else 0.0
     ready = argv[argv.index("--ps-ready") + 1] if "--ps-ready" in argv else None
+    usr1 = float(argv[argv.index("--count-usr1") + 1]) if "--count-usr1" in argv else None
+    if usr1 is not None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
     raw = os.environ.get("TF_CONFIG")
     if raw is None:
         fail("TF_CONFIG is not set")
@@ -111,6 +128,8 @@ def main():
     os.write(1, (line + "\n").encode())
     if ready is not None:
         wait_for_ps(ready, ttype, tindex, len(tasks_of("ps")))
+    if usr1 is not None:
+        count_usr1(ttype, tindex, usr1)
     if join and ttype == "ps":
         while True:  # server.join()
             signal.pause()

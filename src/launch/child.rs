@@ -3,12 +3,22 @@
 //!
 //! What the program sees stays what it would be without mpiflow, except its parent: the
 //! same arguments, environment, working directory, stdin, stdout and stderr (inherited),
-//! and the signals the launcher's process receives from other processes (`mpirun`, `srun`,
-//! `scancel`, `kill`: SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGTERM, SIGCONT) passed
-//! on to it. Signals the kernel raises for a terminal (Ctrl-C) reach the program directly,
-//! so they are not passed on twice. If the launcher dies, the program gets SIGKILL
-//! (`PR_SET_PDEATHSIG`), never an orphan. The launcher then exits as the program did: its
-//! status, or killed by its signal ([`exit_as`]).
+//! and the signals the launcher's process receives from other processes (`kill`, a
+//! supervisor: SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGTERM, SIGCONT) passed on to
+//! it, each once. The program stays in the launcher's process group, so some signals reach
+//! it directly and are not passed on again:
+//!
+//! - those the kernel raises for a terminal (Ctrl-C), sent to the foreground group;
+//! - those of the process managers that signal a task's whole process group or every
+//!   process of a Slurm step ([`MANAGERS`]): Open MPI's `mpirun` and `orted` (and PRRTE's),
+//!   which pass on what `mpirun` receives to each task's group unless
+//!   `odls_base_signal_direct_children_only` is set; MPICH's Hydra proxy; Slurm's
+//!   `slurmstepd` (`scancel -s`, `srun` passing a signal on, the time limit), whose process
+//!   tracking reaches every process of the step.
+//!
+//! If the launcher dies, the program gets SIGKILL (`PR_SET_PDEATHSIG`), never an orphan.
+//! The launcher then exits as the program did: its status, or killed by its signal
+//! ([`exit_as`]).
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command};
@@ -26,6 +36,53 @@ const FORWARDED: [libc::c_int; 7] = [
     libc::SIGTERM,
     libc::SIGCONT,
 ];
+
+/// Process managers, by the name the kernel gives them (`/proc/PID/comm`), whose signals
+/// reach every process of a task's process group (Open MPI, PRRTE, Hydra) or of its Slurm
+/// step (`slurmstepd`): a launcher does not pass their signals on to its program.
+pub const MANAGERS: [&str; 9] = [
+    "mpirun",
+    "mpiexec",
+    "orterun",
+    "orted",
+    "prte",
+    "prterun",
+    "prted",
+    "hydra_pmi_proxy",
+    "slurmstepd",
+];
+
+/// The MCA settings that make Open MPI's and PRRTE's daemons signal only their direct
+/// children (the launcher), not its process group.
+const DIRECT_ONLY: [&str; 2] = [
+    "OMPI_MCA_odls_base_signal_direct_children_only",
+    "PRTE_MCA_odls_base_signal_direct_children_only",
+];
+
+/// Whether a signal from the process named `comm` reached the launcher's whole process
+/// group (the program in it), given the value of the MCA setting [`DIRECT_ONLY`] if set.
+fn signals_the_group(comm: &str, direct_only: Option<&str>) -> bool {
+    if !MANAGERS.contains(&comm) {
+        return false;
+    }
+    let direct = direct_only.is_some_and(|v| {
+        ["1", "t", "true", "y", "yes", "on", "enabled"].contains(&v.to_ascii_lowercase().as_str())
+    });
+    let open_mpi = !matches!(comm, "hydra_pmi_proxy" | "slurmstepd");
+    !(open_mpi && direct)
+}
+
+/// Whether the signal `sender` sent reached the program `child` directly: the sender is
+/// one of the [`MANAGERS`] and the program is still in the launcher's process group.
+fn reached_directly(sender: libc::pid_t, child: libc::pid_t) -> bool {
+    // SAFETY: plain queries of process groups; a pid that is gone gives -1.
+    let same_group = unsafe { libc::getpgid(child) == libc::getpgrp() };
+    let Ok(comm) = std::fs::read_to_string(format!("/proc/{sender}/comm")) else {
+        return false;
+    };
+    let direct_only = DIRECT_ONLY.iter().find_map(|k| std::env::var(k).ok());
+    same_group && signals_the_group(comm.trim_end(), direct_only.as_deref())
+}
 
 /// A running program.
 pub struct ChildProgram {
@@ -129,8 +186,9 @@ impl Program for ChildProgram {
         if pending == 0 || self.done.is_some() {
             return;
         }
-        for sig in FORWARDED {
-            if pending & (1 << sig) != 0 {
+        let child = self.child.id() as libc::pid_t;
+        for sig in FORWARDED.into_iter().filter(|s| pending & (1 << s) != 0) {
+            if !crate::signals::sender(sig).is_some_and(|s| reached_directly(s, child)) {
                 self.signal(sig);
             }
         }
@@ -162,6 +220,28 @@ pub fn exit_as(outcome: Outcome) -> ! {
             }
             // A signal whose default is not to end the process.
             std::process::exit(128 + s)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_of_process_managers_are_known_to_reach_the_group() {
+        for comm in ["orted", "mpirun", "prted", "hydra_pmi_proxy", "slurmstepd"] {
+            assert!(signals_the_group(comm, None), "{comm}");
+            assert!(signals_the_group(comm, Some("0")), "{comm}");
+        }
+        // Open MPI told to signal direct children only: the launcher passes them on.
+        assert!(!signals_the_group("orted", Some("1")));
+        assert!(!signals_the_group("mpirun", Some("true")));
+        // Hydra and Slurm do not read Open MPI's setting.
+        assert!(signals_the_group("slurmstepd", Some("1")));
+        // A shell's `kill PID`, a supervisor, an unknown tool: passed on.
+        for comm in ["bash", "sh", "python3", "timeout", "mpiflow", "srun"] {
+            assert!(!signals_the_group(comm, None), "{comm}");
         }
     }
 }

@@ -367,3 +367,23 @@ pub fn with_rank_when(
     );
     (text, status.code())
 }
+
+/// The `{"usr1": N, "type": T, "index": I}` lines of `check_role.py --count-usr1` in
+/// `output`, as sorted `T:I N`.
+pub fn usr1_counts(output: &str) -> Vec<String> {
+    let mut counts: Vec<String> = output
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l.get("usr1").is_some())
+        .map(|l| {
+            format!(
+                "{}:{} {}",
+                l["type"].as_str().unwrap_or("?"),
+                l["index"],
+                l["usr1"]
+            )
+        })
+        .collect();
+    counts.sort();
+    counts
+}
