@@ -13,8 +13,10 @@
 //!   process of a Slurm step ([`MANAGERS`]): Open MPI's `mpirun` and `orted` (and PRRTE's),
 //!   which pass on what `mpirun` receives to each task's group unless
 //!   `odls_base_signal_direct_children_only` is set; MPICH's Hydra proxy; Slurm's
-//!   `slurmstepd` (`scancel -s`, `srun` passing a signal on, the time limit), whose process
-//!   tracking reaches every process of the step.
+//!   `slurmstepd` of a job step (`scancel -s`, `srun` passing a signal on, the time
+//!   limit), whose process tracking reaches every process of the step. (The batch step's
+//!   signals a launcher passes on: `--signal=B:USR1@120` and `scancel --batch` reach the
+//!   batch shell alone.)
 //!
 //! If the launcher dies, the program gets SIGKILL (`PR_SET_PDEATHSIG`), never an orphan.
 //! The launcher then exits as the program did: its status, or killed by its signal
@@ -39,7 +41,8 @@ const FORWARDED: [libc::c_int; 7] = [
 
 /// Process managers, by the name the kernel gives them (`/proc/PID/comm`), whose signals
 /// reach every process of a task's process group (Open MPI, PRRTE, Hydra) or of its Slurm
-/// step (`slurmstepd`): a launcher does not pass their signals on to its program.
+/// step (`slurmstepd` of a job step; its batch step signals the batch shell alone, for
+/// `--signal=B:...` and `scancel --batch`): a launcher does not pass their signals on.
 pub const MANAGERS: [&str; 9] = [
     "mpirun",
     "mpiexec",
@@ -59,17 +62,19 @@ const DIRECT_ONLY: [&str; 2] = [
     "PRTE_MCA_odls_base_signal_direct_children_only",
 ];
 
-/// Whether a signal from the process named `comm` reached the launcher's whole process
-/// group (the program in it), given the value of the MCA setting [`DIRECT_ONLY`] if set.
-fn signals_the_group(comm: &str, direct_only: Option<&str>) -> bool {
-    if !MANAGERS.contains(&comm) {
-        return false;
-    }
+/// Whether a signal from the process named `comm`, run as `cmdline` (its arguments
+/// joined), reached the launcher's whole process group (the program in it), given the
+/// value of the MCA setting [`DIRECT_ONLY`] if set.
+fn signals_the_group(comm: &str, cmdline: &str, direct_only: Option<&str>) -> bool {
     let direct = direct_only.is_some_and(|v| {
         ["1", "t", "true", "y", "yes", "on", "enabled"].contains(&v.to_ascii_lowercase().as_str())
     });
-    let open_mpi = !matches!(comm, "hydra_pmi_proxy" | "slurmstepd");
-    !(open_mpi && direct)
+    match comm {
+        // `slurmstepd: [JOB.STEP]`; the batch step's is `[JOB.batch]`.
+        "slurmstepd" => !cmdline.contains(".batch]"),
+        "hydra_pmi_proxy" => true,
+        _ => MANAGERS.contains(&comm) && !direct,
+    }
 }
 
 /// Whether the signal `sender` sent reached the program `child` directly: the sender is
@@ -77,11 +82,14 @@ fn signals_the_group(comm: &str, direct_only: Option<&str>) -> bool {
 fn reached_directly(sender: libc::pid_t, child: libc::pid_t) -> bool {
     // SAFETY: plain queries of process groups; a pid that is gone gives -1.
     let same_group = unsafe { libc::getpgid(child) == libc::getpgrp() };
-    let Ok(comm) = std::fs::read_to_string(format!("/proc/{sender}/comm")) else {
+    let read = |what| std::fs::read(format!("/proc/{sender}/{what}")).ok();
+    let (Some(comm), Some(cmdline)) = (read("comm"), read("cmdline")) else {
         return false;
     };
+    let comm = String::from_utf8_lossy(&comm);
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
     let direct_only = DIRECT_ONLY.iter().find_map(|k| std::env::var(k).ok());
-    same_group && signals_the_group(comm.trim_end(), direct_only.as_deref())
+    same_group && signals_the_group(comm.trim_end(), &cmdline, direct_only.as_deref())
 }
 
 /// A running program.
@@ -230,18 +238,26 @@ mod tests {
 
     #[test]
     fn signals_of_process_managers_are_known_to_reach_the_group() {
+        let step = "slurmstepd: [42.0]";
         for comm in ["orted", "mpirun", "prted", "hydra_pmi_proxy", "slurmstepd"] {
-            assert!(signals_the_group(comm, None), "{comm}");
-            assert!(signals_the_group(comm, Some("0")), "{comm}");
+            assert!(signals_the_group(comm, step, None), "{comm}");
+            assert!(signals_the_group(comm, step, Some("0")), "{comm}");
         }
         // Open MPI told to signal direct children only: the launcher passes them on.
-        assert!(!signals_the_group("orted", Some("1")));
-        assert!(!signals_the_group("mpirun", Some("true")));
+        assert!(!signals_the_group("orted", "orted", Some("1")));
+        assert!(!signals_the_group("mpirun", "mpirun", Some("true")));
         // Hydra and Slurm do not read Open MPI's setting.
-        assert!(signals_the_group("slurmstepd", Some("1")));
+        assert!(signals_the_group("slurmstepd", step, Some("1")));
+        // Slurm's batch step signals the batch shell alone (`--signal=B:USR1@120`,
+        // `scancel --batch`): a launcher that is that shell passes it on.
+        assert!(!signals_the_group(
+            "slurmstepd",
+            "slurmstepd: [42.batch]",
+            None
+        ));
         // A shell's `kill PID`, a supervisor, an unknown tool: passed on.
         for comm in ["bash", "sh", "python3", "timeout", "mpiflow", "srun"] {
-            assert!(!signals_the_group(comm, None), "{comm}");
+            assert!(!signals_the_group(comm, comm, None), "{comm}");
         }
     }
 }
