@@ -93,13 +93,17 @@ fn signals_sent_to_the_job_reach_every_program_once() {
     // mpirun passes SIGUSR1 on to each task's process group (program included); a launcher
     // passes on only what reached it alone, so every program counts one.
     let c = checker();
+    let ready = common::tmpdir("usr1-ps-ready");
+    let ready = ready.to_str().unwrap();
     for extra in [
         &[][..],
         &["--mca", "odls_base_signal_direct_children_only", "1"],
     ] {
         let mut args = extra.to_vec();
         args.extend(["-np", "3", mpiflow(), "launch", "--ps", "1", "--"]);
-        args.extend(["python3", &c, "--count-usr1", "1.5"]);
+        // The workers end after the ps's line (their ending stops the ps).
+        args.extend(["python3", &c, "--count-usr1", "1.5", "--ps-ready", ready]);
+        let _ = std::fs::remove_file(format!("{ready}/ps.0"));
         let (text, code) = common::with_rank_when(
             &args,
             None,

@@ -630,10 +630,18 @@ fn tf_launch_template_gives_each_task_its_role_and_ends_with_its_workers() {
 
     // `scancel -s USR1` reaches every process of the steps (slurmstepd's process
     // tracking): each program counts it once, none passed on again by its launcher.
+    let usr1_ready = common::tmpdir("slurm-usr1-ps-ready");
     let (id, out) = slurm.submit(
         &[],
         &template("tf-launch.sbatch"),
-        &["python3", &checker, "--count-usr1", "1.5"],
+        &[
+            "python3",
+            &checker,
+            "--count-usr1",
+            "1.5",
+            "--ps-ready",
+            usr1_ready.to_str().unwrap(),
+        ],
         &[("MPIFLOW_CPU_BIND", "none")],
     );
     let t = Instant::now();

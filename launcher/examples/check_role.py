@@ -13,7 +13,8 @@ Test options: --join (a ps blocks forever after its line, as `server.join()` doe
 until every ps task has, so a job that stops its ps when the workers end still shows
 every line), --count-usr1 S (SIGUSR1 is blocked before the line; after it, each SIGUSR1
 is taken one at a time until S seconds after the first, at most 60 s for that one, and
-the task prints {"usr1": COUNT, "type": ..., "index": ...}).
+the task prints {"usr1": COUNT, "type": ..., "index": ...}; with --ps-ready, before the
+ps marks DIR).
 
 Needs only the Python standard library (no TensorFlow).
 """
@@ -126,10 +127,10 @@ def main():
     })
     # One write per line: mpirun splices lines written in pieces.
     os.write(1, (line + "\n").encode())
-    if ready is not None:
-        wait_for_ps(ready, ttype, tindex, len(tasks_of("ps")))
     if usr1 is not None:
         count_usr1(ttype, tindex, usr1)
+    if ready is not None:
+        wait_for_ps(ready, ttype, tindex, len(tasks_of("ps")))
     if join and ttype == "ps":
         while True:  # server.join()
             signal.pause()
