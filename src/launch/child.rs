@@ -81,7 +81,9 @@ fn signals_the_group(comm: &str, cmdline: &str, direct_only: Option<&str>) -> bo
 /// one of the [`MANAGERS`] and the program is still in the launcher's process group.
 fn reached_directly(sender: libc::pid_t, child: libc::pid_t) -> bool {
     // SAFETY: plain queries of process groups; a pid that is gone gives -1.
-    let same_group = unsafe { libc::getpgid(child) == libc::getpgrp() };
+    if unsafe { libc::getpgid(child) != libc::getpgrp() } {
+        return false;
+    }
     let read = |what| std::fs::read(format!("/proc/{sender}/{what}")).ok();
     let (Some(comm), Some(cmdline)) = (read("comm"), read("cmdline")) else {
         return false;
@@ -89,7 +91,7 @@ fn reached_directly(sender: libc::pid_t, child: libc::pid_t) -> bool {
     let comm = String::from_utf8_lossy(&comm);
     let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
     let direct_only = DIRECT_ONLY.iter().find_map(|k| std::env::var(k).ok());
-    same_group && signals_the_group(comm.trim_end(), &cmdline, direct_only.as_deref())
+    signals_the_group(comm.trim_end(), &cmdline, direct_only.as_deref())
 }
 
 /// A running program.
