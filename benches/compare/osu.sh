@@ -6,6 +6,7 @@
 #   OSU_ARGS="-b multiple" benches/compare/osu.sh bw bibw   # options given to both
 #   MPIFLOW_RDMA_STACK=ucx benches/compare/osu.sh put_latency acc_latency   # both on UCX
 #   NP=4 OSU_ARGS="-m 1048576:16777216" benches/compare/osu.sh pushpull   # ps beside plain MPI
+#   MPI=mpich benches/compare/osu.sh latency bw   # both built for and run by MPICH (Hydra)
 #   tests/netns/cluster.sh with -- env MPIRUN_ARGS='$MPIFLOW_NETNS_MCA --hostfile
 #     hostfiles/netns-3hosts --map-by node --bind-to none' benches/compare/osu.sh latency
 #                                                # across the namespace hosts
@@ -30,9 +31,20 @@ cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-6}
 NP=${NP:-2}
 OSU_SRC=${OSU_SRC:-../shared/tools/osu-7.4}
+# The MPI both programs are built for and run by: Open MPI (Debian's default `mpicc` and
+# `mpirun`) or MPICH (`mpicc.mpich`, `mpiexec.mpich`, mpiflow built by
+# scripts/mpich-check.sh into target/mpich).
+MPI=${MPI:-openmpi}
+case $MPI in
+  openmpi) suffix='' launcher=mpirun mpiflow=target/release/mpiflow ;;
+  mpich)
+    suffix=-mpich launcher=mpiexec.mpich mpiflow=${MPIFLOW_MPICH_TARGET:-target/mpich}/release/mpiflow
+    export MPICC=${MPICC:-mpicc.mpich} ;;
+  *) echo "MPI=$MPI: openmpi or mpich" >&2; exit 2 ;;
+esac
 # A directory given is used as it is (an OSU built elsewhere), target/osu-7.4 is built here.
 osu_given=${OSU_DIR:+yes}
-OSU_DIR=${OSU_DIR:-target/osu-7.4}
+OSU_DIR=${OSU_DIR:-target/osu-7.4$suffix}
 OSU_ARGS=${OSU_ARGS:-}
 # Digits after the point in both programs' tables: OSU prints 2 (its compile-time
 # FLOAT_PRECISION, which rounds a 0.2 us latency to 5%), so its build here sets 4, the
@@ -55,7 +67,11 @@ case ${MPIFLOW_RDMA_STACK:-auto} in
   ompi) export OMPI_MCA_pml=ob1 OMPI_MCA_osc=sm,pt2pt ;;
   *) if [[ -z $rdma ]]; then export OMPI_MCA_osc=${OMPI_MCA_osc:-sm,pt2pt}; fi ;;
 esac
-cargo build --release --quiet --bin mpiflow
+if [[ $MPI == mpich ]]; then
+  bash scripts/mpich-check.sh build
+else
+  cargo build --release --quiet --bin mpiflow
+fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # OSU's build script takes the compiler from $MPICC: a wrapper adds the precision.
@@ -90,13 +106,13 @@ for name in "${names[@]}"; do
   for r in $(seq "$ROUNDS"); do
     if [[ $ref == osu ]]; then
       # shellcheck disable=SC2086 # OSU_ARGS is a list of options
-      timeout 900 mpirun $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
+      timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
     fi
     # shellcheck disable=SC2086
-    timeout 900 mpirun $MPIRUN_ARGS -np "$NP" target/release/mpiflow bench "$name" --rounds 1 --rotate "$r" --digits "$DIGITS" $OSU_ARGS \
+    timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$mpiflow" bench "$name" --rounds 1 --rotate "$r" --digits "$DIGITS" $OSU_ARGS \
       | rows mpiflow >>"$out/$name"
   done
-  echo "# $name: $NP ranks, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
+  echo "# $name: $NP ranks, $MPI, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
   echo "# a/b~: median over the jobs of a/b measured in the same job (see the head of this script)"
   awk -v better="$better" -v ref="$ref" -v digits="$DIGITS" '
     BEGIN { np = 1; paths[1] = ref; seen[ref] = 1 }

@@ -2,6 +2,8 @@
  *
  *   mpicc -O2 -o target/receive_order benches/compare/receive_order.c
  *   mpirun -np 2 target/receive_order [bw|bibw] [ROUNDS] [MAX_SIZE]
+ *   mpicc.mpich -O2 -o target/receive_order_mpich benches/compare/receive_order.c   # MPICH
+ *   mpiexec.mpich -n 2 target/receive_order_mpich bw 15 65536
  *
  * osu_bw's default (`-b single`) has the receiver post its whole window of 64 receives
  * into ONE buffer, then wait for them all: several pending receives writing the same
@@ -26,7 +28,7 @@
  * the medians over rounds of the in-round ratios sequential/posted and ahead/posted: the
  * ceilings of a one-tensor receive relative to osu_bw, before any cost of the tensor API
  * itself. (`ahead` is measured with bw only.)
- * Used by benches/results/2026-11-25-osu.md.
+ * Used by benches/results/2026-11-25-osu.md and 2026-11-26-mpich.md.
  */
 #include <mpi.h>
 #include <stdio.h>
