@@ -24,6 +24,10 @@
 # round (the ratio lines of `mpiflow bench`), the median over the ROUNDS jobs; job r starts
 # its rotation of paths r places on (`--rotate`), so each path goes first in as many jobs as
 # the others (a path's place in the order was worth 1-2%).
+# Bests across jobs favour the shorter job when fast phases come and go within seconds:
+# OSU's job runs one path, mpiflow's all of them. ALONE="mpi mpiflow" adds, each round, a
+# job per path named that runs that path alone (a job as long as OSU's); its columns are
+# "PATH_alone" and "PATH1/osu", so the bests of jobs of one length can be compared.
 # `pushpull` has no OSU program: its jobs are mpiflow's alone and its reference column is
 # the plain-MPI pattern (`mpi`). Not part of the tests.
 set -euo pipefail
@@ -46,6 +50,7 @@ esac
 osu_given=${OSU_DIR:+yes}
 OSU_DIR=${OSU_DIR:-target/osu-7.4$suffix}
 OSU_ARGS=${OSU_ARGS:-}
+ALONE=${ALONE:-}
 # Digits after the point in both programs' tables: OSU prints 2 (its compile-time
 # FLOAT_PRECISION, which rounds a 0.2 us latency to 5%), so its build here sets 4, the
 # source unchanged, and `mpiflow bench` gets `--digits` to match.
@@ -111,6 +116,11 @@ for name in "${names[@]}"; do
     # shellcheck disable=SC2086
     timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$mpiflow" bench "$name" --rounds 1 --rotate "$r" --digits "$DIGITS" $OSU_ARGS \
       | rows mpiflow >>"$out/$name"
+    for path in $ALONE; do
+      # shellcheck disable=SC2086
+      timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$mpiflow" bench "$name" --path "$path" --rounds 1 --digits "$DIGITS" $OSU_ARGS \
+        | sed 's/^# mpiflow path: .*/& alone/' | rows mpiflow >>"$out/$name"
+    done
   done
   echo "# $name: $NP ranks, $MPI, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
   echo "# a/b~: median over the jobs of a/b measured in the same job (see the head of this script)"
@@ -134,7 +144,8 @@ for name in "${names[@]}"; do
     END {
       printf "%-9s", "# size"
       for (p = 1; p <= np; p++) printf " %14s", substr(paths[p], 1, 14)
-      for (p = 2; p <= np; p++) printf " %10s", substr(paths[p], 1, 6) "/" ref
+      # A path run alone ("mpi_alone") heads its ratio column as "mpi1/osu".
+      for (p = 2; p <= np; p++) { a = paths[p]; sub(/_alone$/, "1", a); printf " %12s", substr(a, 1, 8) "/" ref }
       for (q = 1; q <= npairs; q++) printf " %14s", substr(pairs[q], 1, 13) "~"
       printf "   spread (worst/best):"
       for (p = 1; p <= np; p++) printf " %s", paths[p]
@@ -150,7 +161,7 @@ for name in "${names[@]}"; do
         }
         for (p = 2; p <= np; p++) {
           k = paths[p] SUBSEP s
-          if ((k in best) && o > 0) printf " %10.3f", best[k] / o; else printf " %10s", "-"
+          if ((k in best) && o > 0) printf " %12.3f", best[k] / o; else printf " %12s", "-"
         }
         for (q = 1; q <= npairs; q++) {
           n = pn[pairs[q], s]
