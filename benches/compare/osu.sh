@@ -27,7 +27,7 @@
 # Bests across jobs favour the shorter job when fast phases come and go within seconds:
 # OSU's job runs one path, mpiflow's all of them. ALONE="mpi mpiflow" adds, each round, a
 # job per path named that runs that path alone (a job as long as OSU's); its columns are
-# "PATH_alone" and "PATH1/osu", so the bests of jobs of one length can be compared.
+# headed "PATH1" and "PATH1/osu", so the bests of jobs of one length can be compared.
 # `pushpull` has no OSU program: its jobs are mpiflow's alone and its reference column is
 # the plain-MPI pattern (`mpi`). Not part of the tests.
 set -euo pipefail
@@ -126,6 +126,11 @@ for name in "${names[@]}"; do
   echo "# a/b~: median over the jobs of a/b measured in the same job (see the head of this script)"
   awk -v better="$better" -v ref="$ref" -v digits="$DIGITS" '
     BEGIN { np = 1; paths[1] = ref; seen[ref] = 1 }
+    # The name of a path in at most w characters; one run alone ("mpi_alone") ends in "1".
+    function abbrev(s, w,    alone) {
+      alone = sub(/_alone$/, "", s)
+      return alone ? substr(s, 1, w - 1) "1" : substr(s, 1, w)
+    }
     # In-job ratios of every job, per pair of paths and size; the median is printed.
     $1 ~ /^paired:/ {
       k = substr($1, 8)
@@ -143,9 +148,8 @@ for name in "${names[@]}"; do
     }
     END {
       printf "%-9s", "# size"
-      for (p = 1; p <= np; p++) printf " %14s", substr(paths[p], 1, 14)
-      # A path run alone ("mpi_alone") heads its ratio column as "mpi1/osu".
-      for (p = 2; p <= np; p++) { a = paths[p]; sub(/_alone$/, "1", a); printf " %12s", substr(a, 1, 8) "/" ref }
+      for (p = 1; p <= np; p++) printf " %14s", abbrev(paths[p], 14)
+      for (p = 2; p <= np; p++) printf " %12s", abbrev(paths[p], 8) "/" ref
       for (q = 1; q <= npairs; q++) printf " %14s", substr(pairs[q], 1, 13) "~"
       printf "   spread (worst/best):"
       for (p = 1; p <= np; p++) printf " %s", paths[p]
