@@ -371,6 +371,12 @@ fn bad_benchmark_requests_are_one_line_errors() {
         .assert_one_line_error("MIN 64 is larger than MAX 4");
     common::mpiflow_alone(&["bench", "bw", "-b", "several"], &[])
         .assert_one_line_error("invalid value 'several' for '--buffer-num <BUFFERS>'");
+    // OSU refuses these too ("Invalid Number of Iterations", "Invalid Window Size"): at 0
+    // the tables held NaN, or a window silently carried one message.
+    common::mpiflow_alone(&["bench", "bw", "-i", "0"], &[])
+        .assert_one_line_error("invalid value '0' for '--iterations <ITERATIONS>'");
+    common::mpiflow_alone(&["bench", "bw", "-W", "0"], &[])
+        .assert_one_line_error("invalid value '0' for '--window-size <WINDOW>'");
     mpirun(&[
         "-np",
         "2",

@@ -263,6 +263,24 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
     if !NAMES.contains(&name) {
         return Err(BenchError::Unknown(name.into()));
     }
+    // OSU refuses these as "Invalid Number of Iterations" and "Invalid Window Size"; at 0
+    // a table would hold NaN, or a window would silently carry one message.
+    for (flag, value) in [
+        (
+            "-i (timed iterations per size)",
+            opts.iterations.unwrap_or(1),
+        ),
+        ("-W (messages per window)", opts.window),
+        ("--rounds", opts.rounds),
+        ("--count (tensors per round)", opts.count),
+        ("--ps", opts.ps),
+    ] {
+        if value == 0 {
+            return Err(BenchError::Option(format!(
+                "{flag} must be at least 1, not 0"
+            )));
+        }
+    }
     if matches!(opts.path, osu::Path::Channel | osu::Path::Inbox)
         && !matches!(name, "latency" | "bw" | "bibw")
     {
@@ -331,4 +349,33 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchE
         let _ = std::io::Write::write_all(&mut stdout, out.as_bytes());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_of_zero_are_refused_as_osu_refuses_them() {
+        assert_eq!(validate("bw", 2, &BenchOptions::default()), Ok(()));
+        let zero = |set: fn(&mut BenchOptions)| {
+            let mut opts = BenchOptions::default();
+            set(&mut opts);
+            validate("bw", 2, &opts).unwrap_err().to_string()
+        };
+        assert_eq!(
+            zero(|o| o.iterations = Some(0)),
+            "-i (timed iterations per size) must be at least 1, not 0"
+        );
+        assert_eq!(
+            zero(|o| o.window = 0),
+            "-W (messages per window) must be at least 1, not 0"
+        );
+        assert_eq!(zero(|o| o.rounds = 0), "--rounds must be at least 1, not 0");
+        assert_eq!(
+            zero(|o| o.count = 0),
+            "--count (tensors per round) must be at least 1, not 0"
+        );
+        assert_eq!(zero(|o| o.ps = 0), "--ps must be at least 1, not 0");
+    }
 }

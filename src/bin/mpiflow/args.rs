@@ -168,13 +168,13 @@ pub(crate) struct BenchArgs {
     #[arg(short = 'm', long = "message-size", value_parser = mpiflow::bench::osu::parse_sizes)]
     sizes: Option<(usize, usize)>,
     /// Timed iterations per size (default: OSU's, by benchmark and size).
-    #[arg(short = 'i', long = "iterations")]
+    #[arg(short = 'i', long = "iterations", value_parser = positive_usize)]
     iterations: Option<usize>,
     /// Warm-up iterations per size (default: OSU's).
     #[arg(short = 'x', long = "warmup")]
     warmup: Option<usize>,
     /// Window of non-blocking sends (bw, bibw).
-    #[arg(short = 'W', long = "window-size", default_value_t = 64)]
+    #[arg(short = 'W', long = "window-size", default_value_t = 64, value_parser = positive_usize)]
     window: usize,
     /// OSU's buffer use in bw and bibw: one send and one receive buffer per rank, reused by
     /// every message of a window (single), or a buffer per message (multiple).
@@ -197,7 +197,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_parser = named::<BenchPath>(), default_value = "both")]
     path: BenchPath,
     /// Alternating rounds per size with `--path both`; each table keeps the best round.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = positive_usize)]
     rounds: usize,
     /// Places the paths' order turns before the first round (0: mpi first), to balance the
     /// order over separate jobs (benches/compare/osu.sh gives its job r `--rotate r`).
@@ -208,10 +208,10 @@ pub(crate) struct BenchArgs {
     #[arg(long = "algorithm", value_parser = named::<Algorithm>(), value_delimiter = ',', default_value = "auto")]
     algorithms: Vec<Algorithm>,
     /// Tensors per round in allreduce-fused.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = positive_usize)]
     count: usize,
     /// Parameter-server tasks in pushpull (the first ranks).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = positive_usize)]
     ps: usize,
     /// How pushpull's mpiflow path reaches the ps: messages, or one-sided windows.
     #[arg(long, value_parser = named::<PsTransport>(), default_value = "p2p")]
