@@ -1,9 +1,10 @@
 //! Parameter-server training under real `mpirun`: accuracy in sync and async mode, equality
-//! with local training, resume after SIGKILL, and a dead task named within 30 s.
+//! with local training, resume after SIGKILL, a dead task named within 30 s, and settings
+//! no ps training can carry out refused in one line.
 
 mod common;
 
-use common::{accuracy, max_relative_difference, mpiflow, mpirun, tmpdir};
+use common::{accuracy, max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir};
 use mpiflow::train::checkpoint;
 
 #[test]
@@ -228,4 +229,35 @@ fn a_dead_worker_or_ps_is_named_within_30_seconds() {
     let (err, secs) = kill_rank(0);
     assert!(secs < 30.0, "took {secs} s");
     assert!(err.contains("lost ps:0 (rank 0)"), "{err}");
+}
+
+#[test]
+fn settings_no_ps_training_can_carry_out_are_one_line_errors() {
+    // Both were clamped silently: 0 to 1 (every other worker a backup), 4 to the 3 workers.
+    for (extra, want) in [
+        (
+            &["--replicas-to-aggregate", "4"][..],
+            "all ranks: --replicas-to-aggregate 4 is not between 1 and the job's 3 workers",
+        ),
+        (
+            &["--replicas-to-aggregate", "2", "--async"][..],
+            "all ranks: --replicas-to-aggregate 2 is for synchronous training",
+        ),
+    ] {
+        let mut args = vec!["-np", "4", mpiflow(), "train", "--mode", "ps", "--ps", "1"];
+        args.extend_from_slice(extra);
+        mpirun(&args).assert_one_line_error(want);
+    }
+    for (flag, want) in [
+        (
+            "--replicas-to-aggregate",
+            "invalid value '0' for '--replicas-to-aggregate <REPLICAS_TO_AGGREGATE>'",
+        ),
+        (
+            "--partition-bytes",
+            "invalid value '0' for '--partition-bytes <PARTITION_BYTES>'",
+        ),
+    ] {
+        mpiflow_alone(&["train", "--mode", "ps", flag, "0"], &[]).assert_one_line_error(want);
+    }
 }

@@ -141,6 +141,27 @@ pub enum PsError {
     Stopped(crate::train::Stopped),
 }
 
+/// Refuses settings no ps training can carry out, before anything starts (the same verdict
+/// on every rank: it reads only `cfg` and `layout`). [`rma::check_config`] adds what the
+/// one-sided ps does not implement.
+pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
+    let Some(r) = cfg.replicas_to_aggregate else {
+        return Ok(());
+    };
+    if !cfg.sync {
+        return Err(PsError::Setup(format!(
+            "--replicas-to-aggregate {r} is for synchronous training: drop it, or drop --async"
+        )));
+    }
+    let nw = Roles::new(layout)?.workers.len();
+    if r == 0 || r > nw {
+        return Err(PsError::Setup(format!(
+            "--replicas-to-aggregate {r} is not between 1 and the job's {nw} workers"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs this rank's part (ps, worker or chief) of ps training over two-sided messages:
 /// a ps task serves, a worker trains in a [`MonitoredSession`] on its shard of each
 /// global batch, and the chief finally evaluates on `test` and saves the parameters.
@@ -153,6 +174,7 @@ pub fn run<C: Comm>(
     test: &Dataset,
     events: &mut dyn FnMut(&Event),
 ) -> Result<(), PsError> {
+    check_config(cfg, layout)?;
     let roles = Roles::new(layout)?;
     let me = comm.rank();
     crate::model::check_data(model, "train", train.features, train.classes)

@@ -35,18 +35,18 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_parser = named::<PsTransport>(), default_value = "p2p")]
     pub(crate) transport: PsTransport,
     /// Gradients per update in sync mode (default: all workers; fewer makes backup workers).
-    #[arg(long)]
+    #[arg(long, value_parser = positive_usize)]
     pub(crate) replicas_to_aggregate: Option<usize>,
     /// How variables are placed on ps tasks.
     #[arg(long, value_parser = named::<Strategy>(), default_value = "greedy")]
     pub(crate) var_placement: Strategy,
     /// Slice size for --var-placement partition.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = 4 << 20, value_parser = positive_usize)]
     pub(crate) partition_bytes: usize,
     /// Write checkpoints here (and restore the newest valid one at start).
     #[arg(long)]
     pub(crate) checkpoint_dir: Option<PathBuf>,
-    /// Checkpoint every N global steps (and at the end).
+    /// Checkpoint every N global steps (and at the end; 0: at the end only).
     #[arg(long, default_value_t = 500)]
     pub(crate) checkpoint_every: u64,
     /// Seconds without a message from a needed peer before it counts as lost.

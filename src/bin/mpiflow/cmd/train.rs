@@ -326,7 +326,11 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
             };
             let ran = match args.transport {
-                PsTransport::P2p => ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log),
+                PsTransport::P2p => {
+                    ctx.agree(ps::check_config(&cfg, layout))
+                        .map_err(|e| Failure::agreed(e, &ctx))?;
+                    ps::run(&comm, layout, &model, &cfg, &train, &test, &mut log)
+                }
                 PsTransport::Rma => {
                     use mpiflow::train::ps::rma;
                     ctx.agree(rma::check_config(&cfg, layout))

@@ -183,6 +183,7 @@ fn wait_until(
 /// Refuses settings the one-sided ps does not implement (the same verdict on every rank,
 /// so a launcher can agree on it before starting).
 pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
+    super::check_config(cfg, layout)?;
     let nw = Roles::new(layout)?.workers.len();
     if cfg.replicas_to_aggregate.is_some_and(|r| r != nw) {
         return Err(PsError::Setup(format!(
