@@ -523,6 +523,56 @@ fn bad_fusion_settings_are_one_line() {
 }
 
 #[test]
+fn flags_of_another_mode_are_one_line_errors() {
+    // Each was ignored silently before: the run trained, without what the flag asked for.
+    // (mode, flags, the flag the error names, the mode it is for)
+    for (mode, flags, named, wanted) in [
+        ("local", "--async", "--async", "ps"),
+        ("allreduce", "--transport rma", "--transport rma", "ps"),
+        (
+            "allreduce",
+            "--replicas-to-aggregate 2",
+            "--replicas-to-aggregate",
+            "ps",
+        ),
+        (
+            "local",
+            "--var-placement partition",
+            "--var-placement",
+            "ps",
+        ),
+        (
+            "allreduce",
+            "--partition-bytes 4096",
+            "--partition-bytes",
+            "ps",
+        ),
+        ("ps", "--overlap", "--overlap", "allreduce"),
+        ("local", "--overlap", "--overlap", "allreduce"),
+    ] {
+        let mut args = vec!["train", "--mode", mode];
+        args.extend(flags.split(' '));
+        run(&args, &[]).assert_one_line_error(&format!(
+            "{named} is for --mode {wanted}, not --mode {mode}"
+        ));
+    }
+    // A mode's default spelled out is no request of another mode's.
+    let r = run(
+        &[
+            "train",
+            "--mode",
+            "local",
+            "--transport",
+            "p2p",
+            "--steps",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+}
+
+#[test]
 fn stages_preview_keeps_replicas_inside_hosts_and_tf_config_takes_replica_jobs() {
     // openmpi-cluster: node01 and node02 of 4 slots, node03 and node04 of 2.
     let r = run(
