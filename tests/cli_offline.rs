@@ -498,6 +498,9 @@ fn launch_from_tf_config_execs_with_the_task_environment() {
 #[test]
 fn unknown_flags_are_one_line() {
     run(&["spec", "--bogus"], &[]).assert_one_line_error("unexpected argument '--bogus'");
+    // As a hostfile's `slots=0` is (it was taken as 1).
+    run(&["spec", "--default-slots", "0"], &[])
+        .assert_one_line_error("invalid value '0' for '--default-slots <DEFAULT_SLOTS>'");
     run(&["launch", "--ps", "1"], &[])
         .assert_one_line_error("required arguments were not provided");
 }

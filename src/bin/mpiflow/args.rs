@@ -309,7 +309,7 @@ pub(crate) struct ClusterArgs {
     pub(crate) oversubscribe: bool,
     /// Slots of a hostfile line without `slots=` (OpenMPI uses the host's core count;
     /// default: this machine's).
-    #[arg(long)]
+    #[arg(long, value_parser = positive_usize)]
     pub(crate) default_slots: Option<usize>,
     /// `rpc_layer` to put in TF_CONFIG (e.g. grpc); TF_CONFIG input keeps its own.
     #[arg(long)]
