@@ -526,6 +526,16 @@ fn bad_fusion_settings_are_one_line() {
 }
 
 #[test]
+fn a_parameters_file_that_cannot_be_written_is_refused_before_training() {
+    // It was found after the last step, the run's result lost.
+    run(&["train", "--save-params", "/proc/none/params.bin"], &[]).assert_one_line_error(
+        "parameters file /proc/none/params.bin: cannot create its directory /proc/none",
+    );
+    run(&["train", "--save-params", "/tmp"], &[])
+        .assert_one_line_error("parameters file /tmp: is a directory");
+}
+
+#[test]
 fn flags_of_another_mode_are_one_line_errors() {
     // Each was ignored silently before: the run trained, without what the flag asked for.
     // (mode, flags, the flag the error names, the mode it is for)

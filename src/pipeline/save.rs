@@ -264,7 +264,7 @@ pub(crate) fn save_params<C: Comm>(
             arrays.push((specs[i].name.clone(), values));
         }
     }
-    checkpoint::write_file(
+    checkpoint::write_params_file(
         path,
         &Arrays {
             step,

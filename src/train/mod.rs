@@ -208,7 +208,7 @@ pub fn save_params(
             )
         })
         .collect();
-    checkpoint::write_file(
+    checkpoint::write_params_file(
         path,
         &checkpoint::Arrays {
             step,
@@ -216,7 +216,6 @@ pub fn save_params(
             arrays,
         },
     )
-    .map(|_| ())
 }
 
 /// The replica every mode starts from: `model`'s initial parameters from `seed`, after

@@ -33,6 +33,9 @@ pub enum CheckpointError {
     Corrupt { path: String, why: String },
     #[error("checkpoint {path} was written for another model: {why}")]
     OtherModel { path: String, why: String },
+    /// A parameters file (`save_params`, `--save-params`) that cannot be written.
+    #[error("parameters file {path}: {why}")]
+    Params { path: String, why: String },
     /// Writing the checkpoint of `step` failed (a full or read-only disk): what it had
     /// written is removed, and `newest`, the newest valid checkpoint, stays as it was.
     #[error("checkpoint of step {step} not written ({why}); {}", match newest { Some(p) => format!("the newest checkpoint is still {p}"), None => "there is no earlier checkpoint".into() })]
@@ -100,6 +103,70 @@ pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError
     f.write_all(&bytes).map_err(|e| io(path, e))?;
     f.sync_all().map_err(|e| io(path, e))?;
     Ok((bytes.len() as u64, sum))
+}
+
+/// Checks, before a run, that a parameters file can be written at `path` (`--save-params`),
+/// so that a run does not end with its result unwritable: `path` is no directory, and its
+/// directory (created if missing) takes a new file (a probe, removed at once).
+pub fn prepare_params_file(path: &Path) -> Result<(), CheckpointError> {
+    let params = |why: String| CheckpointError::Params {
+        path: path.display().to_string(),
+        why,
+    };
+    if path.is_dir() {
+        return Err(params("is a directory".into()));
+    }
+    let dir = directory_of(path);
+    fs::create_dir_all(&dir).map_err(|e| {
+        params(format!(
+            "cannot create its directory {}: {e}",
+            dir.display()
+        ))
+    })?;
+    let probe = beside(path, "probe");
+    File::create(&probe)
+        .map_err(|e| params(format!("cannot write into {}: {e}", dir.display())))?;
+    let _ = fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Writes a parameters file atomically: a temporary file beside `path`, fsynced, renamed
+/// into place, its directory fsynced. A crash or a full disk leaves an earlier file at
+/// `path` whole.
+pub fn write_params_file(path: &Path, a: &Arrays) -> Result<(), CheckpointError> {
+    let tmp = beside(path, "tmp");
+    let dir = directory_of(path);
+    let written = write_file(&tmp, a)
+        .and_then(|_| fs::rename(&tmp, path).map_err(|e| io(path, e)))
+        .and_then(|()| fsync_dir(&dir));
+    written.map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        let why = match e {
+            CheckpointError::Io { why, .. } => why,
+            other => other.to_string(),
+        };
+        CheckpointError::Params {
+            path: path.display().to_string(),
+            why,
+        }
+    })
+}
+
+/// The directory a file at `path` goes into (`.` for a bare file name).
+fn directory_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// A hidden file beside `path` for `what` (`.NAME.what.PID`): one per process, so that
+/// ranks sharing a directory never write the same one.
+fn beside(path: &Path, what: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map_or_else(|| "params".into(), |n| n.to_string_lossy().into_owned());
+    directory_of(path).join(format!(".{name}.{what}.{}", std::process::id()))
 }
 
 /// The bytes of a checkpoint file holding `a` (what [`parse`] reads).
@@ -345,6 +412,37 @@ mod tests {
             meta: json!({"ps": 0}),
             arrays: vec![("a".into(), vec![1.0, 2.5]), ("b".into(), vec![-3.0])],
         }
+    }
+
+    #[test]
+    fn a_parameters_file_is_checked_before_and_replaced_whole() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-params-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let path = dir.join("sub").join("params.bin");
+        // Before a run: the missing directory is made, and no probe is left in it.
+        prepare_params_file(&path).unwrap();
+        assert_eq!(fs::read_dir(dir.join("sub")).unwrap().count(), 0);
+        let e = prepare_params_file(&dir).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!("parameters file {}: is a directory", dir.display())
+        );
+        // Written, then replaced: only the file itself remains, and it reads back.
+        write_params_file(&path, &arrays(10)).unwrap();
+        write_params_file(&path, &arrays(20)).unwrap();
+        assert_eq!(fs::read_dir(dir.join("sub")).unwrap().count(), 1);
+        assert_eq!(read_file(&path, None).unwrap(), arrays(20));
+        // A write that fails (its temporary file cannot be made) leaves the earlier file.
+        fs::create_dir(beside(&path, "tmp")).unwrap();
+        let e = write_params_file(&path, &arrays(30))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("parameters file {}: ", path.display())),
+            "{e}"
+        );
+        assert_eq!(read_file(&path, None).unwrap(), arrays(20));
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     if let Some(w) = &pin.warning {
         say!("mpiflow: warning: {w}");
     }
+    prepare_params_file(args).map_err(Failure::local)?;
     let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
     let model = build_model(args, &train).map_err(Failure::local)?;
     whole_model_fits(args, &model).map_err(Failure::local)?;
@@ -107,6 +108,16 @@ fn refuse_other_modes(args: &TrainArgs) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// `--save-params`'s file can be written (checked before training, not after it).
+fn prepare_params_file(
+    args: &TrainArgs,
+) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
+    match &args.save_params {
+        Some(p) => mpiflow::train::checkpoint::prepare_params_file(p),
+        None => Ok(()),
+    }
 }
 
 /// What `--stages` does not train (yet), in one line before anything starts.
@@ -264,6 +275,10 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         ctx.agree(ps::Roles::new(layout).map(drop))
             .map_err(|e| Failure::agreed(e, &ctx))?;
     }
+    // Whichever rank writes the parameters at the end, every rank's view of the path is
+    // checked now (a cluster's file systems are shared, or should be for this file).
+    ctx.agree(prepare_params_file(args))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
     let me = &layout.ranks[ctx.rank()];
     // Planned and shared per machine: hosts that are containers of one machine share its
     // cores and memory.
