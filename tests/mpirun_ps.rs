@@ -233,7 +233,8 @@ fn a_dead_worker_or_ps_is_named_within_30_seconds() {
 
 #[test]
 fn settings_no_ps_training_can_carry_out_are_one_line_errors() {
-    // Both were clamped silently: 0 to 1 (every other worker a backup), 4 to the 3 workers.
+    // Taken silently before: 4 clamped to the 3 workers, 0 to 1 (every other worker a
+    // backup), and with --async ignored.
     for (extra, want) in [
         (
             &["--replicas-to-aggregate", "4"][..],
