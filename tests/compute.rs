@@ -72,6 +72,9 @@ fn bad_training_input_is_one_line() {
     )
     .assert_one_line_error("data /nonexistent/a: cannot read");
     mpiflow_alone(&["train", "--batch", "0"], &[]).assert_one_line_error("0 is not in 1..");
+    // It was cut to the data silently, and samples/s counted the batch asked for.
+    mpiflow_alone(&["train", "--batch", "1439"], &[])
+        .assert_one_line_error("--batch 1439 is larger than the 1438 training samples of digits");
     mpiflow_alone(&["train", "--steps", "0"], &[]).assert_one_line_error("0 is not in 1..");
     mpiflow_alone(&["train", "--hidden", "64,0"], &[])
         .assert_one_line_error("\"0\" is not a positive integer");

@@ -28,6 +28,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     }
     prepare_params_file(args).map_err(Failure::local)?;
     let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
+    batch_fits(args, &train).map_err(Failure::local)?;
     let model = build_model(args, &train).map_err(Failure::local)?;
     whole_model_fits(args, &model).map_err(Failure::local)?;
     let cfg: TrainConfig = args.train_config();
@@ -183,6 +184,19 @@ fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::
 }
 
 /// The model `--model` names, shaped for `train`'s samples and classes.
+/// A (global) batch within the training samples: a larger one was cut to them silently,
+/// and the samples/s reported counted the batch asked for.
+fn batch_fits(args: &TrainArgs, train: &mpiflow::train::data::Dataset) -> Result<(), String> {
+    match args.batch as usize {
+        b if b > train.len() => Err(format!(
+            "--batch {b} is larger than the {} training samples of {}",
+            train.len(),
+            args.data
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn build_model(
     args: &TrainArgs,
     train: &mpiflow::train::data::Dataset,
@@ -286,6 +300,8 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let pin = pin_rank(args, local, count);
     let (train, test) = ctx
         .agree(Dataset::load_split(&args.data, args.seed))
+        .map_err(|e| Failure::agreed(e, &ctx))?;
+    ctx.agree(batch_fits(args, &train))
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let model = ctx
         .agree(build_model(args, &train))
