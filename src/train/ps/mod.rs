@@ -102,13 +102,11 @@ impl PsConfig {
         }
     }
 
-    /// The synchronous-replicas setting for `workers` workers (`None`: async).
+    /// The synchronous-replicas setting for `workers` workers (`None`: async); a value
+    /// outside 1..=workers is refused by [`check_config`] before it gets here.
     pub fn sync_replicas(&self, workers: usize) -> Option<SyncReplicas> {
         self.sync.then(|| SyncReplicas {
-            replicas_to_aggregate: self
-                .replicas_to_aggregate
-                .unwrap_or(workers)
-                .clamp(1, workers.max(1)),
+            replicas_to_aggregate: self.replicas_to_aggregate.unwrap_or(workers),
         })
     }
 }
