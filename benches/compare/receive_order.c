@@ -4,6 +4,8 @@
  *   mpirun -np 2 target/receive_order [bw|bibw] [ROUNDS] [MAX_SIZE]
  *   mpicc.mpich -O2 -o target/receive_order_mpich benches/compare/receive_order.c   # MPICH
  *   mpiexec.mpich -n 2 target/receive_order_mpich bw 15 65536
+ *   OMPI_MCA_pml=ucx OMPI_MCA_pml_ucx_tls=any OMPI_MCA_pml_ucx_devices=any \
+ *     mpirun -np 2 target/receive_order bw 15 65536              # Open MPI on UCX
  *
  * osu_bw's default (`-b single`) has the receiver post its whole window of 64 receives
  * into ONE buffer, then wait for them all: several pending receives writing the same
@@ -28,7 +30,7 @@
  * the medians over rounds of the in-round ratios sequential/posted and ahead/posted: the
  * ceilings of a one-tensor receive relative to osu_bw, before any cost of the tensor API
  * itself. (`ahead` is measured with bw only.)
- * Used by benches/results/2026-11-25-osu.md and 2026-11-26-mpich.md.
+ * Used by benches/results/2026-11-25-osu.md, 2026-11-26-mpich.md and 2026-11-27-ucx.md.
  */
 #include <mpi.h>
 #include <stdio.h>
