@@ -538,38 +538,100 @@ fn a_parameters_file_that_cannot_be_written_is_refused_before_training() {
 #[test]
 fn flags_of_another_mode_are_one_line_errors() {
     // Each was ignored silently before: the run trained, without what the flag asked for.
-    // (mode, flags, the flag the error names, the mode it is for)
-    for (mode, flags, named, wanted) in [
-        ("local", "--async", "--async", "ps"),
-        ("allreduce", "--transport rma", "--transport rma", "ps"),
+    // (mode, flags, the error)
+    let other_mode = |flag: &str, wanted: &str, mode: &str| {
+        format!("{flag} is for --mode {wanted}, not --mode {mode}")
+    };
+    let replicas = |flag: &str, mode: &str| {
+        format!("{flag} is for --mode allreduce or --stages, not --mode {mode} without --stages")
+    };
+    let cluster = |flag: &str| {
+        format!("{flag} is for --mode ps or allreduce, not --mode local (one process, no cluster)")
+    };
+    let stages = |flag: &str| {
+        format!("{flag} is for --stages (a model cut into stages); without it each task holds the whole model")
+    };
+    for (mode, flags, error) in [
+        ("local", "--async", other_mode("--async", "ps", "local")),
+        (
+            "allreduce",
+            "--transport rma",
+            other_mode("--transport rma", "ps", "allreduce"),
+        ),
         (
             "allreduce",
             "--replicas-to-aggregate 2",
-            "--replicas-to-aggregate",
-            "ps",
+            other_mode("--replicas-to-aggregate", "ps", "allreduce"),
         ),
         (
             "local",
             "--var-placement partition",
-            "--var-placement",
-            "ps",
+            other_mode("--var-placement", "ps", "local"),
         ),
         (
             "allreduce",
             "--partition-bytes 4096",
-            "--partition-bytes",
-            "ps",
+            other_mode("--partition-bytes", "ps", "allreduce"),
         ),
-        ("ps", "--overlap", "--overlap", "allreduce"),
-        ("local", "--overlap", "--overlap", "allreduce"),
+        (
+            "allreduce",
+            "--peer-timeout 3",
+            other_mode("--peer-timeout", "ps", "allreduce"),
+        ),
+        (
+            "allreduce",
+            "--stages 2 --peer-timeout 3",
+            other_mode("--peer-timeout", "ps", "allreduce"),
+        ),
+        (
+            "ps",
+            "--overlap",
+            other_mode("--overlap", "allreduce", "ps"),
+        ),
+        (
+            "local",
+            "--overlap",
+            other_mode("--overlap", "allreduce", "local"),
+        ),
+        ("ps", "--check-every 5", replicas("--check-every", "ps")),
+        (
+            "ps",
+            "--fusion-threshold 1",
+            replicas("--fusion-threshold", "ps"),
+        ),
+        (
+            "local",
+            "--allreduce-algorithm ring",
+            replicas("--allreduce-algorithm", "local"),
+        ),
+        ("allreduce", "--micro-batches 2", stages("--micro-batches")),
+        ("ps", "--schedule gpipe", stages("--schedule")),
+        ("local", "--balance counted", stages("--balance")),
+        ("local", "--ps 1", cluster("--ps")),
+        ("local", "--chief", cluster("--chief")),
+        (
+            "local",
+            "--hostfile hostfiles/openmpi-cluster",
+            cluster("--hostfile"),
+        ),
+        ("local", "--stall-warning 5", cluster("--stall-warning")),
+        (
+            "local",
+            "--checkpoint-every 5",
+            "--checkpoint-every 5 writes into --checkpoint-dir: give the directory too".into(),
+        ),
+        (
+            "local",
+            "--model cnn --data fashion-mnist --hidden 64",
+            "--hidden is for --model mlp (the CNN's layers are fixed)".into(),
+        ),
     ] {
         let mut args = vec!["train", "--mode", mode];
         args.extend(flags.split(' '));
-        run(&args, &[]).assert_one_line_error(&format!(
-            "{named} is for --mode {wanted}, not --mode {mode}"
-        ));
+        run(&args, &[]).assert_one_line_error(&error);
     }
-    // A mode's default spelled out is no request of another mode's.
+    // A default spelled out is no request of another mode's, nor is turning off what the
+    // mode does not do.
     let r = run(
         &[
             "train",
@@ -577,6 +639,14 @@ fn flags_of_another_mode_are_one_line_errors() {
             "local",
             "--transport",
             "p2p",
+            "--micro-batches",
+            "4",
+            "--check-every",
+            "0",
+            "--stall-warning",
+            "0",
+            "--checkpoint-every",
+            "500",
             "--steps",
             "2",
         ],

@@ -233,3 +233,163 @@ impl TrainArgs {
         .collect()
     }
 }
+
+/// Which runs use a flag: a flag given a value other than its default that the run would
+/// not use is refused (see [`TrainArgs::unused_flag`]).
+#[derive(Clone, Copy)]
+enum UsedBy {
+    Ps,
+    Allreduce,
+    /// `--mode ps` or `--mode allreduce`: a cluster of tasks under mpirun.
+    Cluster,
+    /// `--mode allreduce`, or `--stages` (whose replicas of a stage sum by allreduce).
+    Replicas,
+    Stages,
+    CheckpointDir,
+    Mlp,
+}
+
+impl TrainArgs {
+    /// Every flag's default, as clap sets it when the flag is not given.
+    fn defaults() -> TrainArgs {
+        use clap::FromArgMatches;
+        let command = <TrainArgs as Args>::augment_args(clap::Command::new("train"));
+        command
+            .try_get_matches_from(["train"])
+            .ok()
+            .and_then(|m| TrainArgs::from_arg_matches(&m).ok())
+            .expect("every flag of train has a default")
+    }
+
+    /// The first flag given a value other than its default (a default spelled out asks for
+    /// nothing) that this run would not use, as one line naming it and what uses it: a run
+    /// that silently trains without what a flag asked for is worse than no run.
+    pub(crate) fn unused_flag(&self) -> Option<String> {
+        use mpiflow::train::ps::PsTransport;
+        let d = Self::defaults();
+        let (c, dc) = (&self.cluster, &d.cluster);
+        let flags = [
+            ("--async", self.async_, UsedBy::Ps),
+            (
+                "--transport rma",
+                self.transport == PsTransport::Rma,
+                UsedBy::Ps,
+            ),
+            (
+                "--replicas-to-aggregate",
+                self.replicas_to_aggregate.is_some(),
+                UsedBy::Ps,
+            ),
+            (
+                "--var-placement",
+                self.var_placement != d.var_placement,
+                UsedBy::Ps,
+            ),
+            (
+                "--partition-bytes",
+                self.partition_bytes != d.partition_bytes,
+                UsedBy::Ps,
+            ),
+            (
+                "--peer-timeout",
+                self.peer_timeout != d.peer_timeout,
+                UsedBy::Ps,
+            ),
+            ("--overlap", self.overlap, UsedBy::Allreduce),
+            (
+                "--fusion-threshold",
+                self.fusion_threshold != d.fusion_threshold,
+                UsedBy::Replicas,
+            ),
+            (
+                "--allreduce-algorithm",
+                self.allreduce_algorithm != d.allreduce_algorithm,
+                UsedBy::Replicas,
+            ),
+            // 0 turns the checks off: no request where none are made.
+            (
+                "--check-every",
+                ![0, d.check_every].contains(&self.check_every),
+                UsedBy::Replicas,
+            ),
+            (
+                "--micro-batches",
+                self.micro_batches != d.micro_batches,
+                UsedBy::Stages,
+            ),
+            ("--schedule", self.schedule != d.schedule, UsedBy::Stages),
+            ("--balance", self.balance != d.balance, UsedBy::Stages),
+            (
+                "--checkpoint-every",
+                self.checkpoint_every != d.checkpoint_every,
+                UsedBy::CheckpointDir,
+            ),
+            ("--hidden", self.hidden != d.hidden, UsedBy::Mlp),
+            (
+                "--stall-warning",
+                ![0, d.stall_warning].contains(&self.stall_warning),
+                UsedBy::Cluster,
+            ),
+            ("--from", c.from != dc.from, UsedBy::Cluster),
+            ("--ps", c.ps != dc.ps, UsedBy::Cluster),
+            ("--chief", c.chief, UsedBy::Cluster),
+            ("--evaluator", c.evaluator, UsedBy::Cluster),
+            ("--placement", c.placement != dc.placement, UsedBy::Cluster),
+            ("--port-base", c.port_base.is_some(), UsedBy::Cluster),
+            ("--hostfile", c.hostfile.is_some(), UsedBy::Cluster),
+            ("--np", c.np.is_some(), UsedBy::Cluster),
+            ("--map-by", c.map_by != dc.map_by, UsedBy::Cluster),
+            ("--oversubscribe", c.oversubscribe, UsedBy::Cluster),
+            (
+                "--default-slots",
+                c.default_slots.is_some(),
+                UsedBy::Cluster,
+            ),
+            ("--rpc-layer", c.rpc_layer.is_some(), UsedBy::Cluster),
+            ("--ps_hosts", c.ps_hosts.is_some(), UsedBy::Cluster),
+            ("--worker_hosts", c.worker_hosts.is_some(), UsedBy::Cluster),
+            ("--job_name", c.job_name.is_some(), UsedBy::Cluster),
+            ("--task_index", c.task_index.is_some(), UsedBy::Cluster),
+        ];
+        let mode = match self.mode {
+            Mode::Local => "local",
+            Mode::Ps => "ps",
+            Mode::Allreduce => "allreduce",
+        };
+        let (flag, used_by) = flags
+            .into_iter()
+            .find(|&(_, given, used_by)| given && !self.uses(used_by))
+            .map(|(flag, _, used_by)| (flag, used_by))?;
+        Some(match used_by {
+            UsedBy::Ps => format!("{flag} is for --mode ps, not --mode {mode}"),
+            UsedBy::Allreduce => format!("{flag} is for --mode allreduce, not --mode {mode}"),
+            UsedBy::Cluster => format!(
+                "{flag} is for --mode ps or allreduce, not --mode local (one process, no cluster)"
+            ),
+            UsedBy::Replicas => format!(
+                "{flag} is for --mode allreduce or --stages, not --mode {mode} without --stages"
+            ),
+            UsedBy::Stages => format!(
+                "{flag} is for --stages (a model cut into stages); without it each task holds the whole model"
+            ),
+            UsedBy::CheckpointDir => format!(
+                "{flag} {} writes into --checkpoint-dir: give the directory too",
+                self.checkpoint_every
+            ),
+            UsedBy::Mlp => format!("{flag} is for --model mlp (the CNN's layers are fixed)"),
+        })
+    }
+
+    fn uses(&self, by: UsedBy) -> bool {
+        let stages = self.cluster.stages.is_some();
+        match by {
+            UsedBy::Ps => self.mode == Mode::Ps,
+            UsedBy::Allreduce => self.mode == Mode::Allreduce,
+            UsedBy::Cluster => self.mode != Mode::Local,
+            UsedBy::Replicas => self.mode == Mode::Allreduce || stages,
+            UsedBy::Stages => stages,
+            UsedBy::CheckpointDir => self.checkpoint_dir.is_some(),
+            UsedBy::Mlp => self.model == ModelChoice::Mlp,
+        }
+    }
+}

@@ -13,7 +13,9 @@ use crate::report::{self, Reporter};
 
 pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     use mpiflow::train::{data::Dataset, train_local, TrainConfig};
-    refuse_other_modes(args)?;
+    if let Some(unused) = args.unused_flag() {
+        return Err(Failure::local(unused));
+    }
     if let Some(s) = args.cluster.stages {
         refuse_with_stages(args, s)?;
     }
@@ -74,40 +76,6 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
         "accuracy {:.4} ({correct}/{} held-out samples) after {} steps, loss {:.4}, {:.0} samples/s\n",
         report.accuracy, report.test_samples, report.steps, report.final_loss, report.samples_per_sec
     ));
-    Ok(())
-}
-
-/// A flag of another mode, asking for something this mode would silently not do (a value
-/// other than the flag's default): one line before anything starts.
-fn refuse_other_modes(args: &TrainArgs) -> Result<(), Failure> {
-    use mpiflow::train::ps::{placement::DeviceSetter, PsTransport};
-    let placement = DeviceSetter::default();
-    let ps_only = [
-        ("--async", args.async_),
-        ("--transport rma", args.transport == PsTransport::Rma),
-        (
-            "--replicas-to-aggregate",
-            args.replicas_to_aggregate.is_some(),
-        ),
-        ("--var-placement", args.var_placement != placement.strategy),
-        (
-            "--partition-bytes",
-            args.partition_bytes != placement.partition_bytes,
-        ),
-    ];
-    let allreduce_only = [("--overlap", args.overlap)];
-    let (mode, others): (_, &[(&str, &[_])]) = match args.mode {
-        Mode::Local => ("local", &[("ps", &ps_only), ("allreduce", &allreduce_only)]),
-        Mode::Ps => ("ps", &[("allreduce", &allreduce_only)]),
-        Mode::Allreduce => ("allreduce", &[("ps", &ps_only)]),
-    };
-    for (wanted, flags) in others {
-        if let Some((flag, _)) = flags.iter().find(|(_, on)| *on) {
-            return Err(Failure::local(format!(
-                "{flag} is for --mode {wanted}, not --mode {mode}"
-            )));
-        }
-    }
     Ok(())
 }
 
