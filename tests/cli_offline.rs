@@ -656,6 +656,37 @@ fn flags_of_another_mode_are_one_line_errors() {
 }
 
 #[test]
+fn cluster_flags_the_source_does_not_read_are_one_line_errors() {
+    // The cluster came from elsewhere and these were ignored: the hostfile was not read.
+    let cfg = r#"{"cluster":{"worker":["a:1","b:2"]},"task":{"type":"worker","index":0}}"#;
+    let tf = [("TF_CONFIG", cfg)];
+    run(&["spec", "--from", "tf-config", "--hostfile", "hostfiles/openmpi-cluster", "-np", "4"], &tf)
+        .assert_one_line_error("--hostfile is for --from hostfile (a preview of mpirun: --hostfile H -np N), but this cluster comes from tf-config");
+    run(&["spec", "--np", "4", "--ps", "1"], &tf).assert_one_line_error(
+        "--np is for --from hostfile (a preview of mpirun: --hostfile H -np N), but this cluster comes from tf-config",
+    );
+    run(
+        &["spec", "--hostfile", "hostfiles/openmpi-cluster", "-np", "4", "--job_name", "ps"],
+        &[],
+    )
+    .assert_one_line_error("--job_name is for --from flags (the seeds' flags: --ps_hosts, --worker_hosts, --job_name, --task_index), but this cluster comes from hostfile");
+    // Their own source reads them.
+    let r = run(
+        &[
+            "spec",
+            "--hostfile",
+            "hostfiles/openmpi-cluster",
+            "-np",
+            "4",
+            "--map-by",
+            "node",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+}
+
+#[test]
 fn stages_preview_keeps_replicas_inside_hosts_and_tf_config_takes_replica_jobs() {
     // openmpi-cluster: node01 and node02 of 4 slots, node03 and node04 of 2.
     let r = run(

@@ -198,17 +198,24 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "-x",
         "2",
         "-f",
+        "-c",
         "--rounds",
         "2",
         "--algorithm",
         "auto,recursive-doubling",
     ]);
     assert_eq!(run.code, 0, "{run:?}");
-    let header =
-        "# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations";
+    // -c: every iteration's sums checked on every rank (3, so recursive doubling folds
+    // one in), OSU's Validation column after the -f ones.
+    let header = "# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations          Validation";
     let t = osu_tables(&run.stdout, header);
     // Plain MPI, then one mpiflow table per algorithm, each with its ratio to MPI.
     assert_eq!(t.len(), 3, "{}", run.stdout);
+    let rows: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(
+        rows.iter().all(|r| r.ends_with("                Pass")),
+        "{run:?}"
+    );
     for rows in &t {
         assert_eq!(
             rows.iter().map(|r| r.0).collect::<Vec<_>>(),
@@ -252,6 +259,39 @@ fn benchmarks_print_osu_tables_for_every_path() {
         "{}",
         run.stdout
     );
+    // -c on bcast (every non-root buffer starts with a value the root never sends) and on
+    // float sums through the shared-memory, ring and hierarchical algorithms, past a slot.
+    for (args, tables) in [
+        (&["bcast", "-m", "1:65536"][..], 2),
+        (
+            &[
+                "allreduce",
+                "-T",
+                "mpi_float",
+                "-m",
+                "4:1048576",
+                "--algorithm",
+                "shm,ring,hierarchical",
+            ],
+            4,
+        ),
+    ] {
+        let mut a = vec!["-np", "3", mpiflow(), "bench"];
+        a.extend_from_slice(args);
+        a.extend_from_slice(&["-i", "3", "-x", "1", "--rounds", "1", "-c"]);
+        let run = mpirun(&a);
+        assert_eq!(run.code, 0, "{run:?}");
+        let t = osu_tables(
+            &run.stdout,
+            "# Size         Avg Latency(us)          Validation",
+        );
+        assert_eq!(t.len(), tables, "{}", run.stdout);
+        let rows: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with('#')).collect();
+        assert!(
+            rows.iter().all(|r| r.ends_with("                Pass")),
+            "{run:?}"
+        );
+    }
 
     let run = mpirun(&[
         "-np",
@@ -396,6 +436,34 @@ fn bad_benchmark_requests_are_one_line_errors() {
         .assert_one_line_error("all ranks: -T is for allreduce (the elements it sums), not bw");
     common::mpiflow_alone(&["bench", "allreduce", "-T", "mpi_double"], &[])
         .assert_one_line_error("invalid value 'mpi_double' for '--type <ELEMENT>'");
+    // Options a benchmark does not use, refused as OSU's programs refuse them (they were
+    // ignored: -c on a benchmark that checks nothing printed tables as if checked).
+    for (args, error) in [
+        (
+            &["latency", "-W", "8"][..],
+            "-W is for bw, bibw and get_bw, not latency",
+        ),
+        (
+            &["allreduce-fused", "-c"],
+            "-c is for latency, bw, bibw, allreduce and bcast, not allreduce-fused",
+        ),
+        (
+            &["bcast", "--algorithm", "ring"],
+            "--algorithm is for allreduce and allreduce-fused, not bcast",
+        ),
+        (
+            &["allreduce", "--count", "5"],
+            "--count is for allreduce-fused, not allreduce",
+        ),
+        (
+            &["bw", "-f"],
+            "-f is for allreduce, bcast and allreduce-fused, not bw",
+        ),
+    ] {
+        let mut a = vec!["bench"];
+        a.extend_from_slice(args);
+        common::mpiflow_alone(&a, &[]).assert_one_line_error(&format!("all ranks: {error}"));
+    }
     mpirun(&[
         "-np",
         "2",

@@ -7,29 +7,48 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::osu::{self, BenchOptions, Element, Path, ShmStores};
-use super::{best_of_rounds, secs, BenchError, Better, Label, Row, Schedule};
+use super::{best_of_rounds, secs, verify, BenchError, Better, Label, Row, Schedule};
 use crate::named::Named;
 use crate::tensor::{AlignedBuf, DType, Tensor};
 use crate::transport::fusion::{Fusion, FusionConfig};
 use crate::transport::mpi::MpiComm;
 use crate::transport::{Algorithm, Collectives, ReduceOp};
 
+/// A part of one iteration of [`time_loop`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Under `-c`, before the call: put the iteration's data into the buffer.
+    Fill,
+    /// The call, timed.
+    Call,
+    /// Under `-c`, after the call: check what it left.
+    Check,
+}
+
 /// Mean microseconds per call of `f` over `iters` timed calls after `warmup`, each call
 /// timed on its own; with `barrier`, an untimed `MPI_Barrier` follows every call, as in
 /// OSU's collective benchmarks (so that no rank starts a call while others still finish
-/// the previous one).
+/// the previous one). With `validate` (`-c`), every iteration `i` is also filled and
+/// checked by `f(i, Step::Fill)` and `f(i, Step::Check)`, outside the timed call.
 fn time_loop(
     iters: usize,
     warmup: usize,
     barrier: Option<&SimpleCommunicator>,
-    mut f: impl FnMut() -> Result<(), BenchError>,
+    validate: bool,
+    mut f: impl FnMut(usize, Step) -> Result<(), BenchError>,
 ) -> Result<f64, BenchError> {
     let mut total = 0.0;
     for i in 0..warmup + iters {
+        if validate {
+            f(i, Step::Fill)?;
+        }
         let t = Instant::now();
-        f()?;
+        f(i, Step::Call)?;
         if i >= warmup {
             total += secs(t);
+        }
+        if validate {
+            f(i, Step::Check)?;
         }
         if let Some(world) = barrier {
             world.barrier();
@@ -74,27 +93,117 @@ fn over_ranks(
 }
 
 /// The first `n` elements of `b` as `T` (a plain number type: every bit pattern valid).
-fn elements<T: Copy>(b: &mut AlignedBuf, n: usize) -> &mut [T] {
-    // SAFETY: AlignedBuf is at least 64-byte aligned and initialised, and the callers' T
-    // are i8, i32 and f32, for which every bit pattern is a value; n elements fit
-    // (checked by the slice bound below).
-    let (_, mid, _) = unsafe { b.as_mut_slice().align_to_mut::<T>() };
+fn elements<T: Copy>(b: &mut [u8], n: usize) -> &mut [T] {
+    // SAFETY: the callers' T are u8, i8, i32 and f32, for which every bit pattern is a
+    // value; the buffers (AlignedBuf, a tensor's payload) are at least 64-byte aligned,
+    // so `align_to_mut` leaves no prefix, and n elements fit (the slice bound below).
+    let (head, mid, _) = unsafe { b.align_to_mut::<T>() };
+    debug_assert!(head.is_empty(), "an aligned buffer");
     &mut mid[..n]
 }
 
+/// `-c`'s verdict on one iteration of a path, named.
+fn checked(
+    arm: Arm,
+    size: usize,
+    op: &str,
+    i: usize,
+    verdict: Result<(), verify::Mismatch>,
+) -> Result<(), BenchError> {
+    verdict.map_err(|m| {
+        BenchError::Validation(format!(
+            "{} path, {size}-byte {op} of iteration {i}: {} of {} elements wrong, the first (element {}) is {}, expected {}",
+            arm.label(),
+            m.wrong,
+            m.of,
+            m.first,
+            m.got,
+            m.want
+        ))
+    })
+}
+
 /// OSU's timed loop of `MPI_Allreduce` (sum) on `n` elements of `T` of its buffers.
-fn mpi_allreduce<T: Copy + Equivalence>(
+fn mpi_allreduce<T: verify::Value + Equivalence>(
     world: &SimpleCommunicator,
     bufs: &mut OsuBuffers,
     n: usize,
-    iters: usize,
-    warmup: usize,
+    (iters, warmup): (usize, usize),
+    validate: bool,
 ) -> Result<f64, BenchError> {
-    let send = &*elements::<T>(&mut bufs.send, n);
-    let recv = elements::<T>(&mut bufs.recv, n);
-    time_loop(iters, warmup, Some(world), || {
-        world.all_reduce_into(send, &mut recv[..], SystemOperation::sum());
-        Ok(())
+    let (rank, ranks) = (world.rank() as usize, world.size() as usize);
+    let send = elements::<T>(bufs.send.as_mut_slice(), n);
+    let recv = elements::<T>(bufs.recv.as_mut_slice(), n);
+    time_loop(iters, warmup, Some(world), validate, |i, step| match step {
+        Step::Fill => {
+            verify::fill_sum_input(&mut send[..], rank, i);
+            Ok(())
+        }
+        Step::Call => {
+            world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+            Ok(())
+        }
+        Step::Check => {
+            let size = n * std::mem::size_of::<T>();
+            checked(
+                Arm::Mpi,
+                size,
+                "allreduce",
+                i,
+                verify::check_sum(&recv[..], ranks, i),
+            )
+        }
+    })
+}
+
+/// mpiflow's timed loop of its allreduce (sum, in place) on a tensor of `T`.
+fn mpiflow_allreduce<T: verify::Value>(
+    coll: &Collectives<MpiComm>,
+    t: &mut Tensor,
+    algorithm: Algorithm,
+    (iters, warmup): (usize, usize),
+    validate: bool,
+) -> Result<f64, BenchError> {
+    let (rank, ranks) = (coll.rank(), coll.size());
+    let (size, n) = (t.nbytes(), t.nbytes() / std::mem::size_of::<T>());
+    let barrier = Some(coll.comm().raw());
+    time_loop(iters, warmup, barrier, validate, |i, step| match step {
+        Step::Fill => {
+            verify::fill_sum_input(elements::<T>(t.bytes_mut(), n), rank, i);
+            Ok(())
+        }
+        Step::Call => {
+            coll.allreduce_tensor(&mut *t, ReduceOp::Sum, algorithm)?;
+            Ok(())
+        }
+        Step::Check => {
+            let got = verify::check_sum(elements::<T>(t.bytes_mut(), n), ranks, i);
+            checked(Arm::Allreduce(algorithm), size, "allreduce", i, got)
+        }
+    })
+}
+
+/// The timed loop of a broadcast from rank 0 by `call` into `buf`, whose bytes `bytes`
+/// gives (for `-c`).
+fn bcast_loop<B: ?Sized>(
+    coll: &Collectives<MpiComm>,
+    arm: Arm,
+    (iters, warmup): (usize, usize),
+    validate: bool,
+    buf: &mut B,
+    bytes: fn(&mut B) -> &mut [u8],
+    mut call: impl FnMut(&mut B) -> Result<(), BenchError>,
+) -> Result<f64, BenchError> {
+    let root = coll.rank() == 0;
+    let size = bytes(buf).len();
+    let world = coll.comm().raw();
+    time_loop(iters, warmup, Some(world), validate, |i, step| match step {
+        Step::Fill => {
+            verify::fill_bcast(bytes(buf), root, i);
+            Ok(())
+        }
+        Step::Call => call(buf),
+        Step::Check => checked(arm, size, "bcast", i, verify::check_bcast(bytes(buf), i)),
     })
 }
 
@@ -159,42 +268,52 @@ fn measure(
     opts: &BenchOptions,
     osu_bufs: &mut OsuBuffers,
 ) -> Result<Row, BenchError> {
-    let (iters, warmup) = osu::iterations(opts, size, (1000, 100), (100, 10), 8192);
+    let counts = osu::iterations(opts, size, (1000, 100), (100, 10), 8192);
     let world = coll.comm().raw();
-    let barrier = Some(world);
+    let validate = opts.validate;
     let us = match (name, arm) {
         ("allreduce", Arm::Mpi) => {
-            let n = size / opts.element.dtype().size();
+            let (b, n) = (osu_bufs, size / opts.element.dtype().size());
             match opts.element {
-                Element::Char => mpi_allreduce::<i8>(world, osu_bufs, n, iters, warmup)?,
-                Element::Int => mpi_allreduce::<i32>(world, osu_bufs, n, iters, warmup)?,
-                Element::Float => mpi_allreduce::<f32>(world, osu_bufs, n, iters, warmup)?,
+                Element::Char => mpi_allreduce::<i8>(world, b, n, counts, validate)?,
+                Element::Int => mpi_allreduce::<i32>(world, b, n, counts, validate)?,
+                Element::Float => mpi_allreduce::<f32>(world, b, n, counts, validate)?,
             }
         }
         (_, Arm::Allreduce(algorithm)) => {
             let dtype = opts.element.dtype();
-            let mut t = Tensor::zeros(dtype, &[size / dtype.size()])?.named("bench");
-            time_loop(iters, warmup, barrier, || {
-                coll.allreduce_tensor(&mut t, ReduceOp::Sum, algorithm)?;
-                Ok(())
-            })?
+            let t = &mut Tensor::zeros(dtype, &[size / dtype.size()])?.named("bench");
+            match opts.element {
+                Element::Char => mpiflow_allreduce::<u8>(coll, t, algorithm, counts, validate)?,
+                Element::Int => mpiflow_allreduce::<i32>(coll, t, algorithm, counts, validate)?,
+                Element::Float => mpiflow_allreduce::<f32>(coll, t, algorithm, counts, validate)?,
+            }
         }
         (_, Arm::Mpi) => {
-            let b = &mut osu_bufs.send;
-            let root = world.process_at_rank(0);
-            time_loop(iters, warmup, barrier, || {
-                root.broadcast_into(&mut b.as_mut_slice()[..size]);
-                Ok(())
-            })?
+            let b = &mut osu_bufs.send.as_mut_slice()[..size];
+            let at = world.process_at_rank(0);
+            bcast_loop(
+                coll,
+                arm,
+                counts,
+                validate,
+                b,
+                |b| b,
+                |b| {
+                    at.broadcast_into(b);
+                    Ok(())
+                },
+            )?
         }
         (_, Arm::Mpiflow) => {
-            let mut t = Tensor::zeros(DType::U8, &[size])?.named("bench");
-            time_loop(iters, warmup, barrier, || {
-                coll.bcast_tensor(&mut t, 0)?;
+            let t = &mut Tensor::zeros(DType::U8, &[size])?.named("bench");
+            bcast_loop(coll, arm, counts, validate, t, Tensor::bytes_mut, |t| {
+                coll.bcast_tensor(t, 0)?;
                 Ok(())
             })?
         }
     };
+    let iters = counts.0;
     over_ranks(coll, size, us, iters)
 }
 
@@ -236,7 +355,7 @@ fn measure_fused(
         let world = coll.comm().raw();
         let send: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; elems]).collect();
         let mut recv: Vec<Vec<f32>> = vec![vec![0.0; elems]; n];
-        time_loop(iters, warmup, None, || {
+        time_loop(iters, warmup, None, false, |_, _| {
             for (s, r) in send.iter().zip(recv.iter_mut()) {
                 world.all_reduce_into(&s[..], &mut r[..], SystemOperation::sum());
             }
@@ -247,7 +366,7 @@ fn measure_fused(
             .map(|i| Tensor::zeros(DType::F32, &[elems]).map(|t| t.named(&format!("grad/{i}"))))
             .collect::<Result<_, _>>()?;
         if arm == FusedArm::OneByOne {
-            time_loop(iters, warmup, None, || {
+            time_loop(iters, warmup, None, false, |_, _| {
                 for t in tensors.iter_mut() {
                     coll.allreduce_tensor(t, ReduceOp::Sum, algorithm)?;
                 }
@@ -258,7 +377,7 @@ fn measure_fused(
                 algorithm,
                 ..FusionConfig::default()
             });
-            time_loop(iters, warmup, None, || {
+            time_loop(iters, warmup, None, false, |_, _| {
                 let mut refs: Vec<&mut Tensor> = tensors.iter_mut().collect();
                 fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
                 Ok(())
@@ -292,7 +411,7 @@ fn run_fused(coll: &Collectives<MpiComm>, opts: &BenchOptions) -> Result<String,
         opts.count.max(1)
     );
     let mut out = osu::tables(&measured.tables, |rows| {
-        osu::collective_table(&title, "MPI_FLOAT", rows, opts.full, opts.digits)
+        osu::collective_table(&title, "MPI_FLOAT", rows, opts.full, false, opts.digits)
     });
     let fused = &measured.tables[2].1;
     out.push_str(&osu::ratio_table(
@@ -344,10 +463,9 @@ pub fn run(
         opts.progress,
         |arm, size| measure(coll, name, arm, size, opts, &mut osu_bufs),
     )?;
-    out.push_str(
-        &measured
-            .render(|rows| osu::collective_table(title, datatype, rows, opts.full, opts.digits)),
-    );
+    out.push_str(&measured.render(|rows| {
+        osu::collective_table(title, datatype, rows, opts.full, opts.validate, opts.digits)
+    }));
     if name == "allreduce" {
         out.push_str(&stores_line(coll, opts));
     }

@@ -20,6 +20,7 @@ pub mod osu;
 pub mod p2p;
 pub mod pushpull;
 pub mod rma;
+mod verify;
 
 use std::time::Instant;
 
@@ -308,6 +309,7 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
             "-T is for allreduce (the elements it sums), not {name}"
         )));
     }
+    unused_option(name, opts)?;
     let shm_tuned = opts.shm_slot_bytes.is_some() || opts.shm_stores != osu::ShmStores::Auto;
     if shm_tuned && !matches!(name, "allreduce" | "allreduce-fused") {
         return Err(BenchError::Option(format!(
@@ -324,6 +326,59 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
         });
     }
     Ok(())
+}
+
+/// An option given a value other than its default that benchmark `name` does not use is
+/// refused, as OSU's programs refuse options outside their own (`osu_latency -W 8` is an
+/// invalid option): a table measured without what was asked for, such as `-c` on a
+/// benchmark that checks nothing, would mislead.
+fn unused_option(name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
+    let d = BenchOptions::default();
+    let p2p = matches!(name, "latency" | "bw" | "bibw");
+    let window = matches!(name, "bw" | "bibw" | "get_bw");
+    let collective = matches!(name, "allreduce" | "bcast" | "allreduce-fused");
+    let reduces = matches!(name, "allreduce" | "allreduce-fused");
+    let options = [
+        ("-W", opts.window != d.window, window, "bw, bibw and get_bw"),
+        ("-b", opts.buffers != d.buffers, p2p, "latency, bw and bibw"),
+        (
+            "-f",
+            opts.full,
+            collective,
+            "allreduce, bcast and allreduce-fused",
+        ),
+        (
+            "-c",
+            opts.validate,
+            p2p || matches!(name, "allreduce" | "bcast"),
+            "latency, bw, bibw, allreduce and bcast",
+        ),
+        (
+            "--algorithm",
+            opts.algorithms != d.algorithms,
+            reduces,
+            "allreduce and allreduce-fused",
+        ),
+        (
+            "--count",
+            opts.count != d.count,
+            name == "allreduce-fused",
+            "allreduce-fused",
+        ),
+        ("--ps", opts.ps != d.ps, name == "pushpull", "pushpull"),
+        (
+            "--transport",
+            opts.transport != d.transport,
+            name == "pushpull",
+            "pushpull",
+        ),
+    ];
+    match options.iter().find(|(_, given, used, _)| *given && !used) {
+        Some((flag, _, _, by)) => Err(BenchError::Option(format!(
+            "{flag} is for {by}, not {name}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
@@ -377,5 +432,67 @@ mod tests {
             "--count (tensors per round) must be at least 1, not 0"
         );
         assert_eq!(zero(|o| o.ps = 0), "--ps must be at least 1, not 0");
+    }
+
+    #[test]
+    fn options_a_benchmark_does_not_use_are_refused() {
+        use crate::transport::Algorithm;
+        let refused = |name: &str, set: fn(&mut BenchOptions)| {
+            let mut opts = BenchOptions::default();
+            set(&mut opts);
+            validate(name, 4, &opts).err().map(|e| e.to_string())
+        };
+        type Set = fn(&mut BenchOptions);
+        let cases: [(&str, Set, Option<&str>); 12] = [
+            (
+                "latency",
+                |o| o.window = 8,
+                Some("-W is for bw, bibw and get_bw, not latency"),
+            ),
+            ("bw", |o| o.window = 8, None),
+            ("get_bw", |o| o.window = 8, None),
+            ("latency", |o| o.buffers = osu::Buffers::Multiple, None),
+            (
+                "allreduce",
+                |o| o.buffers = osu::Buffers::Multiple,
+                Some("-b is for latency, bw and bibw, not allreduce"),
+            ),
+            (
+                "bw",
+                |o| o.full = true,
+                Some("-f is for allreduce, bcast and allreduce-fused, not bw"),
+            ),
+            ("bcast", |o| o.full = true, None),
+            (
+                "allreduce-fused",
+                |o| o.validate = true,
+                Some("-c is for latency, bw, bibw, allreduce and bcast, not allreduce-fused"),
+            ),
+            (
+                "bcast",
+                |o| o.algorithms = vec![Algorithm::Ring],
+                Some("--algorithm is for allreduce and allreduce-fused, not bcast"),
+            ),
+            (
+                "allreduce-fused",
+                |o| o.algorithms = vec![Algorithm::Ring],
+                None,
+            ),
+            (
+                "allreduce",
+                |o| o.count = 10,
+                Some("--count is for allreduce-fused, not allreduce"),
+            ),
+            (
+                "latency",
+                |o| o.transport = crate::train::ps::PsTransport::Rma,
+                Some("--transport is for pushpull, not latency"),
+            ),
+        ];
+        for (name, set, want) in cases {
+            assert_eq!(refused(name, set).as_deref(), want, "{name}");
+        }
+        // A default spelled out asks for nothing.
+        assert_eq!(refused("latency", |o| o.window = 64), None);
     }
 }

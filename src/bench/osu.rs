@@ -385,27 +385,33 @@ pub fn collective_table(
     datatype: &str,
     rows: &[Row],
     full: bool,
+    validated: bool,
     digits: usize,
 ) -> String {
     let mut out = preamble(title, datatype);
     let _ = write!(out, "{:<10}{:>20}", "# Size", "Avg Latency(us)");
     if full {
-        let _ = writeln!(
+        let _ = write!(
             out,
             "{:>20}{:>20}{:>12}",
             "Min Latency(us)", "Max Latency(us)", "Iterations"
         );
-    } else {
-        out.push('\n');
     }
+    if validated {
+        let _ = write!(out, "{:>20}", "Validation");
+    }
+    out.push('\n');
     for r in rows {
         let _ = write!(out, "{:<10}{:>20.digits$}", r.size, r.value);
         if full {
             let (min, max, n) = (r.min, r.max, r.iterations);
-            let _ = writeln!(out, "{min:>20.digits$}{max:>20.digits$}{n:>12}");
-        } else {
-            out.push('\n');
+            let _ = write!(out, "{min:>20.digits$}{max:>20.digits$}{n:>12}");
         }
+        if validated {
+            // A row is printed only when every check of every iteration passed.
+            let _ = write!(out, "{:>20}", "Pass");
+        }
+        out.push('\n');
     }
     out
 }
@@ -450,8 +456,13 @@ mod tests {
             "# OSU MPI Bandwidth Test v7.4\n# Datatype: MPI_CHAR.\n# Size        Bandwidth (MB/s)          Validation\n1                         0.15                Pass\n"
         );
         assert_eq!(
-            collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], true, 2),
+            collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], true, false, 2),
             "# OSU MPI Allreduce Latency Test v7.4\n# Datatype: MPI_FLOAT.\n# Size         Avg Latency(us)     Min Latency(us)     Max Latency(us)  Iterations\n1                         0.15                0.10                0.20        1000\n"
+        );
+        // OSU's -c column after the others, as `print_stats_validate` writes it.
+        assert_eq!(
+            collective_table("Allreduce Latency Test", "MPI_FLOAT", &rows[..1], false, true, 2),
+            "# OSU MPI Allreduce Latency Test v7.4\n# Datatype: MPI_FLOAT.\n# Size         Avg Latency(us)          Validation\n1                         0.15                Pass\n"
         );
     }
 
@@ -469,7 +480,7 @@ mod tests {
             "# OSU MPI Latency Test v7.4\n# Datatype: MPI_CHAR.\n# Size         Avg Latency(us)\n8                       0.2135\n"
         );
         assert!(
-            collective_table("Bcast Latency Test", "MPI_CHAR", &rows, true, 3)
+            collective_table("Bcast Latency Test", "MPI_CHAR", &rows, true, false, 3)
                 .ends_with("\n8                        0.213               0.200               0.250          10\n")
         );
     }

@@ -6,8 +6,9 @@
 //!   fight over its cache lines). With `-b single` (the default) one of each, reused by
 //!   every message of a window; with `-b multiple` one per message. The `mpi` path's
 //!   buffers are page-aligned on ordinary pages, filled with `a` and `b` at each size, and,
-//!   single, allocated once at the largest size (`AlignedBuf::paged`); the mpiflow paths'
-//!   are tensors as the runtime makes them, filled the same way.
+//!   single, allocated once at the largest size (`AlignedBuf::paged`), multiple, at each
+//!   size (latency too, as `osu_latency -b multiple`); the mpiflow paths' are tensors as
+//!   the runtime makes them, filled the same way.
 //! - **Loop**: `-x` untimed iterations, then `-i` timed ones, each timed on its own by rank
 //!   0 (the sum of the iterations' times), after a barrier; OSU's counts by default.
 //! - **latency**: rank 0 sends and receives, rank 1 receives and sends; half the round trip.
@@ -472,7 +473,9 @@ fn measure(
     let count = kind.buffers(opts);
     let mut multiple;
     let mut bufs = match path {
-        Path::Mpi if count == 1 => {
+        // OSU's `-b single`: buffers allocated once at the largest size; `-b multiple`:
+        // allocated at each size (osu_latency), a buffer per message (osu_bw, osu_bibw).
+        Path::Mpi if opts.buffers == Buffers::Single => {
             single.fill(size);
             Side::Raw(single)
         }

@@ -397,6 +397,43 @@ fn parse_grace(s: &str) -> Result<f64, String> {
 }
 
 impl ClusterArgs {
+    /// The first flag given that the cluster's `source` does not read, as one line: the
+    /// hostfile preview's flags and the seeds' legacy flags are read by their own source
+    /// alone (`--from mpi --hostfile H` was the running job's cluster, the hostfile unread).
+    pub(crate) fn unused_flag(&self, source: Source) -> Option<String> {
+        let flags = [
+            ("--hostfile", self.hostfile.is_some(), Source::Hostfile),
+            ("--np", self.np.is_some(), Source::Hostfile),
+            (
+                "--map-by",
+                self.map_by != MapBy::default(),
+                Source::Hostfile,
+            ),
+            ("--oversubscribe", self.oversubscribe, Source::Hostfile),
+            (
+                "--default-slots",
+                self.default_slots.is_some(),
+                Source::Hostfile,
+            ),
+            ("--ps_hosts", self.ps_hosts.is_some(), Source::Flags),
+            ("--worker_hosts", self.worker_hosts.is_some(), Source::Flags),
+            ("--job_name", self.job_name.is_some(), Source::Flags),
+            ("--task_index", self.task_index.is_some(), Source::Flags),
+        ];
+        let (flag, _, owner) = flags
+            .into_iter()
+            .find(|&(_, given, owner)| given && owner != source)?;
+        let how = match owner {
+            Source::Hostfile => "a preview of mpirun: --hostfile H -np N",
+            _ => "the seeds' flags: --ps_hosts, --worker_hosts, --job_name, --task_index",
+        };
+        Some(format!(
+            "{flag} is for --from {} ({how}), but this cluster comes from {}",
+            owner.name(),
+            source.name()
+        ))
+    }
+
     pub(crate) fn request(&self) -> Request {
         let legacy_flags = [
             ("--ps_hosts", &self.ps_hosts),

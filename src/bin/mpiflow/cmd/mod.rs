@@ -40,7 +40,11 @@ pub(crate) fn resolve_with(
         agreed,
         ..args.request()
     };
-    match req.pick_source(env) {
+    let source = req.pick_source(env);
+    if let Some(unused) = args.unused_flag(source) {
+        return Err(Failure::local(unused));
+    }
+    match source {
         Source::Mpi => {
             let (ctx, multiple) = init(threaded)?;
             // Every error of the MPI resolver is collective: all ranks hold the same one.
