@@ -357,6 +357,11 @@ fn timelines_hold_every_ranks_spans_on_one_clock() {
     );
     let run = mpiflow_alone(&["plot", "-o", svg, ps, "--steps", "500:510"], &[]);
     run.assert_one_line_error("no spans of steps 500..=510");
+    // A timeline's rows are its tasks: a label would be ignored.
+    let run = mpiflow_alone(&["plot", "-o", svg, ps, "--label", "mine"], &[]);
+    run.assert_one_line_error(
+        "--label names the curves of metrics files and benchmark outputs, not a timeline's rows",
+    );
 
     // A file that cannot be written: one line before training.
     let run = train(
@@ -431,6 +436,13 @@ fn plots_draw_runs_and_benchmarks_as_svg() {
         lines.iter().filter(|n| **n == 13).count() >= 2,
         "1 B to 4 KiB: {lines:?}"
     );
+
+    // More labels than files: the extra ones would be ignored.
+    let run = mpiflow_alone(
+        &["plot", "-o", &svg, &out, "--label", "a", "--label", "b"],
+        &[],
+    );
+    run.assert_one_line_error("2 --label for 1 file(s): one per file, in order");
 
     // Mixed kinds, and a file that is neither: one line each.
     let run = mpiflow_alone(&["plot", "-o", &svg, &ps, &out], &[]);

@@ -16,8 +16,20 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
                 .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into())
         })
     };
+    if args.label.len() > args.files.len() {
+        return Err(Failure::local(format!(
+            "{} --label for {} file(s): one per file, in order",
+            args.label.len(),
+            args.files.len()
+        )));
+    }
     if let [one] = args.files.as_slice() {
         if is_trace(one) {
+            if !args.label.is_empty() {
+                return Err(Failure::local(
+                    "--label names the curves of metrics files and benchmark outputs, not a timeline's rows (its tasks)",
+                ));
+            }
             let tracks = timeline::read(one).map_err(Failure::local)?;
             let steps = args.steps.map(|(first, last)| plot::Steps { first, last });
             let drawn = plot::timeline_svg(&tracks, steps, &args.out).map_err(Failure::local)?;
