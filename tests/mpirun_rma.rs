@@ -166,7 +166,7 @@ fn one_sided_benchmarks_print_osu_tables_for_both_paths() {
         ),
         ("get_bw", "MPI_Get Bandwidth Test", "Bandwidth (MB/s)", 1),
     ] {
-        let run = mpirun(&[
+        let mut args = vec![
             "-np",
             "2",
             mpiflow(),
@@ -178,11 +178,15 @@ fn one_sided_benchmarks_print_osu_tables_for_both_paths() {
             "20",
             "-x",
             "2",
-            "-W",
-            "4",
             "--rounds",
             "1",
-        ]);
+        ];
+        if name == "get_bw" {
+            // A window of 4 gets (OSU's -W, which its latency programs refuse, as mpiflow
+            // does: `bad_benchmark_requests_are_one_line_errors`).
+            args.extend(["-W", "4"]);
+        }
+        let run = mpirun(&args);
         assert_eq!(run.code, 0, "{run:?}");
         let tables = one_sided_tables(&run.stdout, title, column);
         assert_eq!(tables.len(), 2, "mpi and mpiflow paths: {}", run.stdout);
