@@ -397,32 +397,37 @@ fn parse_grace(s: &str) -> Result<f64, String> {
 }
 
 impl ClusterArgs {
+    /// Each cluster flag, whether it was given (a value other than its default), and the
+    /// one source that reads it (`None`: the mapping flags, which every source reads).
+    pub(crate) fn given(&self) -> [(&'static str, bool, Option<Source>); 16] {
+        let (hostfile, flags) = (Some(Source::Hostfile), Some(Source::Flags));
+        [
+            ("--from", self.from != Source::Auto, None),
+            ("--ps", self.ps != 0, None),
+            ("--chief", self.chief, None),
+            ("--evaluator", self.evaluator, None),
+            ("--placement", self.placement != Placement::default(), None),
+            ("--port-base", self.port_base.is_some(), None),
+            ("--rpc-layer", self.rpc_layer.is_some(), None),
+            ("--hostfile", self.hostfile.is_some(), hostfile),
+            ("--np", self.np.is_some(), hostfile),
+            ("--map-by", self.map_by != MapBy::default(), hostfile),
+            ("--oversubscribe", self.oversubscribe, hostfile),
+            ("--default-slots", self.default_slots.is_some(), hostfile),
+            ("--ps_hosts", self.ps_hosts.is_some(), flags),
+            ("--worker_hosts", self.worker_hosts.is_some(), flags),
+            ("--job_name", self.job_name.is_some(), flags),
+            ("--task_index", self.task_index.is_some(), flags),
+        ]
+    }
+
     /// The first flag given that the cluster's `source` does not read, as one line: the
     /// hostfile preview's flags and the seeds' legacy flags are read by their own source
     /// alone (`--from mpi --hostfile H` was the running job's cluster, the hostfile unread).
     pub(crate) fn unused_flag(&self, source: Source) -> Option<String> {
-        let flags = [
-            ("--hostfile", self.hostfile.is_some(), Source::Hostfile),
-            ("--np", self.np.is_some(), Source::Hostfile),
-            (
-                "--map-by",
-                self.map_by != MapBy::default(),
-                Source::Hostfile,
-            ),
-            ("--oversubscribe", self.oversubscribe, Source::Hostfile),
-            (
-                "--default-slots",
-                self.default_slots.is_some(),
-                Source::Hostfile,
-            ),
-            ("--ps_hosts", self.ps_hosts.is_some(), Source::Flags),
-            ("--worker_hosts", self.worker_hosts.is_some(), Source::Flags),
-            ("--job_name", self.job_name.is_some(), Source::Flags),
-            ("--task_index", self.task_index.is_some(), Source::Flags),
-        ];
-        let (flag, _, owner) = flags
-            .into_iter()
-            .find(|&(_, given, owner)| given && owner != source)?;
+        let (flag, owner) = self.given().into_iter().find_map(|(flag, given, owner)| {
+            owner.filter(|o| given && *o != source).map(|o| (flag, o))
+        })?;
         let how = match owner {
             Source::Hostfile => "a preview of mpirun: --hostfile H -np N",
             _ => "the seeds' flags: --ps_hosts, --worker_hosts, --job_name, --task_index",

@@ -267,8 +267,7 @@ impl TrainArgs {
     pub(crate) fn unused_flag(&self) -> Option<String> {
         use mpiflow::train::ps::PsTransport;
         let d = Self::defaults();
-        let (c, dc) = (&self.cluster, &d.cluster);
-        let flags = [
+        let own = [
             ("--async", self.async_, UsedBy::Ps),
             (
                 "--transport rma",
@@ -330,34 +329,20 @@ impl TrainArgs {
                 ![0, d.stall_warning].contains(&self.stall_warning),
                 UsedBy::Cluster,
             ),
-            ("--from", c.from != dc.from, UsedBy::Cluster),
-            ("--ps", c.ps != dc.ps, UsedBy::Cluster),
-            ("--chief", c.chief, UsedBy::Cluster),
-            ("--evaluator", c.evaluator, UsedBy::Cluster),
-            ("--placement", c.placement != dc.placement, UsedBy::Cluster),
-            ("--port-base", c.port_base.is_some(), UsedBy::Cluster),
-            ("--hostfile", c.hostfile.is_some(), UsedBy::Cluster),
-            ("--np", c.np.is_some(), UsedBy::Cluster),
-            ("--map-by", c.map_by != dc.map_by, UsedBy::Cluster),
-            ("--oversubscribe", c.oversubscribe, UsedBy::Cluster),
-            (
-                "--default-slots",
-                c.default_slots.is_some(),
-                UsedBy::Cluster,
-            ),
-            ("--rpc-layer", c.rpc_layer.is_some(), UsedBy::Cluster),
-            ("--ps_hosts", c.ps_hosts.is_some(), UsedBy::Cluster),
-            ("--worker_hosts", c.worker_hosts.is_some(), UsedBy::Cluster),
-            ("--job_name", c.job_name.is_some(), UsedBy::Cluster),
-            ("--task_index", c.task_index.is_some(), UsedBy::Cluster),
         ];
         let mode = match self.mode {
             Mode::Local => "local",
             Mode::Ps => "ps",
             Mode::Allreduce => "allreduce",
         };
-        let (flag, used_by) = flags
+        // Every cluster flag describes tasks under mpirun.
+        let cluster = self
+            .cluster
+            .given()
+            .map(|(f, given, _)| (f, given, UsedBy::Cluster));
+        let (flag, used_by) = own
             .into_iter()
+            .chain(cluster)
             .find(|&(_, given, used_by)| given && !self.uses(used_by))
             .map(|(flag, _, used_by)| (flag, used_by))?;
         Some(match used_by {
