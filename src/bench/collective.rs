@@ -313,8 +313,7 @@ fn measure(
             })?
         }
     };
-    let iters = counts.0;
-    over_ranks(coll, size, us, iters)
+    over_ranks(coll, size, us, counts.0)
 }
 
 /// The three arms of `allreduce-fused`, each N tensors of `size` bytes per iteration.

@@ -304,11 +304,6 @@ pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), Ben
             )))
         }
     }
-    if opts.element != osu::Element::Char && name != "allreduce" {
-        return Err(BenchError::Option(format!(
-            "-T is for allreduce (the elements it sums), not {name}"
-        )));
-    }
     unused_option(name, opts)?;
     let shm_tuned = opts.shm_slot_bytes.is_some() || opts.shm_stores != osu::ShmStores::Auto;
     if shm_tuned && !matches!(name, "allreduce" | "allreduce-fused") {
@@ -339,6 +334,12 @@ fn unused_option(name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
     let collective = matches!(name, "allreduce" | "bcast" | "allreduce-fused");
     let reduces = matches!(name, "allreduce" | "allreduce-fused");
     let options = [
+        (
+            "-T",
+            opts.element != d.element,
+            name == "allreduce",
+            "allreduce (the elements it sums)",
+        ),
         ("-W", opts.window != d.window, window, "bw, bibw and get_bw"),
         ("-b", opts.buffers != d.buffers, p2p, "latency, bw and bibw"),
         (

@@ -151,7 +151,6 @@ fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::
     pin
 }
 
-/// The model `--model` names, shaped for `train`'s samples and classes.
 /// A (global) batch within the training samples: a larger one was cut to them silently,
 /// and the samples/s reported counted the batch asked for.
 fn batch_fits(args: &TrainArgs, train: &mpiflow::train::data::Dataset) -> Result<(), String> {
@@ -165,6 +164,7 @@ fn batch_fits(args: &TrainArgs, train: &mpiflow::train::data::Dataset) -> Result
     }
 }
 
+/// The model `--model` names, shaped for `train`'s samples and classes.
 fn build_model(
     args: &TrainArgs,
     train: &mpiflow::train::data::Dataset,
