@@ -357,13 +357,7 @@ impl<'a, C: Comm> Receives<'a, C> {
                         return
                     }
                     Some(Check::Payload(t)) => {
-                        let arrival = Arrival {
-                            src: run.0,
-                            tag: run.1,
-                            landing: Landing::Payload,
-                            before: None,
-                        };
-                        links.settle(comm, arrival, t, done)
+                        links.settle(comm, Arrival::repeat(run.0, run.1), t, done)
                     }
                     Some(Check::Exact { len, .. }) if !done.truncated() && done.count == len => {
                         return
