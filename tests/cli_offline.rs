@@ -413,6 +413,8 @@ fn tf_config_source_validates_and_re_emits() {
     ] {
         run(&["spec"], &[("TF_CONFIG", cfg)]).assert_one_line_error(want);
     }
+    run(&["spec", "--from", "tf-config"], &[])
+        .assert_one_line_error("TF_CONFIG is not set, and the cluster is to come from it");
     // A chief cannot be written as legacy flags.
     let chief = r#"{"cluster": {"chief": ["c:1"], "worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}"#;
     run(&["spec", "--format", "flags"], &[("TF_CONFIG", chief)])
@@ -498,6 +500,14 @@ fn launch_from_tf_config_execs_with_the_task_environment() {
 #[test]
 fn unknown_flags_are_one_line() {
     run(&["spec", "--bogus"], &[]).assert_one_line_error("unexpected argument '--bogus'");
+    // What clap lists under its first line, and the command's help.
+    run(&["plot", "run.csv"], &[]).assert_one_line_error(
+        "the following required arguments were not provided: --out <SVG> (see mpiflow plot --help)",
+    );
+    // A negative number reaches the flag's own check (clap took it for a flag).
+    run(&["train", "--lr", "-0.1"], &[]).assert_one_line_error(
+        "invalid value '-0.1' for '--lr <LR>': \"-0.1\" is not a positive number",
+    );
     // As a hostfile's `slots=0` is (it was taken as 1).
     run(&["spec", "--default-slots", "0"], &[])
         .assert_one_line_error("invalid value '0' for '--default-slots <DEFAULT_SLOTS>'");

@@ -361,9 +361,9 @@ pub fn resolve_offline(
             let config = if source == Source::Flags {
                 flags::parse(&req.legacy_flags)?
             } else {
-                let text = env.get("TF_CONFIG").ok_or_else(|| {
-                    ResolveError::TfConfig(TfConfigError::NotJson("TF_CONFIG is not set".into()))
-                })?;
+                let text = env
+                    .get("TF_CONFIG")
+                    .ok_or(ResolveError::TfConfig(TfConfigError::NotSet))?;
                 TfConfig::parse(text)?
             };
             let layout = Layout::from_tf_config(&config);

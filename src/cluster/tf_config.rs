@@ -13,6 +13,8 @@ use super::spec::{ClusterSpec, Role, SpecError, TaskId};
 /// Errors from parsing `TF_CONFIG`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TfConfigError {
+    #[error("TF_CONFIG is not set, and the cluster is to come from it")]
+    NotSet,
     #[error("TF_CONFIG is not valid JSON: {0}")]
     NotJson(String),
     #[error("TF_CONFIG must be a JSON object")]

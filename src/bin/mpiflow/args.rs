@@ -17,8 +17,10 @@ use mpiflow::transport::Algorithm;
 
 mod scale;
 mod train;
+mod usage;
 pub(crate) use scale::ScaleArgs;
 pub(crate) use train::TrainArgs;
+pub(crate) use usage::{one_line, parse};
 
 /// clap's parser for a library enum: its names as the possible values, with their help.
 fn named<T: Named + Send + Sync + Clone>() -> impl TypedValueParser<Value = T> {

@@ -15,11 +15,9 @@ mod report;
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
-use clap::Parser;
-
 use mpiflow::cluster::resolve::launcher_rank_hint;
 
-use args::{Cli, Cmd};
+use args::Cmd;
 use out::say;
 
 fn main() -> ExitCode {
@@ -34,19 +32,16 @@ fn main() -> ExitCode {
         say!("mpiflow: internal error: {panic_prefix}{info}");
         std::process::exit(70);
     }));
-    let cli = match Cli::try_parse_from(args::normalise_args(std::env::args())) {
+    let argv = args::normalise_args(std::env::args());
+    let cli = match args::parse(&argv) {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => {
             let _ = e.print();
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("bad arguments");
-            say!(
-                "mpiflow: {prefix}{} (see mpiflow --help)",
-                first.trim_start_matches("error: ").trim()
-            );
+            let line = args::one_line(&e.render().to_string(), &argv);
+            say!("mpiflow: {prefix}{line}");
             return ExitCode::from(2);
         }
     };
