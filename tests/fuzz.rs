@@ -1,6 +1,6 @@
 //! Property tests over every parser and decoder of outside input: host lists, hostfiles,
-//! Slurm's variables, TF_CONFIG, the legacy flags, checkpoint files, the tensor wire
-//! header and the ps protocol. Any input: no panic (an error value is fine); inputs a
+//! Slurm's variables, TF_CONFIG, the legacy flags, checkpoint files, data files (IDX and
+//! the digits CSV), the tensor wire header and the ps protocol. Any input: no panic (an error value is fine); inputs a
 //! printer made: parsed back to the same value. Bounded: a fixed number of cases each.
 //! Cases proptest finds are kept under `tests/fuzz.proptest-regressions` and rerun first.
 
@@ -14,6 +14,7 @@ use mpiflow::cluster::hostlist::{expand_hosts, expand_tasks_per_node};
 use mpiflow::cluster::slurm::SlurmStep;
 use mpiflow::cluster::{flags, ClusterSpec, TaskId, TfConfig};
 use mpiflow::train::checkpoint;
+use mpiflow::train::data::Dataset;
 use mpiflow::train::ps::protocol::{self, Reply, Request};
 
 fn config() -> ProptestConfig {
@@ -39,6 +40,27 @@ fn framed(header: &str, body: &[u8], hlen: Option<u32>) -> Vec<u8> {
     let sum = checkpoint::checksum(&file);
     file.extend_from_slice(&sum.to_le_bytes());
     file
+}
+
+/// An IDX file: its magic number, its counts (big-endian), then `body`.
+fn idx_file(magic: u32, counts: &[u32], body: &[u8]) -> Vec<u8> {
+    let mut file = magic.to_be_bytes().to_vec();
+    for c in counts {
+        file.extend_from_slice(&c.to_be_bytes());
+    }
+    file.extend_from_slice(body);
+    file
+}
+
+/// A count in an IDX header: small, any, or one whose products wrap a `usize`.
+fn idx_count() -> impl Strategy<Value = u32> {
+    prop_oneof![
+        0u32..5,
+        any::<u32>(),
+        Just(1 << 16),
+        Just(1 << 24),
+        Just(u32::MAX)
+    ]
 }
 
 /// Strings made mostly of the characters the parsers care about.
@@ -259,5 +281,62 @@ proptest! {
         let reply = Reply::Stale { step };
         let back = protocol::decode::<Reply>(&protocol::encode(&reply)).unwrap();
         prop_assert_eq!(back, reply);
+    }
+
+    /// Any IDX pair: an error, or a data set whose sizes agree with each other.
+    #[test]
+    fn idx_files_never_panic(
+        img_magic in prop_oneof![Just(0x803u32), any::<u32>()],
+        counts in proptest::collection::vec(idx_count(), 0..4),
+        body in proptest::collection::vec(any::<u8>(), 0..64),
+        lab_magic in prop_oneof![Just(0x801u32), any::<u32>()],
+        lab_count in idx_count(),
+        labels in proptest::collection::vec(any::<u8>(), 0..8),
+    ) {
+        let img = idx_file(img_magic, &counts, &body);
+        let lab = idx_file(lab_magic, &[lab_count], &labels);
+        if let Ok(d) = Dataset::idx_from((Path::new("i"), &img), (Path::new("l"), &lab)) {
+            prop_assert!(!d.is_empty() && d.features > 0);
+            prop_assert_eq!(d.x.len(), d.len() * d.features);
+            prop_assert!(d.y.iter().all(|&l| usize::from(l) < d.classes));
+        }
+    }
+
+    /// Well-formed IDX pairs load with the images, pixels and labels written.
+    #[test]
+    fn idx_files_load(n in 1usize..6, rows in 1usize..4, cols in 1usize..4, seed in any::<u8>()) {
+        let pixels: Vec<u8> = (0..n * rows * cols).map(|i| (i as u8).wrapping_mul(seed)).collect();
+        let labels: Vec<u8> = (0..n).map(|i| (i as u8 + seed) % 10).collect();
+        let img = idx_file(0x803, &[n as u32, rows as u32, cols as u32], &pixels);
+        let lab = idx_file(0x801, &[n as u32], &labels);
+        let d = Dataset::idx_from((Path::new("i"), &img), (Path::new("l"), &lab)).unwrap();
+        prop_assert_eq!((d.len(), d.features, &d.shape), (n, rows * cols, &vec![rows, cols, 1]));
+        prop_assert_eq!(&d.y, &labels);
+        let back: Vec<u8> = d.x.iter().map(|v| (v * 255.0).round() as u8).collect();
+        prop_assert_eq!(back, pixels);
+    }
+
+    /// Any text as the digits CSV: an error naming a line, or 64 pixels and a label each.
+    #[test]
+    fn digits_files_never_panic(text in "([0-9]{1,3}|[.,\n -]|1e9|nan|inf){0,200}") {
+        if let Ok(d) = Dataset::digits_from(Path::new("d"), text.as_bytes()) {
+            prop_assert!(!d.is_empty());
+            prop_assert_eq!(d.x.len(), d.len() * 64);
+            prop_assert!(d.x.iter().all(|p| (0.0..=1.0).contains(p)));
+            prop_assert!(d.y.iter().all(|&l| l < 10));
+        }
+    }
+
+    /// Rows a writer made load as written.
+    #[test]
+    fn digits_files_load(rows in proptest::collection::vec((proptest::collection::vec(0u8..17, 64), 0u8..10), 1..5)) {
+        let text: String = rows
+            .iter()
+            .map(|(px, l)| format!("{},{l}\n", px.iter().map(u8::to_string).collect::<Vec<_>>().join(",")))
+            .collect();
+        let d = Dataset::digits_from(Path::new("d"), text.as_bytes()).unwrap();
+        prop_assert_eq!(d.y, rows.iter().map(|r| r.1).collect::<Vec<_>>());
+        let want: Vec<f32> = rows.iter().flat_map(|r| r.0.iter().map(|p| f32::from(*p) / 16.0)).collect();
+        prop_assert_eq!(d.x, want);
     }
 }

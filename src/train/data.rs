@@ -52,6 +52,11 @@ pub fn default_digits_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/digits.csv.gz")
 }
 
+/// Bytes as hex digits, as a file's magic number is written.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn read_all(path: &Path) -> Result<Vec<u8>, DataError> {
     let err = |why: String| DataError::Read {
         path: path.display().to_string(),
@@ -128,10 +133,18 @@ impl Dataset {
             }
         };
         let part = |stem: &str| -> Result<Dataset, DataError> {
-            let mut d = Dataset::idx(
-                &file(&format!("{stem}-images-idx3-ubyte.gz"))?,
-                &file(&format!("{stem}-labels-idx1-ubyte.gz"))?,
-            )?;
+            let images = file(&format!("{stem}-images-idx3-ubyte.gz"))?;
+            let labels = file(&format!("{stem}-labels-idx1-ubyte.gz"))?;
+            let mut d = Dataset::idx(&images, &labels)?;
+            if let Some(i) = d.y.iter().position(|&l| l >= 10) {
+                return Err(DataError::Format {
+                    path: labels.display().to_string(),
+                    why: format!(
+                        "label {} of image {i} is not one of Fashion-MNIST's 0..9",
+                        d.y[i]
+                    ),
+                });
+            }
             d.classes = 10;
             Ok(d)
         };
@@ -140,8 +153,12 @@ impl Dataset {
 
     /// The digits CSV (optionally gzipped): 64 pixels 0..16 then the label, per line.
     pub fn digits(path: &Path) -> Result<Dataset, DataError> {
-        let text = read_all(path)?;
-        let text = String::from_utf8_lossy(&text);
+        Dataset::digits_from(path, &read_all(path)?)
+    }
+
+    /// [`Dataset::digits`] of a file's bytes (`path` names it in errors).
+    pub fn digits_from(path: &Path, bytes: &[u8]) -> Result<Dataset, DataError> {
+        let text = String::from_utf8_lossy(bytes);
         let p = path.display().to_string();
         let (mut x, mut y) = (Vec::new(), Vec::new());
         for (n, line) in text.lines().enumerate() {
@@ -195,27 +212,51 @@ impl Dataset {
 
     /// MNIST's IDX files (`idx3-ubyte` images, `idx1-ubyte` labels; gzipped or not).
     pub fn idx(images: &Path, labels: &Path) -> Result<Dataset, DataError> {
-        let (img, lab) = (read_all(images)?, read_all(labels)?);
+        Dataset::idx_from((images, &read_all(images)?), (labels, &read_all(labels)?))
+    }
+
+    /// [`Dataset::idx`] of the two files' bytes (their paths name them in errors).
+    pub fn idx_from(
+        (images, img): (&Path, &[u8]),
+        (labels, lab): (&Path, &[u8]),
+    ) -> Result<Dataset, DataError> {
         let fmt = |p: &Path, why: String| DataError::Format {
             path: p.display().to_string(),
             why,
         };
         let be =
             |b: &[u8], o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]) as usize;
+        let magic = |b: &[u8]| {
+            b.get(..4)
+                .map_or_else(|| format!("{} bytes", b.len()), |m| format!("0x{}", hex(m)))
+        };
         if img.len() < 16 || be(&img, 0) != 0x0803 {
             return Err(fmt(
                 images,
-                "not an IDX image file (magic 0x00000803)".into(),
+                format!(
+                    "not an IDX image file (it starts with {}, an IDX image file with 0x00000803 and a 16-byte header)",
+                    magic(&img)
+                ),
             ));
         }
         if lab.len() < 8 || be(&lab, 0) != 0x0801 {
             return Err(fmt(
                 labels,
-                "not an IDX label file (magic 0x00000801)".into(),
+                format!(
+                    "not an IDX label file (it starts with {}, an IDX label file with 0x00000801 and an 8-byte header)",
+                    magic(&lab)
+                ),
             ));
         }
         let (n, rows, cols) = (be(&img, 4), be(&img, 8), be(&img, 12));
-        if img.len() != 16 + n * rows * cols {
+        if n == 0 || rows == 0 || cols == 0 {
+            return Err(fmt(
+                images,
+                format!("header says {n} images of {rows}x{cols}: no pixels to learn from"),
+            ));
+        }
+        let pixels = n.checked_mul(rows).and_then(|p| p.checked_mul(cols));
+        if pixels.and_then(|p| p.checked_add(16)) != Some(img.len()) {
             return Err(fmt(
                 images,
                 format!(
@@ -393,6 +434,19 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not an IDX image file"));
+        // Counts whose product wraps a usize to the body's length (0) are not believed:
+        // 4 images of 2^31 x 2^31 pixels in a 16-byte file.
+        let mut wrap = vec![0, 0, 8, 3, 0, 0, 0, 4, 128, 0, 0, 0, 128, 0, 0, 0];
+        let four = [0, 0, 8, 1, 0, 0, 0, 4, 1, 2, 3, 4];
+        let e = Dataset::idx_from((&ip, &wrap), (&lp, &four)).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("16 bytes, header says 4 images of 2147483648x2147483648"),
+            "{e}"
+        );
+        wrap[7] = 0;
+        let e = Dataset::idx_from((&ip, &wrap), (&lp, &four)).unwrap_err();
+        assert!(e.to_string().contains("0 images"), "{e}");
         std::fs::write(&ip, "1,2\n").unwrap();
         assert!(Dataset::digits(&ip)
             .unwrap_err()
@@ -408,6 +462,34 @@ mod tests {
             e.to_string(),
             "data fashion-mnist: /nonexistent/train-images-idx3-ubyte.gz is missing; install Debian's package dataset-fashion-mnist (apt-get install dataset-fashion-mnist)"
         );
+        // A copy whose labels are not Fashion-MNIST's ten classes (the files need not be
+        // gzipped under their names).
+        let dir = std::env::temp_dir().join(format!("mpiflow-fashion-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = [0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 1, 7, 9];
+        for stem in ["train", "t10k"] {
+            std::fs::write(dir.join(format!("{stem}-images-idx3-ubyte.gz")), img).unwrap();
+            let lab = [
+                0,
+                0,
+                8,
+                1,
+                0,
+                0,
+                0,
+                2,
+                3,
+                if stem == "train" { 12 } else { 4 },
+            ];
+            std::fs::write(dir.join(format!("{stem}-labels-idx1-ubyte.gz")), lab).unwrap();
+        }
+        let e = Dataset::load_split(&format!("fashion-mnist:{}", dir.display()), 0).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("train-labels-idx1-ubyte.gz: label 12 of image 1 is not one of Fashion-MNIST's 0..9"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
         if !Path::new(FASHION_MNIST_DIR).exists() {
             return; // the test script installs it; plain `cargo test` may run without
         }
