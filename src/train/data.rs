@@ -230,25 +230,25 @@ impl Dataset {
             b.get(..4)
                 .map_or_else(|| format!("{} bytes", b.len()), |m| format!("0x{}", hex(m)))
         };
-        if img.len() < 16 || be(&img, 0) != 0x0803 {
+        if img.len() < 16 || be(img, 0) != 0x0803 {
             return Err(fmt(
                 images,
                 format!(
                     "not an IDX image file (it starts with {}, an IDX image file with 0x00000803 and a 16-byte header)",
-                    magic(&img)
+                    magic(img)
                 ),
             ));
         }
-        if lab.len() < 8 || be(&lab, 0) != 0x0801 {
+        if lab.len() < 8 || be(lab, 0) != 0x0801 {
             return Err(fmt(
                 labels,
                 format!(
                     "not an IDX label file (it starts with {}, an IDX label file with 0x00000801 and an 8-byte header)",
-                    magic(&lab)
+                    magic(lab)
                 ),
             ));
         }
-        let (n, rows, cols) = (be(&img, 4), be(&img, 8), be(&img, 12));
+        let (n, rows, cols) = (be(img, 4), be(img, 8), be(img, 12));
         if n == 0 || rows == 0 || cols == 0 {
             return Err(fmt(
                 images,
@@ -265,11 +265,8 @@ impl Dataset {
                 ),
             ));
         }
-        if be(&lab, 4) != n || lab.len() != 8 + n {
-            return Err(fmt(
-                labels,
-                format!("{} labels for {n} images", be(&lab, 4)),
-            ));
+        if be(lab, 4) != n || lab.len() != 8 + n {
+            return Err(fmt(labels, format!("{} labels for {n} images", be(lab, 4))));
         }
         let y = lab[8..].to_vec();
         let classes = y.iter().copied().max().map_or(1, |m| m as usize + 1);
