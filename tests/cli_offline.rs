@@ -536,13 +536,18 @@ fn bad_fusion_settings_are_one_line() {
 }
 
 #[test]
-fn a_parameters_file_that_cannot_be_written_is_refused_before_training() {
+fn outputs_that_cannot_be_written_are_refused_before_training() {
     // It was found after the last step, the run's result lost.
     run(&["train", "--save-params", "/proc/none/params.bin"], &[]).assert_one_line_error(
         "parameters file /proc/none/params.bin: cannot create its directory /proc/none",
     );
     run(&["train", "--save-params", "/tmp"], &[])
         .assert_one_line_error("parameters file /tmp: is a directory");
+    // A checkpoint directory that cannot be one was found at the first checkpoint.
+    run(&["train", "--checkpoint-dir", "/proc/none/ckpt"], &[])
+        .assert_one_line_error("checkpoint directory /proc/none/ckpt: cannot create it: ");
+    run(&["train", "--checkpoint-dir", "/etc/hostname"], &[])
+        .assert_one_line_error("checkpoint directory /etc/hostname: is a file, not a directory");
 }
 
 #[test]

@@ -119,3 +119,23 @@ fn a_checkpoint_of_another_model_is_one_line_in_every_mode() {
         );
     }
 }
+
+#[test]
+fn a_checkpoint_directory_that_cannot_hold_checkpoints_is_one_line_before_training() {
+    // A file where the directory should be: each rank failed on its own when it first
+    // looked (the ps modes printed a line per rank, "stopped by a ps").
+    let dir = tmpdir("ckpt-file");
+    let file = dir.join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let f = file.to_str().unwrap();
+    let want = format!("all ranks: checkpoint directory {f}: is a file, not a directory");
+    for mode in [
+        "train --mode ps --ps 1",
+        "train --mode ps --ps 1 --transport rma",
+    ] {
+        let mut args = vec!["-np", "3", mpiflow()];
+        args.extend(mode.split(' '));
+        args.extend_from_slice(&["--steps", "20", "--checkpoint-dir", f]);
+        mpirun(&args).assert_one_line_error(&want);
+    }
+}

@@ -33,6 +33,9 @@ pub enum CheckpointError {
     Corrupt { path: String, why: String },
     #[error("checkpoint {path} was written for another model: {why}")]
     OtherModel { path: String, why: String },
+    /// A checkpoint directory that cannot hold checkpoints (a file there, no permission).
+    #[error("checkpoint directory {path}: {why}")]
+    Dir { path: String, why: String },
     /// A parameters file (`save_params`, `--save-params`) that cannot be written.
     #[error("parameters file {path}: {why}")]
     Params { path: String, why: String },
@@ -103,6 +106,24 @@ pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError
     f.write_all(&bytes).map_err(|e| io(path, e))?;
     f.sync_all().map_err(|e| io(path, e))?;
     Ok((bytes.len() as u64, sum))
+}
+
+/// Makes `dir` ready to take checkpoints before a run starts, so that a directory that
+/// cannot hold them fails the run at once, not at its first checkpoint: created if
+/// missing, and a new file written into it (a probe, removed at once).
+pub fn prepare_dir(dir: &Path) -> Result<(), CheckpointError> {
+    let err = |why: String| CheckpointError::Dir {
+        path: dir.display().to_string(),
+        why,
+    };
+    if dir.exists() && !dir.is_dir() {
+        return Err(err("is a file, not a directory".into()));
+    }
+    fs::create_dir_all(dir).map_err(|e| err(format!("cannot create it: {e}")))?;
+    let probe = dir.join(format!(".probe.{}", std::process::id()));
+    File::create(&probe).map_err(|e| err(format!("cannot write into it: {e}")))?;
+    let _ = fs::remove_file(&probe);
+    Ok(())
 }
 
 /// Checks, before a run, that a parameters file can be written at `path` (`--save-params`),

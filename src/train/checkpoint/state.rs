@@ -339,10 +339,7 @@ pub fn restore(
     vars: &Variables,
     events: &mut dyn FnMut(&Event),
 ) -> Result<Option<State>, CheckpointError> {
-    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io {
-        path: dir.display().to_string(),
-        why: e.to_string(),
-    })?;
+    super::prepare_dir(dir)?;
     // Each file is read once: the newest checkpoint that verifies is also the one loaded.
     let (opened, warnings) = super::latest_with(dir, super::open);
     for w in warnings {

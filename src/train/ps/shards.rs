@@ -23,8 +23,7 @@ pub fn newest(
     let Some(dir) = dir else {
         return Ok((None, Vec::new()));
     };
-    std::fs::create_dir_all(dir)
-        .map_err(|e| PsError::Setup(format!("checkpoint dir {}: {e}", dir.display())))?;
+    checkpoint::prepare_dir(dir)?;
     let (found, warnings) = checkpoint::latest(dir);
     if let Some(f) = &found {
         checkpoint::state::check_model(f, vars)?;

@@ -28,7 +28,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     if let Some(w) = &pin.warning {
         say!("mpiflow: warning: {w}");
     }
-    prepare_params_file(args).map_err(Failure::local)?;
+    prepare_outputs(args).map_err(Failure::local)?;
     let (train, test) = Dataset::load_split(&args.data, args.seed).map_err(Failure::local)?;
     batch_fits(args, &train).map_err(Failure::local)?;
     let model = build_model(args, &train).map_err(Failure::local)?;
@@ -79,14 +79,14 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     Ok(())
 }
 
-/// `--save-params`'s file can be written (checked before training, not after it).
-fn prepare_params_file(
-    args: &TrainArgs,
-) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
-    match &args.save_params {
-        Some(p) => mpiflow::train::checkpoint::prepare_params_file(p),
-        None => Ok(()),
+/// `--save-params`'s file and `--checkpoint-dir` can be written (checked before training,
+/// not after it or at its first checkpoint).
+fn prepare_outputs(args: &TrainArgs) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
+    use mpiflow::train::checkpoint::{prepare_dir, prepare_params_file};
+    if let Some(p) = &args.save_params {
+        prepare_params_file(p)?;
     }
+    args.checkpoint_dir.as_deref().map_or(Ok(()), prepare_dir)
 }
 
 /// What `--stages` does not train (yet), in one line before anything starts.
@@ -257,9 +257,9 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
         ctx.agree(ps::Roles::new(layout).map(drop))
             .map_err(|e| Failure::agreed(e, &ctx))?;
     }
-    // Whichever rank writes the parameters at the end, every rank's view of the path is
-    // checked now (a cluster's file systems are shared, or should be for this file).
-    ctx.agree(prepare_params_file(args))
+    // Whichever rank writes the parameters or a checkpoint, every rank's view of the path
+    // is checked now (a cluster's file systems are shared, or should be for these files).
+    ctx.agree(prepare_outputs(args))
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let me = &layout.ranks[ctx.rank()];
     // Planned and shared per machine: hosts that are containers of one machine share its
