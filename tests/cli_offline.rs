@@ -307,6 +307,11 @@ fn slurm_table_and_bad_slurm_variables() {
     let env = slurm_env("7", &[]);
     run(&["spec"], &with_env(&env))
         .assert_one_line_error("SLURM_PROCID=7 is not below the number of tasks 5");
+    // A rank that is no number is named by the error, not put in front of it as a rank.
+    let r = run(&["spec"], &with_env(&slurm_env("abc", &[])));
+    r.assert_one_line_error(
+        "mpiflow: error: Slurm: SLURM_PROCID=\"abc\" is not a non-negative integer",
+    );
     run(&["spec", "--ps", "5"], &with_env(&slurm_env("0", &[]))).assert_one_line_error(
         "Slurm job 42 has 5 tasks, too few for --ps 5: ask for at least 6 (sbatch/srun -n 6)",
     );

@@ -68,7 +68,8 @@ const MPI_LAUNCHER_VARS: [&str; 4] = [
 ];
 
 /// The rank an MPI launcher gave this process, read from its variables (for messages
-/// written before MPI is initialised).
+/// written before MPI is initialised); a value that is no rank number is no hint (the
+/// error about it names it).
 pub fn launcher_rank_hint(env: &BTreeMap<String, String>) -> Option<String> {
     [
         "OMPI_COMM_WORLD_RANK",
@@ -77,7 +78,9 @@ pub fn launcher_rank_hint(env: &BTreeMap<String, String>) -> Option<String> {
         "SLURM_PROCID",
     ]
     .iter()
-    .find_map(|v| env.get(*v).cloned())
+    .find_map(|v| env.get(*v))
+    .and_then(|r| r.trim().parse::<usize>().ok())
+    .map(|r| r.to_string())
 }
 
 /// Everything a resolver needs besides the environment.
