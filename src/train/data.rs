@@ -52,6 +52,24 @@ pub fn default_digits_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/digits.csv.gz")
 }
 
+/// `n` synthetic samples of `features` values must fit the node's available memory twice
+/// over (the set, then its split into training and held-out parts), or the allocator
+/// would end the process with a backtrace.
+fn synthetic_fits(spec: &str, n: usize, features: usize) -> Result<(), DataError> {
+    let set = (n as u64).saturating_mul(features as u64).saturating_mul(4);
+    match crate::train::resources::share(1) {
+        Some(room) if set.saturating_mul(2) > room.bytes => Err(DataError::Format {
+            path: spec.into(),
+            why: format!(
+                "{n} samples of {features} features take {}, twice that while split; {}",
+                crate::observe::bytes(set),
+                room.why.trim_end_matches(" over 1 rank(s)")
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Bytes as hex digits, as a file's magic number is written.
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -96,6 +114,7 @@ impl Dataset {
                     .ok()
                     .filter(|f| *f > 0)
                     .ok_or_else(|| DataError::Unknown(spec.into()))?;
+                synthetic_fits(spec, 4096, f)?;
                 Ok(Dataset::synthetic(4096, f, 10, seed))
             }
             Some(("idx", files)) => {
@@ -378,6 +397,19 @@ pub fn shard(global: &[usize], r: usize, n: usize) -> &[usize] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn synthetic_sets_beyond_the_node_are_refused_before_allocation() {
+        // 4096 samples of 10^11 features: 1.6 PB (the allocator aborted with a backtrace).
+        let e = Dataset::load("synthetic:100000000000", 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("data synthetic:100000000000: 4096 samples of 100000000000 features take 1638400.0 GB, twice that while split; "),
+            "{e}"
+        );
+        assert_eq!(Dataset::load("synthetic:3", 0).unwrap().features, 3);
+    }
 
     #[test]
     fn digits_load_and_split() {
