@@ -432,6 +432,23 @@ fn bad_benchmark_requests_are_one_line_errors() {
         .assert_one_line_error("all ranks: --path inbox is for latency, bw and bibw, not bcast");
     mpirun(&["-np", "2", mpiflow(), "bench", "bw", "--path", "mpi-sgd"])
         .assert_one_line_error("all ranks: --path mpi-sgd is for pushpull, not bw");
+    // A window of buffers beyond the node: the kernel's OOM killer ended the run unsaid.
+    let huge = [
+        "bench",
+        "bw",
+        "-b",
+        "multiple",
+        "-W",
+        "100000",
+        "-m",
+        "1073741824:1073741824",
+    ];
+    let mut args = vec!["-np", "2", mpiflow()];
+    args.extend(huge);
+    mpirun(&args).assert_one_line_error(
+        "all ranks: bench bw needs at least 214750.5 GB (single buffers 2.1 GB, 100000 send and \
+         100000 receive buffers 214748.4 GB) but may use ",
+    );
     mpirun(&["-np", "2", mpiflow(), "bench", "bw", "-T", "mpi_float"])
         .assert_one_line_error("all ranks: -T is for allreduce (the elements it sums), not bw");
     common::mpiflow_alone(&["bench", "allreduce", "-T", "mpi_double"], &[])

@@ -383,6 +383,12 @@ fn unused_option(name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
 }
 
 /// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
+/// The memory a rank of benchmark `name` holds at its largest size, where it can exceed a
+/// node (the point-to-point windows); `None` where it stays near the largest message.
+pub fn need(name: &str, opts: &BenchOptions) -> Option<crate::train::resources::Need> {
+    matches!(name, "latency" | "bw" | "bibw").then(|| p2p::need(name, opts))
+}
+
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
     validate(name, comm.size(), opts)?;
     let mut coll = Collectives::new(MpiComm::new(comm.raw()));

@@ -142,23 +142,40 @@ fn cgroup_room() -> Option<u64> {
 /// Errors of the memory check.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResourceError {
-    #[error("{task} needs at least {need} but may use {share} ({why}): use fewer ranks per node, more ps tasks, a smaller model or batch")]
+    #[error("{task} needs at least {need} but may use {share} ({why}): {advice}")]
     TooLarge {
         task: String,
         need: String,
         share: String,
         why: String,
+        advice: String,
     },
 }
 
-/// `need` must fit `share` (no share known: no check).
+/// `need` of a part of training must fit `share` (no share known: no check).
 pub fn check(task: &str, need: &Need, share: Option<&Share>) -> Result<(), ResourceError> {
+    check_advised(
+        task,
+        need,
+        share,
+        "use fewer ranks per node, more ps tasks, a smaller model or batch",
+    )
+}
+
+/// `need` must fit `share`, else an error that ends with `advice` (what to change).
+pub fn check_advised(
+    task: &str,
+    need: &Need,
+    share: Option<&Share>,
+    advice: &str,
+) -> Result<(), ResourceError> {
     match share {
         Some(s) if need.total() > s.bytes => Err(ResourceError::TooLarge {
             task: task.to_string(),
             need: need.to_string(),
             share: bytes(s.bytes),
             why: s.why.clone(),
+            advice: advice.to_string(),
         }),
         _ => Ok(()),
     }
