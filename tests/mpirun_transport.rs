@@ -446,7 +446,7 @@ fn bad_benchmark_requests_are_one_line_errors() {
     let mut args = vec!["-np", "2", mpiflow()];
     args.extend(huge);
     mpirun(&args).assert_one_line_error(
-        "all ranks: bench bw needs at least 214750.5 GB (single buffers 2.1 GB, 100000 send and \
+        "all ranks: bench bw needs at least 214750.5 GB (OSU's single buffers 2.1 GB, 100000 send and \
          100000 receive buffers 214748.4 GB) but may use ",
     );
     mpirun(&["-np", "2", mpiflow(), "bench", "bw", "-T", "mpi_float"])

@@ -55,6 +55,9 @@ pub enum BenchError {
     Unknown(String),
     #[error("data validation failed: {0}")]
     Validation(String),
+    /// A one-sided window that could not be allocated or used.
+    #[error("{0}")]
+    Rma(String),
 }
 
 /// The benchmarks `run` knows.
@@ -383,10 +386,38 @@ fn unused_option(name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
 }
 
 /// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
-/// The memory a rank of benchmark `name` holds at its largest size, where it can exceed a
-/// node (the point-to-point windows); `None` where it stays near the largest message.
-pub fn need(name: &str, opts: &BenchOptions) -> Option<crate::train::resources::Need> {
-    matches!(name, "latency" | "bw" | "bibw").then(|| p2p::need(name, opts))
+/// The memory a rank of benchmark `name` holds at its largest size, at least: windows of
+/// large messages are more than a node has (`bw -b multiple` at 1 GiB was ended by the
+/// kernel's OOM killer with no word, `get_bw -W 1000` by a failed `MPI_Win_allocate`).
+pub fn need(name: &str, opts: &BenchOptions) -> crate::train::resources::Need {
+    let max = opts.sizes.map_or(1 << 22, |(_, max)| max) as u64;
+    let window = opts.window.max(1) as u64;
+    let parts: Vec<(String, u64)> = match name {
+        "latency" | "bw" | "bibw" => {
+            let n = p2p::buffers(name, opts) as u64;
+            vec![
+                ("OSU's single buffers".into(), 2 * max),
+                (
+                    format!("{n} send and {n} receive buffers"),
+                    2 * n.saturating_mul(max),
+                ),
+            ]
+        }
+        "get_bw" => vec![(
+            format!("a window of {window} messages"),
+            window.saturating_mul(max),
+        )],
+        "allreduce-fused" => {
+            let n = opts.count.max(1) as u64;
+            vec![(
+                format!("{n} send and {n} receive buffers"),
+                2 * n.saturating_mul(max),
+            )]
+        }
+        n if rma::NAMES.contains(&n) => vec![("a window".into(), max)],
+        _ => vec![("send and receive buffers".into(), 2 * max)],
+    };
+    crate::train::resources::Need { parts }
 }
 
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
@@ -416,6 +447,34 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_needs_grow_with_windows_counts_and_sizes() {
+        let gib = 1usize << 30;
+        let total = |name: &str, o: &BenchOptions| need(name, o).total();
+        let mut o = BenchOptions {
+            sizes: Some((1, gib)),
+            ..BenchOptions::default()
+        };
+        let g = gib as u64;
+        // -b single: OSU's pair and one pair of a path's.
+        assert_eq!(total("bw", &o), 4 * g);
+        assert_eq!(total("latency", &o), 4 * g);
+        o.buffers = osu::Buffers::Multiple;
+        assert_eq!(total("bw", &o), (2 + 2 * 64) * g);
+        // Latency sends one message at a time, whatever -b says.
+        assert_eq!(total("latency", &o), 4 * g);
+        o.window = 1000;
+        assert_eq!(total("get_bw", &o), 1000 * g);
+        assert_eq!(total("get_latency", &o), g);
+        o.count = 8;
+        assert_eq!(total("allreduce-fused", &o), 16 * g);
+        assert_eq!(total("allreduce", &o), 2 * g);
+        assert_eq!(
+            need("bw", &o).to_string(),
+            "2149.6 GB (OSU's single buffers 2.1 GB, 1000 send and 1000 receive buffers 2147.5 GB)"
+        );
+    }
 
     #[test]
     fn counts_of_zero_are_refused_as_osu_refuses_them() {

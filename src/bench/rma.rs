@@ -35,12 +35,12 @@ pub const NAMES: [&str; 4] = ["put_latency", "get_latency", "acc_latency", "get_
 
 impl From<RmaError> for BenchError {
     fn from(e: RmaError) -> BenchError {
-        BenchError::Validation(e.to_string())
+        BenchError::Rma(e.to_string())
     }
 }
 
 fn alloc_error(e: impl std::fmt::Display) -> BenchError {
-    BenchError::Validation(e.to_string())
+    BenchError::Rma(e.to_string())
 }
 
 /// The raw path: a window from `MPI_Win_allocate`, used through `mpi::ffi` only.
@@ -49,7 +49,7 @@ struct RawWindow {
 }
 
 impl RawWindow {
-    fn allocate(comm: &MpiComm, bytes: usize) -> RawWindow {
+    fn allocate(comm: &MpiComm, bytes: usize) -> Result<RawWindow, BenchError> {
         let mut base: *mut c_void = std::ptr::null_mut();
         // SAFETY: a null handle, filled in below.
         let mut win = unsafe { ffi::RSMPI_WIN_NULL };
@@ -64,14 +64,20 @@ impl RawWindow {
                 &mut win,
             )
         };
-        assert_eq!(rc, ffi::MPI_SUCCESS as c_int, "MPI_Win_allocate");
+        if rc != ffi::MPI_SUCCESS as c_int {
+            return Err(BenchError::Rma(format!(
+                "rank {}: MPI_Win_allocate of {bytes} bytes failed: {}",
+                comm.rank(),
+                crate::transport::mpi::error_string(rc)
+            )));
+        }
         if bytes > 0 && !base.is_null() {
             // OSU fills its window with 'a': memory never written maps the kernel's zero
             // page, which a get would read from cache at any size.
             // SAFETY: MPI returned `bytes` bytes at `base`, which nothing accesses yet.
             unsafe { std::ptr::write_bytes(base.cast::<u8>(), b'a', bytes) };
         }
-        RawWindow { win }
+        Ok(RawWindow { win })
     }
 
     fn free(mut self) {
@@ -248,7 +254,7 @@ fn measure(
             } else {
                 size * window
             };
-            let w = RawWindow::allocate(comm, here(bytes));
+            let w = RawWindow::allocate(comm, here(bytes))?;
             let t = (me == 0).then(|| raw_loop(name, &w, size, iters, warmup, window));
             comm.raw().barrier();
             w.free();

@@ -567,23 +567,9 @@ fn measure(
     })
 }
 
-/// What a measuring rank (0 or 1) of latency, bw or bibw holds at the largest size: OSU's
-/// single pair of buffers, allocated once, and a path's send and receive buffers (one
-/// pair, or a pair per message of the window under `-b multiple`), which with a window of
-/// 64 and large messages is more than a node has (the kernel's OOM killer ended such a
-/// run with no word).
-pub fn need(name: &str, opts: &BenchOptions) -> crate::train::resources::Need {
-    let max = opts.sizes.map_or(1 << 22, |(_, max)| max) as u64;
-    let count = Kind::of(name).buffers(opts) as u64;
-    crate::train::resources::Need {
-        parts: vec![
-            ("single buffers".into(), 2 * max),
-            (
-                format!("{count} send and {count} receive buffers"),
-                2 * count.saturating_mul(max),
-            ),
-        ],
-    }
+/// Buffers a measuring rank holds per side at once: one, or a window's (`-b multiple`).
+pub(super) fn buffers(name: &str, opts: &BenchOptions) -> usize {
+    Kind::of(name).buffers(opts)
 }
 
 /// Runs latency, bw or bibw over the sizes; returns the text rank 0 prints.
