@@ -362,6 +362,15 @@ fn timelines_hold_every_ranks_spans_on_one_clock() {
     run.assert_one_line_error(
         "--label names the curves of metrics files and benchmark outputs, not a timeline's rows",
     );
+    // The picture's place is checked before the work; the picture there stays whole.
+    let before = std::fs::read(svg).unwrap();
+    let run = mpiflow_alone(&["plot", "-o", "/proc/none/t.svg", ps], &[]);
+    run.assert_one_line_error(
+        "/proc/none/t.svg: cannot write the picture there: cannot create /proc/none: ",
+    );
+    let run = mpiflow_alone(&["plot", "-o", svg, "/nonexistent.csv"], &[]);
+    run.assert_one_line_error("/nonexistent.csv");
+    assert_eq!(std::fs::read(svg).unwrap(), before);
 
     // A file that cannot be written: one line before training.
     let run = train(

@@ -385,7 +385,6 @@ fn unused_option(name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
     }
 }
 
-/// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
 /// The memory a rank of benchmark `name` holds at its largest size, at least: windows of
 /// large messages are more than a node has (`bw -b multiple` at 1 GiB was ended by the
 /// kernel's OOM killer with no word, `get_bw -W 1000` by a failed `MPI_Win_allocate`).
@@ -420,6 +419,7 @@ pub fn need(name: &str, opts: &BenchOptions) -> crate::train::resources::Need {
     crate::train::resources::Need { parts }
 }
 
+/// Runs the benchmark `name` on every rank of `comm`; rank 0 prints.
 pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
     validate(name, comm.size(), opts)?;
     let mut coll = Collectives::new(MpiComm::new(comm.raw()));

@@ -16,7 +16,7 @@ pub enum FitError {
     TooFewSizes(usize),
     #[error("the measured times do not grow with the size (slope {0:e} s/B)")]
     NotIncreasing(f64),
-    #[error("measurement {bytes} B, {secs} s: sizes and times must be finite, times positive")]
+    #[error("measurement {bytes} B, {:.3} us: sizes and times must be finite, times positive", secs * 1e6)]
     Bad { bytes: f64, secs: f64 },
 }
 

@@ -39,6 +39,35 @@ pub enum PlotError {
     Trace(String),
     #[error("no predictions to draw")]
     NoPredictions,
+    #[error("{path}: cannot write the picture there: {why}")]
+    Output { path: PathBuf, why: String },
+}
+
+/// Checks, before any work, that a picture can be written at `path`: not a directory, its
+/// directory created if missing, the file writable. An existing picture is left as it is
+/// until the new one replaces it; a file made for the check is removed.
+pub fn prepare_output(path: &Path) -> Result<(), PlotError> {
+    let err = |why: String| PlotError::Output {
+        path: path.to_path_buf(),
+        why,
+    };
+    if path.is_dir() {
+        return Err(err("it is a directory".into()));
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| err(format!("cannot create {}: {e}", dir.display())))?;
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| err(e.to_string()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
 }
 
 pub(super) fn draw_err(path: &Path) -> impl Fn(String) -> PlotError + '_ {

@@ -16,6 +16,7 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
                 .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into())
         })
     };
+    plot::prepare_output(&args.out).map_err(Failure::local)?;
     if args.label.len() > args.files.len() {
         return Err(Failure::local(format!(
             "{} --label for {} file(s): one per file, in order",

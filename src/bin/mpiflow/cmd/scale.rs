@@ -74,6 +74,9 @@ fn describe(link: &Link) -> String {
 }
 
 pub(crate) fn run(args: &ScaleArgs) -> Result<(), Failure> {
+    if let Some(svg) = &args.svg {
+        plot::prepare_output(svg).map_err(Failure::local)?;
+    }
     let (shm, shm_n) = fit_file(&args.shm, "--shm", latency_rows)?;
     let (net, net_n) = fit_file(&args.net, "--net", latency_rows)?;
     let mut links = Links::full_duplex(shm, net);
