@@ -218,6 +218,49 @@ pub fn save_params(
     )
 }
 
+/// Every rank of `group` holds the same model (its description and every parameter's name
+/// and shape), or every rank gets the same error naming (by `who`, from its group rank)
+/// the first that differs from group rank 0's: a replica of another model would otherwise
+/// wait in the first reduction for sizes that never come, or put its gradients where
+/// another model's variables are (a program that builds its model per rank).
+pub(crate) fn agree_on_model<C: crate::transport::Comm>(
+    group: &crate::transport::Collectives<C>,
+    model: &dyn Model,
+    who: impl Fn(usize) -> String,
+) -> Result<Result<(), String>, crate::transport::TransportError> {
+    let params: Vec<String> = model
+        .parameters()
+        .iter()
+        .map(|p| format!("{} {:?}", p.name, p.shape))
+        .collect();
+    let mine = format!("{}\n{}", model.describe(), params.join("\n"));
+    let all = group.allgather_varlen(mine.as_bytes())?;
+    let Some(i) = all.iter().position(|a| *a != all[0]) else {
+        return Ok(Ok(()));
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let (first, other) = (text(&all[0]), text(&all[i]));
+    let (d0, di) = (first.lines().next(), other.lines().next());
+    let why = if d0 != di {
+        format!("{} against {}", di.unwrap_or(""), d0.unwrap_or(""))
+    } else {
+        let differs = other
+            .lines()
+            .zip(first.lines())
+            .skip(1)
+            .find(|(a, b)| a != b);
+        match differs {
+            Some((a, b)) => format!("parameter {a} against {b}"),
+            None => "another number of parameters".into(),
+        }
+    };
+    Ok(Err(format!(
+        "{} holds another model than {}: {why}",
+        who(i),
+        who(0)
+    )))
+}
+
 /// The replica every mode starts from: `model`'s initial parameters from `seed`, after
 /// checking that `train`'s samples and classes fit it (an error naming both sides).
 pub fn initial_replica<'m>(

@@ -93,6 +93,9 @@ pub enum AllreduceError {
     Stopped(#[from] super::Stopped),
     #[error("{0}")]
     Setup(String),
+    /// The replicas hold different models (every replica raises it).
+    #[error("{0}")]
+    Models(String),
 }
 
 impl AllreduceError {
@@ -104,6 +107,7 @@ impl AllreduceError {
             AllreduceError::NonFinite(_)
                 | AllreduceError::Diverged { .. }
                 | AllreduceError::Stopped(_)
+                | AllreduceError::Models(_)
         )
     }
 }
@@ -141,6 +145,8 @@ pub fn run<C: Comm + Send>(
         return Ok(());
     };
     let coll = Collectives::new(sub);
+    super::agree_on_model(&coll, model, |i| format!("replica {i}"))?
+        .map_err(AllreduceError::Models)?;
     let (w, nw) = (coll.rank(), coll.size());
     let chief = w == 0;
     let mut model = super::initial_replica(model, train, cfg.train.seed)
@@ -462,5 +468,30 @@ mod tests {
             }
             std::fs::remove_file(&out).unwrap();
         }
+    }
+
+    #[test]
+    fn replicas_of_different_models_fail_together() {
+        let data = Dataset::load("digits", 0).unwrap();
+        let (train, test) = data.split_holdout(1);
+        let layout = Layout::single_host(2, &MappingOptions::default()).unwrap();
+        let cfg = AllreduceConfig {
+            train: TrainConfig {
+                steps: 5,
+                log_every: 0,
+                ..TrainConfig::default()
+            },
+            ..AllreduceConfig::default()
+        };
+        let wide = crate::model::mlp(64, &[32], 10).unwrap();
+        let narrow = crate::model::mlp(64, &[16], 10).unwrap();
+        let out = LocalComm::run(2, |c| {
+            let model: &dyn crate::model::Model = if c.rank() == 0 { &wide } else { &narrow };
+            run(&c, &layout, model, &cfg, &train, &test, &mut |_| {}).map_err(|e| e.to_string())
+        });
+        // Both at once, the same line (rank 0 waited 30 s in its first allreduce before).
+        let want = "replica 1 holds another model than replica 0: mlp: input 64, dense 16, \
+                    relu, dense 10 against mlp: input 64, dense 32, relu, dense 10";
+        assert_eq!(out, vec![Err(want.to_string()), Err(want.to_string())]);
     }
 }

@@ -304,6 +304,48 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    #[test]
+    fn workers_of_different_models_fail_together() {
+        let data = Dataset::load("digits", 0).unwrap();
+        let (train, test) = data.split_holdout(1);
+        let wide = crate::model::mlp(64, &[32], 10).unwrap();
+        let narrow = crate::model::mlp(64, &[16], 10).unwrap();
+        let l = layout(3, 1); // ps:0, worker:0, worker:1
+        let c = cfg(5, true);
+        let t = std::time::Instant::now();
+        let out = LocalComm::run(3, |comm| {
+            let model: &dyn crate::model::Model = if comm.rank() == 2 { &narrow } else { &wide };
+            run(&comm, &l, model, &c, &train, &test, &mut |_| {}).map_err(|e| e.to_string())
+        });
+        // Large enough for the parameters to come in pieces, and the worker the wider.
+        let big = crate::model::mlp(64, &[1024], 10).unwrap();
+        let bigger = crate::model::mlp(64, &[2048], 10).unwrap();
+        let t2 = std::time::Instant::now();
+        let pieces = LocalComm::run(3, |comm| {
+            let model: &dyn crate::model::Model = if comm.rank() == 2 { &bigger } else { &big };
+            run(&comm, &l, model, &c, &train, &test, &mut |_| {}).map_err(|e| e.to_string())
+        });
+        assert!(t2.elapsed() < Duration::from_secs(5), "{:?}", t2.elapsed());
+        let why = "worker:1 (rank 2): its model is another than the chief's: ps:0 (rank 0) \
+                   sent a piece of the parameters it serves here of another length than this \
+                   model's 524288 bytes";
+        assert_eq!(pieces[2], Err(why.to_string()));
+        assert_eq!(
+            pieces[1],
+            Err(format!("worker:0 (rank 1): stopped by a ps: {why}"))
+        );
+        // Every rank at once, naming the worker and what differs (the others heard "left
+        // its training session without closing it", the worker "sent parameters of
+        // another length than its shards").
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        let why = "worker:1 (rank 2): its model is another than the chief's: ps:0 (rank 0) \
+                   holds 2410 values of the variables it serves here, this model 1210";
+        assert_eq!(out[2], Err(why.to_string()));
+        for (r, task) in [(0, "ps:0 (rank 0)"), (1, "worker:0 (rank 1)")] {
+            assert_eq!(out[r], Err(format!("{task}: stopped by a ps: {why}")));
+        }
+    }
+
     /// The chief's logged steps carry every rank's phase times: its own, the other
     /// workers' (reported with their pushes) and the ps tasks' (with their pull replies);
     /// sync, each logged window holds exactly its steps on every worker; async, every rank

@@ -265,13 +265,19 @@ pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<H> {
 /// Copies the floats of an inline payload into `parts` in order; false if their lengths
 /// do not add up to the payload's.
 pub fn read_inline<'d>(bytes: &[u8], parts: impl IntoIterator<Item = &'d mut [f32]>) -> bool {
+    let parts: Vec<&mut [f32]> = parts.into_iter().collect();
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    // Fewer floats than places would leave the last places as they were, unsaid.
+    if total.checked_mul(4) != Some(bytes.len()) {
+        return false;
+    }
     let mut floats = bytes.chunks_exact(4);
     for part in parts {
         for (x, b) in part.iter_mut().zip(floats.by_ref()) {
             *x = f32::from_le_bytes(b.try_into().expect("4 bytes"));
         }
     }
-    floats.next().is_none()
+    true
 }
 
 #[cfg(test)]
@@ -348,6 +354,10 @@ mod tests {
             assert!(read_inline(bytes, [&mut a[..], &mut b[..]]));
             assert_eq!((a, b), ([1.0, 2.0], [3.0]));
             assert!(!read_inline(bytes, [&mut a[..]]));
+            // Fewer floats than places: refused, nothing written.
+            let mut c = [9f32; 1];
+            assert!(!read_inline(bytes, [&mut a[..], &mut b[..], &mut c[..]]));
+            assert_eq!(c, [9.0]);
         }
         assert!(inline([INLINE_FLOATS]) && !inline([INLINE_FLOATS, 1]));
         // A checksum above 2^53 survives (JSON numbers are u64 here, not f64).

@@ -217,7 +217,16 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 }
             }
         }
-        let pulled = sess.client.pull(0, false, &mut sess.replica.params)?;
+        // A failed first pull (a model other than the chief's) is told to every rank as
+        // what it is, not as a session left unclosed.
+        let pulled = match sess.client.pull(0, false, &mut sess.replica.params) {
+            Ok(p) => p,
+            Err(e) => {
+                sess.client.abort(&e.to_string());
+                sess.closed = true;
+                return Err(e);
+            }
+        };
         sess.step = pulled.step;
         // The last checkpoint is the one on disk, not the step pulled: asynchronous workers
         // may have trained from the restored state before this first pull (even to the

@@ -298,6 +298,15 @@ impl<'a, C: Comm> Client<'a, C> {
         ps == 1 || (0..ps).all(|k| inline(self.mine(k).map(|s| s.len)))
     }
 
+    /// A pull that brought parameters of other lengths than this worker's model holds:
+    /// the chief set the ps tasks up for another model.
+    fn other_model(&self, what: String) -> PsError {
+        PsError::Setup(format!(
+            "{}: its model is another than the chief's: {what}",
+            self.me()
+        ))
+    }
+
     /// ps `k`'s push request of `push` (the phase times go to ps 0 only), with the pull
     /// `then` that follows it in the same request, if any.
     fn push_request(&self, push: &Gradients, k: usize, then: Option<Then>) -> Request {
@@ -333,13 +342,15 @@ impl<'a, C: Comm> Client<'a, C> {
                 });
             }
             if inline(places[k].iter().map(|p| p.len())) {
+                let want: usize = places[k].iter().map(|p| p.len()).sum();
                 if read_inline(inline_bytes, places[k].iter_mut().map(|p| &mut **p)) {
                     return Ok(());
                 }
-                return Err(PsError::Remote {
-                    task: task(),
-                    message: "sent parameters of another length than its shards".into(),
-                });
+                return Err(self.other_model(format!(
+                    "{} holds {} values of the variables it serves here, this model {want}",
+                    task(),
+                    inline_bytes.len() / 4,
+                )));
             }
             let r = self.roles.ps[k];
             let mut into: Vec<Incoming<'_>> = places[k]
@@ -350,10 +361,10 @@ impl<'a, C: Comm> Client<'a, C> {
             match receive_all_within(self.comm, &mut into, self.timeout * 2)? {
                 Received::Done => Ok(()),
                 Received::TimedOut { from } => Err(self.lost(from)),
-                Received::Length { want, .. } => Err(PsError::Remote {
-                    task: task(),
-                    message: format!("sent a parameter piece of another length than {want} bytes"),
-                }),
+                Received::Length { want, .. } => Err(self.other_model(format!(
+                    "{} sent a piece of the parameters it serves here of another length than this model's {want} bytes",
+                    task()
+                ))),
             }
         };
         let (replies, sent) = self.round_then(request, payload, take)?;

@@ -219,6 +219,10 @@ pub fn run(
     let roles = Roles::new(layout)?;
     let nw = roles.workers.len();
     let me = comm.rank();
+    // Every rank places the variables from its own model: one of another model would put
+    // its gradients where other variables are.
+    let everyone = crate::transport::Collectives::new(MpiComm::new(comm.raw()));
+    crate::train::agree_on_model(&everyone, model, |r| roles.task(r))?.map_err(PsError::Setup)?;
     let mut model = crate::train::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
     let vars = variables(&model);
