@@ -317,6 +317,16 @@ mod tests {
             let model: &dyn crate::model::Model = if comm.rank() == 2 { &narrow } else { &wide };
             run(&comm, &l, model, &c, &train, &test, &mut |_| {}).map_err(|e| e.to_string())
         });
+        // Every rank at once, naming the worker and what differs (the others heard "left
+        // its training session without closing it", the worker "sent parameters of
+        // another length than its shards").
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        let why = "worker:1 (rank 2): its model is another than the chief's: ps:0 (rank 0) \
+                   holds 2410 values of the variables it serves here, this model 1210";
+        assert_eq!(out[2], Err(why.to_string()));
+        for (r, task) in [(0, "ps:0 (rank 0)"), (1, "worker:0 (rank 1)")] {
+            assert_eq!(out[r], Err(format!("{task}: stopped by a ps: {why}")));
+        }
         // Large enough for the parameters to come in pieces, and the worker the wider.
         let big = crate::model::mlp(64, &[1024], 10).unwrap();
         let bigger = crate::model::mlp(64, &[2048], 10).unwrap();
@@ -334,16 +344,6 @@ mod tests {
             pieces[1],
             Err(format!("worker:0 (rank 1): stopped by a ps: {why}"))
         );
-        // Every rank at once, naming the worker and what differs (the others heard "left
-        // its training session without closing it", the worker "sent parameters of
-        // another length than its shards").
-        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
-        let why = "worker:1 (rank 2): its model is another than the chief's: ps:0 (rank 0) \
-                   holds 2410 values of the variables it serves here, this model 1210";
-        assert_eq!(out[2], Err(why.to_string()));
-        for (r, task) in [(0, "ps:0 (rank 0)"), (1, "worker:0 (rank 1)")] {
-            assert_eq!(out[r], Err(format!("{task}: stopped by a ps: {why}")));
-        }
     }
 
     /// The chief's logged steps carry every rank's phase times: its own, the other
