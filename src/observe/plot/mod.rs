@@ -33,6 +33,12 @@ pub enum PlotError {
     Draw { path: PathBuf, why: String },
     #[error("{0}: no benchmark table (a `# Size` header and rows of size and value)")]
     NoTable(String),
+    #[error("{name}:{line}: {why}")]
+    Row {
+        name: String,
+        line: usize,
+        why: String,
+    },
     #[error("{0}: no logged steps to plot")]
     NoSteps(String),
     #[error("{0}")]

@@ -15,14 +15,14 @@ pub struct Curve {
     pub points: Vec<(f64, f64)>,
 }
 
-/// The curves of OSU-format text `text` (from a file named `name`): a table per
+/// The curves of OSU-format text `text` (of the file `file`, named in errors): a table per
 /// `# Size` header; the curve is named by the `# mpiflow path: NAME` line before it, if
 /// any, else by `name` and the test's title. Comment-only tables (ratios) are skipped.
-pub fn parse_osu(name: &str, text: &str) -> Result<Vec<Curve>, PlotError> {
+pub fn parse_osu(name: &str, file: &str, text: &str) -> Result<Vec<Curve>, PlotError> {
     let mut curves: Vec<Curve> = Vec::new();
     let (mut path, mut title) = (None::<String>, None::<String>);
     let mut open = false;
-    for line in text.lines() {
+    for (n, line) in text.lines().enumerate() {
         let l = line.trim();
         if let Some(p) = l.strip_prefix("# mpiflow path:") {
             path = Some(p.trim().to_string());
@@ -56,14 +56,27 @@ pub fn parse_osu(name: &str, text: &str) -> Result<Vec<Curve>, PlotError> {
             let mut f = l.split_whitespace();
             let point = (|| Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?)))();
             match (point, curves.last_mut()) {
-                (Some(p), Some(c)) => c.points.push(p),
+                (Some((size, v)), Some(c)) => {
+                    let drawable = |x: f64| x.is_finite() && x >= 0.0;
+                    if !drawable(size) || !drawable(v) {
+                        return Err(PlotError::Row {
+                            name: file.to_string(),
+                            line: n + 1,
+                            why: format!("{l:?}: sizes and values are finite and not negative"),
+                        });
+                    }
+                    // Log axes: a size or value of 0 (OSU prints both) is off the chart.
+                    if size > 0.0 && v > 0.0 {
+                        c.points.push((size, v));
+                    }
+                }
                 _ => open = false,
             }
         }
     }
     curves.retain(|c| !c.points.is_empty());
     if curves.is_empty() {
-        return Err(PlotError::NoTable(name.to_string()));
+        return Err(PlotError::NoTable(file.to_string()));
     }
     Ok(curves)
 }
@@ -140,22 +153,33 @@ mod tests {
 
     #[test]
     fn osu_tables_become_one_curve_per_path() {
-        let curves = parse_osu("run", BENCH).unwrap();
+        let curves = parse_osu("run", "run", BENCH).unwrap();
         assert_eq!(curves.len(), 2);
         assert_eq!(curves[0].label, "run: mpi");
         assert_eq!(curves[0].column, "Avg Latency(us)");
         assert_eq!(curves[1].points, [(1.0, 0.41), (2.0, 0.42), (4.0, 0.43)]);
         let osu = "# OSU MPI Bandwidth Test v7.4\n# Datatype: MPI_CHAR.\n\
             # Size      Bandwidth (MB/s)\n1   8.92\n2   16.13\n";
-        let c = parse_osu("osu_bw", osu).unwrap();
+        let c = parse_osu("osu_bw", "osu_bw", osu).unwrap();
         assert_eq!(
             (c[0].label.as_str(), c[0].column.as_str()),
             ("osu_bw: MPI Bandwidth Test", "Bandwidth (MB/s)")
         );
         assert!(matches!(
-            parse_osu("x", "no table\n"),
+            parse_osu("x", "x", "no table\n"),
             Err(PlotError::NoTable(_))
         ));
+        // Zeros (OSU's size 0, a bandwidth printed as 0.00) are off log axes: left out.
+        // A negative or non-finite value is named by its line.
+        let zeros = "# Size  Bandwidth (MB/s)\n0 0.00\n1 0.00\n2 3.5\n";
+        assert_eq!(parse_osu("z", "z", zeros).unwrap()[0].points, [(2.0, 3.5)]);
+        for bad in ["4 -1.5", "4 nan", "4 inf"] {
+            let text = format!("# Size  Avg Latency(us)\n1 0.3\n{bad}\n");
+            assert_eq!(
+                parse_osu("b", "b", &text).unwrap_err().to_string(),
+                format!("b:3: {bad:?}: sizes and values are finite and not negative")
+            );
+        }
     }
 
     /// Whether `svg` holds `label` as a text, and how many of its lines have `n` points.
@@ -187,9 +211,15 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("mpiflow-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let svg = dir.join("bench.svg");
-        let mut curves = parse_osu("run", BENCH).unwrap();
-        curves
-            .extend(parse_osu("bw", "# Size  Bandwidth (MB/s)\n1 8.9\n2 16.1\n4 30.5\n").unwrap());
+        let mut curves = parse_osu("run", "run", BENCH).unwrap();
+        curves.extend(
+            parse_osu(
+                "bw",
+                "bw",
+                "# Size  Bandwidth (MB/s)\n1 8.9\n2 16.1\n4 30.5\n",
+            )
+            .unwrap(),
+        );
         osu_svg(&curves, &svg).unwrap();
         for label in [
             "run: mpi",

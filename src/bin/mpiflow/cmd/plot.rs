@@ -81,7 +81,10 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
     for (i, p) in args.files.iter().enumerate() {
         let text = std::fs::read_to_string(p)
             .map_err(|e| Failure::local(format!("{}: cannot read it: {e}", p.display())))?;
-        curves.extend(plot::parse_osu(&label(i, p), &text).map_err(Failure::local)?);
+        curves.extend(
+            plot::parse_osu(&label(i, p), &p.display().to_string(), &text)
+                .map_err(Failure::local)?,
+        );
     }
     plot::osu_svg(&curves, &args.out).map_err(Failure::local)?;
     emit(&format!(
