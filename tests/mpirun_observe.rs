@@ -462,7 +462,10 @@ fn plots_draw_runs_and_benchmarks_as_svg() {
     let run = mpiflow_alone(&["plot", "-o", &svg, "Cargo.toml"], &[]);
     assert_eq!(run.code, 1, "{run:?}");
     assert_eq!(run.stderr.lines().count(), 1, "{run:?}");
-    assert!(run.stderr.contains("Cargo.toml: no benchmark table"), "{run:?}");
+    assert!(
+        run.stderr.contains("Cargo.toml: no benchmark table"),
+        "{run:?}"
+    );
 }
 
 /// The texts of an SVG, and its polylines' point counts (it must parse as XML).
