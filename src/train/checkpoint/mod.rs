@@ -108,47 +108,61 @@ pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError
     Ok((bytes.len() as u64, sum))
 }
 
+/// Why a directory cannot take new files: it could not be created, or a file could not be
+/// written into it.
+enum Unwritable {
+    Create(std::io::Error),
+    Write(std::io::Error),
+}
+
+/// Creates `dir` if missing and writes the file `probe` in it (removed at once): what
+/// [`prepare_dir`] and [`prepare_params_file`] check before a run.
+fn takes_files(dir: &Path, probe: &Path) -> Result<(), Unwritable> {
+    fs::create_dir_all(dir).map_err(Unwritable::Create)?;
+    File::create(probe).map_err(Unwritable::Write)?;
+    let _ = fs::remove_file(probe);
+    Ok(())
+}
+
 /// Makes `dir` ready to take checkpoints before a run starts, so that a directory that
 /// cannot hold them fails the run at once, not at its first checkpoint: created if
 /// missing, and a new file written into it (a probe, removed at once).
 pub fn prepare_dir(dir: &Path) -> Result<(), CheckpointError> {
-    let err = |why: String| CheckpointError::Dir {
+    let why = if dir.exists() && !dir.is_dir() {
+        "is a file, not a directory".to_string()
+    } else {
+        match takes_files(dir, &dir.join(format!(".probe.{}", std::process::id()))) {
+            Ok(()) => return Ok(()),
+            Err(Unwritable::Create(e)) => format!("cannot create it: {e}"),
+            Err(Unwritable::Write(e)) => format!("cannot write into it: {e}"),
+        }
+    };
+    Err(CheckpointError::Dir {
         path: dir.display().to_string(),
         why,
-    };
-    if dir.exists() && !dir.is_dir() {
-        return Err(err("is a file, not a directory".into()));
-    }
-    fs::create_dir_all(dir).map_err(|e| err(format!("cannot create it: {e}")))?;
-    let probe = dir.join(format!(".probe.{}", std::process::id()));
-    File::create(&probe).map_err(|e| err(format!("cannot write into it: {e}")))?;
-    let _ = fs::remove_file(&probe);
-    Ok(())
+    })
 }
 
 /// Checks, before a run, that a parameters file can be written at `path` (`--save-params`),
 /// so that a run does not end with its result unwritable: `path` is no directory, and its
 /// directory (created if missing) takes a new file (a probe, removed at once).
 pub fn prepare_params_file(path: &Path) -> Result<(), CheckpointError> {
-    let params = |why: String| CheckpointError::Params {
+    let dir = directory_of(path);
+    let why = if path.is_dir() {
+        "is a directory".to_string()
+    } else {
+        match takes_files(&dir, &beside(path, "probe")) {
+            Ok(()) => return Ok(()),
+            Err(Unwritable::Create(e)) => {
+                format!("cannot create its directory {}: {e}", dir.display())
+            }
+            Err(Unwritable::Write(e)) => format!("cannot write into {}: {e}", dir.display()),
+        }
+    };
+    Err(CheckpointError::Params {
         path: path.display().to_string(),
         why,
-    };
-    if path.is_dir() {
-        return Err(params("is a directory".into()));
-    }
-    let dir = directory_of(path);
-    fs::create_dir_all(&dir).map_err(|e| {
-        params(format!(
-            "cannot create its directory {}: {e}",
-            dir.display()
-        ))
-    })?;
-    let probe = beside(path, "probe");
-    File::create(&probe)
-        .map_err(|e| params(format!("cannot write into {}: {e}", dir.display())))?;
-    let _ = fs::remove_file(&probe);
-    Ok(())
+    })
 }
 
 /// Writes a parameters file atomically: a temporary file beside `path`, fsynced, renamed

@@ -422,7 +422,7 @@ pub fn receive_into<C: Comm>(c: &C, t: &mut Tensor, src: usize, tag: i32) -> Res
 }
 
 /// [`receive_into`] past the memo (a new tensor on the link, or the memo slot taken by
-/// another link), out of line.
+/// another link), out of line: the link's map decides, as in [`Links::incoming`].
 #[inline(never)]
 fn receive_other_into<C: Comm>(
     c: &C,
@@ -431,7 +431,13 @@ fn receive_other_into<C: Comm>(
     tag: i32,
 ) -> Result<(), P2pError> {
     let links = c.links();
-    let arrival = links.incoming(t, src, tag);
+    let (landing, before) = links.incoming_slow(t, link_key(src, tag));
+    let arrival = Arrival {
+        src,
+        tag,
+        landing,
+        before,
+    };
     let done = c.recv_blocking(landing_region(t, arrival.landing), src, tag)?;
     links.settle(c, arrival, t, done)
 }
