@@ -144,22 +144,33 @@ fn bad_inputs_are_one_line_errors() {
     .unwrap();
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, "# nothing measured\n").unwrap();
+    let one = dir.join("one.txt");
+    std::fs::write(&one, "# Size Latency (us)\n8 5.0\n8 5.1\n").unwrap();
+    let bad = dir.join("bad.txt");
+    std::fs::write(&bad, "# Size Latency (us)\n1 5.0\n1024 abc\n4096 7.0\n").unwrap();
     let metrics = dir.join("none.jsonl");
     std::fs::write(&metrics, "").unwrap();
-    let (lat, empty, metrics) = (
-        lat.to_str().unwrap(),
-        empty.to_str().unwrap(),
-        metrics.to_str().unwrap(),
-    );
+    let [lat, empty, one, bad, metrics] =
+        [&lat, &empty, &one, &bad, &metrics].map(|p| p.to_str().unwrap());
     let base = ["scale", "--data", "digits", "--reps", "1", "--hosts", "2"];
     let cases: Vec<(Vec<&str>, String)> = vec![
         (
             vec!["--shm", empty, "--net", lat],
-            format!("--shm {empty}: a link needs measurements at 2 or more sizes, got 0"),
+            format!(
+                "--shm {empty}: no benchmark table (a `# Size` header and rows of size and value)"
+            ),
         ),
         (
             vec!["--shm", lat, "--net", lat, "--net-bibw", empty],
-            format!("--net-bibw {empty}: a link needs measurements at 2 or more sizes, got 0"),
+            format!("--net-bibw {empty}: no benchmark table"),
+        ),
+        (
+            vec!["--shm", lat, "--net", one],
+            format!("--net {one}: a link needs measurements at 2 or more sizes, got 1"),
+        ),
+        (
+            vec!["--shm", bad, "--net", lat],
+            format!("--shm {bad}:3: \"1024 abc\": a row is a message size and a value"),
         ),
         (
             vec!["--shm", lat, "--net", "/nonexistent/net.txt"],

@@ -7,12 +7,15 @@
 //!   in place on a terminal, plain lines otherwise.
 //! - [`timeline`]: every rank's phases as spans, merged into one Chrome trace file.
 //! - [`plot`]: metrics files and benchmark outputs as SVG pictures.
+//! - [`osu_tables`]: the tables of OSU-format benchmark output, read for `plot` and
+//!   `scale`.
 //! - [`stall`]: which ranks a long wait waits for, reported by the chief.
 //!
 //! Nothing here knows training: the training loops fill [`phases::Clock`]s, and
 //! [`crate::train::events::Event`] turns into [`metrics::Record`]s.
 
 pub mod metrics;
+pub mod osu_tables;
 pub mod phases;
 pub mod plot;
 pub mod progress;

@@ -1,5 +1,7 @@
 //! A link's cost, fitted to measured latencies.
 
+use crate::observe::osu_tables::{self, ReadError};
+
 /// The cost of one message on a link: `latency + bytes × per_byte` seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Link {
@@ -100,44 +102,31 @@ impl Link {
     pub const SMALL: f64 = 1024.0;
 }
 
-/// The `(bytes, value)` rows of the first table of OSU-format output (`mpiflow bench`'s
-/// `--path both` prints a table per path, its own first): lines of a size and a number,
-/// up to the next `# Size` header; other `#` lines and anything else skipped.
-fn first_table(text: &str) -> Vec<(f64, f64)> {
-    let mut rows = Vec::new();
-    for line in text.lines() {
-        if line.starts_with("# Size") && !rows.is_empty() {
-            break;
-        }
-        let mut f = line.split_whitespace();
-        let row = (|| {
-            let bytes: u64 = f.next()?.parse().ok()?;
-            let value: f64 = f.next()?.parse().ok()?;
-            Some((bytes as f64, value))
-        })();
-        rows.extend(row.filter(|_| !line.starts_with('#')));
-    }
-    rows
+/// The `(bytes, value)` rows of the first table of OSU-format output `text` (of the file
+/// `file`, named in errors): `mpiflow bench`'s `--path both` prints a table per path, its
+/// own first.
+fn first_table(file: &str, text: &str) -> Result<Vec<(f64, f64)>, ReadError> {
+    Ok(osu_tables::read(file, text)?.swap_remove(0).rows)
 }
 
 /// The `(bytes, seconds)` rows of OSU-format latency output (`osu_latency`, `mpiflow bench
 /// latency`): one-way times, from microseconds. What [`Link::fit`] takes.
-pub fn latency_rows(text: &str) -> Vec<(f64, f64)> {
-    first_table(text)
+pub fn latency_rows(file: &str, text: &str) -> Result<Vec<(f64, f64)>, ReadError> {
+    Ok(first_table(file, text)?
         .into_iter()
         .map(|(m, us)| (m, us * 1e-6))
-        .collect()
+        .collect())
 }
 
 /// The `(bytes, seconds)` rows of OSU-format bidirectional bandwidth output (`osu_bibw -W
 /// 1`, `mpiflow bench bibw -W 1`): the time of an exchange of `bytes` each way, from the
 /// MB/s both directions carried together (rows of 0 MB/s skipped).
-pub fn exchange_rows(text: &str) -> Vec<(f64, f64)> {
-    first_table(text)
+pub fn exchange_rows(file: &str, text: &str) -> Result<Vec<(f64, f64)>, ReadError> {
+    Ok(first_table(file, text)?
         .into_iter()
         .filter(|(_, mbs)| *mbs > 0.0)
         .map(|(m, mbs)| (m, 2.0 * m / (mbs * 1e6)))
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
@@ -184,7 +173,7 @@ mod tests {
                     1                       5.92\n4096                    9.07\n\
                     bench: round 1 of 1\n1048576               423.23\n\
                     # mpiflow path: mpi\n# Size          Latency (us)\n1  99.0\n8  99.0\n";
-        let rows = latency_rows(text);
+        let rows = latency_rows("lat.txt", text).unwrap();
         assert_eq!(rows.len(), 3);
         assert_eq!(rows[0].0, 1.0);
         assert!((rows[2].1 - 423.23e-6).abs() < 1e-12);
@@ -194,7 +183,7 @@ mod tests {
         // Both ways at once: 4 MiB each way at 1978 MB/s in all is 4.24 ms.
         let text = "# OSU MPI Bi-Directional Bandwidth Test v7.4\n# Size      Bandwidth (MB/s)\n\
                     1 0.00\n1048576 2027.49\n4194304 1978.39\n";
-        let rows = exchange_rows(text);
+        let rows = exchange_rows("bibw.txt", text).unwrap();
         assert_eq!(rows.len(), 2);
         assert!(
             (rows[1].1 - 2.0 * 4194304.0 / 1978.39e6).abs() < 1e-12,

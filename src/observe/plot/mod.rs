@@ -31,14 +31,8 @@ pub use trace::{timeline_svg, Steps};
 pub enum PlotError {
     #[error("{path}: {why}")]
     Draw { path: PathBuf, why: String },
-    #[error("{0}: no benchmark table (a `# Size` header and rows of size and value)")]
-    NoTable(String),
-    #[error("{name}:{line}: {why}")]
-    Row {
-        name: String,
-        line: usize,
-        why: String,
-    },
+    #[error(transparent)]
+    Tables(#[from] crate::observe::osu_tables::ReadError),
     #[error("{0}: no logged steps to plot")]
     NoSteps(String),
     #[error("{0}")]

@@ -5,6 +5,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::{color, draw_err, legend, span, PlotError};
+use crate::observe::osu_tables;
 
 /// One curve of a benchmark: its label, what its values are (the column header, such as
 /// `Avg Latency(us)`), and (size, value) points.
@@ -16,67 +17,31 @@ pub struct Curve {
 }
 
 /// The curves of OSU-format text `text` (of the file `file`, named in errors): a table per
-/// `# Size` header; the curve is named by the `# mpiflow path: NAME` line before it, if
-/// any, else by `name` and the test's title. Comment-only tables (ratios) are skipped.
+/// `# Size` header ([`crate::observe::osu_tables`]); the curve is named by the `# mpiflow
+/// path: NAME` line before it, if any, else by `name` and the test's title. Rows of size
+/// or value 0 (OSU prints both) are off log axes: left out.
 pub fn parse_osu(name: &str, file: &str, text: &str) -> Result<Vec<Curve>, PlotError> {
-    let mut curves: Vec<Curve> = Vec::new();
-    let (mut path, mut title) = (None::<String>, None::<String>);
-    let mut open = false;
-    for (n, line) in text.lines().enumerate() {
-        let l = line.trim();
-        if let Some(p) = l.strip_prefix("# mpiflow path:") {
-            path = Some(p.trim().to_string());
-            open = false;
-        } else if l.starts_with("# OSU ") {
-            title = Some(
-                l.trim_start_matches("# OSU ")
-                    .trim_end_matches(" v7.4")
-                    .to_string(),
-            );
-            open = false;
-        } else if let Some(head) = l.strip_prefix("# Size") {
-            let column = head
-                .split("  ")
-                .map(str::trim)
-                .find(|c| !c.is_empty())
-                .unwrap_or("value")
-                .to_string();
-            let label = match (&path, &title) {
+    let curves: Vec<Curve> = osu_tables::read(file, text)?
+        .into_iter()
+        .map(|t| Curve {
+            label: match (&t.path, &t.title) {
                 (Some(p), _) => format!("{name}: {p}"),
                 (None, Some(t)) => format!("{name}: {t}"),
                 (None, None) => name.to_string(),
-            };
-            curves.push(Curve {
-                label,
-                column,
-                points: Vec::new(),
-            });
-            open = true;
-        } else if open && !l.starts_with('#') && !l.is_empty() {
-            let mut f = l.split_whitespace();
-            let point = (|| Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?)))();
-            match (point, curves.last_mut()) {
-                (Some((size, v)), Some(c)) => {
-                    let drawable = |x: f64| x.is_finite() && x >= 0.0;
-                    if !drawable(size) || !drawable(v) {
-                        return Err(PlotError::Row {
-                            name: file.to_string(),
-                            line: n + 1,
-                            why: format!("{l:?}: sizes and values are finite and not negative"),
-                        });
-                    }
-                    // Log axes: a size or value of 0 (OSU prints both) is off the chart.
-                    if size > 0.0 && v > 0.0 {
-                        c.points.push((size, v));
-                    }
-                }
-                _ => open = false,
-            }
-        }
-    }
-    curves.retain(|c| !c.points.is_empty());
+            },
+            column: t.column,
+            points: t
+                .rows
+                .into_iter()
+                .filter(|p| p.0 > 0.0 && p.1 > 0.0)
+                .collect(),
+        })
+        .filter(|c| !c.points.is_empty())
+        .collect();
     if curves.is_empty() {
-        return Err(PlotError::NoTable(file.to_string()));
+        return Err(PlotError::Tables(osu_tables::ReadError::NoTable(
+            file.to_string(),
+        )));
     }
     Ok(curves)
 }
@@ -165,10 +130,10 @@ mod tests {
             (c[0].label.as_str(), c[0].column.as_str()),
             ("osu_bw: MPI Bandwidth Test", "Bandwidth (MB/s)")
         );
-        assert!(matches!(
-            parse_osu("x", "x", "no table\n"),
-            Err(PlotError::NoTable(_))
-        ));
+        assert_eq!(
+            parse_osu("x", "x", "no table\n").unwrap_err().to_string(),
+            "x: no benchmark table (a `# Size` header and rows of size and value)"
+        );
         // Zeros (OSU's size 0, a bandwidth printed as 0.00) are off log axes: left out.
         // A negative or non-finite value is named by its line.
         let zeros = "# Size  Bandwidth (MB/s)\n0 0.00\n1 0.00\n2 3.5\n";

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
 use mpiflow::model::Model;
+use mpiflow::observe::osu_tables::ReadError;
 use mpiflow::observe::plot::{self, MeasuredStep, ScaleCurve, ScalePoint};
 use mpiflow::scale::{
     exchange_rows, latency_rows, predict, weak_scaling, Link, Links, Mode, Run, Workload,
@@ -51,15 +52,15 @@ fn parse_run(s: &str, models: &[ModelChoice]) -> Result<RunArg, Failure> {
     })
 }
 
+/// [`latency_rows`] or [`exchange_rows`]: a file's name and text to `(bytes, seconds)`.
+type ReadRows = fn(&str, &str) -> Result<Vec<(f64, f64)>, ReadError>;
+
 /// The link fitted to the OSU-format output in `path`, read into rows by `rows`.
-fn fit_file(
-    path: &Path,
-    flag: &str,
-    rows: fn(&str) -> Vec<(f64, f64)>,
-) -> Result<(Link, usize), Failure> {
+fn fit_file(path: &Path, flag: &str, rows: ReadRows) -> Result<(Link, usize), Failure> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Failure::local(format!("{flag} {}: {e}", path.display())))?;
-    let rows = rows(&text);
+    let rows = rows(&path.display().to_string(), &text)
+        .map_err(|e| Failure::local(format!("{flag} {e}")))?;
     let link =
         Link::fit(&rows).map_err(|e| Failure::local(format!("{flag} {}: {e}", path.display())))?;
     Ok((link, rows.len()))
