@@ -782,3 +782,24 @@ fn stages_preview_keeps_replicas_inside_hosts_and_tf_config_takes_replica_jobs()
         "{r:?}"
     );
 }
+
+#[test]
+fn towers_beyond_the_batch_are_named_in_the_run() {
+    let out = run(
+        &[
+            "train", "--data", "digits", "--steps", "2", "--batch", "2", "--towers", "3",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(out.stdout.contains(", batch 2, towers 3, "), "{out:?}");
+    assert_eq!(
+        out.stderr.trim(),
+        "mpiflow: warning: --towers 3: the batch is 2 sample(s), so 2 tower(s) compute and the rest sit out"
+    );
+    let out = run(
+        &["train", "--data", "digits", "--steps", "2", "--towers", "2"],
+        &[],
+    );
+    assert_eq!((out.code, out.stderr.as_str()), (0, ""), "{out:?}");
+}

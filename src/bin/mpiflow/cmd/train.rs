@@ -37,15 +37,19 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     let need = resources::replica_need(&model, cfg.batch, &cfg.optimizer);
     resources::check("training", &need, resources::share(1).as_ref()).map_err(Failure::local)?;
     emit(&format!(
-        "# mpiflow train --mode local: {} train / {} held-out samples, {}, {}, batch {}, BLAS threads {} (CPUs {})\n",
+        "# mpiflow train --mode local: {} train / {} held-out samples, {}, {}, batch {}{}, BLAS threads {} (CPUs {})\n",
         train.len(),
         test.len(),
         model.describe(),
         cfg.optimizer,
         cfg.batch,
+        towers_label(cfg.towers),
         pin.blas_threads,
         mpiflow::topology::cpu_list(&pin.cpus)
     ));
+    if let Some(w) = idle_towers(args, None) {
+        say!("mpiflow: warning: {w}");
+    }
     let metrics = report::metrics_file(args.metrics.as_deref(), true).map_err(Failure::local)?;
     if let Some(p) = &args.timeline {
         mpiflow::observe::timeline::check_writable(p).map_err(Failure::local)?;
@@ -195,6 +199,46 @@ pub(crate) fn model_for(
     built.map_err(|e| e.to_string())
 }
 
+/// `, towers K` in a run's header when a task computes with several.
+fn towers_label(k: usize) -> String {
+    match k {
+        0 | 1 => String::new(),
+        k => format!(", towers {k}"),
+    }
+}
+
+/// `--towers K` beyond the rows a task's towers share in a pass (the batch alone; a
+/// data-parallel task's share of it under mpirun; with stages, a micro-batch's share):
+/// the towers past them have no rows and sit out, which the run says rather than leave K
+/// threads assumed.
+fn idle_towers(args: &TrainArgs, layout: Option<&mpiflow::cluster::Layout>) -> Option<String> {
+    let batch = args.batch as usize;
+    let (rows, what) = match layout.map(|l| &l.spec) {
+        None => (batch, "the batch"),
+        Some(spec) => match spec
+            .replica_shape()
+            .filter(|_| args.cluster.stages.is_some())
+        {
+            Some((replicas, _)) => (
+                batch / replicas.max(1) / args.micro_batches.max(1),
+                "a replica's micro-batch",
+            ),
+            None => {
+                let tasks =
+                    spec.num_tasks("worker").unwrap_or(0) + spec.num_tasks("chief").unwrap_or(0);
+                (batch / tasks.max(1), "a task's share of the batch")
+            }
+        },
+    };
+    let rows = rows.max(1);
+    (args.towers > rows).then(|| {
+        format!(
+            "--towers {}: {what} is {rows} sample(s), so {rows} tower(s) compute and the rest sit out",
+            args.towers
+        )
+    })
+}
+
 /// What this rank's task holds in distributed training (see [`resources`]): a replica's
 /// or a worker's share of the global batch, or a ps task's share of the parameters.
 fn rank_need(
@@ -322,15 +366,19 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
             _ => mode.to_string(),
         };
         emit(&format!(
-            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, {}, {}, batch {}, BLAS threads {} per rank\n",
+            "# mpiflow train --mode {mode}: {} tasks, {} train / {} held-out samples, {}, {}, batch {}{}, BLAS threads {} per rank\n",
             layout.ranks.len(),
             train.len(),
             test.len(),
             model.describe(),
             args.train_config().optimizer,
             args.batch,
+            towers_label(args.towers),
             pin.blas_threads
         ));
+        if let Some(w) = idle_towers(args, Some(layout)) {
+            say!("mpiflow: warning: {w}");
+        }
         // If mpirun reports a dead rank by number, this line names its task.
         let map: Vec<String> = layout
             .ranks
