@@ -141,7 +141,7 @@ fn ps_lifetime_forever_keeps_tensorflows_behaviour() {
 }
 
 #[test]
-fn bad_lifetime_flags_are_one_line_errors() {
+fn bad_lifetime_flags_are_one_line_errors_and_idle_ones_warnings() {
     for (flag, want) in [
         (
             "--ps-lifetime=sometimes",
@@ -167,4 +167,10 @@ fn bad_lifetime_flags_are_one_line_errors() {
         assert!(run.stderr.contains(want), "{run:?}");
         assert!(!run.stderr.contains("panicked"), "{run:?}");
     }
+    // A flag with nothing to do runs the job and says so, once.
+    let (run, _) = launch("2", &["--stop-evaluator"], &["true"]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let warning =
+        "mpiflow: warning: --stop-evaluator stops nothing here: the cluster has no evaluator task";
+    assert_eq!(run.stderr.matches(warning).count(), 1, "{run:?}");
 }

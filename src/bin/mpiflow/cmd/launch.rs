@@ -15,6 +15,25 @@ use crate::out::{say, Failure};
 /// How often a supervising launcher looks at its program and at the other tasks' news.
 const POLL: Duration = Duration::from_millis(20);
 
+/// Why `--stop-evaluator` has nothing to do in this job, if it was given: no evaluator
+/// task, or no task is stopped at the end at all.
+fn idle_stop_evaluator(
+    args: &LaunchArgs,
+    layout: &mpiflow::cluster::Layout,
+    mpi: bool,
+) -> Option<&'static str> {
+    let evaluators = layout.spec.num_tasks("evaluator").unwrap_or(0);
+    match args.stop_evaluator {
+        false => None,
+        true if evaluators == 0 => Some("the cluster has no evaluator task"),
+        true if args.ps_lifetime == crate::args::PsLifetimeArg::Forever => {
+            Some("--ps-lifetime forever stops no task")
+        }
+        true if !mpi => Some("without MPI (mpirun, srun --mpi=pmix) no task is stopped"),
+        true => None,
+    }
+}
+
 pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let (resolved, ctx) = resolve(&args.cluster, env)?;
     let Some(me) = resolved.me else {
@@ -33,6 +52,11 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
         Some(c) => c.agree(prepared).map_err(|e| Failure::agreed(e, c))?,
         None => prepared.map_err(Failure::local)?,
     };
+    if ctx.as_ref().is_none_or(|c| c.rank() == 0) {
+        if let Some(why) = idle_stop_evaluator(args, layout, ctx.is_some()) {
+            say!("mpiflow: warning: --stop-evaluator stops nothing here: {why}");
+        }
+    }
     let task_env = launcher::task_env(layout, info, resolved.size);
     let tasks = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
     // Free the probed port for the program's server.
