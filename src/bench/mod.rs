@@ -49,9 +49,7 @@ pub enum BenchError {
         need: String,
         have: usize,
     },
-    #[error(
-        "unknown benchmark {0:?} (latency, bw, bibw, allreduce, bcast, allreduce-fused, pushpull, put_latency, get_latency, acc_latency, get_bw)"
-    )]
+    #[error("unknown benchmark {0:?} ({names})", names = NAMES.join(", "))]
     Unknown(String),
     #[error("data validation failed: {0}")]
     Validation(String),

@@ -62,7 +62,7 @@ pub(crate) enum Cmd {
     Train(Box<TrainArgs>),
     /// This node's topology and, per rank, the CPU binding and BLAS threads applied.
     Topo(TopoArgs),
-    /// OSU-style transfer benchmarks: latency, bw, bibw, allreduce, bcast, allreduce-fused.
+    /// OSU-style benchmarks: point-to-point, collectives, one-sided, ps push and pull.
     Bench(BenchArgs),
     /// Run a training job command; when it fails, rerun it from its newest valid checkpoint.
     Supervise(SuperviseArgs),
@@ -164,7 +164,10 @@ pub(crate) enum ProgressArg {
 /// `mpiflow bench`: OSU's options (`-m -i -x -W -f -c`), plus mpiflow's.
 #[derive(Args)]
 pub(crate) struct BenchArgs {
-    /// latency, bw, bibw, allreduce, bcast, allreduce-fused or pushpull.
+    /// The benchmark: OSU's point-to-point (latency, bw, bibw), collectives (allreduce,
+    /// bcast) and one-sided ones (put_latency, get_latency, acc_latency, get_bw), fused
+    /// allreduces of many tensors (allreduce-fused), or ps push and pull (pushpull).
+    #[arg(value_parser = clap::builder::PossibleValuesParser::new(mpiflow::bench::NAMES))]
     pub(crate) name: String,
     /// Message sizes in bytes, `[MIN:]MAX`, doubling from MIN.
     #[arg(short = 'm', long = "message-size", value_parser = mpiflow::bench::osu::parse_sizes)]
