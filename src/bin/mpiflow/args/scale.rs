@@ -34,6 +34,7 @@ pub(crate) struct ScaleArgs {
     /// Samples per worker and step (weak scaling: the global batch grows with the workers).
     #[arg(long, default_value_t = 64, value_parser = positive_usize)]
     pub(crate) batch: usize,
+    /// The optimizer whose update is timed (as `train --optimizer`).
     #[arg(long, value_parser = named::<OptimizerKind>(), default_value = "adam")]
     pub(crate) optimizer: OptimizerKind,
     /// Workers per host (each with a core).

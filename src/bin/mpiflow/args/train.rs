@@ -17,6 +17,8 @@ use mpiflow::transport::Algorithm;
 /// `mpiflow train`: the built-in models through every mode.
 #[derive(Args)]
 pub(crate) struct TrainArgs {
+    /// local (one process), ps (parameter servers and workers) or allreduce (synchronous
+    /// replicas), the last two under mpirun or srun.
     #[arg(long, value_enum, default_value_t)]
     pub(crate) mode: Mode,
     /// The model to train.
@@ -108,6 +110,7 @@ pub(crate) struct TrainArgs {
     /// Train until this global step.
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) steps: u64,
+    /// The optimizer (TensorFlow's GradientDescent, Momentum, Adagrad, Adam).
     #[arg(long, value_parser = named::<OptimizerKind>(), default_value = "adam")]
     pub(crate) optimizer: OptimizerKind,
     /// Learning rate (the base rate of a decay).
@@ -117,6 +120,8 @@ pub(crate) struct TrainArgs {
     /// first step to 0 at --steps, TensorFlow's cosine_decay).
     #[arg(long, value_enum, default_value_t)]
     pub(crate) lr_decay: DecayArg,
+    /// Seed of the initial parameters, the order of the samples, the held-out split and
+    /// synthetic data: the same seed, the same run.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
     /// Log every N steps (0: never).
