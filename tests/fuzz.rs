@@ -1,6 +1,6 @@
 //! Property tests over every parser and decoder of outside input: host lists, hostfiles,
 //! Slurm's variables, TF_CONFIG, the legacy flags, checkpoint files, data files (IDX and
-//! the digits CSV), the tensor wire header and the ps protocol. Any input: no panic (an error value is fine); inputs a
+//! the digits CSV), benchmark tables (OSU format), the tensor wire header and the ps protocol. Any input: no panic (an error value is fine); inputs a
 //! printer made: parsed back to the same value. Bounded: a fixed number of cases each.
 //! Cases proptest finds are kept under `tests/fuzz.proptest-regressions` and rerun first.
 
@@ -249,6 +249,32 @@ proptest! {
         for format in [Format::Csv, Format::JsonLines] {
             let _ = parse(std::path::Path::new("m"), format, &text);
             let _ = parse(std::path::Path::new("m"), format, &format!("{header}{text}"));
+        }
+    }
+
+    #[test]
+    fn benchmark_tables_never_panic(text in "(# Size  Latency \\(us\\)\n|# mpiflow path: [a-z]{1,4}\n|# OSU [A-Za-z ]{0,9}\n|[0-9]{1,7}|[ .eE+-]|nan|inf|abc|\n){0,60}") {
+        use mpiflow::observe::osu_tables::{read, ReadError};
+        match read("t.txt", &text) {
+            Ok(tables) => prop_assert!(tables.iter().all(|t| !t.rows.is_empty()
+                && t.rows.iter().all(|(m, v)| m.is_finite() && *m >= 0.0 && v.is_finite() && *v >= 0.0))),
+            Err(ReadError::Row { line, .. }) => prop_assert!(line >= 1 && line <= text.lines().count()),
+            Err(ReadError::NoTable(f)) => prop_assert_eq!(f, "t.txt"),
+        }
+    }
+
+    #[test]
+    fn benchmark_tables_read_back(rows in proptest::collection::vec((0u32..1 << 22, 0.0f64..1e6), 1..20)) {
+        let mut text = String::from("# OSU MPI Latency Test v7.4\n# Size          Latency (us)\n");
+        for (m, v) in &rows {
+            text.push_str(&format!("{m:<10}{v:>20.2}\n"));
+        }
+        let tables = mpiflow::observe::osu_tables::read("t.txt", &text).unwrap();
+        prop_assert_eq!(tables.len(), 1);
+        prop_assert_eq!(tables[0].rows.len(), rows.len());
+        for ((m, v), (gm, gv)) in rows.iter().zip(&tables[0].rows) {
+            prop_assert_eq!(f64::from(*m), *gm);
+            prop_assert!((v - gv).abs() <= 0.005 + 1e-9);
         }
     }
 
