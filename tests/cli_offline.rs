@@ -803,3 +803,50 @@ fn towers_beyond_the_batch_are_named_in_the_run() {
     );
     assert_eq!((out.code, out.stderr.as_str()), (0, ""), "{out:?}");
 }
+
+#[test]
+fn a_blas_pool_beyond_the_ranks_cpus_is_a_warning_and_zero_an_error() {
+    // The CPUs a rank runs on, as the header lists them: "(CPUs 0-1,4)".
+    let plain = run(&["train", "--data", "digits", "--steps", "1"], &[]);
+    let list = plain
+        .stdout
+        .split("(CPUs ")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap();
+    let cpus: usize = list
+        .split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum();
+    let n = (cpus + 1).to_string();
+    let out = run(
+        &[
+            "train",
+            "--data",
+            "digits",
+            "--steps",
+            "2",
+            "--blas-threads",
+            &n,
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    assert_eq!(
+        out.stderr.trim(),
+        format!(
+            "mpiflow: warning: --blas-threads {n} is more than the {cpus} CPU(s) a rank runs on: its threads share them"
+        )
+    );
+    assert!(
+        out.stdout.contains(&format!("BLAS threads {n} ")),
+        "{out:?}"
+    );
+    run(&["train", "--blas-threads", "0"], &[])
+        .assert_one_line_error("invalid value '0' for '--blas-threads <BLAS_THREADS>'");
+}

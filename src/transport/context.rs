@@ -223,6 +223,18 @@ impl Context {
             .collect()
     }
 
+    /// Collective: every rank's warning, if any; each distinct one once, with the ranks
+    /// that gave it ([`by_message`]), on every rank (one of them prints them).
+    pub fn gather_warnings(&self, mine: Option<&str>) -> Vec<String> {
+        let any = i32::from(mine.is_some());
+        let mut flags = vec![0i32; self.size()];
+        self.world.all_gather_into(&any, &mut flags[..]);
+        if flags.iter().all(|f| *f == 0) {
+            return Vec::new();
+        }
+        by_message(&self.all_gather_strings(mine.unwrap_or("")))
+    }
+
     /// Collective: every rank passes its local result; all get `Ok` only if all succeeded,
     /// otherwise the same error, naming the lowest failing rank (unless every rank failed
     /// with the same message, which then needs no rank).
@@ -248,5 +260,42 @@ impl Context {
             rank: (!everywhere).then_some(rank),
             message: messages[rank].clone(),
         })
+    }
+}
+
+/// Each distinct non-empty message of `by_rank` (indexed by rank) once, in order of its
+/// first rank, led by the ranks that gave it: `all ranks: M`, `rank 3: M`, `ranks 0-2, 5: M`.
+pub fn by_message(by_rank: &[String]) -> Vec<String> {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (rank, m) in by_rank.iter().enumerate().filter(|(_, m)| !m.is_empty()) {
+        match groups.iter_mut().find(|(g, _)| *g == m.as_str()) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => groups.push((m, vec![rank])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(m, ranks)| match ranks.len() {
+            n if n == by_rank.len() && n > 1 => format!("all ranks: {m}"),
+            1 => format!("rank {}: {m}", ranks[0]),
+            _ => format!("ranks {}: {m}", crate::topology::cpu_list(&ranks)),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::by_message;
+
+    #[test]
+    fn warnings_are_grouped_by_message_with_their_ranks() {
+        let s = |v: &[&str]| v.iter().map(|m| m.to_string()).collect::<Vec<_>>();
+        assert_eq!(by_message(&s(&["a", "a", "a"])), ["all ranks: a"]);
+        assert_eq!(
+            by_message(&s(&["a", "", "b", "a", "a", "", "a"])),
+            ["ranks 0,3-4,6: a", "rank 2: b"]
+        );
+        assert!(by_message(&s(&["", ""])).is_empty());
+        assert_eq!(by_message(&s(&["a"])), ["rank 0: a"]);
     }
 }

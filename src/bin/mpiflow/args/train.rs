@@ -153,7 +153,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_parser = named::<Policy>(), default_value = "compact")]
     pub(crate) bind: Policy,
     /// OpenBLAS threads per rank (default: the cores of the rank's CPU set).
-    #[arg(long)]
+    #[arg(long, value_parser = positive_usize)]
     pub(crate) blas_threads: Option<usize>,
 }
 

@@ -143,7 +143,8 @@ fn catch_stop_signals() {
     }
 }
 
-/// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan).
+/// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan). A pool
+/// OpenBLAS cut, or one larger than the rank's CPUs, is a warning beside the binding's.
 fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::Pinning {
     let mut pin = mpiflow::topology::pin(local, count, args.bind);
     // Towers are the rank's threads: each calls BLAS alone.
@@ -152,6 +153,21 @@ fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::
         mpiflow::kernels::set_blas_threads(n);
         pin.blas_threads = mpiflow::kernels::blas_threads();
     }
+    let cpus = pin.cpus.len();
+    let pool = match args.blas_threads {
+        Some(n) if pin.blas_threads < n => Some(format!(
+            "--blas-threads {n}: OpenBLAS runs at most {}",
+            pin.blas_threads
+        )),
+        Some(n) if cpus > 0 && n > cpus => Some(format!(
+            "--blas-threads {n} is more than the {cpus} CPU(s) a rank runs on: its threads share them"
+        )),
+        _ => None,
+    };
+    pin.warning = match (pin.warning.take(), pool) {
+        (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+        (a, b) => a.or(b),
+    };
     pin
 }
 
@@ -310,6 +326,11 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     // cores and memory.
     let (local, count) = ctx.machine_local();
     let pin = pin_rank(args, local, count);
+    for w in ctx.gather_warnings(pin.warning.as_deref()) {
+        if ctx.rank() == 0 {
+            say!("mpiflow: warning: {w}");
+        }
+    }
     let (train, test) = ctx
         .agree(Dataset::load_split(&args.data, args.seed))
         .map_err(|e| Failure::agreed(e, &ctx))?;
