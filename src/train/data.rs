@@ -109,18 +109,26 @@ impl Dataset {
             None if spec == "synthetic" => Ok(Dataset::synthetic(2000, 64, 10, seed)),
             Some(("digits", path)) => Dataset::digits(Path::new(path)),
             Some(("synthetic", features)) => {
-                let f: usize = features
-                    .parse()
-                    .ok()
-                    .filter(|f| *f > 0)
-                    .ok_or_else(|| DataError::Unknown(spec.into()))?;
+                let f: usize =
+                    features
+                        .parse()
+                        .ok()
+                        .filter(|f| *f > 0)
+                        .ok_or_else(|| DataError::Format {
+                            path: spec.into(),
+                            why: format!("FEATURES {features:?} is not a positive count"),
+                        })?;
                 synthetic_fits(spec, 4096, f)?;
                 Ok(Dataset::synthetic(4096, f, 10, seed))
             }
             Some(("idx", files)) => {
                 let (images, labels) = files
                     .split_once(',')
-                    .ok_or_else(|| DataError::Unknown(spec.into()))?;
+                    .filter(|(i, l)| !i.is_empty() && !l.is_empty())
+                    .ok_or_else(|| DataError::Format {
+                        path: spec.into(),
+                        why: "give it as idx:IMAGES,LABELS (two files)".into(),
+                    })?;
                 Dataset::idx(Path::new(images), Path::new(labels))
             }
             _ => Err(DataError::Unknown(spec.into())),
@@ -409,6 +417,26 @@ mod tests {
             "{e}"
         );
         assert_eq!(Dataset::load("synthetic:3", 0).unwrap().features, 3);
+    }
+
+    #[test]
+    fn malformed_set_names_say_what_is_wrong() {
+        let e = |spec: &str| Dataset::load(spec, 0).unwrap_err().to_string();
+        assert_eq!(
+            e("synthetic:0"),
+            "data synthetic:0: FEATURES \"0\" is not a positive count"
+        );
+        assert_eq!(
+            e("synthetic:x"),
+            "data synthetic:x: FEATURES \"x\" is not a positive count"
+        );
+        for spec in ["idx:", "idx:a", "idx:,b", "idx:a,"] {
+            assert_eq!(
+                e(spec),
+                format!("data {spec}: give it as idx:IMAGES,LABELS (two files)")
+            );
+        }
+        assert!(e("cifar").starts_with("unknown data set \"cifar\" (digits, "));
     }
 
     #[test]
