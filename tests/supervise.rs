@@ -162,4 +162,16 @@ fn a_job_that_fails_twice_at_the_same_checkpoint_is_not_restarted_again() {
     // No checkpoint directory: refused up front, in one line.
     let run = common::run_bounded(10, &[mpiflow(), "supervise", "--", "true"], &[]);
     run.assert_one_line_error("names no --checkpoint-dir");
+    // One that cannot hold checkpoints: refused before the job runs.
+    let args = [
+        mpiflow(),
+        "supervise",
+        "--",
+        "true",
+        "--checkpoint-dir",
+        "/etc/hostname",
+    ];
+    common::run_bounded(10, &args, &[]).assert_one_line_error(
+        "supervise: checkpoint directory /etc/hostname: is a file, not a directory",
+    );
 }

@@ -19,6 +19,10 @@ pub(crate) fn run(args: &SuperviseArgs) -> Result<(), Failure> {
                  before --): a rerun could not resume, so nothing is supervised",
             )
         })?;
+    // The directory a rerun resumes from must hold checkpoints: said now, not after the
+    // first failure (the job itself stops on it too, but a rerun would repeat that).
+    mpiflow::train::checkpoint::prepare_dir(&dir)
+        .map_err(|e| Failure::local(format!("supervise: {e}")))?;
     let cfg = SuperviseConfig {
         command: args.command.clone(),
         checkpoint_dir: dir,
