@@ -226,6 +226,8 @@ fn a_dead_worker_or_ps_is_named_within_30_seconds() {
         "{err}"
     );
     assert!(err.contains("mpiflow: error: worker:0 (rank 1): stopped by a ps: ps:0 (rank 0): lost worker:2 (rank 3)"), "{err}");
+    // The chief repeats the ps's line; the other workers do not (one line each before).
+    assert!(!err.contains("worker:1 (rank 2): stopped by a ps"), "{err}");
     let (err, secs) = kill_rank(0);
     assert!(secs < 30.0, "took {secs} s");
     assert!(err.contains("lost ps:0 (rank 0)"), "{err}");

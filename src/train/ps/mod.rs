@@ -126,6 +126,9 @@ pub enum PsError {
     },
     #[error("{task}: stopped by a ps: {message}")]
     Remote { task: String, message: String },
+    /// On a ps: a worker stopped training (`message` names it and says why).
+    #[error("{task}: stopped by a worker: {message}")]
+    Aborted { task: String, message: String },
     #[error("{task}: {source}")]
     NonFinite {
         task: String,
@@ -330,9 +333,14 @@ mod tests {
         let why = "worker:1 (rank 2): its model is another than the chief's: ps:0 (rank 0) \
                    holds 2410 values of the variables it serves here, this model 1210";
         assert_eq!(out[2], Err(why.to_string()));
-        for (r, task) in [(0, "ps:0 (rank 0)"), (1, "worker:0 (rank 1)")] {
-            assert_eq!(out[r], Err(format!("{task}: stopped by a ps: {why}")));
-        }
+        assert_eq!(
+            out[0],
+            Err(format!("ps:0 (rank 0): stopped by a worker: {why}"))
+        );
+        assert_eq!(
+            out[1],
+            Err(format!("worker:0 (rank 1): stopped by a ps: {why}"))
+        );
         // Large enough for the parameters to come in pieces, and the worker the wider.
         let big = crate::model::mlp(64, &[1024], 10).unwrap();
         let bigger = crate::model::mlp(64, &[2048], 10).unwrap();

@@ -448,6 +448,13 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                     timeline(&comm)?;
                     return Err(Failure::stopped(&s, chief));
                 }
+                // A ps stopped every worker for one cause, which it prints and the chief
+                // repeats; a line from every other worker would say it again, N times.
+                Err(ps::PsError::Remote { .. }) if !chief && !args.verbose => {
+                    drop((watch, reporter));
+                    // As below: no collective, no MPI_Finalize; exiting non-zero ends the job.
+                    std::process::exit(1);
+                }
                 r => r.map_err(|e| e.to_string()),
             }
         }

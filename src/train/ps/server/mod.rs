@@ -558,8 +558,14 @@ impl<'a, C: Comm> Server<'a, C> {
             }
             Request::Abort { message } => {
                 self.done[w] = true;
+                // Named by its sender (a worker's errors mostly name it already).
+                let by = self.roles.task(from);
+                let message = match message.starts_with(&by) {
+                    true => message,
+                    false => format!("{by}: {message}"),
+                };
                 self.abort_all(from, &message);
-                Err(PsError::Remote {
+                Err(PsError::Aborted {
                     task: self.me(),
                     message,
                 })
