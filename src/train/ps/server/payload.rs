@@ -10,7 +10,8 @@ use super::super::protocol::{
 use super::super::store::Store;
 use super::super::wire::{receive_all_within, Received};
 use super::super::PsError;
-use super::{apply_all, Dest, Server};
+use super::requests::Dest;
+use super::{apply_all, Server};
 use crate::observe::phases::Phase;
 use crate::observe::timeline::Detail;
 use crate::transport::comm::Comm;

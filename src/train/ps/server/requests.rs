@@ -1,0 +1,206 @@
+//! A worker's request, as the server takes it: checked on its header, its payload
+//! received where it goes, answered now or parked (see [`super`]).
+
+use std::time::Instant;
+
+use super::super::protocol::{decode_with, Reply, Request};
+use super::super::{shards, PsError};
+use super::{Parked, Server};
+use crate::train::checkpoint;
+use crate::transport::comm::Comm;
+
+/// What becomes of a push, judged on its header.
+enum Verdict {
+    /// Applied as it arrives (asynchronous replicas).
+    Apply,
+    /// Kept for the current step (synchronous replicas).
+    Accept,
+    /// For a step already applied (a backup worker's): dropped, the worker told.
+    Stale,
+    /// An error to the worker.
+    Reject(String),
+}
+
+/// Where a payload goes.
+pub(super) enum Dest {
+    /// Into the parameters (initial values).
+    Params,
+    /// Applied piece by piece as it arrives (an asynchronous gradient).
+    Apply,
+    /// Into worker `w`'s buffer for the step (a synchronous gradient).
+    Staged(usize),
+    /// Nowhere (a rejected or stale push): taken only so the next payload starts clean.
+    Drop,
+}
+
+impl<C: Comm> Server<'_, C> {
+    /// Handles one request, whose header arrived in `inbox` (its payload, if any, follows
+    /// from the same worker); `Err` stops the server (the workers were told).
+    pub(super) fn handle(&mut self, from: usize, inbox: &[u8]) -> Result<(), PsError> {
+        let Some(w) = self.roles.worker_index(from) else {
+            return Ok(()); // not a worker: ignore
+        };
+        self.heard[w] = Instant::now();
+        let Some((request, inline_bytes)) = decode_with::<Request>(inbox) else {
+            return self.error(from, "malformed request".into());
+        };
+        let lens = request.payload(self.k);
+        match request {
+            Request::Init { setup } => {
+                let configured = self.configure(&setup);
+                let into = if configured.is_ok() {
+                    Dest::Params
+                } else {
+                    Dest::Drop
+                };
+                if let Err(e) =
+                    configured.and(self.take_payload(from, &lens, inline_bytes, into)?)
+                {
+                    return self.error(from, e);
+                }
+                self.initialized = true;
+                self.ok(from)?;
+                self.answer_pending()
+            }
+            Request::Restore { setup, path } => {
+                let restored = self
+                    .configure(&setup)
+                    .and_then(|()| self.restore(&path, &setup.shards));
+                match restored {
+                    Ok(()) => {
+                        self.ok(from)?;
+                        self.answer_pending()
+                    }
+                    Err(e) => self.error(from, e),
+                }
+            }
+            Request::Pull(then) => {
+                self.pending.push(Parked::new(from, then));
+                self.answer_pending()
+            }
+            Request::Push {
+                step,
+                samples,
+                loss,
+                stop,
+                times,
+                pull,
+                ..
+            } => {
+                if let Some(signal) = stop {
+                    self.note_stop(signal);
+                }
+                if let Some(t) = times {
+                    self.reports.entry(from).or_default().add(&t);
+                }
+                let verdict = self.judge(w, step, &request);
+                let into = match &verdict {
+                    Verdict::Apply => Dest::Apply,
+                    Verdict::Accept => Dest::Staged(w),
+                    Verdict::Stale | Verdict::Reject(_) => Dest::Drop,
+                };
+                if let Err(e) = self.take_payload(from, &lens, inline_bytes, into)? {
+                    return self.error(from, e);
+                }
+                let loss = loss.unwrap_or(f32::NAN);
+                // The pull that came with the push is answered in its place (parked first:
+                // the update below may make it ready).
+                let answered = match pull {
+                    Some(then) if !matches!(verdict, Verdict::Reject(_)) => {
+                        self.pending.push(Parked::new(from, then));
+                        true
+                    }
+                    _ => false,
+                };
+                match verdict {
+                    Verdict::Reject(e) => self.error(from, e),
+                    Verdict::Stale if answered => self.answer_pending(),
+                    Verdict::Stale => {
+                        let step = self.global_step;
+                        self.reply(from, &Reply::Stale { step })
+                    }
+                    Verdict::Apply => {
+                        self.global_step += 1;
+                        self.clock.steps(1);
+                        self.last_loss = loss;
+                        if !answered {
+                            self.ok(from)?;
+                        }
+                        self.answer_pending()
+                    }
+                    Verdict::Accept => {
+                        self.accum.insert(w, (samples as f32, loss));
+                        if !answered {
+                            self.ok(from)?;
+                        }
+                        if self.accum.len() >= self.sync.unwrap_or(1) {
+                            self.apply_accumulated();
+                            self.answer_pending()?;
+                        }
+                        Ok(())
+                    }
+                }
+            }
+            Request::Save { dir } => {
+                let file = shards::file_of(self.k, self.stage);
+                match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
+                    Ok((bytes, checksum)) => self.reply(
+                        from,
+                        &Reply::Saved {
+                            file,
+                            bytes,
+                            checksum,
+                        },
+                    ),
+                    Err(e) => self.error(from, e.to_string()),
+                }
+            }
+            Request::Abort { message } => {
+                self.done[w] = true;
+                // Named by its sender (a worker's errors mostly name it already).
+                let by = self.roles.task(from);
+                let message = match message.starts_with(&by) {
+                    true => message,
+                    false => format!("{by}: {message}"),
+                };
+                self.abort_all(from, &message);
+                Err(PsError::Aborted {
+                    task: self.me(),
+                    message,
+                })
+            }
+            Request::Done { stop } => {
+                self.done[w] = true;
+                self.stopped = self.stopped.or(stop);
+                Ok(())
+            }
+        }
+    }
+
+    /// What becomes of worker `w`'s push `request` for `step` (judged on its header,
+    /// before its payload is taken).
+    fn judge(&self, w: usize, step: u64, request: &Request) -> Verdict {
+        let Request::Push { vars, .. } = request else {
+            unreachable!("judge is called on pushes")
+        };
+        if !self.initialized {
+            return Verdict::Reject("push before the variables were initialised".into());
+        }
+        if let Err(e) = self.check_vars(vars) {
+            return Verdict::Reject(e);
+        }
+        if self.sync.is_none() {
+            return Verdict::Apply;
+        }
+        if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
+            return Verdict::Stale;
+        }
+        if step > self.global_step {
+            return Verdict::Reject(format!(
+                "push for step {step} ahead of global step {}",
+                self.global_step
+            ));
+        }
+        Verdict::Accept
+    }
+}
