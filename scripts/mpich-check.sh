@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds mpiflow against MPICH (beside the default OpenMPI build) and runs under MPICH's
 # mpiexec: a 3-rank `mpiflow spec` (every rank's task), `mpiflow check` (the data plane,
-# shared memory and one-sided included) and a 4-rank one-sided ps training that must reach 95%.
+# shared memory and one-sided included), and training by the one-sided ps, the ps over
+# messages and allreduce, each to 95% (the last two to the same accuracy).
 # mpi-sys must be rebuilt for another MPI, hence the separate target directory.
 # `mpich-check.sh build` only builds (the test command starts it early, in the background).
 set -euo pipefail
@@ -39,10 +40,27 @@ if [[ $(grep -c '"shm":true' <<<"$checked") != 3 ]]; then
   echo "MPICH check failed: the shared-memory allreduce did not run on every rank:"
   echo "$checked"; exit 1
 fi
-# One-sided ps training under MPICH (its ch4 RMA; mpiflow's OpenMPI settings unused).
-acc=$(timeout 120 mpiexec.mpich -n 4 "$CARGO_TARGET_DIR/release/mpiflow" train --mode ps --ps 1 \
-  --transport rma --steps 300 | awk '/^accuracy/ {print $2}')
-if ! awk -v a="$acc" 'BEGIN {exit !(a >= 0.95)}'; then
-  echo "MPICH check failed: one-sided ps training reached accuracy '$acc'"; exit 1
+# Training under MPICH in each mode: the one-sided ps (its ch4 RMA; mpiflow's OpenMPI
+# settings unused), the ps over messages and allreduce. Each must reach 95%; the two
+# synchronous modes of the same global batch compute the same updates, so their accuracy
+# lines (held-out samples right, at the same step) must be the same too.
+train() {
+  timeout 120 mpiexec.mpich -n "$1" "$CARGO_TARGET_DIR/release/mpiflow" train --steps 300 "${@:2}"
+}
+accuracy() {
+  awk '/^accuracy/ {print $2}' <<<"$1"
+}
+rma=$(train 4 --mode ps --ps 1 --transport rma)
+ps=$(train 4 --mode ps --ps 1)
+allreduce=$(train 3 --mode allreduce)
+for mode in rma ps allreduce; do
+  acc=$(accuracy "${!mode}")
+  if ! awk -v a="$acc" 'BEGIN {exit !(a >= 0.95)}'; then
+    echo "MPICH check failed: $mode training reached accuracy '$acc'"; exit 1
+  fi
+done
+if [[ $(grep '^accuracy' <<<"$ps") != $(grep '^accuracy' <<<"$allreduce") ]]; then
+  echo "MPICH check failed: the synchronous ps and allreduce ended apart:"
+  grep '^accuracy' <<<"$ps"; grep '^accuracy' <<<"$allreduce"; exit 1
 fi
-echo "MPICH: 3 passed, 0 failed"
+echo "MPICH: 5 passed, 0 failed"
