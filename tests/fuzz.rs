@@ -1,7 +1,8 @@
 //! Property tests over every parser and decoder of outside input: host lists, hostfiles,
 //! Slurm's variables, TF_CONFIG, the legacy flags, checkpoint files, data files (IDX and
-//! the digits CSV), benchmark tables (OSU format), the tensor wire header and the ps protocol. Any input: no panic (an error value is fine); inputs a
-//! printer made: parsed back to the same value. Bounded: a fixed number of cases each.
+//! the digits CSV), benchmark tables (OSU format), the tensor wire header and the ps
+//! protocol. Any input: no panic (an error value is fine); inputs a printer made: parsed
+//! back to the same value. Bounded: a fixed number of cases each.
 //! Cases proptest finds are kept under `tests/fuzz.proptest-regressions` and rerun first.
 
 use std::collections::BTreeMap;
