@@ -15,6 +15,16 @@ pub struct Steps {
     pub last: u64,
 }
 
+impl std::fmt::Display for Steps {
+    /// `steps 3 to 7`, or `step 3`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.first == self.last {
+            true => write!(f, "step {}", self.first),
+            false => write!(f, "steps {} to {}", self.first, self.last),
+        }
+    }
+}
+
 /// Steps a picture shows when none are asked for: five from the middle of the run.
 const DEFAULT_STEPS: u64 = 5;
 
@@ -33,7 +43,9 @@ fn window(tracks: &[Track], steps: Steps) -> Option<(f64, f64)> {
     Some((start, end))
 }
 
-/// The steps of the middle of the run.
+/// The steps of the middle of the run: [`DEFAULT_STEPS`] from its middle step, or from
+/// earlier when fewer follow it; only steps the run has (a run of 3 steps is steps 0 to 2,
+/// not 0 to 4).
 fn middle(tracks: &[Track]) -> Option<Steps> {
     let mut steps: Vec<u64> = tracks
         .iter()
@@ -41,11 +53,14 @@ fn middle(tracks: &[Track]) -> Option<Steps> {
         .collect();
     steps.sort_unstable();
     steps.dedup();
-    let first = *steps.get(steps.len() / 2)?;
-    Some(Steps {
-        first,
-        last: first + DEFAULT_STEPS - 1,
-    })
+    let from = (steps.len() / 2).min(steps.len().saturating_sub(DEFAULT_STEPS as usize));
+    let first = *steps.get(from)?;
+    let last = steps
+        .iter()
+        .copied()
+        .take_while(|s| *s < first + DEFAULT_STEPS)
+        .max()?;
+    Some(Steps { first, last })
 }
 
 /// Draws `tracks` over the window of `steps` (default: five from the middle of the run)
@@ -106,10 +121,7 @@ pub fn timeline_svg(
         }
     };
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!("timeline of steps {} to {}", steps.first, steps.last),
-            ("sans-serif", 18),
-        )
+        .caption(format!("timeline of {steps}"), ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(150)
@@ -197,6 +209,22 @@ mod tests {
         // 5 steps x 2 spans x 2 tracks, and the spans touching the window's edges.
         let rects = svg.matches("<rect").count();
         assert!((20..=30).contains(&rects), "{rects}");
+        // A short run: the steps it has.
+        let short: Vec<Track> = tracks
+            .iter()
+            .map(|t| Track {
+                spans: t
+                    .spans
+                    .iter()
+                    .filter(|s| s.step < Some(3))
+                    .cloned()
+                    .collect(),
+                ..t.clone()
+            })
+            .collect();
+        let steps = timeline_svg(&short, None, &path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(steps, Steps { first: 0, last: 2 });
         let none = timeline_svg(
             &tracks,
             Some(Steps {

@@ -34,12 +34,13 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
             let tracks = timeline::read(one).map_err(Failure::local)?;
             let steps = args.steps.map(|(first, last)| plot::Steps { first, last });
             let drawn = plot::timeline_svg(&tracks, steps, &args.out).map_err(Failure::local)?;
+            let whose = match tracks.len() {
+                1 => "1 rank's".to_string(),
+                n => format!("{n} ranks'"),
+            };
             emit(&format!(
-                "# wrote {}: {} ranks' spans of steps {} to {}\n",
-                args.out.display(),
-                tracks.len(),
-                drawn.first,
-                drawn.last
+                "# wrote {}: {whose} spans of {drawn}\n",
+                args.out.display()
             ));
             return Ok(());
         }
