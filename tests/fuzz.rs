@@ -1,8 +1,9 @@
 //! Property tests over every parser and decoder of outside input: host lists, hostfiles,
 //! Slurm's variables, TF_CONFIG, the legacy flags, checkpoint files, data files (IDX and
-//! the digits CSV), benchmark tables (OSU format), the tensor wire header and the ps
-//! protocol. Any input: no panic (an error value is fine); inputs a printer made: parsed
-//! back to the same value. Bounded: a fixed number of cases each.
+//! the digits CSV), benchmark tables (OSU format), timelines (trace-event files), the
+//! tensor wire header and the ps protocol. Any input: no panic (an error value is fine);
+//! inputs a printer made: parsed back to the same value. Bounded: a fixed number of cases
+//! each.
 //! Cases proptest finds are kept under `tests/fuzz.proptest-regressions` and rerun first.
 
 use std::collections::BTreeMap;
@@ -276,6 +277,35 @@ proptest! {
         for ((m, v), (gm, gv)) in rows.iter().zip(&tables[0].rows) {
             prop_assert_eq!(f64::from(*m), *gm);
             prop_assert!((v - gv).abs() <= 0.005 + 1e-9);
+        }
+    }
+
+    #[test]
+    fn trace_files_never_panic_nor_break_the_picture(
+        events in proptest::collection::vec((
+            prop_oneof![Just("X"), Just("M"), Just("B")],
+            0u64..3,
+            prop_oneof![-1e9f64..1e9, Just(0.0), Just(1e300), Just(-1e300), Just(1e308)],
+            prop_oneof![-10.0f64..1e6, Just(0.0), Just(1e308), Just(-1.0)],
+            proptest::option::of(0u64..20),
+        ), 0..12),
+    ) {
+        use mpiflow::observe::timeline::parse;
+        let events: Vec<String> = events
+            .iter()
+            .map(|(ph, pid, ts, dur, step)| {
+                let step = step.map_or("null".to_string(), |s| s.to_string());
+                format!(r#"{{"name":"n","ph":"{ph}","pid":{pid},"ts":{ts:?},"dur":{dur:?},"args":{{"step":{step},"name":"t"}}}}"#)
+            })
+            .collect();
+        let text = format!(r#"{{"traceEvents":[{}]}}"#, events.join(","));
+        if let Ok(tracks) = parse(Path::new("t.json"), &text) {
+            for s in tracks.iter().flat_map(|t| &t.spans) {
+                prop_assert!(s.dur_us >= 0.0 && (s.start_us + s.dur_us).is_finite());
+            }
+            let svg = std::env::temp_dir().join(format!("mpiflow-fuzz-{}.svg", std::process::id()));
+            let _ = mpiflow::observe::plot::timeline_svg(&tracks, None, &svg);
+            let _ = std::fs::remove_file(&svg);
         }
     }
 

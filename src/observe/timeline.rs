@@ -359,15 +359,31 @@ struct RawArgs {
 /// `"ph":"X"`, and `process_name` metadata; other events are skipped): its tracks in
 /// process order.
 pub fn read(path: &Path) -> Result<Vec<Track>, TimelineError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TimelineError::Read {
+        path: path.to_path_buf(),
+        why: format!("cannot read it: {e}"),
+    })?;
+    parse(path, &text)
+}
+
+/// The tracks of trace-event text `text` (of the file `path`, named in errors), as
+/// [`read`] gives them. A span must lie in time: a start and a duration that are finite,
+/// the duration not negative, the end finite too (the picture's axis is drawn from them).
+pub fn parse(path: &Path, text: &str) -> Result<Vec<Track>, TimelineError> {
     let err = |why: String| TimelineError::Read {
         path: path.to_path_buf(),
         why,
     };
-    let file = std::fs::File::open(path).map_err(|e| err(format!("cannot read it: {e}")))?;
-    let trace: TraceFile = serde_json::from_reader(std::io::BufReader::new(file))
-        .map_err(|e| err(format!("not a trace-event file ({e})")))?;
+    let trace: TraceFile =
+        serde_json::from_str(text).map_err(|e| err(format!("not a trace-event file ({e})")))?;
     let mut tracks: std::collections::BTreeMap<u64, Track> = std::collections::BTreeMap::new();
-    for e in trace.events {
+    for (i, e) in trace.events.into_iter().enumerate() {
+        if e.ph == "X" && !(e.dur >= 0.0 && (e.ts + e.dur).is_finite()) {
+            return Err(err(format!(
+                "event {i} ({:?}): ts {:?} and dur {:?} are not a span in time (finite, dur not negative)",
+                e.name, e.ts, e.dur
+            )));
+        }
         let track = tracks.entry(e.pid).or_insert_with(|| Track {
             pid: e.pid,
             name: format!("process {}", e.pid),
@@ -502,5 +518,26 @@ mod tests {
         let e = read(&bad).unwrap_err().to_string();
         std::fs::remove_file(&bad).unwrap();
         assert!(e.contains("not a trace-event file"), "{e}");
+    }
+
+    #[test]
+    fn spans_that_do_not_lie_in_time_are_refused() {
+        // A negative duration made the picture's window end before it began (a panic in
+        // the axis); with an end past f64's range the drawing did not end (10 s, stopped).
+        let span = |ts: &str, dur: &str| {
+            format!(
+                r#"{{"traceEvents":[{{"name":"a","ph":"X","pid":0,"ts":{ts},"dur":{dur},"args":{{"step":1}}}}]}}"#
+            )
+        };
+        let p = Path::new("t.json");
+        assert_eq!(parse(p, &span("5", "0")).unwrap()[0].spans.len(), 1);
+        for (ts, dur) in [("10", "-20"), ("1e308", "1e308")] {
+            let e = parse(p, &span(ts, dur)).unwrap_err().to_string();
+            assert!(
+                e.starts_with("timeline t.json: event 0 (\"a\"): ts ")
+                    && e.ends_with("are not a span in time (finite, dur not negative)"),
+                "{e}"
+            );
+        }
     }
 }
