@@ -66,6 +66,57 @@ pub enum Record {
 }
 
 impl Record {
+    /// What a record of a run can hold: seconds and rates finite and not negative, an
+    /// accuracy of its samples (`Err`: what is not).
+    fn check(&self) -> Result<(), String> {
+        let fine = |what: &str, v: f64| match v.is_finite() && v >= 0.0 {
+            true => Ok(()),
+            false => Err(format!("{what} {v:?} is not a finite, non-negative number")),
+        };
+        match self {
+            Record::Step {
+                wall_s,
+                steps_per_sec,
+                samples_per_sec,
+                ranks,
+                ..
+            } => {
+                fine("wall_s", *wall_s)?;
+                fine("steps_per_sec", *steps_per_sec)?;
+                fine("samples_per_sec", *samples_per_sec)?;
+                for r in ranks {
+                    let t = &r.times;
+                    fine("compute_s", t.compute)?;
+                    fine("comm_s", t.comm)?;
+                    fine("wait_s", t.wait)?;
+                    fine("other_s", t.other)?;
+                }
+                Ok(())
+            }
+            Record::Eval {
+                wall_s,
+                accuracy,
+                correct,
+                total,
+                ..
+            } => {
+                fine("wall_s", *wall_s)?;
+                match (0.0..=1.0).contains(accuracy) && correct <= total {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "accuracy {accuracy:?} of {correct} right in {total} is not an accuracy"
+                    )),
+                }
+            }
+            Record::Stall {
+                wall_s, waited_s, ..
+            } => {
+                fine("wall_s", *wall_s)?;
+                fine("wait_s", *waited_s)
+            }
+        }
+    }
+
     /// The global step the record is of.
     pub fn step(&self) -> u64 {
         match self {
@@ -316,7 +367,9 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
     let mut lines = complete.lines().enumerate().map(|(i, l)| (i + 1, l));
     if format == Format::JsonLines {
         for (n, l) in lines.filter(|(_, l)| !l.trim().is_empty()) {
-            out.push(serde_json::from_str(l).map_err(|e| bad(n, e.to_string()))?);
+            let r: Record = serde_json::from_str(l).map_err(|e| bad(n, e.to_string()))?;
+            r.check().map_err(|why| bad(n, why))?;
+            out.push(r);
         }
         return Ok(out);
     }
@@ -383,6 +436,9 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                 {
                     if *s == step && !ranks.is_empty() && ranks.iter().all(|x| x.rank != r.rank) {
                         ranks.push(r.clone());
+                        if let Some(merged) = out.last() {
+                            merged.check().map_err(|why| bad(n, why))?;
+                        }
                         continue;
                     }
                 }
@@ -413,6 +469,9 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                 })
             }
             k => return Err(bad(n, format!("kind {k:?} is not step, eval or stall"))),
+        }
+        if let Some(r) = out.last() {
+            r.check().map_err(|why| bad(n, why))?;
         }
     }
     Ok(out)
@@ -528,6 +587,56 @@ mod tests {
         assert!(e.starts_with("metrics file m.csv, line 1: not mpiflow's CSV header"));
         let e = parse(Path::new("m.jsonl"), Format::JsonLines, "{}\n").unwrap_err();
         assert!(e.to_string().starts_with("metrics file m.jsonl, line 1: "));
+        // Values no run writes: a time before the start (a plot's axis of 1e308 either
+        // way never finished drawing), a rank's negative seconds, an accuracy above 1.
+        let row = |wall: &str, compute: &str| {
+            format!("step,10,{wall},1.5,1,1,,,,0,worker:0,{compute},0,0,0,10,,,\n")
+        };
+        // A second rank's row of the same step, merged into its record.
+        let rank1 = "step,10,1,1.5,1,1,,,,1,worker:1,-2,0,0,0,10,,,\n";
+        for (rows, line, why) in [
+            (
+                row("-5", "0"),
+                2,
+                "wall_s -5.0 is not a finite, non-negative number",
+            ),
+            (
+                row("inf", "0"),
+                2,
+                "wall_s inf is not a finite, non-negative number",
+            ),
+            (
+                row("1", "-3"),
+                2,
+                "compute_s -3.0 is not a finite, non-negative number",
+            ),
+            (
+                row("1", "0") + rank1,
+                3,
+                "compute_s -2.0 is not a finite, non-negative number",
+            ),
+            (
+                "eval,10,1,,,,2,1,1,,,,,,,,,,\n".to_string(),
+                2,
+                "accuracy 2.0 of 1 right in 1 is not an accuracy",
+            ),
+        ] {
+            let e = parse(p, Format::Csv, &format!("{CSV_HEADER}{rows}"));
+            assert_eq!(
+                e.unwrap_err().to_string(),
+                format!("metrics file m.csv, line {line}: {why}")
+            );
+        }
+        let json = r#"{"kind":"eval","step":1,"wall_s":-1.0,"accuracy":0.5,"correct":1,"total":2}"#;
+        let e = parse(
+            Path::new("m.jsonl"),
+            Format::JsonLines,
+            &format!("{json}\n"),
+        );
+        assert_eq!(
+            e.unwrap_err().to_string(),
+            "metrics file m.jsonl, line 1: wall_s -1.0 is not a finite, non-negative number"
+        );
     }
 
     #[test]

@@ -96,10 +96,16 @@ where
         .map_err(|e| e.to_string())
 }
 
-/// A range around `values` (a margin on either side; a span where all are equal).
+/// The largest magnitude a value is drawn at: plotters did not finish an axis near f64's
+/// limit (1.7e308); values beyond it are drawn at it.
+const AXIS_LIMIT: f64 = 1e300;
+
+/// A range around `values` (a margin on either side; a span where all are equal), finite
+/// and within a little more than [`AXIS_LIMIT`].
 pub(super) fn span(values: impl Iterator<Item = f64>, log: bool) -> std::ops::Range<f64> {
     let (lo, hi) = values
         .filter(|v| v.is_finite() && (!log || *v > 0.0))
+        .map(|v| v.clamp(-AXIS_LIMIT, AXIS_LIMIT))
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
             (a.min(v), b.max(v))
         });
@@ -107,7 +113,11 @@ pub(super) fn span(values: impl Iterator<Item = f64>, log: bool) -> std::ops::Ra
         (false, true) => 1.0..10.0,
         (false, false) => 0.0..1.0,
         (true, true) => lo / 1.5..hi * 1.5,
-        (true, false) if hi - lo < 1e-12 => lo - 0.5..hi + 0.5,
+        // All equal: half a unit either side, or a part of a value too large for that.
+        (true, false) if hi - lo < 1e-12 => {
+            let m = hi.abs().max(lo.abs()) * 1e-9;
+            lo - m.max(0.5)..hi + m.max(0.5)
+        }
         (true, false) => {
             let m = (hi - lo) * 0.05;
             lo - m..hi + m
@@ -129,4 +139,33 @@ const COLORS: [RGBColor; 8] = [
 
 pub(super) fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::span;
+
+    #[test]
+    fn axes_stay_finite_and_within_what_can_be_drawn() {
+        // Values 1.7e308 apart: the margin was infinite, and plotters did not finish an
+        // axis near f64's limit.
+        for values in [
+            [0.0, 1.7e308],
+            [-1.7e308, 1.7e308],
+            [1.0, 1e308],
+            [1.7e308, 1.7e308],
+            [1e20, 1e20],
+        ] {
+            for log in [false, true] {
+                let r = span(values.into_iter(), log);
+                assert!(r.start.is_finite() && r.end.is_finite(), "{values:?} {r:?}");
+                assert!(
+                    r.start < r.end && r.end <= 2e300 && r.start >= -2e300,
+                    "{r:?}"
+                );
+            }
+        }
+        assert_eq!(span([2.0, 4.0].into_iter(), false), 1.9..4.1);
+        assert_eq!(span([f64::NAN].into_iter(), true), 1.0..10.0);
+    }
 }
