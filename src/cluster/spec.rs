@@ -434,6 +434,12 @@ impl ClusterSpec {
         (numbered && counts.iter().all(|c| *c == stages)).then_some((counts.len(), stages))
     }
 
+    /// The tasks that train on a share of the batch: the chief and every worker (those
+    /// [`ClusterSpec::worker_id`] numbers).
+    pub fn num_workers(&self) -> usize {
+        self.num_tasks("chief").unwrap_or(0) + self.num_tasks("worker").unwrap_or(0)
+    }
+
     pub fn worker_id(&self, task: &TaskId) -> Option<usize> {
         let chiefs = self.num_tasks("chief").unwrap_or(0);
         match task.job.as_str() {
@@ -508,6 +514,7 @@ mod tests {
         let without = ClusterSpec::from_json(&json!({"worker": ["a:1", "b:1"]})).unwrap();
         assert_eq!(without.chief(), Some(TaskId::new("worker", 0)));
         assert_eq!(without.worker_id(&TaskId::new("worker", 1)), Some(1));
+        assert_eq!((with_chief.num_workers(), without.num_workers()), (3, 2));
     }
 
     #[test]

@@ -239,11 +239,10 @@ fn idle_towers(args: &TrainArgs, layout: Option<&mpiflow::cluster::Layout>) -> O
                 batch / replicas.max(1) / args.micro_batches.max(1),
                 "a replica's micro-batch",
             ),
-            None => {
-                let tasks =
-                    spec.num_tasks("worker").unwrap_or(0) + spec.num_tasks("chief").unwrap_or(0);
-                (batch / tasks.max(1), "a task's share of the batch")
-            }
+            None => (
+                batch / spec.num_workers().max(1),
+                "a task's share of the batch",
+            ),
         },
     };
     let rows = rows.max(1);
@@ -264,7 +263,7 @@ fn rank_need(
     model: &dyn Model,
 ) -> resources::Need {
     let spec = &layout.spec;
-    let workers = spec.num_tasks("worker").unwrap_or(0) + spec.num_tasks("chief").unwrap_or(0);
+    let workers = spec.num_workers();
     let per_worker = (args.batch as usize).div_ceil(workers.max(1));
     let opt = args.train_config().optimizer;
     match (args.mode, spec.worker_id(task)) {
