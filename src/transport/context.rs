@@ -223,51 +223,63 @@ impl Context {
             .collect()
     }
 
-    /// Collective: every rank's warning, if any; each distinct one once, with the ranks
-    /// that gave it ([`by_message`]), on every rank (one of them prints them).
-    pub fn gather_warnings(&self, mine: Option<&str>) -> Vec<String> {
+    /// Collective: every rank's message, by rank (`None` where a rank had none), if any
+    /// rank had one; `None` at the cost of one gathered flag when no rank did.
+    fn gather_if_any(&self, mine: Option<&str>) -> Option<Vec<Option<String>>> {
         let any = i32::from(mine.is_some());
         let mut flags = vec![0i32; self.size()];
         self.world.all_gather_into(&any, &mut flags[..]);
         if flags.iter().all(|f| *f == 0) {
-            return Vec::new();
+            return None;
         }
-        by_message(&self.all_gather_strings(mine.unwrap_or("")))
+        let messages = self.all_gather_strings(mine.unwrap_or(""));
+        Some(
+            flags
+                .iter()
+                .zip(messages)
+                .map(|(f, m)| (*f != 0).then_some(m))
+                .collect(),
+        )
+    }
+
+    /// Collective: every rank's warning, if any; each distinct one once, with the ranks
+    /// that gave it ([`by_message`]), on every rank (one of them prints them).
+    pub fn gather_warnings(&self, mine: Option<&str>) -> Vec<String> {
+        self.gather_if_any(mine)
+            .map_or_else(Vec::new, |by_rank| by_message(&by_rank))
     }
 
     /// Collective: every rank passes its local result; all get `Ok` only if all succeeded,
     /// otherwise the same error, naming the lowest failing rank (unless every rank failed
     /// with the same message, which then needs no rank).
     pub fn agree<T, E: Display>(&self, local: Result<T, E>) -> Result<T, RankError> {
-        let failed = i32::from(local.is_err());
-        let mut flags = vec![0i32; self.size()];
-        self.world.all_gather_into(&failed, &mut flags[..]);
-        if flags.iter().all(|f| *f == 0) {
-            return Ok(local.unwrap_or_else(|_| unreachable!("flag says ok")));
-        }
-        let message = match &local {
-            Ok(_) => String::new(),
-            Err(e) => e.to_string(),
+        let mine = local.as_ref().err().map(|e| e.to_string());
+        let Some(messages) = self.gather_if_any(mine.as_deref()) else {
+            return Ok(local.unwrap_or_else(|_| unreachable!("no rank failed")));
         };
-        let messages = self.all_gather_strings(&message);
-        let rank = flags
+        let rank = messages
             .iter()
-            .position(|f| *f != 0)
+            .position(Option::is_some)
             .expect("some rank failed");
-        let everywhere =
-            flags.iter().all(|f| *f != 0) && messages.iter().all(|m| *m == messages[rank]);
+        let message = messages[rank].clone().expect("a failed rank's message");
+        let everywhere = messages.iter().all(|m| m.as_ref() == Some(&message));
         Err(RankError {
             rank: (!everywhere).then_some(rank),
-            message: messages[rank].clone(),
+            message,
         })
     }
 }
 
-/// Each distinct non-empty message of `by_rank` (indexed by rank) once, in order of its
-/// first rank, led by the ranks that gave it: `all ranks: M`, `rank 3: M`, `ranks 0-2, 5: M`.
-pub fn by_message(by_rank: &[String]) -> Vec<String> {
+/// Each distinct message of `by_rank` (indexed by rank; `None`: that rank had none) once,
+/// in order of its first rank, led by the ranks that gave it: `all ranks: M`, `rank 3: M`,
+/// `ranks 0-2,5: M`.
+pub fn by_message(by_rank: &[Option<String>]) -> Vec<String> {
     let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (rank, m) in by_rank.iter().enumerate().filter(|(_, m)| !m.is_empty()) {
+    for (rank, m) in by_rank
+        .iter()
+        .enumerate()
+        .filter_map(|(r, m)| Some((r, m.as_ref()?)))
+    {
         match groups.iter_mut().find(|(g, _)| *g == m.as_str()) {
             Some((_, ranks)) => ranks.push(rank),
             None => groups.push((m, vec![rank])),
@@ -289,7 +301,12 @@ mod tests {
 
     #[test]
     fn warnings_are_grouped_by_message_with_their_ranks() {
-        let s = |v: &[&str]| v.iter().map(|m| m.to_string()).collect::<Vec<_>>();
+        // "" for a rank without a message.
+        let s = |v: &[&str]| {
+            v.iter()
+                .map(|m| (!m.is_empty()).then(|| m.to_string()))
+                .collect::<Vec<_>>()
+        };
         assert_eq!(by_message(&s(&["a", "a", "a"])), ["all ranks: a"]);
         assert_eq!(
             by_message(&s(&["a", "", "b", "a", "a", "", "a"])),
