@@ -431,25 +431,27 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                     }),
                 };
                 // Rows of one logged step follow each other: they make one record.
-                if let (Some(Record::Step { step: s, ranks, .. }), Some(r)) =
-                    (out.last_mut(), &rank)
-                {
-                    if *s == step && !ranks.is_empty() && ranks.iter().all(|x| x.rank != r.rank) {
+                let merged = match (out.last_mut(), &rank) {
+                    (Some(Record::Step { step: s, ranks, .. }), Some(r))
+                        if *s == step
+                            && !ranks.is_empty()
+                            && ranks.iter().all(|x| x.rank != r.rank) =>
+                    {
                         ranks.push(r.clone());
-                        if let Some(merged) = out.last() {
-                            merged.check().map_err(|why| bad(n, why))?;
-                        }
-                        continue;
+                        true
                     }
+                    _ => false,
+                };
+                if !merged {
+                    out.push(Record::Step {
+                        step,
+                        wall_s,
+                        loss: num(3, "loss")?.map(|v| v as f32),
+                        steps_per_sec: need(4, "steps_per_sec")?,
+                        samples_per_sec: need(5, "samples_per_sec")?,
+                        ranks: rank.into_iter().collect(),
+                    });
                 }
-                out.push(Record::Step {
-                    step,
-                    wall_s,
-                    loss: num(3, "loss")?.map(|v| v as f32),
-                    steps_per_sec: need(4, "steps_per_sec")?,
-                    samples_per_sec: need(5, "samples_per_sec")?,
-                    ranks: rank.into_iter().collect(),
-                });
             }
             kind @ ("stall" | "stall_cleared") => {
                 let list = |i: usize| -> Vec<String> {
@@ -470,6 +472,7 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
             }
             k => return Err(bad(n, format!("kind {k:?} is not step, eval or stall"))),
         }
+        // The line's record, or the step's record it joined.
         if let Some(r) = out.last() {
             r.check().map_err(|why| bad(n, why))?;
         }
