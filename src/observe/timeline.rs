@@ -381,8 +381,8 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<Track>, TimelineError> {
     let trace: TraceFile =
         serde_json::from_str(text).map_err(|e| err(format!("not a trace-event file ({e})")))?;
     let mut tracks: std::collections::BTreeMap<u64, Track> = std::collections::BTreeMap::new();
+    let within = |t: f64| t.abs() <= TIME_LIMIT_US;
     for (i, e) in trace.events.into_iter().enumerate() {
-        let within = |t: f64| t.abs() <= TIME_LIMIT_US;
         if e.ph == "X" && !(e.dur >= 0.0 && within(e.ts) && within(e.ts + e.dur)) {
             return Err(err(format!(
                 "event {i} ({:?}): ts {:?} and dur {:?} are not a span in time (within ±1e300 us, dur not negative)",
