@@ -62,7 +62,7 @@ pub(crate) fn stage_job<C: Comm>(
     let mut tasks = BTreeMap::new();
     for (local, world) in members.iter().enumerate() {
         let task = &layout.ranks[*world].task;
-        tasks.insert(local, task.clone());
+        tasks.insert(local, (task.clone(), *world));
         match layout.spec.replica_stage(task) {
             Some((replica, _)) => workers.push((replica, local)),
             None => ps.push((task.index, local)),
@@ -162,5 +162,39 @@ impl<'a, C: Comm> StageClient<'a, C> {
     /// Tells the ps tasks this task is done (`stop`: stopped by that signal).
     pub(crate) fn done(&self, stop: Option<i32>) -> Result<(), PipelineError> {
         Ok(self.client.done(stop)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::MappingOptions;
+    use crate::transport::local::LocalComm;
+
+    /// A stage's job names its tasks by their ranks in the whole job (the ones mpirun and
+    /// `# ranks:` name), not by their ranks on the stage's communicator.
+    #[test]
+    fn a_stage_job_names_its_tasks_by_their_ranks_in_the_job() {
+        let opts = MappingOptions {
+            ps: 1,
+            stages: Some(2),
+            ..Default::default()
+        };
+        // ps:0, replica_0:0, replica_0:1, replica_1:0, replica_1:1.
+        let layout = Layout::single_host(5, &opts).unwrap();
+        let names = LocalComm::run(5, |comm| {
+            let (sub, roles) = stage_job(&comm, &layout, 1).unwrap();
+            roles.map(|r| {
+                let all = (0..sub.size()).map(|local| r.task(local));
+                all.collect::<Vec<_>>()
+            })
+        });
+        let stage_1 = [
+            "ps:0 (rank 0)",
+            "replica_0:1 (rank 2)",
+            "replica_1:1 (rank 4)",
+        ];
+        let on = Some(stage_1.map(String::from).to_vec());
+        assert_eq!(names, [on.clone(), None, on.clone(), None, on]);
     }
 }

@@ -13,7 +13,8 @@ pub struct Roles {
     pub ps: Vec<usize>,
     /// Rank of worker `w` at `w`: the chief (`chief:0`, else `worker:0`) is worker 0.
     pub workers: Vec<usize>,
-    tasks: BTreeMap<usize, TaskId>,
+    /// Each rank's task and its rank in the whole job (which errors name).
+    tasks: BTreeMap<usize, (TaskId, usize)>,
 }
 
 impl Roles {
@@ -26,7 +27,7 @@ impl Roles {
             let rank = r
                 .rank
                 .ok_or_else(|| PsError::Setup("ps mode needs ranks (run under mpirun)".into()))?;
-            tasks.insert(rank, r.task.clone());
+            tasks.insert(rank, (r.task.clone(), rank));
             match r.task.job.as_str() {
                 "ps" => ps.push((r.task.index, rank)),
                 "chief" | "worker" => {
@@ -53,15 +54,16 @@ impl Roles {
     pub fn task_name(&self, rank: usize) -> String {
         self.tasks
             .get(&rank)
-            .map_or(format!("rank {rank}"), |t| t.to_string())
+            .map_or(format!("rank {rank}"), |t| t.0.to_string())
     }
 
     /// The roles of a communicator of some of a job's ranks: `ps` and `workers` (the
-    /// chief first) by their ranks on it, `tasks` naming each of its ranks.
+    /// chief first) by their ranks on it, `tasks` giving each of its ranks its task and
+    /// its rank in the whole job (errors name that one: it is the one mpirun reports).
     pub fn from_parts(
         ps: Vec<usize>,
         workers: Vec<usize>,
-        tasks: BTreeMap<usize, TaskId>,
+        tasks: BTreeMap<usize, (TaskId, usize)>,
     ) -> Roles {
         Roles { ps, workers, tasks }
     }
@@ -70,7 +72,9 @@ impl Roles {
     pub fn task(&self, rank: usize) -> String {
         self.tasks
             .get(&rank)
-            .map_or(format!("rank {rank}"), |t| format!("{t} (rank {rank})"))
+            .map_or(format!("rank {rank}"), |(t, world)| {
+                format!("{t} (rank {world})")
+            })
     }
 
     /// This rank's ps index, if it is a ps task.
