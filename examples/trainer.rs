@@ -9,7 +9,8 @@
 //! Options: `--steps N` (default 1000), `--async`, `--checkpoint_dir DIR`, `--data SPEC`
 //! (default digits). Prints `accuracy X` on the chief at the end. SIGTERM, SIGINT or
 //! SIGUSR1 on any task stops every task after the same step, the chief checkpoints, and
-//! every task exits 75 (a rerun resumes).
+//! every task exits 75 (a rerun resumes). A loss or gradient not finite on any worker ends
+//! every task at the same step, the step not applied, with one line from the chief.
 
 use std::process::ExitCode;
 
@@ -40,10 +41,13 @@ fn value(args: &[String], name: &str) -> Option<String> {
     args.get(at + 1).cloned()
 }
 
-/// How a task ended well: training done, or stopped by a signal (the line to print).
+/// How a task ended in step with the others: training done, stopped by a signal, or
+/// failed with the verdict every task has (a step not applied); the line to print, if
+/// this task prints it (the chief).
 enum Ended {
     Done,
     Stopped(Option<String>),
+    Failed(Option<String>),
 }
 
 fn run(args: &[String]) -> Result<Ended, String> {
@@ -62,6 +66,7 @@ fn run(args: &[String]) -> Result<Ended, String> {
         return match server.join() {
             Ok(()) => Ok(Ended::Done),
             Err(ServerError::Ps(PsError::Stopped(_))) => Ok(Ended::Stopped(None)),
+            Err(ServerError::Ps(PsError::NotApplied(_))) => Ok(Ended::Failed(None)),
             Err(e) => Err(e.to_string()),
         };
     }
@@ -90,7 +95,14 @@ fn run(args: &[String]) -> Result<Ended, String> {
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
         let (x, y) = train.rows(shard(&global, w, workers));
-        sess.run(&x, &y).map_err(|e| e.to_string())?;
+        match sess.run(&x, &y) {
+            Ok(_) => {}
+            // Every task has this verdict (a loss or gradient not finite): one line.
+            Err(e @ PsError::NotApplied(_)) => {
+                return Ok(Ended::Failed(sess.is_chief().then(|| e.to_string())));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
     }
     let (chief, step, signal) = (sess.is_chief(), sess.global_step(), sess.stop_signal());
     let trained = sess.close().map_err(|e| e.to_string())?;
@@ -125,6 +137,12 @@ fn main() -> ExitCode {
                 say(&format!("trainer: {line}"));
             }
             ExitCode::from(mpiflow::train::Stopped::EXIT_STATUS)
+        }
+        Ok(Ended::Failed(line)) => {
+            if let Some(line) = line {
+                say(&format!("trainer: {line}"));
+            }
+            ExitCode::FAILURE
         }
         Err(e) => {
             say(&format!("trainer: {e}"));

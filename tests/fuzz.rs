@@ -323,7 +323,9 @@ proptest! {
         let vars: Vec<(String, usize)> = lens.iter().map(|l| (name.clone(), *l)).collect();
         let times = compute.map(|c| mpiflow::observe::phases::Times { compute: c, comm: c / 3.0, wait: 0.0, other: 1e-9, steps: step });
         let pull = stop.map(|s| protocol::Then { step: s as u64, report: step % 2 == 0 });
-        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop, times, pull };
+        // Some pushes say what their worker found not finite (a gradient named by `name`).
+        let non_finite = stop.map(|_| mpiflow::train::guard::NonFinite::Gradient { step, tensor: name.clone(), value: "inf".into(), whose: String::new() });
+        let req = Request::Push { step, samples, loss: Some(0.5), vars, stop, times, non_finite: non_finite.clone(), pull };
         let back = protocol::decode::<Request>(&protocol::encode(&req)).unwrap();
         prop_assert_eq!(&back, &req);
         // The payload the header declares: its parts, in pieces that cover each once.
@@ -338,6 +340,11 @@ proptest! {
         let reply = Reply::Stale { step };
         let back = protocol::decode::<Reply>(&protocol::encode(&reply)).unwrap();
         prop_assert_eq!(back, reply);
+        if let Some(why) = non_finite {
+            let verdict = Reply::NotApplied { why: why.seen(format!(" on {samples} of 1024 workers")) };
+            let back = protocol::decode::<Reply>(&protocol::encode(&verdict)).unwrap();
+            prop_assert_eq!(back, verdict);
+        }
     }
 
     /// Any IDX pair: an error, or a data set whose sizes agree with each other.

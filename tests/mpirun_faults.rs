@@ -90,6 +90,18 @@ fn a_non_finite_loss_stops_every_mode_and_the_last_good_checkpoint_stays_newest(
             bad.stderr.contains("the loss is") || bad.stderr.contains("gradient '"),
             "{name}: {bad:?}"
         );
+        // The synchronous modes reach one verdict: one line, counting the replicas or
+        // workers (2 of either here) that saw the value.
+        if ["allreduce", "ps", "ps-rma"].contains(&name) {
+            let lines: Vec<&str> = (bad.stderr.lines())
+                .filter(|l| l.starts_with("mpiflow: error:"))
+                .collect();
+            assert_eq!(lines.len(), 1, "{name}: {bad:?}");
+            assert!(
+                lines[0].contains(" of 2 replicas:") || lines[0].contains(" of 2 workers:"),
+                "{name}: {bad:?}"
+            );
+        }
         assert_eq!(checkpoint_steps(&dir), [first], "{name}: {bad:?}");
 
         // A sane rerun resumes from the last good checkpoint and finishes.

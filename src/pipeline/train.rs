@@ -196,6 +196,7 @@ impl Verdict {
                 step,
                 tensor: format!("(the reduced gradients of {} stages)", v[4] as usize),
                 value: "a non-finite value".into(),
+                whose: String::new(),
             }));
         }
         Ok(())

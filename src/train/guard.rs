@@ -5,27 +5,45 @@
 //! loss and the gradients of every step before applying them, and stops with one line
 //! naming the step and the tensor; the step is not applied and no checkpoint is written
 //! after it, so the newest checkpoint is the last good one. In the synchronous modes every
-//! rank reaches the same verdict at the same step (the checked values are the reduced
-//! ones), so all stop together.
+//! rank reaches the same verdict at the same step, so all stop together: allreduce and
+//! pipelines check the reduced values, the synchronous ps counts what each worker's push
+//! says it found ([`NonFinite::seen`] adds the count).
+
+use serde::{Deserialize, Serialize};
 
 use crate::tensor::Tensor;
 
 /// A non-finite value found in training.
-/// Values are kept as printed (`NaN`, `inf`, `-inf`), so errors compare equal.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Values are kept as printed (`NaN`, `inf`, `-inf`), so errors compare equal; `whose`
+/// says where it was seen (` on 2 of 4 replicas`), or is empty. It travels in the ps
+/// protocol (a worker's push says what it found; the ps tasks' verdict counts them).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum NonFinite {
     #[error("the loss is {value} at step {step}{whose}: training stopped before applying it (no checkpoint follows it: lower --lr and resume from the newest)")]
     Loss {
         step: u64,
         value: String,
+        #[serde(default)]
         whose: String,
     },
-    #[error("gradient '{tensor}' holds {value} at step {step}: training stopped before applying it (no checkpoint follows it: lower --lr and resume from the newest)")]
+    #[error("gradient '{tensor}' holds {value} at step {step}{whose}: training stopped before applying it (no checkpoint follows it: lower --lr and resume from the newest)")]
     Gradient {
         step: u64,
         tensor: String,
         value: String,
+        #[serde(default)]
+        whose: String,
     },
+}
+
+impl NonFinite {
+    /// The same finding, said to be seen `whose` (` on 2 of 3 workers`).
+    pub fn seen(mut self, on: String) -> NonFinite {
+        match &mut self {
+            NonFinite::Loss { whose, .. } | NonFinite::Gradient { whose, .. } => *whose = on,
+        }
+        self
+    }
 }
 
 /// True if every value is finite: `v - v` is 0 for a finite `v` and NaN otherwise, so a
@@ -88,6 +106,7 @@ pub fn check_gradients(step: u64, grads: &[Tensor]) -> Result<(), NonFinite> {
             step,
             tensor: g.name().to_string(),
             value: value.to_string(),
+            whose: String::new(),
         });
     }
     Ok(())

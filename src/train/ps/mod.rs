@@ -134,6 +134,11 @@ pub enum PsError {
         task: String,
         source: crate::train::guard::NonFinite,
     },
+    /// Synchronous training: a step's losses or gradients were not finite on some workers,
+    /// so the ps tasks did not apply it. Every worker and ps task ends with this, at the
+    /// same step (the chief prints it).
+    #[error("{0}")]
+    NotApplied(crate::train::guard::NonFinite),
     #[error("{0}")]
     Setup(String),
     /// The job was asked to stop (a preemption signal): every rank ends with this, at
@@ -485,6 +490,38 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A worker whose loss is not finite (its data here), synchronous, one ps and two:
+    /// every rank, the ps tasks too, ends with the same verdict at once, counting the
+    /// workers that saw it (`tests/mpirun_faults.rs` checks that no checkpoint follows).
+    #[test]
+    fn a_non_finite_step_is_one_verdict_on_every_rank_and_is_not_applied() {
+        let data = Dataset::synthetic(200, 8, 3, 1);
+        let (train, test) = data.split_holdout(1);
+        let mut poisoned = train.clone();
+        poisoned.x.iter_mut().for_each(|v| *v = f32::NAN);
+        let mlp = crate::model::mlp(8, &[4], 3).unwrap();
+        for (n, ps) in [(4, 1), (5, 2)] {
+            let l = layout(n, ps);
+            let c = cfg(5, true);
+            let t = std::time::Instant::now();
+            let out = LocalComm::run(n, |comm| {
+                // The last worker's data is NaN from the first step.
+                let mine = if comm.rank() == n - 1 {
+                    &poisoned
+                } else {
+                    &train
+                };
+                run(&comm, &l, &mlp, &c, mine, &test, &mut |_| {}).map_err(|e| e.to_string())
+            });
+            assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+            // (ReLU takes NaN to 0: the loss stays finite, the first layer's gradient not.)
+            let verdict = "gradient 'layer0/w' holds NaN at step 0 on 1 of 3 workers: \
+                           training stopped before applying it (no checkpoint follows it: \
+                           lower --lr and resume from the newest)";
+            assert_eq!(out, vec![Err(verdict.to_string()); n], "{n} ranks, {ps} ps");
+        }
+    }
+
     #[test]
     fn bad_pushes_are_rejected_and_the_ps_keeps_serving() {
         let data = Dataset::synthetic(200, 8, 3, 1);
@@ -515,6 +552,7 @@ mod tests {
                         vars,
                         stop: None,
                         times: None,
+                        non_finite: None,
                         pull: None,
                     };
                     // A small payload rides in the header's message.

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::placement::Shard;
 use crate::observe::phases::{RankTimes, Times};
+use crate::train::guard::NonFinite;
 use crate::train::optim::Optimizer;
 use crate::transport::comm::Comm;
 use crate::transport::tags::Reserved;
@@ -74,6 +75,11 @@ pub enum Request {
         /// on to the chief).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         times: Option<Times>,
+        /// Synchronous training: this worker's loss or gradients are not finite. The ps
+        /// tasks do not apply the step and answer every worker with
+        /// [`Reply::NotApplied`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        non_finite: Option<NonFinite>,
         /// The pull that follows this push, in the same request: the ps answers it (a
         /// `Params` reply, parked like a [`Request::Pull`]'s) instead of `Ok` or `Stale`:
         /// one round trip per step. See [`super::worker::Client::push_pull`] for when a
@@ -136,6 +142,9 @@ pub enum Reply {
     },
     /// The request failed, or training stops (an abort): why.
     Error { message: String },
+    /// The step was not applied: some workers' losses or gradients were not finite
+    /// (`why` counts them, ` on 2 of 3 workers`). Every worker and ps task ends with it.
+    NotApplied { why: NonFinite },
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -293,15 +302,40 @@ mod tests {
             vars: vec![("layer0/w@0".into(), 3)],
             stop: None,
             times: None,
+            non_finite: None,
             pull: None,
         };
         assert_eq!(decode::<Request>(&encode(&r)), Some(r.clone()));
-        // No stop, no times: the fields are left out, and a header without them reads
-        // as none.
+        // No stop, no times, nothing not finite: the fields are left out, and a header
+        // without them reads as none.
         let text = String::from_utf8_lossy(&encode(&r)).to_string();
         assert!(
-            !text.contains("stop") && !text.contains("times") && !text.contains("pull"),
+            ["stop", "times", "pull", "non_finite"]
+                .iter()
+                .all(|f| !text.contains(f)),
             "{text}"
+        );
+        // What a worker found, and the ps tasks' verdict, travel whole.
+        let grad = crate::tensor::Tensor::from_slice(&[2], &[1f32, f32::INFINITY])
+            .unwrap()
+            .named("layer0/w");
+        let found = crate::train::guard::check_gradients(7, &[grad]).unwrap_err();
+        let mut bad = r.clone();
+        if let Request::Push { non_finite, .. } = &mut bad {
+            *non_finite = Some(found.clone());
+        }
+        assert_eq!(decode::<Request>(&encode(&bad)), Some(bad));
+        let verdict = Reply::NotApplied {
+            why: found.seen(" on 2 of 3 workers".into()),
+        };
+        assert_eq!(decode::<Reply>(&encode(&verdict)), Some(verdict.clone()));
+        let Reply::NotApplied { why } = verdict else {
+            unreachable!()
+        };
+        assert!(
+            why.to_string()
+                .starts_with("gradient 'layer0/w' holds inf at step 7 on 2 of 3 workers: "),
+            "{why}"
         );
         let timed = Request::Push {
             step: 7,
@@ -309,6 +343,7 @@ mod tests {
             loss: None,
             vars: vec![],
             stop: None,
+            non_finite: None,
             times: Some(Times {
                 compute: 0.5,
                 steps: 3,

@@ -326,9 +326,17 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     /// stops training on every rank: the ps tasks are told and tell the other workers.
     pub fn run(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
         let result = self.step_once(x, y);
-        if let Err(e) = &result {
-            self.client.abort(&e.to_string());
-            self.closed = true;
+        match &result {
+            Ok(_) => {}
+            // Every worker and ps task has the verdict: this worker is done.
+            Err(PsError::NotApplied(_)) => {
+                let _ = self.client.done(None);
+                self.closed = true;
+            }
+            Err(e) => {
+                self.client.abort(&e.to_string());
+                self.closed = true;
+            }
         }
         result
     }
@@ -339,12 +347,18 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             .towers
             .gradients_into(&self.replica, x, y, &mut self.grads)
             .map_err(|e| PsError::Setup(format!("{}: {e}", self.client.me())))?;
-        crate::train::guard::check_step(self.step, loss, &self.grads).map_err(|source| {
-            PsError::NonFinite {
-                task: self.client.me(),
-                source,
+        // Synchronous: what is not finite goes to the ps tasks with the push, which apply
+        // none of the step and answer every worker the same (one verdict, one line);
+        // asynchronous: this worker stops the job.
+        let non_finite = match crate::train::guard::check_step(self.step, loss, &self.grads) {
+            Err(source) if self.opts.sync.is_none() => {
+                return Err(PsError::NonFinite {
+                    task: self.client.me(),
+                    source,
+                })
             }
-        })?;
+            found => found.err(),
+        };
         let noted = crate::signals::stop_requested_if(self.opts.stop_on_signal);
         let step = self.step;
         let t = self
@@ -373,7 +387,11 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         if self.chief {
             self.mine = self.mine.or(times.take());
         }
-        let note = PushNote { stop: noted, times };
+        let note = PushNote {
+            stop: noted,
+            times,
+            non_finite,
+        };
         let (bytes, peers) = self.moved();
         // Sync: the pull asks for the update of this step (the ps gathers every worker's
         // push of it).

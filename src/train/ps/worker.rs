@@ -20,6 +20,7 @@ use super::PsError;
 use crate::observe::phases::{RankTimes, Times};
 use crate::observe::stall::{self, Wait};
 use crate::tensor::Tensor;
+use crate::train::guard::NonFinite;
 use crate::transport::comm::{Comm, TransportError};
 
 /// A worker's connection to the ps tasks: the placement tells which slices of which
@@ -195,7 +196,9 @@ impl<'a, C: Comm> Client<'a, C> {
         }
         let sent = Instant::now();
         let mut replies = Vec::with_capacity(early.len());
-        for (seen, r) in early.into_iter().zip(&self.roles.ps) {
+        // A step the ps tasks did not apply: every ps's reply is taken, then the verdict.
+        let mut not_applied = None;
+        for (k, (seen, r)) in early.into_iter().zip(&self.roles.ps).enumerate() {
             let m = match seen {
                 Some(m) => m,
                 None => match receive_within(self.comm, *r, reply_tag(self.comm), deadline) {
@@ -209,10 +212,18 @@ impl<'a, C: Comm> Client<'a, C> {
                 return Err(self.remote(message));
             }
             let (reply, inline) = decode_with::<Reply>(&m).expect("checked by error_of");
-            then(replies.len(), &reply, inline)?;
-            replies.push(reply);
+            match reply {
+                Reply::NotApplied { why } => not_applied = not_applied.or(Some(why)),
+                reply => {
+                    then(k, &reply, inline)?;
+                    replies.push(reply);
+                }
+            }
         }
-        Ok((replies, sent))
+        match not_applied {
+            Some(why) => Err(PsError::NotApplied(why)),
+            None => Ok((replies, sent)),
+        }
     }
 
     /// The chief: hands every ps its setup and initial values `init` (per variable). On an
@@ -317,6 +328,7 @@ impl<'a, C: Comm> Client<'a, C> {
             vars: self.vars_of(k),
             stop: push.note.stop,
             times: push.note.times.filter(|_| k == 0),
+            non_finite: push.note.non_finite.clone(),
             pull: then,
         }
     }
@@ -487,7 +499,7 @@ pub struct Pulled {
 
 /// A push's header: the step its gradients were computed at, their samples and loss
 /// (this worker's batch), and its note.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {
     pub step: u64,
     pub samples: usize,
@@ -496,12 +508,15 @@ pub struct Gradients {
 }
 
 /// What a push tells the ps tasks besides the gradients.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PushNote {
     /// A stop signal this worker noted (the ps tasks announce the stop).
     pub stop: Option<i32>,
     /// This worker's phase times since it last reported (ps 0 passes them to the chief).
     pub times: Option<Times>,
+    /// Synchronous training: what this worker found not finite in its step (the ps tasks
+    /// then apply none of it, and every worker ends with their count).
+    pub non_finite: Option<NonFinite>,
 }
 
 /// Tensors MPI may still read or write (a transfer that did not complete): their memory

@@ -447,6 +447,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                     timeline(&comm)?;
                     return Err(Failure::stopped(&s, chief));
                 }
+                // A step not applied: every worker and ps task has the same verdict and
+                // ends cleanly (nothing in flight); the chief prints it, before MPI ends.
+                Err(e @ ps::PsError::NotApplied(_)) => {
+                    drop((watch, comm, reporter));
+                    return Err(Failure::agreed_by(e, chief));
+                }
                 // A ps stopped every worker for one cause, which it prints and the chief
                 // repeats; a line from every other worker would say it again, N times.
                 Err(ps::PsError::Remote { .. }) if !chief && !args.verbose => {

@@ -6,7 +6,7 @@
 //! - `data` (f32): `[params | gradient sum | loss sum, sample sum]`, the parameters of
 //!   ps `k`'s shards back to back, in placement order;
 //! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, ABORT, SAVED step, its bytes, its
-//!   checksum, pushes of worker 0, 1, ...]`.
+//!   checksum, STOP signal, NON_FINITE counts, pushes of worker 0, 1, ...]`.
 //!
 //! `--sync` (SyncReplicas semantics with every worker aggregated): a worker waits until
 //! every ps has published step `s` (`STEP >= s`, read with an atomic `fetch_and_add` of
@@ -34,6 +34,13 @@
 //! Every wait has a deadline (`--peer-timeout`): a ps that stops receiving pushes names
 //! the worker that did not push, and leaves its number in `ABORT` so that the workers
 //! waiting on it stop with the same diagnosis; a worker that sees no new step names the ps.
+//!
+//! A loss or gradient that is not finite (`--sync`): the worker that found it still
+//! pushes, and adds what it found to every ps's `NON_FINITE` before counting its push. A
+//! ps that finds that word set applies nothing, leaves it negated in `ABORT`, and ends;
+//! every worker reads it there, and all ranks end with the same verdict
+//! ([`PsError::NotApplied`], counting the workers) past their last operation, so the
+//! windows are freed as after training.
 
 mod bench;
 mod serve;
@@ -53,6 +60,7 @@ use crate::observe::timeline::Detail;
 use crate::tensor::Tensor;
 use crate::train::data::{shard, Batches, Dataset};
 use crate::train::events::Event;
+use crate::train::guard::NonFinite;
 use crate::train::optim::{OptimizerKind, Slots};
 use crate::train::StepLog;
 use crate::transport::comm::{Backoff, Comm};
@@ -69,7 +77,8 @@ const SAVED: usize = 5;
 const SAVED_BYTES: usize = 6;
 const SAVED_SUM: usize = 7;
 const STOP: usize = 8;
-const PUSHES: usize = 9;
+const NON_FINITE: usize = 9;
+const PUSHES: usize = 10;
 /// On ps 0's `ctl`, after the pushes: per rank of the job, its phase times summed so far
 /// (microseconds of compute, communication, waiting and the rest, then its steps). Each
 /// rank adds its window at every logged step; the chief reads them.
@@ -352,15 +361,48 @@ pub fn run(
     };
     if result
         .as_ref()
-        .is_err_and(|e| !matches!(e, PsError::Stopped(_)))
+        .is_err_and(|e| !matches!(e, PsError::Stopped(_) | PsError::NotApplied(_)))
     {
         return result;
     }
-    // Everyone is past its last operation (a stop ends every rank): the collective frees
-    // cannot wait on a failure.
+    // Everyone is past its last operation (a stop or a step not applied ends every rank):
+    // the collective frees cannot wait on a failure.
     data.free()?;
     ctl.free()?;
     result
+}
+
+/// What a worker adds to every ps's `NON_FINITE` for what it found: three 20-bit counts,
+/// of NaN losses, of infinite losses, and of gradients alone not finite.
+fn non_finite_code(found: &NonFinite) -> i64 {
+    match found {
+        NonFinite::Loss { value, .. } if value == "NaN" => 1,
+        NonFinite::Loss { .. } => 1 << 20,
+        NonFinite::Gradient { .. } => 1 << 40,
+    }
+}
+
+/// The verdict on step `step` of `workers` workers whose `NON_FINITE` word reads `code`,
+/// the same on every rank: the loss (NaN before inf) if any worker's was not finite.
+fn not_applied(step: u64, code: i64, workers: usize) -> PsError {
+    let count = |field: u32| ((code >> (20 * field)) & 0xF_FFFF) as usize;
+    let (nan, inf, grads) = (count(0), count(1), count(2));
+    let whose = format!(" on {} of {workers} workers", nan + inf + grads);
+    let loss = |value: &str| NonFinite::Loss {
+        step,
+        value: value.into(),
+        whose: whose.clone(),
+    };
+    PsError::NotApplied(match (nan, inf) {
+        (0, 0) => NonFinite::Gradient {
+            step,
+            tensor: "(the summed gradients)".into(),
+            value: "a non-finite value".into(),
+            whose: whose.clone(),
+        },
+        (0, _) => loss("inf"),
+        _ => loss("NaN"),
+    })
 }
 
 /// A sync ps's own state: its shards, their optimizer state, the step it starts from.

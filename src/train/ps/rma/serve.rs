@@ -62,6 +62,12 @@ impl Rma<'_> {
                 // The workers stopped at this step, which another ps announced: keep it.
                 return self.stopped_at(k, data, ctl, &shards, &slots, step);
             }
+            // Not finite on some worker: nothing applied; the workers read the verdict.
+            let found = ctl.fetch_and_add(me, NON_FINITE, 0)?;
+            if found != 0 {
+                ctl.put(me, ABORT, &[-found])?;
+                return Err(not_applied(step, found, nw as usize));
+            }
             // A stop a worker asked for (before it counted its push) or this process got
             // is announced with the next step, by every ps that learns it here.
             let asked = crate::signals::stop_requested()

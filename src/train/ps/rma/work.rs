@@ -79,6 +79,10 @@ impl Rma<'_> {
                         cfg.peer_timeout * 2,
                         || match ctl.fetch_and_add(*r, ABORT, 0)? {
                             0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
+                            // The step before was not applied (see the module's rule).
+                            found if found < 0 => {
+                                Err(not_applied(step.saturating_sub(1), -found, nw))
+                            }
                             late => Err(PsError::Remote {
                                 task: me.clone(),
                                 message: self
@@ -139,12 +143,17 @@ impl Rma<'_> {
             let loss = towers
                 .gradients_into(model, &x, &y, &mut grads)
                 .map_err(|e| PsError::Setup(e.to_string()))?;
-            crate::train::guard::check_step(s, loss, &grads).map_err(|source| {
-                PsError::NonFinite {
-                    task: me.clone(),
-                    source,
+            // Sync: pushed all the same, and counted on every ps, which then applies none
+            // of the step; async: this worker stops the job.
+            let found = match crate::train::guard::check_step(s, loss, &grads) {
+                Err(source) if !cfg.sync => {
+                    return Err(PsError::NonFinite {
+                        task: me.clone(),
+                        source,
+                    })
                 }
-            })?;
+                found => found.err(),
+            };
             last_loss = loss;
             let n = mine.len() as f32;
             // In place: the sync ps divides the sum by the samples; async applies SGD.
@@ -206,6 +215,10 @@ impl Rma<'_> {
             }
             if cfg.sync {
                 for r in &roles.ps {
+                    // Ordered before the count (same origin and target: accumulate order).
+                    if let Some(found) = &found {
+                        ctl.fetch_and_add(*r, NON_FINITE, non_finite_code(found))?;
+                    }
                     ctl.fetch_and_add(*r, PUSHES + w, 1)?;
                     ctl.fetch_and_add(*r, ARRIVALS, 1)?;
                 }

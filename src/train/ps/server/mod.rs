@@ -40,6 +40,7 @@ use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::stall;
 use crate::observe::timeline::{self, Detail};
 use crate::train::checkpoint;
+use crate::train::guard::NonFinite;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
@@ -78,6 +79,9 @@ pub fn serve_many<C: Comm>(
             false => backoff.idle(),
         }
     }
+    if let Some(why) = servers.iter().find_map(|s| s.refused.clone()) {
+        return Err(PsError::NotApplied(why));
+    }
     match servers
         .iter()
         .find_map(|s| s.stopped.map(|sig| (sig, s.global_step)))
@@ -114,6 +118,10 @@ struct Server<'a, C: Comm> {
     pending: Vec<Parked>,
     /// Workers whose gradient for the current step arrived, with its samples and loss.
     accum: BTreeMap<usize, Pushed>,
+    /// Those of them whose loss or gradients were not finite, with what they found.
+    non_finite: BTreeMap<usize, NonFinite>,
+    /// A step not applied for them: every pull from then on is answered with this.
+    refused: Option<NonFinite>,
     /// Per worker, its gradient for the current step, received there.
     staged: Vec<Vec<f32>>,
     /// Where a piece applied as it arrives (or dropped) is received.
@@ -177,6 +185,8 @@ impl<'a, C: Comm> Server<'a, C> {
             initialized: false,
             pending: Vec::new(),
             accum: BTreeMap::new(),
+            non_finite: BTreeMap::new(),
+            refused: None,
             staged: vec![Vec::new(); nw],
             piece: Vec::new(),
             sum: Vec::new(),
@@ -308,6 +318,7 @@ impl<'a, C: Comm> Server<'a, C> {
         self.slots = mine.iter().map(|s| self.opt.state(s.len)).collect();
         self.shards = mine;
         self.accum.clear();
+        self.non_finite.clear();
         self.sum = vec![0.0; self.store.len()];
         self.global_step = 0;
         Ok(())
@@ -329,7 +340,8 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn ready(&self, step: u64) -> bool {
-        self.initialized && (self.sync.is_none() || self.global_step >= step)
+        self.refused.is_some()
+            || self.initialized && (self.sync.is_none() || self.global_step >= step)
     }
 
     fn answer_pending(&mut self) -> Result<(), PsError> {
@@ -338,6 +350,11 @@ impl<'a, C: Comm> Server<'a, C> {
         self.pending = waiting;
         if ready.is_empty() {
             return Ok(());
+        }
+        if let Some(why) = self.refused.clone() {
+            // No parameters after a step not applied: the verdict, to every pull.
+            let verdict = Reply::NotApplied { why };
+            return ready.iter().try_for_each(|p| self.reply(p.from, &verdict));
         }
         // Every ready pull at once: its header (how long it waited; the chief's, the phase
         // times), then the parameters from their memory (small ones in the header's
@@ -414,8 +431,22 @@ impl<'a, C: Comm> Server<'a, C> {
 
     /// One update from the step's gradients, averaged weighted by each worker's samples
     /// (the gradient of the combined batch), summed in worker order (the same bits
-    /// whatever order the pushes arrived in) from where they were received.
+    /// whatever order the pushes arrived in) from where they were received. None if a
+    /// worker found its loss or gradients not finite: the step is refused, named by the
+    /// first such worker's finding (in worker order: every ps names the same one) and
+    /// how many of the step's workers had one.
     fn apply_accumulated(&mut self) {
+        if let Some((_, first)) = self.non_finite.first_key_value() {
+            let on = format!(
+                " on {} of {} workers",
+                self.non_finite.len(),
+                self.accum.len()
+            );
+            self.refused = Some(first.clone().seen(on));
+            self.accum.clear();
+            self.non_finite.clear();
+            return;
+        }
         let t = Instant::now();
         let total: f32 = self.accum.values().map(|a| a.0).sum();
         let loss = self.accum.values().map(|(n, l)| l * n / total).sum();

@@ -84,6 +84,7 @@ impl<C: Comm> Server<'_, C> {
                 loss,
                 stop,
                 times,
+                ref non_finite,
                 pull,
                 ..
             } => {
@@ -130,6 +131,9 @@ impl<C: Comm> Server<'_, C> {
                     }
                     Verdict::Accept => {
                         self.accum.insert(w, (samples as f32, loss));
+                        if let Some(found) = non_finite {
+                            self.non_finite.insert(w, found.clone());
+                        }
                         if !answered {
                             self.ok(from)?;
                         }
@@ -191,6 +195,10 @@ impl<C: Comm> Server<'_, C> {
         }
         if self.sync.is_none() {
             return Verdict::Apply;
+        }
+        // After a step not applied every push is dropped; its pull gets the verdict.
+        if self.refused.is_some() {
+            return Verdict::Stale;
         }
         if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
             return Verdict::Stale;
