@@ -82,6 +82,7 @@ impl From<PsError> for PipelineError {
     fn from(e: PsError) -> Self {
         match e {
             PsError::Stopped(s) => PipelineError::Stopped(s),
+            PsError::Ended(message) => PipelineError::Ended(message),
             other => PipelineError::Ps(other.to_string()),
         }
     }

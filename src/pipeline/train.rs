@@ -113,6 +113,10 @@ pub enum PipelineError {
     Config(String),
     #[error("{0}")]
     Ps(String),
+    /// On a ps task: the replica tasks stopped with this error, agreed among them (they
+    /// print it).
+    #[error("{0}")]
+    Ended(String),
     #[error("{task} (rank {rank}): {what}")]
     Mismatch {
         task: String,
@@ -133,6 +137,7 @@ impl PipelineError {
                 | PipelineError::Config(_)
                 | PipelineError::Partition(_)
                 | PipelineError::Mismatch { .. }
+                | PipelineError::Ended(_)
         )
     }
 }
@@ -484,8 +489,12 @@ pub fn run<C: Comm>(
         Ok(())
     })();
     if let (Err(e), Some((sub, Some(roles)))) = (&result, stage_jobs.get(stage)) {
-        if !matches!(e, PipelineError::Stopped(_)) {
-            crate::train::ps::worker::abort(sub, roles, &e.to_string());
+        use crate::train::ps::worker::{abort, abort_agreed};
+        match e {
+            PipelineError::Stopped(_) => {}
+            // Every replica task stops with it: the ps tasks end once all said so.
+            e if e.is_agreed() => abort_agreed(sub, roles, &e.to_string()),
+            e => abort(sub, roles, &e.to_string()),
         }
     }
     result

@@ -139,6 +139,10 @@ pub enum PsError {
     /// same step (the chief prints it).
     #[error("{0}")]
     NotApplied(crate::train::guard::NonFinite),
+    /// On a ps: every worker stopped with this error, which they agreed on among
+    /// themselves and print (a pipeline's replica tasks).
+    #[error("{0}")]
+    Ended(String),
     #[error("{0}")]
     Setup(String),
     /// The job was asked to stop (a preemption signal): every rank ends with this, at

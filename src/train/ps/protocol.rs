@@ -90,7 +90,13 @@ pub enum Request {
     /// The chief: write this ps's shard into checkpoint staging directory `dir`.
     Save { dir: PathBuf },
     /// A worker stops training with an error: the ps tells every other worker and stops.
-    Abort { message: String },
+    /// `agreed`: every worker stops with it (they agreed on it, a pipeline's replica
+    /// tasks) and prints it: the ps ends with it quietly once each has said so.
+    Abort {
+        message: String,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        agreed: bool,
+    },
     /// This worker is done; `stop`: because of this stop signal (its job ends with
     /// [`crate::train::Stopped`]).
     Done {

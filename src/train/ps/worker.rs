@@ -476,8 +476,20 @@ impl<'a, C: Comm> Client<'a, C> {
 /// Tells every ps of `roles` that this worker stops with `message` (they tell the other
 /// workers): also before a [`Client`] exists (a setup error).
 pub fn abort<C: Comm>(comm: &C, roles: &Roles, message: &str) {
+    abort_as(comm, roles, message, false);
+}
+
+/// Tells every ps of `roles` that this worker stops with `message`, which every worker
+/// of the job agreed on and stops with too (see [`Request::Abort`]): the ps tasks end
+/// with it once all have said so, without a line of their own.
+pub fn abort_agreed<C: Comm>(comm: &C, roles: &Roles, message: &str) {
+    abort_as(comm, roles, message, true);
+}
+
+fn abort_as<C: Comm>(comm: &C, roles: &Roles, message: &str, agreed: bool) {
     let m = encode(&Request::Abort {
         message: message.to_string(),
+        agreed,
     });
     notify(comm, &m, roles.ps.iter().copied(), request_tag(comm));
 }

@@ -82,6 +82,9 @@ pub fn serve_many<C: Comm>(
     if let Some(why) = servers.iter().find_map(|s| s.refused.clone()) {
         return Err(PsError::NotApplied(why));
     }
+    if let Some(message) = servers.iter().find_map(|s| s.ended.clone()) {
+        return Err(PsError::Ended(message));
+    }
     match servers
         .iter()
         .find_map(|s| s.stopped.map(|sig| (sig, s.global_step)))
@@ -122,6 +125,8 @@ struct Server<'a, C: Comm> {
     non_finite: BTreeMap<usize, NonFinite>,
     /// A step not applied for them: every pull from then on is answered with this.
     refused: Option<NonFinite>,
+    /// The error every worker stopped with, agreed among them (see `Request::Abort`).
+    ended: Option<String>,
     /// Per worker, its gradient for the current step, received there.
     staged: Vec<Vec<f32>>,
     /// Where a piece applied as it arrives (or dropped) is received.
@@ -187,6 +192,7 @@ impl<'a, C: Comm> Server<'a, C> {
             accum: BTreeMap::new(),
             non_finite: BTreeMap::new(),
             refused: None,
+            ended: None,
             staged: vec![Vec::new(); nw],
             piece: Vec::new(),
             sum: Vec::new(),

@@ -159,7 +159,16 @@ impl<C: Comm> Server<'_, C> {
                     Err(e) => self.error(from, e.to_string()),
                 }
             }
-            Request::Abort { message } => {
+            Request::Abort {
+                message,
+                agreed: true,
+            } => {
+                // Every worker stops with it and says so: nobody to tell.
+                self.done[w] = true;
+                self.ended = self.ended.take().or(Some(message));
+                Ok(())
+            }
+            Request::Abort { message, .. } => {
                 self.done[w] = true;
                 // Named by its sender (a worker's errors mostly name it already).
                 let by = self.roles.task(from);
