@@ -117,6 +117,8 @@ pub enum PipelineError {
     /// print it).
     #[error("{0}")]
     Ended(String),
+    #[error("{0}")]
+    Sidecar(#[from] crate::train::sidecar::SidecarError),
     #[error("{task} (rank {rank}): {what}")]
     Mismatch {
         task: String,
@@ -268,7 +270,14 @@ pub fn run<C: Comm>(
         let served = crate::train::ps::server::serve_many(&jobs, me.task.index, ps.peer_timeout);
         return served.map_err(PipelineError::from);
     }
+    let dir = cfg.train.checkpoint_dir.as_deref();
     let Some((replica, stage)) = place else {
+        // (Replica jobs of different shapes stop the replica tasks before training: no
+        // end notice comes then.)
+        let evaluator = crate::train::sidecar::take_part;
+        if shape.is_some() && evaluator(comm, layout, model, test, dir, events)? {
+            return Ok(());
+        }
         events(&Event::Warning(format!(
             "{} (rank {}): not a replica in pipeline training; idle",
             me.task,
@@ -281,6 +290,9 @@ pub fn run<C: Comm>(
             "the replica jobs (replica_0, replica_1, ...) differ in their number of stages".into(),
         ));
     };
+    // Dropped on every way out of training, by the task that reports: the evaluators end.
+    let reports = reporter(layout) == Some(comm.rank());
+    let _end = crate::train::sidecar::EndNotice::by(reports, comm, layout, dir);
     // With ps tasks, any error of this task reaches them (they tell the stage's others),
     // so none waits for a task that stopped.
     let result = (|| -> Result<(), PipelineError> {

@@ -18,6 +18,14 @@ pub enum Event {
     Restored { path: PathBuf, step: u64 },
     /// A checkpoint committed.
     Checkpoint { path: PathBuf, step: u64 },
+    /// A side-car evaluator's evaluation of a checkpoint on the held-out samples.
+    Evaluated {
+        path: PathBuf,
+        step: u64,
+        accuracy: f64,
+        correct: usize,
+        total: usize,
+    },
     /// The chief's evaluation on the held-out samples.
     Accuracy {
         accuracy: f64,
@@ -48,6 +56,17 @@ impl fmt::Display for Event {
             } => write!(
                 f,
                 "accuracy {accuracy:.4} ({correct}/{total} held-out samples) at global step {step}"
+            ),
+            Event::Evaluated {
+                path,
+                step,
+                accuracy,
+                correct,
+                total,
+            } => write!(
+                f,
+                "evaluated {}: accuracy {accuracy:.4} ({correct}/{total} held-out samples) at global step {step}",
+                path.file_name().unwrap_or_default().to_string_lossy()
             ),
             Event::Warning(w) => write!(f, "# warning: {w}"),
             Event::Note(n) if n.starts_with('#') => write!(f, "{n}"),

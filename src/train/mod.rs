@@ -22,6 +22,7 @@ pub mod optim;
 pub mod ps;
 pub mod resources;
 pub mod server;
+pub mod sidecar;
 
 use std::path::PathBuf;
 use std::time::Instant;

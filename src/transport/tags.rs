@@ -31,12 +31,14 @@ pub enum Reserved {
     PsReply,
     /// Parameter-server payloads (the floats after a request or a reply, both ways).
     PsPayload,
+    /// The chief's end notice to side-car evaluators.
+    Sidecar,
 }
 
 impl Reserved {
     /// Every reserved use, in declaration order: the order they take tags down from the
     /// bound.
-    pub const ALL: [Reserved; 8] = [
+    pub const ALL: [Reserved; 9] = [
         Reserved::Barrier,
         Reserved::Bcast,
         Reserved::Allgather,
@@ -45,6 +47,7 @@ impl Reserved {
         Reserved::PsRequest,
         Reserved::PsReply,
         Reserved::PsPayload,
+        Reserved::Sidecar,
     ];
 }
 
@@ -172,7 +175,7 @@ mod tests {
         );
         assert_eq!(
             Tags::with_override(5000, None).unwrap().max_user(),
-            5000 - 8
+            5000 - 9
         );
         let e = Tags::with_override(32767, Some("lots")).unwrap_err();
         assert_eq!(
@@ -188,7 +191,7 @@ mod tests {
         let e = Tags::new(32767).unwrap().check_user(40000).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "tag 40000 is out of range 0..=32759 (MPI_TAG_UB 32767; the 8 tags above are mpiflow's own)"
+            "tag 40000 is out of range 0..=32758 (MPI_TAG_UB 32767; the 9 tags above are mpiflow's own)"
         );
     }
 }

@@ -44,7 +44,10 @@ impl Reporter {
     pub(crate) fn event(&mut self, e: &Event) {
         self.record(e);
         let text = match e {
-            _ if !self.speaks && !matches!(e, Event::Warning(_)) => return,
+            // Warnings, and a side-car evaluator's evaluations (its output), on every rank.
+            _ if !self.speaks && !matches!(e, Event::Warning(_) | Event::Evaluated { .. }) => {
+                return
+            }
             Event::Step(s) => self.progress.step(&Tick {
                 step: s.step,
                 loss: s.loss,

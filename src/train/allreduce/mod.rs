@@ -96,6 +96,8 @@ pub enum AllreduceError {
     /// The replicas hold different models (every replica raises it).
     #[error("{0}")]
     Models(String),
+    #[error("{0}")]
+    Sidecar(#[from] crate::train::sidecar::SidecarError),
 }
 
 impl AllreduceError {
@@ -135,7 +137,11 @@ pub fn run<C: Comm + Send>(
         u32::from(worker_id.is_none()),
         worker_id.unwrap_or(comm.rank()),
     )?;
+    let dir = cfg.train.checkpoint_dir.as_deref();
     let Some(_) = worker_id else {
+        if crate::train::sidecar::take_part(comm, layout, model, test, dir, events)? {
+            return Ok(());
+        }
         // A warning: every rank prints it (the others' notes only with --verbose).
         events(&Event::Warning(format!(
             "{} (rank {}): not a replica in allreduce mode; idle",
@@ -144,6 +150,8 @@ pub fn run<C: Comm + Send>(
         )));
         return Ok(());
     };
+    // Dropped on every way out of training: the evaluators then end.
+    let _end = crate::train::sidecar::EndNotice::by(worker_id == Some(0), comm, layout, dir);
     let coll = Collectives::new(sub);
     super::agree_on_model(&coll, model, |i| format!("replica {i}"))?
         .map_err(AllreduceError::Models)?;

@@ -404,17 +404,9 @@ pub fn open(path: &Path) -> Result<(Found, Vec<Arrays>), CheckpointError> {
     Ok((found, contents))
 }
 
-/// The newest checkpoint in `dir` that verifies, and a warning for each newer one skipped.
-pub fn latest(dir: &Path) -> (Option<Found>, Vec<String>) {
-    latest_with(dir, verify)
-}
-
-/// The newest checkpoint in `dir` that `check` (reading it: [`verify`] or [`open`])
-/// accepts, as `check` returns it, and a warning for each newer one it refused.
-pub fn latest_with<T>(
-    dir: &Path,
-    mut check: impl FnMut(&Path) -> Result<T, CheckpointError>,
-) -> (Option<T>, Vec<String>) {
+/// The committed checkpoints in `dir` by their names (`ckpt-STEP`), newest first: each is
+/// verified when read.
+pub fn listed(dir: &Path) -> Vec<(u64, PathBuf)> {
     let mut steps: Vec<(u64, PathBuf)> = fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -427,8 +419,22 @@ pub fn latest_with<T>(
         })
         .collect();
     steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    steps
+}
+
+/// The newest checkpoint in `dir` that verifies, and a warning for each newer one skipped.
+pub fn latest(dir: &Path) -> (Option<Found>, Vec<String>) {
+    latest_with(dir, verify)
+}
+
+/// The newest checkpoint in `dir` that `check` (reading it: [`verify`] or [`open`])
+/// accepts, as `check` returns it, and a warning for each newer one it refused.
+pub fn latest_with<T>(
+    dir: &Path,
+    mut check: impl FnMut(&Path) -> Result<T, CheckpointError>,
+) -> (Option<T>, Vec<String>) {
     let mut warnings = Vec::new();
-    for (_, p) in steps {
+    for (_, p) in listed(dir) {
         match check(&p) {
             Ok(f) => return (Some(f), warnings),
             Err(e) => warnings.push(format!("{e}; trying the previous checkpoint")),

@@ -145,6 +145,8 @@ pub enum PsError {
     Ended(String),
     #[error("{0}")]
     Setup(String),
+    #[error("{0}")]
+    Sidecar(#[from] crate::train::sidecar::SidecarError),
     /// The job was asked to stop (a preemption signal): every rank ends with this, at
     /// the same step.
     #[error("{0}")]
@@ -192,7 +194,11 @@ pub fn run<C: Comm>(
     if let Some(k) = roles.ps_index(me) {
         return server::serve(comm, &roles, k, cfg.peer_timeout);
     }
+    let dir = cfg.train.checkpoint_dir.as_deref();
     let Some(w) = roles.worker_index(me) else {
+        if crate::train::sidecar::take_part(comm, layout, model, test, dir, events)? {
+            return Ok(());
+        }
         events(&Event::Warning(format!(
             "{}: not part of ps training (evaluator); idle",
             roles.task(me)
@@ -214,6 +220,8 @@ pub fn run<C: Comm>(
         stop_on_signal: cfg.train.stop_on_signal,
         towers: cfg.train.towers,
     };
+    // Dropped on every way out of training: the evaluators then end.
+    let _end = crate::train::sidecar::EndNotice::by(w == 0, comm, layout, dir);
     let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));
     while !sess.should_stop() {
@@ -492,6 +500,52 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An evaluator task evaluates the chief's checkpoints as they come, the last the
+    /// final step's, with the chief's final accuracy; without checkpoints it says it is
+    /// idle.
+    #[test]
+    fn an_evaluator_evaluates_the_chiefs_checkpoints() {
+        let data = Dataset::synthetic(400, 8, 3, 1);
+        let (train, test) = data.split_holdout(1);
+        let mlp = crate::model::mlp(8, &[16], 3).unwrap();
+        let opts = MappingOptions {
+            ps: 1,
+            evaluator: true,
+            ..Default::default()
+        };
+        let l = Layout::single_host(4, &opts).unwrap(); // ps:0, worker:0, worker:1, evaluator:0
+        let dir = std::env::temp_dir().join(format!("mpiflow-ps-eval-{}", std::process::id()));
+        for with_dir in [true, false] {
+            let _ = std::fs::remove_dir_all(&dir);
+            let mut c = cfg(30, true);
+            c.train.checkpoint_every = 10;
+            c.train.checkpoint_dir = with_dir.then(|| dir.clone());
+            let out = LocalComm::run(4, |comm| {
+                let mut seen = Vec::new();
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |e| match e {
+                    Event::Evaluated { step, accuracy, .. } => seen.push((*step, *accuracy)),
+                    Event::Accuracy { step, accuracy, .. } => seen.push((*step, *accuracy)),
+                    Event::Warning(w) if w.contains("evaluator") => seen.push((0, -1.0)),
+                    _ => {}
+                })
+                .unwrap();
+                seen
+            });
+            let (chief, evaluator) = (&out[1], &out[3]);
+            if !with_dir {
+                assert_eq!(evaluator, &[(0, -1.0)], "the idle warning");
+                continue;
+            }
+            assert_eq!(chief.len(), 1, "{chief:?}");
+            assert_eq!(evaluator.last(), chief.last(), "{evaluator:?}");
+            assert!(
+                evaluator.windows(2).all(|w| w[0].0 < w[1].0),
+                "{evaluator:?}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A worker whose loss is not finite (its data here), synchronous, one ps and two:

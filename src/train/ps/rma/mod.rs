@@ -347,6 +347,7 @@ pub fn run(
         held,
         model_meta: crate::train::checkpoint::state::model_meta(&model.model.describe(), &vars),
     };
+    let dir = cfg.train.checkpoint_dir.as_deref();
     let result = {
         let mut d = data.lock_all()?;
         let c = ctl.lock_all()?;
@@ -355,8 +356,17 @@ pub fn run(
                 ctx.serve_sync(k, &mut d, &c, state.take().expect("ps state"))
             }
             (Some(k), _) => ctx.serve_async(k, &c),
-            (None, Some(w)) => ctx.work(w, &mut model, &d, &c, train, test, events),
-            (None, None) => Ok(()),
+            (None, Some(w)) => {
+                // Dropped on every way out of training, before the windows are freed:
+                // the evaluators then end (and come to the free).
+                let _end = crate::train::sidecar::EndNotice::by(w == 0, comm, layout, dir);
+                ctx.work(w, &mut model, &d, &c, train, test, events)
+            }
+            (None, None) => {
+                let evaluator = crate::train::sidecar::take_part;
+                evaluator(comm, layout, model.model, test, dir, events).map(drop)?;
+                Ok(())
+            }
         }
     };
     if result
