@@ -10,7 +10,9 @@
 //! (default digits). Prints `accuracy X` on the chief at the end. SIGTERM, SIGINT or
 //! SIGUSR1 on any task stops every task after the same step, the chief checkpoints, and
 //! every task exits 75 (a rerun resumes). A loss or gradient not finite on any worker ends
-//! every task at the same step, the step not applied, with one line from the chief.
+//! every task at the same step, the step not applied, with one line from the chief. An
+//! `evaluator` task (from `TF_CONFIG`) evaluates each checkpoint the chief writes to
+//! `--checkpoint_dir` while the others train, printing `evaluated ckpt-N: accuracy ...`.
 
 use std::process::ExitCode;
 
@@ -62,6 +64,28 @@ fn run(args: &[String]) -> Result<Ended, String> {
             eprintln!("warning: {w}");
         }
     }
+    let steps: u64 = value(args, "--steps").map_or(Ok(1000), |s| {
+        s.parse().map_err(|_| format!("--steps {s}: not a number"))
+    })?;
+    let spec = value(args, "--data").unwrap_or_else(|| "digits".into());
+    let checkpoint_dir: Option<std::path::PathBuf> =
+        value(args, "--checkpoint_dir").map(Into::into);
+    if server.is_evaluator() {
+        // Side-car evaluation of the chief's checkpoints, as they come.
+        let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;
+        let Some(dir) = &checkpoint_dir else {
+            say(&format!(
+                "trainer: {}: no --checkpoint_dir, nothing to evaluate",
+                server.task()
+            ));
+            return Ok(Ended::Done);
+        };
+        let net = model(&train)?;
+        server
+            .evaluate(&net, &test, dir, &mut |e| println!("{e}"))
+            .map_err(|e| e.to_string())?;
+        return Ok(Ended::Done);
+    }
     if server.is_ps() {
         return match server.join() {
             Ok(()) => Ok(Ended::Done),
@@ -70,10 +94,6 @@ fn run(args: &[String]) -> Result<Ended, String> {
             Err(e) => Err(e.to_string()),
         };
     }
-    let steps: u64 = value(args, "--steps").map_or(Ok(1000), |s| {
-        s.parse().map_err(|_| format!("--steps {s}: not a number"))
-    })?;
-    let spec = value(args, "--data").unwrap_or_else(|| "digits".into());
     let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;
     let net = model(&train)?;
     let (w, workers) = server
@@ -83,7 +103,7 @@ fn run(args: &[String]) -> Result<Ended, String> {
         sync: (!args.iter().any(|a| a == "--async")).then_some(SyncReplicas {
             replicas_to_aggregate: workers,
         }),
-        checkpoint_dir: value(args, "--checkpoint_dir").map(Into::into),
+        checkpoint_dir,
         stop_at_step: Some(steps),
         checkpoint_every_steps: 200,
         log_every: 200,

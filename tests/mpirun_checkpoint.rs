@@ -187,3 +187,33 @@ fn an_evaluator_evaluates_each_new_checkpoint_and_the_last_equals_the_chiefs() {
         assert!(bad.stderr.contains("is NaN at step"), "{mode:?}: {bad:?}");
     }
 }
+
+/// `train --from tf-config` under mpirun: each process's TF_CONFIG task is matched to its
+/// rank (as `Server::start` does), an evaluator outside the cluster (as TensorFlow has
+/// it) included.
+#[test]
+fn train_from_tf_config_binds_each_task_to_its_rank_and_an_evaluator_outside_the_cluster() {
+    let dir = tmpdir("ckpt-tf-config");
+    let ckpt = dir.join("ckpt");
+    let _ = std::fs::remove_dir_all(&ckpt);
+    let c = ckpt.to_str().unwrap();
+    let cluster = r#""cluster": {"ps": ["localhost:23400"], "worker": ["localhost:23401"]}"#;
+    let tasks = [("worker", 0), ("evaluator", 0), ("ps", 0)];
+    let train = [mpiflow(), "train", "--mode", "ps", "--from", "tf-config"];
+    let program = [&train[..], &["--steps", "100", "--checkpoint-dir", c]].concat();
+    let args = common::tf_config_processes(cluster, &tasks, &program);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = mpirun(&refs);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("# ranks: 0=worker:0 1=evaluator:0 2=ps:0"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("evaluated ckpt-100: accuracy "),
+        "{}",
+        run.stdout
+    );
+}

@@ -70,21 +70,39 @@ fn the_trainer_takes_its_role_from_the_seeds_flags_and_from_tf_config() {
     assert_trained(&mpirun(&refs), "seeds' flags");
 
     let cluster = r#""cluster": {"ps": ["localhost:23200"], "worker": ["localhost:23201", "localhost:23202", "localhost:23203"]}"#;
-    let mut args: Vec<String> = Vec::new();
-    for (i, (job, index)) in [("worker", 1), ("ps", 0), ("worker", 0), ("worker", 2)]
-        .iter()
-        .enumerate()
-    {
-        if i > 0 {
-            args.push(":".into());
-        }
-        let tf =
-            format!(r#"TF_CONFIG={{{cluster}, "task": {{"type": "{job}", "index": {index}}}}}"#);
-        args.extend(["-np".into(), "1".into(), "-x".into(), tf, t.clone()]);
-        args.extend(["--steps".into(), "400".into()]);
-    }
+    let tasks = [("worker", 1), ("ps", 0), ("worker", 0), ("worker", 2)];
+    let args = common::tf_config_processes(cluster, &tasks, &[&t, "--steps", "400"]);
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     assert_trained(&mpirun(&refs), "TF_CONFIG");
+
+    // With an evaluator task (outside the cluster, as in TensorFlow) and checkpoints: it
+    // evaluates them as the chief writes them (every 200 steps), the last the final one.
+    let dir = common::tmpdir("trainer-evaluator");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let tasks = [
+        ("worker", 1),
+        ("ps", 0),
+        ("evaluator", 0),
+        ("worker", 0),
+        ("worker", 2),
+    ];
+    let program = [&t[..], "--steps", "400", "--checkpoint_dir", c];
+    let args = common::tf_config_processes(cluster, &tasks, &program);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = mpirun(&refs);
+    assert_eq!(out.code, 0, "evaluator: {out:?}");
+    let chief: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("accuracy "))
+        .collect();
+    assert_eq!(chief.len(), 1, "{}", out.stdout);
+    let last = (out.stdout.lines())
+        .filter_map(|l| l.strip_prefix("evaluated ckpt-"))
+        .next_back()
+        .unwrap_or_else(|| panic!("no evaluation: {out:?}"));
+    assert!(last.starts_with("400: accuracy "), "{}", out.stdout);
 }
 
 #[test]

@@ -19,10 +19,12 @@ use std::path::PathBuf;
 
 use super::flags::{self, FlagsError};
 use super::hostfile::{Hostfile, HostfileError, MapBy};
-use super::mapping::{assign_roles, sequential_ports, Layout, MappingError, MappingOptions};
+use super::mapping::{
+    assign_roles, sequential_ports, Layout, MappingError, MappingOptions, RankInfo,
+};
 use super::ports::{self, PortError};
 use super::slurm::{self, SlurmError, SlurmStep};
-use super::spec::TaskId;
+use super::spec::{Address, TaskId};
 use super::tf_config::{TfConfig, TfConfigError};
 use crate::named::Named;
 use crate::transport::{Context, RankError};
@@ -66,6 +68,11 @@ const MPI_LAUNCHER_VARS: [&str; 4] = [
     "PMIX_RANK",            // srun --mpi=pmix, PRRTE
     "MPI_LOCALNRANKS",      // MPICH hydra
 ];
+
+/// True when an MPI launcher started this process (its variables are set).
+pub fn under_mpi_launcher(env: &BTreeMap<String, String>) -> bool {
+    MPI_LAUNCHER_VARS.iter().any(|v| env.contains_key(*v))
+}
 
 /// The rank an MPI launcher gave this process, read from its variables (for messages
 /// written before MPI is initialised); a value that is no rank number is no hint (the
@@ -111,7 +118,7 @@ impl Request {
         match self.source {
             Source::Auto if self.hostfile.is_some() => Source::Hostfile,
             Source::Auto if !self.legacy_flags.is_empty() => Source::Flags,
-            Source::Auto if MPI_LAUNCHER_VARS.iter().any(|v| env.contains_key(*v)) => Source::Mpi,
+            Source::Auto if under_mpi_launcher(env) => Source::Mpi,
             Source::Auto if slurm::detected(env) => Source::Slurm,
             Source::Auto if env.contains_key("TF_CONFIG") => Source::TfConfig,
             Source::Auto => Source::Mpi,
@@ -206,6 +213,9 @@ pub struct Resolved {
     pub layout: Layout,
     /// Index into `layout.ranks` of this process; `None` for a hostfile preview.
     pub me: Option<usize>,
+    /// This process's task when its cluster leaves it out: an evaluator, which TensorFlow
+    /// keeps outside the `ClusterSpec` ([`bind_ranks`] gives it its rank).
+    pub outside: Option<TaskId>,
     /// The world size (`None` for TF_CONFIG and flags, which know no ranks).
     pub size: Option<usize>,
     /// The probed port, held until the caller is ready to hand it over.
@@ -303,6 +313,7 @@ pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveErro
         source: Source::Mpi,
         layout,
         me: Some(rank),
+        outside: None,
         size: Some(ctx.size()),
         port_guard: Some(guard),
     })
@@ -332,6 +343,7 @@ pub fn resolve_offline(
                 source,
                 layout: req.built(Layout::from_ranks(&hosts, &ports, tasks)?),
                 me: None,
+                outside: None,
                 size: Some(np),
                 port_guard: None,
             })
@@ -355,6 +367,7 @@ pub fn resolve_offline(
             Ok(Resolved {
                 source,
                 me: Some(step.rank),
+                outside: None,
                 size: Some(step.hosts.len()),
                 layout,
                 port_guard: guard,
@@ -371,6 +384,9 @@ pub fn resolve_offline(
             };
             let layout = Layout::from_tf_config(&config);
             let me = layout.ranks.iter().position(|r| r.task == config.task);
+            // An evaluator outside the cluster, as TensorFlow allows (the parser admits
+            // no other task outside it).
+            let outside = me.is_none().then(|| config.task.clone());
             let guard = match me.map(|i| &layout.ranks[i]) {
                 Some(r) if is_this_host(&r.host) => {
                     Some(own_port(r.address.port, &r.task, &r.host)?)
@@ -381,6 +397,7 @@ pub fn resolve_offline(
                 source,
                 layout,
                 me,
+                outside,
                 size: None,
                 port_guard: guard,
             })
@@ -390,6 +407,26 @@ pub fn resolve_offline(
             source.name()
         ))),
     }
+}
+
+/// The place of a rank whose task is outside the cluster (an evaluator, no server of the
+/// cluster: no port), on `host`.
+fn outside_the_cluster(task: &str, host: &str) -> Result<RankInfo, ResolveError> {
+    // As every rank's task was sent: `job:index`.
+    let id = task
+        .split_once(':')
+        .and_then(|(job, i)| Some(TaskId::new(job, i.parse().ok()?)))
+        .ok_or_else(|| ResolveError::Usage(format!("task {task:?} is not job:index")))?;
+    Ok(RankInfo {
+        rank: None,
+        host: host.to_string(),
+        local_rank: None,
+        task: id,
+        address: Address {
+            host: host.to_string(),
+            port: 0,
+        },
+    })
 }
 
 fn own_port(port: u16, task: &TaskId, host: &str) -> Result<TcpListener, PortError> {
@@ -426,10 +463,13 @@ pub fn hostname() -> Option<String> {
 /// with the same error naming the rank or task at fault.
 pub fn bind_ranks(ctx: &Context, resolved: Resolved) -> Result<Layout, ResolveError> {
     let layout = resolved.layout;
-    let mine = resolved
-        .me
-        .map(|i| layout.ranks[i].task.to_string())
-        .ok_or_else(|| ResolveError::Usage("this process's task is not in its cluster".into()));
+    let mine = match (resolved.me, &resolved.outside) {
+        (Some(i), _) => Ok(layout.ranks[i].task.to_string()),
+        (None, Some(task)) => Ok(task.to_string()),
+        (None, None) => Err(ResolveError::Usage(
+            "this process's task is not in its cluster".into(),
+        )),
+    };
     let mine = ctx.agree(mine)?;
     let spec = format!("{:?}", layout.spec);
     let hashes = ctx.all_gather_bytes(&crate::hash::fnv1a(spec.as_bytes()).to_le_bytes());
@@ -439,6 +479,13 @@ pub fn bind_ranks(ctx: &Context, resolved: Resolved) -> Result<Layout, ResolveEr
         )));
     }
     let tasks = ctx.all_gather_strings(&mine);
+    let inside = |task: &str| layout.ranks.iter().find(|r| r.task.to_string() == task);
+    // Tasks outside the cluster (evaluators) are placed by their hosts: every rank learns
+    // them the same way (a collective only when there are some, on every rank alike).
+    let hosts = match tasks.iter().all(|t| inside(t).is_some()) {
+        true => Vec::new(),
+        false => ctx.all_gather_strings(&ctx.host()),
+    };
     let mut ranks = Vec::with_capacity(tasks.len());
     for (rank, task) in tasks.iter().enumerate() {
         if let Some(first) = tasks[..rank].iter().position(|t| t == task) {
@@ -446,12 +493,10 @@ pub fn bind_ranks(ctx: &Context, resolved: Resolved) -> Result<Layout, ResolveEr
                 "ranks {first} and {rank} both run task {task}"
             )));
         }
-        let mut info = layout
-            .ranks
-            .iter()
-            .find(|r| r.task.to_string() == *task)
-            .expect("every rank's task is in the shared cluster")
-            .clone();
+        let mut info = match inside(task) {
+            Some(info) => info.clone(),
+            None => outside_the_cluster(task, &hosts[rank])?,
+        };
         info.rank = Some(rank);
         ranks.push(info);
     }

@@ -363,6 +363,11 @@ impl<'m> Replica<'m> {
             / y.len().max(1) as f64)
     }
 
+    /// The variables this replica holds: name and element count, in creation order.
+    pub fn variables(&self) -> Vec<(String, usize)> {
+        variables(&self.params)
+    }
+
     /// True if both hold the same parameter bits.
     pub fn same_parameters(&self, other: &Replica<'_>) -> bool {
         self.params.len() == other.params.len()
@@ -383,5 +388,13 @@ pub fn zeros_like(params: &[Tensor]) -> Vec<Tensor> {
                 .expect("same shape")
                 .named(p.name())
         })
+        .collect()
+}
+/// The variables `params` hold (a model's, or a pipeline stage's part): name and element
+/// count, in order (what checkpoints list and the ps places).
+pub fn variables(params: &[Tensor]) -> Vec<(String, usize)> {
+    params
+        .iter()
+        .map(|p| (p.name().to_string(), p.numel()))
         .collect()
 }

@@ -292,7 +292,8 @@ pub fn run<C: Comm>(
     };
     // Dropped on every way out of training, by the task that reports: the evaluators end.
     let reports = reporter(layout) == Some(comm.rank());
-    let _end = crate::train::sidecar::EndNotice::by(reports, comm, layout, dir);
+    let evaluators = crate::train::sidecar::evaluators(layout);
+    let _end = crate::train::sidecar::EndNotice::by(reports, comm, evaluators, dir);
     // With ps tasks, any error of this task reaches them (they tell the stage's others),
     // so none waits for a task that stopped.
     let result = (|| -> Result<(), PipelineError> {
@@ -353,7 +354,7 @@ pub fn run<C: Comm>(
         });
         let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
             (Some(ps), Some((sub, Some(roles)))) => {
-                let vars = crate::train::ps::variables_of(&st.params);
+                let vars = crate::model::variables(&st.params);
                 let client = StageClient::new(sub, roles, ps, &vars, stage, replicas, cfg);
                 Updater::Ps { client }
             }

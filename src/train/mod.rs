@@ -288,7 +288,7 @@ pub fn train_local<'m>(
     let mut model = initial_replica(model, train, cfg.seed)?;
     let opt = cfg.optimizer;
     let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
-    let vars = ps::variables(&model);
+    let vars = model.variables();
     let mut first = 0;
     if let Some(dir) = &cfg.checkpoint_dir {
         if let Some(state) = checkpoint::state::restore(dir, &vars, events)? {

@@ -6,7 +6,8 @@
 //! `mpirun`/`srun` with neither, mpiflow's mapping of ranks onto jobs (`--ps N` tasks
 //! first). Tensors travel by MPI in every case, so the job runs under an MPI launcher.
 //! A ps task calls [`Server::join`], which serves the variables until every worker is
-//! done; workers train in a [`MonitoredSession`].
+//! done; workers train in a [`MonitoredSession`]; an evaluator task evaluates the chief's
+//! checkpoints as they come ([`Server::evaluate`]).
 //!
 //! ```no_run
 //! use mpiflow::train::server::Server;
@@ -33,10 +34,14 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
+use super::data::Dataset;
+use super::events::Event;
 use super::ps::session::{MonitoredSession, SessionOptions};
 use super::ps::{server, PsError, Roles};
+use super::sidecar;
 use crate::cluster::resolve::{bind_ranks, resolve_mpi, resolve_offline};
 use crate::cluster::{Layout, MappingOptions, Request, ResolveError, Source, TaskId};
 use crate::model::Model;
@@ -52,6 +57,8 @@ pub enum ServerError {
     Resolve(#[from] ResolveError),
     #[error("{0}")]
     Ps(#[from] PsError),
+    #[error("{0}")]
+    Sidecar(#[from] sidecar::SidecarError),
     #[error("{task} (rank {rank}): {what}")]
     Role {
         task: String,
@@ -165,6 +172,11 @@ impl Server {
         self.task().job == "ps"
     }
 
+    /// True for an evaluator task: it takes no part in training ([`Server::evaluate`]).
+    pub fn is_evaluator(&self) -> bool {
+        self.task().job == "evaluator"
+    }
+
     /// True for the chief: `chief:0`, or `worker:0` if the cluster has no chief job.
     pub fn is_chief(&self) -> bool {
         self.roles
@@ -199,6 +211,26 @@ impl Server {
             .ps_index(self.rank)
             .ok_or_else(|| self.role_error("join() serves ps tasks; this is not one"))?;
         Ok(server::serve(&self.comm, roles, k, self.peer_timeout)?)
+    }
+
+    /// An evaluator task: evaluates `model` on `test` with each checkpoint the chief
+    /// commits in `dir` (the chief's session has its `checkpoint_dir` there), reporting
+    /// each to `events`, until the chief's session ends (TensorFlow's side-car evaluation,
+    /// [`crate::train::sidecar`]).
+    pub fn evaluate(
+        &self,
+        model: &dyn Model,
+        test: &Dataset,
+        dir: &Path,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<(), ServerError> {
+        if !self.is_evaluator() {
+            return Err(self.role_error("evaluate() is for evaluator tasks; this is not one"));
+        }
+        let task = format!("{} (rank {})", self.task(), self.rank);
+        Ok(sidecar::evaluate(
+            &self.comm, &task, model, test, dir, events,
+        )?)
     }
 
     /// A worker's monitored training session of `model` against the ps tasks.

@@ -4,9 +4,11 @@
 //! the newest checkpoint then, normally the last step's).
 //!
 //! Every mode runs it the same way: the evaluator rank calls [`evaluate`] where the mode
-//! leaves it idle, and the chief holds an [`EndNotice`] from the start of its part, whose
-//! drop (training done, stopped, or failed: every way out) tells every evaluator. Without
-//! a checkpoint directory there is nothing to evaluate: neither side does anything.
+//! leaves it idle (through [`take_part`]; a program of its own, through
+//! `Server::evaluate`), and the chief holds an [`EndNotice`] from the start of its part
+//! (a ps worker's `MonitoredSession` holds it), whose drop (training done, stopped, or
+//! failed: every way out) tells every evaluator. Without a checkpoint directory there is
+//! nothing to evaluate: neither side does anything.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -37,10 +39,10 @@ pub struct EndNotice<'c, C: Comm> {
 }
 
 impl<'c, C: Comm> EndNotice<'c, C> {
-    /// The notice for `layout`'s evaluators, held by the rank that is the `chief`; `None`
-    /// elsewhere, and without evaluators or a checkpoint directory (`dir`).
-    pub fn by(chief: bool, comm: &'c C, layout: &Layout, dir: Option<&Path>) -> Option<Self> {
-        let to = evaluators(layout);
+    /// The notice for the evaluators at ranks `to` ([`evaluators`]), held by the rank that
+    /// is the `chief`; `None` elsewhere, and without evaluators or a checkpoint directory
+    /// (`dir`).
+    pub fn by(chief: bool, comm: &'c C, to: Vec<usize>, dir: Option<&Path>) -> Option<Self> {
         // Made only when held: a notice made and dropped sends.
         (chief && dir.is_some() && !to.is_empty()).then(|| EndNotice { comm, to })
     }
@@ -108,7 +110,7 @@ pub fn evaluate<C: Comm>(
     events: &mut dyn FnMut(&Event),
 ) -> Result<(), SidecarError> {
     let mut replica = Replica::new(model, 0);
-    let vars = crate::train::ps::variables(&replica);
+    let vars = replica.variables();
     let tag = comm.tags().reserved(Reserved::Sidecar);
     let mut last: Option<u64> = None;
     let mut warned: Vec<PathBuf> = Vec::new();

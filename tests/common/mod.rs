@@ -100,6 +100,27 @@ pub fn run_bounded(secs: u32, cmd: &[&str], env: &[(&str, &str)]) -> Run {
 /// `odls_base_sigkill_timeout`, even when every rank already ended on its own. At 0, Open
 /// MPI 4.1's mpirun hung in 5 of 25 jobs of one such test here, and crashed in another: the
 /// tests keep the default.)
+/// `mpirun` arguments of one process per task of `tasks` (job, index), each with its own
+/// `TF_CONFIG` (`cluster`: the `"cluster": {...}` member) running `program` (its path
+/// and arguments): the MPMD form, `-np 1 -x TF_CONFIG=... program : -np 1 ...`.
+pub fn tf_config_processes(
+    cluster: &str,
+    tasks: &[(&str, usize)],
+    program: &[&str],
+) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    for (i, (job, index)) in tasks.iter().enumerate() {
+        if i > 0 {
+            args.push(":".into());
+        }
+        let tf =
+            format!(r#"TF_CONFIG={{{cluster}, "task": {{"type": "{job}", "index": {index}}}}}"#);
+        args.extend(["-np".into(), "1".into(), "-x".into(), tf]);
+        args.extend(program.iter().map(|a| a.to_string()));
+    }
+    args
+}
+
 pub fn mpirun(args: &[&str]) -> Run {
     let _guard = lock();
     let mut cmd = vec!["mpirun", "--oversubscribe"];

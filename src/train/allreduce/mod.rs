@@ -151,7 +151,8 @@ pub fn run<C: Comm + Send>(
         return Ok(());
     };
     // Dropped on every way out of training: the evaluators then end.
-    let _end = crate::train::sidecar::EndNotice::by(worker_id == Some(0), comm, layout, dir);
+    let evaluators = crate::train::sidecar::evaluators(layout);
+    let _end = crate::train::sidecar::EndNotice::by(worker_id == Some(0), comm, evaluators, dir);
     let coll = Collectives::new(sub);
     super::agree_on_model(&coll, model, |i| format!("replica {i}"))?
         .map_err(AllreduceError::Models)?;
@@ -165,7 +166,7 @@ pub fn run<C: Comm + Send>(
 
     // The chief's starting point (fresh or restored, from any mode's checkpoint) goes to
     // every replica.
-    let vars = crate::train::ps::variables(&model);
+    let vars = model.variables();
     let mut start_bytes = Vec::new();
     if chief {
         let restored = match &cfg.train.checkpoint_dir {
@@ -384,7 +385,7 @@ fn write_checkpoint(
     let Some(dir) = &cfg.train.checkpoint_dir else {
         return Ok(None);
     };
-    let vars = crate::train::ps::variables(model);
+    let vars = model.variables();
     let t = Instant::now();
     let path = State::of_replica(model, slots, step).write(dir, &model.model.describe(), &vars)?;
     timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(step));

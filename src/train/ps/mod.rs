@@ -220,8 +220,6 @@ pub fn run<C: Comm>(
         stop_on_signal: cfg.train.stop_on_signal,
         towers: cfg.train.towers,
     };
-    // Dropped on every way out of training: the evaluators then end.
-    let _end = crate::train::sidecar::EndNotice::by(w == 0, comm, layout, dir);
     let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));
     while !sess.should_stop() {
@@ -251,20 +249,6 @@ pub fn run<C: Comm>(
         .map_err(|e| PsError::Setup(e.to_string()))?;
     }
     Ok(())
-}
-
-/// The variables of a replica: name and element count, in creation order.
-pub(crate) fn variables(model: &crate::model::Replica<'_>) -> Vec<(String, usize)> {
-    variables_of(&model.params)
-}
-
-/// The variables `params` hold (a model's, or a pipeline stage's part): name and element
-/// count, in order.
-pub(crate) fn variables_of(params: &[crate::tensor::Tensor]) -> Vec<(String, usize)> {
-    params
-        .iter()
-        .map(|p| (p.name().to_string(), p.numel()))
-        .collect()
 }
 
 #[cfg(test)]

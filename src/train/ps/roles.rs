@@ -77,6 +77,12 @@ impl Roles {
             })
     }
 
+    /// The ranks of the evaluator tasks (side-car evaluation, [`crate::train::sidecar`]).
+    pub fn evaluators(&self) -> Vec<usize> {
+        let of = |(r, (t, _)): (&usize, &(TaskId, usize))| (t.job == "evaluator").then_some(*r);
+        self.tasks.iter().filter_map(of).collect()
+    }
+
     /// This rank's ps index, if it is a ps task.
     pub fn ps_index(&self, rank: usize) -> Option<usize> {
         self.ps.iter().position(|r| *r == rank)

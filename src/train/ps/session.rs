@@ -40,6 +40,7 @@ use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::timeline::{self, Detail};
 use crate::train::events::Event;
 use crate::train::optim::{Optimizer, OptimizerKind};
+use crate::train::sidecar::EndNotice;
 use crate::train::StepLog;
 use crate::transport::comm::Comm;
 
@@ -145,6 +146,8 @@ pub struct MonitoredSession<'s, 'e, C: Comm> {
     mine: Option<Times>,
     /// Whom pushes and pulls go to (the timeline's spans name it).
     peers: Arc<str>,
+    /// The chief's notice to side-car evaluators, sent when the session is dropped.
+    _end: Option<EndNotice<'s, C>>,
 }
 
 /// In asynchronous training a worker reports its phase times, and the chief asks for
@@ -167,8 +170,12 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 roles.task(comm.rank())
             ))
         })?;
+        // First: dropped on every way out of the session, failures too, it tells the
+        // evaluators training ended (after the chief's last checkpoint, in `close`).
+        let dir = opts.checkpoint_dir.as_deref();
+        let end = EndNotice::by(w == 0, comm, roles.evaluators(), dir);
         let replica = Replica::new(model, opts.seed);
-        let vars = super::variables(&replica);
+        let vars = replica.variables();
         let client = Client::new(
             comm,
             roles,
@@ -201,6 +208,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
                 1 => roles.task_name(roles.ps[0]).into(),
                 n => format!("{n} ps tasks").into(),
             },
+            _end: end,
         };
         if sess.chief {
             sess.emit(&Event::Placement(super::placement::report(
@@ -270,7 +278,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     /// step of the checkpoint restored (0 when initialised).
     fn init_or_restore(&mut self) -> Result<u64, PsError> {
         let dir = self.opts.checkpoint_dir.clone();
-        let vars = super::variables(&self.replica);
+        let vars = self.replica.variables();
         let (found, warnings) = shards::newest(dir.as_deref(), &vars)?;
         for w in warnings {
             self.emit(&Event::Warning(w));
@@ -505,7 +513,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let step = self.step;
         let meta = crate::train::checkpoint::state::model_meta(
             &self.replica.model.describe(),
-            &super::variables(&self.replica),
+            &self.replica.variables(),
         );
         let t = Instant::now();
         let written = crate::train::checkpoint::begin(&dir, step)

@@ -12,7 +12,9 @@ pub(crate) mod train;
 
 use std::collections::BTreeMap;
 
-use mpiflow::cluster::resolve::{resolve_mpi, resolve_offline, Request};
+use mpiflow::cluster::resolve::{
+    bind_ranks, resolve_mpi, resolve_offline, under_mpi_launcher, Request,
+};
 use mpiflow::cluster::{Resolved, Source};
 use mpiflow::transport::Context;
 
@@ -24,17 +26,20 @@ pub(crate) fn resolve(
     args: &ClusterArgs,
     env: &BTreeMap<String, String>,
 ) -> Result<(Resolved, Option<Context>), Failure> {
-    resolve_with(args, Vec::new(), env, false).map(|(r, c, _)| (r, c))
+    resolve_with(args, Vec::new(), env, false, false).map(|(r, c, _)| (r, c))
 }
 
 /// As [`resolve`], with the command's own flags that every rank must be given alike
 /// (`agreed`, compared with the mapping flags); with `threaded`, MPI is asked for
-/// `MPI_THREAD_MULTIPLE` and the last value says whether it was granted.
+/// `MPI_THREAD_MULTIPLE` and the last value says whether it was granted; with `bind`, a
+/// cluster from TF_CONFIG or the seeds' flags under an MPI launcher is matched to the
+/// ranks (each process's task to its rank).
 pub(crate) fn resolve_with(
     args: &ClusterArgs,
     agreed: Vec<(String, String)>,
     env: &BTreeMap<String, String>,
     threaded: bool,
+    bind: bool,
 ) -> Result<(Resolved, Option<Context>, bool), Failure> {
     let req = Request {
         agreed,
@@ -49,6 +54,24 @@ pub(crate) fn resolve_with(
             let (ctx, multiple) = init(threaded)?;
             // Every error of the MPI resolver is collective: all ranks hold the same one.
             let r = resolve_mpi(&ctx, &req).map_err(|e| Failure::agreed(e, &ctx))?;
+            Ok((r, Some(ctx), multiple))
+        }
+        // Training needs ranks: a cluster described per process (TF_CONFIG, the seeds'
+        // flags) under an MPI launcher is matched to them, as `Server::start` does.
+        Source::TfConfig | Source::Flags if bind && under_mpi_launcher(env) => {
+            let (ctx, multiple) = init(threaded)?;
+            let offline = ctx.agree(resolve_offline(&req, source, env));
+            let offline = offline.map_err(|e| Failure::agreed(e, &ctx))?;
+            // Its errors are collective too: every rank judges the same gathered tasks.
+            let layout = bind_ranks(&ctx, offline).map_err(|e| Failure::agreed(e, &ctx))?;
+            let r = Resolved {
+                source,
+                layout,
+                me: Some(ctx.rank()),
+                outside: None,
+                size: Some(ctx.size()),
+                port_guard: None,
+            };
             Ok((r, Some(ctx), multiple))
         }
         source => {

@@ -294,7 +294,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     };
     let watching = args.stall_warning > 0 && refused.is_none();
     let (resolved, ctx, multiple) =
-        resolve_with(&args.cluster, args.agreed(), env, overlap || watching)?;
+        resolve_with(&args.cluster, args.agreed(), env, overlap || watching, true)?;
     let Some(ctx) = ctx else {
         return Err(Failure::local(
             "distributed training runs under mpirun (or srun --mpi=pmix)",

@@ -51,7 +51,7 @@ pub use bench::bench_pushpull;
 use std::time::{Duration, Instant};
 
 use super::placement::{self, Shard};
-use super::{variables, PsConfig, PsError, Roles};
+use super::{PsConfig, PsError, Roles};
 use crate::cluster::Layout;
 use crate::model::{Model, Replica};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
@@ -234,7 +234,7 @@ pub fn run(
     crate::train::agree_on_model(&everyone, model, |r| roles.task(r))?.map_err(PsError::Setup)?;
     let mut model = crate::train::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
-    let vars = variables(&model);
+    let vars = model.variables();
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let pieces = pieces(&shards);
     let ps_index = roles.ps.iter().position(|r| *r == me);
@@ -359,7 +359,8 @@ pub fn run(
             (None, Some(w)) => {
                 // Dropped on every way out of training, before the windows are freed:
                 // the evaluators then end (and come to the free).
-                let _end = crate::train::sidecar::EndNotice::by(w == 0, comm, layout, dir);
+                let evaluators = crate::train::sidecar::evaluators(layout);
+                let _end = crate::train::sidecar::EndNotice::by(w == 0, comm, evaluators, dir);
                 ctx.work(w, &mut model, &d, &c, train, test, events)
             }
             (None, None) => {
