@@ -59,7 +59,7 @@ impl<C: Comm> Drop for EndNotice<'_, C> {
     }
 }
 
-/// An evaluation of a checkpoint, or why one was skipped.
+/// Why an evaluator stopped (a checkpoint that does not verify is only a warning).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SidecarError {
     #[error("{0}")]

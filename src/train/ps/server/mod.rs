@@ -22,6 +22,14 @@
 //! gets the same answer and all stop after the same step; asynchronous: at once). Every
 //! worker stops at the first reply that carries it (the chief checkpoints), and says so
 //! when it is done; the ps then ends with the stop too.
+//!
+//! **Steps not finite** (synchronous): a push may say its worker's loss or gradients were
+//! not finite. When the step is complete and any push said so, nothing is applied: every
+//! pull, from then on, is answered with the verdict (the first such worker's finding and
+//! how many of the step's workers had one), every push is dropped, and the ps ends with
+//! the verdict once every worker said it is done: one error on every rank, at one step.
+//! **Agreed errors**: an abort marked agreed (every worker stops with it and prints it, a
+//! pipeline's replica tasks) only marks its worker done; the ps ends with it, quietly.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -437,10 +445,10 @@ impl<'a, C: Comm> Server<'a, C> {
 
     /// One update from the step's gradients, averaged weighted by each worker's samples
     /// (the gradient of the combined batch), summed in worker order (the same bits
-    /// whatever order the pushes arrived in) from where they were received. None if a
-    /// worker found its loss or gradients not finite: the step is refused, named by the
-    /// first such worker's finding (in worker order: every ps names the same one) and
-    /// how many of the step's workers had one.
+    /// whatever order the pushes arrived in) from where they were received. Nothing is
+    /// applied if a worker found its loss or gradients not finite: the step is refused,
+    /// named by the first such worker's finding (in worker order: every ps names the same
+    /// one) and how many of the step's workers had one.
     fn apply_accumulated(&mut self) {
         if let Some((_, first)) = self.non_finite.first_key_value() {
             let on = format!(
