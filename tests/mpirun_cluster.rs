@@ -207,6 +207,19 @@ fn busy_ports_are_skipped_and_ports_stay_unique() {
     assert!(ports.iter().all(|p| *p > port), "{ports:?}");
 }
 
+/// A misspelt flag on the one command line every rank runs is one line, said by rank 0
+/// for all; with several command lines (`A : B`), the rank whose line it is says it.
+#[test]
+fn a_bad_flag_is_one_line_for_all_ranks_or_the_rank_whose_it_is() {
+    let m = mpiflow();
+    let run = mpirun(&["-np", "4", m, "train", "--stpes", "5"]);
+    run.assert_one_line_error(
+        "mpiflow: all ranks: unexpected argument '--stpes' found (a similar argument exists: '--steps')",
+    );
+    let run = mpirun(&["-np", "1", m, "spec", ":", "-np", "1", m, "spec", "--bogus"]);
+    run.assert_one_line_error("mpiflow: rank 1: unexpected argument '--bogus' found");
+}
+
 #[test]
 fn ranks_started_with_different_flags_stop_the_job() {
     let m = mpiflow();

@@ -74,6 +74,16 @@ pub fn under_mpi_launcher(env: &BTreeMap<String, String>) -> bool {
     MPI_LAUNCHER_VARS.iter().any(|v| env.contains_key(*v))
 }
 
+/// This process's rank when every rank of the job runs the same command line (OpenMPI's
+/// `mpirun` with one app context: `OMPI_NUM_APP_CTX=1`), so an error found in the
+/// arguments alone is every rank's; `None` otherwise (another launcher, or `mpirun A : B`).
+pub fn rank_of_one_command(env: &BTreeMap<String, String>) -> Option<usize> {
+    if env.get("OMPI_NUM_APP_CTX").map(String::as_str) != Some("1") {
+        return None;
+    }
+    env.get("OMPI_COMM_WORLD_RANK")?.trim().parse().ok()
+}
+
 /// The rank an MPI launcher gave this process, read from its variables (for messages
 /// written before MPI is initialised); a value that is no rank number is no hint (the
 /// error about it names it).

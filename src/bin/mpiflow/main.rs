@@ -15,7 +15,7 @@ mod report;
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
-use mpiflow::cluster::resolve::launcher_rank_hint;
+use mpiflow::cluster::resolve::{launcher_rank_hint, rank_of_one_command};
 
 use args::Cmd;
 use out::say;
@@ -41,7 +41,14 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             let line = args::one_line(&e.render().to_string(), &argv);
-            say!("mpiflow: {prefix}{line}");
+            match rank_of_one_command(&env) {
+                // Every rank was given these arguments and fails alike: rank 0 says it for
+                // all, and mpirun ends the job when it exits; the others wait for that (a
+                // bounded wait) so that none ends it before the line is out.
+                Some(0) => say!("mpiflow: all ranks: {line}"),
+                Some(_) => std::thread::sleep(std::time::Duration::from_secs(10)),
+                None => say!("mpiflow: {prefix}{line}"),
+            }
             return ExitCode::from(2);
         }
     };
