@@ -553,6 +553,18 @@ fn outputs_that_cannot_be_written_are_refused_before_training() {
         .assert_one_line_error("checkpoint directory /proc/none/ckpt: cannot create it: ");
     run(&["train", "--checkpoint-dir", "/etc/hostname"], &[])
         .assert_one_line_error("checkpoint directory /etc/hostname: is a file, not a directory");
+    // The metrics and the timeline too, before the run's header: the error is all it says.
+    for (flag, want) in [
+        (
+            "--metrics",
+            "metrics file /proc/none/m.csv: cannot create it: ",
+        ),
+        ("--timeline", "timeline /proc/none/m.csv: cannot write it: "),
+    ] {
+        let bad = run(&["train", flag, "/proc/none/m.csv"], &[]);
+        bad.assert_one_line_error(want);
+        assert_eq!(bad.stdout, "", "{bad:?}");
+    }
 }
 
 #[test]

@@ -36,6 +36,12 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     let cfg: TrainConfig = args.train_config();
     let need = resources::replica_need(&model, cfg.batch, &cfg.optimizer);
     resources::check("training", &need, resources::share(1).as_ref()).map_err(Failure::local)?;
+    // The outputs are checked before anything is printed: a bad path is the only line.
+    let metrics = report::metrics_file(args.metrics.as_deref(), true).map_err(Failure::local)?;
+    if let Some(p) = &args.timeline {
+        mpiflow::observe::timeline::check_writable(p).map_err(Failure::local)?;
+        mpiflow::observe::timeline::enable(mpiflow::observe::timeline::Alignment::alone());
+    }
     emit(&format!(
         "# mpiflow train --mode local: {} train / {} held-out samples, {}, {}, batch {}{}, BLAS threads {} (CPUs {})\n",
         train.len(),
@@ -49,11 +55,6 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     ));
     if let Some(w) = idle_towers(args, None) {
         say!("mpiflow: warning: {w}");
-    }
-    let metrics = report::metrics_file(args.metrics.as_deref(), true).map_err(Failure::local)?;
-    if let Some(p) = &args.timeline {
-        mpiflow::observe::timeline::check_writable(p).map_err(Failure::local)?;
-        mpiflow::observe::timeline::enable(mpiflow::observe::timeline::Alignment::alone());
     }
     let mut reporter = Reporter::new(cfg.steps, args.progress, metrics, true);
     let trained = train_local(&model, &cfg, &train, &test, &mut |e| reporter.event(e));
