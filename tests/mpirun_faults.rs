@@ -114,6 +114,10 @@ fn a_non_finite_loss_stops_every_mode_and_the_last_good_checkpoint_stays_newest(
             "{name}: {again:?}"
         );
     }
+    // Rank 0 an idle ps task (allreduce leaves it out): the chief still says it, once.
+    let ps_first = ["--mode", "allreduce", "--ps", "1"];
+    let bad = run_mode(Some("3"), &ps_first, &["--steps", "20", "--lr", "1e30"]);
+    bad.assert_one_line_error(" of 2 replicas: training stopped before applying it");
 }
 
 #[test]

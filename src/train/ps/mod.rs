@@ -536,7 +536,7 @@ mod tests {
     /// every rank, the ps tasks too, ends with the same verdict at once, counting the
     /// workers that saw it (`tests/mpirun_faults.rs` checks that no checkpoint follows).
     #[test]
-    fn a_non_finite_step_is_one_verdict_on_every_rank_and_is_not_applied() {
+    fn a_non_finite_step_is_one_verdict_on_every_rank() {
         let data = Dataset::synthetic(200, 8, 3, 1);
         let (train, test) = data.split_holdout(1);
         let mut poisoned = train.clone();

@@ -520,12 +520,13 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 Err(allreduce::AllreduceError::Stopped(s)) => {
                     drop((watch, reporter));
                     timeline(&comm)?;
-                    return Err(Failure::stopped(&s, ctx.rank() == 0));
+                    return Err(Failure::stopped(&s, chief));
                 }
-                // The same error on every replica at the same step: one line, from rank 0.
+                // The same error on every replica at the same step: one line, from the
+                // chief (rank 0 may be an idle ps task, which never hears of it).
                 Err(e) if e.is_agreed() => {
                     drop((watch, comm, reporter));
-                    return Err(Failure::agreed(e, &ctx));
+                    return Err(Failure::agreed_by(e, chief));
                 }
                 r => r.map_err(|e| e.to_string()),
             }
