@@ -419,6 +419,19 @@ pub fn resolve_offline(
     }
 }
 
+/// A cluster described per process (`source`: TF_CONFIG or the seeds' flags) matched to
+/// the ranks of `ctx`: each process's task to its rank ([`bind_ranks`]). Every error is
+/// the same on every rank.
+pub fn resolve_bound(
+    ctx: &Context,
+    req: &Request,
+    source: Source,
+    env: &BTreeMap<String, String>,
+) -> Result<Layout, ResolveError> {
+    let offline = ctx.agree(resolve_offline(req, source, env))?;
+    bind_ranks(ctx, offline)
+}
+
 /// The place of a rank whose task is outside the cluster (an evaluator, no server of the
 /// cluster: no port), on `host`.
 fn outside_the_cluster(task: &str, host: &str) -> Result<RankInfo, ResolveError> {

@@ -390,6 +390,7 @@ pub fn zeros_like(params: &[Tensor]) -> Vec<Tensor> {
         })
         .collect()
 }
+
 /// The variables `params` hold (a model's, or a pipeline stage's part): name and element
 /// count, in order (what checkpoints list and the ps places).
 pub fn variables(params: &[Tensor]) -> Vec<(String, usize)> {

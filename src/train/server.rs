@@ -42,7 +42,7 @@ use super::events::Event;
 use super::ps::session::{MonitoredSession, SessionOptions};
 use super::ps::{server, PsError, Roles};
 use super::sidecar;
-use crate::cluster::resolve::{bind_ranks, resolve_mpi, resolve_offline};
+use crate::cluster::resolve::{resolve_bound, resolve_mpi, resolve_offline};
 use crate::cluster::{Layout, MappingOptions, Request, ResolveError, Source, TaskId};
 use crate::model::Model;
 use crate::transport::mpi::MpiComm;
@@ -124,12 +124,7 @@ impl Server {
                 )
                 .into())
             }
-            s => {
-                let offline = ctx
-                    .agree(resolve_offline(req, s, env))
-                    .map_err(ResolveError::from)?;
-                bind_ranks(&ctx, offline)?
-            }
+            s => resolve_bound(&ctx, req, s, env)?,
         };
         let roles = layout
             .ranks

@@ -153,6 +153,24 @@ pub enum PsError {
     Stopped(crate::train::Stopped),
 }
 
+/// What a worker does with its step's check (`found`, [`crate::train::guard::check_step`]),
+/// the rule of both transports: synchronous, a finding goes to the ps tasks with the push
+/// (`Ok(Some)`), which apply none of the step and give every worker one verdict;
+/// asynchronous, this worker (`task`) stops the job with it.
+pub(crate) fn non_finite_rule(
+    found: Result<(), crate::train::guard::NonFinite>,
+    sync: bool,
+    task: impl FnOnce() -> String,
+) -> Result<Option<crate::train::guard::NonFinite>, PsError> {
+    match found {
+        Err(source) if !sync => Err(PsError::NonFinite {
+            task: task(),
+            source,
+        }),
+        found => Ok(found.err()),
+    }
+}
+
 /// Refuses settings no ps training can carry out, before anything starts (the same verdict
 /// on every rank: it reads only `cfg` and `layout`). [`rma::check_config`] adds what the
 /// one-sided ps does not implement.

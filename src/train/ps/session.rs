@@ -355,18 +355,9 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             .towers
             .gradients_into(&self.replica, x, y, &mut self.grads)
             .map_err(|e| PsError::Setup(format!("{}: {e}", self.client.me())))?;
-        // Synchronous: what is not finite goes to the ps tasks with the push, which apply
-        // none of the step and answer every worker the same (one verdict, one line);
-        // asynchronous: this worker stops the job.
-        let non_finite = match crate::train::guard::check_step(self.step, loss, &self.grads) {
-            Err(source) if self.opts.sync.is_none() => {
-                return Err(PsError::NonFinite {
-                    task: self.client.me(),
-                    source,
-                })
-            }
-            found => found.err(),
-        };
+        let found = crate::train::guard::check_step(self.step, loss, &self.grads);
+        let sync = self.opts.sync.is_some();
+        let non_finite = super::non_finite_rule(found, sync, || self.client.me())?;
         let noted = crate::signals::stop_requested_if(self.opts.stop_on_signal);
         let step = self.step;
         let t = self

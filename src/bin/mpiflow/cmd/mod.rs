@@ -13,7 +13,7 @@ pub(crate) mod train;
 use std::collections::BTreeMap;
 
 use mpiflow::cluster::resolve::{
-    bind_ranks, resolve_mpi, resolve_offline, under_mpi_launcher, Request,
+    resolve_bound, resolve_mpi, resolve_offline, under_mpi_launcher, Request,
 };
 use mpiflow::cluster::{Resolved, Source};
 use mpiflow::transport::Context;
@@ -60,10 +60,8 @@ pub(crate) fn resolve_with(
         // flags) under an MPI launcher is matched to them, as `Server::start` does.
         Source::TfConfig | Source::Flags if bind && under_mpi_launcher(env) => {
             let (ctx, multiple) = init(threaded)?;
-            let offline = ctx.agree(resolve_offline(&req, source, env));
-            let offline = offline.map_err(|e| Failure::agreed(e, &ctx))?;
-            // Its errors are collective too: every rank judges the same gathered tasks.
-            let layout = bind_ranks(&ctx, offline).map_err(|e| Failure::agreed(e, &ctx))?;
+            let layout = resolve_bound(&ctx, &req, source, env);
+            let layout = layout.map_err(|e| Failure::agreed(e, &ctx))?;
             let r = Resolved {
                 source,
                 layout,

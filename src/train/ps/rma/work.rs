@@ -143,17 +143,9 @@ impl Rma<'_> {
             let loss = towers
                 .gradients_into(model, &x, &y, &mut grads)
                 .map_err(|e| PsError::Setup(e.to_string()))?;
-            // Sync: pushed all the same, and counted on every ps, which then applies none
-            // of the step; async: this worker stops the job.
-            let found = match crate::train::guard::check_step(s, loss, &grads) {
-                Err(source) if !cfg.sync => {
-                    return Err(PsError::NonFinite {
-                        task: me.clone(),
-                        source,
-                    })
-                }
-                found => found.err(),
-            };
+            // Sync: pushed all the same, and counted on every ps (see the module's rule).
+            let found = crate::train::guard::check_step(s, loss, &grads);
+            let found = super::super::non_finite_rule(found, cfg.sync, || me.clone())?;
             last_loss = loss;
             let n = mine.len() as f32;
             // In place: the sync ps divides the sum by the samples; async applies SGD.
