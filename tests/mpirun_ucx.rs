@@ -116,3 +116,33 @@ fn a_stack_that_cannot_be_had_is_one_line() {
     );
     each(&run, "MPIFLOW_RDMA_STACK=fast: not one of auto, ucx, ompi");
 }
+
+#[test]
+fn tensors_of_every_size_arrive_whole_on_ucx() {
+    // Under pml ucx a blocking send from 4 KiB is an MPI_Isend and its wait, not an
+    // MPI_Send (src/transport/mpi/library.rs): latency's round trips move 1 B to 1 MiB
+    // through both, on every path, each size's data checked (-c).
+    let mut args = vec![
+        "-np",
+        "2",
+        mpiflow(),
+        "--rdma-stack",
+        "ucx",
+        "bench",
+        "latency",
+    ];
+    args.extend("-m 1:1048576 -i 20 -x 2 --rounds 1 -c".split(' '));
+    let run = mpirun(&args);
+    assert_eq!(run.code, 0, "{run:?}");
+    let rows: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u64>().is_ok())
+        })
+        .collect();
+    assert_eq!(rows.len(), 4 * 21, "4 paths x 21 sizes: {}", run.stdout);
+    assert!(rows.iter().all(|r| r.ends_with(" Pass")), "{}", run.stdout);
+}

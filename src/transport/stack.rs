@@ -250,6 +250,35 @@ fn parse_ucx_transports(text: &str) -> Vec<String> {
     seen
 }
 
+/// The point-to-point layer (`pml`) Open MPI selected for this process (`"ob1"`, `"ucx"`,
+/// ...), after `MPI_Init`: the one component file `mca_pml_*.so` still mapped (Open MPI
+/// unloads the ones it did not select), else `OMPI_MCA_pml` when it names one (a static
+/// build); `None` when neither says.
+pub fn selected_pml() -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let from_env = std::env::var("OMPI_MCA_pml").ok();
+    selected_pml_in(&maps, from_env.as_deref())
+}
+
+fn selected_pml_in(maps: &str, from_env: Option<&str>) -> Option<String> {
+    let mut mapped: Vec<&str> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter_map(|p| {
+            p.rsplit('/')
+                .next()?
+                .strip_prefix("mca_pml_")?
+                .strip_suffix(".so")
+        })
+        .collect();
+    mapped.dedup();
+    match (mapped.as_slice(), from_env) {
+        ([one], _) => Some(one.to_string()),
+        ([], Some(v)) if !v.is_empty() && !v.contains([',', '^']) => Some(v.to_string()),
+        _ => None,
+    }
+}
+
 /// Open MPI's component directory and its files, beside the `libmpi` this process mapped:
 /// `LIBDIR/openmpi` upstream; Debian keeps `libmpi` in the multiarch directory and the
 /// components in `openmpi/lib/openmpi3` under it.
@@ -281,6 +310,24 @@ fn components() -> Option<(std::path::PathBuf, Vec<String>)> {
 mod tests {
     use super::*;
     use crate::test_support::env;
+
+    #[test]
+    fn the_selected_pml_is_the_component_still_mapped_else_the_variable() {
+        let line = |f: &str| {
+            format!("7f1c2000-7f1c3000 r-xp 00000000 fe:01 123 /usr/lib/openmpi3/mca_pml_{f}.so\n")
+        };
+        let ucx = line("ucx") + &line("ucx");
+        assert_eq!(selected_pml_in(&ucx, None).as_deref(), Some("ucx"));
+        assert_eq!(
+            selected_pml_in(&line("ob1"), Some("ucx")).as_deref(),
+            Some("ob1")
+        );
+        assert_eq!(selected_pml_in("", Some("ucx")).as_deref(), Some("ucx"));
+        assert_eq!(selected_pml_in("", Some("ucx,ob1")), None);
+        assert_eq!(selected_pml_in("", Some("^ucx")), None);
+        assert_eq!(selected_pml_in("", None), None);
+        assert_eq!(selected_pml_in(&(line("ob1") + &line("ucx")), None), None);
+    }
 
     fn facts(rdma: bool, ucx: bool) -> Facts {
         let mut files = vec!["mca_pml_ob1.so".to_string(), "mca_osc_pt2pt.so".into()];

@@ -16,6 +16,7 @@ use mpi::traits::*;
 
 pub(crate) mod errors;
 pub mod idle;
+mod library;
 mod shared;
 mod waits;
 
@@ -24,8 +25,10 @@ use super::comm::{
 };
 use super::links::Links;
 use super::segments::SharedSegments;
-use super::tags::{TagError, Tags, STANDARD_TAG_UB, TAG_UB_VAR};
+use super::tags::Tags;
 use crate::tensor::DType;
+use library::{count_offset, largest_plain_send, library_in_place, status_u32};
+pub use library::{library_tag_ub, tag_scheme, SEND_AS_REQUEST_FROM};
 
 /// A communicator for mpiflow's own traffic.
 pub struct MpiComm {
@@ -38,6 +41,8 @@ pub struct MpiComm {
     in_place: Option<*mut c_void>,
     /// See [`count_offset`].
     count_at: Option<usize>,
+    /// See [`largest_plain_send`].
+    largest_plain_send: usize,
     links: Links,
     tags: Tags,
 }
@@ -60,18 +65,6 @@ pub struct MpiRequest {
 #[repr(transparent)]
 pub struct MpiWindowSend(ffi::MPI_Request);
 
-fn library_in_place(v: &str) -> Option<*mut c_void> {
-    // MPI_IN_PLACE is a macro, absent from the bindings: OpenMPI defines it as (void *) 1
-    // and MPICH as (void *) -1. With another library, in-place collectives copy instead.
-    if v.contains("Open MPI") {
-        Some(std::ptr::without_provenance_mut(1))
-    } else if v.contains("MPICH") {
-        Some(std::ptr::without_provenance_mut(usize::MAX))
-    } else {
-        None
-    }
-}
-
 /// The MPI library's text for an error code (`MPI_Error_string`).
 pub(crate) fn error_string(rc: c_int) -> String {
     let mut buf = vec![0u8; 512];
@@ -79,99 +72,6 @@ pub(crate) fn error_string(rc: c_int) -> String {
     // SAFETY: buf holds MPI_MAX_ERROR_STRING (at most 512 in OpenMPI and MPICH) bytes.
     unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
     String::from_utf8_lossy(&buf[..len.max(0) as usize]).into_owned()
-}
-
-/// The low 32 bits of the `MPI_Status` field at byte offset `at`.
-#[inline(always)]
-fn status_u32(status: &ffi::MPI_Status, at: usize) -> u32 {
-    // SAFETY: the status is plain data of size_of::<MPI_Status>() bytes, and callers only
-    // pass offsets with 4 bytes inside it (checked in count_offset).
-    let bytes = unsafe {
-        std::slice::from_raw_parts(
-            (status as *const ffi::MPI_Status).cast::<u8>(),
-            std::mem::size_of::<ffi::MPI_Status>(),
-        )
-    };
-    u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
-}
-
-/// Where the library keeps a receive's byte count in `MPI_Status`: OpenMPI's `_ucount`
-/// (after four ints), MPICH's `count_lo` (first). Trusted only after two messages to
-/// ourselves showed it equal to `MPI_Get_count`'s answer. Reading it saves that call's
-/// ~8 ns on every receive, a twentieth of a small message's latency on shared memory.
-/// `None`: receives ask `MPI_Get_count`.
-fn count_offset(comm: &SimpleCommunicator, version: &str) -> Option<usize> {
-    let at = if version.contains("Open MPI") {
-        16
-    } else if version.contains("MPICH") {
-        0
-    } else {
-        return None;
-    };
-    if at + 4 > std::mem::size_of::<ffi::MPI_Status>() {
-        return None;
-    }
-    let me = comm.rank();
-    for n in [5usize, 1003] {
-        let out = vec![0u8; n];
-        let mut inb = vec![0u8; n];
-        // SAFETY: a zeroed status is a valid out-parameter.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: both buffers hold n bytes; a message to ourselves completes locally.
-        let rc = unsafe {
-            ffi::MPI_Sendrecv(
-                out.as_ptr().cast(),
-                n as c_int,
-                byte(),
-                me,
-                0,
-                inb.as_mut_ptr().cast(),
-                n as c_int,
-                byte(),
-                me,
-                0,
-                comm.as_raw(),
-                &mut status,
-            )
-        };
-        let mut count: c_int = -1;
-        // SAFETY: status was filled by the completed call.
-        unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
-        if rc != ffi::MPI_SUCCESS as c_int
-            || count != n as c_int
-            || status_u32(&status, at) != n as u32
-        {
-            return None;
-        }
-    }
-    Some(at)
-}
-
-/// The library's `MPI_TAG_UB` (an attribute of `MPI_COMM_WORLD`); the standard's
-/// minimum if the library does not say.
-pub fn library_tag_ub() -> i32 {
-    let mut value: *mut c_int = std::ptr::null_mut();
-    let mut flag: c_int = 0;
-    // SAFETY: MPI is initialised (an MpiComm or Context exists); for a predefined integer
-    // attribute MPI stores a pointer to the int in `value`, valid for the process's life.
-    let rc = unsafe {
-        ffi::MPI_Comm_get_attr(
-            ffi::RSMPI_COMM_WORLD,
-            ffi::MPI_TAG_UB as c_int,
-            (&mut value as *mut *mut c_int).cast::<c_void>(),
-            &mut flag,
-        )
-    };
-    if rc != ffi::MPI_SUCCESS as c_int || flag == 0 || value.is_null() {
-        return STANDARD_TAG_UB;
-    }
-    // SAFETY: flag says the attribute is set, so value points to its int.
-    unsafe { *value }
-}
-
-/// The tag scheme of this job: the library's bound, lowered by `MPIFLOW_TAG_UB` if set.
-pub fn tag_scheme() -> Result<Tags, TagError> {
-    Tags::with_override(library_tag_ub(), std::env::var(TAG_UB_VAR).ok().as_deref())
 }
 
 fn dtype_raw(d: DType) -> ffi::MPI_Datatype {
@@ -209,6 +109,11 @@ impl MpiComm {
             rank: dup.rank() as usize,
             size: dup.size() as usize,
             count_at: count_offset(&dup, &version),
+            largest_plain_send: largest_plain_send(
+                version.contains("Open MPI"),
+                super::stack::selected_pml().as_deref(),
+                std::env::var_os("UCX_RNDV_SEND_NBR_THRESH").is_some(),
+            ),
             in_place: library_in_place(&version),
             handle: dup.as_raw(),
             comm: dup,
@@ -286,6 +191,15 @@ impl MpiComm {
             start(n, peer, &raw mut (*slot).req)
         };
         self.check(call, rc)
+    }
+
+    /// A blocking send as `MPI_Isend`, then `MPI_Wait` (see [`SEND_AS_REQUEST_FROM`]); a
+    /// count MPI cannot take is the error `MPI_Isend`'s start gives.
+    #[inline(never)]
+    fn send_as_request(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+        // SAFETY: the request is waited on before `buf`'s borrow ends.
+        let r = unsafe { self.isend(buf.as_ptr(), buf.len(), dst, tag)? };
+        self.wait_one(r).map(|_| ())
     }
 }
 
@@ -428,7 +342,11 @@ impl Comm for MpiComm {
 
     #[inline]
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
-        let (n, dst) = (self.count(buf.len())?, self.peer(dst)?);
+        if buf.len() > self.largest_plain_send {
+            return self.send_as_request(buf, dst, tag);
+        }
+        // `largest_plain_send` is at most `c_int::MAX`.
+        let (n, dst) = (buf.len() as c_int, self.peer(dst)?);
         // SAFETY: buf is valid for n bytes for the duration of the blocking call.
         let rc = unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.handle) };
         self.check("MPI_Send", rc)

@@ -1,0 +1,159 @@
+//! What this process's MPI library does, read once when a communicator is made: where
+//! it keeps a receive's count in `MPI_Status`, its `MPI_IN_PLACE`, its tag bound, and
+//! whether a blocking send is better made as a request.
+
+use std::os::raw::{c_int, c_void};
+
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use super::byte;
+use crate::transport::tags::{TagError, Tags, STANDARD_TAG_UB, TAG_UB_VAR};
+
+pub(super) fn library_in_place(v: &str) -> Option<*mut c_void> {
+    // MPI_IN_PLACE is a macro, absent from the bindings: OpenMPI defines it as (void *) 1
+    // and MPICH as (void *) -1. With another library, in-place collectives copy instead.
+    if v.contains("Open MPI") {
+        Some(std::ptr::without_provenance_mut(1))
+    } else if v.contains("MPICH") {
+        Some(std::ptr::without_provenance_mut(usize::MAX))
+    } else {
+        None
+    }
+}
+
+/// Under Open MPI's `pml ucx`, blocking sends of this many bytes or more are an
+/// `MPI_Isend` and its `MPI_Wait`, not an `MPI_Send`.
+/// `pml ucx` (InfiniBand's default) makes `MPI_Send` a UCX send with fast completion,
+/// which UCX keeps on its eager protocol up to `UCX_RNDV_SEND_NBR_THRESH` (256 KiB): a
+/// copy into UCX's fragments and another out of them, where `MPI_Isend` turns to
+/// rendezvous at `UCX_RNDV_THRESH` (one copy on shared memory, zero-copy RDMA on
+/// InfiniBand). Measured on shared memory (`benches/compare/persistent.c`,
+/// `benches/results/2026-11-27-receive.md`, fifteenth look): a ping-pong's time
+/// 0.55-0.75x of `MPI_Send`'s at 16-128 KiB with the request, equal at 4-8 KiB and from
+/// 256 KiB. Under `pml ob1` the request cost 1-6% at 4-64 KiB (ob1's blocking send keeps
+/// a request ready), under MPICH it changed nothing: both keep `MPI_Send`. A user's own
+/// `UCX_RNDV_SEND_NBR_THRESH` is kept too.
+pub const SEND_AS_REQUEST_FROM: usize = 4096;
+
+/// The largest blocking send of this process that is an `MPI_Send`: one byte short of
+/// [`SEND_AS_REQUEST_FROM`] under Open MPI's `pml ucx` unless the user set
+/// `UCX_RNDV_SEND_NBR_THRESH`, else the largest count MPI takes (a larger send is an
+/// error). One comparison on a send's path decides both.
+pub(super) fn largest_plain_send(open_mpi: bool, pml: Option<&str>, user_threshold: bool) -> usize {
+    match (open_mpi, pml, user_threshold) {
+        (true, Some("ucx"), false) => SEND_AS_REQUEST_FROM - 1,
+        _ => c_int::MAX as usize,
+    }
+}
+
+/// The low 32 bits of the `MPI_Status` field at byte offset `at`.
+#[inline(always)]
+pub(super) fn status_u32(status: &ffi::MPI_Status, at: usize) -> u32 {
+    // SAFETY: the status is plain data of size_of::<MPI_Status>() bytes, and callers only
+    // pass offsets with 4 bytes inside it (checked in count_offset).
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (status as *const ffi::MPI_Status).cast::<u8>(),
+            std::mem::size_of::<ffi::MPI_Status>(),
+        )
+    };
+    u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Where the library keeps a receive's byte count in `MPI_Status`: OpenMPI's `_ucount`
+/// (after four ints), MPICH's `count_lo` (first). Trusted only after two messages to
+/// ourselves showed it equal to `MPI_Get_count`'s answer. Reading it saves that call's
+/// ~8 ns on every receive, a twentieth of a small message's latency on shared memory.
+/// `None`: receives ask `MPI_Get_count`.
+pub(super) fn count_offset(comm: &SimpleCommunicator, version: &str) -> Option<usize> {
+    let at = if version.contains("Open MPI") {
+        16
+    } else if version.contains("MPICH") {
+        0
+    } else {
+        return None;
+    };
+    if at + 4 > std::mem::size_of::<ffi::MPI_Status>() {
+        return None;
+    }
+    let me = comm.rank();
+    for n in [5usize, 1003] {
+        let out = vec![0u8; n];
+        let mut inb = vec![0u8; n];
+        // SAFETY: a zeroed status is a valid out-parameter.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: both buffers hold n bytes; a message to ourselves completes locally.
+        let rc = unsafe {
+            ffi::MPI_Sendrecv(
+                out.as_ptr().cast(),
+                n as c_int,
+                byte(),
+                me,
+                0,
+                inb.as_mut_ptr().cast(),
+                n as c_int,
+                byte(),
+                me,
+                0,
+                comm.as_raw(),
+                &mut status,
+            )
+        };
+        let mut count: c_int = -1;
+        // SAFETY: status was filled by the completed call.
+        unsafe { ffi::MPI_Get_count(&status, byte(), &mut count) };
+        if rc != ffi::MPI_SUCCESS as c_int
+            || count != n as c_int
+            || status_u32(&status, at) != n as u32
+        {
+            return None;
+        }
+    }
+    Some(at)
+}
+
+/// The library's `MPI_TAG_UB` (an attribute of `MPI_COMM_WORLD`); the standard's
+/// minimum if the library does not say.
+pub fn library_tag_ub() -> i32 {
+    let mut value: *mut c_int = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: MPI is initialised (an MpiComm or Context exists); for a predefined integer
+    // attribute MPI stores a pointer to the int in `value`, valid for the process's life.
+    let rc = unsafe {
+        ffi::MPI_Comm_get_attr(
+            ffi::RSMPI_COMM_WORLD,
+            ffi::MPI_TAG_UB as c_int,
+            (&mut value as *mut *mut c_int).cast::<c_void>(),
+            &mut flag,
+        )
+    };
+    if rc != ffi::MPI_SUCCESS as c_int || flag == 0 || value.is_null() {
+        return STANDARD_TAG_UB;
+    }
+    // SAFETY: flag says the attribute is set, so value points to its int.
+    unsafe { *value }
+}
+
+/// The tag scheme of this job: the library's bound, lowered by `MPIFLOW_TAG_UB` if set.
+pub fn tag_scheme() -> Result<Tags, TagError> {
+    Tags::with_override(library_tag_ub(), std::env::var(TAG_UB_VAR).ok().as_deref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocking_sends_are_requests_under_pml_ucx_alone() {
+        let plain = |open_mpi, pml, user| largest_plain_send(open_mpi, pml, user);
+        assert_eq!(plain(true, Some("ucx"), false), SEND_AS_REQUEST_FROM - 1);
+        assert_eq!(plain(true, Some("ob1"), false), c_int::MAX as usize);
+        assert_eq!(plain(true, None, false), c_int::MAX as usize);
+        assert_eq!(plain(false, Some("ucx"), false), c_int::MAX as usize);
+        let user = plain(true, Some("ucx"), true);
+        assert_eq!(user, c_int::MAX as usize, "the user's threshold stands");
+    }
+}
