@@ -13,6 +13,7 @@
  *
  *   latency  blocking    MPI_Send, MPI_Recv (osu_latency)
  *            persistent  MPI_Start + MPI_Wait on a send and a receive made once per size
+ *            isend       MPI_Isend + MPI_Wait, MPI_Recv (the send a request, not persistent)
  *   bw       osu         a window of 64 MPI_Isend from one buffer, 64 MPI_Irecv into one
  *                        buffer, MPI_Waitall on each, a 1-byte reply (osu_bw -b single)
  *            persistent  the sender's 64 sends and the receiver's 64 receives (into 64
@@ -20,9 +21,12 @@
  *            recv-only   osu's sender, the receiver's persistent receives as above
  *            multiple    osu's sender, 64 MPI_Irecv into 64 buffers (osu_bw -b multiple)
  *
- * Per size it prints the best latency (us) of each order over the rounds, osu_bw's best
- * bandwidth (MB/s), and the medians over rounds of the in-round ratios to the blocking
- * calls (latency: time) and to osu's window (bw: bandwidth).
+ * Per size it prints the best latency (us) of the blocking and persistent orders over the
+ * rounds, osu_bw's best bandwidth (MB/s), and the medians over rounds of the in-round
+ * ratios to the blocking calls (latency: time) and to osu's window (bw: bandwidth).
+ * Under Open MPI's pml ucx, `isend` shows what UCX does with MPI_Send from 16 KiB: it
+ * stays eager up to UCX_RNDV_SEND_NBR_THRESH (256 KiB), where MPI_Isend turns to
+ * rendezvous (src/transport/mpi/library.rs).
  * Used by benches/results/2026-11-27-receive.md (fifteenth look).
  */
 #include <mpi.h>
@@ -33,6 +37,7 @@
 #define WINDOW 64
 #define MAX_ROUNDS 64
 
+enum { BLOCKING, PERSISTENT_LAT, ISEND, LAT_ORDERS };
 enum { OSU, PERSISTENT, RECV_ONLY, MULTIPLE, BW_ORDERS };
 
 /* The receiver's WINDOW buffers of the largest size. */
@@ -43,11 +48,12 @@ static int cmp(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* One-way latency (us) of `iters` round trips after `warmup`, blocking or persistent. */
-static double latency(int me, int persistent, char *sb, char *rb, int size, int iters,
+/* One-way latency (us) of `iters` round trips after `warmup`, in one of the latency
+ * orders. */
+static double latency(int me, int order, char *sb, char *rb, int size, int iters,
                       int warmup) {
   MPI_Request s, r;
-  int peer = 1 - me;
+  int peer = 1 - me, persistent = order == PERSISTENT_LAT;
   double t0 = 0;
   if (persistent) {
     MPI_Send_init(sb, size, MPI_CHAR, peer, 1, MPI_COMM_WORLD, &s);
@@ -62,6 +68,9 @@ static double latency(int me, int persistent, char *sb, char *rb, int size, int 
         MPI_Request *q = sending ? &s : &r;
         MPI_Start(q);
         MPI_Wait(q, MPI_STATUS_IGNORE);
+      } else if (sending && order == ISEND) {
+        MPI_Isend(sb, size, MPI_CHAR, peer, 1, MPI_COMM_WORLD, &s);
+        MPI_Wait(&s, MPI_STATUS_IGNORE);
       } else if (sending) {
         MPI_Send(sb, size, MPI_CHAR, peer, 1, MPI_COMM_WORLD);
       } else {
@@ -140,35 +149,36 @@ int main(int argc, char **argv) {
   if (me == 0) {
     printf("# persistent requests, plain MPI, best of %d rounds; ratios: medians of in-round "
            "ratios\n", rounds);
-    printf("# %-7s %9s %9s %10s | %9s %10s %10s %10s\n", "Size", "lat(us)", "pers(us)",
-           "pers/lat", "bw(MB/s)", "pers/osu", "recv/osu", "mult/osu");
+    printf("# %-7s %9s %9s %10s %10s | %9s %10s %10s %10s\n", "Size", "lat(us)", "pers(us)",
+           "pers/lat", "isend/lat", "bw(MB/s)", "pers/osu", "recv/osu", "mult/osu");
   }
   for (int size = 1; size <= max; size *= 2) {
     /* osu_latency's and osu_bw's counts by size. */
     int li = size <= 8192 ? 10000 : 1000, lw = size <= 8192 ? 1000 : 100;
     int bi = size <= 8192 ? 100 : 20, bw_warmup = size <= 8192 ? 10 : 2;
-    double best_lat[2] = {1e30, 1e30}, best_osu = 0, lat_ratio[MAX_ROUNDS];
+    double best_lat[2] = {1e30, 1e30}, best_osu = 0, lat_ratio[LAT_ORDERS][MAX_ROUNDS];
     double bw_ratio[BW_ORDERS][MAX_ROUNDS];
     for (int r = 0; r < rounds; r++) {
-      double l[2], b[BW_ORDERS];
-      for (int k = 0; k < 2; k++) {
-        int p = (k + r) % 2;
-        l[p] = latency(me, p, sb, rb, size, li, lw);
-        if (l[p] < best_lat[p]) best_lat[p] = l[p];
+      double l[LAT_ORDERS], b[BW_ORDERS];
+      for (int k = 0; k < LAT_ORDERS; k++) {
+        int o = (k + r) % LAT_ORDERS;
+        l[o] = latency(me, o, sb, rb, size, li, lw);
+        if (o < 2 && l[o] < best_lat[o]) best_lat[o] = l[o];
       }
       for (int k = 0; k < BW_ORDERS; k++) {
         int o = (k + r) % BW_ORDERS;
         b[o] = bandwidth(me, o, sb, rb, size, bi, bw_warmup);
       }
       if (b[OSU] > best_osu) best_osu = b[OSU];
-      lat_ratio[r] = l[1] / l[0];
+      for (int o = 1; o < LAT_ORDERS; o++) lat_ratio[o][r] = l[o] / l[BLOCKING];
       for (int o = 1; o < BW_ORDERS; o++) bw_ratio[o][r] = b[o] / b[OSU];
     }
-    qsort(lat_ratio, rounds, sizeof lat_ratio[0], cmp);
+    for (int o = 1; o < LAT_ORDERS; o++) qsort(lat_ratio[o], rounds, sizeof lat_ratio[o][0], cmp);
     for (int o = 1; o < BW_ORDERS; o++) qsort(bw_ratio[o], rounds, sizeof bw_ratio[o][0], cmp);
     if (me == 0)
-      printf("%-9d %9.3f %9.3f %10.3f | %9.2f %10.3f %10.3f %10.3f\n", size, best_lat[0],
-             best_lat[1], lat_ratio[rounds / 2], best_osu, bw_ratio[PERSISTENT][rounds / 2],
+      printf("%-9d %9.3f %9.3f %10.3f %10.3f | %9.2f %10.3f %10.3f %10.3f\n", size,
+             best_lat[0], best_lat[1], lat_ratio[PERSISTENT_LAT][rounds / 2],
+             lat_ratio[ISEND][rounds / 2], best_osu, bw_ratio[PERSISTENT][rounds / 2],
              bw_ratio[RECV_ONLY][rounds / 2], bw_ratio[MULTIPLE][rounds / 2]);
   }
   free(sb);

@@ -38,14 +38,18 @@ pub(super) fn library_in_place(v: &str) -> Option<*mut c_void> {
 /// `UCX_RNDV_SEND_NBR_THRESH` is kept too.
 pub const SEND_AS_REQUEST_FROM: usize = 4096;
 
-/// The largest blocking send of this process that is an `MPI_Send`: one byte short of
+/// The size from which this process's blocking sends are requests:
 /// [`SEND_AS_REQUEST_FROM`] under Open MPI's `pml ucx` unless the user set
-/// `UCX_RNDV_SEND_NBR_THRESH`, else the largest count MPI takes (a larger send is an
-/// error). One comparison on a send's path decides both.
-pub(super) fn largest_plain_send(open_mpi: bool, pml: Option<&str>, user_threshold: bool) -> usize {
+/// `UCX_RNDV_SEND_NBR_THRESH`, else one more than the largest count MPI takes (a larger
+/// send is then an error). One comparison on a send's path decides both.
+pub(super) fn sends_as_requests_from(
+    open_mpi: bool,
+    pml: Option<&str>,
+    user_threshold: bool,
+) -> usize {
     match (open_mpi, pml, user_threshold) {
-        (true, Some("ucx"), false) => SEND_AS_REQUEST_FROM - 1,
-        _ => c_int::MAX as usize,
+        (true, Some("ucx"), false) => SEND_AS_REQUEST_FROM,
+        _ => c_int::MAX as usize + 1,
     }
 }
 
@@ -148,12 +152,16 @@ mod tests {
 
     #[test]
     fn blocking_sends_are_requests_under_pml_ucx_alone() {
-        let plain = |open_mpi, pml, user| largest_plain_send(open_mpi, pml, user);
-        assert_eq!(plain(true, Some("ucx"), false), SEND_AS_REQUEST_FROM - 1);
-        assert_eq!(plain(true, Some("ob1"), false), c_int::MAX as usize);
-        assert_eq!(plain(true, None, false), c_int::MAX as usize);
-        assert_eq!(plain(false, Some("ucx"), false), c_int::MAX as usize);
-        let user = plain(true, Some("ucx"), true);
-        assert_eq!(user, c_int::MAX as usize, "the user's threshold stands");
+        let from = |open_mpi, pml, user| sends_as_requests_from(open_mpi, pml, user);
+        let never = c_int::MAX as usize + 1;
+        assert_eq!(from(true, Some("ucx"), false), SEND_AS_REQUEST_FROM);
+        assert_eq!(from(true, Some("ob1"), false), never);
+        assert_eq!(from(true, None, false), never);
+        assert_eq!(from(false, Some("ucx"), false), never);
+        assert_eq!(
+            from(true, Some("ucx"), true),
+            never,
+            "the user's threshold stands"
+        );
     }
 }

@@ -27,7 +27,7 @@ use super::links::Links;
 use super::segments::SharedSegments;
 use super::tags::Tags;
 use crate::tensor::DType;
-use library::{count_offset, largest_plain_send, library_in_place, status_u32};
+use library::{count_offset, library_in_place, sends_as_requests_from, status_u32};
 pub use library::{library_tag_ub, tag_scheme, SEND_AS_REQUEST_FROM};
 
 /// A communicator for mpiflow's own traffic.
@@ -41,8 +41,8 @@ pub struct MpiComm {
     in_place: Option<*mut c_void>,
     /// See [`count_offset`].
     count_at: Option<usize>,
-    /// See [`largest_plain_send`].
-    largest_plain_send: usize,
+    /// See [`sends_as_requests_from`].
+    sends_as_requests_from: usize,
     links: Links,
     tags: Tags,
 }
@@ -109,7 +109,7 @@ impl MpiComm {
             rank: dup.rank() as usize,
             size: dup.size() as usize,
             count_at: count_offset(&dup, &version),
-            largest_plain_send: largest_plain_send(
+            sends_as_requests_from: sends_as_requests_from(
                 version.contains("Open MPI"),
                 super::stack::selected_pml().as_deref(),
                 std::env::var_os("UCX_RNDV_SEND_NBR_THRESH").is_some(),
@@ -342,10 +342,10 @@ impl Comm for MpiComm {
 
     #[inline]
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
-        if buf.len() > self.largest_plain_send {
+        if buf.len() >= self.sends_as_requests_from {
             return self.send_as_request(buf, dst, tag);
         }
-        // `largest_plain_send` is at most `c_int::MAX`.
+        // `sends_as_requests_from` is at most one more than `c_int::MAX`.
         let (n, dst) = (buf.len() as c_int, self.peer(dst)?);
         // SAFETY: buf is valid for n bytes for the duration of the blocking call.
         let rc = unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.handle) };
