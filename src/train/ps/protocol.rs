@@ -51,7 +51,7 @@ pub struct SyncReplicas {
 
 /// A worker's request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Request {
     /// The chief: take `setup`; the payload is this ps's shards' initial values in order.
     Init { setup: Setup },
@@ -117,7 +117,7 @@ pub struct Then {
 
 /// A ps's reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "reply", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Reply {
     /// Done; the global step.
     Ok { step: u64 },
@@ -371,7 +371,7 @@ mod tests {
         // Nothing held, nothing reported, no report asked: the headers stay as they were.
         let text = String::from_utf8_lossy(&encode(&params)).to_string();
         assert!(
-            text.contains(r#"{"reply":"params","step":4,"loss":null}"#),
+            text.contains(r#"{"params":{"step":4,"loss":null}}"#),
             "{text}"
         );
         let pull = Request::Pull(Then {
@@ -379,7 +379,7 @@ mod tests {
             report: false,
         });
         let text = String::from_utf8_lossy(&encode(&pull)).to_string();
-        assert!(text.contains(r#"{"op":"pull","step":1}"#), "{text}");
+        assert!(text.contains(r#"{"pull":{"step":1}}"#), "{text}");
         let done = Request::Done { stop: Some(10) };
         assert_eq!(decode::<Request>(&encode(&done)), Some(done));
         assert_eq!(r.payload(0), [3]);

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::protocol::{decode, reply_tag, Reply};
+use super::protocol::{decode_with, reply_tag, Reply};
 use crate::transport::comm::{Backoff, Comm, TransportError};
 
 /// Waits for a message from `src` (or any source) on `tag`, at most `deadline`.
@@ -37,13 +37,19 @@ pub enum Sent {
     Interrupted(String),
 }
 
+/// The reply a message holds and its inline payload; `Err`: the message of an error
+/// reply (or of a message that is no reply at all).
+pub fn reply_of(m: &[u8]) -> Result<(Reply, &[u8]), String> {
+    match decode_with::<Reply>(m) {
+        Some((Reply::Error { message }, _)) => Err(message),
+        Some(reply) => Ok(reply),
+        None => Err("malformed reply".into()),
+    }
+}
+
 /// The message of an error reply (or of a message that is no reply at all).
 pub fn error_of(m: &[u8]) -> Option<String> {
-    match decode::<Reply>(m) {
-        Some(Reply::Error { message }) => Some(message),
-        Some(_) => None,
-        None => Some("malformed reply".into()),
-    }
+    reply_of(m).err()
 }
 
 /// One message to send: its bytes, its destination, its tag.

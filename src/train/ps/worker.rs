@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 
 use super::placement::Shard;
 use super::protocol::{
-    decode_with, encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag,
-    read_inline, reply_tag, request_tag, Reply, Request, Setup, Then, PIECE_FLOATS,
+    encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag, read_inline,
+    reply_tag, request_tag, Reply, Request, Setup, Then, PIECE_FLOATS,
 };
 use super::roles::Roles;
 use super::wire::{
-    error_of, notify, receive_all_within, receive_within, send_all_within, Incoming, Outgoing,
+    notify, receive_all_within, receive_within, reply_of, send_all_within, Incoming, Outgoing,
     Received, Sent,
 };
 use super::PsError;
@@ -208,10 +208,7 @@ impl<'a, C: Comm> Client<'a, C> {
                 },
             };
             // The ps already names itself and the lost task.
-            if let Some(message) = error_of(&m) {
-                return Err(self.remote(message));
-            }
-            let (reply, inline) = decode_with::<Reply>(&m).expect("checked by error_of");
+            let (reply, inline) = reply_of(&m).map_err(|message| self.remote(message))?;
             match reply {
                 Reply::NotApplied { why } => not_applied = not_applied.or(Some(why)),
                 reply => {
