@@ -6,6 +6,7 @@
 mod common;
 
 use common::{max_relative_difference, mpiflow, mpiflow_alone, mpirun, tmpdir};
+use mpiflow::observe::metrics::{read, Record};
 
 #[test]
 fn a_run_moves_between_modes_through_its_checkpoints_and_equals_local_training() {
@@ -152,6 +153,8 @@ fn an_evaluator_evaluates_each_new_checkpoint_and_the_last_equals_the_chiefs() {
         &["--mode", "ps", "--ps", "1", "--transport", "rma"],
         &["--mode", "allreduce"],
     ];
+    let metrics = dir.join("run.csv");
+    let m = metrics.to_str().unwrap();
     for mode in modes {
         let ckpt = dir.join("ckpt");
         let _ = std::fs::remove_dir_all(&ckpt);
@@ -159,7 +162,7 @@ fn an_evaluator_evaluates_each_new_checkpoint_and_the_last_equals_the_chiefs() {
         let mut args = vec!["-np", "4", mpiflow(), "train", "--evaluator"];
         args.extend_from_slice(mode);
         args.extend_from_slice(&["--steps", "400", "--checkpoint-dir", c]);
-        let run = mpirun(&[&args[..], &["--checkpoint-every", "100"]].concat());
+        let run = mpirun(&[&args[..], &["--checkpoint-every", "100", "--metrics", m]].concat());
         assert_eq!(run.code, 0, "{mode:?}: {run:?}");
         // `evaluated ckpt-400: accuracy 0.9889 (355/359 held-out samples) at global step 400`
         let evaluated: Vec<(u64, &str)> = (run.stdout.lines())
@@ -179,6 +182,31 @@ fn an_evaluator_evaluates_each_new_checkpoint_and_the_last_equals_the_chiefs() {
         assert!(
             chief.starts_with(evaluated.last().unwrap().1),
             "{mode:?}: the chief's {chief:?}, the evaluator's {evaluated:?}"
+        );
+        // The evaluator's metrics file beside the chief's: an `eval` record per line it
+        // printed, the same steps and accuracies.
+        let records = read(&dir.join("run.evaluator.csv")).unwrap();
+        let evals: Vec<(u64, String)> = (records.iter())
+            .map(|r| match r {
+                Record::Eval {
+                    step,
+                    accuracy,
+                    correct,
+                    total,
+                    ..
+                } => (*step, format!("{accuracy:.4} ({correct}/{total}")),
+                other => panic!("{mode:?}: the evaluator wrote {other:?}"),
+            })
+            .collect();
+        let printed: Vec<(u64, String)> = (evaluated.iter())
+            .map(|(s, a)| (*s, a.split(" held-out").next().unwrap().to_string()))
+            .collect();
+        assert_eq!(evals, printed, "{mode:?}");
+        // The chief's own file has its steps and its final evaluation.
+        let chiefs = read(&metrics).unwrap();
+        assert!(
+            chiefs.iter().any(|r| matches!(r, Record::Step { .. })),
+            "{mode:?}"
         );
         // An error that ends training (a step not finite) ends the evaluator too.
         std::fs::remove_dir_all(&ckpt).unwrap();

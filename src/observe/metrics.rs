@@ -154,6 +154,19 @@ impl Format {
     }
 }
 
+/// The side-car evaluator's metrics file beside the chief's `path`: `.evaluator` before
+/// the extension (`run.csv` -> `run.evaluator.csv`), so the format stays the same. The
+/// evaluator writes an `eval` record per checkpoint it evaluates (TensorFlow writes its
+/// evaluator's summaries apart too, under `eval/`).
+pub fn evaluator_path(path: &Path) -> PathBuf {
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.evaluator.{}", ext.to_string_lossy()),
+        None => format!("{stem}.evaluator"),
+    };
+    path.with_file_name(name)
+}
+
 /// Errors of metrics files.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -483,6 +496,15 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_evaluators_file_is_beside_the_chiefs_in_its_format() {
+        let at = |p: &str| evaluator_path(Path::new(p));
+        assert_eq!(at("runs/run.csv"), Path::new("runs/run.evaluator.csv"));
+        assert_eq!(at("run.jsonl"), Path::new("run.evaluator.jsonl"));
+        assert_eq!(at("a.b.json"), Path::new("a.b.evaluator.json"));
+        assert_eq!(Format::of(&at("x.csv")).unwrap(), Format::Csv);
+    }
 
     fn records() -> Vec<Record> {
         let times = |rank: usize, task: &str, c: f64| RankTimes {

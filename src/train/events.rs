@@ -88,11 +88,20 @@ impl Event {
                 samples_per_sec: s.samples_per_sec,
                 ranks: s.ranks.clone(),
             }),
+            // The chief's final evaluation, or a side-car evaluator's (each writes its own
+            // file: `metrics::evaluator_path`).
             Event::Accuracy {
                 accuracy,
                 correct,
                 total,
                 step,
+            }
+            | Event::Evaluated {
+                accuracy,
+                correct,
+                total,
+                step,
+                ..
             } => Some(Record::Eval {
                 step: *step,
                 wall_s,

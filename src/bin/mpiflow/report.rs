@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use mpiflow::cluster::Layout;
-use mpiflow::observe::metrics::{MetricsError, MetricsFile, Record};
+use mpiflow::observe::metrics::{evaluator_path, MetricsError, MetricsFile, Record};
 use mpiflow::observe::progress::{Progress, Style, Tick};
 use mpiflow::observe::stall::{Board, Notice, Watch, WatchConfig};
 use mpiflow::observe::timeline::{self, TimelineError};
@@ -148,13 +148,24 @@ impl Drop for Reporter {
     }
 }
 
-/// The chief's metrics file, created now (`None` without `--metrics` or on other ranks).
+/// Who writes a metrics file.
+#[derive(Clone, Copy)]
+pub(crate) enum Writer {
+    /// The chief: `--metrics FILE` itself.
+    Chief,
+    /// A side-car evaluator: its evaluations, beside (`metrics::evaluator_path`).
+    Evaluator,
+}
+
+/// This rank's metrics file, created now (`None` without `--metrics` or on a rank that
+/// writes none).
 pub(crate) fn metrics_file(
     path: Option<&Path>,
-    chief: bool,
+    writer: Option<Writer>,
 ) -> Result<Option<MetricsFile>, MetricsError> {
-    match path {
-        Some(p) if chief => MetricsFile::create(p).map(Some),
+    match (path, writer) {
+        (Some(p), Some(Writer::Chief)) => MetricsFile::create(p).map(Some),
+        (Some(p), Some(Writer::Evaluator)) => MetricsFile::create(&evaluator_path(p)).map(Some),
         _ => Ok(None),
     }
 }

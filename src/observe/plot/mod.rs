@@ -33,7 +33,7 @@ pub enum PlotError {
     Draw { path: PathBuf, why: String },
     #[error(transparent)]
     Tables(#[from] crate::observe::osu_tables::ReadError),
-    #[error("{0}: no logged steps to plot")]
+    #[error("{0}: no logged steps or evaluations to plot")]
     NoSteps(String),
     #[error("{0}")]
     Trace(String),

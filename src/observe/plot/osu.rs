@@ -224,7 +224,7 @@ mod tests {
             },
             Run {
                 label: "allreduce".into(),
-                records: vec![step(100, 0.9), step(200, 0.4), step(300, 0.2), eval],
+                records: vec![step(100, 0.9), step(200, 0.4), step(300, 0.2), eval.clone()],
             },
         ];
         let svg = dir.join("runs.svg");
@@ -247,6 +247,13 @@ mod tests {
             metrics_svg(&empty, &svg),
             Err(PlotError::NoSteps(_))
         ));
+        // A side-car evaluator's file: evaluations alone, beside a run's.
+        let evaluator = Run {
+            label: "evaluator".into(),
+            records: vec![eval],
+        };
+        metrics_svg(&[runs[0].clone(), evaluator], &svg).unwrap();
+        assert!(holds(&svg, "evaluator"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -54,7 +54,8 @@ fn points(run: &Run, x: Axis, accuracy: bool) -> Vec<(f64, f64)> {
 /// wall time (2 x 2 panels), a curve per run.
 pub fn metrics_svg(runs: &[Run], path: &Path) -> Result<(), PlotError> {
     for r in runs {
-        if !r.records.iter().any(|r| matches!(r, Record::Step { .. })) {
+        // A side-car evaluator's file has evaluations alone.
+        if !(r.records.iter()).any(|r| matches!(r, Record::Step { .. } | Record::Eval { .. })) {
             return Err(PlotError::NoSteps(r.label.clone()));
         }
     }

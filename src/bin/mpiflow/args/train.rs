@@ -129,7 +129,8 @@ pub(crate) struct TrainArgs {
     pub(crate) log_every: u64,
     /// Write metrics as the run goes (the chief): per logged step the loss, samples/s and
     /// every rank's seconds in compute, communication and waiting; each evaluation's
-    /// accuracy. CSV (FILE.csv) or JSON lines (FILE.jsonl).
+    /// accuracy. CSV (FILE.csv) or JSON lines (FILE.jsonl). A side-car evaluator writes
+    /// its evaluations beside it (FILE.evaluator.csv).
     #[arg(long, value_name = "FILE")]
     pub(crate) metrics: Option<PathBuf>,
     /// Write a timeline of every rank's phases (Chrome trace-event JSON, for Perfetto or

@@ -37,7 +37,8 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     let need = resources::replica_need(&model, cfg.batch, &cfg.optimizer);
     resources::check("training", &need, resources::share(1).as_ref()).map_err(Failure::local)?;
     // The outputs are checked before anything is printed: a bad path is the only line.
-    let metrics = report::metrics_file(args.metrics.as_deref(), true).map_err(Failure::local)?;
+    let metrics = report::metrics_file(args.metrics.as_deref(), Some(report::Writer::Chief))
+        .map_err(Failure::local)?;
     if let Some(p) = &args.timeline {
         mpiflow::observe::timeline::check_writable(p).map_err(Failure::local)?;
         mpiflow::observe::timeline::enable(mpiflow::observe::timeline::Alignment::alone());
@@ -357,8 +358,14 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     };
     let chief = root == Some(ctx.rank());
     let root = root.unwrap_or(0);
+    // A side-car evaluator (with checkpoints to evaluate) writes its evaluations beside.
+    let writer = match me.task.job.as_str() {
+        _ if chief => Some(report::Writer::Chief),
+        "evaluator" if args.checkpoint_dir.is_some() => Some(report::Writer::Evaluator),
+        _ => None,
+    };
     let metrics = ctx
-        .agree(report::metrics_file(args.metrics.as_deref(), chief))
+        .agree(report::metrics_file(args.metrics.as_deref(), writer))
         .map_err(|e| Failure::agreed(e, &ctx))?;
     let reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
     let reporter: report::Shared = std::sync::Arc::new(std::sync::Mutex::new(reporter));
