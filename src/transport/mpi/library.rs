@@ -24,21 +24,23 @@ pub(super) fn library_in_place(v: &str) -> Option<*mut c_void> {
     }
 }
 
-/// Under Open MPI's `pml ucx`, blocking sends of this many bytes or more are an
-/// `MPI_Isend` and its `MPI_Wait`, not an `MPI_Send`.
-/// `pml ucx` (InfiniBand's default) makes `MPI_Send` a UCX send with fast completion,
-/// which UCX keeps on its eager protocol up to `UCX_RNDV_SEND_NBR_THRESH` (256 KiB): a
-/// copy into UCX's fragments and another out of them, where `MPI_Isend` turns to
-/// rendezvous at `UCX_RNDV_THRESH` (one copy on shared memory, zero-copy RDMA on
-/// InfiniBand). Measured on shared memory (`benches/compare/persistent.c`,
-/// `benches/results/2026-11-27-receive.md`, fifteenth look): a ping-pong's time
-/// 0.55-0.75x of `MPI_Send`'s at 16-128 KiB with the request, equal at 4-8 KiB and from
-/// 256 KiB. Under `pml ob1` the request cost 1-6% at 4-64 KiB (ob1's blocking send keeps
-/// a request ready), under MPICH it changed nothing: both keep `MPI_Send`. A user's own
-/// `UCX_RNDV_SEND_NBR_THRESH` is kept too.
+/// Under Open MPI's `pml ucx`, blocking sends of this many bytes or more to a rank of the
+/// same node are an `MPI_Isend` and its `MPI_Wait`, not an `MPI_Send`. `pml ucx`
+/// (InfiniBand's default) makes `MPI_Send` a UCX send with fast completion, which UCX
+/// keeps on its eager protocol up to `UCX_RNDV_SEND_NBR_THRESH` (256 KiB): a copy into
+/// UCX's fragments and another out of them, where `MPI_Isend` turns to rendezvous at
+/// `UCX_RNDV_THRESH` (one copy on shared memory). Measured on shared memory
+/// (`benches/compare/persistent.c`, `benches/results/2026-11-27-receive.md`, fifteenth
+/// look): a ping-pong's time 0.55-0.75x of `MPI_Send`'s at 16-128 KiB with the request,
+/// equal at 4-8 KiB and from 256 KiB. Between hosts over UCX's TCP transport the request
+/// read 0.55-0.74x at 8-16 KiB but 1.4x at 32 KiB and up to 3.7x at 64 KiB (rendezvous
+/// over TCP), and InfiniBand cannot be measured here: sends to other nodes keep
+/// `MPI_Send`, the library's own choice. Under `pml ob1` the request cost 1-6% at 4-64
+/// KiB (ob1's blocking send keeps a request ready), under MPICH it changed nothing: both
+/// keep `MPI_Send`. A user's own `UCX_RNDV_SEND_NBR_THRESH` is kept too.
 pub const SEND_AS_REQUEST_FROM: usize = 4096;
 
-/// The size from which this process's blocking sends are requests:
+/// The size from which this process's blocking sends to its node are requests:
 /// [`SEND_AS_REQUEST_FROM`] under Open MPI's `pml ucx` unless the user set
 /// `UCX_RNDV_SEND_NBR_THRESH`, else one more than the largest count MPI takes (a larger
 /// send is then an error). One comparison on a send's path decides both.

@@ -43,6 +43,9 @@ pub struct MpiComm {
     count_at: Option<usize>,
     /// See [`sends_as_requests_from`].
     sends_as_requests_from: usize,
+    /// By rank: on this rank's node (shared memory). Known where blocking sends to this
+    /// node may be requests, else empty.
+    on_node: Vec<bool>,
     links: Links,
     tags: Tags,
 }
@@ -105,7 +108,7 @@ impl MpiComm {
         let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
         assert_eq!(rc, ffi::MPI_SUCCESS as c_int, "MPI_Comm_set_errhandler");
         let version = mpi::environment::library_version().unwrap_or_default();
-        MpiComm {
+        let mut comm = MpiComm {
             rank: dup.rank() as usize,
             size: dup.size() as usize,
             count_at: count_offset(&dup, &version),
@@ -121,7 +124,13 @@ impl MpiComm {
             // Context::init refused a bad MPIFLOW_TAG_UB already; the fallback is the
             // standard's minimum, which every library allows.
             tags: tag_scheme().unwrap_or_default(),
+            on_node: Vec::new(),
+        };
+        // Every rank's library is the same, so all or none take part in the split.
+        if comm.sends_as_requests_from <= c_int::MAX as usize {
+            comm.on_node = comm.node_ranks().unwrap_or_default();
         }
+        comm
     }
 
     /// The underlying rsmpi communicator (for the plain-MPI benchmark path).
@@ -193,13 +202,27 @@ impl MpiComm {
         self.check(call, rc)
     }
 
-    /// A blocking send as `MPI_Isend`, then `MPI_Wait` (see [`SEND_AS_REQUEST_FROM`]); a
-    /// count MPI cannot take is the error `MPI_Isend`'s start gives.
+    /// A blocking send of [`Self::sends_as_requests_from`] bytes or more: to a rank of
+    /// this node an `MPI_Isend`, then `MPI_Wait` (see [`SEND_AS_REQUEST_FROM`]), to
+    /// another node an `MPI_Send`; a count MPI cannot take is the error `MPI_Isend`'s
+    /// start gives.
     #[inline(never)]
-    fn send_as_request(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+    fn send_large(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+        if buf.len() <= c_int::MAX as usize && !self.on_node.get(dst).is_some_and(|&b| b) {
+            return self.plain_send(buf, dst, tag);
+        }
         // SAFETY: the request is waited on before `buf`'s borrow ends.
         let r = unsafe { self.isend(buf.as_ptr(), buf.len(), dst, tag)? };
         self.wait_one(r).map(|_| ())
+    }
+
+    /// `MPI_Send` of `buf`, whose length MPI takes (at most `c_int::MAX`).
+    #[inline(always)]
+    fn plain_send(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
+        let (n, dst) = (buf.len() as c_int, self.peer(dst)?);
+        // SAFETY: buf is valid for n bytes for the duration of the blocking call.
+        let rc = unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.handle) };
+        self.check("MPI_Send", rc)
     }
 }
 
@@ -343,13 +366,10 @@ impl Comm for MpiComm {
     #[inline]
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         if buf.len() >= self.sends_as_requests_from {
-            return self.send_as_request(buf, dst, tag);
+            return self.send_large(buf, dst, tag);
         }
         // `sends_as_requests_from` is at most one more than `c_int::MAX`.
-        let (n, dst) = (buf.len() as c_int, self.peer(dst)?);
-        // SAFETY: buf is valid for n bytes for the duration of the blocking call.
-        let rc = unsafe { ffi::MPI_Send(buf.as_ptr().cast(), n, byte(), dst, tag, self.handle) };
-        self.check("MPI_Send", rc)
+        self.plain_send(buf, dst, tag)
     }
 
     #[inline(always)]

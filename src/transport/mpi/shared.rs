@@ -10,12 +10,9 @@ use crate::transport::comm::TransportError;
 use crate::transport::segments::SharedSegments;
 
 impl MpiComm {
-    /// [`Comm::shared_segments`]: one segment per rank of this node's ranks, when they are
-    /// all of the communicator (`MPI_Win_allocate_shared`).
-    pub(super) fn node_segments(
-        &self,
-        len: usize,
-    ) -> Result<Option<SharedSegments>, TransportError> {
+    /// This node's ranks of the communicator, in its order
+    /// (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`; collective). The caller frees it.
+    fn node_comm(&self) -> Result<ffi::MPI_Comm, TransportError> {
         // SAFETY: a null handle, filled in by MPI_Comm_split_type.
         let mut node: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
         // SAFETY: a valid communicator; keyed by our rank, so node ranks keep our order.
@@ -29,6 +26,53 @@ impl MpiComm {
             )
         };
         self.check("MPI_Comm_split_type", rc)?;
+        Ok(node)
+    }
+
+    /// By rank of this communicator: whether it runs on this rank's node (collective).
+    pub(super) fn node_ranks(&self) -> Result<Vec<bool>, TransportError> {
+        let mut node = self.node_comm()?;
+        let mut n: c_int = 0;
+        // SAFETY: node is the valid communicator just created.
+        unsafe { ffi::MPI_Comm_size(node, &mut n) };
+        let ours: Vec<c_int> = (0..n).collect();
+        let mut theirs = vec![0 as c_int; ours.len()];
+        // SAFETY: null handles, filled in by MPI_Comm_group.
+        let (mut node_group, mut group) = unsafe { (ffi::RSMPI_GROUP_NULL, ffi::RSMPI_GROUP_NULL) };
+        // SAFETY: valid communicators; the rank arrays hold n ints each; every handle made
+        // here is freed before returning.
+        let rc = unsafe {
+            ffi::MPI_Comm_group(node, &mut node_group);
+            ffi::MPI_Comm_group(self.handle, &mut group);
+            let rc = ffi::MPI_Group_translate_ranks(
+                node_group,
+                n,
+                ours.as_ptr(),
+                group,
+                theirs.as_mut_ptr(),
+            );
+            ffi::MPI_Group_free(&mut node_group);
+            ffi::MPI_Group_free(&mut group);
+            ffi::MPI_Comm_free(&mut node);
+            rc
+        };
+        self.check("MPI_Group_translate_ranks", rc)?;
+        let mut on = vec![false; self.size];
+        for r in theirs {
+            if let Some(b) = usize::try_from(r).ok().and_then(|r| on.get_mut(r)) {
+                *b = true;
+            }
+        }
+        Ok(on)
+    }
+
+    /// [`Comm::shared_segments`]: one segment per rank of this node's ranks, when they are
+    /// all of the communicator (`MPI_Win_allocate_shared`).
+    pub(super) fn node_segments(
+        &self,
+        len: usize,
+    ) -> Result<Option<SharedSegments>, TransportError> {
+        let mut node = self.node_comm()?;
         let mut node_size: c_int = 0;
         // SAFETY: node is the valid communicator just created.
         unsafe { ffi::MPI_Comm_size(node, &mut node_size) };
