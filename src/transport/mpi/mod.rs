@@ -108,13 +108,14 @@ impl MpiComm {
         let rc = unsafe { ffi::MPI_Comm_set_errhandler(dup.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
         assert_eq!(rc, ffi::MPI_SUCCESS as c_int, "MPI_Comm_set_errhandler");
         let version = mpi::environment::library_version().unwrap_or_default();
+        let pml = super::stack::selected_pml();
         let mut comm = MpiComm {
             rank: dup.rank() as usize,
             size: dup.size() as usize,
             count_at: count_offset(&dup, &version),
             sends_as_requests_from: sends_as_requests_from(
                 version.contains("Open MPI"),
-                super::stack::selected_pml().as_deref(),
+                pml.as_deref(),
                 std::env::var_os("UCX_RNDV_SEND_NBR_THRESH").is_some(),
             ),
             in_place: library_in_place(&version),
@@ -126,8 +127,9 @@ impl MpiComm {
             tags: tag_scheme().unwrap_or_default(),
             on_node: Vec::new(),
         };
-        // Every rank's library is the same, so all or none take part in the split.
-        if comm.sends_as_requests_from <= c_int::MAX as usize {
+        // Collective: every rank of a job runs the same pml, so all or none split (a
+        // variable one rank may lack decides nothing here).
+        if version.contains("Open MPI") && pml.as_deref() == Some("ucx") {
             comm.on_node = comm.node_ranks().unwrap_or_default();
         }
         comm
