@@ -1,7 +1,8 @@
 //! The metrics file (`mpiflow train --metrics FILE`): per logged step the loss, the
 //! throughput and every rank's time by phase, and each evaluation's accuracy; CSV or JSON
 //! lines by the file's extension. The chief writes each record as it comes, in one write
-//! (a killed run keeps every record it wrote); [`read`] reads either format back
+//! (a killed run keeps every record it wrote); a side-car evaluator writes its evaluations
+//! to a file of its own beside ([`evaluator_path`]); [`read`] reads either format back
 //! (`mpiflow plot`).
 //!
 //! CSV has one row per rank of a logged step (the step's columns repeated), or one row
