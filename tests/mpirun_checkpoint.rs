@@ -208,6 +208,11 @@ fn an_evaluator_evaluates_each_new_checkpoint_and_the_last_equals_the_chiefs() {
             chiefs.iter().any(|r| matches!(r, Record::Step { .. })),
             "{mode:?}"
         );
+        let last = chiefs.iter().rev().find_map(|r| match r {
+            Record::Eval { step, .. } => Some(*step),
+            _ => None,
+        });
+        assert_eq!(last, Some(400), "{mode:?}");
         // An error that ends training (a step not finite) ends the evaluator too.
         std::fs::remove_dir_all(&ckpt).unwrap();
         let bad = mpirun(&[&args[..], &["--lr", "1e30", "--optimizer", "sgd"]].concat());
