@@ -7,7 +7,8 @@
 //! after it, so the newest checkpoint is the last good one. In the synchronous modes every
 //! rank reaches the same verdict at the same step, so all stop together: allreduce and
 //! pipelines check the reduced values, the synchronous ps counts what each worker's push
-//! says it found ([`NonFinite::seen`] adds the count).
+//! says it found ([`NonFinite::seen`] adds the count). The asynchronous two-sided ps
+//! refuses training from the first push that says so on, naming its worker.
 
 use serde::{Deserialize, Serialize};
 

@@ -154,16 +154,18 @@ pub enum PsError {
 }
 
 /// What a worker does with its step's check (`found`, [`crate::train::guard::check_step`]),
-/// the rule of both transports: synchronous, a finding goes to the ps tasks with the push
-/// (`Ok(Some)`), which apply none of the step and give every worker one verdict;
-/// asynchronous, this worker (`task`) stops the job with it.
+/// the rule of both transports: where the ps tasks can refuse a step (`refusable`: the
+/// two-sided ps, synchronous or not; the one-sided ps when synchronous), a finding goes to
+/// them with the push (`Ok(Some)`), they apply none of it and give every worker one
+/// verdict; elsewhere (the one-sided ps, asynchronous) this worker (`task`) stops the job
+/// with it.
 pub(crate) fn non_finite_rule(
     found: Result<(), crate::train::guard::NonFinite>,
-    sync: bool,
+    refusable: bool,
     task: impl FnOnce() -> String,
 ) -> Result<Option<crate::train::guard::NonFinite>, PsError> {
     match found {
-        Err(source) if !sync => Err(PsError::NonFinite {
+        Err(source) if !refusable => Err(PsError::NonFinite {
             task: task(),
             source,
         }),
@@ -550,9 +552,10 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A worker whose loss is not finite (its data here), synchronous, one ps and two:
-    /// every rank, the ps tasks too, ends with the same verdict at once, counting the
-    /// workers that saw it (`tests/mpirun_faults.rs` checks that no checkpoint follows).
+    /// A worker whose loss is not finite (its data here), one ps and two: every rank, the
+    /// ps tasks too, ends with the same verdict at once, synchronous counting the workers
+    /// that saw it, asynchronous naming the worker (`tests/mpirun_faults.rs` checks that no
+    /// checkpoint follows).
     #[test]
     fn a_non_finite_step_is_one_verdict_on_every_rank() {
         let data = Dataset::synthetic(200, 8, 3, 1);
@@ -560,25 +563,45 @@ mod tests {
         let mut poisoned = train.clone();
         poisoned.x.iter_mut().for_each(|v| *v = f32::NAN);
         let mlp = crate::model::mlp(8, &[4], 3).unwrap();
-        for (n, ps) in [(4, 1), (5, 2)] {
+        // Every rank's outcome, the last worker's data NaN from the first step; at once.
+        let outcomes = |n: usize, ps: usize, c: &PsConfig| {
             let l = layout(n, ps);
-            let c = cfg(5, true);
             let t = std::time::Instant::now();
             let out = LocalComm::run(n, |comm| {
-                // The last worker's data is NaN from the first step.
                 let mine = if comm.rank() == n - 1 {
                     &poisoned
                 } else {
                     &train
                 };
-                run(&comm, &l, &mlp, &c, mine, &test, &mut |_| {}).map_err(|e| e.to_string())
+                run(&comm, &l, &mlp, c, mine, &test, &mut |_| {}).map_err(|e| e.to_string())
             });
             assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+            out
+        };
+        for (n, ps) in [(4, 1), (5, 2)] {
+            let out = outcomes(n, ps, &cfg(5, true));
             // (ReLU takes NaN to 0: the loss stays finite, the first layer's gradient not.)
             let verdict = "gradient 'layer0/w' holds NaN at step 0 on 1 of 3 workers: \
                            training stopped before applying it (no checkpoint follows it: \
                            lower --lr and resume from the newest)";
             assert_eq!(out, vec![Err(verdict.to_string()); n], "{n} ranks, {ps} ps");
+        }
+        // Asynchronous: the first finding refuses training from there on, on every rank
+        // (steps enough that no healthy worker can finish before the finding arrives).
+        for (n, ps) in [(4, 1), (5, 2)] {
+            let out = outcomes(n, ps, &cfg(1_000_000, false));
+            // The same verdict on every rank, at the global step the worker had pulled.
+            assert!(
+                out.iter().all(|o| *o == out[0]),
+                "async, {n} ranks, {ps} ps: {out:?}"
+            );
+            let verdict = out[0].clone().unwrap_err();
+            let whose = format!(" on worker:2 (rank {}): training stopped before", n - 1);
+            assert!(
+                verdict.starts_with("gradient 'layer0/w' holds NaN at step ")
+                    && verdict.contains(&whose),
+                "{verdict}"
+            );
         }
     }
 

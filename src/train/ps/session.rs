@@ -230,8 +230,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let pulled = match sess.client.pull(0, false, &mut sess.replica.params) {
             Ok(p) => p,
             Err(e) => {
-                sess.client.abort(&e.to_string());
-                sess.closed = true;
+                sess.stop_with(&e);
                 return Err(e);
             }
         };
@@ -334,19 +333,23 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     /// stops training on every rank: the ps tasks are told and tell the other workers.
     pub fn run(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
         let result = self.step_once(x, y);
-        match &result {
-            Ok(_) => {}
-            // Every worker and ps task has the verdict: this worker is done.
-            Err(PsError::NotApplied(_)) => {
-                let _ = self.client.done(None);
-                self.closed = true;
-            }
-            Err(e) => {
-                self.client.abort(&e.to_string());
-                self.closed = true;
-            }
+        if let Err(e) = &result {
+            self.stop_with(e);
         }
         result
+    }
+
+    /// Tells every ps this worker stops with `e`: done, when it is the ps tasks' own
+    /// verdict on a step not finite (every rank has it; asynchronous, even a worker's first
+    /// pull may bring it), else an abort they pass on to the other workers.
+    fn stop_with(&mut self, e: &PsError) {
+        match e {
+            PsError::NotApplied(_) => {
+                let _ = self.client.done(None);
+            }
+            e => self.client.abort(&e.to_string()),
+        }
+        self.closed = true;
     }
 
     fn step_once(&mut self, x: &[f32], y: &[u8]) -> Result<f32, PsError> {
@@ -356,8 +359,9 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             .gradients_into(&self.replica, x, y, &mut self.grads)
             .map_err(|e| PsError::Setup(format!("{}: {e}", self.client.me())))?;
         let found = crate::train::guard::check_step(self.step, loss, &self.grads);
-        let sync = self.opts.sync.is_some();
-        let non_finite = super::non_finite_rule(found, sync, || self.client.me())?;
+        // The ps tasks refuse a step not finite in both modes (asynchronous: from the
+        // first worker's finding on).
+        let non_finite = super::non_finite_rule(found, true, || self.client.me())?;
         let noted = crate::signals::stop_requested_if(self.opts.stop_on_signal);
         let step = self.step;
         let t = self

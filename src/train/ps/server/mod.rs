@@ -23,11 +23,13 @@
 //! worker stops at the first reply that carries it (the chief checkpoints), and says so
 //! when it is done; the ps then ends with the stop too.
 //!
-//! **Steps not finite** (synchronous): a push may say its worker's loss or gradients were
-//! not finite. When the step is complete and any push said so, nothing is applied: every
-//! pull, from then on, is answered with the verdict (the first such worker's finding and
-//! how many of the step's workers had one), every push is dropped, and the ps ends with
-//! the verdict once every worker said it is done: one error on every rank, at one step.
+//! **Steps not finite**: a push may say its worker's loss or gradients were not finite.
+//! Synchronous, when the step is complete and any push said so, nothing is applied;
+//! asynchronous, the first such push is not applied. Every pull, from then on, is
+//! answered with the verdict (the first such worker's finding and, synchronous, how many
+//! of the step's workers had one; asynchronous, which worker), every push is dropped, and
+//! the ps ends with the verdict once every worker said it is done: one error on every
+//! rank.
 //! **Agreed errors**: an abort marked agreed (every worker stops with it and prints it, a
 //! pipeline's replica tasks) only marks its worker done; the ps ends with it, quietly.
 

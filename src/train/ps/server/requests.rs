@@ -94,6 +94,12 @@ impl<C: Comm> Server<'_, C> {
                 if let Some(t) = times {
                     self.reports.entry(from).or_default().add(&t);
                 }
+                // Asynchronous: the first finding refuses training from here on (a
+                // synchronous ps counts a step's findings once it is complete).
+                if let (None, None, Some(found)) = (self.sync, &self.refused, non_finite) {
+                    let on = format!(" on {}", self.roles.task(from));
+                    self.refused = Some(found.clone().seen(on));
+                }
                 let verdict = self.judge(w, step, &request);
                 let into = match &verdict {
                     Verdict::Apply => Dest::Apply,
@@ -202,12 +208,12 @@ impl<C: Comm> Server<'_, C> {
         if let Err(e) = self.check_vars(vars) {
             return Verdict::Reject(e);
         }
-        if self.sync.is_none() {
-            return Verdict::Apply;
-        }
         // After a step not applied every push is dropped; its pull gets the verdict.
         if self.refused.is_some() {
             return Verdict::Stale;
+        }
+        if self.sync.is_none() {
+            return Verdict::Apply;
         }
         if step < self.global_step || self.accum.contains_key(&w) && step == self.global_step {
             return Verdict::Stale;
