@@ -125,6 +125,12 @@ impl TaskId {
     pub fn role(&self) -> Result<Role, SpecError> {
         self.job.parse()
     }
+
+    /// True for an `evaluator` task (TensorFlow's side-car evaluation: no part in
+    /// training).
+    pub fn is_evaluator(&self) -> bool {
+        self.job == Role::Evaluator.as_str()
+    }
 }
 
 impl fmt::Display for TaskId {

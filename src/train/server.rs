@@ -169,7 +169,7 @@ impl Server {
 
     /// True for an evaluator task: it takes no part in training ([`Server::evaluate`]).
     pub fn is_evaluator(&self) -> bool {
-        self.task().job == "evaluator"
+        self.task().is_evaluator()
     }
 
     /// True for the chief: `chief:0`, or `worker:0` if the cluster has no chief job.

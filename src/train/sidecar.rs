@@ -27,7 +27,7 @@ const POLL: Duration = Duration::from_millis(200);
 /// The world ranks of `layout`'s evaluator tasks.
 pub fn evaluators(layout: &Layout) -> Vec<usize> {
     (0..layout.ranks.len())
-        .filter(|r| layout.ranks[*r].task.job == "evaluator")
+        .filter(|r| layout.ranks[*r].task.is_evaluator())
         .collect()
 }
 
@@ -83,7 +83,7 @@ pub fn take_part<C: Comm>(
     events: &mut dyn FnMut(&Event),
 ) -> Result<bool, SidecarError> {
     let me = comm.rank();
-    if layout.ranks[me].task.job != "evaluator" {
+    if !layout.ranks[me].task.is_evaluator() {
         return Ok(false);
     }
     let task = format!("{} (rank {me})", layout.ranks[me].task);

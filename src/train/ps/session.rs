@@ -219,8 +219,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
             match sess.init_or_restore() {
                 Ok(on_disk) => sess.last_ckpt.0 = on_disk,
                 Err(e) => {
-                    sess.client.abort(&e.to_string());
-                    sess.closed = true;
+                    sess.stop_with(&e);
                     return Err(e);
                 }
             }
@@ -339,9 +338,9 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         result
     }
 
-    /// Tells every ps this worker stops with `e`: done, when it is the ps tasks' own
-    /// verdict on a step not finite (every rank has it; asynchronous, even a worker's first
-    /// pull may bring it), else an abort they pass on to the other workers.
+    /// Closes the session on error `e`, telling every ps: done, when it is the ps tasks'
+    /// own verdict on a step not finite (every rank has it; asynchronous, even a worker's
+    /// first pull may bring it), else an abort they pass on to the other workers.
     fn stop_with(&mut self, e: &PsError) {
         match e {
             PsError::NotApplied(_) => {
@@ -536,8 +535,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
     pub fn close(mut self) -> Result<Replica<'s>, PsError> {
         if self.chief && self.last_ckpt.0 != self.step {
             if let Err(e) = self.checkpoint() {
-                self.client.abort(&e.to_string());
-                self.closed = true;
+                self.stop_with(&e);
                 return Err(e);
             }
         }

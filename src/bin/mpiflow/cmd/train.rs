@@ -359,10 +359,12 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
     let chief = root == Some(ctx.rank());
     let root = root.unwrap_or(0);
     // A side-car evaluator (with checkpoints to evaluate) writes its evaluations beside.
-    let writer = match me.task.job.as_str() {
-        _ if chief => Some(report::Writer::Chief),
-        "evaluator" if args.checkpoint_dir.is_some() => Some(report::Writer::Evaluator),
-        _ => None,
+    let writer = if chief {
+        Some(report::Writer::Chief)
+    } else if me.task.is_evaluator() && args.checkpoint_dir.is_some() {
+        Some(report::Writer::Evaluator)
+    } else {
+        None
     };
     let metrics = ctx
         .agree(report::metrics_file(args.metrics.as_deref(), writer))
