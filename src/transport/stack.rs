@@ -253,11 +253,16 @@ fn parse_ucx_transports(text: &str) -> Vec<String> {
 /// The point-to-point layer (`pml`) Open MPI selected for this process (`"ob1"`, `"ucx"`,
 /// ...), after `MPI_Init`: the one component file `mca_pml_*.so` still mapped (Open MPI
 /// unloads the ones it did not select), else `OMPI_MCA_pml` when it names one (a static
-/// build); `None` when neither says.
-pub fn selected_pml() -> Option<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let from_env = std::env::var("OMPI_MCA_pml").ok();
-    selected_pml_in(&maps, from_env.as_deref())
+/// build); `None` when neither says. Read once per process (every communicator asks; the
+/// choice is fixed at `MPI_Init`).
+pub fn selected_pml() -> Option<&'static str> {
+    static PML: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    PML.get_or_init(|| {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        let from_env = std::env::var("OMPI_MCA_pml").ok();
+        selected_pml_in(&maps, from_env.as_deref())
+    })
+    .as_deref()
 }
 
 fn selected_pml_in(maps: &str, from_env: Option<&str>) -> Option<String> {

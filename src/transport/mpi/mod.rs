@@ -115,7 +115,7 @@ impl MpiComm {
             count_at: count_offset(&dup, &version),
             sends_as_requests_from: sends_as_requests_from(
                 version.contains("Open MPI"),
-                pml.as_deref(),
+                pml,
                 std::env::var_os("UCX_RNDV_SEND_NBR_THRESH").is_some(),
             ),
             in_place: library_in_place(&version),
@@ -129,7 +129,7 @@ impl MpiComm {
         };
         // Collective: every rank of a job runs the same pml, so all or none split (a
         // variable one rank may lack decides nothing here).
-        if version.contains("Open MPI") && pml.as_deref() == Some("ucx") {
+        if version.contains("Open MPI") && pml == Some("ucx") {
             comm.on_node = comm.node_ranks().unwrap_or_default();
         }
         comm
