@@ -1,12 +1,14 @@
 //! Point-to-point checks of `mpiflow check`: tensors by rank and by task, mismatches
-//! that name both sides, links that follow changes, and a stream through an inbox.
+//! that name both sides, links that follow changes, a stream through an inbox, and a
+//! stream on channels that take shared memory where they can.
 
 use super::{tensor_of, Report};
 use crate::cluster::peers::{self, Peer, Tasks};
 use crate::cluster::{Layout, TaskId};
 use crate::tensor::{DType, Tensor};
-use crate::transport::channel::Channel;
-use crate::transport::{comm, p2p, Comm};
+use crate::transport::channel::{Carrier, Channel};
+use crate::transport::p2p::{Receives, Sends};
+use crate::transport::{comm, p2p, ring, Comm};
 
 /// Runs the point-to-point checks on this rank (every rank of `c` calls it).
 pub(super) fn run<C: Comm>(c: &C, layout: &Layout, rep: &mut Report) -> Result<(), String> {
@@ -73,8 +75,29 @@ pub(super) fn run<C: Comm>(c: &C, layout: &Layout, rep: &mut Report) -> Result<(
         });
         links_follow_changes(c, rep, (left, right))?;
         inbox_stream(c, rep, (left, right))?;
+        ring_stream(c, rep, (left, right))?;
     }
     Ok(())
+}
+
+/// Channels for tensors like `t` to the right (`out`) and from the left (`inc`) on `tag`.
+/// Each open is a header exchange with one peer: even ranks open to the right first, odd
+/// ranks from the left first, so that no cycle of ranks waits on each other.
+fn open_around<C: Comm>(
+    c: &C,
+    t: &Tensor,
+    (left, right): (usize, usize),
+    tag: i32,
+    carrier: Carrier,
+) -> Result<(Channel, Channel), String> {
+    let open = |peer| Channel::open_over(c, t, peer, tag, carrier).map_err(|x| x.to_string());
+    Ok(if c.rank().is_multiple_of(2) {
+        let out = open(right)?;
+        (out, open(left)?)
+    } else {
+        let inc = open(left)?;
+        (open(right)?, inc)
+    })
 }
 
 /// Repeats, changes and mismatches on p2p links (headers travel only when the tensor
@@ -150,16 +173,8 @@ fn inbox_stream<C: Comm>(
     let e = |x: &dyn std::fmt::Display| x.to_string();
     let of = |k: usize| tensor_of(DType::F32, k, 3).named("stream");
     let mut t = of(0);
-    // Each open is a header exchange with one peer: even ranks open to the right first, odd
-    // ranks from the left first, so that no cycle of ranks waits on each other.
-    let open = |peer| Channel::open(c, &t, peer, TAG).map_err(|x| e(&x));
-    let (out, inc) = if r.is_multiple_of(2) {
-        let out = open(right)?;
-        (out, open(left)?)
-    } else {
-        let inc = open(left)?;
-        (open(right)?, inc)
-    };
+    // On MPI: stray messages on a channel on rings go unseen (the channel owns its tag).
+    let (out, inc) = open_around(c, &t, (left, right), TAG, Carrier::Mpi)?;
     let mut inbox = inc.inbox(c, &t, 4).map_err(|x| e(&x))?;
     for k in 0..20 {
         out.send(c, &of(r * 100 + k)).map_err(|x| e(&x))?;
@@ -190,6 +205,66 @@ fn inbox_stream<C: Comm>(
     let closed = inbox.close().err().map(|x| x.to_string());
     rep.expect(closed.is_none(), || {
         format!("inbox stream: close: {closed:?}")
+    });
+    Ok(())
+}
+
+/// A stream of one tensor around the ring on channels that take shared memory where both
+/// ranks share a node (and by MPI otherwise): 150 messages sent before any is received (a
+/// ring holds 64, the rest go by MPI), then a window of 40 each way, all in order; each
+/// channel on rings exactly where its two ranks name the same node.
+fn ring_stream<C: Comm>(
+    c: &C,
+    rep: &mut Report,
+    (left, right): (usize, usize),
+) -> Result<(), String> {
+    const TAG: i32 = 9;
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    let of = |k: usize| tensor_of(DType::I32, k, 2).named("ring stream");
+    let mut t = of(0);
+    let (out, inc) = open_around(c, &t, (left, right), TAG, Carrier::SharedMemory)?;
+    let mine = c.node_name().unwrap_or_default();
+    let name = |to: usize, from: usize| -> Result<String, String> {
+        let mut buf = [0u8; 256];
+        let got = comm::sendrecv(c, mine.as_bytes(), to, &mut buf, from, TAG).map_err(|x| e(&x))?;
+        Ok(String::from_utf8_lossy(&buf[..got.count]).into_owned())
+    };
+    let (of_left, of_right) = (name(right, left)?, name(left, right)?);
+    for (ch, node, side) in [(&out, &of_right, "right"), (&inc, &of_left, "left")] {
+        let want = match ring::enabled() && *node == mine {
+            true => Carrier::SharedMemory,
+            false => Carrier::Mpi,
+        };
+        rep.expect(ch.carrier() == want, || {
+            format!("ring stream: the channel to the {side} ({node} from {mine}) is on {:?}, not {want:?}", ch.carrier())
+        });
+    }
+    let r = c.rank();
+    for k in 0..150 {
+        out.send(c, &of(r * 1000 + k)).map_err(|x| e(&x))?;
+    }
+    let mut got = Vec::new();
+    for _ in 0..150 {
+        inc.receive_into(c, &mut t).map_err(|x| e(&x))?;
+        got.push(t.clone());
+    }
+    let sent: Vec<Tensor> = (150..190).map(|k| of(r * 1000 + k)).collect();
+    let mut window: Vec<Tensor> = (0..40).map(|_| of(0)).collect();
+    let mut sends = Sends::new(c);
+    for s in &sent {
+        out.immediate_send_in(&mut sends, s).map_err(|x| e(&x))?;
+    }
+    let mut receives = Receives::new(c);
+    for w in window.iter_mut() {
+        inc.immediate_receive_in(&mut receives, w)
+            .map_err(|x| e(&x))?;
+    }
+    receives.wait_all().map_err(|x| e(&x))?;
+    sends.wait_all().map_err(|x| e(&x))?;
+    got.extend(window);
+    let wrong = (0..190).find(|k| got[*k].bytes() != of(left * 1000 + k).bytes());
+    rep.expect(wrong.is_none(), || {
+        format!("ring stream: message {wrong:?} from rank {left} differs")
     });
     Ok(())
 }

@@ -248,6 +248,18 @@ pub trait Comm {
     /// never lost in the library).
     fn cancel_receive(&self, req: Self::Request) -> Result<Option<Completion>, TransportError>;
 
+    /// Lets the library move transfers in flight while this rank waits on something else
+    /// (a ring in shared memory): `MPI_Iprobe`, which runs MPI's progress engine. Nothing
+    /// where transfers progress by themselves.
+    fn progress(&self) {}
+
+    /// This rank's node, as two ranks compare it to know whether they can share memory
+    /// ([`super::ring`]): `uname`'s node name (the host name MPI reports); in-process, the
+    /// simulated node.
+    fn node_name(&self) -> Option<String> {
+        uname_node()
+    }
+
     /// Blocking send (`MPI_Send`); the default starts a request and waits.
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         // SAFETY: the request is waited on before `buf`'s borrow ends.
@@ -383,6 +395,20 @@ pub fn sendrecv<C: Comm>(
     let got = c.wait(r);
     c.wait(s?)?;
     got
+}
+
+/// This host's node name (`uname`).
+fn uname_node() -> Option<String> {
+    let mut u = std::mem::MaybeUninit::<libc::utsname>::uninit();
+    // SAFETY: uname fills the struct it is given.
+    if unsafe { libc::uname(u.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: uname returned 0, so the struct is filled.
+    let u = unsafe { u.assume_init() };
+    // SAFETY: `nodename` is a NUL-terminated array inside `u`.
+    let c = unsafe { std::ffi::CStr::from_ptr(u.nodename.as_ptr()) };
+    Some(c.to_string_lossy().into_owned())
 }
 
 /// A peer rank that exists (or [`ANY_SOURCE`]).

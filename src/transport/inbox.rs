@@ -34,8 +34,13 @@
 //! the channel and the count, so nothing the peer sent is dropped silently (a message still
 //! on its way, matched by no receive yet, stays with MPI for the next receive on the tag).
 //! Dropping an inbox withdraws them too, without the check.
+//!
+//! A channel on rings ([`super::ring`]) needs no receives posted ahead: its messages wait
+//! in the ring, which is what an inbox is for. An inbox of such a channel posts none, each
+//! [`Inbox::receive_into`] is the channel's, and nothing can be left untaken at close (what
+//! the ring still holds stays there for the channel's next receive).
 
-use super::channel::Channel;
+use super::channel::{Carrier, Channel};
 use super::comm::Comm;
 use super::p2p::{ExactLength, P2pError};
 use crate::tensor::Tensor;
@@ -60,7 +65,7 @@ pub struct Inbox<'c, C: Comm> {
 
 impl<'c, C: Comm> Inbox<'c, C> {
     /// Posts `depth` (at least 2) receives of `channel` into tensors like `like`, which
-    /// must be the channel's tensor.
+    /// must be the channel's tensor (none on rings).
     pub fn open(
         comm: &'c C,
         channel: &Channel,
@@ -75,7 +80,11 @@ impl<'c, C: Comm> Inbox<'c, C> {
             next: 0,
             spent: None,
         };
-        for _ in 0..depth.max(2) {
+        let depth = match channel.carrier() {
+            Carrier::SharedMemory => 0,
+            Carrier::Mpi => depth.max(2),
+        };
+        for _ in 0..depth {
             inbox.slots.push(Slot {
                 tensor: like.clone(),
                 req: None,
@@ -86,7 +95,7 @@ impl<'c, C: Comm> Inbox<'c, C> {
         Ok(inbox)
     }
 
-    /// Receives posted ahead.
+    /// Receives posted ahead (0 on rings).
     pub fn depth(&self) -> usize {
         self.slots.len()
     }
@@ -117,6 +126,9 @@ impl<'c, C: Comm> Inbox<'c, C> {
     /// inbox still receives the messages that follow.
     #[inline]
     pub fn receive_into(&mut self, t: &mut Tensor) -> Result<(), P2pError> {
+        if self.slots.is_empty() {
+            return self.channel.receive_into(self.comm, t);
+        }
         self.channel.check_tensor(self.comm, t)?;
         if let Some(s) = self.spent.take() {
             self.post(s)?;
@@ -206,7 +218,7 @@ mod tests {
     fn a_stream_arrives_in_order_into_the_callers_tensor() {
         let out = LocalComm::run(2, |c| {
             let mut t = tensor(0.0);
-            let ch = Channel::open(&c, &t, 1 - c.rank(), 7).unwrap();
+            let ch = Channel::open_over(&c, &t, 1 - c.rank(), 7, Carrier::Mpi).unwrap();
             if c.rank() == 0 {
                 for step in 0..10 {
                     t = tensor(step as f32 * 10.0);
@@ -241,7 +253,7 @@ mod tests {
     fn another_tensor_or_length_is_an_error_and_the_stream_goes_on() {
         let out = LocalComm::run(2, |c| {
             let mut t = tensor(1.0);
-            let ch = Channel::open(&c, &t, 1 - c.rank(), 4).unwrap();
+            let ch = Channel::open_over(&c, &t, 1 - c.rank(), 4, Carrier::Mpi).unwrap();
             if c.rank() == 0 {
                 // Stray messages (shorter, longer, longer than the room behind the
                 // payload), then a good one.
@@ -280,7 +292,7 @@ mod tests {
     fn closing_with_messages_never_taken_says_how_many() {
         let out = LocalComm::run(2, |c| {
             let mut t = tensor(0.0);
-            let ch = Channel::open(&c, &t, 1 - c.rank(), 9).unwrap();
+            let ch = Channel::open_over(&c, &t, 1 - c.rank(), 9, Carrier::Mpi).unwrap();
             if c.rank() == 0 {
                 for _ in 0..3 {
                     ch.send(&c, &t).unwrap();
@@ -298,5 +310,35 @@ mod tests {
             out[1],
             "rank 1: closed the inbox of the channel with rank 0 (tag 9) with 2 messages that arrived and were never received"
         );
+    }
+
+    #[test]
+    fn on_rings_an_inbox_posts_nothing_and_loses_nothing_at_close() {
+        let out = LocalComm::run(2, |c| {
+            let mut t = tensor(0.0);
+            let ch = Channel::open(&c, &t, 1 - c.rank(), 7).unwrap();
+            assert_eq!(ch.carrier(), Carrier::SharedMemory);
+            if c.rank() == 0 {
+                for step in 0..5 {
+                    ch.send(&c, &tensor(step as f32)).unwrap();
+                }
+                return Vec::new();
+            }
+            let mut inbox = Inbox::open(&c, &ch, &t, 4).unwrap();
+            assert_eq!(inbox.depth(), 0);
+            let mut seen = Vec::new();
+            for _ in 0..2 {
+                inbox.receive_into(&mut t).unwrap();
+                seen.push(t.as_slice::<f32>().unwrap()[0]);
+            }
+            // Three still in the ring: the close loses none, the channel takes them.
+            inbox.close().unwrap();
+            for _ in 0..3 {
+                ch.receive_into(&c, &mut t).unwrap();
+                seen.push(t.as_slice::<f32>().unwrap()[0]);
+            }
+            seen
+        });
+        assert_eq!(out[1], vec![0.0, 1.0, 2.0, 3.0, 4.0]);
     }
 }

@@ -320,6 +320,10 @@ impl Comm for LocalComm {
         Some(self.hub.timeout)
     }
 
+    fn node_name(&self) -> Option<String> {
+        Some(format!("in-process node {}", self.hub.nodes[self.rank]))
+    }
+
     fn split_node(&self) -> Result<LocalComm, TransportError> {
         self.split(self.hub.nodes[self.rank] as u32, self.rank)
     }

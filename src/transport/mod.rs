@@ -11,6 +11,7 @@
 //!   windows of them completed together.
 //! - [`channel`]: persistent channels: one tensor again and again, header checked once.
 //! - [`inbox`]: a channel's receives posted ahead, each message moved into place uncopied.
+//! - [`ring`]: a channel's small messages through memory its two ranks share, on one node.
 //! - [`reduce`]: element-wise reductions of byte buffers, below every algorithm.
 //! - [`segments`]: memory shared by the ranks of one communicator (from its backend).
 //! - [`collectives`]: allreduce (MPI's, ring, recursive doubling, shared memory: one file
@@ -37,6 +38,7 @@ pub mod mpi;
 pub mod p2p;
 pub mod progress;
 pub mod reduce;
+pub mod ring;
 pub mod rma;
 pub mod segments;
 pub mod stack;

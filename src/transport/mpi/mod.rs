@@ -365,6 +365,22 @@ impl Comm for MpiComm {
         self.cancel_one(r)
     }
 
+    fn progress(&self) {
+        let mut flag: c_int = 0;
+        // SAFETY: a zeroed status is a valid out-parameter; probing matches no message.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: the communicator is valid while self lives; flag and status are ours.
+        unsafe {
+            ffi::MPI_Iprobe(
+                ffi::RSMPI_ANY_SOURCE,
+                ffi::RSMPI_ANY_TAG,
+                self.handle,
+                &mut flag,
+                &mut status,
+            )
+        };
+    }
+
     #[inline]
     fn send_blocking(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
         if buf.len() >= self.sends_as_requests_from {

@@ -210,12 +210,22 @@ pub(crate) trait ExactLength {
     fn check_length(&self, rank: usize, done: Completion) -> Result<(), P2pError>;
 }
 
+/// A receive that happens when its window completes, not when it starts (a
+/// [`crate::transport::channel::Channel`] on rings, whose receive is a copy out of memory
+/// shared with the sender).
+pub(crate) trait DeferredReceive<C: Comm> {
+    /// Receives the next message into `buf` (blocking) and checks it.
+    fn receive_now(&self, c: &C, buf: &mut [u8]) -> Result<(), P2pError>;
+}
+
 /// A window of receives in flight, completed and checked together by
 /// [`Receives::wait_all`].
 pub struct Receives<'a, C: Comm> {
     comm: &'a C,
     reqs: Vec<C::Request>,
     checks: Vec<Check<'a>>,
+    /// Receives done when the window completes, in the order they were started.
+    later: Vec<(&'a mut [u8], &'a dyn DeferredReceive<C>)>,
 }
 
 impl<'a, C: Comm> Receives<'a, C> {
@@ -230,6 +240,7 @@ impl<'a, C: Comm> Receives<'a, C> {
             comm,
             reqs: Vec::with_capacity(n),
             checks: Vec::with_capacity(n),
+            later: Vec::new(),
         }
     }
 
@@ -325,6 +336,12 @@ impl<'a, C: Comm> Receives<'a, C> {
         Ok(())
     }
 
+    /// Receives into `buf` by `by` when the window completes.
+    #[inline]
+    pub(crate) fn receive_later(&mut self, buf: &'a mut [u8], by: &'a dyn DeferredReceive<C>) {
+        self.later.push((buf, by));
+    }
+
     pub(crate) fn comm(&self) -> &'a C {
         self.comm
     }
@@ -339,8 +356,14 @@ impl<'a, C: Comm> Receives<'a, C> {
     fn complete(&mut self) -> Result<(), P2pError> {
         let comm = self.comm;
         let (rank, links) = (comm.rank(), comm.links());
-        let mut checks = self.checks.drain(..);
         let mut first = Ok(());
+        for (buf, by) in self.later.drain(..) {
+            let r = by.receive_now(comm, buf);
+            if r.is_err() && first.is_ok() {
+                first = r;
+            }
+        }
+        let mut checks = self.checks.drain(..);
         // Each receive is checked as MPI_Waitall's status for it is read: the hot path
         // reads a length and a discriminant per receive; results (80 bytes) move only on
         // an error. `run` is the link of the `Payload` checks, set by the `Run` before them.
@@ -376,7 +399,7 @@ impl<'a, C: Comm> Receives<'a, C> {
 
 impl<C: Comm> Drop for Receives<'_, C> {
     fn drop(&mut self) {
-        if !self.reqs.is_empty() {
+        if !self.reqs.is_empty() || !self.later.is_empty() {
             let _ = self.complete();
         }
     }

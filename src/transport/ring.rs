@@ -1,0 +1,548 @@
+//! Rings in memory that the two ranks of a [`super::channel::Channel`] share when they run on
+//! one node: the channel's small messages move without MPI.
+//!
+//! Under Open MPI's `ob1` a small message costs its match, its request and, when it
+//! arrives before its receive, a copy through the unexpected-message queue: on this VM
+//! about 0.33 us one way at 1-8 B, and a window of 64 messages into one buffer 11-67 MB/s.
+//! A single-producer single-consumer ring of slots in shared memory costs a copy in, a
+//! copy out and the cache lines that carry them: 0.15 us and 44-316 MB/s at 1-8 B
+//! (`benches/compare/shm_ring.c`, the same job alternating both; 0.45-0.65x the latency
+//! and 2-5x the bandwidth to 4 KiB). From about 8 KiB MPI's single copy (CMA) wins, so
+//! only channels of at most [`MAX_BYTES`] take rings.
+//!
+//! Each rank creates the ring it receives on (a POSIX shared-memory object, named in the
+//! channel's opening handshake and unlinked once the peer mapped it, so nothing outlives
+//! the two processes) and maps its peer's as the ring it sends on. A ring is used only if
+//! both ranks offered one, name the same host (`uname`), and mapped each other's: the
+//! same verdict on both sides, or neither uses one ([`Comm::node_name`]). `MPIFLOW_SHM_CHANNELS=0` turns rings
+//! off for the process.
+//!
+//! Protocol (`n` slots of one message each; message `k` of the channel, counted from 0):
+//! - the sender copies message `k` into the next free slot and then stores `k + 1` in the
+//!   slot's sequence word (`Release`); the receiver waits until the slot it expects next
+//!   holds `k + 1` (`Acquire`), copies the message out, and then publishes how many slots
+//!   it has consumed (`Release`), which the sender reads (`Acquire`) only when the ring
+//!   looks full;
+//! - a sender that finds the ring full does not wait: it stores `k + 1` in the ring's MPI
+//!   word (`Release`) and sends message `k` by MPI on the channel's tag. A receiver whose
+//!   next slot does not hold `k + 1` reads the MPI word and then the slot again: if the
+//!   word says a message numbered `k` or later went by MPI and the slot still lacks `k`,
+//!   then `k` itself went by MPI (had it gone into the ring, its store preceded the MPI
+//!   word's, which the receiver has acquired), and the receiver takes it with an MPI
+//!   receive. So a send never blocks on a ring (it buffers as MPI does: a program that
+//!   sends more than the ring holds before receiving behaves as it would without rings),
+//!   and messages come out in the order they were sent whichever way each went.
+//!
+//! A receiver that waits polls the ring (spinning first where ranks have cores of their
+//! own, then yielding: [`super::comm::Backoff`]) and every 64 polls lets MPI progress
+//! ([`super::comm::Comm::progress`]), so transfers it has in flight elsewhere complete.
+//! Messages of other senders on the channel's tag (which the channel owns) are not seen:
+//! a ring receive reads MPI only when the ring's sender said so.
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::comm::{sendrecv, Comm, TransportError};
+
+/// Messages of at most this many bytes travel through rings.
+pub const MAX_BYTES: usize = 4096;
+/// Bytes of slots a ring aims for (a core's share of cache): 64 slots to 4 KiB messages.
+const RING_BYTES: usize = 256 * 1024;
+const MAX_SLOTS: usize = 64;
+const LINE: usize = 64;
+/// The receiver's count of consumed slots.
+const CONSUMED: usize = 0;
+/// The sender's MPI word: `k + 1` for the last message `k` it sent by MPI.
+const BY_MPI: usize = LINE;
+/// The creator's geometry: magic, message bytes, slots, stride.
+const GEOMETRY: usize = 2 * LINE;
+/// Where the slots start.
+const SLOTS: usize = 3 * LINE;
+const MAGIC: u64 = u64::from_le_bytes(*b"mpifring");
+/// Bytes of a slot before its message: the sequence word.
+const SEQ: usize = 8;
+
+/// Whether this process offers rings (`MPIFLOW_SHM_CHANNELS=0` turns them off).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MPIFLOW_SHM_CHANNELS").map_or(true, |v| v.trim() != "0"))
+}
+
+/// The shape of a ring for messages of `nbytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Geometry {
+    nbytes: usize,
+    slots: usize,
+    stride: usize,
+}
+
+impl Geometry {
+    fn of(nbytes: usize) -> Geometry {
+        let stride = (SEQ + nbytes).div_ceil(LINE) * LINE;
+        Geometry {
+            nbytes,
+            slots: (RING_BYTES / stride).clamp(2, MAX_SLOTS),
+            stride,
+        }
+    }
+
+    fn len(&self) -> usize {
+        SLOTS + self.slots * self.stride
+    }
+
+    /// Where slot `pos % slots` starts.
+    #[inline(always)]
+    fn slot(&self, pos: u64) -> usize {
+        SLOTS + (pos % self.slots as u64) as usize * self.stride
+    }
+}
+
+/// A ring's shared object mapped into this process; unmapped when dropped.
+#[derive(Debug)]
+struct Mapping {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is memory every thread of the process may address; its words are
+// only accessed atomically, and its message bytes only by the side that the protocol
+// (acquire/release on those words) gives them to at the time, so moving or sharing the
+// handle between threads adds no access the protocol does not order.
+unsafe impl Send for Mapping {}
+// SAFETY: as for Send.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of the shared object `fd`.
+    fn of(fd: &std::os::fd::OwnedFd, len: usize) -> std::io::Result<Mapping> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh shared mapping of an open descriptor; the kernel picks the
+        // address, so no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            base: base.cast(),
+            len,
+        })
+    }
+
+    /// The word at `offset` (8-byte aligned, inside the mapping).
+    #[inline(always)]
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.len);
+        // SAFETY: the base is page-aligned and every offset the ring uses is a multiple of
+        // 8 within the mapping, which lives as long as `self`; both processes access these
+        // words only through atomics.
+        unsafe { &*self.base.add(offset).cast::<AtomicU64>() }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is this mapping, and nothing borrows it any more.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+fn c_name(name: &str) -> std::io::Result<CString> {
+    CString::new(name).map_err(|_| std::io::Error::other("a ring's name holds a NUL"))
+}
+
+/// Opens the shared object `name` with `flags`.
+fn shm_open(name: &str, flags: libc::c_int) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let c = c_name(name)?;
+    // SAFETY: `c` is a NUL-terminated name; the call opens or creates an object by name.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), flags, 0o600) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+fn unlink(name: &str) {
+    if let Ok(c) = c_name(name) {
+        // SAFETY: a NUL-terminated name; removing a name touches no memory of ours.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+}
+
+/// Creates a ring for `geo` under a fresh name: zero-filled, its geometry written.
+fn create(geo: Geometry) -> std::io::Result<(Mapping, String)> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let name = format!(
+        "/mpiflow-ring-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let fd = shm_open(&name, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR)?;
+    let sized = {
+        use std::os::fd::AsRawFd;
+        // SAFETY: resizing an object this process just created (zero-filled by the kernel).
+        unsafe { libc::ftruncate(fd.as_raw_fd(), geo.len() as libc::off_t) }
+    };
+    let map = if sized == 0 {
+        Mapping::of(&fd, geo.len())
+    } else {
+        Err(std::io::Error::last_os_error())
+    };
+    let map = map.inspect_err(|_| unlink(&name))?;
+    for (i, v) in [
+        MAGIC,
+        geo.nbytes as u64,
+        geo.slots as u64,
+        geo.stride as u64,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        map.word(GEOMETRY + 8 * i).store(v, Ordering::Relaxed);
+    }
+    Ok((map, name))
+}
+
+/// Maps the peer's ring `name`, which must be one for `geo`.
+fn open(name: &str, geo: Geometry) -> std::io::Result<Mapping> {
+    let fd = shm_open(name, libc::O_RDWR)?;
+    let size = {
+        use std::os::fd::AsRawFd;
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat writes a `stat` into the buffer it is given.
+        if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fstat returned 0, so it filled the struct.
+        unsafe { st.assume_init() }.st_size
+    };
+    if size != geo.len() as libc::off_t {
+        return Err(std::io::Error::other("the peer's ring has another size"));
+    }
+    let map = Mapping::of(&fd, geo.len())?;
+    let want = [
+        MAGIC,
+        geo.nbytes as u64,
+        geo.slots as u64,
+        geo.stride as u64,
+    ];
+    if (0..4).any(|i| map.word(GEOMETRY + 8 * i).load(Ordering::Relaxed) != want[i]) {
+        return Err(std::io::Error::other(
+            "the peer's ring has another geometry",
+        ));
+    }
+    Ok(map)
+}
+
+/// The ring this rank sends on (the peer's).
+#[derive(Debug)]
+struct Outbound {
+    map: Mapping,
+    geo: Geometry,
+    /// The next message's number.
+    next: AtomicU64,
+    /// The next slot position to fill.
+    pos: AtomicU64,
+    /// The receiver's consumed count, as last read.
+    seen: AtomicU64,
+}
+
+impl Outbound {
+    /// Puts the channel's next message into the ring if a slot is free (`true`); else
+    /// records that this message goes by MPI (`false`), which the caller then sends.
+    #[inline]
+    fn put(&self, bytes: &[u8]) -> bool {
+        debug_assert_eq!(bytes.len(), self.geo.nbytes);
+        let k = self.next.load(Ordering::Relaxed);
+        self.next.store(k + 1, Ordering::Relaxed);
+        let pos = self.pos.load(Ordering::Relaxed);
+        let slots = self.geo.slots as u64;
+        if pos - self.seen.load(Ordering::Relaxed) >= slots {
+            let consumed = self.map.word(CONSUMED).load(Ordering::Acquire);
+            self.seen.store(consumed, Ordering::Relaxed);
+            if pos - consumed >= slots {
+                self.map.word(BY_MPI).store(k + 1, Ordering::Release);
+                return false;
+            }
+        }
+        let slot = self.geo.slot(pos);
+        // SAFETY: the slot's message bytes lie inside the mapping (`slot + SEQ + nbytes
+        // <= len`, by the geometry both sides checked), and they are the sender's now: the
+        // receiver published (consumed, acquired above or earlier) that it is done with
+        // the slot's previous message, and reads this one only after the release below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.map.base.add(slot + SEQ),
+                bytes.len(),
+            )
+        };
+        self.map.word(slot).store(k + 1, Ordering::Release);
+        self.pos.store(pos + 1, Ordering::Relaxed);
+        true
+    }
+}
+
+/// Where the channel's next message is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// In the ring: [`Rings::take`] it.
+    Ring,
+    /// Sent by MPI: receive it there (after [`Rings::skip`]).
+    Mpi,
+    /// Not sent yet.
+    NotYet,
+}
+
+/// The ring this rank receives on (its own).
+#[derive(Debug)]
+struct Inbound {
+    map: Mapping,
+    geo: Geometry,
+    /// The next message's number.
+    expect: AtomicU64,
+    /// The next slot position to read.
+    pos: AtomicU64,
+}
+
+impl Inbound {
+    #[inline]
+    fn poll(&self) -> Next {
+        let k = self.expect.load(Ordering::Relaxed);
+        let seq = self
+            .map
+            .word(self.geo.slot(self.pos.load(Ordering::Relaxed)));
+        if seq.load(Ordering::Acquire) == k + 1 {
+            return Next::Ring;
+        }
+        // The MPI word first, then the slot again (see the module's protocol).
+        let by_mpi = self.map.word(BY_MPI).load(Ordering::Acquire);
+        if seq.load(Ordering::Acquire) == k + 1 {
+            Next::Ring
+        } else if by_mpi > k {
+            Next::Mpi
+        } else {
+            Next::NotYet
+        }
+    }
+
+    #[inline]
+    fn take(&self, out: &mut [u8]) {
+        debug_assert_eq!(out.len(), self.geo.nbytes);
+        let pos = self.pos.load(Ordering::Relaxed);
+        // SAFETY: `poll` saw this slot's sequence word say the expected message
+        // (`Acquire`, after the sender's release following its copy), so its bytes are
+        // complete, inside the mapping, and the sender leaves them alone until the
+        // consumed count below passes this position.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.base.add(self.geo.slot(pos) + SEQ),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        self.pos.store(pos + 1, Ordering::Relaxed);
+        self.expect.fetch_add(1, Ordering::Relaxed);
+        self.map.word(CONSUMED).store(pos + 1, Ordering::Release);
+    }
+}
+
+/// A channel's two rings: the one it sends on and the one it receives on.
+#[derive(Debug)]
+pub(crate) struct Rings {
+    out: Outbound,
+    inb: Inbound,
+}
+
+impl Rings {
+    /// See [`Outbound::put`].
+    #[inline(always)]
+    pub(crate) fn put(&self, bytes: &[u8]) -> bool {
+        self.out.put(bytes)
+    }
+
+    /// Where the next message to receive is.
+    #[inline(always)]
+    pub(crate) fn poll(&self) -> Next {
+        self.inb.poll()
+    }
+
+    /// Copies the next message (which [`Rings::poll`] found in the ring) into `out`.
+    #[inline(always)]
+    pub(crate) fn take(&self, out: &mut [u8]) {
+        self.inb.take(out)
+    }
+
+    /// Counts the next message (which [`Rings::poll`] found sent by MPI) as received:
+    /// the caller receives it by MPI.
+    #[inline(always)]
+    pub(crate) fn skip(&self) {
+        self.inb.expect.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What a rank offers in a channel's opening: its host and the ring it receives on.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Offer {
+    host: String,
+    name: String,
+}
+
+/// Room for an offer (a host name is at most 255 bytes).
+const OFFER_ROOM: usize = 512;
+
+/// Part of a channel's opening, on both ranks (two exchanges with `peer` on `tag`): the
+/// rings of a channel of `nbytes` messages, if both ranks want them (`want`) and can share
+/// them; `None` on both ranks otherwise.
+pub(crate) fn connect<C: Comm>(
+    c: &C,
+    peer: usize,
+    tag: i32,
+    nbytes: usize,
+    want: bool,
+) -> Result<Option<Rings>, TransportError> {
+    let geo = Geometry::of(nbytes);
+    let want = want && enabled() && nbytes > 0 && nbytes <= MAX_BYTES;
+    let host = c.node_name();
+    let mine = match (want, host) {
+        (true, Some(host)) => create(geo)
+            .ok()
+            .map(|(map, name)| (map, Offer { host, name })),
+        _ => None,
+    };
+    let result = exchange(c, peer, tag, geo, mine.as_ref().map(|m| &m.1));
+    if let Some((_, offer)) = &mine {
+        // Mapped by the peer or not by now: the name is no longer needed.
+        unlink(&offer.name);
+    }
+    let out = result?;
+    Ok(match (mine, out) {
+        (Some((map, _)), Some(out)) => Some(Rings {
+            out: Outbound {
+                map: out,
+                geo,
+                next: AtomicU64::new(0),
+                pos: AtomicU64::new(0),
+                seen: AtomicU64::new(0),
+            },
+            inb: Inbound {
+                map,
+                geo,
+                expect: AtomicU64::new(0),
+                pos: AtomicU64::new(0),
+            },
+        }),
+        _ => None,
+    })
+}
+
+/// The two exchanges: offers, then whether each side mapped the other's; the peer's ring
+/// when both did.
+fn exchange<C: Comm>(
+    c: &C,
+    peer: usize,
+    tag: i32,
+    geo: Geometry,
+    mine: Option<&Offer>,
+) -> Result<Option<Mapping>, TransportError> {
+    let ours = serde_json::to_vec(&mine).unwrap_or_default();
+    let mut theirs = [0u8; OFFER_ROOM];
+    let got = sendrecv(c, &ours, peer, &mut theirs, peer, tag)?;
+    let theirs: Option<Offer> = match got.truncated() {
+        true => None,
+        false => serde_json::from_slice(&theirs[..got.count]).unwrap_or(None),
+    };
+    let mapped = match (mine, theirs) {
+        (Some(m), Some(t)) if m.host == t.host => open(&t.name, geo).ok(),
+        _ => None,
+    };
+    let mut both = [0u8; 1];
+    sendrecv(c, &[u8::from(mapped.is_some())], peer, &mut both, peer, tag)?;
+    Ok(mapped.filter(|_| both[0] == 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(nbytes: usize) -> (Outbound, Inbound) {
+        let geo = Geometry::of(nbytes);
+        let (map, name) = create(geo).unwrap();
+        let out = open(&name, geo).unwrap();
+        unlink(&name);
+        (
+            Outbound {
+                map: out,
+                geo,
+                next: AtomicU64::new(0),
+                pos: AtomicU64::new(0),
+                seen: AtomicU64::new(0),
+            },
+            Inbound {
+                map,
+                geo,
+                expect: AtomicU64::new(0),
+                pos: AtomicU64::new(0),
+            },
+        )
+    }
+
+    #[test]
+    fn geometry_keeps_slots_within_the_ring_bytes() {
+        assert_eq!(Geometry::of(4).stride, 64);
+        assert_eq!(Geometry::of(56).stride, 64);
+        assert_eq!(Geometry::of(57).stride, 128);
+        assert_eq!(Geometry::of(8).slots, 64);
+        assert_eq!(Geometry::of(4096).slots, 63);
+        assert_eq!(Geometry::of(4096).len(), 3 * 64 + 63 * 4160);
+    }
+
+    #[test]
+    fn a_full_ring_sends_by_mpi_and_the_receiver_knows_which_went_where() {
+        let (out, inb) = pair(8);
+        let slots = out.geo.slots;
+        let mut routes = Vec::new();
+        for k in 0..slots + 3 {
+            routes.push(out.put(&(k as u64).to_le_bytes()));
+        }
+        // The ring took the first `slots`; the three after went by MPI.
+        assert!(routes[..slots].iter().all(|r| *r));
+        assert!(routes[slots..].iter().all(|r| !*r));
+        let mut buf = [0u8; 8];
+        for k in 0..slots {
+            assert_eq!(inb.poll(), Next::Ring);
+            inb.take(&mut buf);
+            assert_eq!(u64::from_le_bytes(buf), k as u64);
+        }
+        // A slot is free again, and the next message goes there; the three before it are
+        // MPI's, in order.
+        assert!(out.put(&99u64.to_le_bytes()));
+        for _ in 0..3 {
+            assert_eq!(inb.poll(), Next::Mpi);
+            inb.expect.fetch_add(1, Ordering::Relaxed);
+        }
+        assert_eq!(inb.poll(), Next::Ring);
+        inb.take(&mut buf);
+        assert_eq!(u64::from_le_bytes(buf), 99);
+        assert_eq!(inb.poll(), Next::NotYet);
+    }
+
+    #[test]
+    fn a_peer_ring_of_another_geometry_is_refused() {
+        let (_map, name) = create(Geometry::of(16)).unwrap();
+        let err = open(&name, Geometry::of(64)).unwrap_err().to_string();
+        unlink(&name);
+        assert!(err.contains("another"), "{err}");
+        assert!(open(&name, Geometry::of(16)).is_err(), "unlinked");
+    }
+}
