@@ -258,6 +258,16 @@ struct Outbound {
 }
 
 impl Outbound {
+    fn new(map: Mapping, geo: Geometry) -> Outbound {
+        Outbound {
+            map,
+            geo,
+            next: AtomicU64::new(0),
+            pos: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+        }
+    }
+
     /// Puts the channel's next message into the ring if a slot is free (`true`); else
     /// records that this message goes by MPI (`false`), which the caller then sends.
     #[inline]
@@ -316,6 +326,15 @@ struct Inbound {
 }
 
 impl Inbound {
+    fn new(map: Mapping, geo: Geometry) -> Inbound {
+        Inbound {
+            map,
+            geo,
+            expect: AtomicU64::new(0),
+            pos: AtomicU64::new(0),
+        }
+    }
+
     #[inline]
     fn poll(&self) -> Next {
         let k = self.expect.load(Ordering::Relaxed);
@@ -428,19 +447,8 @@ pub(crate) fn connect<C: Comm>(
     let out = result?;
     Ok(match (mine, out) {
         (Some((map, _)), Some(out)) => Some(Rings {
-            out: Outbound {
-                map: out,
-                geo,
-                next: AtomicU64::new(0),
-                pos: AtomicU64::new(0),
-                seen: AtomicU64::new(0),
-            },
-            inb: Inbound {
-                map,
-                geo,
-                expect: AtomicU64::new(0),
-                pos: AtomicU64::new(0),
-            },
+            out: Outbound::new(out, geo),
+            inb: Inbound::new(map, geo),
         }),
         _ => None,
     })
@@ -480,21 +488,7 @@ mod tests {
         let (map, name) = create(geo).unwrap();
         let out = open(&name, geo).unwrap();
         unlink(&name);
-        (
-            Outbound {
-                map: out,
-                geo,
-                next: AtomicU64::new(0),
-                pos: AtomicU64::new(0),
-                seen: AtomicU64::new(0),
-            },
-            Inbound {
-                map,
-                geo,
-                expect: AtomicU64::new(0),
-                pos: AtomicU64::new(0),
-            },
-        )
+        (Outbound::new(out, geo), Inbound::new(map, geo))
     }
 
     #[test]

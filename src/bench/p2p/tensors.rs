@@ -1,6 +1,9 @@
 //! The mpiflow paths' side of `latency`, `bw` and `bibw`: tensors as the runtime makes
 //! them, moved with a header on every message (`p2p`), over an open [`Channel`], or
 //! through an [`Inbox`] of receives posted ahead (the `mpi` path's side is [`super::raw`]).
+//! Between ranks of one node, a channel (and so an inbox) of at most
+//! [`crate::transport::ring::MAX_BYTES`] is on rings in shared memory, not MPI, unless
+//! `MPIFLOW_SHM_CHANNELS=0`.
 
 use super::osu::Path;
 use super::{turns, BenchError, TAG};

@@ -339,6 +339,10 @@ impl<'a, C: Comm> Receives<'a, C> {
     /// Receives into `buf` by `by` when the window completes.
     #[inline]
     pub(crate) fn receive_later(&mut self, buf: &'a mut [u8], by: &'a dyn DeferredReceive<C>) {
+        if self.later.capacity() == 0 {
+            // The window's size, once: no growth per window of a benchmark's loop.
+            self.later.reserve(self.reqs.capacity().max(4));
+        }
         self.later.push((buf, by));
     }
 
