@@ -583,6 +583,9 @@ mod tests {
                 .collect();
             runs.into_iter().map(|r| r.join().unwrap()).collect()
         });
-        assert_eq!(errors[1], "rank 1: no message from rank 0 (tag 4) within 0 s");
+        assert_eq!(
+            errors[1],
+            "rank 1: no message from rank 0 (tag 4) within 0 s"
+        );
     }
 }
