@@ -13,13 +13,15 @@
 //! carries its messages through rings in memory the two share ([`super::ring`]: 0.45-0.65x
 //! MPI's latency and 2-5x its bandwidth to 4 KiB under Open MPI here), and by MPI when a
 //! ring is full, in order either way. [`Channel::carrier`] says which was chosen;
-//! [`Channel::open_over`] with [`Carrier::Mpi`] keeps a channel on MPI.
+//! [`Channel::open_over`] with [`Carrier::Mpi`] keeps a channel on MPI. A ring has one
+//! producer and one consumer, so a channel stays on the thread that opened it (it is
+//! neither `Send` nor `Sync`).
 //!
 //! A channel owns its (peer, tag): no other traffic between the two ranks may use that tag
 //! (over MPI, a message of another length on it is an error naming the channel; a channel
 //! on rings does not see such messages).
 
-use std::sync::Arc;
+use std::rc::Rc;
 
 use super::comm::{spins_while_waiting, Backoff, Comm, Completion};
 use super::p2p::{
@@ -51,8 +53,8 @@ pub struct Channel {
     nbytes: usize,
     describe: String,
     /// The rings, when the channel is on shared memory (clones share them, and with them
-    /// the stream's place).
-    rings: Option<Arc<Rings>>,
+    /// the stream's place; a channel on rings is neither `Send` nor `Sync`).
+    rings: Option<Rc<Rings>>,
 }
 
 impl Channel {
@@ -96,7 +98,7 @@ impl Channel {
             ));
         }
         let want = carrier == Carrier::SharedMemory;
-        ch.rings = ring::connect(c, peer, tag, ch.nbytes, want)?.map(Arc::new);
+        ch.rings = ring::connect(c, peer, tag, ch.nbytes, want)?.map(Rc::new);
         Ok(ch)
     }
 

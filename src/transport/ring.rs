@@ -39,6 +39,7 @@
 //! Messages of other senders on the channel's tag (which the channel owns) are not seen:
 //! a ring receive reads MPI only when the ring's sender said so.
 
+use std::cell::Cell;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -97,20 +98,14 @@ impl Geometry {
     }
 }
 
-/// A ring's shared object mapped into this process; unmapped when dropped.
+/// A ring's shared object mapped into this process; unmapped when dropped. Neither `Send`
+/// nor `Sync` (a raw pointer): a ring has one producer and one consumer, so a channel on
+/// rings stays on the thread that opened it.
 #[derive(Debug)]
 struct Mapping {
     base: *mut u8,
     len: usize,
 }
-
-// SAFETY: the mapping is memory every thread of the process may address; its words are
-// only accessed atomically, and its message bytes only by the side that the protocol
-// (acquire/release on those words) gives them to at the time, so moving or sharing the
-// handle between threads adds no access the protocol does not order.
-unsafe impl Send for Mapping {}
-// SAFETY: as for Send.
-unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps `len` bytes of the shared object `fd`.
@@ -250,11 +245,11 @@ struct Outbound {
     map: Mapping,
     geo: Geometry,
     /// The next message's number.
-    next: AtomicU64,
+    next: Cell<u64>,
     /// The next slot position to fill.
-    pos: AtomicU64,
+    pos: Cell<u64>,
     /// The receiver's consumed count, as last read.
-    seen: AtomicU64,
+    seen: Cell<u64>,
 }
 
 impl Outbound {
@@ -262,9 +257,9 @@ impl Outbound {
         Outbound {
             map,
             geo,
-            next: AtomicU64::new(0),
-            pos: AtomicU64::new(0),
-            seen: AtomicU64::new(0),
+            next: Cell::new(0),
+            pos: Cell::new(0),
+            seen: Cell::new(0),
         }
     }
 
@@ -273,13 +268,13 @@ impl Outbound {
     #[inline]
     fn put(&self, bytes: &[u8]) -> bool {
         debug_assert_eq!(bytes.len(), self.geo.nbytes);
-        let k = self.next.load(Ordering::Relaxed);
-        self.next.store(k + 1, Ordering::Relaxed);
-        let pos = self.pos.load(Ordering::Relaxed);
+        let k = self.next.get();
+        self.next.set(k + 1);
+        let pos = self.pos.get();
         let slots = self.geo.slots as u64;
-        if pos - self.seen.load(Ordering::Relaxed) >= slots {
+        if pos - self.seen.get() >= slots {
             let consumed = self.map.word(CONSUMED).load(Ordering::Acquire);
-            self.seen.store(consumed, Ordering::Relaxed);
+            self.seen.set(consumed);
             if pos - consumed >= slots {
                 self.map.word(BY_MPI).store(k + 1, Ordering::Release);
                 return false;
@@ -298,7 +293,7 @@ impl Outbound {
             )
         };
         self.map.word(slot).store(k + 1, Ordering::Release);
-        self.pos.store(pos + 1, Ordering::Relaxed);
+        self.pos.set(pos + 1);
         true
     }
 }
@@ -320,9 +315,9 @@ struct Inbound {
     map: Mapping,
     geo: Geometry,
     /// The next message's number.
-    expect: AtomicU64,
+    expect: Cell<u64>,
     /// The next slot position to read.
-    pos: AtomicU64,
+    pos: Cell<u64>,
 }
 
 impl Inbound {
@@ -330,17 +325,15 @@ impl Inbound {
         Inbound {
             map,
             geo,
-            expect: AtomicU64::new(0),
-            pos: AtomicU64::new(0),
+            expect: Cell::new(0),
+            pos: Cell::new(0),
         }
     }
 
     #[inline]
     fn poll(&self) -> Next {
-        let k = self.expect.load(Ordering::Relaxed);
-        let seq = self
-            .map
-            .word(self.geo.slot(self.pos.load(Ordering::Relaxed)));
+        let k = self.expect.get();
+        let seq = self.map.word(self.geo.slot(self.pos.get()));
         if seq.load(Ordering::Acquire) == k + 1 {
             return Next::Ring;
         }
@@ -358,7 +351,7 @@ impl Inbound {
     #[inline]
     fn take(&self, out: &mut [u8]) {
         debug_assert_eq!(out.len(), self.geo.nbytes);
-        let pos = self.pos.load(Ordering::Relaxed);
+        let pos = self.pos.get();
         // SAFETY: `poll` saw this slot's sequence word say the expected message
         // (`Acquire`, after the sender's release following its copy), so its bytes are
         // complete, inside the mapping, and the sender leaves them alone until the
@@ -370,8 +363,8 @@ impl Inbound {
                 out.len(),
             )
         };
-        self.pos.store(pos + 1, Ordering::Relaxed);
-        self.expect.fetch_add(1, Ordering::Relaxed);
+        self.pos.set(pos + 1);
+        self.expect.set(self.expect.get() + 1);
         self.map.word(CONSUMED).store(pos + 1, Ordering::Release);
     }
 }
@@ -406,7 +399,7 @@ impl Rings {
     /// the caller receives it by MPI.
     #[inline(always)]
     pub(crate) fn skip(&self) {
-        self.inb.expect.fetch_add(1, Ordering::Relaxed);
+        self.inb.expect.set(self.inb.expect.get() + 1);
     }
 }
 
@@ -523,7 +516,7 @@ mod tests {
         assert!(out.put(&99u64.to_le_bytes()));
         for _ in 0..3 {
             assert_eq!(inb.poll(), Next::Mpi);
-            inb.expect.fetch_add(1, Ordering::Relaxed);
+            inb.expect.set(inb.expect.get() + 1);
         }
         assert_eq!(inb.poll(), Next::Ring);
         inb.take(&mut buf);
