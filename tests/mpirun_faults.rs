@@ -120,6 +120,12 @@ fn a_non_finite_loss_stops_every_mode_and_the_last_good_checkpoint_stays_newest(
     let ps_first = ["--mode", "allreduce", "--ps", "1"];
     let bad = run_mode(Some("3"), &ps_first, &["--steps", "20", "--lr", "1e30"]);
     bad.assert_one_line_error(" of 2 replicas: training stopped before applying it");
+    // The one-sided asynchronous ps (no checkpoints): four workers that each find the NaN
+    // on their own, one line (it was a line from each finder, 3-4 here).
+    let rma_async = ["--mode", "ps", "--ps", "1", "--transport", "rma", "--async"];
+    let rest = ["--steps", "20", "--lr", "1e30", "--optimizer", "sgd"];
+    let bad = run_mode(Some("5"), &rma_async, &rest);
+    bad.assert_one_line_error("the loss is NaN at step");
 }
 
 #[test]

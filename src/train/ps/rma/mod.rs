@@ -40,7 +40,9 @@
 //! ps that finds that word set applies nothing, leaves it negated in `ABORT`, and ends;
 //! every worker reads it there, and all ranks end with the same verdict
 //! ([`PsError::NotApplied`], counting the workers) past their last operation, so the
-//! windows are freed as after training.
+//! windows are freed as after training. Asynchronous (`--async`), where nothing waits for
+//! a step: the first worker to find one (a compare-and-swap on ps 0's `NON_FINITE`) stops
+//! the job with it; a later finder waits for the job to end on that one line.
 
 mod bench;
 mod serve;

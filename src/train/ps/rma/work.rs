@@ -145,6 +145,9 @@ impl Rma<'_> {
                 .map_err(|e| PsError::Setup(e.to_string()))?;
             // Sync: pushed all the same, and counted on every ps (see the module's rule).
             let found = crate::train::guard::check_step(s, loss, &grads);
+            if found.is_err() && !cfg.sync {
+                later_finder_waits(ctl.compare_and_swap(roles.ps[0], NON_FINITE, 0, 1)?);
+            }
             let found = super::super::non_finite_rule(found, cfg.sync, || me.clone())?;
             last_loss = loss;
             let n = mine.len() as f32;
@@ -304,5 +307,16 @@ impl Rma<'_> {
             Ok(())
         })??;
         Ok(())
+    }
+}
+
+/// Asynchronous training, a value not finite: one verdict. The first worker to find one
+/// (`before`, ps 0's `NON_FINITE` word before its compare-and-swap, was 0) stops the job
+/// with it; a later finder waits for the job to end on that line (a launcher ends every
+/// rank once one fails), and says its own only if the job goes on (a launcher that does
+/// not end it): one line, never a hang, nothing unsaid.
+fn later_finder_waits(before: i64) {
+    if before != 0 {
+        std::thread::sleep(std::time::Duration::from_secs(10));
     }
 }
