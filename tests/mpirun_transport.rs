@@ -36,6 +36,9 @@ fn every_collective_gives_identical_correct_bits_at_1_to_6_ranks() {
             // One host: the shared-memory allreduce really ran (checked like the others).
             let shm = if n > 1 { json!(true) } else { json!(null) };
             assert_eq!(l["shm"], shm, "np {np}: {l}");
+            // And the ring stream's channels took rings in shared memory.
+            let rings = if n > 1 { json!(true) } else { json!(null) };
+            assert_eq!(l["rings"], rings, "np {np}: {l}");
         }
         assert!(
             run.stderr
@@ -510,4 +513,28 @@ fn bad_benchmark_requests_are_one_line_errors() {
     );
     common::mpiflow_alone(&["bench", "allreduce", "--shm-slot-bytes", "0"], &[])
         .assert_one_line_error("\"0\" is not a positive number of bytes");
+}
+
+/// A node whose shared memory has little room (a container's small /dev/shm): a channel
+/// that finds no room for its rings stays on MPI and its messages arrive whole. (A ring
+/// sized but not allocated ended this very job with SIGBUS at its first stores.) Root
+/// only: a private mount namespace with a 200 KiB /dev/shm, where 1 KiB channels fit and
+/// 2-4 KiB ones do not.
+#[test]
+fn channels_stay_on_mpi_where_shared_memory_has_no_room() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: a private /dev/shm needs root (a mount namespace)");
+        return;
+    }
+    let inner = format!(
+        "mount -t tmpfs -o size=200k tmpfs /dev/shm && exec mpirun --oversubscribe \
+         --mca btl_vader_backing_directory /tmp -np 2 {} bench bw --path channel \
+         -m 1024:4096 -c -i 200 -x 10 --rounds 1",
+        mpiflow()
+    );
+    let _guard = common::lock();
+    let run = common::run_bounded(120, &["unshare", "-m", "sh", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(run.stdout.matches("Pass").count(), 3, "{run:?}");
 }

@@ -334,6 +334,9 @@ fn allreduce_in_two_levels_across_hosts_checks_and_trains_as_local_training() {
         // spans the hosts.
         assert_eq!(l["hierarchical"], serde_json::json!(true), "{l}");
         assert_eq!(l["shm"], serde_json::json!(false), "{l}");
+        // Each rank has a neighbour on another host (h1 h1 h2 h2 h3): that channel is on
+        // MPI (a channel within h1 or h2 may take rings; the check matches both sides).
+        assert_eq!(l["rings"], serde_json::json!(false), "{l}");
     }
     assert!(
         run.stdout.contains("algorithm hierarchical"),

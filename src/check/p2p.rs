@@ -8,7 +8,7 @@ use crate::cluster::{Layout, TaskId};
 use crate::tensor::{DType, Tensor};
 use crate::transport::channel::{Carrier, Channel};
 use crate::transport::p2p::{Receives, Sends};
-use crate::transport::{comm, p2p, ring, Comm};
+use crate::transport::{comm, p2p, Comm};
 
 /// Runs the point-to-point checks on this rank (every rank of `c` calls it).
 pub(super) fn run<C: Comm>(c: &C, layout: &Layout, rep: &mut Report) -> Result<(), String> {
@@ -211,8 +211,8 @@ fn inbox_stream<C: Comm>(
 
 /// A stream of one tensor around the ring on channels that take shared memory where both
 /// ranks share a node (and by MPI otherwise): 150 messages sent before any is received (a
-/// ring holds 64, the rest go by MPI), then a window of 40 each way, all in order; each
-/// channel on rings exactly where its two ranks name the same node.
+/// ring holds 64, the rest go by MPI), then a window of 40 each way, all in order; both
+/// sides of each channel on the same carrier, and on rings only within a node.
 fn ring_stream<C: Comm>(
     c: &C,
     rep: &mut Report,
@@ -223,22 +223,35 @@ fn ring_stream<C: Comm>(
     let of = |k: usize| tensor_of(DType::I32, k, 2).named("ring stream");
     let mut t = of(0);
     let (out, inc) = open_around(c, &t, (left, right), TAG, Carrier::SharedMemory)?;
+    // Each side of a channel reached the same verdict, and none spans two nodes (a node
+    // may lack room for a ring: shared memory is then not required).
     let mine = c.node_name().unwrap_or_default();
-    let name = |to: usize, from: usize| -> Result<String, String> {
+    let swap = |ours: &[u8], to: usize, from: usize| -> Result<Vec<u8>, String> {
         let mut buf = [0u8; 256];
-        let got = comm::sendrecv(c, mine.as_bytes(), to, &mut buf, from, TAG).map_err(|x| e(&x))?;
-        Ok(String::from_utf8_lossy(&buf[..got.count]).into_owned())
+        let got = comm::sendrecv(c, ours, to, &mut buf, from, TAG).map_err(|x| e(&x))?;
+        Ok(buf[..got.count].to_vec())
     };
-    let (of_left, of_right) = (name(right, left)?, name(left, right)?);
-    for (ch, node, side) in [(&out, &of_right, "right"), (&inc, &of_left, "left")] {
-        let want = match ring::enabled() && *node == mine {
-            true => Carrier::SharedMemory,
-            false => Carrier::Mpi,
-        };
-        rep.expect(ch.carrier() == want, || {
-            format!("ring stream: the channel to the {side} ({node} from {mine}) is on {:?}, not {want:?}", ch.carrier())
+    let on_rings = |ch: &Channel| u8::from(ch.carrier() == Carrier::SharedMemory);
+    let of_left = swap(mine.as_bytes(), right, left)?;
+    let of_right = swap(mine.as_bytes(), left, right)?;
+    let left_out = swap(&[on_rings(&out)], right, left)?;
+    let right_in = swap(&[on_rings(&inc)], left, right)?;
+    for (ch, node, peer_says, side) in [
+        (&out, &of_right, &right_in, "right"),
+        (&inc, &of_left, &left_out, "left"),
+    ] {
+        let node = String::from_utf8_lossy(node);
+        rep.expect(peer_says[..] == [on_rings(ch)], || {
+            format!(
+                "ring stream: the channel to the {side} is on {:?} here, not on the other side",
+                ch.carrier()
+            )
+        });
+        rep.expect(node == mine || ch.carrier() == Carrier::Mpi, || {
+            format!("ring stream: the channel to the {side} ({node} from {mine}) is on rings")
         });
     }
+    rep.rings = Some(on_rings(&out) + on_rings(&inc) == 2);
     let r = c.rank();
     for k in 0..150 {
         out.send(c, &of(r * 1000 + k)).map_err(|x| e(&x))?;

@@ -183,15 +183,18 @@ fn create(geo: Geometry) -> std::io::Result<(Mapping, String)> {
         NEXT.fetch_add(1, Ordering::Relaxed)
     );
     let fd = shm_open(&name, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR)?;
+    // The pages are allocated now, not when first touched: a shared-memory file system
+    // that is full (a container's 64 MiB /dev/shm) refuses the ring here, and the channel
+    // stays on MPI, instead of a store into the ring faulting (SIGBUS) later.
     let sized = {
         use std::os::fd::AsRawFd;
-        // SAFETY: resizing an object this process just created (zero-filled by the kernel).
-        unsafe { libc::ftruncate(fd.as_raw_fd(), geo.len() as libc::off_t) }
+        // SAFETY: sizing an object this process just created (zero-filled by the kernel).
+        unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, geo.len() as libc::off_t) }
     };
     let map = if sized == 0 {
         Mapping::of(&fd, geo.len())
     } else {
-        Err(std::io::Error::last_os_error())
+        Err(std::io::Error::from_raw_os_error(sized))
     };
     let map = map.inspect_err(|_| unlink(&name))?;
     for (i, v) in [
