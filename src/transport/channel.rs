@@ -182,10 +182,16 @@ impl Channel {
     #[inline]
     pub fn receive_into<C: Comm>(&self, c: &C, t: &mut Tensor) -> Result<(), P2pError> {
         self.check_tensor(c, t)?;
+        self.receive_bytes(c, t.bytes_mut())
+    }
+
+    /// The next message into `buf` (the channel's tensor's payload), checked.
+    #[inline(always)]
+    fn receive_bytes<C: Comm>(&self, c: &C, buf: &mut [u8]) -> Result<(), P2pError> {
         match &self.rings {
-            Some(rings) => self.ring_receive(c, rings, t.bytes_mut()),
+            Some(rings) => self.ring_receive(c, rings, buf),
             None => {
-                let done = c.recv_blocking(t.bytes_mut(), self.peer, self.tag)?;
+                let done = c.recv_blocking(buf, self.peer, self.tag)?;
                 self.check_length(c.rank(), done)
             }
         }
@@ -337,13 +343,7 @@ impl Channel {
 
 impl<C: Comm> DeferredReceive<C> for Channel {
     fn receive_now(&self, c: &C, buf: &mut [u8]) -> Result<(), P2pError> {
-        match &self.rings {
-            Some(rings) => self.ring_receive(c, rings, buf),
-            None => {
-                let done = c.recv_blocking(buf, self.peer, self.tag)?;
-                self.check_length(c.rank(), done)
-            }
-        }
+        self.receive_bytes(c, buf)
     }
 }
 
