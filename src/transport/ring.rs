@@ -91,10 +91,14 @@ impl Geometry {
         SLOTS + self.slots * self.stride
     }
 
-    /// Where slot `pos % slots` starts.
+    /// Where the slot after the one at `at` starts (the first after the last): no
+    /// division per message (the slot count need not be a power of two), nor per poll.
     #[inline(always)]
-    fn slot(&self, pos: u64) -> usize {
-        SLOTS + (pos % self.slots as u64) as usize * self.stride
+    fn after(&self, at: usize) -> usize {
+        match at + self.stride {
+            end if end == self.len() => SLOTS,
+            next => next,
+        }
     }
 }
 
@@ -249,8 +253,10 @@ struct Outbound {
     geo: Geometry,
     /// The next message's number.
     next: Cell<u64>,
-    /// The next slot position to fill.
+    /// The next slot position to fill (slots filled so far).
     pos: Cell<u64>,
+    /// Where that slot starts.
+    at: Cell<usize>,
     /// The receiver's consumed count, as last read.
     seen: Cell<u64>,
 }
@@ -262,6 +268,7 @@ impl Outbound {
             geo,
             next: Cell::new(0),
             pos: Cell::new(0),
+            at: Cell::new(SLOTS),
             seen: Cell::new(0),
         }
     }
@@ -283,7 +290,7 @@ impl Outbound {
                 return false;
             }
         }
-        let slot = self.geo.slot(pos);
+        let slot = self.at.get();
         // SAFETY: the slot's message bytes lie inside the mapping (`slot + SEQ + nbytes
         // <= len`, by the geometry both sides checked), and they are the sender's now: the
         // receiver published (consumed, acquired above or earlier) that it is done with
@@ -297,6 +304,7 @@ impl Outbound {
         };
         self.map.word(slot).store(k + 1, Ordering::Release);
         self.pos.set(pos + 1);
+        self.at.set(self.geo.after(slot));
         true
     }
 }
@@ -319,8 +327,10 @@ struct Inbound {
     geo: Geometry,
     /// The next message's number.
     expect: Cell<u64>,
-    /// The next slot position to read.
+    /// The next slot position to read (slots read so far).
     pos: Cell<u64>,
+    /// Where that slot starts.
+    at: Cell<usize>,
 }
 
 impl Inbound {
@@ -330,13 +340,14 @@ impl Inbound {
             geo,
             expect: Cell::new(0),
             pos: Cell::new(0),
+            at: Cell::new(SLOTS),
         }
     }
 
     #[inline]
     fn poll(&self) -> Next {
         let k = self.expect.get();
-        let seq = self.map.word(self.geo.slot(self.pos.get()));
+        let seq = self.map.word(self.at.get());
         if seq.load(Ordering::Acquire) == k + 1 {
             return Next::Ring;
         }
@@ -354,19 +365,16 @@ impl Inbound {
     #[inline]
     fn take(&self, out: &mut [u8]) {
         debug_assert_eq!(out.len(), self.geo.nbytes);
-        let pos = self.pos.get();
+        let (pos, at) = (self.pos.get(), self.at.get());
         // SAFETY: `poll` saw this slot's sequence word say the expected message
         // (`Acquire`, after the sender's release following its copy), so its bytes are
         // complete, inside the mapping, and the sender leaves them alone until the
         // consumed count below passes this position.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.base.add(self.geo.slot(pos) + SEQ),
-                out.as_mut_ptr(),
-                out.len(),
-            )
+            std::ptr::copy_nonoverlapping(self.map.base.add(at + SEQ), out.as_mut_ptr(), out.len())
         };
         self.pos.set(pos + 1);
+        self.at.set(self.geo.after(at));
         self.expect.set(self.expect.get() + 1);
         self.map.word(CONSUMED).store(pos + 1, Ordering::Release);
     }
