@@ -468,16 +468,9 @@ fn is_this_host(host: &str) -> bool {
     hostname().is_some_and(|h| h == host || h.split('.').next() == Some(host))
 }
 
-/// This machine's host name (`gethostname`).
+/// This machine's host name (`gethostname`: [`crate::transport::comm::host_name`]).
 pub fn hostname() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for `buf.len()` bytes and gethostname writes at most that.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+    crate::transport::comm::host_name()
 }
 
 /// Collective: gives the tasks of a cluster that came from TF_CONFIG or flags (which know

@@ -567,23 +567,15 @@ mod tests {
         });
         assert_eq!(out, vec![Carrier::Mpi, Carrier::Mpi]);
         // In-process, as long as a receive of the communicator would wait.
-        let comms = LocalComm::create(2, std::time::Duration::from_millis(200));
-        let errors: Vec<String> = std::thread::scope(|s| {
-            let runs: Vec<_> = comms
-                .into_iter()
-                .map(|c| {
-                    s.spawn(move || {
-                        let mut t = step(0, 0);
-                        let ch = Channel::open(&c, &t, 1 - c.rank(), 4).unwrap();
-                        assert_eq!(ch.carrier(), Carrier::SharedMemory);
-                        match c.rank() {
-                            0 => String::new(),
-                            _ => ch.receive_into(&c, &mut t).unwrap_err().to_string(),
-                        }
-                    })
-                })
-                .collect();
-            runs.into_iter().map(|r| r.join().unwrap()).collect()
+        let limit = std::time::Duration::from_millis(200);
+        let errors = LocalComm::run_with_timeout(2, limit, |c| {
+            let mut t = step(0, 0);
+            let ch = Channel::open(&c, &t, 1 - c.rank(), 4).unwrap();
+            assert_eq!(ch.carrier(), Carrier::SharedMemory);
+            match c.rank() {
+                0 => String::new(),
+                _ => ch.receive_into(&c, &mut t).unwrap_err().to_string(),
+            }
         });
         assert_eq!(
             errors[1],

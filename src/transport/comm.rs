@@ -254,10 +254,10 @@ pub trait Comm {
     fn progress(&self) {}
 
     /// This rank's node, as two ranks compare it to know whether they can share memory
-    /// ([`super::ring`]): `uname`'s node name (the host name MPI reports); in-process, the
-    /// simulated node.
+    /// ([`super::ring`]): the host name ([`host_name`], which MPI reports too); in-process,
+    /// the simulated node.
     fn node_name(&self) -> Option<String> {
-        uname_node()
+        host_name()
     }
 
     /// Blocking send (`MPI_Send`); the default starts a request and waits.
@@ -397,18 +397,16 @@ pub fn sendrecv<C: Comm>(
     got
 }
 
-/// This host's node name (`uname`).
-fn uname_node() -> Option<String> {
-    let mut u = std::mem::MaybeUninit::<libc::utsname>::uninit();
-    // SAFETY: uname fills the struct it is given.
-    if unsafe { libc::uname(u.as_mut_ptr()) } != 0 {
+/// This machine's host name (`gethostname`; `uname`'s node name on Linux).
+pub fn host_name() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for `buf.len()` bytes and gethostname writes at most that.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
         return None;
     }
-    // SAFETY: uname returned 0, so the struct is filled.
-    let u = unsafe { u.assume_init() };
-    // SAFETY: `nodename` is a NUL-terminated array inside `u`.
-    let c = unsafe { std::ffi::CStr::from_ptr(u.nodename.as_ptr()) };
-    Some(c.to_string_lossy().into_owned())
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
 /// A peer rank that exists (or [`ANY_SOURCE`]).

@@ -73,16 +73,16 @@ impl<'c, C: Comm> Inbox<'c, C> {
         depth: usize,
     ) -> Result<Inbox<'c, C>, P2pError> {
         channel.check_tensor(comm, like)?;
-        let mut inbox = Inbox {
-            comm,
-            channel: channel.clone(),
-            slots: Vec::with_capacity(depth.max(2)),
-            next: 0,
-            spent: None,
-        };
         let depth = match channel.carrier() {
             Carrier::SharedMemory => 0,
             Carrier::Mpi => depth.max(2),
+        };
+        let mut inbox = Inbox {
+            comm,
+            channel: channel.clone(),
+            slots: Vec::with_capacity(depth),
+            next: 0,
+            spent: None,
         };
         for _ in 0..depth {
             inbox.slots.push(Slot {

@@ -114,7 +114,23 @@ impl LocalComm {
 
     /// As [`LocalComm::run`], one rank per entry of `nodes`, on the node it names.
     pub fn run_on_nodes<R: Send>(nodes: &[usize], f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
-        let comms = LocalComm::create_on_nodes(nodes, Duration::from_secs(30));
+        Self::run_comms(
+            LocalComm::create_on_nodes(nodes, Duration::from_secs(30)),
+            f,
+        )
+    }
+
+    /// As [`LocalComm::run`], with receives and collectives that give up after `timeout`
+    /// (tests of a rank that never comes).
+    pub fn run_with_timeout<R: Send>(
+        size: usize,
+        timeout: Duration,
+        f: impl Fn(LocalComm) -> R + Sync,
+    ) -> Vec<R> {
+        Self::run_comms(LocalComm::create(size, timeout), f)
+    }
+
+    fn run_comms<R: Send>(comms: Vec<LocalComm>, f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
         std::thread::scope(|s| {
             let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
             handles

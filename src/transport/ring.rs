@@ -13,7 +13,7 @@
 //! Each rank creates the ring it receives on (a POSIX shared-memory object, named in the
 //! channel's opening handshake and unlinked once the peer mapped it, so nothing outlives
 //! the two processes) and maps its peer's as the ring it sends on. A ring is used only if
-//! both ranks offered one, name the same host (`uname`), and mapped each other's: the
+//! both ranks offered one, name the same host, and mapped each other's: the
 //! same verdict on both sides, or neither uses one ([`Comm::node_name`]). `MPIFLOW_SHM_CHANNELS=0` turns rings
 //! off for the process.
 //!

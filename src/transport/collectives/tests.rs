@@ -173,27 +173,19 @@ fn shm_mismatch_is_the_same_error_everywhere_and_later_calls_work() {
 
 #[test]
 fn shm_names_a_rank_that_never_comes() {
-    let comms = LocalComm::create(2, std::time::Duration::from_millis(300));
-    let errs: Vec<String> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let coll = Collectives::new(c);
-                    // Both set the segments up; then rank 1 skips the allreduce.
-                    coll.shm().unwrap();
-                    let mut t = Tensor::from_slice(&[8], &[1f64; 8]).unwrap();
-                    if coll.rank() == 0 {
-                        coll.allreduce_tensor(&mut t, ReduceOp::Sum, Algorithm::Shm)
-                            .unwrap_err()
-                            .to_string()
-                    } else {
-                        String::new()
-                    }
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let limit = std::time::Duration::from_millis(300);
+    let errs = LocalComm::run_with_timeout(2, limit, |c| {
+        let coll = Collectives::new(c);
+        // Both set the segments up; then rank 1 skips the allreduce.
+        coll.shm().unwrap();
+        let mut t = Tensor::from_slice(&[8], &[1f64; 8]).unwrap();
+        if coll.rank() == 0 {
+            coll.allreduce_tensor(&mut t, ReduceOp::Sum, Algorithm::Shm)
+                .unwrap_err()
+                .to_string()
+        } else {
+            String::new()
+        }
     });
     assert_eq!(
         errs[0],
