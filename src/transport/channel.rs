@@ -211,8 +211,12 @@ impl Channel {
         loop {
             match rings.poll() {
                 Next::Ring => {
-                    rings.take(buf);
-                    return Ok(());
+                    let (count, truncated) = rings.take(buf);
+                    if count == buf.len() && !truncated {
+                        return Ok(());
+                    }
+                    let done = Completion::new(count, truncated, self.peer);
+                    return self.check_length(c.rank(), done);
                 }
                 Next::Mpi => {
                     rings.skip();
