@@ -39,6 +39,8 @@ fn every_collective_gives_identical_correct_bits_at_1_to_6_ranks() {
             // And the ring stream's channels took rings in shared memory.
             let rings = if n > 1 { json!(true) } else { json!(null) };
             assert_eq!(l["rings"], rings, "np {np}: {l}");
+            // And the link stream's link (the header path) took a ring.
+            assert_eq!(l["link_rings"], rings, "np {np}: {l}");
         }
         assert!(
             run.stderr

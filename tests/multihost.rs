@@ -337,6 +337,11 @@ fn allreduce_in_two_levels_across_hosts_checks_and_trains_as_local_training() {
         // Each rank has a neighbour on another host (h1 h1 h2 h2 h3): that channel is on
         // MPI (a channel within h1 or h2 may take rings; the check matches both sides).
         assert_eq!(l["rings"], serde_json::json!(false), "{l}");
+        // The link stream's link from the left neighbour is on a ring exactly where that
+        // neighbour runs on the same host (ranks 1 and 3).
+        let rank = l["rank"].as_u64().unwrap();
+        let same_host = rank == 1 || rank == 3;
+        assert_eq!(l["link_rings"], serde_json::json!(same_host), "{l}");
     }
     assert!(
         run.stdout.contains("algorithm hierarchical"),

@@ -37,6 +37,9 @@ pub struct Report {
     /// Whether both of this rank's channels of the ring stream were on rings in shared
     /// memory (ranks of one node with room in it).
     pub rings: Option<bool>,
+    /// Whether the link stream's link from the left neighbour took a ring in shared
+    /// memory (ranks of one node).
+    pub link_rings: Option<bool>,
     /// The tag bound every scheme ran under (`MPI_TAG_UB`, or `MPIFLOW_TAG_UB`).
     pub tag_ub: i32,
 }
@@ -55,7 +58,7 @@ impl Report {
 
     /// One JSON line.
     pub fn json(&self, rank: usize, size: usize) -> String {
-        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "hierarchical": self.hierarchical, "rings": self.rings, "tag_ub": self.tag_ub, "failures": self.failures}).to_string()
+        json!({"rank": rank, "size": size, "checks": self.checks, "digest": format!("{:016x}", self.digest), "shm": self.shm, "hierarchical": self.hierarchical, "rings": self.rings, "link_rings": self.link_rings, "tag_ub": self.tag_ub, "failures": self.failures}).to_string()
     }
 }
 

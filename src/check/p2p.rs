@@ -1,6 +1,6 @@
 //! Point-to-point checks of `mpiflow check`: tensors by rank and by task, mismatches
-//! that name both sides, links that follow changes, a stream through an inbox, and a
-//! stream on channels that take shared memory where they can.
+//! that name both sides, links that follow changes, a stream through an inbox, and
+//! streams on channels and on links that take shared memory where they can.
 
 use super::{tensor_of, Report};
 use crate::cluster::peers::{self, Peer, Tasks};
@@ -76,6 +76,7 @@ pub(super) fn run<C: Comm>(c: &C, layout: &Layout, rep: &mut Report) -> Result<(
         links_follow_changes(c, rep, (left, right))?;
         inbox_stream(c, rep, (left, right))?;
         ring_stream(c, rep, (left, right))?;
+        link_stream(c, rep, (left, right))?;
     }
     Ok(())
 }
@@ -279,5 +280,78 @@ fn ring_stream<C: Comm>(
     rep.expect(wrong.is_none(), || {
         format!("ring stream: message {wrong:?} from rank {left} differs")
     });
+    Ok(())
+}
+
+/// A stream on a p2p link around the ring of ranks (the header path), which takes a ring in
+/// shared memory where both ranks share a node: one message (the receiver maps the ring
+/// at its first receive), 149 sent before any is received (the ring holds 63, the rest go
+/// by MPI), a window of 40, all in order; then a large tensor each way on the same link,
+/// its receive started before its send (under `ob1` a rendezvous: a receive left queued
+/// on the ring would leave both ranks waiting). On a ring only within a node.
+fn link_stream<C: Comm>(
+    c: &C,
+    rep: &mut Report,
+    (left, right): (usize, usize),
+) -> Result<(), String> {
+    const TAG: i32 = 10;
+    const BIG: usize = 64 * 1024;
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    let of = |k: usize| tensor_of(DType::I32, k, 2).named("link stream");
+    let r = c.rank();
+    let mut t = of(0);
+    let mut got = Vec::new();
+    let first = of(r * 1000);
+    let send = p2p::immediate_send(c, &first, right, TAG).map_err(|x| e(&x))?;
+    p2p::receive_into(c, &mut t, left, TAG).map_err(|x| e(&x))?;
+    send.wait().map_err(|x| e(&x))?;
+    got.push(t.clone());
+    for k in 1..150 {
+        p2p::send(c, &of(r * 1000 + k), right, TAG).map_err(|x| e(&x))?;
+    }
+    for _ in 1..150 {
+        p2p::receive_into(c, &mut t, left, TAG).map_err(|x| e(&x))?;
+        got.push(t.clone());
+    }
+    let sent: Vec<Tensor> = (150..190).map(|k| of(r * 1000 + k)).collect();
+    let mut window: Vec<Tensor> = (0..40).map(|_| of(0)).collect();
+    let mut receives = Receives::new(c);
+    receives
+        .immediate_receive_each(window.iter_mut(), left, TAG)
+        .map_err(|x| e(&x))?;
+    let mut sends = Sends::new(c);
+    sends
+        .immediate_send_each(sent.iter(), right, TAG)
+        .map_err(|x| e(&x))?;
+    receives.wait_all().map_err(|x| e(&x))?;
+    sends.wait_all().map_err(|x| e(&x))?;
+    got.extend(window);
+    let wrong = (0..190).find(|k| got[*k].bytes() != of(left * 1000 + k).bytes());
+    rep.expect(wrong.is_none(), || {
+        format!("link stream: message {wrong:?} from rank {left} differs")
+    });
+    let on_ring = p2p::receives_by_ring(c, left, TAG);
+    let big_out = tensor_of(DType::F32, r, BIG).named("link stream big");
+    let mut big_in = Tensor::zeros(DType::F32, &[BIG])
+        .map_err(|x| e(&x))?
+        .named("link stream big");
+    let recv = p2p::immediate_receive_into(c, &mut big_in, left, TAG).map_err(|x| e(&x))?;
+    p2p::send(c, &big_out, right, TAG).map_err(|x| e(&x))?;
+    recv.wait().map_err(|x| e(&x))?;
+    rep.expect(
+        big_in.bytes() == tensor_of(DType::F32, left, BIG).bytes(),
+        || format!("link stream: the large tensor from rank {left} differs"),
+    );
+    // A ring only within a node (the node names, swapped on a tag of their own).
+    let mine = c.node_name().unwrap_or_default();
+    let mut theirs = [0u8; 256];
+    let n = comm::sendrecv(c, mine.as_bytes(), right, &mut theirs, left, TAG + 1)
+        .map_err(|x| e(&x))?
+        .count;
+    let node = String::from_utf8_lossy(&theirs[..n]);
+    rep.expect(!on_ring || node == mine, || {
+        format!("link stream: the link from rank {left} ({node} from {mine}) is on a ring")
+    });
+    rep.link_rings = Some(on_ring);
     Ok(())
 }

@@ -23,16 +23,13 @@
 
 use std::rc::Rc;
 
-use super::comm::{spins_while_waiting, Backoff, Comm, Completion};
+use super::comm::{Comm, Completion};
 use super::p2p::{
     check_tag, immediate_send_bytes, DeferredReceive, ExactLength, P2pError, Receives, SendRequest,
     Sends,
 };
-use super::ring::{self, Next, Rings};
+use super::ring::{self, Rings};
 use crate::tensor::{Tensor, TensorError};
-
-/// Polls of a ring before a waiting receive reads the clock, where waits may spin.
-const SPIN_POLLS: u32 = 512;
 
 /// What carries a channel's messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,51 +195,11 @@ impl Channel {
     }
 
     /// The next message into `buf`, from the ring or, where the ring's sender said so, by
-    /// `MPI_Recv`; waits as [`super::ring`] describes, as long as an MPI receive would (or
-    /// the communicator's [`Comm::wait_limit`], in-process).
+    /// `MPI_Recv` (see [`ring`]).
     #[inline]
     fn ring_receive<C: Comm>(&self, c: &C, rings: &Rings, buf: &mut [u8]) -> Result<(), P2pError> {
-        // Where waits may spin, a message a few hundred nanoseconds away is polled for
-        // before the clock is read (a `Backoff` reads it on every poll: 20-25 ns, a sixth
-        // of a round trip through a ring).
-        let mut spins = if spins_while_waiting() { SPIN_POLLS } else { 0 };
-        let mut backoff: Option<(Backoff, std::time::Instant)> = None;
-        let mut polls = 0u32;
-        loop {
-            match rings.poll() {
-                Next::Ring => {
-                    let (count, truncated) = rings.take(buf);
-                    if count == buf.len() && !truncated {
-                        return Ok(());
-                    }
-                    let done = Completion::new(count, truncated, self.peer);
-                    return self.check_length(c.rank(), done);
-                }
-                Next::Mpi => {
-                    rings.skip();
-                    let done = c.recv_blocking(buf, self.peer, self.tag)?;
-                    return self.check_length(c.rank(), done);
-                }
-                Next::NotYet if spins > 0 => {
-                    spins -= 1;
-                    std::hint::spin_loop();
-                }
-                Next::NotYet => {
-                    let (wait, since) = backoff.get_or_insert_with(|| {
-                        let max_sleep = std::time::Duration::from_micros(50);
-                        (Backoff::new(max_sleep), std::time::Instant::now())
-                    });
-                    polls = polls.wrapping_add(1);
-                    if polls.is_multiple_of(64) {
-                        c.progress();
-                        if c.wait_limit().is_some_and(|limit| since.elapsed() > limit) {
-                            return Err(self.timed_out(c));
-                        }
-                    }
-                    wait.idle();
-                }
-            }
-        }
+        let done = rings.receive(c, buf, self.peer, self.tag)?;
+        self.check_length(c.rank(), done)
     }
 
     #[cold]
@@ -260,16 +217,6 @@ impl Channel {
                 theirs: got,
             },
         )
-    }
-
-    #[cold]
-    fn timed_out<C: Comm>(&self, c: &C) -> P2pError {
-        P2pError::Transport(super::comm::TransportError::Timeout {
-            rank: c.rank(),
-            peer: self.peer,
-            tag: self.tag,
-            secs: c.wait_limit().unwrap_or_default().as_secs(),
-        })
     }
 
     /// Starts sending `t`'s payload (into the ring, which completes it at once, else

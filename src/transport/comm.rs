@@ -34,6 +34,8 @@ pub enum TransportError {
         peer: usize,
         size: usize,
     },
+    #[error("rank {rank}: could not read the ring offer rank {peer} sent (is every rank running the same mpiflow?)")]
+    BadOffer { rank: usize, peer: usize },
     #[error("rank {rank}: message of {len} bytes is larger than MPI can count (2^31-1)")]
     TooLarge { rank: usize, len: usize },
     #[error("rank {rank}: rank {peer} did not reach {what} within {} s", *millis as f64 / 1000.0)]
@@ -252,6 +254,12 @@ pub trait Comm {
     /// (a ring in shared memory): `MPI_Iprobe`, which runs MPI's progress engine. Nothing
     /// where transfers progress by themselves.
     fn progress(&self) {}
+
+    /// Whether rank `peer` runs on this rank's node (shares its memory), as the MPI
+    /// library sees it (`MPI_COMM_TYPE_SHARED`); false where unknown.
+    fn same_node(&self, _peer: usize) -> bool {
+        false
+    }
 
     /// This rank's node, as two ranks compare it to know whether they can share memory
     /// ([`super::ring`]): the host name ([`host_name`], which MPI reports too); in-process,

@@ -1,7 +1,8 @@
 //! A communicator's link memory: per (peer, tag), the tensor last sent and last received,
 //! so [`super::p2p`] can leave out headers that say nothing new (see its module
-//! documentation). The data lives here, below the [`super::comm::Comm`] trait that hands
-//! each communicator's memory out; what p2p does with it lives in p2p.
+//! documentation), and the link's rings where the peer runs on this node
+//! ([`super::ring`]). The data lives here, below the [`super::comm::Comm`] trait that
+//! hands each communicator's memory out; what p2p does with it lives in p2p.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -38,7 +39,7 @@ impl Last {
 /// Hashes a link key (peer and tag in one `u64`) with one multiplication: SipHash would
 /// cost more than the header it saves on a small message.
 #[derive(Default)]
-struct LinkHasher(u64);
+pub(super) struct LinkHasher(u64);
 
 impl Hasher for LinkHasher {
     fn finish(&self) -> u64 {
@@ -62,7 +63,9 @@ fn mix(v: u64) -> u64 {
     x ^ (x >> 29)
 }
 
-type LinkMap = HashMap<u64, Last, BuildHasherDefault<LinkHasher>>;
+/// A map by link key (see [`link_key`]), hashed by [`LinkHasher`].
+pub(super) type KeyMap<V> = HashMap<u64, V, BuildHasherDefault<LinkHasher>>;
+type LinkMap = KeyMap<Last>;
 
 /// Slots of the direct-mapped memo in front of each side's map.
 const HOT: usize = 64;
@@ -136,11 +139,13 @@ impl Side {
 }
 
 /// A communicator's memory of the tensor last sent to and last received from each (peer,
-/// tag); see the module documentation.
+/// tag), and of the rings its links to ranks of this node use; see the module
+/// documentation.
 #[derive(Debug, Default)]
 pub struct Links {
     pub(super) sent: Side,
     pub(super) received: Side,
+    pub(super) rings: super::ring::LinkRings,
 }
 
 #[inline]

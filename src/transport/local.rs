@@ -336,6 +336,10 @@ impl Comm for LocalComm {
         Some(self.hub.timeout)
     }
 
+    fn same_node(&self, peer: usize) -> bool {
+        self.hub.nodes.get(peer) == Some(&self.hub.nodes[self.rank])
+    }
+
     fn node_name(&self) -> Option<String> {
         Some(format!("in-process node {}", self.hub.nodes[self.rank]))
     }

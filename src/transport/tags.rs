@@ -33,12 +33,15 @@ pub enum Reserved {
     PsPayload,
     /// The chief's end notice to side-car evaluators.
     Sidecar,
+    /// A point-to-point link's offer of a ring in shared memory (sender to receiver, once
+    /// per link between ranks of one node).
+    LinkRing,
 }
 
 impl Reserved {
     /// Every reserved use, in declaration order: the order they take tags down from the
     /// bound.
-    pub const ALL: [Reserved; 9] = [
+    pub const ALL: [Reserved; 10] = [
         Reserved::Barrier,
         Reserved::Bcast,
         Reserved::Allgather,
@@ -48,6 +51,7 @@ impl Reserved {
         Reserved::PsReply,
         Reserved::PsPayload,
         Reserved::Sidecar,
+        Reserved::LinkRing,
     ];
 }
 
@@ -175,7 +179,7 @@ mod tests {
         );
         assert_eq!(
             Tags::with_override(5000, None).unwrap().max_user(),
-            5000 - 9
+            5000 - 10
         );
         let e = Tags::with_override(32767, Some("lots")).unwrap_err();
         assert_eq!(
@@ -191,7 +195,7 @@ mod tests {
         let e = Tags::new(32767).unwrap().check_user(40000).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "tag 40000 is out of range 0..=32758 (MPI_TAG_UB 32767; the 9 tags above are mpiflow's own)"
+            "tag 40000 is out of range 0..=32757 (MPI_TAG_UB 32767; the 10 tags above are mpiflow's own)"
         );
     }
 }

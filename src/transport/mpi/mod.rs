@@ -46,6 +46,8 @@ pub struct MpiComm {
     /// By rank: on this rank's node (shared memory). Known where blocking sends to this
     /// node may be requests, else empty.
     on_node: Vec<bool>,
+    /// By rank: on this rank's node (`MPI_COMM_TYPE_SHARED`), for [`Comm::same_node`].
+    node: Vec<bool>,
     links: Links,
     tags: Tags,
 }
@@ -126,11 +128,13 @@ impl MpiComm {
             // standard's minimum, which every library allows.
             tags: tag_scheme().unwrap_or_default(),
             on_node: Vec::new(),
+            node: Vec::new(),
         };
-        // Collective: every rank of a job runs the same pml, so all or none split (a
-        // variable one rank may lack decides nothing here).
+        // Collective, as the duplicate above.
+        comm.node = comm.node_ranks().unwrap_or_default();
+        // Every rank of a job runs the same pml, so all or none use this.
         if version.contains("Open MPI") && pml == Some("ucx") {
-            comm.on_node = comm.node_ranks().unwrap_or_default();
+            comm.on_node = comm.node.clone();
         }
         comm
     }
@@ -363,6 +367,11 @@ impl Comm for MpiComm {
 
     fn cancel_receive(&self, r: MpiRequest) -> Result<Option<Completion>, TransportError> {
         self.cancel_one(r)
+    }
+
+    #[inline]
+    fn same_node(&self, peer: usize) -> bool {
+        self.node.get(peer).is_some_and(|&b| b)
     }
 
     fn progress(&self) {

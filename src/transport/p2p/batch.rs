@@ -114,7 +114,11 @@ impl<'a, C: Comm> Sends<'a, C> {
     #[inline(always)]
     pub fn immediate_send(&mut self, t: &'a Tensor, dst: usize, tag: i32) -> Result<(), P2pError> {
         check_link(self.comm, dst, tag)?;
-        let bytes = self.comm.links().outgoing(t, dst, tag);
+        let links = self.comm.links();
+        let bytes = links.outgoing(t, dst, tag);
+        if links.rings.put(self.comm, bytes, dst, tag)? {
+            return Ok(());
+        }
         self.send_bytes(bytes, dst, tag)
     }
 
@@ -137,7 +141,16 @@ impl<'a, C: Comm> Sends<'a, C> {
         let armed = AbortOnUnwind;
         let mut done = Ok(());
         for t in tensors {
-            let bytes = comm.links().outgoing(t, dst, tag);
+            let links = comm.links();
+            let bytes = links.outgoing(t, dst, tag);
+            match links.rings.put(comm, bytes, dst, tag) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    done = Err(e.into());
+                    break;
+                }
+            }
             // SAFETY: as in send_bytes: every send is given back to the window below, or
             // the process ends (`armed`) before a tensor could go.
             if let Err(e) = unsafe { push_send(comm, &mut reqs, bytes, dst, tag) } {
@@ -225,7 +238,19 @@ pub struct Receives<'a, C: Comm> {
     reqs: Vec<C::Request>,
     checks: Vec<Check<'a>>,
     /// Receives done when the window completes, in the order they were started.
-    later: Vec<(&'a mut [u8], &'a dyn DeferredReceive<C>)>,
+    later: Vec<Later<'a, C>>,
+}
+
+/// A receive of a window that happens when the window completes.
+enum Later<'a, C: Comm> {
+    /// A channel's on rings.
+    Channel(&'a mut [u8], &'a dyn DeferredReceive<C>),
+    /// A link's, queued on it ([`crate::transport::ring::LinkRings::start`]).
+    Link {
+        t: &'a mut Tensor,
+        arrival: Arrival,
+        ticket: u64,
+    },
 }
 
 impl<'a, C: Comm> Receives<'a, C> {
@@ -254,15 +279,19 @@ impl<'a, C: Comm> Receives<'a, C> {
         tag: i32,
     ) -> Result<(), P2pError> {
         check_link(self.comm, src, tag)?;
-        let comm = self.comm;
-        // SAFETY: the window holds `t` mutably for 'a and completes every request before
-        // it is gone (wait_all or the destructor): nothing else touches it meanwhile.
-        let arrival = unsafe {
-            push_in_place(&mut self.reqs, |slot| {
-                start_receive_into(comm, t, src, tag, slot)
+        let (comm, reqs) = (self.comm, &mut self.reqs);
+        // SAFETY (both): the window holds `t` mutably for 'a and completes every receive
+        // before it is gone (wait_all or the destructor): nothing else touches it
+        // meanwhile; irecv_into writes the slot exactly when it returns Ok.
+        let (arrival, ticket) = unsafe {
+            start_receive_into(comm, t, src, tag, |buf, len| {
+                push_in_place(reqs, |slot| comm.irecv_into(buf, len, src, tag, slot))
             })?
         };
-        self.checks.push(Check::Link(t, arrival));
+        match ticket {
+            Some(ticket) => self.queue_link(t, arrival, ticket),
+            None => self.checks.push(Check::Link(t, arrival)),
+        }
         Ok(())
     }
 
@@ -295,15 +324,16 @@ impl<'a, C: Comm> Receives<'a, C> {
             // SAFETY: as in immediate_receive_into: every receive is given back to the
             // window below, or the process ends (`armed`) before a tensor could go.
             let started = unsafe {
-                push_in_place(&mut reqs, |slot| {
-                    start_receive_into(comm, &mut *t, src, tag, slot)
+                start_receive_into(comm, &mut *t, src, tag, |buf, len| {
+                    push_in_place(&mut reqs, |slot| comm.irecv_into(buf, len, src, tag, slot))
                 })
             };
             match started {
-                Ok(arrival) if arrival.landing == Landing::Payload => {
+                Ok((arrival, Some(ticket))) => self.queue_link(t, arrival, ticket),
+                Ok((arrival, None)) if arrival.landing == Landing::Payload => {
                     checks.push(Check::Payload(t))
                 }
-                Ok(arrival) => checks.push(Check::Link(t, arrival)),
+                Ok((arrival, None)) => checks.push(Check::Link(t, arrival)),
                 Err(e) => {
                     done = Err(e);
                     break;
@@ -339,11 +369,23 @@ impl<'a, C: Comm> Receives<'a, C> {
     /// Receives into `buf` by `by` when the window completes.
     #[inline]
     pub(crate) fn receive_later(&mut self, buf: &'a mut [u8], by: &'a dyn DeferredReceive<C>) {
+        self.push_later(Later::Channel(buf, by));
+    }
+
+    /// A receive into `t` queued on its link (`ticket`), finished when the window
+    /// completes.
+    #[inline]
+    fn queue_link(&mut self, t: &'a mut Tensor, arrival: Arrival, ticket: u64) {
+        self.push_later(Later::Link { t, arrival, ticket });
+    }
+
+    #[inline]
+    fn push_later(&mut self, later: Later<'a, C>) {
         if self.later.capacity() == 0 {
             // The window's size, once: no growth per window of a benchmark's loop.
             self.later.reserve(self.reqs.capacity().max(4));
         }
-        self.later.push((buf, by));
+        self.later.push(later);
     }
 
     pub(crate) fn comm(&self) -> &'a C {
@@ -361,8 +403,16 @@ impl<'a, C: Comm> Receives<'a, C> {
         let comm = self.comm;
         let (rank, links) = (comm.rank(), comm.links());
         let mut first = Ok(());
-        for (buf, by) in self.later.drain(..) {
-            let r = by.receive_now(comm, buf);
+        for later in self.later.drain(..) {
+            let r = match later {
+                Later::Channel(buf, by) => by.receive_now(comm, buf),
+                Later::Link { t, arrival, ticket } => {
+                    match links.rings.finish(comm, arrival.src, arrival.tag, ticket) {
+                        Ok(done) => links.settle(comm, arrival, t, done),
+                        Err(e) => Err(e.into()),
+                    }
+                }
+            };
             if r.is_err() && first.is_ok() {
                 first = r;
             }

@@ -1,0 +1,664 @@
+//! Rings for the links of [`crate::transport::p2p`] (a peer and a tag) between ranks of
+//! one node: a link's small messages move without MPI, as a channel's do.
+//!
+//! A link has no opening that both ranks make: it starts with its sender's first message.
+//! So its sender makes the ring, at that first message to a rank of its node
+//! ([`Comm::same_node`]) when the message is small, and offers it (or says it has none)
+//! on a tag of mpiflow's own ([`Reserved::LinkRing`]) before the message. The receiver
+//! takes the offer at its first receive on the link, maps the ring, and says so in it;
+//! until the sender sees that, it sends by MPI, numbering every message as the ring's
+//! protocol does, so the receiver's polls know which way each went ([`super`]). The
+//! sender unlinks the ring's name once the receiver has mapped it (or when the
+//! communicator goes).
+//!
+//! Receives keep MPI's order. A receive that starts (`immediate_`, or in a window) while
+//! its link may use the ring is queued, with where it lands, and done when it is waited
+//! on, or earlier, when a receive after it on the link is done (each in turn). A receive
+//! of a message longer than the ring's slots (which goes by MPI) is posted at once where
+//! it can be, so that two ranks that each start a receive of a large tensor and then send
+//! one cannot wait for each other: the receiver asks the sender to leave the ring for good
+//! ([`Inbound::detach`]), and posts its MPI receive if no message from this one on can be
+//! in the ring. Otherwise (messages it expects are on the way through the ring, or small
+//! receives are queued before it), it is queued too.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+
+use super::shm::{self, Mapping};
+use super::{enabled, Geometry, Inbound, Made, Outbound, MAX_BYTES};
+use crate::transport::comm::{spins_while_waiting, Backoff, Comm, Completion, TransportError};
+use crate::transport::links::{link_key, KeyMap};
+use crate::transport::tags::Reserved;
+
+/// What a link's sender offers its receiver, once: the ring, if it made one.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Offer {
+    tag: i32,
+    ring: Option<Offered>,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Offered {
+    name: String,
+    nbytes: usize,
+}
+
+/// A link's sending side.
+#[derive(Debug)]
+enum Sending {
+    /// By MPI only: the ring could not be made, or the first message was large.
+    Mpi,
+    Ring {
+        out: Outbound,
+        /// The ring's name until the receiver has mapped it (then unlinked).
+        name: RefCell<Option<String>>,
+    },
+}
+
+/// A link's receiving side.
+#[derive(Debug)]
+enum State {
+    /// The sender's offer has not been read yet.
+    Unknown,
+    /// By MPI only.
+    Mpi,
+    Ring(Inbound),
+}
+
+/// A receive queued on its link: where its message lands.
+#[derive(Debug)]
+struct Queued {
+    ticket: u64,
+    buf: *mut u8,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct Receiving {
+    state: State,
+    /// Receives started and not done yet, in the order they started.
+    queue: VecDeque<Queued>,
+    /// Results of queued receives done before their owners asked, by ticket.
+    done: KeyMap<Result<Completion, TransportError>>,
+    next_ticket: u64,
+}
+
+/// How a receive that starts now goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Post an MPI receive now.
+    Mpi,
+    /// Queued: done by [`LinkRings::finish`] with this ticket.
+    Queued(u64),
+}
+
+/// A communicator's link rings (see the module documentation).
+#[derive(Debug, Default)]
+pub(crate) struct LinkRings {
+    sending: RefCell<KeyMap<Sending>>,
+    receiving: RefCell<KeyMap<Receiving>>,
+    /// Offers read before their link's first receive, by link.
+    offers: RefCell<KeyMap<Option<Offered>>>,
+}
+
+// SAFETY: the rings' mappings and queued receive pointers are plain memory, valid in any
+// thread of the process; `LinkRings` is not `Sync` (its cells), so one thread at a time
+// uses it, and a queued pointer belongs to a request that borrows the communicator, which
+// therefore cannot move to another thread while the request lives.
+unsafe impl Send for LinkRings {}
+
+impl LinkRings {
+    /// Puts the message `bytes` to `dst` on `tag` into the link's ring: `true` if it went
+    /// there (the send is complete), `false` if the caller sends it by MPI.
+    #[inline]
+    pub(crate) fn put<C: Comm>(
+        &self,
+        c: &C,
+        bytes: &[u8],
+        dst: usize,
+        tag: i32,
+    ) -> Result<bool, TransportError> {
+        if !c.same_node(dst) {
+            return Ok(false);
+        }
+        let key = link_key(dst, tag);
+        if let Some(s) = self.sending.borrow().get(&key) {
+            return Ok(s.put(bytes));
+        }
+        self.first_send(c, bytes.len(), dst, tag)?;
+        Ok(self
+            .sending
+            .borrow()
+            .get(&key)
+            .is_some_and(|s| s.put(bytes)))
+    }
+
+    /// A link's first message, of `len` bytes: makes its ring where it pays, and offers it.
+    #[cold]
+    #[inline(never)]
+    fn first_send<C: Comm>(
+        &self,
+        c: &C,
+        len: usize,
+        dst: usize,
+        tag: i32,
+    ) -> Result<(), TransportError> {
+        let made = match enabled() && len <= MAX_BYTES {
+            true => {
+                // Room for any message a ring carries: a link's tensors change (a benchmark's
+                // sizes, a header when they do), and its first says nothing of the rest.
+                let geo = Geometry::of(MAX_BYTES);
+                shm::create(geo).ok().map(|(map, name)| (map, name, geo))
+            }
+            false => None,
+        };
+        let offer = Offer {
+            tag,
+            ring: made.as_ref().map(|(_, name, geo)| Offered {
+                name: name.clone(),
+                nbytes: geo.nbytes,
+            }),
+        };
+        let bytes = serde_json::to_vec(&offer).expect("an offer serializes");
+        let sent = c.send_blocking(&bytes, dst, c.tags().reserved(Reserved::LinkRing));
+        if let Err(e) = sent {
+            if let Some((_, name, _)) = &made {
+                shm::unlink(name);
+            }
+            return Err(e);
+        }
+        let state = match made {
+            Some((map, name, geo)) => Sending::Ring {
+                out: Outbound::new(map, geo, Made::ForLink),
+                name: RefCell::new(Some(name)),
+            },
+            None => Sending::Mpi,
+        };
+        self.sending.borrow_mut().insert(link_key(dst, tag), state);
+        Ok(())
+    }
+
+    /// A blocking receive into `buf` from `src` on `tag`, after the link's receives that
+    /// started before it: `MPI_Recv` where the peer runs on another node.
+    #[inline]
+    pub(crate) fn receive<C: Comm>(
+        &self,
+        c: &C,
+        buf: &mut [u8],
+        src: usize,
+        tag: i32,
+    ) -> Result<Completion, TransportError> {
+        if !c.same_node(src) {
+            return c.recv_blocking(buf, src, tag);
+        }
+        let key = link_key(src, tag);
+        if let Some(r) = self.receiving.borrow().get(&key) {
+            if r.queue.is_empty() {
+                match &r.state {
+                    State::Ring(inb) => return inb.receive(c, buf, src, tag),
+                    State::Mpi => return c.recv_blocking(buf, src, tag),
+                    State::Unknown => {}
+                }
+            }
+        }
+        self.receive_after_queue(c, buf, src, tag)
+    }
+
+    /// [`LinkRings::receive`] on a link with queued receives or no offer read yet.
+    #[cold]
+    #[inline(never)]
+    fn receive_after_queue<C: Comm>(
+        &self,
+        c: &C,
+        buf: &mut [u8],
+        src: usize,
+        tag: i32,
+    ) -> Result<Completion, TransportError> {
+        let key = link_key(src, tag);
+        self.entry(key);
+        let last = self.receiving.borrow()[&key].queue.back().map(|q| q.ticket);
+        if let Some(ticket) = last {
+            // Done in turn; each result waits for its owner.
+            let r = self.finish(c, src, tag, ticket);
+            self.receiving
+                .borrow_mut()
+                .get_mut(&key)
+                .expect("a link with receives")
+                .done
+                .insert(ticket, r);
+        }
+        self.receive_next(c, buf, src, tag)
+    }
+
+    /// Receives the link's next message into `buf` (none queued before it).
+    fn receive_next<C: Comm>(
+        &self,
+        c: &C,
+        buf: &mut [u8],
+        src: usize,
+        tag: i32,
+    ) -> Result<Completion, TransportError> {
+        self.resolve(c, src, tag)?;
+        match &self.receiving.borrow()[&link_key(src, tag)].state {
+            State::Ring(inb) => inb.receive(c, buf, src, tag),
+            _ => c.recv_blocking(buf, src, tag),
+        }
+    }
+
+    /// How a receive of at most `len` bytes into `buf` from `src` on `tag` starts:
+    /// [`Start::Mpi`], the caller posts an MPI receive now; else it is queued (see the
+    /// module documentation).
+    ///
+    /// # Safety
+    /// `buf` is valid for `len` bytes of writes, and nothing else reads or writes them,
+    /// until [`LinkRings::finish`] with the returned ticket has returned.
+    #[inline]
+    pub(crate) unsafe fn start<C: Comm>(
+        &self,
+        c: &C,
+        buf: *mut u8,
+        len: usize,
+        src: usize,
+        tag: i32,
+    ) -> Start {
+        if !c.same_node(src) {
+            return Start::Mpi;
+        }
+        self.start_on_node(buf, len, link_key(src, tag))
+    }
+
+    fn start_on_node(&self, buf: *mut u8, len: usize, key: u64) -> Start {
+        self.entry(key);
+        let mut map = self.receiving.borrow_mut();
+        let r = map.get_mut(&key).expect("entry made");
+        let now = r.queue.is_empty()
+            && match &r.state {
+                State::Mpi => true,
+                // The receiver's first: small ones wait for the offer (they may come
+                // through the ring); a large one keeps the link on MPI for good.
+                State::Unknown => len > MAX_BYTES,
+                State::Ring(inb) => len > inb.geo.nbytes && inb.detach(),
+            };
+        if now {
+            r.state = State::Mpi;
+            return Start::Mpi;
+        }
+        let ticket = r.next_ticket;
+        r.next_ticket += 1;
+        r.queue.push_back(Queued { ticket, buf, len });
+        Start::Queued(ticket)
+    }
+
+    /// Completes the queued receive `ticket` on the link from `src` on `tag` (and those
+    /// queued before it, whose results wait for their owners); returns how it completed.
+    pub(crate) fn finish<C: Comm>(
+        &self,
+        c: &C,
+        src: usize,
+        tag: i32,
+        ticket: u64,
+    ) -> Result<Completion, TransportError> {
+        let key = link_key(src, tag);
+        loop {
+            let next = {
+                let mut map = self.receiving.borrow_mut();
+                let r = map.get_mut(&key).expect("a link with queued receives");
+                if let Some(done) = r.done.remove(&ticket) {
+                    return done;
+                }
+                r.queue
+                    .pop_front()
+                    .expect("a ticket is queued until it is done")
+            };
+            // SAFETY: `start`'s contract: the region is valid and the queue's alone until
+            // its ticket is finished, which is now.
+            let buf = unsafe { std::slice::from_raw_parts_mut(next.buf, next.len) };
+            let result = self.receive_next(c, buf, src, tag);
+            if next.ticket == ticket {
+                return result;
+            }
+            self.receiving
+                .borrow_mut()
+                .get_mut(&key)
+                .expect("a link with queued receives")
+                .done
+                .insert(next.ticket, result);
+        }
+    }
+
+    /// Whether receives on the link from `src` on `tag` go through a ring (its offer read,
+    /// the ring mapped, not detached by a large receive).
+    pub(crate) fn receives_by_ring(&self, src: usize, tag: i32) -> bool {
+        self.receiving
+            .borrow()
+            .get(&link_key(src, tag))
+            .is_some_and(|r| matches!(r.state, State::Ring(_)))
+    }
+
+    /// Messages taken from the ring of the link from `src` on `tag` so far.
+    #[cfg(test)]
+    fn taken_from_ring(&self, src: usize, tag: i32) -> u64 {
+        match self
+            .receiving
+            .borrow()
+            .get(&link_key(src, tag))
+            .map(|r| &r.state)
+        {
+            Some(State::Ring(inb)) => inb.pos.get(),
+            _ => 0,
+        }
+    }
+
+    fn entry(&self, key: u64) {
+        self.receiving
+            .borrow_mut()
+            .entry(key)
+            .or_insert_with(|| Receiving {
+                state: State::Unknown,
+                queue: VecDeque::new(),
+                done: KeyMap::default(),
+                next_ticket: 0,
+            });
+    }
+
+    /// Reads the link's offer if it has not been read (waiting for it: its sender sends it
+    /// before the link's first message) and maps the ring it offers.
+    fn resolve<C: Comm>(&self, c: &C, src: usize, tag: i32) -> Result<(), TransportError> {
+        let key = link_key(src, tag);
+        if !matches!(self.receiving.borrow()[&key].state, State::Unknown) {
+            return Ok(());
+        }
+        let offered = self.offer(c, src, tag)?;
+        let state = match offered.filter(|_| enabled()) {
+            Some(o) => match shm::open(&o.name, Geometry::of(o.nbytes)) {
+                Ok(map) => attach(map, Geometry::of(o.nbytes)),
+                Err(_) => State::Mpi,
+            },
+            None => State::Mpi,
+        };
+        self.receiving
+            .borrow_mut()
+            .get_mut(&key)
+            .expect("entry made")
+            .state = state;
+        Ok(())
+    }
+
+    /// The offer of the link from `src` on `tag`: offers of other links read on the way
+    /// are kept for theirs.
+    fn offer<C: Comm>(
+        &self,
+        c: &C,
+        src: usize,
+        tag: i32,
+    ) -> Result<Option<Offered>, TransportError> {
+        let key = link_key(src, tag);
+        let offers_tag = c.tags().reserved(Reserved::LinkRing);
+        let mut buf = Vec::new();
+        let mut spins = if spins_while_waiting() { 512 } else { 0 };
+        let mut backoff: Option<(Backoff, std::time::Instant)> = None;
+        loop {
+            if let Some(o) = self.offers.borrow_mut().remove(&key) {
+                return Ok(o);
+            }
+            if c.try_receive_into(src, offers_tag, OFFER_WITHIN, &mut buf)?
+                .is_some()
+            {
+                let offer: Offer =
+                    serde_json::from_slice(&buf).map_err(|_| TransportError::BadOffer {
+                        rank: c.rank(),
+                        peer: src,
+                    })?;
+                self.offers
+                    .borrow_mut()
+                    .insert(link_key(src, offer.tag), offer.ring);
+                continue;
+            }
+            if spins > 0 {
+                spins -= 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let (wait, since) = backoff.get_or_insert_with(|| {
+                let max_sleep = std::time::Duration::from_micros(50);
+                (Backoff::new(max_sleep), std::time::Instant::now())
+            });
+            if let Some(limit) = c.wait_limit().filter(|l| since.elapsed() > *l) {
+                return Err(TransportError::Timeout {
+                    rank: c.rank(),
+                    peer: src,
+                    tag,
+                    secs: limit.as_secs(),
+                });
+            }
+            wait.idle();
+        }
+    }
+}
+
+/// How long an offer's transfer may take once it started to arrive (it is a few dozen
+/// bytes: at once).
+const OFFER_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The receiving side of a ring the receiver has mapped: it says so in the ring.
+fn attach(map: Mapping, geo: Geometry) -> State {
+    let inb = Inbound::new(map, geo);
+    inb.attach();
+    State::Ring(inb)
+}
+
+impl Sending {
+    #[inline]
+    fn put(&self, bytes: &[u8]) -> bool {
+        match self {
+            Sending::Mpi => false,
+            Sending::Ring { out, name } => {
+                let into_ring = out.put(bytes);
+                if into_ring && name.borrow().is_some() {
+                    // The receiver has mapped the ring (it took a message): the name can go.
+                    if let Some(n) = name.borrow_mut().take() {
+                        shm::unlink(&n);
+                    }
+                }
+                into_ring
+            }
+        }
+    }
+}
+
+impl Drop for LinkRings {
+    fn drop(&mut self) {
+        for s in self.sending.get_mut().values_mut() {
+            if let Sending::Ring { name, .. } = s {
+                if let Some(n) = name.get_mut().take() {
+                    shm::unlink(&n);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{DType, Tensor};
+    use crate::transport::local::LocalComm;
+    use crate::transport::p2p;
+
+    fn u8s(n: usize, v: u8, name: &str) -> Tensor {
+        Tensor::from_slice(&[n], &vec![v; n]).unwrap().named(name)
+    }
+
+    #[test]
+    fn an_offer_names_its_link_and_ring() {
+        let o = Offer {
+            tag: 7,
+            ring: Some(Offered {
+                name: "/mpiflow-ring-1-2".into(),
+                nbytes: 256,
+            }),
+        };
+        let back: Offer = serde_json::from_slice(&serde_json::to_vec(&o).unwrap()).unwrap();
+        assert_eq!(back.tag, 7);
+        assert_eq!(back.ring.unwrap().nbytes, 256);
+    }
+
+    /// Rank 0 sends a tensor, and once rank 1 has received it (mapping the ring) `n - 1`
+    /// more (value k, every tenth renamed) before rank 1 receives any; rank 1's values and
+    /// whether its link used a ring.
+    fn stream(nodes: &[usize], n: usize) -> (Vec<u8>, u64) {
+        let out = LocalComm::run_on_nodes(nodes, |c| {
+            let name = |k: usize| if k % 10 == 9 { "odd" } else { "even" };
+            let mut ack = u8s(1, 0, "ack");
+            if c.rank() == 0 {
+                for k in 0..n {
+                    p2p::send(&c, &u8s(16, k as u8, name(k)), 1, 3).unwrap();
+                    if k == 0 {
+                        p2p::receive_into(&c, &mut ack, 1, 8).unwrap();
+                    }
+                }
+                // Its rings' names last as long as the communicator.
+                p2p::receive_into(&c, &mut ack, 1, 8).unwrap();
+                (vec![], 0)
+            } else {
+                let mut got = vec![];
+                for k in 0..n {
+                    let mut t = u8s(16, 0, name(k));
+                    p2p::receive_into(&c, &mut t, 0, 3).unwrap();
+                    got.push(t.bytes()[0]);
+                    if k == 0 {
+                        p2p::send(&c, &ack, 0, 8).unwrap();
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                }
+                p2p::send(&c, &ack, 0, 8).unwrap();
+                (got, c.links().rings.taken_from_ring(0, 3))
+            }
+        });
+        out[1].clone()
+    }
+
+    #[test]
+    fn a_link_on_one_node_takes_a_ring_and_keeps_order_past_a_full_one() {
+        // 200 messages: the first before the receiver mapped the ring, then 199 before it
+        // takes one (63 into the ring, the rest by MPI); headers where the name changes.
+        let want: Vec<u8> = (0..200).map(|k| k as u8).collect();
+        let slots = Geometry::of(MAX_BYTES).slots as u64;
+        assert_eq!(stream(&[0, 0], 200), (want.clone(), slots));
+        assert_eq!(stream(&[0, 1], 200), (want, 0));
+    }
+
+    #[test]
+    fn receives_keep_mpi_order_whether_queued_or_blocking() {
+        let out = LocalComm::run(2, |c| {
+            if c.rank() == 0 {
+                for v in 1..=4 {
+                    p2p::send(&c, &u8s(8, v, "x"), 1, 2).unwrap();
+                }
+                vec![]
+            } else {
+                let (mut a, mut b, mut d, mut e) = (
+                    u8s(8, 0, "x"),
+                    u8s(8, 0, "x"),
+                    u8s(8, 0, "x"),
+                    u8s(8, 0, "x"),
+                );
+                let ra = p2p::immediate_receive_into(&c, &mut a, 0, 2).unwrap();
+                let rb = p2p::immediate_receive_into(&c, &mut b, 0, 2).unwrap();
+                // A blocking receive after two started ones takes the third message.
+                p2p::receive_into(&c, &mut d, 0, 2).unwrap();
+                rb.wait().unwrap();
+                let mut w = p2p::Receives::new(&c);
+                w.immediate_receive_into(&mut e, 0, 2).unwrap();
+                w.wait_all().unwrap();
+                ra.wait().unwrap();
+                [&a, &b, &d, &e].iter().map(|t| t.bytes()[0]).collect()
+            }
+        });
+        assert_eq!(out[1], vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn offers_read_for_other_links_wait_for_theirs() {
+        let out = LocalComm::run(2, |c| {
+            if c.rank() == 0 {
+                for tag in [1, 2, 3] {
+                    p2p::send(&c, &u8s(4, tag as u8, "t"), 1, tag).unwrap();
+                }
+                // Its rings' names last as long as the communicator: until rank 1 is done.
+                p2p::receive_into(&c, &mut u8s(1, 0, "done"), 1, 9).unwrap();
+                vec![]
+            } else {
+                let mut got = vec![];
+                for tag in [3, 1, 2] {
+                    let mut t = u8s(4, 0, "t");
+                    p2p::receive_into(&c, &mut t, 0, tag).unwrap();
+                    got.push((t.bytes()[0], c.links().rings.receives_by_ring(0, tag)));
+                }
+                p2p::send(&c, &u8s(1, 0, "done"), 0, 9).unwrap();
+                got
+            }
+        });
+        assert_eq!(out[1], vec![(3, true), (1, true), (2, true)]);
+    }
+
+    #[test]
+    fn a_large_receive_leaves_the_ring_and_large_tensors_cross_both_ways() {
+        // Each rank starts a receive of a large tensor, then sends one (the pattern that
+        // must not wait on the peer under MPI's rendezvous), after small ones took a ring.
+        let out = LocalComm::run(2, |c| {
+            let peer = 1 - c.rank();
+            let small = u8s(8, c.rank() as u8, "s");
+            let mut s_in = u8s(8, 9, "s");
+            p2p::send(&c, &small, peer, 6).unwrap();
+            p2p::receive_into(&c, &mut s_in, peer, 6).unwrap();
+            let on_ring = c.links().rings.receives_by_ring(peer, 6);
+            let big = u8s(64 * 1024, 10 + c.rank() as u8, "big");
+            let mut big_in = Tensor::zeros(DType::U8, &[64 * 1024]).unwrap().named("big");
+            let r = p2p::immediate_receive_into(&c, &mut big_in, peer, 6).unwrap();
+            p2p::send(&c, &big, peer, 6).unwrap();
+            r.wait().unwrap();
+            (
+                s_in.bytes()[0],
+                on_ring,
+                big_in.bytes().iter().all(|&b| b == 10 + peer as u8),
+                c.links().rings.receives_by_ring(peer, 6),
+            )
+        });
+        assert_eq!(out, vec![(1, true, true, false), (0, true, true, false)]);
+    }
+
+    #[test]
+    fn a_small_message_where_a_large_one_was_expected_is_an_error_not_a_wait() {
+        let out = LocalComm::run(2, |c| {
+            if c.rank() == 0 {
+                for _ in 0..2 {
+                    p2p::send(&c, &u8s(8, 1, "x"), 1, 4).unwrap();
+                }
+                String::new()
+            } else {
+                let mut x = u8s(8, 0, "x");
+                p2p::receive_into(&c, &mut x, 0, 4).unwrap();
+                let mut big = Tensor::zeros(DType::U8, &[8192]).unwrap().named("x");
+                let r = p2p::immediate_receive_into(&c, &mut big, 0, 4).unwrap();
+                r.wait().unwrap_err().to_string()
+            }
+        });
+        assert_eq!(
+            out[1],
+            "rank 1: from rank 0: received 'x' u8[8] but expected 'x' u8[8192]"
+        );
+    }
+
+    #[test]
+    fn a_first_receive_from_a_silent_peer_ends_as_an_mpi_receive_would_in_process() {
+        let out = LocalComm::run_with_timeout(2, std::time::Duration::from_millis(300), |c| {
+            if c.rank() == 0 {
+                return String::new();
+            }
+            let mut t = u8s(4, 0, "t");
+            p2p::receive_into(&c, &mut t, 0, 5).unwrap_err().to_string()
+        });
+        assert_eq!(out[1], "rank 1: no message from rank 0 (tag 5) within 0 s");
+    }
+}
