@@ -195,7 +195,7 @@ impl LinkRings {
         if let Some(r) = self.receiving.borrow().get(&key) {
             if r.queue.is_empty() {
                 match &r.state {
-                    State::Ring(inb) => return inb.receive(c, buf, src, tag),
+                    State::Ring(inb) => return inb.receive_on_link(c, buf, src, tag),
                     State::Mpi => return c.recv_blocking(buf, src, tag),
                     State::Unknown => {}
                 }
@@ -240,7 +240,7 @@ impl LinkRings {
     ) -> Result<Completion, TransportError> {
         self.resolve(c, src, tag)?;
         match &self.receiving.borrow()[&link_key(src, tag)].state {
-            State::Ring(inb) => inb.receive(c, buf, src, tag),
+            State::Ring(inb) => inb.receive_on_link(c, buf, src, tag),
             _ => c.recv_blocking(buf, src, tag),
         }
     }
@@ -277,7 +277,7 @@ impl LinkRings {
                 // The receiver's first: small ones wait for the offer (they may come
                 // through the ring); a large one keeps the link on MPI for good.
                 State::Unknown => len > MAX_BYTES,
-                State::Ring(inb) => len > inb.geo.nbytes && inb.detach(),
+                State::Ring(inb) => len > inb.geo.nbytes && (inb.detach() || reattached(inb)),
             };
         if now {
             r.state = State::Mpi;
@@ -439,6 +439,13 @@ impl LinkRings {
 /// How long an offer's transfer may take once it started to arrive (it is a few dozen
 /// bytes: at once).
 const OFFER_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// After a detach that found messages on their way through the ring: the ring stays in
+/// use (`false`).
+fn reattached(inb: &Inbound) -> bool {
+    inb.reattach();
+    false
+}
 
 /// The receiving side of a ring the receiver has mapped: it says so in the ring.
 fn attach(map: Mapping, geo: Geometry) -> State {
