@@ -8,8 +8,8 @@
 //! takes the offer at its first receive on the link, maps the ring, and says so in it;
 //! until the sender sees that, it sends by MPI, numbering every message as the ring's
 //! protocol does, so the receiver's polls know which way each went ([`super`]). The
-//! sender unlinks the ring's name once the receiver has mapped it (or when the
-//! communicator goes).
+//! receiver unlinks the ring's name once it has mapped it, and the sender when it sees the
+//! ring in use or its communicator goes, whichever comes first.
 //!
 //! Receives keep MPI's order. A receive that starts (`immediate_`, or in a window) while
 //! its link may use the ring is queued, with where it lands, and done when it is waited
@@ -371,7 +371,12 @@ impl LinkRings {
         let offered = self.offer(c, src, tag)?;
         let state = match offered.filter(|_| enabled()) {
             Some(o) => match shm::open(&o.name, Geometry::of(o.nbytes)) {
-                Ok(map) => attach(map, Geometry::of(o.nbytes)),
+                Ok(map) => {
+                    // Mapped: the name can go now (its sender unlinks it too, once it sees
+                    // the ring in use, or when its communicator goes).
+                    shm::unlink(&o.name);
+                    attach(map, Geometry::of(o.nbytes))
+                }
                 Err(_) => State::Mpi,
             },
             None => State::Mpi,
