@@ -16,6 +16,7 @@ use std::marker::PhantomData;
 use super::{check_link, start_receive_into, Arrival, P2pError};
 use crate::tensor::{Landing, Tensor};
 use crate::transport::comm::{Comm, Completion};
+use crate::transport::ring::Start;
 
 /// Appends to `reqs` the request `start` writes into the slot it is given (the vector's
 /// next element, in place: no request is returned and copied per message); `reqs` is
@@ -207,6 +208,8 @@ impl<C: Comm> Drop for Sends<'_, C> {
 enum Check<'a> {
     /// A tensor on a link: as [`super::RecvRequest::wait`].
     Link(&'a mut Tensor, Arrival),
+    /// The same, posted under a detach of its link's ring: the link learns it completed.
+    Detached(&'a mut Tensor, Arrival),
     /// Not a receive: the link of the [`Check::Payload`]s after it.
     Run { src: usize, tag: i32 },
     /// A tensor of [`Receives::immediate_receive_each`] whose payload alone lands (its
@@ -289,8 +292,9 @@ impl<'a, C: Comm> Receives<'a, C> {
             })?
         };
         match ticket {
-            Some(ticket) => self.queue_link(t, arrival, ticket),
-            None => self.checks.push(Check::Link(t, arrival)),
+            Start::Queued(ticket) => self.queue_link(t, arrival, ticket),
+            Start::Mpi => self.checks.push(Check::Link(t, arrival)),
+            Start::Detached => self.checks.push(Check::Detached(t, arrival)),
         }
         Ok(())
     }
@@ -329,11 +333,12 @@ impl<'a, C: Comm> Receives<'a, C> {
                 })
             };
             match started {
-                Ok((arrival, Some(ticket))) => self.queue_link(t, arrival, ticket),
-                Ok((arrival, None)) if arrival.landing == Landing::Payload => {
+                Ok((arrival, Start::Queued(ticket))) => self.queue_link(t, arrival, ticket),
+                Ok((arrival, Start::Detached)) => checks.push(Check::Detached(t, arrival)),
+                Ok((arrival, Start::Mpi)) if arrival.landing == Landing::Payload => {
                     checks.push(Check::Payload(t))
                 }
-                Ok((arrival, None)) => checks.push(Check::Link(t, arrival)),
+                Ok((arrival, Start::Mpi)) => checks.push(Check::Link(t, arrival)),
                 Err(e) => {
                     done = Err(e);
                     break;
@@ -430,6 +435,10 @@ impl<'a, C: Comm> Receives<'a, C> {
                         continue;
                     }
                     Some(Check::Link(t, arrival)) => links.settle(comm, arrival, t, done),
+                    Some(Check::Detached(t, arrival)) => {
+                        links.rings.detached_done(arrival.src, arrival.tag);
+                        links.settle(comm, arrival, t, done)
+                    }
                     Some(Check::Payload(t)) if !done.truncated() && done.count == t.nbytes() => {
                         return
                     }

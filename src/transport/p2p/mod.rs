@@ -28,7 +28,8 @@
 //! are not seen by its receives, nor its messages by plain MPI receives. On a ring, an
 //! `immediate_` receive of a small tensor (or one started after it on its link) happens
 //! when it is waited on, or when a later receive on the link needs it done first; one of
-//! a larger tensor is posted at once (and moves the link back to MPI for good).
+//! a larger tensor is posted at once (the link's small messages go by MPI until it
+//! completes).
 //!
 //! Naming follows rsmpi: `send`/`receive_into` block; `immediate_send` and
 //! `immediate_receive_into` return requests, so several tensors can be in flight at once.
@@ -293,6 +294,8 @@ pub struct RecvRequest<'a, C: Comm> {
 enum Pending<R> {
     /// An MPI request.
     Mpi(R),
+    /// An MPI request posted under a detach of its link's ring ([`Start::Detached`]).
+    Detached(R),
     /// Queued on its link, which may use a ring ([`super::ring::LinkRings::start`]).
     Queued(u64),
 }
@@ -308,6 +311,11 @@ impl<R> Pending<R> {
     ) -> Result<Completion, P2pError> {
         Ok(match self {
             Pending::Mpi(r) => c.wait(r)?,
+            Pending::Detached(r) => {
+                let done = c.wait(r);
+                c.links().rings.detached_done(src, tag);
+                done?
+            }
             Pending::Queued(ticket) => c.links().rings.finish(c, src, tag, ticket)?,
         })
     }
@@ -414,19 +422,24 @@ unsafe fn start_receive_into<C: Comm>(
     src: usize,
     tag: i32,
     post: impl FnOnce(*mut u8, usize) -> Result<(), TransportError>,
-) -> Result<(Arrival, Option<u64>), P2pError> {
+) -> Result<(Arrival, Start), P2pError> {
     let links = c.links();
     let arrival = links.incoming(t, src, tag);
     let region = landing_region(t, arrival.landing);
     let (buf, len) = (region.as_mut_ptr(), region.len());
     // SAFETY: the caller holds `t` until the receive completes (this function's contract).
-    match unsafe { links.rings.start(c, buf, len, src, tag) } {
-        Start::Queued(ticket) => Ok((arrival, Some(ticket))),
-        Start::Mpi => {
-            post(buf, len)?;
-            Ok((arrival, None))
+    let start = unsafe { links.rings.start(c, buf, len, src, tag) };
+    match start {
+        Start::Queued(_) => {}
+        Start::Mpi => post(buf, len)?,
+        Start::Detached => {
+            if let Err(e) = post(buf, len) {
+                links.rings.detached_done(src, tag);
+                return Err(e.into());
+            }
         }
     }
+    Ok((arrival, start))
 }
 
 /// Starts receiving into `t` from rank `src` (`MPI_Irecv`).
@@ -448,8 +461,10 @@ pub fn immediate_receive_into<'a, C: Comm>(
         })?
     };
     let pending = match (ticket, req) {
-        (Some(ticket), _) => Pending::Queued(ticket),
-        (None, req) => Pending::Mpi(req.expect("posted")),
+        (Start::Queued(ticket), _) => Pending::Queued(ticket),
+        (Start::Mpi, Some(req)) => Pending::Mpi(req),
+        (Start::Detached, Some(req)) => Pending::Detached(req),
+        (_, None) => unreachable!("a receive not queued is posted"),
     };
     Ok(RecvRequest {
         comm: c,

@@ -337,33 +337,6 @@ impl Inbound {
         self.map.word(DETACHED).store(0, Ordering::Release);
     }
 
-    /// A blocking receive on a link's ring ([`Inbound::receive`]); a message longer than
-    /// the slots goes by MPI, so its receive is posted at once where no message before it
-    /// is still to come through the ring (the sender sends by MPI meanwhile), not after
-    /// the sender said so: a rendezvous starts when the send does (8-32 KiB waited 5-7%
-    /// longer for the word).
-    #[inline]
-    fn receive_on_link<C: Comm>(
-        &self,
-        c: &C,
-        buf: &mut [u8],
-        peer: usize,
-        tag: i32,
-    ) -> Result<Completion, TransportError> {
-        if buf.len() <= self.geo.nbytes {
-            return self.receive(c, buf, peer, tag);
-        }
-        let posted_now = self.detach();
-        if !posted_now {
-            self.reattach();
-            return self.receive(c, buf, peer, tag);
-        }
-        self.skip();
-        let done = c.recv_blocking(buf, peer, tag);
-        self.reattach();
-        done
-    }
-
     /// The next message into `buf`, from the ring or, where its sender said so, by
     /// `MPI_Recv` from `peer` on `tag`: its length and whether it was cut at `buf`'s end,
     /// as MPI's status says. Waits as long as an MPI receive would (or the communicator's
