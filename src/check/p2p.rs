@@ -276,11 +276,23 @@ fn ring_stream<C: Comm>(
     receives.wait_all().map_err(|x| e(&x))?;
     sends.wait_all().map_err(|x| e(&x))?;
     got.extend(window);
-    let wrong = (0..190).find(|k| got[*k].bytes() != of(left * 1000 + k).bytes());
-    rep.expect(wrong.is_none(), || {
-        format!("ring stream: message {wrong:?} from rank {left} differs")
-    });
+    expect_stream(rep, "ring stream", &got, left, of);
     Ok(())
+}
+
+/// `got` holds the 190 messages of `what` from rank `left`: `of(left * 1000 + k)` for each k.
+fn expect_stream(
+    rep: &mut Report,
+    what: &str,
+    got: &[Tensor],
+    left: usize,
+    of: impl Fn(usize) -> Tensor,
+) {
+    let wrong =
+        (0..190).find(|k| got.get(*k).map(Tensor::bytes) != Some(of(left * 1000 + k).bytes()));
+    rep.expect(wrong.is_none(), || {
+        format!("{what}: message {wrong:?} from rank {left} differs")
+    });
 }
 
 /// A stream on a p2p link around the ring of ranks (the header path), which takes a ring in
@@ -326,10 +338,7 @@ fn link_stream<C: Comm>(
     receives.wait_all().map_err(|x| e(&x))?;
     sends.wait_all().map_err(|x| e(&x))?;
     got.extend(window);
-    let wrong = (0..190).find(|k| got[*k].bytes() != of(left * 1000 + k).bytes());
-    rep.expect(wrong.is_none(), || {
-        format!("link stream: message {wrong:?} from rank {left} differs")
-    });
+    expect_stream(rep, "link stream", &got, left, of);
     let on_ring = p2p::receives_by_ring(c, left, TAG);
     let big_out = tensor_of(DType::F32, r, BIG).named("link stream big");
     let mut big_in = Tensor::zeros(DType::F32, &[BIG])

@@ -286,12 +286,12 @@ impl<'a, C: Comm> Receives<'a, C> {
         // SAFETY (both): the window holds `t` mutably for 'a and completes every receive
         // before it is gone (wait_all or the destructor): nothing else touches it
         // meanwhile; irecv_into writes the slot exactly when it returns Ok.
-        let (arrival, ticket) = unsafe {
+        let (arrival, started) = unsafe {
             start_receive_into(comm, t, src, tag, |buf, len| {
                 push_in_place(reqs, |slot| comm.irecv_into(buf, len, src, tag, slot))
             })?
         };
-        match ticket {
+        match started {
             Start::Queued(ticket) => self.queue_link(t, arrival, ticket),
             Start::Mpi => self.checks.push(Check::Link(t, arrival)),
             Start::Detached => self.checks.push(Check::Detached(t, arrival)),

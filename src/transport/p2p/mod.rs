@@ -22,7 +22,7 @@
 //!
 //! Between two ranks of one node a link's messages of at most 4 KiB go through a ring in
 //! shared memory ([`super::ring`]; the sender offers it with the link's first message,
-//! the receiver maps it at its first receive): 0.5-0.6x plain MPI's latency and 1.3-5x
+//! the receiver maps it at its first receive): 0.4-0.8x plain MPI's latency and 1.3-3.4x
 //! its bandwidth here, in order with the link's larger messages, which go by MPI. So a
 //! link owns its (peer, tag): plain MPI messages on the same tag between the same ranks
 //! are not seen by its receives, nor its messages by plain MPI receives. On a ring, an
@@ -454,13 +454,13 @@ pub fn immediate_receive_into<'a, C: Comm>(
     let mut req = None;
     // SAFETY (both): the request holds `t` mutably for 'a, so nothing else touches it
     // until it is waited on (by `wait` or by the destructor), which completes the receive.
-    let (arrival, ticket) = unsafe {
+    let (arrival, started) = unsafe {
         start_receive_into(c, t, src, tag, |buf, len| {
             req = Some(c.irecv(buf, len, src, tag)?);
             Ok(())
         })?
     };
-    let pending = match (ticket, req) {
+    let pending = match (started, req) {
         (Start::Queued(ticket), _) => Pending::Queued(ticket),
         (Start::Mpi, Some(req)) => Pending::Mpi(req),
         (Start::Detached, Some(req)) => Pending::Detached(req),

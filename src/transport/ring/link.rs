@@ -88,6 +88,22 @@ struct Receiving {
 }
 
 impl Receiving {
+    /// The link's next message into `buf` (its offer read): through the ring where it has
+    /// one, else by `MPI_Recv`.
+    #[inline]
+    fn receive<C: Comm>(
+        &self,
+        c: &C,
+        buf: &mut [u8],
+        src: usize,
+        tag: i32,
+    ) -> Result<Completion, TransportError> {
+        match &self.state {
+            State::Ring(inb) => self.receive_on_ring(inb, c, buf, src, tag),
+            _ => c.recv_blocking(buf, src, tag),
+        }
+    }
+
     /// A blocking receive on the link's ring `inb` (see [`Inbound::receive`]). A message
     /// longer than the slots goes by MPI, so its receive is posted at once where no message
     /// before it is still to come through the ring (the sender sends by MPI meanwhile), not
@@ -241,14 +257,9 @@ impl LinkRings {
         if !c.same_node(src) {
             return c.recv_blocking(buf, src, tag);
         }
-        let key = link_key(src, tag);
-        if let Some(r) = self.receiving.borrow().get(&key) {
-            if r.queue.is_empty() {
-                match &r.state {
-                    State::Ring(inb) => return r.receive_on_ring(inb, c, buf, src, tag),
-                    State::Mpi => return c.recv_blocking(buf, src, tag),
-                    State::Unknown => {}
-                }
+        if let Some(r) = self.receiving.borrow().get(&link_key(src, tag)) {
+            if r.queue.is_empty() && !matches!(r.state, State::Unknown) {
+                return r.receive(c, buf, src, tag);
             }
         }
         self.receive_after_queue(c, buf, src, tag)
@@ -289,12 +300,7 @@ impl LinkRings {
         tag: i32,
     ) -> Result<Completion, TransportError> {
         self.resolve(c, src, tag)?;
-        let map = self.receiving.borrow();
-        let r = &map[&link_key(src, tag)];
-        match &r.state {
-            State::Ring(inb) => r.receive_on_ring(inb, c, buf, src, tag),
-            _ => c.recv_blocking(buf, src, tag),
-        }
+        self.receiving.borrow()[&link_key(src, tag)].receive(c, buf, src, tag)
     }
 
     /// How a receive of at most `len` bytes into `buf` from `src` on `tag` starts:
@@ -332,7 +338,11 @@ impl LinkRings {
                     return Start::Mpi;
                 }
                 State::Ring(inb) if len > inb.geo.nbytes => {
-                    if inb.detach() {
+                    // While receives posted under a detach are in flight the ring has
+                    // stayed detached since one found nothing announced: no message from
+                    // there on is in it, and no need to ask again (a window of large
+                    // receives stores to the sender's line once, not per receive).
+                    if r.detached > 0 || inb.detach() {
                         inb.skip();
                         r.detached += 1;
                         return Start::Detached;
