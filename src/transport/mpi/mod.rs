@@ -43,9 +43,9 @@ pub struct MpiComm {
     count_at: Option<usize>,
     /// See [`sends_as_requests_from`].
     sends_as_requests_from: usize,
-    /// By rank: on this rank's node (shared memory). Known where blocking sends to this
-    /// node may be requests, else empty.
-    on_node: Vec<bool>,
+    /// Whether blocking sends to this rank's node may be requests (see
+    /// [`Self::send_large`]).
+    requests_on_node: bool,
     /// By rank: on this rank's node (`MPI_COMM_TYPE_SHARED`), for [`Comm::same_node`].
     node: Vec<bool>,
     links: Links,
@@ -127,15 +127,12 @@ impl MpiComm {
             // Context::init refused a bad MPIFLOW_TAG_UB already; the fallback is the
             // standard's minimum, which every library allows.
             tags: tag_scheme().unwrap_or_default(),
-            on_node: Vec::new(),
+            // Every rank of a job runs the same pml, so all or none use this.
+            requests_on_node: version.contains("Open MPI") && pml == Some("ucx"),
             node: Vec::new(),
         };
         // Collective, as the duplicate above.
         comm.node = comm.node_ranks().unwrap_or_default();
-        // Every rank of a job runs the same pml, so all or none use this.
-        if version.contains("Open MPI") && pml == Some("ucx") {
-            comm.on_node = comm.node.clone();
-        }
         comm
     }
 
@@ -214,7 +211,7 @@ impl MpiComm {
     /// start gives.
     #[inline(never)]
     fn send_large(&self, buf: &[u8], dst: usize, tag: i32) -> Result<(), TransportError> {
-        if buf.len() <= c_int::MAX as usize && !self.on_node.get(dst).is_some_and(|&b| b) {
+        if buf.len() <= c_int::MAX as usize && !(self.requests_on_node && self.same_node(dst)) {
             return self.plain_send(buf, dst, tag);
         }
         // SAFETY: the request is waited on before `buf`'s borrow ends.

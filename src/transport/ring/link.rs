@@ -26,8 +26,8 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 
 use super::shm::{self, Mapping};
-use super::{enabled, Geometry, Inbound, Made, Outbound, MAX_BYTES};
-use crate::transport::comm::{spins_while_waiting, Backoff, Comm, Completion, TransportError};
+use super::{enabled, Geometry, Inbound, Made, Outbound, Waiting, MAX_BYTES};
+use crate::transport::comm::{Comm, Completion, TransportError};
 use crate::transport::links::{link_key, KeyMap};
 use crate::transport::tags::Reserved;
 
@@ -119,13 +119,7 @@ impl Receiving {
         src: usize,
         tag: i32,
     ) -> Result<Completion, TransportError> {
-        if buf.len() <= inb.geo.nbytes {
-            return inb.receive(c, buf, src, tag);
-        }
-        if !inb.detach() {
-            if self.detached == 0 {
-                inb.reattach();
-            }
+        if buf.len() <= inb.geo.nbytes || !may_post_large(self.detached, inb) {
             return inb.receive(c, buf, src, tag);
         }
         inb.skip();
@@ -337,20 +331,11 @@ impl LinkRings {
                     r.state = State::Mpi;
                     return Start::Mpi;
                 }
-                State::Ring(inb) if len > inb.geo.nbytes => {
-                    // While receives posted under a detach are in flight the ring has
-                    // stayed detached since one found nothing announced: no message from
-                    // there on is in it, and no need to ask again (a window of large
-                    // receives stores to the sender's line once, not per receive).
-                    if r.detached > 0 || inb.detach() {
-                        inb.skip();
-                        r.detached += 1;
-                        return Start::Detached;
-                    }
-                    // Messages on their way through the ring: this one waits its turn.
-                    if r.detached == 0 {
-                        inb.reattach();
-                    }
+                // Else messages are on their way through the ring: this one waits its turn.
+                State::Ring(inb) if len > inb.geo.nbytes && may_post_large(r.detached, inb) => {
+                    inb.skip();
+                    r.detached += 1;
+                    return Start::Detached;
                 }
                 _ => {}
             }
@@ -478,8 +463,7 @@ impl LinkRings {
         let key = link_key(src, tag);
         let offers_tag = c.tags().reserved(Reserved::LinkRing);
         let mut buf = Vec::new();
-        let mut spins = if spins_while_waiting() { 512 } else { 0 };
-        let mut backoff: Option<(Backoff, std::time::Instant)> = None;
+        let mut waiting = Waiting::new();
         loop {
             if let Some(o) = self.offers.borrow_mut().remove(&key) {
                 return Ok(o);
@@ -497,26 +481,24 @@ impl LinkRings {
                     .insert(link_key(src, offer.tag), offer.ring);
                 continue;
             }
-            if spins > 0 {
-                spins -= 1;
-                std::hint::spin_loop();
-                continue;
-            }
-            let (wait, since) = backoff.get_or_insert_with(|| {
-                let max_sleep = std::time::Duration::from_micros(50);
-                (Backoff::new(max_sleep), std::time::Instant::now())
-            });
-            if let Some(limit) = c.wait_limit().filter(|l| since.elapsed() > *l) {
-                return Err(TransportError::Timeout {
-                    rank: c.rank(),
-                    peer: src,
-                    tag,
-                    secs: limit.as_secs(),
-                });
-            }
-            wait.idle();
+            waiting.idle(c, src, tag)?;
         }
     }
+}
+
+/// Whether a message longer than `inb`'s slots, the next one its receiver expects, may be
+/// received by an MPI receive posted now: no message from it on can be in the ring. While
+/// `in_flight` receives posted under a detach are outstanding the ring has stayed detached
+/// since one found nothing announced, so there is no need to ask again (a window of large
+/// receives stores to the sender's line once, not per receive); else it asks
+/// ([`Inbound::detach`]), and where messages are on their way through the ring lets the
+/// sender use it again and says no.
+fn may_post_large(in_flight: usize, inb: &Inbound) -> bool {
+    if in_flight > 0 || inb.detach() {
+        return true;
+    }
+    inb.reattach();
+    false
 }
 
 /// How long an offer's transfer may take once it started to arrive (it is a few dozen

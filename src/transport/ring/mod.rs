@@ -340,10 +340,7 @@ impl Inbound {
     /// The next message into `buf`, from the ring or, where its sender said so, by
     /// `MPI_Recv` from `peer` on `tag`: its length and whether it was cut at `buf`'s end,
     /// as MPI's status says. Waits as long as an MPI receive would (or the communicator's
-    /// [`Comm::wait_limit`], in-process): spinning on the slot first where ranks have
-    /// cores of their own (a message a few hundred nanoseconds away is polled for before
-    /// the clock is read: a [`Backoff`] reads it on every poll, 20-25 ns, a sixth of a
-    /// round trip through a ring), then yielding, and letting MPI progress every 64 polls.
+    /// [`Comm::wait_limit`], in-process), as [`Waiting`] does.
     #[inline]
     fn receive<C: Comm>(
         &self,
@@ -352,9 +349,7 @@ impl Inbound {
         peer: usize,
         tag: i32,
     ) -> Result<Completion, TransportError> {
-        let mut spins = if spins_while_waiting() { SPIN_POLLS } else { 0 };
-        let mut backoff: Option<(Backoff, std::time::Instant)> = None;
-        let mut polls = 0u32;
+        let mut waiting = Waiting::new();
         loop {
             match self.poll() {
                 Next::Ring => {
@@ -365,50 +360,81 @@ impl Inbound {
                     self.skip();
                     return c.recv_blocking(buf, peer, tag);
                 }
-                Next::NotYet if spins > 0 => {
-                    spins -= 1;
-                    std::hint::spin_loop();
-                }
-                Next::NotYet => {
-                    let (wait, since) = backoff.get_or_insert_with(|| {
-                        let max_sleep = std::time::Duration::from_micros(50);
-                        (Backoff::new(max_sleep), std::time::Instant::now())
-                    });
-                    polls = polls.wrapping_add(1);
-                    if polls.is_multiple_of(64) {
-                        c.progress();
-                        if let Some(limit) = c.wait_limit().filter(|l| since.elapsed() > *l) {
-                            return Err(TransportError::Timeout {
-                                rank: c.rank(),
-                                peer,
-                                tag,
-                                secs: limit.as_secs(),
-                            });
-                        }
-                    }
-                    wait.idle();
-                }
+                Next::NotYet => waiting.idle(c, peer, tag)?,
             }
         }
     }
 }
 
-/// Polls for a message before a receive reads the clock (where waits may spin).
+/// Polls for a message before a wait reads the clock (where waits may spin).
 const SPIN_POLLS: u32 = 512;
+
+/// A wait for what a peer writes into shared memory or sends (a ring's next message, a
+/// link's offer): where ranks have cores of their own, the first polls spin without
+/// reading the clock (a message a few hundred nanoseconds away is polled for before the
+/// clock is read: a [`Backoff`] reads it on every poll, 20-25 ns, a sixth of a round trip
+/// through a ring); later ones back off as MPI's waits do, and every 64 of them MPI
+/// progresses ([`Comm::progress`]) and the communicator's [`Comm::wait_limit`] is checked.
+struct Waiting {
+    spins: u32,
+    backoff: Option<(Backoff, std::time::Instant)>,
+    polls: u32,
+}
+
+impl Waiting {
+    fn new() -> Waiting {
+        Waiting {
+            spins: if spins_while_waiting() { SPIN_POLLS } else { 0 },
+            backoff: None,
+            polls: 0,
+        }
+    }
+
+    /// After a poll that found nothing of `peer`'s on `tag`: a timeout past the
+    /// communicator's wait limit.
+    #[inline]
+    fn idle<C: Comm>(&mut self, c: &C, peer: usize, tag: i32) -> Result<(), TransportError> {
+        if self.spins > 0 {
+            self.spins -= 1;
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let (wait, since) = self.backoff.get_or_insert_with(|| {
+            let max_sleep = std::time::Duration::from_micros(50);
+            (Backoff::new(max_sleep), std::time::Instant::now())
+        });
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls.is_multiple_of(64) {
+            c.progress();
+            if let Some(limit) = c.wait_limit().filter(|l| since.elapsed() > *l) {
+                return Err(TransportError::Timeout {
+                    rank: c.rank(),
+                    peer,
+                    tag,
+                    secs: limit.as_secs(),
+                });
+            }
+        }
+        wait.idle();
+        Ok(())
+    }
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn pair(nbytes: usize) -> (Outbound, Inbound) {
+    /// A ring for messages of `nbytes`, mapped twice: its sending and receiving sides.
+    fn pair_made(nbytes: usize, made: Made) -> (Outbound, Inbound) {
         let geo = Geometry::of(nbytes);
         let (map, name) = shm::create(geo).unwrap();
         let out = shm::open(&name, geo).unwrap();
         shm::unlink(&name);
-        (
-            Outbound::new(out, geo, Made::ForChannel),
-            Inbound::new(map, geo),
-        )
+        (Outbound::new(out, geo, made), Inbound::new(map, geo))
+    }
+
+    fn pair(nbytes: usize) -> (Outbound, Inbound) {
+        pair_made(nbytes, Made::ForChannel)
     }
 
     #[test]
@@ -486,11 +512,7 @@ mod tests {
 
     #[test]
     fn a_ring_its_sender_made_carries_nothing_until_the_receiver_attaches() {
-        let geo = Geometry::of(8);
-        let (map, name) = shm::create(geo).unwrap();
-        let out = Outbound::new(map, geo, Made::ForLink);
-        let inb = Inbound::new(shm::open(&name, geo).unwrap(), geo);
-        shm::unlink(&name);
+        let (out, inb) = pair_made(8, Made::ForLink);
         // Before the receiver maps it: by MPI, numbered, so the receiver knows.
         assert!(!out.put(&1u64.to_le_bytes()));
         assert_eq!(inb.poll(), Next::Mpi);
@@ -505,11 +527,7 @@ mod tests {
 
     #[test]
     fn a_detached_link_ring_carries_nothing_until_reattached_and_order_holds() {
-        let geo = Geometry::of(8);
-        let (map, name) = shm::create(geo).unwrap();
-        let out = Outbound::new(map, geo, Made::ForLink);
-        let inb = Inbound::new(shm::open(&name, geo).unwrap(), geo);
-        shm::unlink(&name);
+        let (out, inb) = pair_made(8, Made::ForLink);
         inb.attach();
         let mut buf = [0u8; 8];
         // Message 0 announced and in the ring: a detach now cannot post for it.
