@@ -26,10 +26,22 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 
 use super::shm::{self, Mapping};
-use super::{enabled, Geometry, Inbound, Made, Outbound, Waiting, MAX_BYTES};
+use super::{enabled, Geometry, Inbound, Made, Outbound, Waiting, LINK_BYTES};
+use crate::tensor::TAIL_ROOM;
 use crate::transport::comm::{Comm, Completion, TransportError};
 use crate::transport::links::{link_key, KeyMap};
 use crate::transport::tags::Reserved;
+
+/// Whether a receive into a region of `region` bytes may be of a message longer than the
+/// slots of `geo` (which goes by MPI). A receive's region holds the message it expects and
+/// [`TAIL_ROOM`] bytes more (`Tensor::receive_region`, `Tensor::payload_region`), there
+/// to tell a longer message by its count: they do not make the receive large (counting
+/// them sent every receive of a 4 KiB tensor through a detach, at 0.7-1.0x plain MPI's
+/// bandwidth where the ring gives 10x).
+#[inline(always)]
+fn expects_large(region: usize, geo: &Geometry) -> bool {
+    region > geo.nbytes + TAIL_ROOM
+}
 
 /// What a link's sender offers its receiver, once: the ring, if it made one.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -119,7 +131,7 @@ impl Receiving {
         src: usize,
         tag: i32,
     ) -> Result<Completion, TransportError> {
-        if buf.len() <= inb.geo.nbytes || !may_post_large(self.detached, inb) {
+        if !expects_large(buf.len(), &inb.geo) || !may_post_large(self.detached, inb) {
             return inb.receive(c, buf, src, tag);
         }
         inb.skip();
@@ -203,11 +215,11 @@ impl LinkRings {
         dst: usize,
         tag: i32,
     ) -> Result<(), TransportError> {
-        let made = match enabled() && len <= MAX_BYTES {
+        let made = match enabled() && len <= LINK_BYTES {
             true => {
                 // Room for any message a ring carries: a link's tensors change (a benchmark's
                 // sizes, a header when they do), and its first says nothing of the rest.
-                let geo = Geometry::of(MAX_BYTES);
+                let geo = Geometry::of(LINK_BYTES);
                 shm::create(geo).ok().map(|(map, name)| (map, name, geo))
             }
             false => None,
@@ -327,12 +339,14 @@ impl LinkRings {
                 State::Mpi => return Start::Mpi,
                 // The receiver's first: small ones wait for the offer (they may come
                 // through the ring); a large one keeps the link on MPI for good.
-                State::Unknown if len > MAX_BYTES => {
+                State::Unknown if expects_large(len, &Geometry::of(LINK_BYTES)) => {
                     r.state = State::Mpi;
                     return Start::Mpi;
                 }
                 // Else messages are on their way through the ring: this one waits its turn.
-                State::Ring(inb) if len > inb.geo.nbytes && may_post_large(r.detached, inb) => {
+                State::Ring(inb)
+                    if expects_large(len, &inb.geo) && may_post_large(r.detached, inb) =>
+                {
                     inb.skip();
                     r.detached += 1;
                     return Start::Detached;
@@ -545,6 +559,7 @@ impl Drop for LinkRings {
 
 #[cfg(test)]
 mod tests {
+    use super::super::MAX_BYTES;
     use super::*;
     use crate::tensor::{DType, Tensor};
     use crate::transport::local::LocalComm;
@@ -568,16 +583,17 @@ mod tests {
         assert_eq!(back.ring.unwrap().nbytes, 256);
     }
 
-    /// Rank 0 sends a tensor, and once rank 1 has received it (mapping the ring) `n - 1`
-    /// more (value k, every tenth renamed) before rank 1 receives any; rank 1's values and
-    /// whether its link used a ring.
-    fn stream(nodes: &[usize], n: usize) -> (Vec<u8>, u64) {
+    /// Rank 0 sends a tensor of `first` bytes, and once rank 1 has received it (mapping
+    /// the ring) `n - 1` more of `rest` bytes (value k, every tenth renamed) before rank 1
+    /// receives any; rank 1's values and how many came through the ring.
+    fn stream(nodes: &[usize], n: usize, first: usize, rest: usize) -> (Vec<u8>, u64) {
         let out = LocalComm::run_on_nodes(nodes, |c| {
             let name = |k: usize| if k % 10 == 9 { "odd" } else { "even" };
+            let size = |k: usize| if k == 0 { first } else { rest };
             let mut ack = u8s(1, 0, "ack");
             if c.rank() == 0 {
                 for k in 0..n {
-                    p2p::send(&c, &u8s(16, k as u8, name(k)), 1, 3).unwrap();
+                    p2p::send(&c, &u8s(size(k), k as u8, name(k)), 1, 3).unwrap();
                     if k == 0 {
                         p2p::receive_into(&c, &mut ack, 1, 8).unwrap();
                     }
@@ -588,7 +604,7 @@ mod tests {
             } else {
                 let mut got = vec![];
                 for k in 0..n {
-                    let mut t = u8s(16, 0, name(k));
+                    let mut t = u8s(size(k), 0, name(k));
                     p2p::receive_into(&c, &mut t, 0, 3).unwrap();
                     got.push(t.bytes()[0]);
                     if k == 0 {
@@ -606,11 +622,28 @@ mod tests {
     #[test]
     fn a_link_on_one_node_takes_a_ring_and_keeps_order_past_a_full_one() {
         // 200 messages: the first before the receiver mapped the ring, then 199 before it
-        // takes one (63 into the ring, the rest by MPI); headers where the name changes.
+        // takes one (64 into the ring, the rest by MPI); headers where the name changes.
         let want: Vec<u8> = (0..200).map(|k| k as u8).collect();
-        let slots = Geometry::of(MAX_BYTES).slots as u64;
-        assert_eq!(stream(&[0, 0], 200), (want.clone(), slots));
-        assert_eq!(stream(&[0, 1], 200), (want, 0));
+        let slots = Geometry::of(LINK_BYTES).slots as u64;
+        assert_eq!(stream(&[0, 0], 200, 16, 16), (want.clone(), slots));
+        assert_eq!(stream(&[0, 1], 200, 16, 16), (want, 0));
+    }
+
+    #[test]
+    fn tensors_of_max_bytes_take_the_ring_whole_or_payload_alone() {
+        // Payloads of MAX_BYTES, and whole messages of such tensors (every tenth renamed),
+        // fit a slot; so does a receive's room for a longer message. All but the first
+        // (sent before the receiver mapped the ring) come through it, whether the link
+        // started with a small tensor or with one of MAX_BYTES.
+        let want: Vec<u8> = (0..40).map(|k| k as u8).collect();
+        assert_eq!(stream(&[0, 0], 40, 16, MAX_BYTES), (want.clone(), 39));
+        assert_eq!(
+            stream(&[0, 0], 40, MAX_BYTES, MAX_BYTES),
+            (want.clone(), 39)
+        );
+        // One byte more than a slot's payload room: by MPI, in order.
+        let over = LINK_BYTES + 1;
+        assert_eq!(stream(&[0, 0], 40, 16, over), (want, 0));
     }
 
     #[test]

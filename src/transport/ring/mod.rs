@@ -54,13 +54,26 @@ use std::cell::Cell;
 use std::sync::atomic::Ordering;
 
 use super::comm::{spins_while_waiting, Backoff, Comm, Completion, TransportError};
+use crate::tensor::TAIL_ROOM;
 use shm::Mapping;
 
 /// Messages of at most this many bytes travel through rings.
 pub const MAX_BYTES: usize = 4096;
-/// Bytes of slots a ring aims for (a core's share of cache): 64 slots to 4 KiB messages.
-const RING_BYTES: usize = 256 * 1024;
+/// What a slot of a link's ring carries at most: the whole message (its header, and the
+/// padding of [`super::p2p`], at most [`TAIL_ROOM`] bytes) of a tensor of [`MAX_BYTES`],
+/// so that a link's tensors up to [`MAX_BYTES`] take its ring from their first message, as
+/// their payloads do (slots of [`MAX_BYTES`] kept a link whose first tensor had 4 KiB off
+/// the ring for good).
+const LINK_BYTES: usize = MAX_BYTES + TAIL_ROOM;
+/// Slots of a ring: OSU's window (and `mpiflow bench`'s), so that a window of small
+/// messages fits a ring whose receiver has not taken any yet. With 63 slots (a link's
+/// first jobs of `bench bw`) its receiver, slow at the first size while its caches and
+/// pages warm, let three a window go by MPI, and windows took 15-20 us where they take
+/// 1-2: 12-23 MB/s at 1 B where later sizes ran at twice plain MPI's bandwidth.
 const MAX_SLOTS: usize = 64;
+/// Bytes of slots a ring aims for (a core's share of cache): [`MAX_SLOTS`] slots to
+/// messages as large as a link's ring carries.
+const RING_BYTES: usize = MAX_SLOTS * (HEAD + LINK_BYTES).next_multiple_of(LINE);
 const LINE: usize = 64;
 /// The receiver's count of consumed slots.
 const CONSUMED: usize = 0;
@@ -444,8 +457,11 @@ mod tests {
         assert_eq!(Geometry::of(49).stride, 128);
         assert_eq!(Geometry::of(8).slots, 64);
         assert_eq!(Geometry::of(4096).stride, 4160);
-        assert_eq!(Geometry::of(4096).slots, 63);
-        assert_eq!(Geometry::of(4096).len(), 3 * 64 + 63 * 4160);
+        assert_eq!(Geometry::of(4096).slots, 64);
+        assert_eq!(Geometry::of(4096).len(), 3 * 64 + 64 * 4160);
+        // A link's: a whole message of a 4 KiB tensor, in as many slots.
+        assert_eq!(Geometry::of(LINK_BYTES).stride, 4288);
+        assert_eq!(Geometry::of(LINK_BYTES).slots, 64);
     }
 
     #[test]

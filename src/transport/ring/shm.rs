@@ -20,6 +20,7 @@ impl Mapping {
     /// Maps `len` bytes of the shared object `fd`.
     fn of(fd: &std::os::fd::OwnedFd, len: usize) -> std::io::Result<Mapping> {
         use std::os::fd::AsRawFd;
+        // Populated: the page tables are filled here, not at a slot's first message.
         // SAFETY: a fresh shared mapping of an open descriptor; the kernel picks the
         // address, so no existing memory is touched.
         let base = unsafe {
@@ -27,7 +28,7 @@ impl Mapping {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
                 fd.as_raw_fd(),
                 0,
             )
