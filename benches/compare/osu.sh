@@ -28,6 +28,10 @@
 # OSU's job runs one path, mpiflow's all of them. ALONE="mpi mpiflow" adds, each round, a
 # job per path named that runs that path alone (a job as long as OSU's); its columns are
 # headed "PATH1" and "PATH1/osu", so the bests of jobs of one length can be compared.
+# The `:r` columns compare with OSU's program across jobs without trusting whole jobs'
+# phases: a path's value over OSU's in the same round (jobs run one after the other,
+# seconds apart, which phases lasting tens of seconds mostly share), the median over the
+# rounds.
 # `pushpull` has no OSU program: its jobs are mpiflow's alone and its reference column is
 # the plain-MPI pattern (`mpi`). Not part of the tests.
 set -euo pipefail
@@ -111,19 +115,19 @@ for name in "${names[@]}"; do
   for r in $(seq "$ROUNDS"); do
     if [[ $ref == osu ]]; then
       # shellcheck disable=SC2086 # OSU_ARGS is a list of options
-      timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu >>"$out/$name"
+      timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$OSU_DIR/osu_$name" $OSU_ARGS | rows osu | sed "s/^/$r /" >>"$out/$name"
     fi
     # shellcheck disable=SC2086
     timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$mpiflow" bench "$name" --rounds 1 --rotate "$r" --digits "$DIGITS" $OSU_ARGS \
-      | rows mpiflow >>"$out/$name"
+      | rows mpiflow | sed "s/^/$r /" >>"$out/$name"
     for path in $ALONE; do
       # shellcheck disable=SC2086
       timeout 900 $launcher $MPIRUN_ARGS -np "$NP" "$mpiflow" bench "$name" --path "$path" --rounds 1 --digits "$DIGITS" $OSU_ARGS \
-        | sed 's/^# mpiflow path: .*/& alone/' | rows mpiflow >>"$out/$name"
+        | sed 's/^# mpiflow path: .*/& alone/' | rows mpiflow | sed "s/^/$r /" >>"$out/$name"
     done
   done
   echo "# $name: $NP ranks, $MPI, best of $ROUNDS alternating jobs per program ($better is better)${OSU_ARGS:+, options $OSU_ARGS}${MPIRUN_ARGS:+, mpirun $MPIRUN_ARGS}"
-  echo "# a/b~: median over the jobs of a/b measured in the same job (see the head of this script)"
+  echo "# a/b~: median over the jobs of a/b measured in the same job; a/b:r: median over the rounds of a's job over b's (see the head of this script)"
   awk -v better="$better" -v ref="$ref" -v digits="$DIGITS" '
     BEGIN { np = 1; paths[1] = ref; seen[ref] = 1 }
     # The name of a path in at most w characters; one run alone ("mpi_alone") ends in "1".
@@ -131,15 +135,24 @@ for name in "${names[@]}"; do
       alone = sub(/_alone$/, "", s)
       return alone ? substr(s, 1, w - 1) "1" : substr(s, 1, w)
     }
-    # In-job ratios of every job, per pair of paths and size; the median is printed.
-    $1 ~ /^paired:/ {
-      k = substr($1, 8)
+    # The median of v[1..n] (the upper middle one of an even count), by insertion sort.
+    function median(n,    x1, x2, t) {
+      for (x1 = 2; x1 <= n; x1++) for (x2 = x1; x2 > 1 && v[x2 - 1] > v[x2]; x2--) { t = v[x2]; v[x2] = v[x2 - 1]; v[x2 - 1] = t }
+      return v[int(n / 2) + 1]
+    }
+    # Rows are "round path size value". In-job ratios of every job, per pair of paths and
+    # size; the median is printed.
+    $2 ~ /^paired:/ {
+      k = substr($2, 8)
       if (!(k in pseen)) { pseen[k] = 1; pairs[++npairs] = k }
-      pv[k, $2, ++pn[k, $2]] = $3
+      pv[k, $3, ++pn[k, $3]] = $4
       next
     }
     {
+      $0 = $2 " " $3 " " $4 " " $1
       key = $1 SUBSEP $2
+      at[$1, $2, $4] = $3
+      if (!($4 in rseen)) { rseen[$4] = 1; rounds[++nr] = $4 }
       if (!(key in best)) { best[key] = $3; worst[key] = $3 }
       if ((better == "lower") == ($3 < best[key])) best[key] = $3
       if ((better == "lower") == ($3 > worst[key])) worst[key] = $3
@@ -151,6 +164,7 @@ for name in "${names[@]}"; do
       for (p = 1; p <= np; p++) printf " %14s", abbrev(paths[p], 14)
       for (p = 2; p <= np; p++) printf " %12s", abbrev(paths[p], 8) "/" ref
       for (q = 1; q <= npairs; q++) printf " %14s", substr(pairs[q], 1, 13) "~"
+      for (p = 2; p <= np; p++) printf " %12s", abbrev(paths[p], 6) "/" ref ":r"
       printf "   spread (worst/best):"
       for (p = 1; p <= np; p++) printf " %s", paths[p]
       printf "\n"
@@ -170,10 +184,17 @@ for name in "${names[@]}"; do
         for (q = 1; q <= npairs; q++) {
           n = pn[pairs[q], s]
           if (n == 0) { printf " %14s", "-"; continue }
-          # The median (the upper middle one of an even count), by insertion sort.
           for (x1 = 1; x1 <= n; x1++) v[x1] = pv[pairs[q], s, x1]
-          for (x1 = 2; x1 <= n; x1++) for (x2 = x1; x2 > 1 && v[x2 - 1] > v[x2]; x2--) { t = v[x2]; v[x2] = v[x2 - 1]; v[x2 - 1] = t }
-          printf " %14.3f", v[int(n / 2) + 1]
+          printf " %14.3f", median(n)
+        }
+        # Each path against the job of the reference in the same round.
+        for (p = 2; p <= np; p++) {
+          n = 0
+          for (x1 = 1; x1 <= nr; x1++) {
+            r = rounds[x1]
+            if (((paths[p], s, r) in at) && ((ref, s, r) in at) && at[ref, s, r] > 0) v[++n] = at[paths[p], s, r] / at[ref, s, r]
+          }
+          if (n == 0) printf " %12s", "-"; else printf " %12.3f", median(n)
         }
         printf "   "
         for (p = 1; p <= np; p++) {
