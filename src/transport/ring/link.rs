@@ -18,9 +18,10 @@
 //! it can be, so that two ranks that each start a receive of a large tensor and then send
 //! one cannot wait for each other: the receiver asks the sender to leave the ring
 //! ([`Inbound::detach`]), and posts its MPI receive if no message from this one on can be
-//! in the ring; once every receive so posted has completed, the sender may use the ring
-//! again. Otherwise (messages it expects are on the way through the ring, or small
-//! receives are queued before it), it is queued too.
+//! in the ring; the sender stays off the ring (asked once for a run of large messages)
+//! until the link's next small receive after every receive so posted has completed.
+//! Otherwise (messages it expects are on the way through the ring, or small receives are
+//! queued before it), it is queued too.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -120,8 +121,9 @@ impl Receiving {
     /// longer than the slots goes by MPI, so its receive is posted at once where no message
     /// before it is still to come through the ring (the sender sends by MPI meanwhile), not
     /// after the sender said so: a rendezvous starts when the send does (8-32 KiB waited
-    /// 5-7% longer for the word). The sender is let back onto the ring after it, unless
-    /// receives posted under a detach are still in flight.
+    /// 5-7% longer for the word). The sender stays off the ring until the link's next
+    /// small receive, which lets it back unless receives posted under a detach are still
+    /// in flight (so large messages in a row cost no store to the ring each).
     #[inline]
     fn receive_on_ring<C: Comm>(
         &self,
@@ -131,15 +133,17 @@ impl Receiving {
         src: usize,
         tag: i32,
     ) -> Result<Completion, TransportError> {
-        if !expects_large(buf.len(), &inb.geo) || !may_post_large(self.detached, inb) {
+        if !expects_large(buf.len(), &inb.geo) {
+            if self.detached == 0 {
+                inb.back();
+            }
+            return inb.receive(c, buf, src, tag);
+        }
+        if !may_post_large(inb) {
             return inb.receive(c, buf, src, tag);
         }
         inb.skip();
-        let done = c.recv_blocking(buf, src, tag);
-        if self.detached == 0 {
-            inb.reattach();
-        }
-        done
+        c.recv_blocking(buf, src, tag)
     }
 
     fn new() -> Receiving {
@@ -344,9 +348,7 @@ impl LinkRings {
                     return Start::Mpi;
                 }
                 // Else messages are on their way through the ring: this one waits its turn.
-                State::Ring(inb)
-                    if expects_large(len, &inb.geo) && may_post_large(r.detached, inb) =>
-                {
+                State::Ring(inb) if expects_large(len, &inb.geo) && may_post_large(inb) => {
                     inb.skip();
                     r.detached += 1;
                     return Start::Detached;
@@ -398,13 +400,11 @@ impl LinkRings {
     }
 
     /// An MPI receive posted under a detach ([`Start::Detached`]) on the link from `src`
-    /// on `tag` completed: when none is left, the sender may use the ring again.
+    /// on `tag` completed: when none is left, the link's next small receive lets the
+    /// sender back onto the ring.
     pub(crate) fn detached_done(&self, src: usize, tag: i32) {
         if let Some(r) = self.receiving.borrow_mut().get_mut(&link_key(src, tag)) {
             r.detached = r.detached.saturating_sub(1);
-            if let (0, State::Ring(inb)) = (r.detached, &r.state) {
-                inb.reattach();
-            }
         }
     }
 
@@ -501,14 +501,13 @@ impl LinkRings {
 }
 
 /// Whether a message longer than `inb`'s slots, the next one its receiver expects, may be
-/// received by an MPI receive posted now: no message from it on can be in the ring. While
-/// `in_flight` receives posted under a detach are outstanding the ring has stayed detached
-/// since one found nothing announced, so there is no need to ask again (a window of large
-/// receives stores to the sender's line once, not per receive); else it asks
-/// ([`Inbound::detach`]), and where messages are on their way through the ring lets the
-/// sender use it again and says no.
-fn may_post_large(in_flight: usize, inb: &Inbound) -> bool {
-    if in_flight > 0 || inb.detach() {
+/// received by an MPI receive posted now: no message from it on can be in the ring. It
+/// asks ([`Inbound::detach`], which asks once for a run of large receives: while receives
+/// posted under a detach are outstanding, or until a small receive, the detach holds),
+/// and where messages are on their way through the ring lets the sender use it again and
+/// says no.
+fn may_post_large(inb: &Inbound) -> bool {
+    if inb.detach() {
         return true;
     }
     inb.reattach();

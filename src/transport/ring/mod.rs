@@ -271,6 +271,9 @@ struct Inbound {
     pos: Cell<u64>,
     /// Where that slot starts.
     at: Cell<usize>,
+    /// Whether a [`Inbound::detach`] of a link's ring holds (nothing can be in the ring
+    /// from the message expected on) and the sender has not been let back since.
+    away: Cell<bool>,
 }
 
 impl Inbound {
@@ -281,6 +284,7 @@ impl Inbound {
             expect: Cell::new(0),
             pos: Cell::new(0),
             at: Cell::new(SLOTS),
+            away: Cell::new(false),
         }
     }
 
@@ -337,16 +341,33 @@ impl Inbound {
     /// Asks a link's sender to send by MPI from now on; `true` if no message from the next
     /// one this side expects on can be in the ring (the sender had not announced one:
     /// [`Outbound::claim`]), so the caller may post an MPI receive for it now. `false`:
-    /// some may be; receive through the ring until the sender has seen this.
+    /// some may be; receive through the ring until the sender has seen this. Once it
+    /// holds, it holds without asking again until [`Inbound::reattach`] (the sender puts
+    /// nothing into the ring meanwhile): a stream of large messages costs no store per
+    /// message.
     fn detach(&self) -> bool {
+        if self.away.get() {
+            return true;
+        }
         self.map.word(DETACHED).store(1, Ordering::SeqCst);
-        self.map.word(INTENT).load(Ordering::SeqCst) <= self.expect.get()
+        let clear = self.map.word(INTENT).load(Ordering::SeqCst) <= self.expect.get();
+        self.away.set(clear);
+        clear
+    }
+
+    /// [`Inbound::reattach`] where a detach holds: before a small message is received.
+    #[inline(always)]
+    fn back(&self) {
+        if self.away.get() {
+            self.reattach();
+        }
     }
 
     /// Lets a link's sender use the ring again after [`Inbound::detach`]: only while
     /// this side receives through the ring (no MPI receive of its own posted), whose polls
     /// order whatever comes either way.
     fn reattach(&self) {
+        self.away.set(false);
         self.map.word(DETACHED).store(0, Ordering::Release);
     }
 
@@ -561,9 +582,21 @@ mod tests {
         assert_eq!(inb.poll(), Next::Ring);
         inb.take(&mut buf);
         assert_eq!(buf, [2; 8]);
-        // Nothing announced past what this side expects: the detach holds.
+        // Nothing announced past what this side expects: the detach holds, and holds
+        // without asking again until this side lets the sender back.
         assert!(inb.detach());
         assert!(!out.put(&[3; 8]));
         assert_eq!(inb.poll(), Next::Mpi);
+        inb.skip();
+        assert!(inb.detach());
+        assert!(!out.put(&[4; 8]));
+        inb.skip();
+        inb.back();
+        assert!(out.put(&[5; 8]));
+        assert_eq!(inb.poll(), Next::Ring);
+        inb.take(&mut buf);
+        assert_eq!(buf, [5; 8]);
+        inb.back();
+        assert!(out.put(&[6; 8]));
     }
 }
