@@ -9,7 +9,8 @@
 //! copy out and the cache lines that carry them: 0.15 us and 44-316 MB/s at 1-8 B
 //! (`benches/compare/shm_ring.c`, the same job alternating both; 0.45-0.65x the latency
 //! and 2-5x the bandwidth to 4 KiB). From about 8 KiB MPI's single copy (CMA) wins, so
-//! only messages of at most [`MAX_BYTES`] take rings (a slot carries its message's length).
+//! only tensors of at most [`MAX_BYTES`] take rings (a slot carries its message's length; a
+//! link's slots hold `LINK_BYTES`, the whole message of such a tensor).
 //!
 //! A channel's rings are agreed in its opening (`pair`): each rank creates the ring it
 //! receives on (a POSIX shared-memory object, named in the opening handshake and unlinked
