@@ -300,7 +300,10 @@ fn expect_stream(
 /// at its first receive), 149 sent before any is received (the ring holds 63, the rest go
 /// by MPI), a window of 40, all in order; then a large tensor each way on the same link,
 /// its receive started before its send (under `ob1` a rendezvous: a receive left queued
-/// on the ring would leave both ranks waiting). On a ring only within a node.
+/// on the ring would leave both ranks waiting); then 20 tensors of 8 KiB (two slots of a
+/// ring each), started before their receives, in order (the first by MPI, the link
+/// detached by the large receive; the rest through the ring once the receiver let its
+/// sender back). On a ring only within a node.
 fn link_stream<C: Comm>(
     c: &C,
     rep: &mut Report,
@@ -351,6 +354,23 @@ fn link_stream<C: Comm>(
         big_in.bytes() == tensor_of(DType::F32, left, BIG).bytes(),
         || format!("link stream: the large tensor from rank {left} differs"),
     );
+    let mid = |k: usize| tensor_of(DType::F32, k, 2048).named("link stream mid");
+    let mids: Vec<Tensor> = (0..20).map(|k| mid(r * 1000 + k)).collect();
+    let mut sends = Sends::new(c);
+    sends
+        .immediate_send_each(mids.iter(), right, TAG)
+        .map_err(|x| e(&x))?;
+    let (mut m, mut wrong) = (mid(0), None);
+    for k in 0..20 {
+        p2p::receive_into(c, &mut m, left, TAG).map_err(|x| e(&x))?;
+        if wrong.is_none() && m.bytes() != mid(left * 1000 + k).bytes() {
+            wrong = Some(k);
+        }
+    }
+    sends.wait_all().map_err(|x| e(&x))?;
+    rep.expect(wrong.is_none(), || {
+        format!("link stream: 8 KiB message {wrong:?} from rank {left} differs")
+    });
     // A ring only within a node (the node names, swapped on a tag of their own).
     let mine = c.node_name().unwrap_or_default();
     let mut theirs = [0u8; 256];

@@ -27,7 +27,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 
 use super::shm::{self, Mapping};
-use super::{enabled, Geometry, Inbound, Made, Outbound, Waiting, LINK_BYTES};
+use super::{enabled, Geometry, Inbound, Made, Outbound, Waiting, LINK_BYTES, LINK_CHUNKS};
 use crate::tensor::TAIL_ROOM;
 use crate::transport::comm::{Comm, Completion, TransportError};
 use crate::transport::links::{link_key, KeyMap};
@@ -42,6 +42,13 @@ use crate::transport::tags::Reserved;
 #[inline(always)]
 fn expects_large(region: usize, geo: &Geometry) -> bool {
     region > geo.nbytes + TAIL_ROOM
+}
+
+/// Whether a receive into a region of `region` bytes may be of a message longer than the
+/// ring carries in its slots ([`LINK_CHUNKS`] of them), which goes by MPI whatever happens.
+#[inline(always)]
+fn expects_beyond_ring(region: usize, geo: &Geometry) -> bool {
+    region > LINK_CHUNKS * geo.nbytes + TAIL_ROOM
 }
 
 /// What a link's sender offers its receiver, once: the ring, if it made one.
@@ -118,12 +125,14 @@ impl Receiving {
     }
 
     /// A blocking receive on the link's ring `inb` (see [`Inbound::receive`]). A message
-    /// longer than the slots goes by MPI, so its receive is posted at once where no message
-    /// before it is still to come through the ring (the sender sends by MPI meanwhile), not
-    /// after the sender said so: a rendezvous starts when the send does (8-32 KiB waited
-    /// 5-7% longer for the word). The sender stays off the ring until the link's next
-    /// small receive, which lets it back unless receives posted under a detach are still
-    /// in flight (so large messages in a row cost no store to the ring each).
+    /// longer than the ring carries goes by MPI, so its receive is posted at once where no
+    /// message before it is still to come through the ring (the sender sends by MPI
+    /// meanwhile), not after the sender said so: a rendezvous starts when the send does
+    /// (8-32 KiB waited 5-7% longer for the word). The sender stays off the ring until the
+    /// link's next receive of what the ring carries, which lets it back unless receives
+    /// posted under a detach are still in flight (so large messages in a row cost no store
+    /// to the ring each). A blocking receive of a message of several slots waits on the
+    /// ring: it is there to take it, whichever way it comes.
     #[inline]
     fn receive_on_ring<C: Comm>(
         &self,
@@ -133,7 +142,7 @@ impl Receiving {
         src: usize,
         tag: i32,
     ) -> Result<Completion, TransportError> {
-        if !expects_large(buf.len(), &inb.geo) {
+        if !expects_beyond_ring(buf.len(), &inb.geo) {
             if self.detached == 0 {
                 inb.back();
             }
@@ -219,7 +228,7 @@ impl LinkRings {
         dst: usize,
         tag: i32,
     ) -> Result<(), TransportError> {
-        let made = match enabled() && len <= LINK_BYTES {
+        let made = match enabled() && len <= LINK_CHUNKS * LINK_BYTES {
             true => {
                 // Room for any message a ring carries: a link's tensors change (a benchmark's
                 // sizes, a header when they do), and its first says nothing of the rest.
@@ -417,7 +426,8 @@ impl LinkRings {
             .is_some_and(|r| matches!(r.state, State::Ring(_)))
     }
 
-    /// Messages taken from the ring of the link from `src` on `tag` so far.
+    /// Slots taken from the ring of the link from `src` on `tag` so far (a message of
+    /// several slots counts each).
     #[cfg(test)]
     fn taken_from_ring(&self, src: usize, tag: i32) -> u64 {
         match self
@@ -584,7 +594,7 @@ mod tests {
 
     /// Rank 0 sends a tensor of `first` bytes, and once rank 1 has received it (mapping
     /// the ring) `n - 1` more of `rest` bytes (value k, every tenth renamed) before rank 1
-    /// receives any; rank 1's values and how many came through the ring.
+    /// receives any; rank 1's values and how many slots came through the ring.
     fn stream(nodes: &[usize], n: usize, first: usize, rest: usize) -> (Vec<u8>, u64) {
         let out = LocalComm::run_on_nodes(nodes, |c| {
             let name = |k: usize| if k % 10 == 9 { "odd" } else { "even" };
@@ -636,13 +646,24 @@ mod tests {
         // started with a small tensor or with one of MAX_BYTES.
         let want: Vec<u8> = (0..40).map(|k| k as u8).collect();
         assert_eq!(stream(&[0, 0], 40, 16, MAX_BYTES), (want.clone(), 39));
-        assert_eq!(
-            stream(&[0, 0], 40, MAX_BYTES, MAX_BYTES),
-            (want.clone(), 39)
-        );
-        // One byte more than a slot's payload room: by MPI, in order.
-        let over = LINK_BYTES + 1;
-        assert_eq!(stream(&[0, 0], 40, 16, over), (want, 0));
+        assert_eq!(stream(&[0, 0], 40, MAX_BYTES, MAX_BYTES), (want, 39));
+    }
+
+    #[test]
+    fn tensors_of_two_slots_take_two_and_longer_ones_go_by_mpi() {
+        // 8 KiB tensors (whole messages too) take two slots each: all but the first come
+        // through the ring, in turn with the small first one, whichever started the link.
+        let want: Vec<u8> = (0..20).map(|k| k as u8).collect();
+        let two = 2 * MAX_BYTES;
+        assert_eq!(stream(&[0, 0], 20, 16, two), (want.clone(), 2 * 19));
+        assert_eq!(stream(&[0, 0], 20, two, two), (want.clone(), 2 * 19));
+        // 39 of them before the receiver takes any: 32 fill the ring, the rest by MPI,
+        // in order.
+        let want40: Vec<u8> = (0..40).map(|k| k as u8).collect();
+        assert_eq!(stream(&[0, 0], 40, 16, two), (want40, 64));
+        // One byte more than the slots carry: by MPI, in order.
+        let over = LINK_CHUNKS * LINK_BYTES + 1;
+        assert_eq!(stream(&[0, 0], 20, 16, over), (want, 0));
     }
 
     #[test]

@@ -66,6 +66,15 @@ pub const MAX_BYTES: usize = 4096;
 /// their payloads do (slots of [`MAX_BYTES`] kept a link whose first tensor had 4 KiB off
 /// the ring for good).
 const LINK_BYTES: usize = MAX_BYTES + TAIL_ROOM;
+/// Slots a message on a link's ring may take, in turn (a channel's takes one): the whole
+/// message of a tensor of up to 8 KiB goes through the ring, each slot copied out while
+/// the next is copied in. From 4 KiB `vader` moves a message by the kernel's single copy
+/// (`process_vm_readv`, a rendezvous), whose checks cost this VM about 1.5 us a message;
+/// two copies through a ring of 8 KiB slots (`benches/compare/shm_ring.c`) were 0.15x its
+/// latency and 8.7x its bandwidth with the VM's vCPUs in their fast phase and 1.06x and
+/// 1.93x in their slow one (`benches/results/2026-11-27-fourk.md`). Larger messages keep
+/// MPI's single copy until the slow phase says what two copies cost there.
+const LINK_CHUNKS: usize = 2;
 /// Slots of a ring: OSU's window (and `mpiflow bench`'s), so that a window of small
 /// messages fits a ring whose receiver has not taken any yet. With 63 slots (a link's
 /// first jobs of `bench bw`) its receiver, slow at the first size while its caches and
@@ -206,26 +215,39 @@ impl Outbound {
         false
     }
 
-    /// Puts the channel's next message into the ring if a slot is free (`true`); else
-    /// records that this message goes by MPI (`false`), which the caller then sends.
+    /// Puts the channel's next message into the ring if slots are free (`true`); else
+    /// records that this message goes by MPI (`false`), which the caller then sends. A
+    /// message takes one slot, or on a link's ring up to [`LINK_CHUNKS`] in turn.
     #[inline]
     fn put(&self, bytes: &[u8]) -> bool {
         let k = self.next.get();
         self.next.set(k + 1);
         let pos = self.pos.get();
         let slots = self.geo.slots as u64;
-        if bytes.len() > self.geo.nbytes || !self.attached() {
+        let n = match bytes.len() <= self.geo.nbytes {
+            true => 1,
+            false => match self.chunks(bytes.len()) {
+                Some(n) => n,
+                None => return self.by_mpi(k),
+            },
+        };
+        if !self.attached() {
             return self.by_mpi(k);
         }
         if self.made == Made::ForLink && !self.claim(k) {
             return self.by_mpi(k);
         }
-        if pos - self.seen.get() >= slots {
+        if pos + n - self.seen.get() > slots {
             let consumed = self.map.word(CONSUMED).load(Ordering::Acquire);
             self.seen.set(consumed);
-            if pos - consumed >= slots {
+            if pos + n - consumed > slots {
                 return self.by_mpi(k);
             }
+        }
+        if n > 1 {
+            self.put_chunks(bytes, k);
+            self.pos.set(pos + n);
+            return true;
         }
         let slot = self.at.get();
         // SAFETY: the slot's message bytes lie inside the mapping (`slot + HEAD + len <=
@@ -247,6 +269,41 @@ impl Outbound {
         self.pos.set(pos + 1);
         self.at.set(self.geo.after(slot));
         true
+    }
+
+    /// How many slots a message of `len` bytes, longer than one, takes on this ring: on a
+    /// link's, up to [`LINK_CHUNKS`]; `None` where it goes by MPI.
+    #[inline]
+    fn chunks(&self, len: usize) -> Option<u64> {
+        let n = len.div_ceil(self.geo.nbytes);
+        (self.made == Made::ForLink && n <= LINK_CHUNKS).then_some(n as u64)
+    }
+
+    /// Copies message `k` into the slots from the next free one on, a slot's worth each,
+    /// each published as it is complete (its sequence word says `k + 1`, its first slot's
+    /// length word the message's length), so the receiver copies one out while this copies
+    /// the next in. The caller has checked that the slots are free.
+    #[inline(never)]
+    fn put_chunks(&self, bytes: &[u8], k: u64) {
+        let mut slot = self.at.get();
+        for (i, chunk) in bytes.chunks(self.geo.nbytes).enumerate() {
+            // SAFETY: as in `put`, for each slot: a chunk is at most `nbytes` bytes, so it
+            // lies inside its slot; the slot is the sender's (the receiver has consumed
+            // what it held, checked by the caller for all of the message's slots), and the
+            // receiver reads it only after the release below.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    chunk.as_ptr(),
+                    self.map.base.add(slot + HEAD),
+                    chunk.len(),
+                )
+            };
+            let len = if i == 0 { bytes.len() } else { chunk.len() };
+            self.map.word(slot + 8).store(len as u64, Ordering::Relaxed);
+            self.map.word(slot).store(k + 1, Ordering::Release);
+            slot = self.geo.after(slot);
+        }
+        self.at.set(slot);
     }
 }
 
@@ -313,7 +370,10 @@ impl Inbound {
     fn take(&self, out: &mut [u8]) -> (usize, bool) {
         let (pos, at) = (self.pos.get(), self.at.get());
         // The length was stored before the sequence word's release, which poll acquired.
-        let len = (self.map.word(at + 8).load(Ordering::Relaxed) as usize).min(self.geo.nbytes);
+        let len = self.map.word(at + 8).load(Ordering::Relaxed) as usize;
+        if len > self.geo.nbytes {
+            return self.take_chunks(out, len.min(LINK_CHUNKS * self.geo.nbytes));
+        }
         let n = len.min(out.len());
         // SAFETY: `poll` saw this slot's sequence word say the expected message
         // (`Acquire`, after the sender's release following its copy), so its `len <=
@@ -325,6 +385,45 @@ impl Inbound {
         self.expect.set(self.expect.get() + 1);
         self.map.word(CONSUMED).store(pos + 1, Ordering::Release);
         (n, len > out.len())
+    }
+
+    /// [`Inbound::take`] of a message of `len` bytes in several slots ([`Outbound::put_chunks`]):
+    /// each slot after the first once its sequence word says the message's number (the
+    /// sender is copying it in: it checked the slots were free before the first).
+    #[inline(never)]
+    fn take_chunks(&self, out: &mut [u8], len: usize) -> (usize, bool) {
+        let (k, nbytes) = (self.expect.get(), self.geo.nbytes);
+        let n = len.div_ceil(nbytes);
+        let mut at = self.at.get();
+        for i in 0..n {
+            let seq = self.map.word(at);
+            if i > 0 && seq.load(Ordering::Acquire) != k + 1 {
+                let mut wait = Backoff::new(std::time::Duration::from_micros(50));
+                while seq.load(Ordering::Acquire) != k + 1 {
+                    wait.idle();
+                }
+            }
+            let from = i * nbytes;
+            let fits = nbytes.min(len - from).min(out.len().saturating_sub(from));
+            // SAFETY: the slot's sequence word says message `k` (`Acquire`: here, or in
+            // `poll` for the first slot), released after the sender copied this chunk of at
+            // most `nbytes` bytes inside the slot; the sender leaves it alone until the
+            // consumed count below passes it; `fits` bytes from `from` lie inside `out`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.map.base.add(at + HEAD),
+                    out.as_mut_ptr().add(from.min(out.len())),
+                    fits,
+                )
+            };
+            at = self.geo.after(at);
+        }
+        let pos = self.pos.get() + n as u64;
+        self.pos.set(pos);
+        self.at.set(at);
+        self.expect.set(k + 1);
+        self.map.word(CONSUMED).store(pos, Ordering::Release);
+        (len.min(out.len()), len > out.len())
     }
 
     /// Counts the next message (which [`Inbound::poll`] found sent by MPI) as received:
@@ -546,6 +645,56 @@ mod tests {
         assert!(out.put(&[7u8; 80]));
         assert_eq!(inb.poll(), Next::Ring);
         assert_eq!(inb.take(&mut buf[..50]), (50, true));
+    }
+
+    #[test]
+    fn a_link_message_takes_two_slots_in_turn_across_the_end_and_whole() {
+        let (out, inb) = pair_made(100, Made::ForLink);
+        inb.attach();
+        let (slots, mut one) = (out.geo.slots, [0u8; 100]);
+        // Up to the last slot, each message taken as it comes: the next one wraps.
+        for k in 0..slots - 1 {
+            assert!(out.put(&[k as u8; 10]));
+            assert_eq!(inb.poll(), Next::Ring);
+            assert_eq!(inb.take(&mut one), (10, false));
+        }
+        let msg: Vec<u8> = (0..150).map(|i| i as u8).collect();
+        assert!(out.put(&msg));
+        assert_eq!(inb.poll(), Next::Ring);
+        let mut two = [0u8; 200];
+        assert_eq!(inb.take(&mut two), (150, false));
+        assert_eq!(&two[..150], &msg[..]);
+        // Into a shorter buffer: what fits, the truncation, and both slots consumed.
+        assert!(out.put(&msg));
+        assert_eq!(inb.poll(), Next::Ring);
+        assert_eq!(inb.take(&mut two[..120]), (120, true));
+        assert_eq!(&two[..120], &msg[..120]);
+        assert!(out.put(&[9; 3]));
+        assert_eq!(inb.poll(), Next::Ring);
+        assert_eq!(inb.take(&mut one), (3, false));
+        // Longer than two slots: by MPI, numbered.
+        assert!(!out.put(&[0u8; 201]));
+        assert_eq!(inb.poll(), Next::Mpi);
+        inb.skip();
+        // One slot free: a message of two goes by MPI, a message of one into the slot.
+        for _ in 0..slots - 1 {
+            assert!(out.put(&[1; 8]));
+        }
+        assert!(!out.put(&msg));
+        assert!(out.put(&[2; 8]));
+        for _ in 0..slots - 1 {
+            assert_eq!(inb.poll(), Next::Ring);
+            inb.take(&mut one);
+        }
+        assert_eq!(inb.poll(), Next::Mpi);
+        inb.skip();
+        assert_eq!(inb.poll(), Next::Ring);
+        assert_eq!(inb.take(&mut one), (8, false));
+        assert_eq!(one[..8], [2; 8]);
+        // A channel's message takes one slot: longer ones go by MPI.
+        let (out, inb) = pair(100);
+        assert!(!out.put(&msg));
+        assert_eq!(inb.poll(), Next::Mpi);
     }
 
     #[test]
