@@ -297,10 +297,10 @@ fn expect_stream(
 
 /// A stream on a p2p link around the ring of ranks (the header path), which takes a ring in
 /// shared memory where both ranks share a node: one message (the receiver maps the ring
-/// at its first receive), 149 sent before any is received (the ring holds 63, the rest go
+/// at its first receive), 149 sent before any is received (the ring holds 64, the rest go
 /// by MPI), a window of 40, all in order; then a large tensor each way on the same link,
 /// its receive started before its send (under `ob1` a rendezvous: a receive left queued
-/// on the ring would leave both ranks waiting); then 20 tensors of 8 KiB (two slots of a
+/// on the ring would leave both ranks waiting); then 20 tensors of 16 KiB (four slots of a
 /// ring each), started before their receives, in order (the first by MPI, the link
 /// detached by the large receive; the rest through the ring once the receiver let its
 /// sender back). On a ring only within a node.
@@ -354,7 +354,7 @@ fn link_stream<C: Comm>(
         big_in.bytes() == tensor_of(DType::F32, left, BIG).bytes(),
         || format!("link stream: the large tensor from rank {left} differs"),
     );
-    let mid = |k: usize| tensor_of(DType::F32, k, 2048).named("link stream mid");
+    let mid = |k: usize| tensor_of(DType::F32, k, 4096).named("link stream mid");
     let mids: Vec<Tensor> = (0..20).map(|k| mid(r * 1000 + k)).collect();
     let mut sends = Sends::new(c);
     sends
@@ -369,7 +369,7 @@ fn link_stream<C: Comm>(
     }
     sends.wait_all().map_err(|x| e(&x))?;
     rep.expect(wrong.is_none(), || {
-        format!("link stream: 8 KiB message {wrong:?} from rank {left} differs")
+        format!("link stream: 16 KiB message {wrong:?} from rank {left} differs")
     });
     // A ring only within a node (the node names, swapped on a tag of their own).
     let mine = c.node_name().unwrap_or_default();

@@ -650,13 +650,17 @@ mod tests {
     }
 
     #[test]
-    fn tensors_of_two_slots_take_two_and_longer_ones_go_by_mpi() {
+    fn tensors_of_several_slots_take_them_and_longer_ones_go_by_mpi() {
         // 8 KiB tensors (whole messages too) take two slots each: all but the first come
-        // through the ring, in turn with the small first one, whichever started the link.
+        // through the ring, in turn with the small first one, whichever started the link;
+        // 32 KiB tensors take eight.
         let want: Vec<u8> = (0..20).map(|k| k as u8).collect();
         let two = 2 * MAX_BYTES;
         assert_eq!(stream(&[0, 0], 20, 16, two), (want.clone(), 2 * 19));
         assert_eq!(stream(&[0, 0], 20, two, two), (want.clone(), 2 * 19));
+        let eight = 8 * MAX_BYTES;
+        let want8: Vec<u8> = (0..8).map(|k| k as u8).collect();
+        assert_eq!(stream(&[0, 0], 8, 16, eight), (want8, 8 * 7));
         // 39 of them before the receiver takes any: 32 fill the ring, the rest by MPI,
         // in order.
         let want40: Vec<u8> = (0..40).map(|k| k as u8).collect();

@@ -67,14 +67,16 @@ pub const MAX_BYTES: usize = 4096;
 /// the ring for good).
 const LINK_BYTES: usize = MAX_BYTES + TAIL_ROOM;
 /// Slots a message on a link's ring may take, in turn (a channel's takes one): the whole
-/// message of a tensor of up to 8 KiB goes through the ring, each slot copied out while
+/// message of a tensor of up to 32 KiB goes through the ring, each slot copied out while
 /// the next is copied in. From 4 KiB `vader` moves a message by the kernel's single copy
 /// (`process_vm_readv`, a rendezvous), whose checks cost this VM about 1.5 us a message;
-/// two copies through a ring of 8 KiB slots (`benches/compare/shm_ring.c`) were 0.15x its
-/// latency and 8.7x its bandwidth with the VM's vCPUs in their fast phase and 1.06x and
-/// 1.93x in their slow one (`benches/results/2026-11-27-fourk.md`). Larger messages keep
-/// MPI's single copy until the slow phase says what two copies cost there.
-const LINK_CHUNKS: usize = 2;
+/// two copies through a ring (`benches/compare/shm_ring.c`) were 0.15-0.24x its latency
+/// and 8-8.8x its bandwidth at 8-32 KiB with the VM's vCPUs in their fast phase, and at
+/// 8 KiB 1.06x and 1.93x in their slow one (`benches/results/2026-11-27-fourk.md`); at
+/// 16-32 KiB the header path had read 1.02-1.06x plain MPI's latency over that copy. From
+/// 64 KiB the bytes outweigh the checks (0.98-1.03x there) and a message would take a
+/// quarter of the ring: MPI's single copy.
+const LINK_CHUNKS: usize = 8;
 /// Slots of a ring: OSU's window (and `mpiflow bench`'s), so that a window of small
 /// messages fits a ring whose receiver has not taken any yet. With 63 slots (a link's
 /// first jobs of `bench bw`) its receiver, slow at the first size while its caches and
@@ -672,8 +674,8 @@ mod tests {
         assert!(out.put(&[9; 3]));
         assert_eq!(inb.poll(), Next::Ring);
         assert_eq!(inb.take(&mut one), (3, false));
-        // Longer than two slots: by MPI, numbered.
-        assert!(!out.put(&[0u8; 201]));
+        // Longer than a link's message may be: by MPI, numbered.
+        assert!(!out.put(&vec![0u8; LINK_CHUNKS * 100 + 1]));
         assert_eq!(inb.poll(), Next::Mpi);
         inb.skip();
         // One slot free: a message of two goes by MPI, a message of one into the slot.
