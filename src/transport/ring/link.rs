@@ -13,15 +13,18 @@
 //!
 //! Receives keep MPI's order. A receive that starts (`immediate_`, or in a window) while
 //! its link may use the ring is queued, with where it lands, and done when it is waited
-//! on, or earlier, when a receive after it on the link is done (each in turn). A receive
-//! of a message longer than the ring's slots (which goes by MPI) is posted at once where
-//! it can be, so that two ranks that each start a receive of a large tensor and then send
-//! one cannot wait for each other: the receiver asks the sender to leave the ring
+//! on, or earlier, when a receive after it on the link is done (each in turn). An
+//! `immediate_` receive of a message longer than a slot (which its sender may send by MPI,
+//! as a rendezvous, when the ring is full) is posted at once where it can be, so that two
+//! ranks that each start a receive of a large tensor and then send one cannot wait for
+//! each other: the receiver asks the sender to leave the ring
 //! ([`Inbound::detach`]), and posts its MPI receive if no message from this one on can be
 //! in the ring; the sender stays off the ring (asked once for a run of large messages)
-//! until the link's next small receive after every receive so posted has completed.
-//! Otherwise (messages it expects are on the way through the ring, or small receives are
-//! queued before it), it is queued too.
+//! until the link's next blocking receive of what the ring carries after every receive so
+//! posted has completed. Otherwise (messages it expects are on the way through the ring,
+//! or small receives are queued before it), it is queued too. A blocking receive waits on
+//! the ring for any message the ring carries (it takes it whichever way it comes), and
+//! posts at once only for longer ones.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -33,8 +36,9 @@ use crate::transport::comm::{Comm, Completion, TransportError};
 use crate::transport::links::{link_key, KeyMap};
 use crate::transport::tags::Reserved;
 
-/// Whether a receive into a region of `region` bytes may be of a message longer than the
-/// slots of `geo` (which goes by MPI). A receive's region holds the message it expects and
+/// Whether a receive into a region of `region` bytes may be of a message longer than a
+/// slot of `geo` (which its sender may send by MPI's rendezvous: an `immediate_` receive of
+/// it is posted at once). A receive's region holds the message it expects and
 /// [`TAIL_ROOM`] bytes more (`Tensor::receive_region`, `Tensor::payload_region`), there
 /// to tell a longer message by its count: they do not make the receive large (counting
 /// them sent every receive of a 4 KiB tensor through a detach, at 0.7-1.0x plain MPI's

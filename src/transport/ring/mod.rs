@@ -8,9 +8,12 @@
 //! A single-producer single-consumer ring of slots in shared memory costs a copy in, a
 //! copy out and the cache lines that carry them: 0.15 us and 44-316 MB/s at 1-8 B
 //! (`benches/compare/shm_ring.c`, the same job alternating both; 0.45-0.65x the latency
-//! and 2-5x the bandwidth to 4 KiB). From about 8 KiB MPI's single copy (CMA) wins, so
-//! only tensors of at most [`MAX_BYTES`] take rings (a slot carries its message's length; a
-//! link's slots hold `LINK_BYTES`, the whole message of such a tensor).
+//! and 2-5x the bandwidth to 4 KiB). A channel's tensors of at most [`MAX_BYTES`] take
+//! rings, one slot a message (a slot carries its message's length); a link's slots hold
+//! `LINK_BYTES`, the whole message of such a tensor, and a link's message may take up to
+//! `LINK_CHUNKS` slots in turn (tensors of up to 32 KiB), where MPI's single copy (CMA,
+//! from 4 KiB under `vader`) costs more than two copies through a ring on the machines
+//! measured.
 //!
 //! A channel's rings are agreed in its opening (`pair`): each rank creates the ring it
 //! receives on (a POSIX shared-memory object, named in the opening handshake and unlinked
