@@ -413,8 +413,8 @@ impl LinkRings {
     }
 
     /// An MPI receive posted under a detach ([`Start::Detached`]) on the link from `src`
-    /// on `tag` completed: when none is left, the link's next small receive lets the
-    /// sender back onto the ring.
+    /// on `tag` completed: when none is left, the link's next blocking receive of what the
+    /// ring carries lets the sender back onto it.
     pub(crate) fn detached_done(&self, src: usize, tag: i32) {
         if let Some(r) = self.receiving.borrow_mut().get_mut(&link_key(src, tag)) {
             r.detached = r.detached.saturating_sub(1);
@@ -517,7 +517,8 @@ impl LinkRings {
 /// Whether a message longer than `inb`'s slots, the next one its receiver expects, may be
 /// received by an MPI receive posted now: no message from it on can be in the ring. It
 /// asks ([`Inbound::detach`], which asks once for a run of large receives: while receives
-/// posted under a detach are outstanding, or until a small receive, the detach holds),
+/// posted under a detach are outstanding, or until a blocking receive of what the ring
+/// carries, the detach holds),
 /// and where messages are on their way through the ring lets the sender use it again and
 /// says no.
 fn may_post_large(inb: &Inbound) -> bool {

@@ -460,7 +460,8 @@ impl Inbound {
         clear
     }
 
-    /// [`Inbound::reattach`] where a detach holds: before a small message is received.
+    /// [`Inbound::reattach`] where a detach holds: before a blocking receive of a message
+    /// the ring carries.
     #[inline(always)]
     fn back(&self) {
         if self.away.get() {
