@@ -20,16 +20,17 @@
 //! last payload; so the error still names both sides, and no message is misread.
 //! Receives therefore name their source (no `ANY_SOURCE`).
 //!
-//! Between two ranks of one node a link's messages of at most 4 KiB go through a ring in
+//! Between two ranks of one node a link's tensors of at most 32 KiB go through a ring in
 //! shared memory ([`super::ring`]; the sender offers it with the link's first message,
-//! the receiver maps it at its first receive): 0.4-0.8x plain MPI's latency and 1.3-3.4x
-//! its bandwidth here, in order with the link's larger messages, which go by MPI. So a
+//! the receiver maps it at its first receive; a tensor over 4 KiB takes several slots):
+//! 0.4-0.9x plain MPI's latency and 1.1-3.7x its bandwidth to 2 KiB here, 0.14-0.4x and
+//! 3-14x at 4-32 KiB, in order with the link's larger messages, which go by MPI. So a
 //! link owns its (peer, tag): plain MPI messages on the same tag between the same ranks
 //! are not seen by its receives, nor its messages by plain MPI receives. On a ring, an
-//! `immediate_` receive of a small tensor (or one started after it on its link) happens
-//! when it is waited on, or when a later receive on the link needs it done first; one of
-//! a larger tensor is posted at once (the link's small messages go by MPI until it
-//! completes).
+//! `immediate_` receive of a tensor of at most 4 KiB (or one started after it on its
+//! link) happens when it is waited on, or when a later receive on the link needs it done
+//! first; one of a larger tensor is posted at once (the link's messages go by MPI until
+//! its next blocking receive of what the ring carries, after it completed).
 //!
 //! Naming follows rsmpi: `send`/`receive_into` block; `immediate_send` and
 //! `immediate_receive_into` return requests, so several tensors can be in flight at once.
