@@ -48,6 +48,8 @@ pub(crate) struct Saver<'a, C: Comm> {
     pub who: Writers,
     pub dir: &'a Path,
     pub model: &'a Sequential,
+    /// Checkpoints kept, the newest (0: all).
+    pub keep: usize,
 }
 
 /// The model's variables: name and elements, in order.
@@ -175,7 +177,9 @@ pub(crate) fn write_with<C: Comm>(
             Ok(all) => {
                 let files: Vec<FileEntry> = all.into_iter().flatten().collect();
                 let meta = state::model_meta(&model.describe(), &variables(model));
-                checkpoint::commit(dir, step, &files, meta).map_err(|e| fail(&e))
+                let committed = checkpoint::commit(dir, step, &files, meta);
+                checkpoint::retain(dir, at.keep);
+                committed.map_err(|e| fail(&e))
             }
             Err(e) => Err(fail(&e)),
         };

@@ -351,6 +351,7 @@ pub fn run<C: Comm>(
             who: writers,
             dir,
             model,
+            keep: cfg.train.keep_checkpoints,
         });
         let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
             (Some(ps), Some((sub, Some(roles)))) => {

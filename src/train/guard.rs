@@ -35,14 +35,29 @@ pub enum NonFinite {
         #[serde(default)]
         whose: String,
     },
+    /// Gradients a rank computed and applies itself held a non-finite value: the ranks
+    /// agree on the count ([`crate::train::engine::StepWord`]), not on the tensor.
+    #[error("a gradient holds a non-finite value at step {step}{whose}: training stopped before applying it (no checkpoint follows it: lower --lr and resume from the newest)")]
+    Gradients {
+        step: u64,
+        #[serde(default)]
+        whose: String,
+    },
 }
 
 impl NonFinite {
+    /// Where it was seen (` on 2 of 4 replicas`), or empty.
+    fn whose(&mut self) -> &mut String {
+        match self {
+            NonFinite::Loss { whose, .. }
+            | NonFinite::Gradient { whose, .. }
+            | NonFinite::Gradients { whose, .. } => whose,
+        }
+    }
+
     /// The same finding, said to be seen `whose` (` on 2 of 3 workers`).
     pub fn seen(mut self, on: String) -> NonFinite {
-        match &mut self {
-            NonFinite::Loss { whose, .. } | NonFinite::Gradient { whose, .. } => *whose = on,
-        }
+        *self.whose() = on;
         self
     }
 }

@@ -16,6 +16,7 @@
 pub mod allreduce;
 pub mod checkpoint;
 pub mod data;
+pub mod engine;
 pub mod events;
 pub mod guard;
 pub mod optim;
@@ -25,15 +26,13 @@ pub mod server;
 pub mod sidecar;
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use data::{Batches, Dataset};
 use events::Event;
-use optim::{Optimizer, OptimizerKind, Slots};
+use optim::{Optimizer, OptimizerKind};
 
 use crate::model::{Model, ModelError, Replica};
-use crate::observe::phases::{Clock, Phase, RankTimes};
-use crate::observe::timeline::{self, Detail};
+use crate::observe::phases::RankTimes;
 
 /// How to train, in every mode (the model is given apart: every mode trains any model;
 /// a mode's own settings wrap this, as [`ps::PsConfig`] and [`allreduce::AllreduceConfig`]).
@@ -54,6 +53,11 @@ pub struct TrainConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoint every this many global steps (0: only at the end).
     pub checkpoint_every: u64,
+    /// Checkpoint at least this often, too.
+    pub checkpoint_every_secs: Option<std::time::Duration>,
+    /// Keep the newest this many checkpoints, removing older ones (0: keep all);
+    /// TensorFlow's `max_to_keep`.
+    pub keep_checkpoints: usize,
     /// The chief writes the final parameters here (the checkpoint file format).
     pub save_params: Option<PathBuf>,
     /// Stop at the next step boundary once SIGTERM, SIGINT or SIGUSR1 was noted
@@ -74,6 +78,8 @@ impl Default for TrainConfig {
             log_every: 250,
             checkpoint_dir: None,
             checkpoint_every: 500,
+            checkpoint_every_secs: None,
+            keep_checkpoints: 5,
             save_params: None,
             stop_on_signal: false,
             towers: 1,
@@ -277,115 +283,44 @@ pub fn initial_replica<'m>(
 /// `log_every`-th step and the checkpoints. With `checkpoint_dir` it resumes from
 /// the newest valid checkpoint there (any mode's) and checkpoints every
 /// `checkpoint_every` steps and at the end; with `save_params` it writes the final
-/// parameters.
+/// parameters. A thin loop over an [`engine::Session`] of the [`engine::Local`] strategy.
 pub fn train_local<'m>(
     model: &'m dyn Model,
     cfg: &TrainConfig,
     train: &Dataset,
     test: &Dataset,
     events: &mut dyn FnMut(&Event),
-) -> Result<TrainReport<'m>, FinishError> {
-    let mut model = initial_replica(model, train, cfg.seed)?;
-    let opt = cfg.optimizer;
-    let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
-    let vars = model.variables();
-    let mut first = 0;
-    if let Some(dir) = &cfg.checkpoint_dir {
-        if let Some(state) = checkpoint::state::restore(dir, &vars, events)? {
-            state.apply_to(&mut model, &mut slots, &opt);
-            first = state.step;
-        }
-    }
-    let mut grads = model.zeros_like();
-    let mut towers = crate::model::towers::Towers::new(cfg.towers);
-    let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
-    let start = Instant::now();
-    // The log window: its steps and its length.
-    let mut clock = Clock::new();
-    let mut loss = f32::NAN;
-    let mut last_saved = first;
-    for step in first..cfg.steps {
-        if let Some(signal) = crate::signals::stop_requested_if(cfg.stop_on_signal) {
-            let mut checkpoint = None;
-            if let Some(dir) = &cfg.checkpoint_dir {
-                checkpoint = Some(checkpoint::path_of(dir, step));
-            }
-            if let (Some(dir), true) = (&cfg.checkpoint_dir, step > last_saved) {
-                let path = checkpoint::State::of_replica(&model, &slots, step).write(
-                    dir,
-                    &model.model.describe(),
-                    &vars,
-                )?;
-                events(&Event::Checkpoint {
-                    path: path.clone(),
-                    step,
-                });
-                checkpoint = Some(path);
-            }
-            return Err(Stopped {
-                signal: crate::signals::name(signal),
-                step,
-                checkpoint,
-            }
-            .into());
-        }
-        let (x, y) = train.rows(&batches.global(step));
-        let t = Instant::now();
-        loss = towers.gradients_into(&model, &x, &y, &mut grads)?;
-        guard::check_step(step, loss, &grads)?;
-        for ((p, g), s) in model.params.iter_mut().zip(&grads).zip(&mut slots) {
-            opt.apply(
-                p.as_mut_slice::<f32>().expect("f32"),
-                g.as_slice::<f32>().expect("f32"),
-                s,
-            );
-        }
-        clock.since_as(Phase::Compute, t, "step", Detail::at(step));
-        clock.steps(1);
-        let done = step + 1;
-        if cfg.log_every > 0 && done % cfg.log_every == 0 {
-            let times = clock.take();
-            let secs = times.total().max(1e-9);
-            events(&Event::Step(StepLog {
-                step: done,
-                loss,
-                steps_per_sec: times.steps as f64 / secs,
-                samples_per_sec: (times.steps * cfg.batch as u64) as f64 / secs,
-                comm_fraction: None,
-                ranks: vec![RankTimes {
-                    rank: 0,
-                    task: "local".into(),
-                    times,
-                }],
-            }));
-        }
-        let due = cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0;
-        if let (Some(dir), true) = (&cfg.checkpoint_dir, due || done == cfg.steps) {
-            let t = Instant::now();
-            let path = checkpoint::State::of_replica(&model, &slots, done).write(
-                dir,
-                &model.model.describe(),
-                &vars,
-            )?;
-            timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(done));
-            events(&Event::Checkpoint { path, step: done });
-            last_saved = done;
-        }
-    }
-    let secs = start.elapsed().as_secs_f64().max(1e-9);
-    let accuracy = model.accuracy(&test.x, &test.y)?;
-    if let Some(p) = &cfg.save_params {
-        save_params(&model, p, cfg.steps.max(first))?;
-    }
-    let trained = cfg.steps.saturating_sub(first);
+) -> Result<TrainReport<'m>, engine::TrainError> {
+    crate::model::check_data(model, "train", train.features, train.classes)?;
+    let mut sess = engine::Session::with_events(engine::Local::new(model, cfg)?, cfg, events)?;
+    fit(&mut sess, cfg, train)?;
+    let trained = sess.close()?;
+    let accuracy = trained.replica.accuracy(&test.x, &test.y)?;
     Ok(TrainReport {
-        steps: cfg.steps.max(first),
-        final_loss: loss,
+        steps: trained.step,
+        final_loss: trained.loss,
         accuracy,
         test_samples: test.len(),
-        samples_per_sec: (trained * cfg.batch as u64) as f64 / secs,
-        model,
+        samples_per_sec: trained.samples_per_sec,
+        model: trained.replica,
     })
+}
+
+/// Trains in `sess` on `train` until it stops: each rank's share of each global batch
+/// (`cfg.batch` samples in `cfg.seed`'s order). The loop of the built-in modes.
+pub fn fit<'m, S: engine::Strategy<'m>>(
+    sess: &mut engine::Session<'m, '_, S>,
+    cfg: &TrainConfig,
+    train: &Dataset,
+) -> Result<(), engine::TrainError> {
+    let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
+    let (n, i) = sess.ranks();
+    while !sess.should_stop() {
+        let global = batches.global(sess.global_step());
+        let (x, y) = train.rows(data::shard(&global, i, n));
+        sess.run(&x, &y)?;
+    }
+    Ok(())
 }
 
 /// Test support: the largest relative difference (`|a - b| / (1 + |a|)`) between `model`'s

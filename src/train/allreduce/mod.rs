@@ -15,30 +15,34 @@
 //! at most `fusion.threshold_bytes`, by `fusion.algorithm`: `mpiflow train
 //! --fusion-threshold --allreduce-algorithm`; a threshold of 1 byte reduces them one by
 //! one), or with `overlap` layer by layer during the backward pass, on a communication
-//! thread. Each replica's word on the step (its loss, a non-finite loss, a stop signal)
-//! is summed in the same reduction, so every replica reaches the same verdict without a
-//! message of its own. The chief logs once what a step's reduction takes (allreduce calls
-//! and bytes).
+//! thread. Each replica's [`StepWord`] (its loss, a non-finite loss, a stop signal, a
+//! hook's request) is summed in the same reduction, so every replica reaches the same
+//! verdict without a message of its own. The chief logs once what a step's reduction takes
+//! (allreduce calls and bytes).
+//!
+//! [`Allreduce`] is the mode's [`Strategy`]: a program drives it in a
+//! [`Session`](crate::train::engine::Session); [`run`] is the command line's loop over one.
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 mod reducer;
 
 use super::checkpoint::{self, State};
-use super::data::{shard, Batches, Dataset};
+use super::data::Dataset;
+use super::engine::{Session, StepWord, Strategy, TrainError};
 use super::events::Event;
-use super::guard;
-use super::optim::Slots;
-use super::{StepLog, TrainConfig};
+use super::optim::{Optimizer, Slots};
+use super::TrainConfig;
 use crate::cluster::Layout;
+use crate::model::towers::Towers;
 use crate::model::{Model, Replica};
 use crate::observe::phases::{self, Clock, Phase, RankTimes, Times};
 use crate::observe::stall::{self, Wait};
-use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
-use crate::transport::fusion::{FusionConfig, FusionError};
+use crate::transport::fusion::FusionConfig;
 use crate::transport::{Collectives, Comm, TransportError};
-use reducer::{Reducer, Verdict};
+use reducer::Reducer;
 
 /// Settings of allreduce training.
 #[derive(Debug, Clone)]
@@ -70,50 +74,6 @@ impl Default for AllreduceConfig {
     }
 }
 
-/// Errors of allreduce training.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AllreduceError {
-    #[error("{0}")]
-    Transport(#[from] TransportError),
-    #[error("{0}")]
-    Fusion(#[from] FusionError),
-    #[error("{0}")]
-    Checkpoint(#[from] checkpoint::CheckpointError),
-    #[error(
-        "replicas diverged at step {step}: rank {rank}'s parameters differ from rank {first}'s"
-    )]
-    Diverged {
-        step: u64,
-        rank: usize,
-        first: usize,
-    },
-    #[error("{0}")]
-    NonFinite(#[from] guard::NonFinite),
-    #[error("{0}")]
-    Stopped(#[from] super::Stopped),
-    #[error("{0}")]
-    Setup(String),
-    /// The replicas hold different models (every replica raises it).
-    #[error("{0}")]
-    Models(String),
-    #[error("{0}")]
-    Sidecar(#[from] crate::train::sidecar::SidecarError),
-}
-
-impl AllreduceError {
-    /// True for an error every replica raises at the same step (a non-finite value among
-    /// the reduced ones, diverged parameters), so no replica is left waiting on another.
-    pub fn is_agreed(&self) -> bool {
-        matches!(
-            self,
-            AllreduceError::NonFinite(_)
-                | AllreduceError::Diverged { .. }
-                | AllreduceError::Stopped(_)
-                | AllreduceError::Models(_)
-        )
-    }
-}
-
 fn params_checksum(model: &Replica<'_>) -> u64 {
     model
         .params
@@ -121,8 +81,232 @@ fn params_checksum(model: &Replica<'_>) -> u64 {
         .fold(0, |h, p| checkpoint::checksum(p.bytes()) ^ h.rotate_left(7))
 }
 
+/// Synchronous replicas: the strategy of allreduce training, on the ranks of `C` that
+/// train together (every rank of the communicator it is given).
+pub struct Allreduce<'m, C: Comm> {
+    coll: Collectives<C>,
+    layout: Layout,
+    world_rank: usize,
+    replica: Replica<'m>,
+    opt: Optimizer,
+    slots: Vec<Slots>,
+    grads: Vec<Tensor>,
+    towers: Towers,
+    reducer: Reducer,
+    /// The gradients' names, as a stall report says them.
+    what: Arc<str>,
+    cfg: AllreduceConfig,
+    /// The global batch of the step being taken (what the summed gradients divide by).
+    samples: f32,
+    /// The first step's note (what a step's reduction takes) is said.
+    noted: bool,
+}
+
+impl<'m, C: Comm + Send + 'static> Allreduce<'m, C> {
+    /// The replica of `model` on this rank of `replicas` (every rank of it trains);
+    /// `layout` names the ranks by task (`world_rank`: this rank's in it). Every replica
+    /// must hold the same model: one that differs stops all with one line naming it.
+    pub fn new(
+        replicas: C,
+        layout: &Layout,
+        world_rank: usize,
+        model: &'m dyn Model,
+        cfg: &AllreduceConfig,
+    ) -> Result<Self, TrainError> {
+        let coll = Collectives::new(replicas);
+        super::agree_on_model(&coll, model, |i| format!("replica {i}"))?
+            .map_err(TrainError::Models)?;
+        let comm_thread = match cfg.overlap {
+            true => Some(coll.comm().split(0, coll.rank())?),
+            false => None,
+        };
+        let replica = Replica::new(model, cfg.train.seed);
+        let opt = cfg.train.optimizer;
+        let names = model.parameters();
+        Ok(Allreduce {
+            reducer: Reducer::new(comm_thread, &replica, cfg.fusion),
+            what: stall::tensors_label(names.iter().map(|p| p.name.as_str())),
+            slots: replica
+                .params
+                .iter()
+                .map(|p| opt.state(p.numel()))
+                .collect(),
+            grads: replica.zeros_like(),
+            towers: Towers::new(cfg.train.towers),
+            layout: layout.clone(),
+            coll,
+            world_rank,
+            replica,
+            opt,
+            cfg: cfg.clone(),
+            samples: 0.0,
+            noted: false,
+        })
+    }
+}
+
+impl<C: Comm> Allreduce<'_, C> {
+    /// The chief's note on what a step's reduction takes, after the first step.
+    fn note(&mut self, stats: crate::transport::fusion::FusionStats) -> Event {
+        self.noted = true;
+        let how = if self.cfg.overlap {
+            "one per layer, overlapped".to_string()
+        } else {
+            format!("fused up to {} bytes", self.cfg.fusion.threshold_bytes)
+        };
+        let algorithm = crate::named::Named::name(self.cfg.fusion.algorithm);
+        let bytes = self.grads.iter().map(Tensor::nbytes).sum::<usize>();
+        Event::Note(format!(
+            "gradients: {} tensors, {bytes} bytes (and the step's {}-byte word), \
+             allreduce calls per step: {} ({how}, algorithm {algorithm}, {} replicas)",
+            self.grads.len(),
+            stats.bytes - bytes,
+            stats.messages,
+            self.coll.size(),
+        ))
+    }
+}
+
+impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
+    fn ranks(&self) -> (usize, usize) {
+        (self.coll.size(), self.coll.rank())
+    }
+
+    fn replica(&self) -> &Replica<'m> {
+        &self.replica
+    }
+
+    fn into_replica(self) -> Replica<'m> {
+        self.replica
+    }
+
+    /// The chief's starting point (fresh or restored, from any mode's checkpoint) goes to
+    /// every replica.
+    fn start(
+        &mut self,
+        restored: Option<State>,
+        _: &mut dyn FnMut(&Event),
+    ) -> Result<u64, TrainError> {
+        let vars = self.replica.variables();
+        let mut start_bytes = Vec::new();
+        if self.coll.rank() == 0 {
+            let start =
+                restored.unwrap_or_else(|| State::of_replica(&self.replica, &self.slots, 0));
+            start_bytes = checkpoint::encode(&start.arrays(&vars));
+        }
+        let start = self.coll.bcast_varlen(start_bytes, 0)?;
+        let at = std::path::Path::new("<broadcast>");
+        let arrays = checkpoint::parse(at, &start, None)?;
+        let state = State::assemble(at, &[arrays], &vars)?;
+        state.apply_to(&mut self.replica, &mut self.slots, &self.opt);
+        Ok(state.step)
+    }
+
+    /// Sum of (mean gradient x samples) over replicas, over the global batch: exact.
+    fn gradients(
+        &mut self,
+        step: u64,
+        x: &[f32],
+        y: &[u8],
+        mut word: StepWord,
+        clock: &mut Clock,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<StepWord, TrainError> {
+        let t = Instant::now();
+        let (secs, stats) = self.reducer.step(
+            &self.coll,
+            (&self.replica, &mut self.towers),
+            &self.what,
+            (x, y),
+            &mut self.grads,
+            step,
+            &mut word,
+        )?;
+        let comm = Duration::from_secs_f64(secs);
+        clock.charge(Phase::Comm, comm);
+        clock.charge(Phase::Compute, t.elapsed().saturating_sub(comm));
+        if !self.noted && self.coll.rank() == 0 {
+            events(&self.note(stats));
+        }
+        self.noted = true;
+        self.samples = word.samples;
+        Ok(word)
+    }
+
+    fn pending(&self) -> &[Tensor] {
+        &self.grads
+    }
+
+    fn apply(&mut self, _: u64) -> Result<(), TrainError> {
+        let total = self.samples.max(1.0);
+        for g in &mut self.grads {
+            let g = g.as_mut_slice::<f32>().expect("f32");
+            g.iter_mut().for_each(|v| *v /= total);
+        }
+        super::engine::local::apply_optimizer(
+            &mut self.replica,
+            &self.grads,
+            &self.opt,
+            &mut self.slots,
+        );
+        Ok(())
+    }
+
+    fn after_step(&mut self, done: u64) -> Result<(), TrainError> {
+        let w = self.coll.rank();
+        if done == 1 && self.cfg.perturb_rank == Some(w) {
+            self.replica.params[0].as_mut_slice::<f32>().expect("f32")[0] += 1e-3;
+        }
+        let every = self.cfg.check_every;
+        if every == 0 || !done.is_multiple_of(every) {
+            return Ok(());
+        }
+        let sums = {
+            let _wait = gathering(done, "parameter checksums", 8);
+            let sum = params_checksum(&self.replica);
+            self.coll.allgather_varlen(&sum.to_le_bytes())?
+        };
+        match sums.iter().position(|s| *s != sums[0]) {
+            Some(rank) => Err(TrainError::Diverged {
+                step: done,
+                rank,
+                first: 0,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn state(&mut self, step: u64) -> Result<State, TrainError> {
+        Ok(State::of_replica(&self.replica, &self.slots, step))
+    }
+
+    fn sum(&mut self, values: &mut [f64]) -> Result<(), TrainError> {
+        if self.coll.size() < 2 {
+            return Ok(());
+        }
+        let mut t = Tensor::from_slice(&[values.len()], values)?;
+        let algorithm = crate::transport::Algorithm::Auto;
+        self.coll
+            .allreduce_tensor(&mut t, crate::transport::ReduceOp::Sum, algorithm)?;
+        values.copy_from_slice(t.as_slice::<f64>()?);
+        Ok(())
+    }
+
+    fn window(&mut self, step: u64, mine: Times) -> Result<Vec<RankTimes>, TrainError> {
+        Ok(gather_times(
+            &self.coll,
+            &self.layout,
+            self.world_rank,
+            mine,
+            step,
+        )?)
+    }
+}
+
 /// Runs this rank's part of allreduce training; `events` sees what the chief reports.
-pub fn run<C: Comm + Send>(
+/// Ranks of other jobs than the workers take no part: an evaluator evaluates the chief's
+/// checkpoints, the others idle with a warning.
+pub fn run<C: Comm + Send + 'static>(
     comm: &C,
     layout: &Layout,
     model: &dyn Model,
@@ -130,7 +314,7 @@ pub fn run<C: Comm + Send>(
     train: &Dataset,
     test: &Dataset,
     events: &mut dyn FnMut(&Event),
-) -> Result<(), AllreduceError> {
+) -> Result<(), TrainError> {
     let me = &layout.ranks[comm.rank()];
     let worker_id = layout.spec.worker_id(&me.task);
     let sub = comm.split(
@@ -153,174 +337,14 @@ pub fn run<C: Comm + Send>(
     // Dropped on every way out of training: the evaluators then end.
     let evaluators = crate::train::sidecar::evaluators(layout);
     let _end = crate::train::sidecar::EndNotice::by(worker_id == Some(0), comm, evaluators, dir);
-    let coll = Collectives::new(sub);
-    super::agree_on_model(&coll, model, |i| format!("replica {i}"))?
-        .map_err(AllreduceError::Models)?;
-    let (w, nw) = (coll.rank(), coll.size());
-    let chief = w == 0;
-    let mut model = super::initial_replica(model, train, cfg.train.seed)
-        .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-    let opt = cfg.train.optimizer;
-    let mut slots: Vec<Slots> = model.params.iter().map(|p| opt.state(p.numel())).collect();
-    let mut step = 0u64;
-
-    // The chief's starting point (fresh or restored, from any mode's checkpoint) goes to
-    // every replica.
-    let vars = model.variables();
-    let mut start_bytes = Vec::new();
-    if chief {
-        let restored = match &cfg.train.checkpoint_dir {
-            Some(dir) => checkpoint::state::restore(dir, &vars, events)?,
-            None => None,
-        };
-        let start = restored.unwrap_or_else(|| State::of_replica(&model, &slots, 0));
-        start_bytes = checkpoint::encode(&start.arrays(&vars));
-    }
-    let start = coll.bcast_varlen(start_bytes, 0)?;
-    let arrays = checkpoint::parse(std::path::Path::new("<broadcast>"), &start, None)?;
-    let state = State::assemble(std::path::Path::new("<broadcast>"), &[arrays], &vars)?;
-    state.apply_to(&mut model, &mut slots, &opt);
-    step = step.max(state.step);
-
-    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
-    let mut grads: Vec<Tensor> = model.zeros_like();
-    let names = model.model.parameters();
-    let what = stall::tensors_label(names.iter().map(|p| p.name.as_str()));
-    let comm_thread = if cfg.overlap {
-        Some(coll.comm().split(0, w)?)
-    } else {
-        None
-    };
-    std::thread::scope(|scope| -> Result<(), AllreduceError> {
-        let mut reducer = Reducer::new(scope, comm_thread, &model, cfg.fusion);
-        let mut towers = crate::model::towers::Towers::new(cfg.train.towers);
-        let mut last_ckpt = step;
-        // The log window: its steps, its time in the gradient allreduce, its length.
-        let mut clock = Clock::new();
-        let mut verdict = Verdict::new();
-        while step < cfg.train.steps {
-            let global = batches.global(step);
-            let mine = shard(&global, w, nw);
-            let (x, y) = train.rows(mine);
-            // Sum of (mean gradient x samples) over replicas, over the global batch: exact.
-            let first = step == state.step;
-            verdict.signal = crate::signals::stop_requested_if(cfg.train.stop_on_signal);
-            let t = Instant::now();
-            verdict.step = step;
-            let (secs, stats) = reducer.step(
-                &coll,
-                (&model, &mut towers),
-                &what,
-                (&x, &y),
-                &mut grads,
-                &mut verdict,
-            )?;
-            let reduced = Instant::now();
-            let comm_time = std::time::Duration::from_secs_f64(secs);
-            clock.charge(Phase::Comm, comm_time);
-            if first && chief {
-                let how = if cfg.overlap {
-                    "one per layer, overlapped".to_string()
-                } else {
-                    format!("fused up to {} bytes", cfg.fusion.threshold_bytes)
-                };
-                let algorithm = crate::named::Named::name(cfg.fusion.algorithm);
-                events(&Event::Note(format!(
-                    "gradients: {} tensors, {} bytes (and the step's {}-byte verdict), \
-                     allreduce calls per step: {} ({how}, algorithm {algorithm}, {nw} replicas)",
-                    grads.len(),
-                    grads.iter().map(Tensor::nbytes).sum::<usize>(),
-                    stats.bytes - grads.iter().map(Tensor::nbytes).sum::<usize>(),
-                    stats.messages,
-                )));
-            }
-            let (nan, inf) = verdict.non_finite();
-            let stop = verdict.stop().map(crate::signals::name);
-            if nan + inf > 0 {
-                let value = if nan > 0 { f32::NAN } else { f32::INFINITY };
-                let whose = format!(" on {} of {nw} replicas", nan + inf);
-                guard::check_loss(step, value, whose)?;
-            }
-            // The reduced gradients are the same on every replica: so is the verdict.
-            guard::check_gradients(step, &grads)?;
-            let total = global.len() as f32;
-            for ((p, g), s) in model.params.iter_mut().zip(&mut grads).zip(&mut slots) {
-                let g = g.as_mut_slice::<f32>().expect("f32");
-                g.iter_mut().for_each(|v| *v /= total);
-                opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
-            }
-            clock.charge(Phase::Compute, t.elapsed().saturating_sub(comm_time));
-            timeline::span(
-                "update",
-                "compute",
-                reduced,
-                Instant::now(),
-                Detail::at(step),
-            );
-            clock.steps(1);
-            step += 1;
-            if step == 1 && cfg.perturb_rank == Some(w) {
-                model.params[0].as_mut_slice::<f32>().expect("f32")[0] += 1e-3;
-            }
-            if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
-                let sums = {
-                    let _wait = gathering(step, "parameter checksums", 8);
-                    coll.allgather_varlen(&params_checksum(&model).to_le_bytes())?
-                };
-                if let Some(rank) = sums.iter().position(|s| *s != sums[0]) {
-                    return Err(AllreduceError::Diverged {
-                        step,
-                        rank,
-                        first: 0,
-                    });
-                }
-            }
-            let every = cfg.train.log_every;
-            if every > 0 && step.is_multiple_of(every) {
-                // Every replica's window, to the chief (all of them log at this step).
-                let mine = clock.take();
-                let ranks = gather_times(&coll, layout, comm.rank(), mine, step)?;
-                if chief {
-                    let log =
-                        StepLog::of_window(step, verdict.loss(), &mine, cfg.train.batch, ranks);
-                    events(&Event::Step(log));
-                }
-            }
-            if chief
-                && cfg.train.checkpoint_every > 0
-                && step.is_multiple_of(cfg.train.checkpoint_every)
-                && step < cfg.train.steps
-            {
-                write_checkpoint(cfg, &model, &slots, step, events)?;
-                last_ckpt = step;
-            }
-            if let Some(signal) = stop {
-                // Every replica stops after the same step; the chief keeps it.
-                let mut checkpoint = cfg
-                    .train
-                    .checkpoint_dir
-                    .as_deref()
-                    .map(|d| checkpoint::path_of(d, step));
-                if chief && last_ckpt != step {
-                    checkpoint = write_checkpoint(cfg, &model, &slots, step, events)?;
-                }
-                return Err(super::Stopped {
-                    signal,
-                    step,
-                    checkpoint,
-                }
-                .into());
-            }
-        }
-        if chief {
-            if last_ckpt != step {
-                write_checkpoint(cfg, &model, &slots, step, events)?;
-            }
-            super::finish(&model, test, step, cfg.train.save_params.as_deref(), events)
-                .map_err(|e| AllreduceError::Setup(e.to_string()))?;
-        }
-        Ok(())
-    })
+    crate::model::check_data(model, "train", train.features, train.classes)
+        .map_err(|e| TrainError::Setup(e.to_string()))?;
+    let strategy = Allreduce::new(sub, layout, comm.rank(), model, cfg)?;
+    let mut sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    super::fit(&mut sess, &cfg.train, train)?;
+    sess.evaluate(test)?;
+    sess.close()?;
+    Ok(())
 }
 
 /// Marks this rank as waiting in an allgather of `step` (`what` it gathers, `bytes` of its
@@ -373,27 +397,6 @@ pub(crate) fn gather_times<C: Comm>(
             times,
         })
         .collect())
-}
-
-fn write_checkpoint(
-    cfg: &AllreduceConfig,
-    model: &Replica<'_>,
-    slots: &[Slots],
-    step: u64,
-    events: &mut dyn FnMut(&Event),
-) -> Result<Option<std::path::PathBuf>, AllreduceError> {
-    let Some(dir) = &cfg.train.checkpoint_dir else {
-        return Ok(None);
-    };
-    let vars = model.variables();
-    let t = Instant::now();
-    let path = State::of_replica(model, slots, step).write(dir, &model.model.describe(), &vars)?;
-    timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(step));
-    events(&Event::Checkpoint {
-        path: path.clone(),
-        step,
-    });
-    Ok(Some(path))
 }
 
 #[cfg(test)]
@@ -459,7 +462,7 @@ mod tests {
                     _ => 1,
                 };
                 let said = format!(
-                    "tensors, {} bytes (and the step's 24-byte verdict), allreduce calls per \
+                    "tensors, {} bytes (and the step's 28-byte word), allreduce calls per \
                      step: {calls} (",
                     4 * (64 * 128 + 128 + 128 * 10 + 10)
                 );

@@ -350,6 +350,30 @@ pub fn commit(
     Ok(fin)
 }
 
+/// Removes all but the newest `keep` committed checkpoints in `dir` (0: keeps all), and
+/// staging directories older than the newest checkpoint (a crash's leftovers). A failure
+/// to remove one leaves it: the next commit tries again.
+pub fn retain(dir: &Path, keep: usize) {
+    let listed = listed(dir);
+    let newest = listed.first().map(|(s, _)| *s);
+    if keep > 0 {
+        for (_, old) in listed.iter().skip(keep) {
+            let _ = fs::remove_dir_all(old);
+        }
+    }
+    let Some(newest) = newest else { return };
+    for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let step = name
+            .strip_prefix(".ckpt-")
+            .and_then(|s| s.strip_suffix(".tmp"))
+            .and_then(|s| s.parse::<u64>().ok());
+        if step.is_some_and(|s| s < newest) {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// A verified checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Found {
@@ -483,6 +507,33 @@ mod tests {
             "{e}"
         );
         assert_eq!(read_file(&path, None).unwrap(), arrays(20));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn only_the_newest_checkpoints_are_kept() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-keep-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        // A crash's staging directory before the newest, and one being written after it.
+        begin(&dir, 15).unwrap();
+        for step in [10, 20, 30, 40] {
+            let tmp = begin(&dir, step).unwrap();
+            let (b, c) = write_file(&tmp.join("f.bin"), &arrays(step)).unwrap();
+            commit(&dir, step, &[("f.bin".into(), b, c)], json!({})).unwrap();
+        }
+        begin(&dir, 50).unwrap();
+        retain(&dir, 0);
+        assert_eq!(listed(&dir).len(), 4, "0 keeps all");
+        retain(&dir, 2);
+        let steps: Vec<u64> = listed(&dir).iter().map(|(s, _)| *s).collect();
+        assert_eq!(steps, [40, 30]);
+        assert!(!staging_dir(&dir, 15).exists());
+        assert!(
+            staging_dir(&dir, 50).exists(),
+            "a newer one is being written"
+        );
+        assert_eq!(latest(&dir).0.unwrap().step, 40);
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -63,6 +63,8 @@ pub struct SessionOptions {
     pub checkpoint_every_steps: u64,
     /// Checkpoint hook: at least this often.
     pub checkpoint_every_secs: Option<Duration>,
+    /// Keep the newest this many checkpoints (0: all).
+    pub keep_checkpoints: usize,
     /// Logging hook: every this many global steps (0: never).
     pub log_every: u64,
     /// How long to wait for a ps before calling it lost.
@@ -86,6 +88,7 @@ impl Default for SessionOptions {
             stop_at_step: None,
             checkpoint_every_steps: 0,
             checkpoint_every_secs: None,
+            keep_checkpoints: 5,
             log_every: 0,
             peer_timeout: Duration::from_secs(60),
             stop_on_signal: false,
@@ -504,7 +507,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let Some(dir) = self.opts.checkpoint_dir.clone() else {
             return Ok(());
         };
-        let step = self.step;
+        let (step, keep) = (self.step, self.opts.keep_checkpoints);
         let meta = crate::train::checkpoint::state::model_meta(
             &self.replica.model.describe(),
             &self.replica.variables(),
@@ -513,7 +516,7 @@ impl<'s, 'e, C: Comm> MonitoredSession<'s, 'e, C> {
         let written = crate::train::checkpoint::begin(&dir, step)
             .map_err(PsError::from)
             .and_then(|tmp| self.client.save(&tmp))
-            .and_then(|files| shards::commit(&dir, step, &files, meta));
+            .and_then(|files| shards::commit(&dir, step, &files, meta, keep));
         let written = written.map_err(|e| match e {
             // Disk errors, here or on a ps (its error names its shard file).
             PsError::Checkpoint(e) => {

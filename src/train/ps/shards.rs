@@ -33,14 +33,17 @@ pub fn newest(
 
 /// The chief's last act of a checkpoint: the manifest over every ps's shard file (name,
 /// bytes, checksum) and the model's description (`meta`, from
-/// [`checkpoint::state::model_meta`]), committed atomically; the event that says so.
+/// [`checkpoint::state::model_meta`]), committed atomically (the newest `keep` kept: [`checkpoint::retain`]); the event that
+/// says so.
 pub fn commit(
     dir: &Path,
     step: u64,
     files: &[(String, u64, u64)],
     meta: serde_json::Value,
+    keep: usize,
 ) -> Result<Event, PsError> {
     let path = checkpoint::commit(dir, step, files, meta)?;
+    checkpoint::retain(dir, keep);
     Ok(Event::Checkpoint { path, step })
 }
 

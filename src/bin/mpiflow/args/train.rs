@@ -51,6 +51,10 @@ pub(crate) struct TrainArgs {
     /// Checkpoint every N global steps (and at the end; 0: at the end only).
     #[arg(long, default_value_t = 500)]
     pub(crate) checkpoint_every: u64,
+    /// Keep the newest N checkpoints in --checkpoint-dir, removing older ones (0: keep
+    /// all).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) keep_checkpoints: usize,
     /// Seconds without a message from a needed peer before it counts as lost.
     #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) peer_timeout: u64,
@@ -173,6 +177,8 @@ impl TrainArgs {
             log_every: self.log_every,
             checkpoint_dir: self.checkpoint_dir.clone(),
             checkpoint_every: self.checkpoint_every,
+            checkpoint_every_secs: None,
+            keep_checkpoints: self.keep_checkpoints,
             save_params: self.save_params.clone(),
             stop_on_signal: true,
             towers: self.towers,
@@ -210,6 +216,7 @@ impl TrainArgs {
             ("--partition-bytes", self.partition_bytes.to_string()),
             ("--checkpoint-dir", path(&self.checkpoint_dir)),
             ("--checkpoint-every", self.checkpoint_every.to_string()),
+            ("--keep-checkpoints", self.keep_checkpoints.to_string()),
             ("--peer-timeout", self.peer_timeout.to_string()),
             ("--overlap", self.overlap.to_string()),
             ("--fusion-threshold", self.fusion_threshold.to_string()),
@@ -327,6 +334,11 @@ impl TrainArgs {
             (
                 "--checkpoint-every",
                 self.checkpoint_every != d.checkpoint_every,
+                UsedBy::CheckpointDir,
+            ),
+            (
+                "--keep-checkpoints",
+                self.keep_checkpoints != d.keep_checkpoints,
                 UsedBy::CheckpointDir,
             ),
             ("--hidden", self.hidden != d.hidden, UsedBy::Mlp),

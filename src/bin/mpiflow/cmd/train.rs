@@ -60,7 +60,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     let mut reporter = Reporter::new(cfg.steps, args.progress, metrics, true);
     let trained = train_local(&model, &cfg, &train, &test, &mut |e| reporter.event(e));
     let report = match trained {
-        Err(mpiflow::train::FinishError::Stopped(s)) => {
+        Err(mpiflow::train::engine::TrainError::Stopped(s)) => {
             drop(reporter);
             return Err(Failure::stopped(&s, true));
         }
@@ -526,7 +526,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 perturb_rank: args.perturb_rank,
             };
             match allreduce::run(&comm, layout, &model, &cfg, &train, &test, &mut log) {
-                Err(allreduce::AllreduceError::Stopped(s)) => {
+                Err(mpiflow::train::engine::TrainError::Stopped(s)) => {
                     drop((watch, reporter));
                     timeline(&comm)?;
                     return Err(Failure::stopped(&s, chief));

@@ -391,7 +391,7 @@ fn non_finite_code(found: &NonFinite) -> i64 {
     match found {
         NonFinite::Loss { value, .. } if value == "NaN" => 1,
         NonFinite::Loss { .. } => 1 << 20,
-        NonFinite::Gradient { .. } => 1 << 40,
+        NonFinite::Gradient { .. } | NonFinite::Gradients { .. } => 1 << 40,
     }
 }
 

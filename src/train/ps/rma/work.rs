@@ -32,6 +32,7 @@ impl Rma<'_> {
             step,
             &files,
             self.model_meta.clone(),
+            self.cfg.train.keep_checkpoints,
         )?);
         Ok(())
     }

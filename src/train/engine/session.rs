@@ -1,0 +1,434 @@
+//! The step loop every mode trains in, driven by the program: [`Session::run`] is one
+//! step, [`Session::should_stop`] says when to end, [`Session::close`] returns the trained
+//! parameters.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::{Hook, StepInfo, StepWord, Strategy, TrainError};
+use crate::model::Replica;
+use crate::observe::phases::{Clock, Phase};
+use crate::observe::timeline::{self, Detail};
+use crate::train::checkpoint::{self, state};
+use crate::train::data::{shard, Dataset};
+use crate::train::events::Event;
+use crate::train::{guard, StepLog, Stopped, TrainConfig};
+
+/// Why a session stopped without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// The configured last step was reached.
+    LastStep,
+    /// An evaluation reached the target.
+    Target,
+    /// A hook asked.
+    Hook,
+}
+
+/// An evaluation on held-out samples: the same on every rank (each rank evaluates its
+/// share of the samples and the counts are summed).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluation {
+    /// The global step of the parameters evaluated.
+    pub step: u64,
+    pub accuracy: f64,
+    pub correct: usize,
+    pub total: usize,
+}
+
+/// What a closed session returns: the trained parameters and where training ended.
+#[derive(Debug)]
+pub struct Trained<'m> {
+    /// The trained parameters (every rank's copy is the same in the synchronous modes).
+    pub replica: Replica<'m>,
+    /// The global step reached.
+    pub step: u64,
+    /// The step this session started at (restored from a checkpoint, or 0).
+    pub first_step: u64,
+    /// The last step's loss (NaN if no step ran).
+    pub loss: f32,
+    /// The newest evaluation, if the session evaluated.
+    pub evaluation: Option<Evaluation>,
+    /// Samples per second over the steps this session ran (every rank's samples).
+    pub samples_per_sec: f64,
+    /// The newest checkpoint (the chief's path; the same on every rank), if any.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// Evaluation every so many steps on held-out samples, and an accuracy to stop at.
+struct Evaluate<'e> {
+    every: u64,
+    data: &'e Dataset,
+    target: Option<f64>,
+}
+
+/// The step loop of one rank, over a strategy `S` that trains a model borrowed for `'m`;
+/// `'e` borrows the event sink, hooks and evaluation data.
+pub struct Session<'m, 'e, S: Strategy<'m>> {
+    strategy: S,
+    cfg: TrainConfig,
+    vars: Vec<(String, usize)>,
+    describe: String,
+    chief: bool,
+    /// The global step: steps done.
+    step: u64,
+    first: u64,
+    loss: f32,
+    /// The log window: phase times, and the samples of its steps.
+    clock: Clock,
+    window_samples: f64,
+    /// The step of the newest checkpoint, and when it was written.
+    saved: (Option<u64>, Instant),
+    stop: Option<Stop>,
+    /// A hook on this rank asked to stop: said with the next step's word.
+    asked: bool,
+    events: Box<dyn FnMut(&Event) + 'e>,
+    hooks: Vec<Box<dyn Hook + 'e>>,
+    evaluate: Option<Evaluate<'e>>,
+    evaluation: Option<Evaluation>,
+    signals: Box<dyn FnMut() -> Option<i32> + 'e>,
+    started: Instant,
+    samples: f64,
+    _model: std::marker::PhantomData<&'m ()>,
+}
+
+impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
+    /// A session of `strategy` as `cfg` says, its events printed by the chief.
+    pub fn new(strategy: S, cfg: &TrainConfig) -> Result<Self, TrainError> {
+        let chief = strategy.ranks().1 == 0;
+        Session::with_events(strategy, cfg, move |e: &Event| {
+            if chief {
+                println!("{e}")
+            }
+        })
+    }
+
+    /// A session of `strategy` as `cfg` says, its events (every rank's: most come from the
+    /// chief) told to `events`. The chief restores the newest valid checkpoint in
+    /// `cfg.checkpoint_dir`, which every rank then starts from.
+    pub fn with_events(
+        mut strategy: S,
+        cfg: &TrainConfig,
+        events: impl FnMut(&Event) + 'e,
+    ) -> Result<Self, TrainError> {
+        let mut events: Box<dyn FnMut(&Event) + 'e> = Box::new(events);
+        let chief = strategy.ranks().1 == 0;
+        let vars = strategy.replica().variables();
+        let describe = strategy.replica().model.describe();
+        let restored = match (&cfg.checkpoint_dir, chief) {
+            (Some(dir), true) => state::restore(dir, &vars, &mut *events)?,
+            _ => None,
+        };
+        let on_disk = restored.as_ref().map(|s| s.step);
+        let first = strategy.start(restored, &mut *events)?;
+        let stop_on_signal = cfg.stop_on_signal;
+        Ok(Session {
+            strategy,
+            cfg: cfg.clone(),
+            vars,
+            describe,
+            chief,
+            step: first,
+            first,
+            loss: f32::NAN,
+            clock: Clock::new(),
+            window_samples: 0.0,
+            saved: (on_disk, Instant::now()),
+            stop: (first >= cfg.steps).then_some(Stop::LastStep),
+            asked: false,
+            events,
+            hooks: Vec::new(),
+            evaluate: None,
+            evaluation: None,
+            signals: Box::new(move || crate::signals::stop_requested_if(stop_on_signal)),
+            started: Instant::now(),
+            samples: 0.0,
+            _model: std::marker::PhantomData,
+        })
+    }
+
+    /// Adds a hook run after every step.
+    pub fn with_hook(mut self, hook: impl Hook + 'e) -> Self {
+        self.hooks.push(Box::new(hook));
+        self
+    }
+
+    /// Evaluates on `data` every `every` steps (0: never), reporting each
+    /// ([`Event::Accuracy`]).
+    pub fn evaluate_every(mut self, every: u64, data: &'e Dataset) -> Self {
+        let target = self.evaluate.as_ref().and_then(|e| e.target);
+        self.evaluate = Some(Evaluate {
+            every,
+            data,
+            target,
+        });
+        self
+    }
+
+    /// Stops once an evaluation ([`Session::evaluate_every`]) reaches `accuracy`.
+    pub fn stop_at_accuracy(mut self, accuracy: f64) -> Self {
+        if let Some(e) = &mut self.evaluate {
+            e.target = Some(accuracy);
+        }
+        self
+    }
+
+    /// Where stop signals come from (by default, the signals [`crate::signals`] noted if
+    /// `stop_on_signal` is set): a program embedding mpiflow, or a test, may stop training
+    /// by its own means.
+    pub fn with_signals(mut self, signals: impl FnMut() -> Option<i32> + 'e) -> Self {
+        self.signals = Box::new(signals);
+        self
+    }
+
+    /// The global step: steps done, those before a restored checkpoint included.
+    pub fn global_step(&self) -> u64 {
+        self.step
+    }
+
+    /// True on the chief (it checkpoints and reports).
+    pub fn is_chief(&self) -> bool {
+        self.chief
+    }
+
+    /// The ranks that train together, and this rank's place among them.
+    pub fn ranks(&self) -> (usize, usize) {
+        self.strategy.ranks()
+    }
+
+    /// This rank's parameters.
+    pub fn replica(&self) -> &Replica<'m> {
+        self.strategy.replica()
+    }
+
+    /// The newest evaluation, if any.
+    pub fn evaluation(&self) -> Option<Evaluation> {
+        self.evaluation
+    }
+
+    /// True once training is over: the last step reached, an evaluation's target met, or
+    /// a hook's request agreed.
+    pub fn should_stop(&self) -> bool {
+        self.stop.is_some()
+    }
+
+    /// One step on this rank's samples `x`, `y` (its share of the global batch).
+    pub fn run(&mut self, x: &[f32], y: &[u8]) -> Result<StepInfo, TrainError> {
+        if let Some(why) = self.stop {
+            return Err(TrainError::Usage(format!(
+                "run() after the session stopped ({why:?} at step {}): check should_stop()",
+                self.step
+            )));
+        }
+        let step = self.step;
+        let word = StepWord::asking((self.signals)(), self.asked);
+        let events = &mut *self.events;
+        let agreed = self
+            .strategy
+            .gradients(step, x, y, word, &mut self.clock, events)?;
+        self.guard(step, &agreed)?;
+        let t = Instant::now();
+        self.strategy.apply(step)?;
+        self.clock
+            .since_as(Phase::Compute, t, "update", Detail::at(step));
+        self.clock.steps(1);
+        self.step += 1;
+        self.loss = agreed.loss();
+        self.window_samples += f64::from(agreed.samples);
+        self.samples += f64::from(agreed.samples);
+        self.strategy.after_step(self.step)?;
+        self.log_if_due()?;
+        if let Some(signal) = agreed.stop_signal() {
+            return Err(self.stopped(signal)?.into());
+        }
+        self.checkpoint_if_due()?;
+        self.evaluate_if_due()?;
+        let info = StepInfo {
+            global_step: self.step,
+            loss: self.loss,
+            applied_loss: self.loss,
+        };
+        let mut asked = false;
+        for h in &mut self.hooks {
+            asked |= h.after_step(&info);
+        }
+        self.asked |= asked;
+        let alone = self.strategy.ranks().0 == 1;
+        if agreed.stop_asked() || (alone && self.asked) {
+            self.stop.get_or_insert(Stop::Hook);
+        }
+        if self.step >= self.cfg.steps {
+            self.stop.get_or_insert(Stop::LastStep);
+        }
+        Ok(info)
+    }
+
+    /// The guard: a non-finite loss on any rank, a rank's own non-finite gradients (said
+    /// in its word), or a non-finite gradient about to be applied, stops every rank before
+    /// the update. The last is checked on each rank alone: it is one verdict where the
+    /// gradients applied are the same on every rank (a reduced sum); a strategy whose ranks
+    /// apply their own says so in the word ([`StepWord::with_gradients`]).
+    fn guard(&self, step: u64, agreed: &StepWord) -> Result<(), TrainError> {
+        let n = self.strategy.ranks().0;
+        let whose = |k: usize| match n {
+            1 => String::new(),
+            n => format!(" on {k} of {n} replicas"),
+        };
+        let (nan, inf) = agreed.non_finite();
+        if nan + inf > 0 {
+            let value = if nan > 0 { f32::NAN } else { f32::INFINITY };
+            guard::check_loss(step, value, whose(nan + inf))?;
+        }
+        if agreed.bad_gradients() > 0 {
+            let whose = whose(agreed.bad_gradients());
+            return Err(guard::NonFinite::Gradients { step, whose }.into());
+        }
+        guard::check_gradients(step, self.strategy.pending())?;
+        Ok(())
+    }
+
+    /// The log line of the window closing now, if one is due (every rank's times gathered
+    /// to the chief).
+    fn log_if_due(&mut self) -> Result<(), TrainError> {
+        let every = self.cfg.log_every;
+        if every == 0 || !self.step.is_multiple_of(every) {
+            return Ok(());
+        }
+        let mine = self.clock.take();
+        let samples = std::mem::take(&mut self.window_samples);
+        let ranks = self.strategy.window(self.step, mine)?;
+        if self.chief {
+            let secs = mine.total().max(1e-9);
+            let log = StepLog {
+                step: self.step,
+                loss: self.loss,
+                steps_per_sec: mine.steps as f64 / secs,
+                samples_per_sec: samples / secs,
+                comm_fraction: self.strategy.communicates().then(|| mine.comm / secs),
+                ranks,
+            };
+            (self.events)(&Event::Step(log));
+        }
+        Ok(())
+    }
+
+    /// The periodic checkpoint, by steps or by time (the last step's is written by
+    /// [`Session::close`]).
+    fn checkpoint_if_due(&mut self) -> Result<(), TrainError> {
+        let every = self.cfg.checkpoint_every;
+        let by_steps = every > 0 && self.step.is_multiple_of(every);
+        let by_time = self
+            .cfg
+            .checkpoint_every_secs
+            .is_some_and(|d| self.saved.1.elapsed() >= d);
+        if (by_steps || by_time) && self.step < self.cfg.steps {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// The chief writes the checkpoint of this step (once); every rank returns its path.
+    fn checkpoint(&mut self) -> Result<Option<PathBuf>, TrainError> {
+        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
+            return Ok(None);
+        };
+        let path = checkpoint::path_of(&dir, self.step);
+        if !self.chief || self.saved.0 == Some(self.step) {
+            return Ok(Some(path));
+        }
+        let t = Instant::now();
+        let state = self.strategy.state(self.step)?;
+        let path = state.write(&dir, &self.describe, &self.vars)?;
+        checkpoint::retain(&dir, self.cfg.keep_checkpoints);
+        let now = Instant::now();
+        timeline::span("checkpoint", "other", t, now, Detail::at(self.step));
+        (self.events)(&Event::Checkpoint {
+            path: path.clone(),
+            step: self.step,
+        });
+        self.saved = (Some(self.step), now);
+        Ok(Some(path))
+    }
+
+    /// Every rank stops after this step, asked by `signal`; the chief keeps the step.
+    fn stopped(&mut self, signal: i32) -> Result<Stopped, TrainError> {
+        let checkpoint = self.checkpoint()?;
+        self.stop.get_or_insert(Stop::Hook);
+        Ok(Stopped {
+            signal: crate::signals::name(signal),
+            step: self.step,
+            checkpoint,
+        })
+    }
+
+    fn evaluate_if_due(&mut self) -> Result<(), TrainError> {
+        let Some(e) = &self.evaluate else {
+            return Ok(());
+        };
+        if e.every == 0 || !self.step.is_multiple_of(e.every) {
+            return Ok(());
+        }
+        let (data, target) = (e.data, e.target);
+        let eval = self.evaluate(data)?;
+        if target.is_some_and(|t| eval.accuracy >= t) {
+            self.stop.get_or_insert(Stop::Target);
+        }
+        Ok(())
+    }
+
+    /// Evaluates the current parameters on `data` (every rank its share; a collective
+    /// where several ranks train) and reports it ([`Event::Accuracy`], the chief).
+    pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
+        let t = Instant::now();
+        let (n, i) = self.strategy.ranks();
+        let all: Vec<usize> = (0..data.len()).collect();
+        let mine = shard(&all, i, n);
+        let (x, y) = data.rows(mine);
+        let accuracy = self.strategy.replica().accuracy(&x, &y)?;
+        let mut counts = [(accuracy * y.len() as f64).round(), y.len() as f64];
+        self.strategy.sum(&mut counts)?;
+        let (correct, total) = (counts[0] as usize, counts[1] as usize);
+        let eval = Evaluation {
+            step: self.step,
+            accuracy: correct as f64 / total.max(1) as f64,
+            correct,
+            total,
+        };
+        timeline::span(
+            "evaluate",
+            "other",
+            t,
+            Instant::now(),
+            Detail::at(self.step),
+        );
+        if self.chief {
+            (self.events)(&Event::Accuracy {
+                accuracy: eval.accuracy,
+                correct,
+                total,
+                step: self.step,
+            });
+        }
+        self.evaluation = Some(eval);
+        Ok(eval)
+    }
+
+    /// Ends the session: the chief writes the last checkpoint (if not written at this
+    /// step) and the parameters to `save_params`; returns the trained parameters.
+    pub fn close(mut self) -> Result<Trained<'m>, TrainError> {
+        let checkpoint = self.checkpoint()?;
+        if let (Some(p), true) = (&self.cfg.save_params, self.chief) {
+            crate::train::save_params(self.strategy.replica(), p, self.step)?;
+        }
+        let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+        Ok(Trained {
+            step: self.step,
+            first_step: self.first,
+            loss: self.loss,
+            evaluation: self.evaluation,
+            samples_per_sec: self.samples / secs,
+            checkpoint,
+            replica: self.strategy.into_replica(),
+        })
+    }
+}
