@@ -6,19 +6,10 @@
 //! ```
 //! The chief prints the held-out `accuracy` at the end.
 
-use std::process::ExitCode;
-
-use mpiflow::cluster::MappingOptions;
-use mpiflow::model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu};
-use mpiflow::model::{Model, Sequential};
-use mpiflow::train::allreduce::{self, AllreduceConfig};
-use mpiflow::train::data::Dataset;
-use mpiflow::train::events::Event;
-use mpiflow::train::server::Server;
-use mpiflow::train::TrainConfig;
+use mpiflow::prelude::*;
 
 /// This program's network: one 3x3 convolution block, then two dense layers.
-fn model(data: &Dataset) -> Result<Sequential, String> {
+fn model(data: &Dataset) -> Result<Sequential, Error> {
     let layers: Vec<Box<dyn Layer>> = vec![
         Box::new(Conv2d {
             kh: 3,
@@ -36,7 +27,7 @@ fn model(data: &Dataset) -> Result<Sequential, String> {
             units: data.classes,
         }),
     ];
-    Sequential::new("example-cnn", &data.shape, layers).map_err(|e| e.to_string())
+    Ok(Sequential::new("example-cnn", &data.shape, layers)?)
 }
 
 fn value(args: &[String], name: &str) -> Option<String> {
@@ -44,49 +35,41 @@ fn value(args: &[String], name: &str) -> Option<String> {
     args.get(at + 1).cloned()
 }
 
-fn run(args: &[String]) -> Result<(), String> {
+fn main() -> Result<(), Error> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
     // Every rank a worker (no ps tasks): roles from MPI, TF_CONFIG or the seeds' flags.
-    let server = Server::start(args, MappingOptions::default()).map_err(|e| e.to_string())?;
+    let server = Server::start(&args, MappingOptions::default())?;
     if server.layout().ranks.len() > 1 && server.is_chief() {
         for w in server.warnings() {
             eprintln!("warning: {w}");
         }
     }
-    let steps = value(args, "--steps").map_or(Ok(600), |s| s.parse().map_err(|_| s))?;
-    let spec = value(args, "--data").unwrap_or_else(|| "digits".into());
-    let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;
+    let steps = value(&args, "--steps").and_then(|s| s.parse().ok());
+    let spec = value(&args, "--data").unwrap_or_else(|| "digits".into());
+    let (train, test) = Dataset::load_split(&spec, 1)?;
     let net = model(&train)?;
     if server.is_chief() {
         println!("# {}", net.describe());
     }
     let cfg = AllreduceConfig {
         train: TrainConfig {
-            steps,
+            steps: steps.unwrap_or(600),
             log_every: 200,
             ..TrainConfig::default()
         },
         ..AllreduceConfig::default()
     };
-    let mut log = |e: &Event| println!("{e}");
-    allreduce::run(
-        server.comm(),
-        server.layout(),
-        &net,
-        &cfg,
-        &train,
-        &test,
-        &mut log,
-    )
-    .map_err(|e| e.to_string())
-}
-
-fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("allreduce example: error: {e}");
-            ExitCode::FAILURE
-        }
+    // The session prints what the chief reports; the loop feeds each replica its share of
+    // each global batch.
+    let mut sess = server.allreduce_session(&net, &cfg)?;
+    let (replicas, me) = sess.ranks();
+    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+    while !sess.should_stop() {
+        let global = batches.global(sess.global_step());
+        let (x, y) = train.rows(shard(&global, me, replicas));
+        sess.run(&x, &y)?;
     }
+    sess.evaluate(&test)?;
+    sess.close()?;
+    Ok(())
 }

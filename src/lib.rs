@@ -20,6 +20,13 @@
 //!   predicted for many hosts.
 //!
 //! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these.
+//!
+//! What a program needs is named at the crate root (and in [`prelude`]): the [`Server`]
+//! every task starts, the [`Session`] a worker trains in and the [`Strategy`] behind each
+//! mode, the [`Model`] interface with [`Sequential`] and its [`layers`](model::layers),
+//! [`Dataset`], [`TrainConfig`], and one [`Error`].
+
+mod error;
 
 pub mod bench;
 pub mod check;
@@ -39,6 +46,29 @@ pub mod tensor;
 pub mod topology;
 pub mod train;
 pub mod transport;
+
+pub use cluster::MappingOptions;
+pub use error::Error;
+pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu};
+pub use model::{Model, Replica, Sequential};
+pub use train::allreduce::{Allreduce, AllreduceConfig};
+pub use train::data::{shard, Batches, Dataset};
+pub use train::engine::{
+    Evaluation, Hook, Local, Session, StepInfo, StepWord, Strategy, TrainError, Trained,
+};
+pub use train::events::Event;
+pub use train::optim::{Decay, Optimizer, OptimizerKind};
+pub use train::server::Server;
+pub use train::TrainConfig;
+
+/// The names a program on mpiflow uses: `use mpiflow::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        shard, Allreduce, AllreduceConfig, Batches, Conv2d, Dataset, Decay, Dense, Error, Event,
+        Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind, Relu,
+        Replica, Sequential, Server, Session, StepInfo, Strategy, TrainConfig, Trained,
+    };
+}
 
 /// Helpers shared by the unit tests.
 #[cfg(test)]

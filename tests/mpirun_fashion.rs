@@ -104,3 +104,50 @@ fn the_mlp_reaches_87_percent_by_the_asynchronous_ps() {
     ];
     assert_reaches(&run(Some("4"), &args), 0.87, "mlp, async ps");
 }
+
+/// `examples/fashion.rs`, a program of one's own on the library's session: the CNN by
+/// allreduce at 4 ranks, evaluated every 200 steps, stops as soon as it reaches 90% (the
+/// chief's line names the step; every evaluation was on the 10,000 test images).
+#[test]
+fn the_fashion_example_stops_once_its_cnn_reaches_90_percent() {
+    let bin = std::path::Path::new(mpiflow())
+        .parent()
+        .expect("a target directory")
+        .join("examples")
+        .join("fashion");
+    let out = run_bounded(
+        400,
+        &[
+            "mpirun",
+            "--oversubscribe",
+            "-np",
+            "4",
+            bin.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 0, "{out:?}");
+    let evals: Vec<(f64, u64)> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("accuracy ") && l.contains("/10000 held-out samples"))
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w[1].parse().unwrap(), w.last().unwrap().parse().unwrap())
+        })
+        .collect();
+    let (last, step) = *evals.last().expect("evaluations");
+    assert!(last >= 0.90, "{}", out.stdout);
+    // Evaluated every 200 steps, stopped at the first that reached it.
+    assert!(evals
+        .iter()
+        .enumerate()
+        .all(|(i, e)| e.1 == 200 * (i as u64 + 1)));
+    assert!(
+        evals[..evals.len() - 1].iter().all(|e| e.0 < 0.90),
+        "{}",
+        out.stdout
+    );
+    let said = format!("reached accuracy {last:.4} at step {step} after ");
+    assert!(out.stdout.contains(&said), "{}", out.stdout);
+}

@@ -37,7 +37,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use super::allreduce::{Allreduce, AllreduceConfig};
 use super::data::Dataset;
+use super::engine::{Session, TrainError};
 use super::events::Event;
 use super::ps::session::{MonitoredSession, SessionOptions};
 use super::ps::{server, PsError, Roles};
@@ -46,6 +48,7 @@ use crate::cluster::resolve::{resolve_bound, resolve_mpi, resolve_offline};
 use crate::cluster::{Layout, MappingOptions, Request, ResolveError, Source, TaskId};
 use crate::model::Model;
 use crate::transport::mpi::MpiComm;
+use crate::transport::Comm;
 use crate::transport::{Context, InitError};
 
 /// Errors of starting or running a server.
@@ -59,6 +62,8 @@ pub enum ServerError {
     Ps(#[from] PsError),
     #[error("{0}")]
     Sidecar(#[from] sidecar::SidecarError),
+    #[error("{0}")]
+    Train(#[from] TrainError),
     #[error("{task} (rank {rank}): {what}")]
     Role {
         task: String,
@@ -69,7 +74,10 @@ pub enum ServerError {
 
 /// This process's server: its MPI communicator, the cluster, its task.
 pub struct Server {
-    // Field order matters: the communicator is freed before MPI is finalised.
+    // Field order matters: the communicators are freed before MPI is finalised.
+    /// The workers' own communicator (`None` on other tasks): split off at start, so that
+    /// the workers' sessions need no other task.
+    workers: Option<MpiComm>,
     comm: MpiComm,
     layout: Layout,
     roles: Option<Roles>,
@@ -132,8 +140,14 @@ impl Server {
             .any(|r| r.task.job == "ps")
             .then(|| Roles::new(&layout))
             .transpose()?;
+        let comm = MpiComm::new(ctx.world());
+        let worker = layout.spec.worker_id(&layout.ranks[ctx.rank()].task);
+        let workers = comm
+            .split(u32::from(worker.is_none()), worker.unwrap_or(ctx.rank()))
+            .map_err(|e| ResolveError::Usage(e.to_string()))?;
         Ok(Server {
-            comm: MpiComm::new(ctx.world()),
+            workers: worker.map(|_| workers),
+            comm,
             rank: ctx.rank(),
             layout,
             roles,
@@ -226,6 +240,21 @@ impl Server {
         Ok(sidecar::evaluate(
             &self.comm, &task, model, test, dir, events,
         )?)
+    }
+
+    /// A worker's training session of `model` by synchronous replicas (allreduce): every
+    /// worker task (`chief` and `worker` jobs) opens one; other tasks take no part.
+    pub fn allreduce_session<'s>(
+        &'s self,
+        model: &'s dyn Model,
+        cfg: &AllreduceConfig,
+    ) -> Result<Session<'s, 's, Allreduce<'s, MpiComm>>, ServerError> {
+        let workers = self.workers.as_ref().ok_or_else(|| {
+            self.role_error("an allreduce session is for the chief and worker tasks")
+        })?;
+        let replicas = workers.split(0, workers.rank()).map_err(TrainError::from)?;
+        let strategy = Allreduce::new(replicas, &self.layout, self.rank, model, cfg)?;
+        Ok(Session::new(strategy, &cfg.train)?)
     }
 
     /// A worker's monitored training session of `model` against the ps tasks.

@@ -21,7 +21,7 @@
 //! (allreduce calls and bytes).
 //!
 //! [`Allreduce`] is the mode's [`Strategy`]: a program drives it in a
-//! [`Session`](crate::train::engine::Session); [`run`] is the command line's loop over one.
+//! [`Session`]; [`run`] is the command line's loop over one.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

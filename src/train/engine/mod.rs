@@ -24,7 +24,7 @@
 //!     sess.run(&x, &y)?;
 //! }
 //! let trained = sess.close()?;
-//! println!("{} steps, accuracy {:?}", trained.step, trained.accuracy);
+//! println!("{} steps, {:?}", trained.step, trained.evaluation);
 //! # Ok(()) }
 //! ```
 
