@@ -14,8 +14,9 @@ phase() {
 }
 MPIFLOW_WITH_MPICH=1 MPIFLOW_WITH_SLURM=1 bash scripts/setup.sh
 source scripts/env.sh
-# The Slurm tests (tests/slurm.rs) start a private Slurm; as root they must run, not skip.
-if [[ $(id -u) -eq 0 ]]; then export MPIFLOW_REQUIRE_SLURM=1; fi
+# The Slurm tests (tests/slurm.rs) start a private Slurm, the multi-host test network
+# namespaces, others mounts: as root they must run, not skip (tests/common: as_root).
+if [[ $(id -u) -eq 0 ]]; then export MPIFLOW_REQUIRE_SLURM=1 MPIFLOW_REQUIRE_ROOT=1; fi
 
 if cargo fmt --version >/dev/null 2>&1; then
   phase "cargo fmt --check"

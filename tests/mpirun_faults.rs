@@ -165,12 +165,8 @@ fn signal_when_checkpointed(
 ) -> (Option<i32>, String, String) {
     use std::process::{Command, Stdio};
     let _guard = common::lock();
-    let child = Command::new("timeout")
-        .args(["-k", "5", "120"])
+    let child = common::bounded(120)
         .args(cmd)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .current_dir(common::root())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -387,9 +383,7 @@ impl SmallDisk {
     /// A tmpfs of `size` (`mount -o size=`) at a fresh directory; `None` (the test is
     /// skipped) when this is not root.
     fn mount(name: &str, size: &str) -> Option<SmallDisk> {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: mounting a small tmpfs needs root");
+        if !common::as_root("mounting a small tmpfs") {
             return None;
         }
         let dir = tmpdir(name);

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{mpiflow, mpirun};
@@ -125,12 +124,10 @@ fn ps_lifetime_forever_keeps_tensorflows_behaviour() {
     let _guard = common::lock();
     let c = checker();
     let t = Instant::now();
-    let out = Command::new("timeout")
-        .args(["-k", "5", "8", "mpirun", "--oversubscribe", "-np", "3"])
+    let out = common::bounded(8)
+        .args(["mpirun", "--oversubscribe", "-np", "3"])
         .args([mpiflow(), "launch", "--ps", "1", "--ps-lifetime", "forever"])
         .args(["--", "python3", &c, "--join"])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .output()
         .expect("run mpirun");
     // The workers are done at once, the ps joins until the timeout ends the job.

@@ -524,9 +524,7 @@ fn bad_benchmark_requests_are_one_line_errors() {
 /// 2-4 KiB ones do not.
 #[test]
 fn channels_stay_on_mpi_where_shared_memory_has_no_room() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: a private /dev/shm needs root (a mount namespace)");
+    if !common::as_root("a private /dev/shm (a mount namespace)") {
         return;
     }
     let inner = format!(

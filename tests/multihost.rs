@@ -10,12 +10,10 @@ use std::collections::BTreeSet;
 use common::{mpiflow, run_bounded};
 use serde_json::Value;
 
-/// The script that builds the three hosts, or `None` (the test says it is skipped) when
-/// not root: network namespaces need it.
+/// The script that builds the three hosts, or `None` (the test is skipped, or fails where
+/// required: [`common::as_root`]) when not root: network namespaces need it.
 fn cluster_script() -> Option<String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: the multi-host test needs root for network namespaces");
+    if !common::as_root("the multi-host test (network namespaces)") {
         return None;
     }
     Some(format!("{}/tests/netns/cluster.sh", common::root()))

@@ -183,14 +183,7 @@ pub fn run<C: Comm>(
     // Allreduce: every dtype, op, algorithm, and awkward sizes.
     for dtype in DType::ALL {
         for op in ReduceOp::ALL {
-            for algo in [
-                Algorithm::Mpi,
-                Algorithm::Ring,
-                Algorithm::RecursiveDoubling,
-                Algorithm::Shm,
-                Algorithm::Hierarchical,
-                Algorithm::Auto,
-            ] {
+            for algo in Algorithm::all() {
                 for len in [1usize, 7, 1000, 65537] {
                     let mut t = tensor_of(dtype, r, len);
                     let ran = coll.allreduce_tensor(&mut t, op, algo).map_err(|x| e(&x))?;

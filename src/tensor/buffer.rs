@@ -2,11 +2,9 @@
 //!
 //! Every buffer is 64-byte aligned (a cache line). Buffers of a page (4 KiB) and more are
 //! page-aligned, as OSU's benchmarks allocate theirs: a message that starts on a page
-//! boundary crosses one page fewer in the kernel's single copy (measured here: 4-64 KiB
-//! tensor ping-pongs 1.04-1.08x plain MPI's time with payloads 128 bytes into a page,
-//! 0.98-1.05x page-aligned). Buffers of 2 MiB and more are 2 MiB-aligned and advised onto
-//! transparent huge pages: measured here, that doubles shared-memory bandwidth at 1-4 MiB
-//! (fewer TLB misses in the single-copy path) and narrows its spread.
+//! boundary crosses one page fewer in the kernel's single copy. Buffers of 2 MiB and
+//! more are 2 MiB-aligned and advised onto transparent huge pages: fewer TLB misses in
+//! the single-copy path (`benches/results/2026-11-25-osu.md` has what each was worth).
 
 use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;

@@ -65,10 +65,13 @@ pub fn lock() -> MutexGuard<'static, ()> {
     MPIRUN_LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs `cmd` under `timeout -k 5 SECS`; a timeout fails the test.
-pub fn run_bounded(secs: u32, cmd: &[&str], env: &[(&str, &str)]) -> Run {
+/// `timeout -k 5 SECS`, to which the caller adds its command: every process a test starts
+/// is bounded. It runs from the repository's root, with Open MPI's leave to run as root,
+/// and outside any job the test itself runs in (no `TF_CONFIG`, Slurm, Open MPI or PMIx
+/// variables).
+pub fn bounded(secs: u32) -> Command {
     let mut c = Command::new("timeout");
-    c.arg("-k").arg("5").arg(secs.to_string()).args(cmd);
+    c.arg("-k").arg("5").arg(secs.to_string());
     c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env_remove("TF_CONFIG")
@@ -78,6 +81,30 @@ pub fn run_bounded(secs: u32, cmd: &[&str], env: &[(&str, &str)]) -> Run {
             c.env_remove(k);
         }
     }
+    c
+}
+
+/// True when this test runs as root. Otherwise the test is skipped (saying it needs root
+/// for `what`), or fails where the environment requires every test to run
+/// (`MPIFLOW_REQUIRE_ROOT=1`: the test command sets it as root, so a test that would
+/// skip there fails instead).
+pub fn as_root(what: &str) -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    assert!(
+        std::env::var("MPIFLOW_REQUIRE_ROOT").as_deref() != Ok("1"),
+        "MPIFLOW_REQUIRE_ROOT=1, but {what} needs root"
+    );
+    eprintln!("skipped: {what} needs root");
+    false
+}
+
+/// Runs `cmd` under `timeout -k 5 SECS` ([`bounded`]); a timeout fails the test.
+pub fn run_bounded(secs: u32, cmd: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut c = bounded(secs);
+    c.args(cmd);
     for (k, v) in env {
         c.env(k, v);
     }
@@ -305,11 +332,9 @@ pub fn with_rank_when(
     act: impl FnOnce(u32, u32),
 ) -> (String, Option<i32>) {
     let _g = lock();
-    let mut child = Command::new("timeout")
-        .args(["-k", "5", "90", "mpirun", "--oversubscribe"])
+    let mut child = bounded(90)
+        .args(["mpirun", "--oversubscribe"])
         .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

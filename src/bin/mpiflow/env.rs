@@ -17,8 +17,7 @@ use crate::out::say;
 ///
 /// - `OPENBLAS_NUM_THREADS` (default: every core) and `OPENBLAS_CORETYPE` (see
 ///   [`mpiflow::kernels::openblas_coretype`]): threads OpenBLAS does not use still compete
-///   with the other ranks of the node (measured: 2 pinned ranks train 1.4x faster with the
-///   variable set). Set from the rank's share of the node: the launcher's binding, or
+///   with the other ranks of the node. Set from the rank's share of the node: the launcher's binding, or
 ///   cores divided by the ranks the launcher put on this node.
 /// - Open MPI's components (`OMPI_MCA_pml`, `OMPI_MCA_osc`, ...) for `stack`
 ///   ([`mpiflow::transport::stack`]): by default only `OMPI_MCA_osc=sm,pt2pt` on a machine

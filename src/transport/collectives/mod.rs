@@ -19,12 +19,10 @@
 //!   ([`hierarchical`]); on one node it runs as `auto`.
 //! - `auto` (default): by size, rank count and placement, from the thresholds in
 //!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B up, the
-//!   library's own below; more ranks than cores: `shm` at every size (measured here
-//!   against OpenMPI 4.1's `MPI_Allreduce`: shm 0.25-0.76x of its time from 8 KiB to
-//!   16 MiB at 2 ranks; 0.20-0.79x at every size at 4 ranks on 2 cores). Across nodes:
-//!   the ring from 256 KiB at up to 8 ranks, the library's
-//!   own below (the ring is 0.54-0.82x of OpenMPI's time from 256 KiB to 16 MiB, slower
-//!   below 64 KiB). Re-measure on other machines with
+//!   library's own below; more ranks than cores: `shm` at every size. Across nodes: the
+//!   ring from 256 KiB at up to 8 ranks, the library's own below (where each was faster
+//!   than the library's `MPI_Allreduce`: `benches/results/`). Re-measure on other
+//!   machines with
 //!   `mpiflow bench allreduce --algorithm shm` (and `ring`, `recursive-doubling`).
 //!
 //! Every rank ends with identical bits: each element is reduced along one chain (ring), by
@@ -367,8 +365,8 @@ impl<C: Comm> Collectives<C> {
             Algorithm::Mpi => match self.comm.native_allreduce(buf, dtype, op) {
                 Some(r) => r?,
                 // No native allreduce for this dtype (8-bit: see `native_allreduce`): what
-                // auto runs without one (recursive doubling below `small_bytes`: 0.37-0.52
-                // us against the ring's 0.58-0.94 at 1-256 bytes).
+                // auto runs without one (recursive doubling below `small_bytes`, where it
+                // takes fewer rounds than the ring).
                 None => return self.allreduce_one(buf, dtype, op, self.by_messages(buf.len())),
             },
             Algorithm::Ring | Algorithm::Shm => self.ring(buf, dtype, op)?,

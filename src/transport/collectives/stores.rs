@@ -5,15 +5,13 @@
 //! peer, so when the owner writes it again each cache line is still held by a peer's
 //! cache and every store first has to take it back (a read-for-ownership). Where the
 //! two cores share a cache that costs little; where they do not (two sockets, or a VM
-//! whose vCPUs the host moves between core complexes) it dominates: on this VM a cache
-//! line's round trip between the two vCPUs alternates between ~70 ns and ~475 ns within
-//! seconds, and a 1 MiB copy into slots took 45 us in the fast phase, 180-250 us in
-//! the slow one. Streaming stores skip the read-for-ownership and send whole lines to
-//! memory (50-65 us in either phase), at the price of peers reading them from memory
-//! instead of from a cache: in the fast phase a fused 1 MiB allreduce took 136-190 us
-//! with streaming stores against 71-86 us with cached ones, although the copies
-//! themselves cost about the same. Neither is best everywhere, and the topology does not
-//! tell (a VM shows one socket), so the cost that counts is a whole step of the
+//! whose vCPUs the host moves between core complexes) it dominates, and a cache line's
+//! round trip may change several-fold within seconds. Streaming stores skip the
+//! read-for-ownership and send whole lines to memory, at the price of peers reading them
+//! from memory instead of from a cache, which can make a whole allreduce slower although
+//! the copies cost the same (`benches/results/2026-11-23.md` and `2026-11-23b.md` have the numbers). Neither
+//! is best everywhere, and the topology does not tell (a VM shows one socket), so the
+//! cost that counts is a whole step of the
 //! allreduce (copy in, wait, reduce, copy out) per byte, which includes the peers'
 //! reads: each rank uses the mode whose recent step cost is lower, and all ranks try the
 //! other on the same step, one in [`EXPLORE_EVERY`] (steps are numbered alike on every
@@ -40,8 +38,8 @@ pub enum StoreMode {
 pub const STREAMING_AVAILABLE: bool = cfg!(target_arch = "x86_64");
 
 /// One step in this many uses the mode that currently looks slower, to keep its cost
-/// current. Exploring costs: in the fast phase a streaming step takes about twice as
-/// long as a cached one, so this is ~1.5% there.
+/// current: a step in the slower mode may take twice as long, so exploring costs about
+/// 1.5% of the allreduce's time at worst.
 pub const EXPLORE_EVERY: u64 = 64;
 
 /// Steps smaller than this are not timed: the clock's cost would dominate.

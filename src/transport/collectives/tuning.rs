@@ -19,6 +19,16 @@ pub enum Algorithm {
     Hierarchical,
 }
 
+impl Algorithm {
+    /// Every algorithm, as they are named ([`crate::named::Named`]): what enumerates them
+    /// (`mpiflow check`, the flags' help) iterates this, so a new one is listed once.
+    pub fn all() -> impl Iterator<Item = Algorithm> {
+        <Algorithm as crate::named::Named>::NAMES
+            .iter()
+            .map(|(a, ..)| *a)
+    }
+}
+
 impl crate::named::Named for Algorithm {
     const NAMES: &'static [(Self, &'static str, &'static str)] = &[
         (

@@ -3,12 +3,11 @@
 //! MPI.
 //!
 //! Under Open MPI's `ob1` a small message costs its match, its request and, when it
-//! arrives before its receive, a copy through the unexpected-message queue: on this VM
-//! about 0.33 us one way at 1-8 B, and a window of 64 messages into one buffer 11-67 MB/s.
-//! A single-producer single-consumer ring of slots in shared memory costs a copy in, a
-//! copy out and the cache lines that carry them: 0.15 us and 44-316 MB/s at 1-8 B
-//! (`benches/compare/shm_ring.c`, the same job alternating both; 0.45-0.65x the latency
-//! and 2-5x the bandwidth to 4 KiB). A channel's tensors of at most [`MAX_BYTES`] take
+//! arrives before its receive, a copy through the unexpected-message queue. A
+//! single-producer single-consumer ring of slots in shared memory costs a copy in, a
+//! copy out and the cache lines that carry them: less at every size to 4 KiB
+//! (`benches/compare/shm_ring.c` measures both in one job; `benches/results/
+//! 2026-11-27-rings.md` has the numbers). A channel's tensors of at most [`MAX_BYTES`] take
 //! rings, one slot a message (a slot carries its message's length); a link's slots hold
 //! `LINK_BYTES`, the whole message of such a tensor, and a link's message may take up to
 //! `LINK_CHUNKS` slots in turn (tensors of up to 32 KiB), where MPI's single copy (CMA,
@@ -72,13 +71,10 @@ const LINK_BYTES: usize = MAX_BYTES + TAIL_ROOM;
 /// Slots a message on a link's ring may take, in turn (a channel's takes one): the whole
 /// message of a tensor of up to 32 KiB goes through the ring, each slot copied out while
 /// the next is copied in. From 4 KiB `vader` moves a message by the kernel's single copy
-/// (`process_vm_readv`, a rendezvous), whose checks cost this VM about 1.5 us a message;
-/// two copies through a ring (`benches/compare/shm_ring.c`) were 0.15-0.24x its latency
-/// and 8-8.8x its bandwidth at 8-32 KiB with the VM's vCPUs in their fast phase, and at
-/// 8 KiB 1.06x and 1.93x in their slow one (`benches/results/2026-11-27-fourk.md`); at
-/// 16-32 KiB the header path had read 1.02-1.06x plain MPI's latency over that copy. From
-/// 64 KiB the bytes outweigh the checks (0.98-1.03x there) and a message would take a
-/// quarter of the ring: MPI's single copy.
+/// (`process_vm_readv`, a rendezvous), whose fixed checks cost more than two copies
+/// through a ring up to 32 KiB (`benches/results/2026-11-27-fourk.md`). From 64 KiB the
+/// bytes outweigh the checks and a message would take a quarter of the ring: MPI's
+/// single copy.
 const LINK_CHUNKS: usize = 8;
 /// Slots of a ring: OSU's window (and `mpiflow bench`'s), so that a window of small
 /// messages fits a ring whose receiver has not taken any yet. With 63 slots (a link's
