@@ -16,17 +16,10 @@
 
 use std::process::ExitCode;
 
-use mpiflow::cluster::MappingOptions;
-use mpiflow::model::layers::{Dense, Flatten, Layer, Relu};
-use mpiflow::model::Sequential;
-use mpiflow::train::data::{shard, Batches, Dataset};
-use mpiflow::train::ps::protocol::SyncReplicas;
-use mpiflow::train::ps::session::SessionOptions;
-use mpiflow::train::ps::PsError;
-use mpiflow::train::server::{Server, ServerError};
+use mpiflow::prelude::*;
 
 /// This program's own model: a small MLP over any sample shape.
-fn model(data: &Dataset) -> Result<Sequential, String> {
+fn model(data: &Dataset) -> Result<Sequential, Error> {
     let layers: Vec<Box<dyn Layer>> = vec![
         Box::new(Flatten),
         Box::new(Dense { units: 64 }),
@@ -35,7 +28,7 @@ fn model(data: &Dataset) -> Result<Sequential, String> {
             units: data.classes,
         }),
     ];
-    Sequential::new("trainer-mlp", &data.shape, layers).map_err(|e| e.to_string())
+    Ok(Sequential::new("trainer-mlp", &data.shape, layers)?)
 }
 
 fn value(args: &[String], name: &str) -> Option<String> {
@@ -52,27 +45,46 @@ enum Ended {
     Failed(Option<String>),
 }
 
-fn run(args: &[String]) -> Result<Ended, String> {
+/// A ps task's end: what `join` returned, sorted as the workers' ends are.
+fn joined(r: Result<(), ServerError>) -> Result<Ended, Error> {
+    match r {
+        Ok(()) => Ok(Ended::Done),
+        Err(ServerError::Ps(PsError::Stopped(_))) => Ok(Ended::Stopped(None)),
+        Err(ServerError::Ps(PsError::NotApplied(_))) => Ok(Ended::Failed(None)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn run(args: &[String]) -> Result<Ended, Error> {
     let mapping = MappingOptions {
         ps: 1,
         ..MappingOptions::default()
     };
-    mpiflow::signals::catch(&mpiflow::signals::STOP, false).map_err(|e| e.to_string())?;
-    let server = Server::start(args, mapping).map_err(|e| e.to_string())?;
+    if let Err(e) = mpiflow::catch_stop_signals() {
+        say(&format!(
+            "trainer: warning: signals end training without a checkpoint: {e}"
+        ));
+    }
+    let server = Server::start(args, mapping)?;
     if server.layout().ranks.len() > 1 && server.is_chief() {
         for w in server.warnings() {
             eprintln!("warning: {w}");
         }
     }
-    let steps: u64 = value(args, "--steps").map_or(Ok(1000), |s| {
-        s.parse().map_err(|_| format!("--steps {s}: not a number"))
-    })?;
+    let steps = match value(args, "--steps") {
+        Some(s) => s.parse().ok().filter(|n| *n > 0),
+        None => Some(1000),
+    };
+    let Some(steps) = steps else {
+        say("trainer: --steps takes a positive number");
+        return Ok(Ended::Failed(None));
+    };
     let spec = value(args, "--data").unwrap_or_else(|| "digits".into());
     let checkpoint_dir: Option<std::path::PathBuf> =
         value(args, "--checkpoint_dir").map(Into::into);
     if server.is_evaluator() {
         // Side-car evaluation of the chief's checkpoints, as they come.
-        let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;
+        let (train, test) = Dataset::load_split(&spec, 1)?;
         let Some(dir) = &checkpoint_dir else {
             say(&format!(
                 "trainer: {}: no --checkpoint_dir, nothing to evaluate",
@@ -81,64 +93,54 @@ fn run(args: &[String]) -> Result<Ended, String> {
             return Ok(Ended::Done);
         };
         let net = model(&train)?;
-        server
-            .evaluate(&net, &test, dir, &mut |e| println!("{e}"))
-            .map_err(|e| e.to_string())?;
+        server.evaluate(&net, &test, dir, &mut |e| println!("{e}"))?;
         return Ok(Ended::Done);
     }
     if server.is_ps() {
-        return match server.join() {
-            Ok(()) => Ok(Ended::Done),
-            Err(ServerError::Ps(PsError::Stopped(_))) => Ok(Ended::Stopped(None)),
-            Err(ServerError::Ps(PsError::NotApplied(_))) => Ok(Ended::Failed(None)),
-            Err(e) => Err(e.to_string()),
-        };
+        return joined(server.join());
     }
-    let (train, test) = Dataset::load_split(&spec, 1).map_err(|e| e.to_string())?;
+    let (train, test) = Dataset::load_split(&spec, 1)?;
     let net = model(&train)?;
-    let (w, workers) = server
-        .worker()
-        .ok_or_else(|| format!("{} is neither ps nor worker", server.task()))?;
-    let opts = SessionOptions {
-        sync: (!args.iter().any(|a| a == "--async")).then_some(SyncReplicas {
-            replicas_to_aggregate: workers,
-        }),
-        checkpoint_dir,
-        stop_at_step: Some(steps),
-        checkpoint_every_steps: 200,
-        log_every: 200,
-        stop_on_signal: true,
-        ..SessionOptions::default()
+    let cfg = PsConfig {
+        train: TrainConfig {
+            steps,
+            batch: 64,
+            checkpoint_dir,
+            checkpoint_every: 200,
+            log_every: 200,
+            stop_on_signal: true,
+            ..TrainConfig::default()
+        },
+        sync: !args.iter().any(|a| a == "--async"),
+        ..PsConfig::default()
     };
-    let mut batches = Batches::new(train.len(), 64, 1);
-    let mut sess = server.session(&net, opts).map_err(|e| e.to_string())?;
+    let mut sess = server.session(&net, &cfg)?;
+    let (workers, w) = sess.ranks();
+    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
         let (x, y) = train.rows(shard(&global, w, workers));
         match sess.run(&x, &y) {
             Ok(_) => {}
-            // Every task has this verdict (a loss or gradient not finite): one line.
-            Err(e @ PsError::NotApplied(_)) => {
+            // Every task has these (a signal, a loss or gradient not finite): one line.
+            Err(TrainError::Stopped(s)) => {
+                let line = format!("stopped by {} at step {}", s.signal, s.step);
+                return Ok(Ended::Stopped(sess.is_chief().then_some(line)));
+            }
+            Err(e @ TrainError::Ps(PsError::NotApplied(_))) => {
                 return Ok(Ended::Failed(sess.is_chief().then(|| e.to_string())));
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
     }
-    let (chief, step, signal) = (sess.is_chief(), sess.global_step(), sess.stop_signal());
-    let trained = sess.close().map_err(|e| e.to_string())?;
-    if let Some(s) = signal {
-        let line = format!("stopped by {} at step {step}", mpiflow::signals::name(s));
-        return Ok(Ended::Stopped(chief.then_some(line)));
-    }
+    let chief = sess.is_chief();
+    let trained = sess.close()?;
     if chief {
-        let acc = trained
-            .accuracy(&test.x, &test.y)
-            .map_err(|e| e.to_string())?;
+        let acc = trained.replica.accuracy(&test.x, &test.y)?;
         println!("accuracy {acc:.4}");
     }
     Ok(Ended::Done)
 }
-
 /// One line on stderr in one write: `eprintln!` writes its pieces one by one, and mpirun,
 /// forwarding several processes' stderr, may put its own text between them.
 fn say(line: &str) {
@@ -156,7 +158,7 @@ fn main() -> ExitCode {
             if let Some(line) = line {
                 say(&format!("trainer: {line}"));
             }
-            ExitCode::from(mpiflow::train::Stopped::EXIT_STATUS)
+            ExitCode::from(Stopped::EXIT_STATUS)
         }
         Ok(Ended::Failed(line)) => {
             if let Some(line) = line {

@@ -51,6 +51,7 @@ pub use cluster::MappingOptions;
 pub use error::Error;
 pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu};
 pub use model::{Model, Replica, Sequential};
+pub use signals::catch_stop_signals;
 pub use train::allreduce::{Allreduce, AllreduceConfig};
 pub use train::data::{shard, Batches, Dataset};
 pub use train::engine::{
@@ -58,15 +59,17 @@ pub use train::engine::{
 };
 pub use train::events::Event;
 pub use train::optim::{Decay, Optimizer, OptimizerKind};
-pub use train::server::Server;
-pub use train::TrainConfig;
+pub use train::ps::{PsConfig, PsError};
+pub use train::server::{Server, ServerError};
+pub use train::{Stopped, TrainConfig};
 
 /// The names a program on mpiflow uses: `use mpiflow::prelude::*;`.
 pub mod prelude {
     pub use crate::{
         shard, Allreduce, AllreduceConfig, Batches, Conv2d, Dataset, Decay, Dense, Error, Event,
-        Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind, Relu,
-        Replica, Sequential, Server, Session, StepInfo, Strategy, TrainConfig, Trained,
+        Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind,
+        PsConfig, PsError, Relu, Replica, Sequential, Server, ServerError, Session, StepInfo,
+        Stopped, Strategy, TrainConfig, TrainError, Trained,
     };
 }
 

@@ -82,6 +82,12 @@ pub fn first() -> Option<libc::c_int> {
 /// SIGUSR1 (Slurm's early warning, `--signal=B:USR1@120`, which mpirun passes on).
 pub const STOP: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1];
 
+/// From now on the [`STOP`] signals are noted instead of ending the process: a training
+/// session with `stop_on_signal` stops every rank at a step boundary, with a checkpoint.
+pub fn catch_stop_signals() -> std::io::Result<()> {
+    catch(&STOP, false)
+}
+
 /// The lowest-numbered stop signal ([`STOP`]) noted so far (not cleared), if any.
 pub fn stop_requested() -> Option<libc::c_int> {
     let bits = PENDING.load(Ordering::SeqCst);

@@ -10,7 +10,7 @@ use mpiflow::observe::phases::{Clock, Phase, RankTimes, Times};
 use mpiflow::tensor::Tensor;
 use mpiflow::train::checkpoint::State;
 use mpiflow::train::data::{shard, Batches, Dataset};
-use mpiflow::train::engine::{Session, StepInfo, StepWord, Strategy, TrainError};
+use mpiflow::train::engine::{Session, Started, StepInfo, StepWord, Strategy, TrainError};
 use mpiflow::train::events::Event;
 use mpiflow::train::optim::{Optimizer, OptimizerKind, Slots};
 use mpiflow::train::TrainConfig;
@@ -60,12 +60,14 @@ impl<'m> Strategy<'m> for LocalSgd<'m> {
 
     fn start(
         &mut self,
-        restored: Option<State>,
-        _: &mut dyn FnMut(&Event),
-    ) -> Result<u64, TrainError> {
+        dir: Option<&std::path::Path>,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Started, TrainError> {
         // The chief's restored parameters (the optimizer state stays each replica's own).
+        let chief = self.coll.rank() == 0;
+        let restored = mpiflow::train::engine::restore(dir, chief, &self.replica, events)?;
         let mut step = [0u8; 8];
-        if let Some(s) = restored {
+        if let Some(s) = &restored {
             s.apply_to(&mut self.replica, &mut self.slots, &self.opt);
             step = s.step.to_le_bytes();
         }
@@ -73,7 +75,10 @@ impl<'m> Strategy<'m> for LocalSgd<'m> {
         for p in &mut self.replica.params {
             self.coll.bcast_tensor(p, 0)?;
         }
-        Ok(u64::from_le_bytes(step))
+        Ok(Started {
+            step: u64::from_le_bytes(step),
+            restored: restored.map(|s| s.step),
+        })
     }
 
     fn gradients(
@@ -98,7 +103,7 @@ impl<'m> Strategy<'m> for LocalSgd<'m> {
         &self.grads
     }
 
-    fn apply(&mut self, _: u64) -> Result<(), TrainError> {
+    fn apply(&mut self, step: u64) -> Result<u64, TrainError> {
         for ((p, g), s) in self
             .replica
             .params
@@ -109,7 +114,7 @@ impl<'m> Strategy<'m> for LocalSgd<'m> {
             let g = g.as_slice::<f32>()?;
             self.opt.apply(p.as_mut_slice::<f32>()?, g, s);
         }
-        Ok(())
+        Ok(step + 1)
     }
 
     fn after_step(&mut self, done: u64) -> Result<(), TrainError> {
@@ -134,14 +139,18 @@ impl<'m> Strategy<'m> for LocalSgd<'m> {
         Ok(())
     }
 
-    fn window(&mut self, _: u64, mine: Times) -> Result<Vec<RankTimes>, TrainError> {
+    fn window(&mut self, _: u64, clock: &mut Clock) -> Result<(Times, Vec<RankTimes>), TrainError> {
+        let mine = clock.take();
         let task = format!("replica {}", self.coll.rank());
         let rank = self.coll.rank();
-        Ok(vec![RankTimes {
-            rank,
-            task,
-            times: mine,
-        }])
+        Ok((
+            mine,
+            vec![RankTimes {
+                rank,
+                task,
+                times: mine,
+            }],
+        ))
     }
 }
 

@@ -10,8 +10,7 @@
 //! checkpoints as they come ([`Server::evaluate`]).
 //!
 //! ```no_run
-//! use mpiflow::train::server::Server;
-//! use mpiflow::train::ps::session::SessionOptions;
+//! use mpiflow::{PsConfig, Server, TrainConfig};
 //! # fn model() -> mpiflow::model::Sequential { unimplemented!() }
 //! # fn batch(step: u64) -> (Vec<f32>, Vec<u8>) { unimplemented!() }
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -23,8 +22,9 @@
 //!     return Ok(());
 //! }
 //! let model = model();
-//! let opts = SessionOptions { stop_at_step: Some(1000), ..SessionOptions::default() };
-//! let mut sess = server.session(&model, opts)?;
+//! let cfg = PsConfig { train: TrainConfig { steps: 1000, ..TrainConfig::default() },
+//!                      ..PsConfig::default() };
+//! let mut sess = server.session(&model, &cfg)?;
 //! while !sess.should_stop() {
 //!     let (x, y) = batch(sess.global_step());
 //!     sess.run(&x, &y)?;
@@ -41,7 +41,8 @@ use super::allreduce::{Allreduce, AllreduceConfig};
 use super::data::Dataset;
 use super::engine::{Session, TrainError};
 use super::events::Event;
-use super::ps::session::{MonitoredSession, SessionOptions};
+use super::ps::session::MonitoredSession;
+use super::ps::PsConfig;
 use super::ps::{server, PsError, Roles};
 use super::sidecar;
 use crate::cluster::resolve::{resolve_bound, resolve_mpi, resolve_offline};
@@ -257,16 +258,17 @@ impl Server {
         Ok(Session::new(strategy, &cfg.train)?)
     }
 
-    /// A worker's monitored training session of `model` against the ps tasks.
+    /// A worker's training session of `model` against the ps tasks, as `cfg` says (its
+    /// events printed by the chief).
     pub fn session<'s>(
         &'s self,
         model: &'s dyn Model,
-        opts: SessionOptions,
+        cfg: &PsConfig,
     ) -> Result<MonitoredSession<'s, 's, MpiComm>, ServerError> {
         let roles = self
             .roles
             .as_ref()
             .ok_or_else(|| self.role_error("a training session needs a ps job"))?;
-        Ok(MonitoredSession::new(&self.comm, roles, model, opts)?)
+        Ok(MonitoredSession::for_worker(&self.comm, roles, model, cfg)?)
     }
 }

@@ -23,6 +23,7 @@
 //! [`Allreduce`] is the mode's [`Strategy`]: a program drives it in a
 //! [`Session`]; [`run`] is the command line's loop over one.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +31,7 @@ mod reducer;
 
 use super::checkpoint::{self, State};
 use super::data::Dataset;
-use super::engine::{Session, StepWord, Strategy, TrainError};
+use super::engine::{Session, Started, StepWord, Strategy, TrainError};
 use super::events::Event;
 use super::optim::{Optimizer, Slots};
 use super::TrainConfig;
@@ -184,12 +185,15 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
     /// every replica.
     fn start(
         &mut self,
-        restored: Option<State>,
-        _: &mut dyn FnMut(&Event),
-    ) -> Result<u64, TrainError> {
+        dir: Option<&Path>,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Started, TrainError> {
+        let chief = self.coll.rank() == 0;
+        let restored = super::engine::restore(dir, chief, &self.replica, events)?;
+        let on_disk = restored.as_ref().map(|s| s.step);
         let vars = self.replica.variables();
         let mut start_bytes = Vec::new();
-        if self.coll.rank() == 0 {
+        if chief {
             let start =
                 restored.unwrap_or_else(|| State::of_replica(&self.replica, &self.slots, 0));
             start_bytes = checkpoint::encode(&start.arrays(&vars));
@@ -199,7 +203,10 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
         let arrays = checkpoint::parse(at, &start, None)?;
         let state = State::assemble(at, &[arrays], &vars)?;
         state.apply_to(&mut self.replica, &mut self.slots, &self.opt);
-        Ok(state.step)
+        Ok(Started {
+            step: state.step,
+            restored: on_disk,
+        })
     }
 
     /// Sum of (mean gradient x samples) over replicas, over the global batch: exact.
@@ -237,7 +244,7 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
         &self.grads
     }
 
-    fn apply(&mut self, _: u64) -> Result<(), TrainError> {
+    fn apply(&mut self, step: u64) -> Result<u64, TrainError> {
         let total = self.samples.max(1.0);
         for g in &mut self.grads {
             let g = g.as_mut_slice::<f32>().expect("f32");
@@ -249,7 +256,7 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
             &self.opt,
             &mut self.slots,
         );
-        Ok(())
+        Ok(step + 1)
     }
 
     fn after_step(&mut self, done: u64) -> Result<(), TrainError> {
@@ -292,14 +299,15 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
         Ok(())
     }
 
-    fn window(&mut self, step: u64, mine: Times) -> Result<Vec<RankTimes>, TrainError> {
-        Ok(gather_times(
-            &self.coll,
-            &self.layout,
-            self.world_rank,
-            mine,
-            step,
-        )?)
+    fn window(
+        &mut self,
+        step: u64,
+        clock: &mut Clock,
+    ) -> Result<(Times, Vec<RankTimes>), TrainError> {
+        let mine = clock.take();
+        let (coll, layout) = (&self.coll, &self.layout);
+        let ranks = gather_times(coll, layout, self.world_rank, mine, step)?;
+        Ok((mine, ranks))
     }
 }
 
@@ -342,6 +350,7 @@ pub fn run<C: Comm + Send + 'static>(
     let strategy = Allreduce::new(sub, layout, comm.rank(), model, cfg)?;
     let mut sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
     super::fit(&mut sess, &cfg.train, train)?;
+    sess.save()?;
     sess.evaluate(test)?;
     sess.close()?;
     Ok(())

@@ -10,7 +10,7 @@ use crate::transport::TransportError;
 
 /// Why training ended early. [`TrainError::is_agreed`] tells an error every rank that
 /// trains raises at the same step (nothing is left waiting) from one rank's own.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum TrainError {
     #[error("{0}")]
     Transport(#[from] TransportError),
@@ -39,6 +39,10 @@ pub enum TrainError {
     Models(String),
     #[error("{0}")]
     Sidecar(#[from] SidecarError),
+    /// Parameter-server training's own (a worker lost its ps, a step the ps tasks did not
+    /// apply).
+    #[error("{0}")]
+    Ps(#[from] crate::train::ps::PsError),
     /// The session used in a way it does not allow (a step after it stopped).
     #[error("{0}")]
     Usage(String),
@@ -57,6 +61,8 @@ impl TrainError {
                 | TrainError::Diverged { .. }
                 | TrainError::Stopped(_)
                 | TrainError::Models(_)
+                | TrainError::Ps(crate::train::ps::PsError::NotApplied(_))
+                | TrainError::Ps(crate::train::ps::PsError::Stopped(_))
         )
     }
 }

@@ -3,7 +3,9 @@
 
 use std::time::Instant;
 
-use super::{StepWord, Strategy, TrainError};
+use std::path::Path;
+
+use super::{Started, StepWord, Strategy, TrainError};
 use crate::model::towers::Towers;
 use crate::model::{Model, Replica};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
@@ -59,13 +61,18 @@ impl<'m> Strategy<'m> for Local<'m> {
 
     fn start(
         &mut self,
-        restored: Option<State>,
-        _: &mut dyn FnMut(&Event),
-    ) -> Result<u64, TrainError> {
-        Ok(restored.map_or(0, |s| {
+        dir: Option<&Path>,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Started, TrainError> {
+        let restored = super::restore(dir, true, &self.replica, events)?;
+        let step = restored.map(|s| {
             s.apply_to(&mut self.replica, &mut self.slots, &self.opt);
             s.step
-        }))
+        });
+        Ok(Started {
+            step: step.unwrap_or(0),
+            restored: step,
+        })
     }
 
     fn gradients(
@@ -89,9 +96,9 @@ impl<'m> Strategy<'m> for Local<'m> {
         &self.grads
     }
 
-    fn apply(&mut self, _: u64) -> Result<(), TrainError> {
+    fn apply(&mut self, step: u64) -> Result<u64, TrainError> {
         apply_optimizer(&mut self.replica, &self.grads, &self.opt, &mut self.slots);
-        Ok(())
+        Ok(step + 1)
     }
 
     fn state(&mut self, step: u64) -> Result<State, TrainError> {
@@ -102,12 +109,14 @@ impl<'m> Strategy<'m> for Local<'m> {
         Ok(())
     }
 
-    fn window(&mut self, _: u64, mine: Times) -> Result<Vec<RankTimes>, TrainError> {
-        Ok(vec![RankTimes {
+    fn window(&mut self, _: u64, clock: &mut Clock) -> Result<(Times, Vec<RankTimes>), TrainError> {
+        let mine = clock.take();
+        let me = RankTimes {
             rank: 0,
             task: "local".into(),
             times: mine,
-        }])
+        };
+        Ok((mine, vec![me]))
     }
 
     fn communicates(&self) -> bool {

@@ -40,19 +40,51 @@ pub use local::Local;
 pub use session::{Evaluation, Session, Trained};
 pub use word::StepWord;
 
+use std::path::{Path, PathBuf};
+
 use crate::model::Replica;
 use crate::observe::phases::{Clock, RankTimes, Times};
+use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
-use crate::train::checkpoint::State;
+use crate::train::checkpoint::{self, State};
 use crate::train::events::Event;
 
+/// Where a rank starts: the global step, and the step of the checkpoint it was restored
+/// from (the newest on disk), if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Started {
+    pub step: u64,
+    pub restored: Option<u64>,
+}
+
+/// How training ended on a rank, told to its strategy ([`Strategy::end`]) once.
+#[derive(Debug)]
+pub enum End<'a> {
+    /// The session closed.
+    Done,
+    /// Every rank stops after this step, asked by this signal.
+    Stopped(i32),
+    /// A step or the start failed with this error.
+    Failed(&'a TrainError),
+    /// The session was dropped without being closed (an early return, a panic).
+    Abandoned,
+}
+
 /// A training mode: how a step's gradients become the update, among the ranks that train
-/// together. The [`Session`] calls, each step: [`Strategy::gradients`], then (the guard
-/// passed) [`Strategy::apply`], then [`Strategy::after_step`].
+/// together. The [`Session`] calls [`Strategy::start`] once, then each step
+/// [`Strategy::gradients`], (the guard passed) [`Strategy::apply`] and
+/// [`Strategy::after_step`], and [`Strategy::end`] once when training ends.
 pub trait Strategy<'m> {
     /// The ranks that train together and this rank's place among them; place 0 is the
     /// chief, which writes checkpoints and reports.
     fn ranks(&self) -> (usize, usize);
+
+    /// True if the ranks sum every step's word, so that a hook's request to stop rides in
+    /// the next step's and every rank stops together; false where ranks step apart (the
+    /// asynchronous ps), where a hook stops its own rank at once.
+    fn agrees(&self) -> bool {
+        true
+    }
 
     /// This rank's copy of the parameters (after [`Strategy::apply`], the updated ones).
     fn replica(&self) -> &Replica<'m>;
@@ -62,14 +94,14 @@ pub trait Strategy<'m> {
     where
         Self: Sized;
 
-    /// Sets every rank's starting point: `restored` is the chief's newest valid checkpoint
-    /// (`None` on the other ranks, or where there is none). Returns the step training
-    /// starts at, the same on every rank.
+    /// Sets every rank's starting point, from the newest valid checkpoint in `dir` if
+    /// there is one (any mode's: [`restore`] reads it for the chief), else from the
+    /// initial values; the same step on every rank.
     fn start(
         &mut self,
-        restored: Option<State>,
+        dir: Option<&Path>,
         events: &mut dyn FnMut(&Event),
-    ) -> Result<u64, TrainError>;
+    ) -> Result<Started, TrainError>;
 
     /// Step `step` up to its update: this rank's gradients of `x`, `y` and their
     /// combination with the other ranks', with this rank's `word` (its loss added with
@@ -85,11 +117,13 @@ pub trait Strategy<'m> {
         events: &mut dyn FnMut(&Event),
     ) -> Result<StepWord, TrainError>;
 
-    /// The gradients [`Strategy::apply`] will take, for the guard to check first.
+    /// The gradients [`Strategy::apply`] will take, for the guard to check first (none
+    /// where the mode checked them itself).
     fn pending(&self) -> &[Tensor];
 
-    /// Applies step `step`'s update.
-    fn apply(&mut self, step: u64) -> Result<(), TrainError>;
+    /// Applies step `step`'s update; returns the global step after it (`step + 1` where
+    /// each step is one update).
+    fn apply(&mut self, step: u64) -> Result<u64, TrainError>;
 
     /// After the update, `done` steps in all: checks the mode makes (replicas compared).
     fn after_step(&mut self, done: u64) -> Result<(), TrainError> {
@@ -97,17 +131,92 @@ pub trait Strategy<'m> {
         Ok(())
     }
 
-    /// What a checkpoint of `step` holds (asked of the chief).
+    /// What a checkpoint of `step` holds (the chief's, for [`Strategy::checkpoint`]).
     fn state(&mut self, step: u64) -> Result<State, TrainError>;
 
-    /// Sums `values` over the ranks (an evaluation's counts), in place.
+    /// The checkpoint of `step` into `dir` (every rank calls it; by default the chief
+    /// writes [`Strategy::state`] as one file), the newest `keep` kept; returns its path,
+    /// the same on every rank. The chief reports it.
+    fn checkpoint(
+        &mut self,
+        dir: &Path,
+        step: u64,
+        keep: usize,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<PathBuf, TrainError> {
+        if self.ranks().1 != 0 {
+            return Ok(checkpoint::path_of(dir, step));
+        }
+        let t = std::time::Instant::now();
+        let replica = self.replica();
+        let (describe, vars) = (replica.model.describe(), replica.variables());
+        let path = self.state(step)?.write(dir, &describe, &vars)?;
+        checkpoint::retain(dir, keep);
+        timeline::span(
+            "checkpoint",
+            "other",
+            t,
+            std::time::Instant::now(),
+            Detail::at(step),
+        );
+        events(&Event::Checkpoint {
+            path: path.clone(),
+            step,
+        });
+        Ok(path)
+    }
+
+    /// Sums `values` over the ranks that evaluate together (an evaluation's counts).
     fn sum(&mut self, values: &mut [f64]) -> Result<(), TrainError>;
 
-    /// Every rank's times of the log window closing after `step` (this rank's: `mine`).
-    fn window(&mut self, step: u64, mine: Times) -> Result<Vec<RankTimes>, TrainError>;
+    /// The ranks that evaluate together (each its share of the samples) and this rank's
+    /// place: by default those that train together.
+    fn evaluation_ranks(&self) -> (usize, usize) {
+        self.ranks()
+    }
+
+    /// The log window closing after `step`: this rank's times (taken from `clock`, or as
+    /// the mode kept them) and every rank's the chief reports.
+    fn window(
+        &mut self,
+        step: u64,
+        clock: &mut Clock,
+    ) -> Result<(Times, Vec<RankTimes>), TrainError>;
 
     /// True if a step communicates (the log line then gives the share of it).
     fn communicates(&self) -> bool {
         true
+    }
+
+    /// The loss the log reports for the last step, where it is not the step's word's (the
+    /// ps: that of the update the parameters came from).
+    fn reported_loss(&self) -> Option<f32> {
+        None
+    }
+
+    /// Training ended on this rank (`how`): what the mode owes its peers (the ps tasks
+    /// are told). Called once.
+    fn end(&mut self, how: End<'_>) -> Result<(), TrainError> {
+        let _ = how;
+        Ok(())
+    }
+}
+
+/// The newest valid checkpoint in `dir` (created if missing) for `replica`'s variables,
+/// read by the chief (`None` elsewhere, and where there is none): what
+/// [`Strategy::start`] restores in the modes that hold the whole state on each rank.
+pub fn restore(
+    dir: Option<&Path>,
+    chief: bool,
+    replica: &Replica<'_>,
+    events: &mut dyn FnMut(&Event),
+) -> Result<Option<State>, TrainError> {
+    match (dir, chief) {
+        (Some(dir), true) => Ok(checkpoint::state::restore(
+            dir,
+            &replica.variables(),
+            events,
+        )?),
+        _ => Ok(None),
     }
 }

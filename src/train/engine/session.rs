@@ -5,11 +5,11 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::{Hook, StepInfo, StepWord, Strategy, TrainError};
+use super::{End, Hook, StepInfo, StepWord, Strategy, TrainError};
 use crate::model::Replica;
 use crate::observe::phases::{Clock, Phase};
 use crate::observe::timeline::{self, Detail};
-use crate::train::checkpoint::{self, state};
+use crate::train::checkpoint;
 use crate::train::data::{shard, Dataset};
 use crate::train::events::Event;
 use crate::train::{guard, StepLog, Stopped, TrainConfig};
@@ -23,10 +23,14 @@ enum Stop {
     Target,
     /// A hook asked.
     Hook,
+    /// A signal stopped training (the step returned [`TrainError::Stopped`]).
+    Signal,
+    /// A step failed.
+    Failed,
 }
 
-/// An evaluation on held-out samples: the same on every rank (each rank evaluates its
-/// share of the samples and the counts are summed).
+/// An evaluation on held-out samples: the same on every rank that evaluates together
+/// (each its share of the samples, the counts summed).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Evaluation {
     /// The global step of the parameters evaluated.
@@ -62,26 +66,47 @@ struct Evaluate<'e> {
     target: Option<f64>,
 }
 
+/// The log window: phase times on the clock, and since when, over how many global steps
+/// and samples.
+struct Window {
+    clock: Clock,
+    start: Instant,
+    steps: u64,
+    samples: f64,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window {
+            clock: Clock::new(),
+            start: Instant::now(),
+            steps: 0,
+            samples: 0.0,
+        }
+    }
+}
+
 /// The step loop of one rank, over a strategy `S` that trains a model borrowed for `'m`;
 /// `'e` borrows the event sink, hooks and evaluation data.
 pub struct Session<'m, 'e, S: Strategy<'m>> {
-    strategy: S,
+    /// `None` once closed.
+    strategy: Option<S>,
     cfg: TrainConfig,
-    vars: Vec<(String, usize)>,
-    describe: String,
     chief: bool,
-    /// The global step: steps done.
+    /// The global step: steps done, those before a restored checkpoint included.
     step: u64,
     first: u64,
     loss: f32,
-    /// The log window: phase times, and the samples of its steps.
-    clock: Clock,
-    window_samples: f64,
+    window: Window,
     /// The step of the newest checkpoint, and when it was written.
     saved: (Option<u64>, Instant),
     stop: Option<Stop>,
+    /// The strategy was told how training ended.
+    ended: bool,
     /// A hook on this rank asked to stop: said with the next step's word.
     asked: bool,
+    /// The signal that stopped training, if one did.
+    stopped_by: Option<i32>,
     events: Box<dyn FnMut(&Event) + 'e>,
     hooks: Vec<Box<dyn Hook + 'e>>,
     evaluate: Option<Evaluate<'e>>,
@@ -104,8 +129,8 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     }
 
     /// A session of `strategy` as `cfg` says, its events (every rank's: most come from the
-    /// chief) told to `events`. The chief restores the newest valid checkpoint in
-    /// `cfg.checkpoint_dir`, which every rank then starts from.
+    /// chief) told to `events`. Every rank starts from the newest valid checkpoint in
+    /// `cfg.checkpoint_dir`, if there is one.
     pub fn with_events(
         mut strategy: S,
         cfg: &TrainConfig,
@@ -113,29 +138,27 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     ) -> Result<Self, TrainError> {
         let mut events: Box<dyn FnMut(&Event) + 'e> = Box::new(events);
         let chief = strategy.ranks().1 == 0;
-        let vars = strategy.replica().variables();
-        let describe = strategy.replica().model.describe();
-        let restored = match (&cfg.checkpoint_dir, chief) {
-            (Some(dir), true) => state::restore(dir, &vars, &mut *events)?,
-            _ => None,
+        let started = match strategy.start(cfg.checkpoint_dir.as_deref(), &mut *events) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = strategy.end(End::Failed(&e));
+                return Err(e);
+            }
         };
-        let on_disk = restored.as_ref().map(|s| s.step);
-        let first = strategy.start(restored, &mut *events)?;
         let stop_on_signal = cfg.stop_on_signal;
         Ok(Session {
-            strategy,
+            strategy: Some(strategy),
             cfg: cfg.clone(),
-            vars,
-            describe,
             chief,
-            step: first,
-            first,
+            step: started.step,
+            first: started.step,
             loss: f32::NAN,
-            clock: Clock::new(),
-            window_samples: 0.0,
-            saved: (on_disk, Instant::now()),
-            stop: (first >= cfg.steps).then_some(Stop::LastStep),
+            window: Window::new(),
+            saved: (started.restored, Instant::now()),
+            stop: (started.step >= cfg.steps).then_some(Stop::LastStep),
+            ended: false,
             asked: false,
+            stopped_by: None,
             events,
             hooks: Vec::new(),
             evaluate: None,
@@ -145,6 +168,14 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
             samples: 0.0,
             _model: std::marker::PhantomData,
         })
+    }
+
+    fn strategy(&self) -> &S {
+        self.strategy.as_ref().expect("open until closed")
+    }
+
+    fn strategy_mut(&mut self) -> &mut S {
+        self.strategy.as_mut().expect("open until closed")
     }
 
     /// Adds a hook run after every step.
@@ -193,12 +224,12 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
 
     /// The ranks that train together, and this rank's place among them.
     pub fn ranks(&self) -> (usize, usize) {
-        self.strategy.ranks()
+        self.strategy().ranks()
     }
 
     /// This rank's parameters.
     pub fn replica(&self) -> &Replica<'m> {
-        self.strategy.replica()
+        self.strategy().replica()
     }
 
     /// The newest evaluation, if any.
@@ -207,12 +238,13 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     }
 
     /// True once training is over: the last step reached, an evaluation's target met, or
-    /// a hook's request agreed.
+    /// a hook's request agreed (or a step failed).
     pub fn should_stop(&self) -> bool {
         self.stop.is_some()
     }
 
-    /// One step on this rank's samples `x`, `y` (its share of the global batch).
+    /// One step on this rank's samples `x`, `y` (its share of the global batch). An error
+    /// ends training on this rank, and (the mode sees to it) on every rank.
     pub fn run(&mut self, x: &[f32], y: &[u8]) -> Result<StepInfo, TrainError> {
         if let Some(why) = self.stop {
             return Err(TrainError::Usage(format!(
@@ -220,44 +252,70 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
                 self.step
             )));
         }
+        let ran = self.step_once(x, y);
+        if let Err(e) = &ran {
+            self.stop = Some(match e {
+                TrainError::Stopped(_) => Stop::Signal,
+                _ => Stop::Failed,
+            });
+            self.end(match e {
+                TrainError::Stopped(_) => End::Stopped(self.stopped_by.unwrap_or(0)),
+                e => End::Failed(e),
+            })?;
+        }
+        ran
+    }
+
+    /// Tells the strategy how training ended, once.
+    fn end(&mut self, how: End<'_>) -> Result<(), TrainError> {
+        if std::mem::replace(&mut self.ended, true) {
+            return Ok(());
+        }
+        self.strategy_mut().end(how)
+    }
+
+    fn step_once(&mut self, x: &[f32], y: &[u8]) -> Result<StepInfo, TrainError> {
         let step = self.step;
         let word = StepWord::asking((self.signals)(), self.asked);
-        let events = &mut *self.events;
-        let agreed = self
-            .strategy
-            .gradients(step, x, y, word, &mut self.clock, events)?;
+        let (events, clock) = (&mut *self.events, &mut self.window.clock);
+        // Counted as it starts: a mode that reports its window during the step (the ps,
+        // with its push) counts it there.
+        clock.steps(1);
+        let strategy = self.strategy.as_mut().expect("open until closed");
+        let agreed = strategy.gradients(step, x, y, word, clock, events)?;
         self.guard(step, &agreed)?;
         let t = Instant::now();
-        self.strategy.apply(step)?;
-        self.clock
-            .since_as(Phase::Compute, t, "update", Detail::at(step));
-        self.clock.steps(1);
-        self.step += 1;
+        let next = self.strategy_mut().apply(step)?;
+        let clock = &mut self.window.clock;
+        clock.since_as(Phase::Compute, t, "update", Detail::at(step));
+        self.step = next;
         self.loss = agreed.loss();
-        self.window_samples += f64::from(agreed.samples);
+        self.window.steps += next.saturating_sub(step);
+        self.window.samples += f64::from(agreed.samples);
         self.samples += f64::from(agreed.samples);
-        self.strategy.after_step(self.step)?;
-        self.log_if_due()?;
-        if let Some(signal) = agreed.stop_signal() {
+        self.strategy_mut().after_step(next)?;
+        self.log_if_due(step)?;
+        // A signal that comes with the last step ends nothing early.
+        if let Some(signal) = agreed.stop_signal().filter(|_| next < self.cfg.steps) {
             return Err(self.stopped(signal)?.into());
         }
         self.checkpoint_if_due()?;
-        self.evaluate_if_due()?;
+        self.evaluate_if_due(step)?;
         let info = StepInfo {
-            global_step: self.step,
+            global_step: next,
             loss: self.loss,
-            applied_loss: self.loss,
+            applied_loss: self.strategy().reported_loss().unwrap_or(self.loss),
         };
         let mut asked = false;
         for h in &mut self.hooks {
             asked |= h.after_step(&info);
         }
         self.asked |= asked;
-        let alone = self.strategy.ranks().0 == 1;
-        if agreed.stop_asked() || (alone && self.asked) {
+        let apart = !self.strategy().agrees() || self.strategy().ranks().0 == 1;
+        if agreed.stop_asked() || (apart && self.asked) {
             self.stop.get_or_insert(Stop::Hook);
         }
-        if self.step >= self.cfg.steps {
+        if next >= self.cfg.steps {
             self.stop.get_or_insert(Stop::LastStep);
         }
         Ok(info)
@@ -269,7 +327,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     /// gradients applied are the same on every rank (a reduced sum); a strategy whose ranks
     /// apply their own says so in the word ([`StepWord::with_gradients`]).
     fn guard(&self, step: u64, agreed: &StepWord) -> Result<(), TrainError> {
-        let n = self.strategy.ranks().0;
+        let n = self.strategy().ranks().0;
         let whose = |k: usize| match n {
             1 => String::new(),
             n => format!(" on {k} of {n} replicas"),
@@ -283,40 +341,51 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
             let whose = whose(agreed.bad_gradients());
             return Err(guard::NonFinite::Gradients { step, whose }.into());
         }
-        guard::check_gradients(step, self.strategy.pending())?;
+        guard::check_gradients(step, self.strategy().pending())?;
         Ok(())
+    }
+
+    /// True if the global step passed a multiple of `every` going from `prev` to the
+    /// current step (every step of a synchronous mode; the ps's may jump).
+    fn passed(&self, prev: u64, every: u64) -> bool {
+        every > 0 && self.step / every > prev / every
     }
 
     /// The log line of the window closing now, if one is due (every rank's times gathered
     /// to the chief).
-    fn log_if_due(&mut self) -> Result<(), TrainError> {
-        let every = self.cfg.log_every;
-        if every == 0 || !self.step.is_multiple_of(every) {
+    fn log_if_due(&mut self, prev: u64) -> Result<(), TrainError> {
+        if !self.passed(prev, self.cfg.log_every) {
             return Ok(());
         }
-        let mine = self.clock.take();
-        let samples = std::mem::take(&mut self.window_samples);
-        let ranks = self.strategy.window(self.step, mine)?;
+        let step = self.step;
+        let closed = std::mem::replace(&mut self.window, Window::new());
+        let mut clock = closed.clock;
+        let (mine, ranks) = self.strategy_mut().window(step, &mut clock)?;
         if self.chief {
-            let secs = mine.total().max(1e-9);
+            let secs = closed.start.elapsed().as_secs_f64().max(1e-9);
+            let strategy = self.strategy();
             let log = StepLog {
-                step: self.step,
-                loss: self.loss,
-                steps_per_sec: mine.steps as f64 / secs,
-                samples_per_sec: samples / secs,
-                comm_fraction: self.strategy.communicates().then(|| mine.comm / secs),
+                step,
+                loss: strategy.reported_loss().unwrap_or(self.loss),
+                steps_per_sec: closed.steps as f64 / secs,
+                samples_per_sec: closed.samples / secs,
+                comm_fraction: strategy
+                    .communicates()
+                    .then(|| mine.comm / mine.total().max(1e-9)),
                 ranks,
             };
             (self.events)(&Event::Step(log));
         }
+        // What the clock kept running for the mode (its own report of times) goes on.
+        self.window.clock = clock;
         Ok(())
     }
 
     /// The periodic checkpoint, by steps or by time (the last step's is written by
     /// [`Session::close`]).
     fn checkpoint_if_due(&mut self) -> Result<(), TrainError> {
-        let every = self.cfg.checkpoint_every;
-        let by_steps = every > 0 && self.step.is_multiple_of(every);
+        let saved = self.saved.0.unwrap_or(self.first);
+        let by_steps = self.passed(saved, self.cfg.checkpoint_every);
         let by_time = self
             .cfg
             .checkpoint_every_secs
@@ -327,33 +396,39 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         Ok(())
     }
 
-    /// The chief writes the checkpoint of this step (once); every rank returns its path.
+    /// Checkpoints this step now (every rank calls it; nothing if this step's is written,
+    /// or there is no checkpoint directory); returns its path. [`Session::close`] does it
+    /// too: a program that evaluates at the end saves first, so that the newest checkpoint
+    /// is what it evaluated.
+    pub fn save(&mut self) -> Result<Option<PathBuf>, TrainError> {
+        let saved = self.checkpoint();
+        if let Err(e) = &saved {
+            self.stop = Some(Stop::Failed);
+            self.end(End::Failed(e))?;
+        }
+        saved
+    }
+
+    /// The checkpoint of this step (once), as the mode writes it; its path.
     fn checkpoint(&mut self) -> Result<Option<PathBuf>, TrainError> {
         let Some(dir) = self.cfg.checkpoint_dir.clone() else {
             return Ok(None);
         };
-        let path = checkpoint::path_of(&dir, self.step);
-        if !self.chief || self.saved.0 == Some(self.step) {
-            return Ok(Some(path));
+        if self.saved.0 == Some(self.step) {
+            return Ok(Some(checkpoint::path_of(&dir, self.step)));
         }
-        let t = Instant::now();
-        let state = self.strategy.state(self.step)?;
-        let path = state.write(&dir, &self.describe, &self.vars)?;
-        checkpoint::retain(&dir, self.cfg.keep_checkpoints);
-        let now = Instant::now();
-        timeline::span("checkpoint", "other", t, now, Detail::at(self.step));
-        (self.events)(&Event::Checkpoint {
-            path: path.clone(),
-            step: self.step,
-        });
-        self.saved = (Some(self.step), now);
+        let (step, keep) = (self.step, self.cfg.keep_checkpoints);
+        let events = &mut *self.events;
+        let strategy = self.strategy.as_mut().expect("open until closed");
+        let path = strategy.checkpoint(&dir, step, keep, events)?;
+        self.saved = (Some(step), Instant::now());
         Ok(Some(path))
     }
 
     /// Every rank stops after this step, asked by `signal`; the chief keeps the step.
     fn stopped(&mut self, signal: i32) -> Result<Stopped, TrainError> {
+        self.stopped_by = Some(signal);
         let checkpoint = self.checkpoint()?;
-        self.stop.get_or_insert(Stop::Hook);
         Ok(Stopped {
             signal: crate::signals::name(signal),
             step: self.step,
@@ -361,11 +436,11 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         })
     }
 
-    fn evaluate_if_due(&mut self) -> Result<(), TrainError> {
+    fn evaluate_if_due(&mut self, prev: u64) -> Result<(), TrainError> {
         let Some(e) = &self.evaluate else {
             return Ok(());
         };
-        if e.every == 0 || !self.step.is_multiple_of(e.every) {
+        if !self.passed(prev, e.every) {
             return Ok(());
         }
         let (data, target) = (e.data, e.target);
@@ -376,17 +451,17 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         Ok(())
     }
 
-    /// Evaluates the current parameters on `data` (every rank its share; a collective
-    /// where several ranks train) and reports it ([`Event::Accuracy`], the chief).
+    /// Evaluates the current parameters on `data` (every rank that evaluates together its
+    /// share: a collective where several do) and reports it ([`Event::Accuracy`], the
+    /// chief).
     pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
         let t = Instant::now();
-        let (n, i) = self.strategy.ranks();
+        let (n, i) = self.strategy().evaluation_ranks();
         let all: Vec<usize> = (0..data.len()).collect();
-        let mine = shard(&all, i, n);
-        let (x, y) = data.rows(mine);
-        let accuracy = self.strategy.replica().accuracy(&x, &y)?;
+        let (x, y) = data.rows(shard(&all, i, n));
+        let accuracy = self.strategy().replica().accuracy(&x, &y)?;
         let mut counts = [(accuracy * y.len() as f64).round(), y.len() as f64];
-        self.strategy.sum(&mut counts)?;
+        self.strategy_mut().sum(&mut counts)?;
         let (correct, total) = (counts[0] as usize, counts[1] as usize);
         let eval = Evaluation {
             step: self.step,
@@ -413,12 +488,21 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         Ok(eval)
     }
 
-    /// Ends the session: the chief writes the last checkpoint (if not written at this
-    /// step) and the parameters to `save_params`; returns the trained parameters.
+    /// Ends the session: the last checkpoint (if not written at this step), the mode told
+    /// (the ps tasks: this worker is done), the chief's parameters to `save_params`;
+    /// returns the trained parameters.
     pub fn close(mut self) -> Result<Trained<'m>, TrainError> {
-        let checkpoint = self.checkpoint()?;
+        let checkpoint = match self.checkpoint() {
+            Ok(c) => c,
+            Err(e) => {
+                self.end(End::Failed(&e))?;
+                return Err(e);
+            }
+        };
+        self.end(End::Done)?;
+        let strategy = self.strategy.take().expect("open until closed");
         if let (Some(p), true) = (&self.cfg.save_params, self.chief) {
-            crate::train::save_params(self.strategy.replica(), p, self.step)?;
+            crate::train::save_params(strategy.replica(), p, self.step)?;
         }
         let secs = self.started.elapsed().as_secs_f64().max(1e-9);
         Ok(Trained {
@@ -428,7 +512,17 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
             evaluation: self.evaluation,
             samples_per_sec: self.samples / secs,
             checkpoint,
-            replica: self.strategy.into_replica(),
+            replica: strategy.into_replica(),
         })
+    }
+}
+
+impl<'m, S: Strategy<'m>> Drop for Session<'m, '_, S> {
+    /// A session dropped unclosed (an early return, a panic) tells its mode, which stops
+    /// the job at once where peers would otherwise wait for it (the ps tasks).
+    fn drop(&mut self) {
+        if self.strategy.is_some() {
+            let _ = self.end(End::Abandoned);
+        }
     }
 }

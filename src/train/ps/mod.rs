@@ -46,9 +46,10 @@ use std::time::Duration;
 use self::placement::{DeviceSetter, Strategy};
 use self::protocol::SyncReplicas;
 pub use self::roles::Roles;
-use self::session::{MonitoredSession, SessionOptions};
+use self::session::Ps;
 use super::checkpoint;
-use super::data::{shard, Batches, Dataset};
+use super::data::Dataset;
+use super::engine::{Session, TrainError};
 use super::events::Event;
 use super::TrainConfig;
 use crate::cluster::Layout;
@@ -91,6 +92,21 @@ pub struct PsConfig {
     pub strategy: Strategy,
     pub partition_bytes: usize,
     pub peer_timeout: Duration,
+}
+
+impl Default for PsConfig {
+    /// The shared defaults, synchronous over every worker, variables placed greedily, a
+    /// minute's wait for a peer.
+    fn default() -> Self {
+        PsConfig {
+            train: TrainConfig::default(),
+            sync: true,
+            replicas_to_aggregate: None,
+            strategy: Strategy::Greedy,
+            partition_bytes: 4 << 20,
+            peer_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 impl PsConfig {
@@ -153,6 +169,20 @@ pub enum PsError {
     Stopped(crate::train::Stopped),
 }
 
+impl From<TrainError> for PsError {
+    /// A worker's session's error, as ps training says it.
+    fn from(e: TrainError) -> PsError {
+        match e {
+            TrainError::Ps(e) => e,
+            TrainError::Stopped(s) => PsError::Stopped(s),
+            TrainError::Transport(e) => PsError::Transport(e),
+            TrainError::Checkpoint(e) => PsError::Checkpoint(e),
+            TrainError::Sidecar(e) => PsError::Sidecar(e),
+            e => PsError::Setup(e.to_string()),
+        }
+    }
+}
+
 /// What a worker does with its step's check (`found`, [`crate::train::guard::check_step`]),
 /// the rule of both transports: where the ps tasks can refuse a step (`refusable`: the
 /// two-sided ps, synchronous or not; the one-sided ps when synchronous), a finding goes to
@@ -195,8 +225,8 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
 }
 
 /// Runs this rank's part (ps, worker or chief) of ps training over two-sided messages:
-/// a ps task serves, a worker trains in a [`MonitoredSession`] on its shard of each
-/// global batch, and the chief finally evaluates on `test` and saves the parameters.
+/// a ps task serves, a worker trains in a session of the [`Ps`] strategy on its shard of
+/// each global batch, and the chief finally evaluates on `test` and saves the parameters.
 pub fn run<C: Comm>(
     comm: &C,
     layout: &Layout,
@@ -215,7 +245,7 @@ pub fn run<C: Comm>(
         return server::serve(comm, &roles, k, cfg.peer_timeout);
     }
     let dir = cfg.train.checkpoint_dir.as_deref();
-    let Some(w) = roles.worker_index(me) else {
+    let Some(_) = roles.worker_index(me) else {
         if crate::train::sidecar::take_part(comm, layout, model, test, dir, events)? {
             return Ok(());
         }
@@ -225,50 +255,14 @@ pub fn run<C: Comm>(
         )));
         return Ok(());
     };
-    let nw = roles.workers.len();
-    let opts = SessionOptions {
-        optimizer: cfg.train.optimizer,
-        sync: cfg.sync_replicas(nw),
-        placement: cfg.device_setter(),
-        seed: cfg.train.seed,
-        checkpoint_dir: cfg.train.checkpoint_dir.clone(),
-        stop_at_step: Some(cfg.train.steps),
-        checkpoint_every_steps: cfg.train.checkpoint_every,
-        checkpoint_every_secs: cfg.train.checkpoint_every_secs,
-        keep_checkpoints: cfg.train.keep_checkpoints,
-        log_every: cfg.train.log_every,
-        peer_timeout: cfg.peer_timeout,
-        stop_on_signal: cfg.train.stop_on_signal,
-        towers: cfg.train.towers,
-    };
-    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
-    let mut sess = MonitoredSession::new(comm, &roles, model, opts)?.with_events(|e| events(e));
-    while !sess.should_stop() {
-        let global = batches.global(sess.global_step());
-        let (x, y) = train.rows(shard(&global, w, nw));
-        sess.run(&x, &y)?;
+    let strategy = Ps::new(comm, &roles, model, cfg)?;
+    let mut sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    super::fit(&mut sess, &cfg.train, train)?;
+    sess.save()?;
+    if sess.is_chief() {
+        sess.evaluate(test)?;
     }
-    let (chief, step, signal) = (sess.is_chief(), sess.global_step(), sess.stop_signal());
-    let trained = sess.close()?;
-    if let Some(signal) = signal {
-        // The chief wrote this step's checkpoint in close.
-        let dir = cfg.train.checkpoint_dir.as_deref();
-        return Err(PsError::Stopped(crate::train::Stopped {
-            signal: crate::signals::name(signal),
-            step,
-            checkpoint: dir.map(|d| checkpoint::path_of(d, step)),
-        }));
-    }
-    if chief {
-        super::finish(
-            &trained,
-            test,
-            step,
-            cfg.train.save_params.as_deref(),
-            events,
-        )
-        .map_err(|e| PsError::Setup(e.to_string()))?;
-    }
+    sess.close()?;
     Ok(())
 }
 
