@@ -176,25 +176,7 @@ impl Reducer {
                 // backward pass: what is left is waiting for the last of them.
                 timeline::span("gradients", "compute", start, t, Detail::at(step));
                 let _wait = stall::wait(waiting(bytes));
-                let mut stats = FusionStats::default();
-                for _ in 0..sent {
-                    let (slot, r) = from_comm
-                        .recv()
-                        .map_err(|_| TrainError::Setup("communication thread stopped".into()))?;
-                    let bucket = r?;
-                    stats.messages += 1;
-                    stats.bytes += bucket.nbytes();
-                    let Some(range) = slot else {
-                        *word = StepWord::from_tensor(&bucket);
-                        continue;
-                    };
-                    let mut summed = bucket.as_slice::<f32>().expect("f32");
-                    for g in &mut grads[range] {
-                        let (mine, rest) = summed.split_at(g.numel());
-                        g.as_mut_slice::<f32>().expect("f32").copy_from_slice(mine);
-                        summed = rest;
-                    }
-                }
+                let stats = collect(from_comm, sent, grads, word)?;
                 let end = Instant::now();
                 if timeline::enabled() {
                     let moved = Detail::moved(step, stats.bytes, &replicas());
@@ -204,4 +186,34 @@ impl Reducer {
             }
         }
     }
+}
+
+/// The `sent` sums the communication thread sends back: each bucket into its range of
+/// `grads`, the word into `word`; what they took.
+fn collect(
+    from_comm: &std::sync::mpsc::Receiver<(Slot, Result<Tensor, TransportError>)>,
+    sent: usize,
+    grads: &mut [Tensor],
+    word: &mut StepWord,
+) -> Result<FusionStats, TrainError> {
+    let mut stats = FusionStats::default();
+    for _ in 0..sent {
+        let (slot, r) = from_comm
+            .recv()
+            .map_err(|_| TrainError::Setup("communication thread stopped".into()))?;
+        let bucket = r?;
+        stats.messages += 1;
+        stats.bytes += bucket.nbytes();
+        let Some(range) = slot else {
+            *word = StepWord::from_tensor(&bucket);
+            continue;
+        };
+        let mut summed = bucket.as_slice::<f32>().expect("f32");
+        for g in &mut grads[range] {
+            let (mine, rest) = summed.split_at(g.numel());
+            g.as_mut_slice::<f32>().expect("f32").copy_from_slice(mine);
+            summed = rest;
+        }
+    }
+    Ok(stats)
 }

@@ -258,10 +258,12 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
                 TrainError::Stopped(_) => Stop::Signal,
                 _ => Stop::Failed,
             });
-            self.end(match e {
+            // The step's error is what the caller sees; the mode's own trouble telling its
+            // peers (a ps already gone) adds nothing to it.
+            let _ = self.end(match e {
                 TrainError::Stopped(_) => End::Stopped(self.stopped_by.unwrap_or(0)),
                 e => End::Failed(e),
-            })?;
+            });
         }
         ran
     }
@@ -404,7 +406,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         let saved = self.checkpoint();
         if let Err(e) = &saved {
             self.stop = Some(Stop::Failed);
-            self.end(End::Failed(e))?;
+            let _ = self.end(End::Failed(e));
         }
         saved
     }
@@ -492,13 +494,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     /// (the ps tasks: this worker is done), the chief's parameters to `save_params`;
     /// returns the trained parameters.
     pub fn close(mut self) -> Result<Trained<'m>, TrainError> {
-        let checkpoint = match self.checkpoint() {
-            Ok(c) => c,
-            Err(e) => {
-                self.end(End::Failed(&e))?;
-                return Err(e);
-            }
-        };
+        let checkpoint = self.save()?;
         self.end(End::Done)?;
         let strategy = self.strategy.take().expect("open until closed");
         if let (Some(p), true) = (&self.cfg.save_params, self.chief) {
