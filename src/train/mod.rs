@@ -66,6 +66,11 @@ pub struct TrainConfig {
     /// Threads computing a task's gradients, each on its share of the task's samples
     /// ([`crate::model::towers`]); 1: the calling thread alone.
     pub towers: usize,
+    /// The command line's runs evaluate on the held-out samples every this many steps
+    /// (0: only at the end; a session of one's own: [`engine::Session::evaluate_every`]).
+    pub eval_every: u64,
+    /// ... and stop once an evaluation reaches this accuracy.
+    pub target_accuracy: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -83,6 +88,8 @@ impl Default for TrainConfig {
             save_params: None,
             stop_on_signal: false,
             towers: 1,
+            eval_every: 0,
+            target_accuracy: None,
         }
     }
 }
@@ -292,7 +299,8 @@ pub fn train_local<'m>(
     events: &mut dyn FnMut(&Event),
 ) -> Result<TrainReport<'m>, engine::TrainError> {
     crate::model::check_data(model, "train", train.features, train.classes)?;
-    let mut sess = engine::Session::with_events(engine::Local::new(model, cfg)?, cfg, events)?;
+    let sess = engine::Session::with_events(engine::Local::new(model, cfg)?, cfg, events)?;
+    let mut sess = evaluating(sess, cfg, test);
     fit(&mut sess, cfg, train)?;
     let trained = sess.close()?;
     let accuracy = trained.replica.accuracy(&test.x, &test.y)?;
@@ -304,6 +312,20 @@ pub fn train_local<'m>(
         samples_per_sec: trained.samples_per_sec,
         model: trained.replica,
     })
+}
+
+/// `sess` evaluating on `test` as `cfg` asks (every `cfg.eval_every` steps, stopping at
+/// `cfg.target_accuracy`): the built-in modes' evaluation hooks.
+pub fn evaluating<'m, 'e, S: engine::Strategy<'m>>(
+    sess: engine::Session<'m, 'e, S>,
+    cfg: &TrainConfig,
+    test: &'e Dataset,
+) -> engine::Session<'m, 'e, S> {
+    let sess = sess.evaluate_every(cfg.eval_every, test);
+    match cfg.target_accuracy {
+        Some(a) => sess.stop_at_accuracy(a),
+        None => sess,
+    }
 }
 
 /// Trains in `sess` on `train` until it stops: each rank's share of each global batch

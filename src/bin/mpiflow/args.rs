@@ -499,6 +499,14 @@ pub(crate) fn positive_f32(s: &str) -> Result<f32, String> {
     }
 }
 
+/// A fraction in (0, 1] (an accuracy to reach).
+pub(crate) fn fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a fraction in (0, 1]")),
+    }
+}
+
 /// mpirun's `-np N` spelling, accepted as `--np N`.
 pub(crate) fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
     let mut out = Vec::new();

@@ -348,10 +348,11 @@ pub fn run<C: Comm + Send + 'static>(
     crate::model::check_data(model, "train", train.features, train.classes)
         .map_err(|e| TrainError::Setup(e.to_string()))?;
     let strategy = Allreduce::new(sub, layout, comm.rank(), model, cfg)?;
-    let mut sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    let sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    let mut sess = super::evaluating(sess, &cfg.train, test);
     super::fit(&mut sess, &cfg.train, train)?;
     sess.save()?;
-    sess.evaluate(test)?;
+    sess.evaluate_now(test)?;
     sess.close()?;
     Ok(())
 }

@@ -490,6 +490,15 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         Ok(eval)
     }
 
+    /// The evaluation of the current step on `data`: the newest one if it is of this step
+    /// (a periodic evaluation that just ran), else a new one ([`Session::evaluate`]).
+    pub fn evaluate_now(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
+        match self.evaluation {
+            Some(e) if e.step == self.step => Ok(e),
+            _ => self.evaluate(data),
+        }
+    }
+
     /// Ends the session: the last checkpoint (if not written at this step), the mode told
     /// (the ps tasks: this worker is done), the chief's parameters to `save_params`;
     /// returns the trained parameters.

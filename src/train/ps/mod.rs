@@ -256,11 +256,12 @@ pub fn run<C: Comm>(
         return Ok(());
     };
     let strategy = Ps::new(comm, &roles, model, cfg)?;
-    let mut sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    let sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    let mut sess = super::evaluating(sess, &cfg.train, test);
     super::fit(&mut sess, &cfg.train, train)?;
     sess.save()?;
     if sess.is_chief() {
-        sess.evaluate(test)?;
+        sess.evaluate_now(test)?;
     }
     sess.close()?;
     Ok(())

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::{
-    named, positive_f32, positive_usize, ClusterArgs, DecayArg, Mode, ModelChoice, ProgressArg,
+    fraction, named, positive_f32, positive_usize, ClusterArgs, DecayArg, Mode, ModelChoice,
+    ProgressArg,
 };
 use mpiflow::pipeline::{Balance, Schedule};
 use mpiflow::topology::Policy;
@@ -131,6 +132,13 @@ pub(crate) struct TrainArgs {
     /// Log every N steps (0: never).
     #[arg(long, default_value_t = 250)]
     pub(crate) log_every: u64,
+    /// Evaluate on the held-out samples every N steps, each evaluation a line and a
+    /// metrics record (0: only at the end). Local, allreduce and the ps over messages.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) eval_every: u64,
+    /// Stop once an evaluation (--eval-every) reaches this held-out accuracy.
+    #[arg(long, value_name = "ACCURACY", value_parser = fraction)]
+    pub(crate) target_accuracy: Option<f64>,
     /// Write metrics as the run goes (the chief): per logged step the loss, samples/s and
     /// every rank's seconds in compute, communication and waiting; each evaluation's
     /// accuracy. CSV (FILE.csv) or JSON lines (FILE.jsonl). A side-car evaluator writes
@@ -182,6 +190,8 @@ impl TrainArgs {
             save_params: self.save_params.clone(),
             stop_on_signal: true,
             towers: self.towers,
+            eval_every: self.eval_every,
+            target_accuracy: self.target_accuracy,
         }
     }
 
@@ -238,6 +248,8 @@ impl TrainArgs {
             ("--lr-decay", cli(&self.lr_decay)),
             ("--seed", self.seed.to_string()),
             ("--log-every", self.log_every.to_string()),
+            ("--eval-every", self.eval_every.to_string()),
+            ("--target-accuracy", opt(&self.target_accuracy)),
             ("--timeline", path(&self.timeline)),
             ("--stall-warning", self.stall_warning.to_string()),
         ]
@@ -260,6 +272,11 @@ enum UsedBy {
     Stages,
     CheckpointDir,
     Mlp,
+    /// The modes that train in a session with evaluation hooks (not yet the one-sided ps
+    /// or stages).
+    Evaluating,
+    /// `--eval-every`.
+    EvalEvery,
 }
 
 impl TrainArgs {
@@ -342,6 +359,12 @@ impl TrainArgs {
                 UsedBy::CheckpointDir,
             ),
             ("--hidden", self.hidden != d.hidden, UsedBy::Mlp),
+            ("--eval-every", self.eval_every > 0, UsedBy::Evaluating),
+            (
+                "--target-accuracy",
+                self.target_accuracy.is_some(),
+                UsedBy::EvalEvery,
+            ),
             (
                 "--stall-warning",
                 ![0, d.stall_warning].contains(&self.stall_warning),
@@ -377,9 +400,18 @@ impl TrainArgs {
             ),
             UsedBy::CheckpointDir => format!(
                 "{flag} {} writes into --checkpoint-dir: give the directory too",
-                self.checkpoint_every
+                match flag {
+                    "--keep-checkpoints" => self.keep_checkpoints.to_string(),
+                    _ => self.checkpoint_every.to_string(),
+                }
             ),
             UsedBy::Mlp => format!("{flag} is for --model mlp (the CNN's layers are fixed)"),
+            UsedBy::Evaluating => format!(
+                "{flag} is for --mode local, allreduce or ps over messages (not yet --transport rma or --stages)"
+            ),
+            UsedBy::EvalEvery => {
+                format!("{flag} needs --eval-every N: how often to evaluate")
+            }
         })
     }
 
@@ -393,6 +425,12 @@ impl TrainArgs {
             UsedBy::Stages => stages,
             UsedBy::CheckpointDir => self.checkpoint_dir.is_some(),
             UsedBy::Mlp => self.model == ModelChoice::Mlp,
+            UsedBy::Evaluating => {
+                let rma =
+                    self.mode == Mode::Ps && self.transport == mpiflow::train::ps::PsTransport::Rma;
+                !stages && !rma
+            }
+            UsedBy::EvalEvery => self.eval_every > 0 && self.uses(UsedBy::Evaluating),
         }
     }
 }
