@@ -10,16 +10,16 @@
 //! - [`train`]: data sets, optimizers, and the training modes (local, ps, allreduce).
 //! - [`rng`]: the seeded generator behind every random choice.
 //! - [`tensor`]: tensors with their wire header in their own buffer.
-//! - [`check`]: `mpiflow check`, the data plane verified on a live job.
-//! - [`bench`](mod@bench): OSU-style benchmarks, OSU 7.4's output format.
 //! - [`hash`]: the one stable hash (FNV-1a) ranks compare and checkpoints carry.
 //! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
 //! - [`named`]: the names users pick enum values by (command line, job scripts).
 //! - [`observe`]: seeing a run: time by phase per rank, the metrics file, progress.
-//! - [`scale`]: a scale model: link costs fitted to measurements, allreduce and ps steps
-//!   predicted for many hosts.
+//! - [`signals`]: stop signals noted for the step loop.
 //!
-//! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these.
+//! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these. Its
+//! commands' own machinery is public for it but not part of the library's face (hidden
+//! from these pages): `bench` (OSU-style benchmarks), `check` (the data plane verified on
+//! a live job), `scale` (the scale model), `supervise` (restarts).
 //!
 //! What a program needs is named at the crate root (and in [`prelude`]): the [`Server`]
 //! every task starts, the [`Session`] a worker trains in and the [`Strategy`] behind each
@@ -28,7 +28,10 @@
 
 mod error;
 
+// The command line's own: public for the binary, not the library's face.
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod check;
 pub mod cluster;
 pub mod hash;
@@ -39,8 +42,10 @@ pub mod named;
 pub mod observe;
 pub mod pipeline;
 pub mod rng;
+#[doc(hidden)]
 pub mod scale;
 pub mod signals;
+#[doc(hidden)]
 pub mod supervise;
 pub mod tensor;
 pub mod topology;
