@@ -54,7 +54,7 @@ pub mod transport;
 
 pub use cluster::MappingOptions;
 pub use error::Error;
-pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu};
+pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, ShapeError};
 pub use model::{Model, Replica, Sequential};
 pub use signals::catch_stop_signals;
 pub use train::allreduce::{Allreduce, AllreduceConfig};
@@ -73,8 +73,8 @@ pub mod prelude {
     pub use crate::{
         shard, Allreduce, AllreduceConfig, Batches, Conv2d, Dataset, Decay, Dense, Error, Event,
         Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind,
-        PsConfig, PsError, Relu, Replica, Sequential, Server, ServerError, Session, StepInfo,
-        Stopped, Strategy, TrainConfig, TrainError, Trained,
+        PsConfig, PsError, Relu, Replica, Sequential, Server, ServerError, Session, ShapeError,
+        StepInfo, Stopped, Strategy, TrainConfig, TrainError, Trained,
     };
 }
 

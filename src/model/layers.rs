@@ -74,13 +74,31 @@ pub struct Backward<'a> {
     pub dy: &'a [f32],
 }
 
+/// Why a layer does not take an input shape (a [`Layer::output_shape`]'s error): one line
+/// naming what the layer needs and the input it was given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ShapeError(pub String);
+
+impl From<String> for ShapeError {
+    fn from(why: String) -> ShapeError {
+        ShapeError(why)
+    }
+}
+
+impl From<&str> for ShapeError {
+    fn from(why: &str) -> ShapeError {
+        ShapeError(why.to_string())
+    }
+}
+
 /// A layer of a [`super::Sequential`] model.
 pub trait Layer: Send + Sync {
     /// `conv 5x5x16/1 pad 2`, `dense 128`, `relu`.
     fn describe(&self) -> String;
 
     /// The shape of one sample's output for one sample's `input`, or why it does not fit.
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String>;
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError>;
 
     /// Parameters (short name, shape, initialiser) for `input`; empty for most layers.
     fn params(&self, _input: &[usize]) -> Vec<(&'static str, Vec<usize>, Init)> {
@@ -166,13 +184,13 @@ fn image_window(
     k: [usize; 2],
     stride: usize,
     pad: usize,
-) -> Result<Window2d, String> {
+) -> Result<Window2d, ShapeError> {
     let [h, w, c] = input else {
-        return Err(format!(
-            "{layer} takes images of height x width x channels (input {input:?})"
-        ));
+        return Err(
+            format!("{layer} takes images of height x width x channels (input {input:?})").into(),
+        );
     };
-    Window2d::new([*h, *w, *c], k, stride, pad).map_err(|e| e.to_string())
+    Window2d::new([*h, *w, *c], k, stride, pad).map_err(|e| ShapeError(e.to_string()))
 }
 
 /// A fully connected layer: `y = x W + b`, `W` is `in x out`.
@@ -186,13 +204,14 @@ impl Layer for Dense {
         format!("dense {}", self.units)
     }
 
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
         match input {
             [_] if self.units > 0 => Ok(vec![self.units]),
             [_] => Err("a dense layer needs at least one unit".into()),
             _ => Err(format!(
                 "dense takes a flat input; put a flatten before it (input {input:?})"
-            )),
+            )
+            .into()),
         }
     }
 
@@ -247,7 +266,7 @@ pub struct Conv2d {
 }
 
 impl Conv2d {
-    fn window(&self, input: &[usize]) -> Result<Window2d, String> {
+    fn window(&self, input: &[usize]) -> Result<Window2d, ShapeError> {
         image_window("conv", input, [self.kh, self.kw], self.stride, self.pad)
     }
 }
@@ -260,7 +279,7 @@ impl Layer for Conv2d {
         )
     }
 
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
         if self.filters == 0 {
             return Err("a convolution needs at least one filter".into());
         }
@@ -336,7 +355,7 @@ impl Layer for Conv2d {
         let (k, oc, rows) = (g.k(), self.filters, b.n * g.pixels());
         let (padded, block) = (b.n * g.padded_len(), conv::row_block(&g));
         let Saved::Workspace(kept) = &*b.saved else {
-            return Err(shape_error("conv backward without its forward pass".into()));
+            return Err(shape_error("conv backward without its forward pass"));
         };
         if kept.len() < padded {
             return Err(shape_error(format!(
@@ -392,8 +411,8 @@ impl Layer for Conv2d {
     }
 }
 
-fn shape_error(why: String) -> KernelError {
-    KernelError::Layer(why)
+fn shape_error(why: impl Into<ShapeError>) -> KernelError {
+    KernelError::Layer(why.into().0)
 }
 
 /// Max pooling over `size x size` windows moved by `stride`, per channel.
@@ -404,7 +423,7 @@ pub struct MaxPool2d {
 }
 
 impl MaxPool2d {
-    fn window(&self, input: &[usize]) -> Result<Window2d, String> {
+    fn window(&self, input: &[usize]) -> Result<Window2d, ShapeError> {
         image_window("max pooling", input, [self.size; 2], self.stride, 0)
     }
 }
@@ -414,7 +433,7 @@ impl Layer for MaxPool2d {
         format!("maxpool {}/{}", self.size, self.stride)
     }
 
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
         let g = self.window(input)?;
         Ok(vec![g.oh, g.ow, g.c])
     }
@@ -442,7 +461,7 @@ impl Layer for MaxPool2d {
         dx: Option<&mut Vec<f32>>,
     ) -> Result<(), KernelError> {
         let Saved::Argmax(arg) = b.saved else {
-            return Err(shape_error("max pool backward without its winners".into()));
+            return Err(shape_error("max pool backward without its winners"));
         };
         match dx {
             Some(dx) => conv::max_pool_backward(arg, b.dy, sized(dx, b.x.len())),
@@ -460,7 +479,7 @@ impl Layer for Relu {
         "relu".into()
     }
 
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
         Ok(input.to_vec())
     }
 
@@ -502,7 +521,7 @@ impl Layer for Flatten {
         "flatten".into()
     }
 
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, String> {
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
         Ok(vec![numel(input)])
     }
 
