@@ -10,7 +10,7 @@ use crate::model::Replica;
 use crate::observe::phases::{Clock, Phase};
 use crate::observe::timeline::{self, Detail};
 use crate::train::checkpoint;
-use crate::train::data::{shard, Dataset};
+use crate::train::data::Dataset;
 use crate::train::events::Event;
 use crate::train::{guard, StepLog, Stopped, TrainConfig};
 
@@ -459,9 +459,11 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
         let t = Instant::now();
         let (n, i) = self.strategy().evaluation_ranks();
-        let all: Vec<usize> = (0..data.len()).collect();
-        let (x, y) = data.rows(shard(&all, i, n));
-        let accuracy = self.strategy().replica().accuracy(&x, &y)?;
+        // This rank's share, the rows `shard` would give, read in place: a contiguous run.
+        let rows = i * data.len() / n..(i + 1) * data.len() / n;
+        let f = data.features;
+        let (x, y) = (&data.x[rows.start * f..rows.end * f], &data.y[rows]);
+        let accuracy = self.strategy().replica().accuracy(x, y)?;
         let mut counts = [(accuracy * y.len() as f64).round(), y.len() as f64];
         self.strategy_mut().sum(&mut counts)?;
         let (correct, total) = (counts[0] as usize, counts[1] as usize);
