@@ -153,19 +153,6 @@ impl StepLog {
     }
 }
 
-/// Errors of [`finish`].
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum FinishError {
-    #[error("{0}")]
-    Model(#[from] ModelError),
-    #[error("{0}")]
-    NonFinite(#[from] guard::NonFinite),
-    #[error("{0}")]
-    Stopped(#[from] Stopped),
-    #[error("{0}")]
-    Checkpoint(#[from] checkpoint::CheckpointError),
-}
-
 /// Training stopped at a step boundary because the job was asked to end (a preemption
 /// signal, a time limit, Ctrl-C): nothing is lost past `checkpoint`, the checkpoint of
 /// `step` (written then, or already; none when the run has no checkpoint directory). The
@@ -182,28 +169,6 @@ impl Stopped {
     /// `EX_TEMPFAIL`: the run did not fail; it may be retried (`mpiflow supervise`, a
     /// Slurm requeue) and resumes.
     pub const EXIT_STATUS: u8 = 75;
-}
-
-/// The chief's last act in every distributed mode: the held-out accuracy, and the final
-/// parameters written to `save` if asked.
-pub fn finish(
-    model: &Replica<'_>,
-    test: &Dataset,
-    step: u64,
-    save: Option<&std::path::Path>,
-    events: &mut dyn FnMut(&Event),
-) -> Result<f64, FinishError> {
-    let acc = model.accuracy(&test.x, &test.y)?;
-    events(&Event::Accuracy {
-        accuracy: acc,
-        correct: (acc * test.len() as f64).round() as usize,
-        total: test.len(),
-        step,
-    });
-    if let Some(p) = save {
-        save_params(model, p, step)?;
-    }
-    Ok(acc)
 }
 
 /// Writes a model's parameters (by name) in the checkpoint file format.
@@ -326,6 +291,26 @@ pub fn evaluating<'m, 'e, S: engine::Strategy<'m>>(
         Some(a) => sess.stop_at_accuracy(a),
         None => sess,
     }
+}
+
+/// The built-in modes' run of a session: trains on `train` as `cfg` says ([`fit`]),
+/// evaluating on `test` every `cfg.eval_every` steps ([`evaluating`]), checkpoints the
+/// last step, evaluates the final parameters (the ranks that evaluate: the chief, and
+/// where ranks evaluate together, every one) and closes.
+pub fn train_to_end<'m, S: engine::Strategy<'m>>(
+    sess: engine::Session<'m, '_, S>,
+    cfg: &TrainConfig,
+    train: &Dataset,
+    test: &Dataset,
+) -> Result<engine::Trained<'m>, engine::TrainError> {
+    let mut sess = evaluating(sess, cfg, test);
+    fit(&mut sess, cfg, train)?;
+    // Saved first, so that the newest checkpoint is what was evaluated.
+    sess.save()?;
+    if sess.evaluates() {
+        sess.evaluate_now(test)?;
+    }
+    sess.close()
 }
 
 /// Trains in `sess` on `train` until it stops: each rank's share of each global batch

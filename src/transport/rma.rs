@@ -464,6 +464,29 @@ impl<'w, T: RmaType> Epoch<'w, T> {
         Ok(r)
     }
 
+    /// Runs `f` with a read-only view of the first `len` elements of this rank's window
+    /// memory, between two `MPI_Win_sync` calls: other ranks may meanwhile read anything
+    /// and write past `len`.
+    ///
+    /// # Safety
+    /// No rank may write the first `len` elements (`MPI_Put`, `MPI_Accumulate`) until `f`
+    /// returns: the caller's protocol must guarantee it.
+    pub unsafe fn with_local_prefix<R>(
+        &self,
+        len: usize,
+        f: impl FnOnce(&[T]) -> R,
+    ) -> Result<R, RmaError> {
+        assert!(len <= self.win.len, "a prefix of the window");
+        self.sync()?;
+        // SAFETY: the memory is the window's own and `len` within it; the caller
+        // guarantees no remote write to it, and only shared borrows exist locally (this
+        // epoch gives out no mutable view while `&self` is borrowed).
+        let mem = unsafe { std::slice::from_raw_parts(self.win.base.as_ptr(), len) };
+        let r = f(mem);
+        self.sync()?;
+        Ok(r)
+    }
+
     /// Runs `f`, in which operations are only started (`MPI_Get`, `MPI_Put`,
     /// `MPI_Accumulate`), then completes them (`MPI_Win_flush` of each rank the batch
     /// touched) before returning, also if `f` panics (then `MPI_Win_flush_all`). Buffers

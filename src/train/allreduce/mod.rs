@@ -349,11 +349,7 @@ pub fn run<C: Comm + Send + 'static>(
         .map_err(|e| TrainError::Setup(e.to_string()))?;
     let strategy = Allreduce::new(sub, layout, comm.rank(), model, cfg)?;
     let sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
-    let mut sess = super::evaluating(sess, &cfg.train, test);
-    super::fit(&mut sess, &cfg.train, train)?;
-    sess.save()?;
-    sess.evaluate_now(test)?;
-    sess.close()?;
+    super::train_to_end(sess, &cfg.train, train, test)?;
     Ok(())
 }
 

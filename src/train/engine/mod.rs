@@ -152,17 +152,11 @@ pub trait Strategy<'m> {
         let (describe, vars) = (replica.model.describe(), replica.variables());
         let path = self.state(step)?.write(dir, &describe, &vars)?;
         checkpoint::retain(dir, keep);
-        timeline::span(
-            "checkpoint",
-            "other",
-            t,
-            std::time::Instant::now(),
-            Detail::at(step),
-        );
-        events(&Event::Checkpoint {
+        let written = Event::Checkpoint {
             path: path.clone(),
             step,
-        });
+        };
+        checkpointed(step, t, &written, events);
         Ok(path)
     }
 
@@ -200,6 +194,19 @@ pub trait Strategy<'m> {
         let _ = how;
         Ok(())
     }
+}
+
+/// Reports checkpoint `step`, begun at `t` and `written` (its event): the timeline's
+/// span and the event, as every mode's chief does.
+pub fn checkpointed(
+    step: u64,
+    t: std::time::Instant,
+    written: &Event,
+    events: &mut dyn FnMut(&Event),
+) {
+    let now = std::time::Instant::now();
+    timeline::span("checkpoint", "other", t, now, Detail::at(step));
+    events(written);
 }
 
 /// The newest valid checkpoint in `dir` (created if missing) for `replica`'s variables,

@@ -232,6 +232,12 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         self.strategy().replica()
     }
 
+    /// True if this rank takes part in evaluations: the chief, and every rank where the
+    /// ranks evaluate together (each its share of the samples).
+    pub fn evaluates(&self) -> bool {
+        self.chief || self.strategy().evaluation_ranks().0 > 1
+    }
+
     /// The newest evaluation, if any.
     pub fn evaluation(&self) -> Option<Evaluation> {
         self.evaluation

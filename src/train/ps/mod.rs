@@ -257,13 +257,7 @@ pub fn run<C: Comm>(
     };
     let strategy = Ps::new(comm, &roles, model, cfg)?;
     let sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
-    let mut sess = super::evaluating(sess, &cfg.train, test);
-    super::fit(&mut sess, &cfg.train, train)?;
-    sess.save()?;
-    if sess.is_chief() {
-        sess.evaluate_now(test)?;
-    }
-    sess.close()?;
+    super::train_to_end(sess, &cfg.train, train, test)?;
     Ok(())
 }
 

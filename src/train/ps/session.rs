@@ -372,8 +372,7 @@ impl<'s, C: Comm> Strategy<'s> for Ps<'s, C> {
             }
             other => other,
         })?;
-        timeline::span("checkpoint", "other", t, Instant::now(), Detail::at(step));
-        events(&written);
+        crate::train::engine::checkpointed(step, t, &written, events);
         Ok(checkpoint::path_of(dir, step))
     }
 

@@ -272,8 +272,7 @@ enum UsedBy {
     Stages,
     CheckpointDir,
     Mlp,
-    /// The modes that train in a session with evaluation hooks (not yet the one-sided ps
-    /// or stages).
+    /// The modes that train in a session with evaluation hooks (not yet stages).
     Evaluating,
     /// `--eval-every`.
     EvalEvery,
@@ -407,7 +406,7 @@ impl TrainArgs {
             ),
             UsedBy::Mlp => format!("{flag} is for --model mlp (the CNN's layers are fixed)"),
             UsedBy::Evaluating => format!(
-                "{flag} is for --mode local, allreduce or ps over messages (not yet --transport rma or --stages)"
+                "{flag} is for --mode local, allreduce or ps (not yet --stages)"
             ),
             UsedBy::EvalEvery => {
                 format!("{flag} needs --eval-every N: how often to evaluate")
@@ -425,11 +424,7 @@ impl TrainArgs {
             UsedBy::Stages => stages,
             UsedBy::CheckpointDir => self.checkpoint_dir.is_some(),
             UsedBy::Mlp => self.model == ModelChoice::Mlp,
-            UsedBy::Evaluating => {
-                let rma =
-                    self.mode == Mode::Ps && self.transport == mpiflow::train::ps::PsTransport::Rma;
-                !stages && !rma
-            }
+            UsedBy::Evaluating => !stages,
             UsedBy::EvalEvery => self.eval_every > 0 && self.uses(UsedBy::Evaluating),
         }
     }

@@ -6,7 +6,8 @@
 //! - `data` (f32): `[params | gradient sum | loss sum, sample sum]`, the parameters of
 //!   ps `k`'s shards back to back, in placement order;
 //! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, ABORT, SAVED step, its bytes, its
-//!   checksum, STOP signal, NON_FINITE counts, pushes of worker 0, 1, ...]`.
+//!   checksum, STOP asked, NON_FINITE counts, SAVE_AT step, STOPPED_BY signal, pushes of
+//!   worker 0, 1, ...]`.
 //!
 //! `--sync` (SyncReplicas semantics with every worker aggregated): a worker waits until
 //! every ps has published step `s` (`STEP >= s`, read with an atomic `fetch_and_add` of
@@ -25,11 +26,21 @@
 //! parameters and accumulate `-lr x gradient` into them (plain SGD applied by
 //! `MPI_Accumulate`, element-wise atomic); ps processes only wait for `DONE`.
 //!
+//! The workers train in the step loop ([`crate::train::engine::Session`]) over the
+//! [`OneSided`](worker::OneSided) strategy. Synchronous, a stop rides with the steps: a
+//! worker whose session asks to stop (a signal it noted, a hook's request) writes it into
+//! every ps's `STOP` before counting its push; each ps announces it with the next step it
+//! publishes (`STEP` marked), so every worker stops after the same step. A worker that
+//! ends adds `MARK` to every ps's `ARRIVALS` (and the signal that stopped it to
+//! `STOPPED_BY`); a ps ends once every worker has.
+//!
 //! Checkpoints (`--sync`): every ps restores its shard from the newest valid checkpoint
-//! before the windows open, and after applying a checkpoint step writes its shard file
-//! (parameters and optimizer state, the two-sided ps's format) into the checkpoint's
-//! staging directory before publishing the step, then its size and checksum in `ctl`; the
-//! chief commits the manifest when every ps has saved that step.
+//! before the windows open. The chief asks for checkpoint `s` (its session's schedule: by
+//! steps or seconds, at a stop and at the end) by writing `s` into every ps's `SAVE_AT`;
+//! each ps, which holds step `s`'s parameters until every worker pushed step `s`, writes
+//! its shard file (parameters and optimizer state, the two-sided ps's format) into the
+//! checkpoint's staging directory while it waits, then its size and checksum and the step
+//! in `ctl`; the chief commits the manifest when every ps has saved that step.
 //!
 //! Every wait has a deadline (`--peer-timeout`): a ps that stops receiving pushes names
 //! the worker that did not push, and leaves its number in `ABORT` so that the workers
@@ -46,7 +57,7 @@
 
 mod bench;
 mod serve;
-mod work;
+mod worker;
 
 pub use bench::bench_pushpull;
 
@@ -60,15 +71,16 @@ use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::Detail;
 use crate::tensor::Tensor;
-use crate::train::data::{shard, Batches, Dataset};
+use crate::train::data::Dataset;
+use crate::train::engine::Session;
 use crate::train::events::Event;
 use crate::train::guard::NonFinite;
 use crate::train::optim::{OptimizerKind, Slots};
-use crate::train::StepLog;
 use crate::transport::comm::{Backoff, Comm};
 use crate::transport::mpi::MpiComm;
 use crate::transport::progress::{Progress, ProgressError};
 use crate::transport::rma::{Epoch, RmaError, Window};
+use worker::OneSided;
 
 const STEP: usize = 0;
 const ARRIVALS: usize = 1;
@@ -80,7 +92,9 @@ const SAVED_BYTES: usize = 6;
 const SAVED_SUM: usize = 7;
 const STOP: usize = 8;
 const NON_FINITE: usize = 9;
-const PUSHES: usize = 10;
+const SAVE_AT: usize = 10;
+const STOPPED_BY: usize = 11;
+const PUSHES: usize = 12;
 /// On ps 0's `ctl`, after the pushes: per rank of the job, its phase times summed so far
 /// (microseconds of compute, communication, waiting and the rest, then its steps). Each
 /// rank adds its window at every logged step; the chief reads them.
@@ -91,9 +105,19 @@ const TIME_FIELDS: usize = 5;
 /// `MARK` per worker that stopped.
 const MARK: i64 = 1 << 40;
 
+/// What a worker writes into `STOP` (and a ps announces) for a hook's request to stop: no
+/// signal's number.
+const HOOK: i64 = 1 << 16;
+
 impl From<RmaError> for PsError {
     fn from(e: RmaError) -> PsError {
         PsError::Setup(e.to_string())
+    }
+}
+
+impl From<RmaError> for crate::train::engine::TrainError {
+    fn from(e: RmaError) -> Self {
+        PsError::from(e).into()
     }
 }
 
@@ -216,7 +240,7 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
 }
 
 /// Runs this rank's part of one-sided ps training (collective over `comm`: every rank
-/// allocates the windows).
+/// allocates the windows): the ps tasks serve, the workers train in a session.
 pub fn run(
     comm: &MpiComm,
     layout: &Layout,
@@ -228,77 +252,22 @@ pub fn run(
 ) -> Result<(), PsError> {
     check_config(cfg, layout)?;
     let roles = Roles::new(layout)?;
-    let nw = roles.workers.len();
-    let me = comm.rank();
     // Every rank places the variables from its own model: one of another model would put
     // its gradients where other variables are.
     let everyone = crate::transport::Collectives::new(MpiComm::new(comm.raw()));
     crate::train::agree_on_model(&everyone, model, |r| roles.task(r))?.map_err(PsError::Setup)?;
-    let mut model = crate::train::initial_replica(model, train, cfg.train.seed)
+    let replica = crate::train::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
-    let vars = model.variables();
+    let vars = replica.variables();
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let pieces = pieces(&shards);
-    let ps_index = roles.ps.iter().position(|r| *r == me);
-    // Elements of each ps's parameters (also where its gradient sum starts).
-    let mut held = vec![0; roles.ps.len()];
-    for p in &pieces {
-        held[p.ps] += p.len;
-    }
-    let (data_len, ctl_len) = match ps_index {
-        Some(0) => (2 * held[0] + 2, PUSHES + nw + TIME_FIELDS * comm.size()),
-        Some(k) => (2 * held[k] + 2, PUSHES + nw),
-        None => (0, 0),
-    };
-    let mut data =
-        Window::<f32>::allocate(comm, data_len).map_err(|e| PsError::Setup(e.to_string()))?;
-    let mut ctl =
-        Window::<i64>::allocate(comm, ctl_len).map_err(|e| PsError::Setup(e.to_string()))?;
     // Every rank finds the same one: the directory does not change before training.
     let (restored, warnings) =
         crate::train::ps::shards::newest(cfg.train.checkpoint_dir.as_deref(), &vars)?;
-    let mut prepare = || -> Result<Option<ShardState>, PsError> {
-        let Some(k) = ps_index else {
-            return Ok(None);
-        };
-        let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
-        let opt = cfg.train.optimizer;
-        // SAFETY: no rank opens an epoch before the barrier below.
-        let mem = unsafe { data.local_mut() };
-        let (slots, start) = match &restored {
-            Some(found) => {
-                let (params, slots, step) =
-                    crate::train::ps::shards::read(&found.path, &mine, &shards, &opt, false)?;
-                let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
-                for (a, p) in at.zip(&params) {
-                    mem[a..a + p.len()].copy_from_slice(p);
-                }
-                (slots, step)
-            }
-            None => {
-                // The same seeded initialiser as every other mode.
-                for (p, src) in slices(&model.params, &pieces) {
-                    if p.ps == k {
-                        mem[p.at..p.at + p.len].copy_from_slice(src);
-                    }
-                }
-                (mine.iter().map(|s| opt.state(s.len)).collect(), 0)
-            }
-        };
-        // SAFETY: as above.
-        let c = unsafe { ctl.local_mut() };
-        c[STEP] = start as i64;
-        c[SAVED] = start as i64;
-        c[PUSHES..PUSHES + nw].fill(start as i64);
-        Ok(Some(ShardState {
-            shards: mine,
-            slots,
-            start,
-        }))
-    };
+    let mut windows = Windows::open(comm, &roles, &pieces)?;
     // A ps that cannot restore must not leave the others in the barrier below: every
     // rank learns whether all are ready (MPI_Allreduce of a flag) before it.
-    let prepared = prepare();
+    let prepared = windows.prepare(&replica, &shards, &pieces, restored.as_ref(), cfg);
     let mut failed = 0i32;
     mpi::traits::CommunicatorCollectives::all_reduce_into(
         comm.raw(),
@@ -306,38 +275,11 @@ pub fn run(
         &mut failed,
         mpi::collective::SystemOperation::max(),
     );
-    let mut state = prepared?;
+    let state = prepared?;
     if failed != 0 {
         return Err(PsError::Setup(
             "another rank could not set up one-sided training (its error says why)".into(),
         ));
-    }
-    if me == roles.workers.first().copied().unwrap_or(0) {
-        for w in &warnings {
-            events(&Event::Warning(w.clone()));
-        }
-        if let Some(f) = &restored {
-            events(&Event::Restored {
-                path: f.path.clone(),
-                step: f.step,
-            });
-        }
-        events(&Event::Placement(placement::report(
-            &shards,
-            &vars,
-            roles.ps.len(),
-        )));
-        events(&Event::Note(crate::transport::rma::path_note()));
-        let hosts: std::collections::BTreeSet<&str> =
-            layout.ranks.iter().map(|r| r.host.as_str()).collect();
-        if hosts.len() > 1 && crate::transport::rma::rdma_devices().is_empty() {
-            // Measured across network-namespace hosts (benches/results/2026-11-24-ucx.md):
-            // the sync MLP at 37 steps/s on osc pt2pt, 6 on osc ucx, 6700 with p2p.
-            events(&Event::Warning(format!(
-                "{} hosts and no RDMA device: one-sided operations between hosts are emulated over TCP messages that each target must poll for (osc pt2pt, or UCX without RDMA); --transport p2p is about 100x faster there",
-                hosts.len()
-            )));
-        }
     }
     mpi::traits::CommunicatorCollectives::barrier(comm.raw());
     let ctx = Rma {
@@ -345,30 +287,46 @@ pub fn run(
         cfg,
         pieces: &pieces,
         ranks: comm.size(),
-        progress: Progress::new(me)?,
-        held,
-        model_meta: crate::train::checkpoint::state::model_meta(&model.model.describe(), &vars),
+        progress: Progress::new(comm.rank())?,
+        held: windows.held.clone(),
+        model_meta: crate::train::checkpoint::state::model_meta(&model.describe(), &vars),
     };
-    let dir = cfg.train.checkpoint_dir.as_deref();
+    let mut notes: Vec<Event> = warnings.into_iter().map(Event::Warning).collect();
+    if let Some(f) = &restored {
+        notes.push(Event::Restored {
+            path: f.path.clone(),
+            step: f.step,
+        });
+    }
+    notes.push(Event::Placement(placement::report(
+        &shards,
+        &vars,
+        roles.ps.len(),
+    )));
+    notes.extend(path_notes(layout));
     let result = {
-        let mut d = data.lock_all()?;
-        let c = ctl.lock_all()?;
-        match (ps_index, roles.workers.iter().position(|r| *r == me)) {
-            (Some(k), _) if cfg.sync => {
-                ctx.serve_sync(k, &mut d, &c, state.take().expect("ps state"))
-            }
-            (Some(k), _) => ctx.serve_async(k, &c),
+        let mut d = windows.data.lock_all()?;
+        let c = windows.ctl.lock_all()?;
+        let dir = cfg.train.checkpoint_dir.as_deref();
+        match (state, roles.worker_index(comm.rank())) {
+            (Some(state), _) if cfg.sync => ctx.serve_sync(&mut d, &c, state),
+            (Some(state), _) => ctx.serve_async(state.k, &c),
             (None, Some(w)) => {
-                // Dropped on every way out of training, before the windows are freed:
-                // the evaluators then end (and come to the free).
+                // Dropped with the strategy on every way out of training, before the
+                // windows are freed: the evaluators then end (and come to the free).
                 let evaluators = crate::train::sidecar::evaluators(layout);
-                let _end = crate::train::sidecar::EndNotice::by(w == 0, comm, evaluators, dir);
-                ctx.work(w, &mut model, &d, &c, train, test, events)
+                let end = crate::train::sidecar::EndNotice::by(w == 0, comm, evaluators, dir);
+                let restored = restored.map(|f| f.step);
+                let worker = OneSided::new(&ctx, w, replica, (&d, &c), notes, restored, end);
+                Session::with_events(worker, &cfg.train, &mut *events)
+                    .and_then(|sess| crate::train::train_to_end(sess, &cfg.train, train, test))
+                    .map(drop)
+                    .map_err(PsError::from)
             }
             (None, None) => {
                 let evaluator = crate::train::sidecar::take_part;
-                evaluator(comm, layout, model.model, test, dir, events).map(drop)?;
-                Ok(())
+                let taken = evaluator(comm, layout, model, test, dir, events);
+                taken.map(drop).map_err(PsError::from)
             }
         }
     };
@@ -380,9 +338,110 @@ pub fn run(
     }
     // Everyone is past its last operation (a stop or a step not applied ends every rank):
     // the collective frees cannot wait on a failure.
-    data.free()?;
-    ctl.free()?;
+    windows.data.free()?;
+    windows.ctl.free()?;
     result
+}
+
+/// The chief's notes on the one-sided path (and its cost between hosts without RDMA).
+fn path_notes(layout: &Layout) -> Vec<Event> {
+    let mut notes = vec![Event::Note(crate::transport::rma::path_note())];
+    let hosts: std::collections::BTreeSet<&str> =
+        layout.ranks.iter().map(|r| r.host.as_str()).collect();
+    if hosts.len() > 1 && crate::transport::rma::rdma_devices().is_empty() {
+        notes.push(Event::Warning(format!(
+            "{} hosts and no RDMA device: one-sided operations between hosts are emulated over TCP messages that each target must poll for (osc pt2pt, or UCX without RDMA); --transport p2p is about 100x faster there",
+            hosts.len()
+        )));
+    }
+    notes
+}
+
+/// The windows of one-sided training (see the module's layout), allocated on every rank.
+struct Windows {
+    data: Window<f32>,
+    ctl: Window<i64>,
+    /// Elements of each ps's parameters (also where its gradient sum starts).
+    held: Vec<usize>,
+    /// This rank's index among the ps tasks, if it is one.
+    ps: Option<usize>,
+    workers: usize,
+}
+
+impl Windows {
+    /// Allocates the windows (a collective over `comm`).
+    fn open(comm: &MpiComm, roles: &Roles, pieces: &[Piece]) -> Result<Windows, PsError> {
+        let nw = roles.workers.len();
+        let mut held = vec![0; roles.ps.len()];
+        for p in pieces {
+            held[p.ps] += p.len;
+        }
+        let ps = roles.ps_index(comm.rank());
+        let (data_len, ctl_len) = match ps {
+            Some(0) => (2 * held[0] + 2, PUSHES + nw + TIME_FIELDS * comm.size()),
+            Some(k) => (2 * held[k] + 2, PUSHES + nw),
+            None => (0, 0),
+        };
+        let setup = |e: crate::transport::rma::AllocateError| PsError::Setup(e.to_string());
+        Ok(Windows {
+            data: Window::<f32>::allocate(comm, data_len).map_err(setup)?,
+            ctl: Window::<i64>::allocate(comm, ctl_len).map_err(setup)?,
+            held,
+            ps,
+            workers: nw,
+        })
+    }
+
+    /// A ps: its shards' parameters into its window, from the checkpoint `restored` or
+    /// `replica`'s initial values (the same seeded initialiser as every other mode), and
+    /// its counters at the starting step; its state. `None` on the other ranks.
+    fn prepare(
+        &mut self,
+        replica: &Replica<'_>,
+        shards: &[Shard],
+        pieces: &[Piece],
+        restored: Option<&crate::train::checkpoint::Found>,
+        cfg: &PsConfig,
+    ) -> Result<Option<ShardState>, PsError> {
+        let Some(k) = self.ps else {
+            return Ok(None);
+        };
+        let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
+        let opt = cfg.train.optimizer;
+        // SAFETY: no rank opens an epoch before the barrier that follows preparation.
+        let mem = unsafe { self.data.local_mut() };
+        let (slots, start) = match restored {
+            Some(found) => {
+                let (params, slots, step) =
+                    crate::train::ps::shards::read(&found.path, &mine, shards, &opt, false)?;
+                let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
+                for (a, p) in at.zip(&params) {
+                    mem[a..a + p.len()].copy_from_slice(p);
+                }
+                (slots, step)
+            }
+            None => {
+                for (p, src) in slices(&replica.params, pieces) {
+                    if p.ps == k {
+                        mem[p.at..p.at + p.len].copy_from_slice(src);
+                    }
+                }
+                (mine.iter().map(|s| opt.state(s.len)).collect(), 0)
+            }
+        };
+        // SAFETY: as above.
+        let c = unsafe { self.ctl.local_mut() };
+        c[STEP] = start as i64;
+        c[SAVED] = start as i64;
+        c[SAVE_AT] = start as i64;
+        c[PUSHES..PUSHES + self.workers].fill(start as i64);
+        Ok(Some(ShardState {
+            k,
+            shards: mine,
+            slots,
+            start,
+        }))
+    }
 }
 
 /// What a worker adds to every ps's `NON_FINITE` for what it found: three 20-bit counts,
@@ -418,46 +477,13 @@ fn not_applied(step: u64, code: i64, workers: usize) -> PsError {
     })
 }
 
-/// A sync ps's own state: its shards, their optimizer state, the step it starts from.
+/// A ps's own state: its index among the ps tasks, its shards, their optimizer state,
+/// the step it starts from.
 struct ShardState {
+    k: usize,
     shards: Vec<Shard>,
     slots: Vec<Slots>,
     start: u64,
-}
-
-/// Whether global step `s` (reached in a run that started at `start`) is checkpointed.
-fn checkpoint_due(cfg: &PsConfig, start: u64, s: u64) -> bool {
-    let every = cfg.train.checkpoint_every;
-    cfg.train.checkpoint_dir.is_some()
-        && s > start
-        && ((every > 0 && s.is_multiple_of(every)) || s == cfg.train.steps)
-}
-
-/// The chief's step report for `steps` global steps that took `took` (the one-sided ps),
-/// with the ranks' phase times.
-fn step_event(
-    cfg: &PsConfig,
-    workers: usize,
-    (step, loss): (u64, f32),
-    steps: u64,
-    took: Duration,
-    ranks: Vec<RankTimes>,
-) -> Event {
-    let secs = took.as_secs_f64().max(1e-9);
-    // A sync step uses a global batch; an async one a worker's shard of it.
-    let per_step = if cfg.sync {
-        cfg.train.batch
-    } else {
-        cfg.train.batch / workers.max(1)
-    };
-    Event::Step(StepLog {
-        step,
-        loss,
-        steps_per_sec: steps as f64 / secs,
-        samples_per_sec: (steps * per_step as u64) as f64 / secs,
-        comm_fraction: None,
-        ranks,
-    })
 }
 
 struct Rma<'a> {
@@ -546,6 +572,28 @@ impl Rma<'_> {
             *before = now;
         }
         Ok(out)
+    }
+
+    /// What a pull or a push moves (bytes of every shard) and with whom, for the
+    /// timeline.
+    fn moved(&self) -> (usize, std::sync::Arc<str>) {
+        let bytes = 4 * self.pieces.iter().map(|p| p.len).sum::<usize>();
+        let peer = match self.roles.ps.as_slice() {
+            [one] => self.roles.task_name(*one),
+            all => format!("{} ps tasks", all.len()),
+        };
+        (bytes, peer.into())
+    }
+
+    /// Marks a wait of `op` at `step` on ps `k` (for stall reports).
+    fn waiting(&self, op: &'static str, step: u64, k: usize) -> stall::Waiting<'static> {
+        stall::wait(|| Wait {
+            op,
+            step,
+            what: None,
+            peer: Some(self.roles.task_name(self.roles.ps[k]).into()),
+            bytes: 0,
+        })
     }
 
     fn lost(&self, task: String, lost: String) -> PsError {

@@ -1,153 +1,217 @@
-//! The ps side of one-sided training: a sync ps applies each step's summed gradient
-//! once every worker pushed it (and writes its checkpoint shards); an async ps only waits.
+//! The ps side of one-sided training: a sync ps applies each step's summed gradient once
+//! every worker pushed it, and writes its checkpoint shard when the chief asks; an async
+//! ps only waits.
 
 use super::*;
 
+/// A sync ps at work: the step its window's parameters are at, their optimizer state,
+/// the newest step whose shard it wrote.
+struct Serving {
+    state: ShardState,
+    step: u64,
+    saved: u64,
+    clock: Clock,
+}
+
 impl Rma<'_> {
-    /// The sync ps: apply each step's summed gradient once every worker pushed it.
+    /// The sync ps: applies each step's summed gradient once every worker pushed it,
+    /// until the last step or a stop, then serves checkpoint requests until every worker
+    /// ended.
     pub(super) fn serve_sync(
         &self,
-        k: usize,
         data: &mut Epoch<'_, f32>,
         ctl: &Epoch<'_, i64>,
         state: ShardState,
     ) -> Result<(), PsError> {
-        let nw = self.roles.workers.len() as i64;
-        let me = self.roles.ps[k];
-        let opt = self.cfg.train.optimizer;
-        let mine: Vec<&Piece> = self.pieces.iter().filter(|p| p.ps == k).collect();
-        let ShardState {
-            shards,
-            mut slots,
-            start,
-        } = state;
-        let n = self.held[k];
-        // This ps's phase times, added to its counters on ps 0 before each logged step
-        // is published.
-        let mut clock = Clock::new();
-        let every = self.cfg.train.log_every;
-        for step in start..self.cfg.train.steps {
-            let t = Instant::now();
-            let want = (step - start + 1) as i64 * nw;
-            let _wait = stall::wait(|| Wait {
-                op: "gather of pushes",
-                step,
-                what: None,
-                peer: None,
-                bytes: 0,
-            });
-            let arrived = wait_until(
-                &self.progress,
-                self.cfg.peer_timeout,
-                || Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?),
-                |a| a % MARK >= want || a >= MARK,
-                || {
-                    // The first worker whose push count is behind this step.
-                    let late = (0..self.roles.workers.len())
-                        .find(|w| {
-                            ctl.fetch_and_add(me, PUSHES + w, 0)
-                                .is_ok_and(|c| c <= step as i64)
-                        })
-                        .unwrap_or(0);
-                    // Tell the others why (best effort: this ps stops either way).
-                    let _ = ctl.put(me, ABORT, &[late as i64 + 1]);
-                    self.lost(
-                        self.roles.task(me),
-                        self.roles.task(self.roles.workers[late]),
-                    )
-                },
-            )?;
-            let t = clock.since_as(Phase::Wait, t, "wait", Detail::at(step));
-            if arrived >= MARK {
-                // The workers stopped at this step, which another ps announced: keep it.
-                return self.stopped_at(k, data, ctl, &shards, &slots, step);
-            }
-            // Not finite on some worker: nothing applied; the workers read the verdict.
-            let found = ctl.fetch_and_add(me, NON_FINITE, 0)?;
-            if found != 0 {
-                ctl.put(me, ABORT, &[-found])?;
-                return Err(not_applied(step, found, nw as usize));
-            }
-            // A stop a worker asked for (before it counted its push) or this process got
-            // is announced with the next step, by every ps that learns it here.
-            let asked = crate::signals::stop_requested()
-                .or(Some(ctl.fetch_and_add(me, STOP, 0)? as i32).filter(|s| *s != 0))
-                .filter(|_| step + 1 < self.cfg.train.steps);
-            // SAFETY: every worker pushed this step (accumulates flushed before it counted
-            // its arrival) and now only polls `ctl` until STEP moves, which happens after
-            // this returns: nothing touches this window meanwhile.
-            let loss = unsafe {
-                data.with_local(|mem| {
-                    let (params, rest) = mem.split_at_mut(n);
-                    let (grads, tail) = rest.split_at_mut(n);
-                    let samples = tail[1].max(1.0);
-                    let loss = tail[0] / samples;
-                    grads.iter_mut().for_each(|g| *g /= samples);
-                    for (p, s) in mine.iter().zip(slots.iter_mut()) {
-                        opt.apply(
-                            &mut params[p.at..p.at + p.len],
-                            &grads[p.at..p.at + p.len],
-                            s,
-                        );
-                    }
-                    grads.fill(0.0);
-                    tail.fill(0.0);
-                    // Copied while no rank can touch the window (see above).
-                    let keep = asked.is_some() && self.cfg.train.checkpoint_dir.is_some();
-                    let snapshot = (keep || checkpoint_due(self.cfg, start, step + 1)).then(|| {
-                        let views: Vec<&[f32]> =
-                            mine.iter().map(|p| &params[p.at..p.at + p.len]).collect();
-                        crate::train::ps::shards::arrays(k, &shards, &views, &slots, step + 1)
-                    });
-                    (loss, snapshot)
-                })
-            }?;
-            let (loss, snapshot) = loss;
-            clock.since_as(Phase::Compute, t, "update", Detail::at(step));
-            clock.steps(1);
-            if let Some(arrays) = snapshot {
-                self.save_shard(k, ctl, step + 1, &arrays)?;
-            }
-            if every > 0 && (step + 1).is_multiple_of(every) {
-                self.report_times(ctl, me, &clock.take())?;
-            }
-            ctl.put(me, LOSS, &[i64::from(loss.to_bits())])?;
-            let mark = asked.map_or(0, |s| i64::from(s) * MARK);
-            ctl.fetch_and_add(me, STEP, 1 + mark)?;
-            if let Some(signal) = asked {
-                return Err(self.stopped(signal, step + 1));
+        let mut ps = Serving {
+            step: state.start,
+            saved: state.start,
+            state,
+            clock: Clock::new(),
+        };
+        while ps.step < self.cfg.train.steps {
+            if !self.gather(&mut ps, data, ctl)? || self.update(&mut ps, data, ctl)? {
+                break;
             }
         }
-        Ok(())
+        self.ending(&mut ps, data, ctl)
     }
 
-    /// This sync ps ends at `step`, where the workers stopped because another ps announced
-    /// a stop: it writes its shard of that step's checkpoint (unless written already).
-    fn stopped_at(
+    /// Waits until every worker pushed `ps.step` (true), or one ended before pushing it
+    /// (false: all stopped at this step, or one failed), writing the shard the chief asks
+    /// for meanwhile.
+    fn gather(
         &self,
-        k: usize,
+        ps: &mut Serving,
+        data: &Epoch<'_, f32>,
+        ctl: &Epoch<'_, i64>,
+    ) -> Result<bool, PsError> {
+        let t = Instant::now();
+        let (step, nw) = (ps.step, self.roles.workers.len());
+        let me = self.roles.ps[ps.state.k];
+        let base = ((step - ps.state.start) * nw as u64) as i64;
+        let _wait = stall::wait(|| Wait {
+            op: "gather of pushes",
+            step,
+            what: None,
+            peer: None,
+            bytes: 0,
+        });
+        let (state, saved) = (&ps.state, &mut ps.saved);
+        let arrived = wait_until(
+            &self.progress,
+            self.cfg.peer_timeout,
+            || {
+                self.save_on_request(data, ctl, state, step, saved)?;
+                Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?)
+            },
+            |a| a % MARK >= base + nw as i64 || a >= MARK,
+            || {
+                let late = self.late_worker(ctl, me, step);
+                self.lost(self.roles.task(me), late)
+            },
+        )?;
+        ps.clock.since_as(Phase::Wait, t, "wait", Detail::at(step));
+        if arrived < MARK {
+            return Ok(true);
+        }
+        if arrived % MARK > base {
+            // Some pushed this step and another ended: that one failed (its error says why).
+            let late = self.late_worker(ctl, me, step);
+            return Err(PsError::Aborted {
+                task: self.roles.task(me),
+                message: format!("{late} ended at step {step}, which the others pushed"),
+            });
+        }
+        Ok(false)
+    }
+
+    /// The first worker whose push count is behind `step`, named; told to the workers
+    /// waiting for the step (`ABORT`, best effort: this ps stops either way).
+    fn late_worker(&self, ctl: &Epoch<'_, i64>, me: usize, step: u64) -> String {
+        let late = (0..self.roles.workers.len())
+            .find(|w| {
+                ctl.fetch_and_add(me, PUSHES + w, 0)
+                    .is_ok_and(|c| c <= step as i64)
+            })
+            .unwrap_or(0);
+        let _ = ctl.put(me, ABORT, &[late as i64 + 1]);
+        self.roles.task(self.roles.workers[late])
+    }
+
+    /// Applies the gathered step and publishes the next, with the stop announced (a
+    /// signal, or a hook's request) if any: true then.
+    fn update(
+        &self,
+        ps: &mut Serving,
         data: &mut Epoch<'_, f32>,
         ctl: &Epoch<'_, i64>,
-        shards: &[Shard],
-        slots: &[Slots],
-        step: u64,
-    ) -> Result<(), PsError> {
+    ) -> Result<bool, PsError> {
+        let t = Instant::now();
+        let (k, step) = (ps.state.k, ps.step);
         let me = self.roles.ps[k];
-        let saved = ctl.fetch_and_add(me, SAVED, 0)? as u64;
-        if self.cfg.train.checkpoint_dir.is_some() && saved < step {
-            let mine: Vec<&Piece> = self.pieces.iter().filter(|p| p.ps == k).collect();
-            // SAFETY: every worker stopped: none touches this window again.
-            let arrays = unsafe {
-                data.with_local(|mem| {
-                    let views: Vec<&[f32]> =
-                        mine.iter().map(|p| &mem[p.at..p.at + p.len]).collect();
-                    crate::train::ps::shards::arrays(k, shards, &views, slots, step)
-                })
-            }?;
-            self.save_shard(k, ctl, step, &arrays)?;
+        // Not finite on some worker: nothing applied; the workers read the verdict.
+        let found = ctl.fetch_and_add(me, NON_FINITE, 0)?;
+        if found != 0 {
+            ctl.put(me, ABORT, &[-found])?;
+            return Err(not_applied(step, found, self.roles.workers.len()));
         }
-        let signal = ctl.fetch_and_add(me, STOP, 0)? as i32;
-        Err(self.stopped(signal, step))
+        // A stop this process got, or a worker asked for before it counted its push, is
+        // announced with the next step, by every ps that learns it here.
+        let asked = crate::signals::stop_requested()
+            .map(i64::from)
+            .or(Some(ctl.fetch_and_add(me, STOP, 0)?).filter(|s| *s != 0))
+            .filter(|_| step + 1 < self.cfg.train.steps);
+        let (n, opt) = (self.held[k], self.cfg.train.optimizer);
+        let mine: Vec<&Piece> = self.pieces.iter().filter(|p| p.ps == k).collect();
+        let slots = &mut ps.state.slots;
+        // SAFETY: every worker pushed this step (accumulates flushed before it counted
+        // its arrival) and now only polls `ctl` until STEP moves, which happens after
+        // this returns: nothing touches this window meanwhile.
+        let loss = unsafe {
+            data.with_local(|mem| {
+                let (params, rest) = mem.split_at_mut(n);
+                let (grads, tail) = rest.split_at_mut(n);
+                let samples = tail[1].max(1.0);
+                grads.iter_mut().for_each(|g| *g /= samples);
+                for (p, s) in mine.iter().zip(slots.iter_mut()) {
+                    let at = p.at..p.at + p.len;
+                    opt.apply(&mut params[at.clone()], &grads[at], s);
+                }
+                let loss = tail[0] / samples;
+                grads.fill(0.0);
+                tail.fill(0.0);
+                loss
+            })
+        }?;
+        ps.clock
+            .since_as(Phase::Compute, t, "update", Detail::at(step));
+        ps.clock.steps(1);
+        let every = self.cfg.train.log_every;
+        if every > 0 && (step + 1).is_multiple_of(every) {
+            self.report_times(ctl, me, &ps.clock.take())?;
+        }
+        ctl.put(me, LOSS, &[i64::from(loss.to_bits())])?;
+        ctl.fetch_and_add(me, STEP, 1 + asked.unwrap_or(0) * MARK)?;
+        ps.step += 1;
+        Ok(asked.is_some())
+    }
+
+    /// After the last step or a stop: serves the chief's checkpoint request until every
+    /// worker ended; the stop the workers ended with, if one did.
+    fn ending(
+        &self,
+        ps: &mut Serving,
+        data: &Epoch<'_, f32>,
+        ctl: &Epoch<'_, i64>,
+    ) -> Result<(), PsError> {
+        let me = self.roles.ps[ps.state.k];
+        let nw = self.roles.workers.len() as i64;
+        stall::Board::global().idle();
+        let (state, saved, step) = (&ps.state, &mut ps.saved, ps.step);
+        wait_until(
+            &self.progress,
+            self.cfg.peer_timeout * 2,
+            || {
+                self.save_on_request(data, ctl, state, step, saved)?;
+                Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?)
+            },
+            |a| a / MARK >= nw,
+            || self.lost(self.roles.task(me), "a worker (not ended)".into()),
+        )?;
+        match ctl.fetch_and_add(me, STOPPED_BY, 0)? {
+            0 => Ok(()),
+            signal => Err(self.stopped(signal as i32, step)),
+        }
+    }
+
+    /// Writes this ps's shard of checkpoint `step` (the parameters its window holds) if
+    /// the chief asked for it (`SAVE_AT`) and it is not written yet (`saved`).
+    fn save_on_request(
+        &self,
+        data: &Epoch<'_, f32>,
+        ctl: &Epoch<'_, i64>,
+        state: &ShardState,
+        step: u64,
+        saved: &mut u64,
+    ) -> Result<(), PsError> {
+        let k = state.k;
+        if *saved == step || ctl.fetch_and_add(self.roles.ps[k], SAVE_AT, 0)? != step as i64 {
+            return Ok(());
+        }
+        let mine = self.pieces.iter().filter(|p| p.ps == k);
+        // SAFETY: the parameters (the window's first `held[k]` elements) change only in
+        // this ps's update, after every worker pushed the step; meanwhile workers read
+        // them and accumulate into the gradient sums past them.
+        let arrays = unsafe {
+            data.with_local_prefix(self.held[k], |params| {
+                let views: Vec<&[f32]> = mine.map(|p| &params[p.at..p.at + p.len]).collect();
+                crate::train::ps::shards::arrays(k, &state.shards, &views, &state.slots, step)
+            })
+        }?;
+        self.save_shard(k, ctl, step, &arrays)?;
+        *saved = step;
+        Ok(())
     }
 
     /// Writes this ps's shard of checkpoint `step` into its staging directory and
