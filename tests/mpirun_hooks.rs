@@ -1,5 +1,5 @@
-//! The step loop's hooks from the command line, in every mode that trains in a session
-//! (local, allreduce, the ps over messages and over windows): `--eval-every N` evaluates on the held-out
+//! The step loop's hooks from the command line, in every mode (local, allreduce, the ps
+//! over messages and over windows, pipeline stages): `--eval-every N` evaluates on the held-out
 //! samples every N steps (a line and a metrics record each), `--target-accuracy A` stops
 //! every rank at the first evaluation that reaches A. Read back from the metrics file.
 
@@ -24,7 +24,7 @@ fn evaluations(path: &std::path::Path) -> Vec<(u64, f64)> {
 fn a_target_accuracy_stops_every_session_mode_at_the_first_evaluation_that_reaches_it() {
     let m = mpiflow();
     let dir = tmpdir("hooks");
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 5] = [
         ("local", &[m, "train", "--mode", "local"]),
         (
             "allreduce",
@@ -71,6 +71,21 @@ fn a_target_accuracy_stops_every_session_mode_at_the_first_evaluation_that_reach
                 "rma",
             ],
         ),
+        (
+            "stages",
+            &[
+                "mpirun",
+                "--oversubscribe",
+                "-np",
+                "4",
+                m,
+                "train",
+                "--mode",
+                "allreduce",
+                "--stages",
+                "2",
+            ],
+        ),
     ];
     for (name, start) in cases {
         let file = dir.join(format!("{name}.jsonl"));
@@ -107,18 +122,6 @@ fn evaluation_flags_say_where_they_do_not_apply() {
         (
             &["train", "--target-accuracy", "0.9"][..],
             "--target-accuracy needs --eval-every N: how often to evaluate",
-        ),
-        (
-            &[
-                "train",
-                "--mode",
-                "allreduce",
-                "--stages",
-                "2",
-                "--eval-every",
-                "10",
-            ][..],
-            "--eval-every is for --mode local, allreduce or ps (not yet --stages)",
         ),
         (
             &["train", "--target-accuracy", "1.5", "--eval-every", "10"][..],

@@ -62,7 +62,7 @@ pub mod towers;
 
 use std::ops::Range;
 
-pub use sequential::{cnn, mlp, Sequential};
+pub use sequential::{cnn, mlp, Part, Sequential};
 
 use crate::kernels::{self, KernelError};
 use crate::rng::Rng;

@@ -216,8 +216,11 @@ impl Sequential {
 
     /// The forward pass, the loss, and the backward pass layer by layer (last first),
     /// calling `ready` as each layer's parameter gradients are written.
+    /// ... of the layers `layers`, the last of which gives the logits.
+    #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
+        layers: Range<usize>,
         params: &[Tensor],
         x: &[f32],
         y: &[u8],
@@ -226,13 +229,31 @@ impl Sequential {
         s: &mut Scratch,
     ) -> Result<f32, ModelError> {
         let (n, classes) = (y.len(), self.classes());
-        let all = 0..self.layers.len();
-        self.forward_layers(all.clone(), params, x, n, s)?;
+        self.forward_layers(layers.clone(), params, x, n, s)?;
         let delta = sized(&mut s.delta, n * classes);
         let loss =
             kernels::softmax_cross_entropy(s.outs.last().expect("logits"), y, classes, delta);
-        self.backward_layers(all, params, x, n, grads, ready, false, s)?;
+        self.backward_layers(layers, params, x, n, grads, ready, false, s)?;
         Ok(loss)
+    }
+
+    /// The layers `layers` (contiguous, not empty) as a model of their own: a pipeline
+    /// stage's part ([`Part`]).
+    pub fn part(&self, layers: Range<usize>) -> Result<Part<'_>, ModelError> {
+        if layers.is_empty() || layers.end > self.layers.len() {
+            return Err(ModelError::Shape {
+                model: self.name.clone(),
+                why: format!(
+                    "layers {layers:?} are not a part of its {} layers",
+                    self.layers.len()
+                ),
+            });
+        }
+        Ok(Part {
+            params: self.param_range(layers.clone()),
+            layers,
+            model: self,
+        })
     }
 }
 
@@ -365,16 +386,115 @@ impl Model for Sequential {
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
-        let classes = self.classes();
-        if let Some(bad) = y.iter().find(|l| usize::from(**l) >= classes) {
+        check_labels(self, &self.name, y)?;
+        let mut s = self.take_scratch();
+        let loss = self.backward(0..self.layers.len(), params, x, y, grads, ready, &mut s);
+        self.give_back(s);
+        loss
+    }
+}
+
+/// Refuses a label `model` (named `name`) has no class for.
+fn check_labels(model: &dyn Model, name: &str, y: &[u8]) -> Result<(), ModelError> {
+    let classes = model.classes();
+    match y.iter().find(|l| usize::from(**l) >= classes) {
+        Some(bad) => Err(ModelError::Shape {
+            model: name.to_string(),
+            why: format!("label {bad} is not below the model's {classes} classes"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Some contiguous layers of a [`Sequential`] as a model of their own (what a pipeline
+/// stage holds): their input is the first one's, their output the last one's, their
+/// parameters those of the whole model's they own (by the same names). Its output is the
+/// model's logits only where it holds the last layer; only then does it have a loss.
+#[derive(Clone)]
+pub struct Part<'m> {
+    model: &'m Sequential,
+    layers: Range<usize>,
+    params: Range<usize>,
+}
+
+impl std::fmt::Debug for Part<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl<'m> Part<'m> {
+    /// The whole model.
+    pub fn whole(&self) -> &'m Sequential {
+        self.model
+    }
+
+    /// The model's layers it holds.
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+
+    /// True if it holds the model's last layer (its output is the logits).
+    pub fn is_last(&self) -> bool {
+        self.layers.end == self.model.layers.len()
+    }
+}
+
+impl Model for Part<'_> {
+    fn describe(&self) -> String {
+        let (a, b) = (self.layers.start, self.layers.end);
+        format!("layers {a}..{b} of {}", self.model.describe())
+    }
+
+    fn input_shape(&self) -> Vec<usize> {
+        self.model.shapes[self.layers.start].clone()
+    }
+
+    fn activations_per_sample(&self) -> usize {
+        self.model.activations_of(self.layers.clone())
+    }
+
+    /// The width of its output (the logits' where it holds the last layer).
+    fn classes(&self) -> usize {
+        self.model.shapes[self.layers.end].iter().product()
+    }
+
+    fn parameters(&self) -> Vec<ParamSpec> {
+        self.model.specs[self.params.clone()].to_vec()
+    }
+
+    /// Its output: the logits where it holds the last layer, else its activations.
+    fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
+        let mut s = self.model.take_scratch();
+        let done = self
+            .model
+            .forward_layers(self.layers.clone(), params, x, rows, &mut s);
+        let out = s.outs.last().cloned().unwrap_or_default();
+        self.model.give_back(s);
+        done.map(|()| out)
+    }
+
+    fn loss_and_gradients(
+        &self,
+        params: &[Tensor],
+        x: &[f32],
+        y: &[u8],
+        grads: &mut [Tensor],
+        ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
+    ) -> Result<f32, ModelError> {
+        if !self.is_last() {
             return Err(ModelError::Shape {
-                model: self.name.clone(),
-                why: format!("label {bad} is not below the model's {classes} classes"),
+                model: self.describe(),
+                why: "its output is activations for the next layers, not logits: it has no loss of its own".into(),
             });
         }
-        let mut s = self.take_scratch();
-        let loss = self.backward(params, x, y, grads, ready, &mut s);
-        self.give_back(s);
+        check_labels(self, &self.model.name, y)?;
+        let mut s = self.model.take_scratch();
+        let layers = self.layers.clone();
+        let loss = self
+            .model
+            .backward(layers, params, x, y, grads, ready, &mut s);
+        self.model.give_back(s);
         loss
     }
 }

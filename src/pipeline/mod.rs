@@ -69,6 +69,7 @@ pub mod report;
 pub mod save;
 pub mod schedule;
 pub mod stage;
+mod stages;
 pub mod train;
 pub mod update;
 

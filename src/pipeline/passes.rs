@@ -8,20 +8,23 @@ use super::schedule::Op;
 use super::stage::Stage;
 use super::train::PipelineError;
 use crate::observe::timeline::{self, Detail};
-use crate::train::data::{shard, Dataset};
 use crate::transport::Comm;
 
-/// A replica's share of a step, cut into micro-batches.
+/// A replica's share of a step (its samples' features `x`, `features` each, and labels
+/// `y`), cut into `count` micro-batches.
 pub(crate) struct MicroBatches<'d> {
-    pub data: &'d Dataset,
-    /// The replica's samples (indices into `data`).
-    pub mine: &'d [usize],
+    pub x: &'d [f32],
+    pub y: &'d [u8],
+    pub features: usize,
     pub count: usize,
 }
 
 impl MicroBatches<'_> {
-    fn indices(&self, mb: usize) -> &[usize] {
-        shard(self.mine, mb, self.count)
+    /// The rows of micro-batch `mb`: a contiguous run, as [`crate::train::data::shard`]
+    /// cuts.
+    fn rows(&self, mb: usize) -> std::ops::Range<usize> {
+        let n = self.y.len();
+        mb * n / self.count..(mb + 1) * n / self.count
     }
 }
 
@@ -62,10 +65,11 @@ pub(crate) fn run_passes<C: Comm>(
     for op in ops {
         match *op {
             Op::Forward(mb) => {
-                let idx = micro.indices(mb);
-                let n = idx.len();
+                let rows = micro.rows(mb);
+                let n = rows.len();
                 let input = if first {
-                    micro.data.rows(idx).0
+                    let f = micro.features;
+                    micro.x[rows.start * f..rows.end * f].to_vec()
                 } else {
                     let mut buf = st.input_buffer(n * st.input_width());
                     let w = Instant::now();
@@ -80,8 +84,7 @@ pub(crate) fn run_passes<C: Comm>(
                 if !last {
                     link.send(out, k + 1, Direction::Activations)?;
                 } else {
-                    let labels: Vec<u8> = idx.iter().map(|i| micro.data.y[*i]).collect();
-                    loss_sum += st.loss(mb, &labels)? * n as f32;
+                    loss_sum += st.loss(mb, &micro.y[rows])? * n as f32;
                 }
             }
             Op::Backward(mb) => {

@@ -106,15 +106,13 @@ pub(crate) fn report_stages<C: Comm>(
 /// Samples per evaluation pass through the pipeline.
 const EVAL_CHUNK: usize = 500;
 
-/// Runs `test` through the replica's stages in chunks; the last stage reports the
-/// accuracy.
+/// Runs `test` through the replica's stages in chunks; the last stage returns how many
+/// samples it classified correctly, and of how many (`None` on the other stages).
 pub(crate) fn evaluate<C: Comm>(
     st: &mut Stage<'_>,
     link: &mut Link<'_, C>,
     test: &Dataset,
-    step: u64,
-    events: &mut dyn FnMut(&Event),
-) -> Result<(), PipelineError> {
+) -> Result<Option<(usize, usize)>, PipelineError> {
     let k = st.index();
     let mut correct = 0usize;
     for (chunk, start) in (0..test.len()).step_by(EVAL_CHUNK).enumerate() {
@@ -139,14 +137,5 @@ pub(crate) fn evaluate<C: Comm>(
         }
     }
     link.flush()?;
-    if st.is_last() {
-        let total = test.len();
-        events(&Event::Accuracy {
-            accuracy: correct as f64 / total.max(1) as f64,
-            correct,
-            total,
-            step,
-        });
-    }
-    Ok(())
+    Ok(st.is_last().then_some((correct, test.len())))
 }

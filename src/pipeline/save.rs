@@ -99,7 +99,7 @@ pub(crate) fn restore<C: Comm>(
     let opened = State::open_part(&path, &vars, Some(&all));
     agree(group, opened.as_ref().map(drop).map_err(|e| e.to_string()))?;
     let state = opened.expect("agreed");
-    for ((p, s), v) in st.params.iter_mut().zip(slots).zip(&state.vars) {
+    for ((p, s), v) in st.replica.params.iter_mut().zip(slots).zip(&state.vars) {
         p.as_mut_slice::<f32>()
             .expect("f32")
             .copy_from_slice(&v.param);
@@ -116,7 +116,7 @@ pub(crate) fn restore<C: Comm>(
 
 /// This stage's variables at `step` as a checkpoint file's arrays.
 fn shard(st: &Stage<'_>, slots: &[Slots], vars: &[(String, usize)], step: u64) -> Arrays {
-    State::of_params(&st.params, slots, step).arrays(&vars[st.param_range()])
+    State::of_params(&st.replica.params, slots, step).arrays(&vars[st.param_range()])
 }
 
 /// Writes the checkpoint of `step` into `dir`: replica 0's stages one shard each, the
@@ -240,7 +240,7 @@ pub(crate) fn save_params<C: Comm>(
 ) -> Result<(), PipelineError> {
     let last = st.stages() - 1;
     if !st.is_last() {
-        for p in &st.params {
+        for p in &st.replica.params {
             link.send(
                 p.as_slice::<f32>().expect("f32"),
                 last,
@@ -256,7 +256,7 @@ pub(crate) fn save_params<C: Comm>(
     for (k, layers) in st.partition().iter().enumerate() {
         for i in model.param_range(layers.clone()) {
             let values = if k == st.index() {
-                st.params[i - mine.start]
+                st.replica.params[i - mine.start]
                     .as_slice::<f32>()
                     .expect("f32")
                     .to_vec()

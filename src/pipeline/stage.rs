@@ -16,7 +16,7 @@ use std::ops::Range;
 use crate::kernels;
 use crate::model::sequential::Scratch;
 use crate::model::towers::share;
-use crate::model::{zeros_like, Model, ModelError, Sequential};
+use crate::model::{zeros_like, Model, ModelError, Part, Replica, Sequential};
 use crate::named::Named;
 use crate::rng::Rng;
 use crate::tensor::Tensor;
@@ -80,8 +80,8 @@ pub struct Stage<'m> {
     layers: Range<usize>,
     /// This stage's parameters as a range of the model's.
     params_range: Range<usize>,
-    /// This stage's parameters (the model's, in `params_range`).
-    pub params: Vec<Tensor>,
+    /// This stage's parameters (the model's, in `params_range`), of its part of the model.
+    pub replica: Replica<'m>,
     /// The step's gradient sums, shaped like `params`.
     pub grads: Vec<Tensor>,
     /// Each tower's gradients of one micro-batch, before they are added to `grads`.
@@ -125,14 +125,16 @@ fn initial_part(model: &dyn Model, seed: u64, keep: Range<usize>) -> Vec<Tensor>
 }
 
 impl<'m> Stage<'m> {
-    /// Stage `index` of `ranges` (contiguous layer ranges covering `model`, as
-    /// [`super::balance`] gives), with its part of the initial values from `seed`.
+    /// Stage `index` of `ranges` (contiguous layer ranges covering the model, as
+    /// [`super::balance`] gives), holding `part` (the model's layers `ranges[index]`), with
+    /// its part of the initial values from `seed`.
     pub fn new(
-        model: &'m Sequential,
+        part: &'m Part<'m>,
         ranges: &[Range<usize>],
         index: usize,
         seed: u64,
     ) -> Result<Stage<'m>, ModelError> {
+        let model = part.whole();
         let bad = |why: String| ModelError::Shape {
             model: model.describe(),
             why,
@@ -150,6 +152,12 @@ impl<'m> Stage<'m> {
         let Some(layers) = ranges.get(index).cloned() else {
             return Err(bad(format!("no stage {index} of {}", ranges.len())));
         };
+        if layers != part.layers() {
+            return Err(bad(format!(
+                "stage {index} holds layers {layers:?}, not the part's {:?}",
+                part.layers()
+            )));
+        }
         let params_range = model.param_range(layers.clone());
         let params = initial_part(model, seed, params_range.clone());
         Ok(Stage {
@@ -161,7 +169,10 @@ impl<'m> Stage<'m> {
             scratch: Vec::new(),
             towers: 1,
             params_range,
-            params,
+            replica: Replica {
+                model: part,
+                params,
+            },
             in_flight: BTreeMap::new(),
             spare: Vec::new(),
             summed: 0,
@@ -241,7 +252,7 @@ impl<'m> Stage<'m> {
 
     /// Bytes of parameters this stage holds.
     pub fn param_bytes(&self) -> usize {
-        self.params.iter().map(Tensor::nbytes).sum()
+        self.replica.params.iter().map(Tensor::nbytes).sum()
     }
 
     /// The most bytes of activations held at once since the last call (micro-batches in
@@ -269,7 +280,7 @@ impl<'m> Stage<'m> {
         pass.n = n;
         let k = self.towers.min(n).max(1);
         pass.acts.resize_with(k, Scratch::default);
-        let (model, params, win) = (self.model, &self.params, self.input_width());
+        let (model, params, win) = (self.model, &self.replica.params, self.input_width());
         if k == 1 {
             model.forward_layers(
                 self.layers.clone(),
@@ -373,7 +384,7 @@ impl<'m> Stage<'m> {
         let first = self.summed == 0;
         let input_gradient = !self.is_first();
         let (n, k) = (pass.n, pass.acts.len());
-        let (model, params) = (self.model, &self.params);
+        let (model, params) = (self.model, &self.replica.params);
         let (win, wout) = (self.input_width(), self.output_width());
         if self.scratch.len() < k {
             self.scratch
@@ -465,7 +476,7 @@ impl<'m> Stage<'m> {
         pass.acts.resize_with(1, Scratch::default);
         let done = self.model.forward_layers(
             self.layers.clone(),
-            &self.params,
+            &self.replica.params,
             input,
             n,
             &mut pass.acts[0],
@@ -533,10 +544,21 @@ mod tests {
     ) {
         let local = Replica::new(model, 5);
         let n = y.len();
-        let mut stages: Vec<Stage> = (0..3)
-            .map(|k| Stage::new(model, ranges, k, 5).unwrap().with_towers(towers))
+        let parts: Vec<Part> = ranges
+            .iter()
+            .map(|r| model.part(r.clone()).unwrap())
             .collect();
-        let all: Vec<Tensor> = stages.iter().flat_map(|s| s.params.clone()).collect();
+        let mut stages: Vec<Stage> = (0..3)
+            .map(|k| {
+                Stage::new(&parts[k], ranges, k, 5)
+                    .unwrap()
+                    .with_towers(towers)
+            })
+            .collect();
+        let all: Vec<Tensor> = stages
+            .iter()
+            .flat_map(|s| s.replica.params.clone())
+            .collect();
         assert!(all
             .iter()
             .zip(&local.params)

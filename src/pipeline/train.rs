@@ -17,30 +17,27 @@
 //! stage, which writes the whole model (the checkpoint file format).
 
 use std::ops::Range;
-use std::time::Instant;
 
 use super::link::{Link, LinkError};
 use super::partition::{self, Balance};
-use super::passes::{run_passes, MicroBatches, PassTimes};
+use super::passes::PassTimes;
 use super::ps::{StageClient, StagePs};
-use super::report::{describe_partition, evaluate, report_stages, StageReport};
-use super::save::{self, Saver, Writers};
+use super::report::{describe_partition, report_stages};
+use super::save::{self, Writers};
 use super::schedule::{self, Schedule};
 use super::stage::Stage;
+use super::stages::{Place, Stages};
 use super::update::Updater;
 use super::PartitionError;
 use crate::cluster::Layout;
 use crate::model::{Model, ModelError, Sequential};
-use crate::observe::phases::{Clock, Phase};
-use crate::observe::stall::{self, Wait};
-use crate::observe::timeline::{self, Detail};
-use crate::tensor::{DType, Tensor};
-use crate::train::data::{shard, Batches, Dataset};
+use crate::train::data::Dataset;
+use crate::train::engine::{Session, TrainError};
 use crate::train::events::Event;
 use crate::train::resources;
-use crate::train::{checkpoint, guard, StepLog, Stopped, TrainConfig};
+use crate::train::{checkpoint, guard, Stopped, TrainConfig};
 use crate::transport::fusion::{Fusion, FusionConfig, FusionError};
-use crate::transport::{Collectives, Comm, ReduceOp, TransportError};
+use crate::transport::{Collectives, Comm, TransportError};
 
 /// Settings of pipeline training.
 #[derive(Debug, Clone)]
@@ -144,6 +141,40 @@ impl PipelineError {
     }
 }
 
+impl From<PipelineError> for TrainError {
+    /// A stage's error, as the step loop carries it.
+    fn from(e: PipelineError) -> TrainError {
+        match e {
+            PipelineError::Transport(e) => TrainError::Transport(e),
+            PipelineError::Fusion(e) => TrainError::Fusion(e),
+            PipelineError::Model(e) => TrainError::Model(e),
+            PipelineError::Checkpoint(e) => TrainError::Checkpoint(e),
+            PipelineError::NonFinite(e) => TrainError::NonFinite(e),
+            PipelineError::Stopped(e) => TrainError::Stopped(e),
+            PipelineError::Sidecar(e) => TrainError::Sidecar(e),
+            e if e.is_agreed() => TrainError::Agreed(e.to_string()),
+            e => TrainError::Setup(e.to_string()),
+        }
+    }
+}
+
+impl From<TrainError> for PipelineError {
+    /// A stage's session's error, as pipeline training says it.
+    fn from(e: TrainError) -> PipelineError {
+        match e {
+            TrainError::Transport(e) => PipelineError::Transport(e),
+            TrainError::Fusion(e) => PipelineError::Fusion(e),
+            TrainError::Model(e) => PipelineError::Model(e),
+            TrainError::Checkpoint(e) => PipelineError::Checkpoint(e),
+            TrainError::NonFinite(e) => PipelineError::NonFinite(e),
+            TrainError::Stopped(e) => PipelineError::Stopped(e),
+            TrainError::Sidecar(e) => PipelineError::Sidecar(e),
+            e if e.is_agreed() => PipelineError::Config(e.to_string()),
+            e => PipelineError::Ps(e.to_string()),
+        }
+    }
+}
+
 /// The world rank that reports (replica 0's last stage), if the cluster has replicas.
 pub fn reporter(layout: &Layout) -> Option<usize> {
     let (_, stages) = layout.spec.replica_shape()?;
@@ -151,73 +182,6 @@ pub fn reporter(layout: &Layout) -> Option<usize> {
         .ranks
         .iter()
         .position(|r| layout.spec.replica_stage(&r.task) == Some((0, stages - 1)))
-}
-
-/// What every replica task says about a step, summed over all of them: the last stages'
-/// sample-weighted losses and samples, how many saw a NaN and an infinite loss, how many
-/// stages' reduced gradients were not finite, how many tasks were asked to stop and the
-/// sum of their signal numbers.
-struct Verdict(Tensor);
-
-impl Verdict {
-    fn new() -> Verdict {
-        Verdict(
-            Tensor::zeros(DType::F32, &[7])
-                .expect("1-D")
-                .named("pipeline verdict"),
-        )
-    }
-
-    fn values(&self) -> &[f32] {
-        self.0.as_slice::<f32>().expect("f32")
-    }
-
-    /// This task's word: its loss sum over its `samples` (the last stage's), whether its
-    /// reduced gradients are finite, the signal it was sent.
-    fn fill(&mut self, loss_sum: f32, samples: usize, grads_finite: bool, signal: Option<i32>) {
-        let flag = |b: bool| f32::from(u8::from(b));
-        self.0
-            .as_mut_slice::<f32>()
-            .expect("f32")
-            .copy_from_slice(&[
-                if loss_sum.is_finite() { loss_sum } else { 0.0 },
-                samples as f32,
-                flag(loss_sum.is_nan()),
-                flag(loss_sum.is_infinite()),
-                flag(!grads_finite),
-                flag(signal.is_some()),
-                signal.unwrap_or(0) as f32,
-            ]);
-    }
-
-    /// After the sum: a non-finite loss or gradient anywhere stops every task.
-    fn check(&self, step: u64, replicas: usize) -> Result<(), PipelineError> {
-        let v = self.values();
-        if v[2] + v[3] > 0.0 {
-            let value = if v[2] > 0.0 { f32::NAN } else { f32::INFINITY };
-            let whose = format!(" on {} of {replicas} replicas", (v[2] + v[3]) as usize);
-            guard::check_loss(step, value, whose)?;
-        }
-        if v[4] > 0.0 {
-            return Err(PipelineError::NonFinite(guard::NonFinite::Gradient {
-                step,
-                tensor: format!("(the reduced gradients of {} stages)", v[4] as usize),
-                value: "a non-finite value".into(),
-                whose: String::new(),
-            }));
-        }
-        Ok(())
-    }
-
-    fn loss(&self) -> f32 {
-        let v = self.values();
-        v[0] / v[1].max(1.0)
-    }
-
-    fn stop(&self) -> Option<i32> {
-        let v = self.values();
-        (v[5] > 0.0).then(|| (v[6] / v[5]).round() as i32)
-    }
 }
 
 /// The plan every replica task must share, compared before the first step.
@@ -285,7 +249,7 @@ pub fn run<C: Comm>(
         )));
         return Ok(());
     };
-    let Some((replicas, stages)) = shape else {
+    let Some((replicas, _)) = shape else {
         return Err(PipelineError::Config(
             "the replica jobs (replica_0, replica_1, ...) differ in their number of stages".into(),
         ));
@@ -294,11 +258,69 @@ pub fn run<C: Comm>(
     let reports = reporter(layout) == Some(comm.rank());
     let evaluators = crate::train::sidecar::evaluators(layout);
     let _end = crate::train::sidecar::EndNotice::by(reports, comm, evaluators, dir);
-    // With ps tasks, any error of this task reaches them (they tell the stage's others),
-    // so none waits for a task that stopped.
-    let result = (|| -> Result<(), PipelineError> {
-        let group = Collectives::new(group);
-        let peers = Collectives::new(peers);
+    let ps_job = stage_jobs
+        .get(stage)
+        .and_then(|(sub, roles)| roles.as_ref().map(|r| (sub, r)));
+    let place = Place {
+        replica,
+        replicas,
+        stage,
+    };
+    let (group, pipe) = (Collectives::new(group), Collectives::new(pipe));
+    let task = Task {
+        comm,
+        layout,
+        model,
+        cfg,
+        place,
+        group: &group,
+        ps_job,
+    };
+    // Before the session, a failure of this task reaches the ps tasks here (they tell the
+    // stage's others); within it, the strategy tells them.
+    let ranges = match task.plan(train) {
+        Ok(r) => r,
+        Err(e) => return Err(task.tell_ps(e)),
+    };
+    let part = model.part(ranges[stage].clone())?;
+    let strategy = match task.strategy(&part, &ranges, pipe.comm(), peers, events) {
+        Ok(s) => s,
+        Err(e) => return Err(task.tell_ps(e)),
+    };
+    task.train(strategy, train, test, events)
+        .map_err(PipelineError::from)
+}
+
+/// A replica task setting up and running its part of pipeline training.
+struct Task<'a, C: Comm> {
+    comm: &'a C,
+    layout: &'a Layout,
+    model: &'a Sequential,
+    cfg: &'a PipelineConfig,
+    place: Place,
+    /// Every replica task.
+    group: &'a Collectives<C>,
+    /// The stage's ps job, if ps tasks hold the variables.
+    ps_job: Option<(&'a C, &'a crate::train::ps::Roles)>,
+}
+
+impl<'a, C: Comm> Task<'a, C> {
+    /// `e`, told to the stage's ps tasks (which tell the stage's others) first.
+    fn tell_ps(&self, e: PipelineError) -> PipelineError {
+        use crate::train::ps::worker::{abort, abort_agreed};
+        if let Some((sub, roles)) = self.ps_job {
+            match e.is_agreed() {
+                true => abort_agreed(sub, roles, &e.to_string()),
+                false => abort(sub, roles, &e.to_string()),
+            }
+        }
+        e
+    }
+
+    /// The stages' layers, the same on every replica task (checked): the model's layers
+    /// cut by their costs.
+    fn plan(&self, train: &Dataset) -> Result<Vec<Range<usize>>, PipelineError> {
+        let (cfg, model, replicas) = (self.cfg, self.model, self.place.replicas);
         crate::model::check_data(model, "train", train.features, train.classes)?;
         let share = cfg.train.batch / replicas;
         if cfg.micro_batches == 0 || share < cfg.micro_batches {
@@ -307,211 +329,136 @@ pub fn run<C: Comm>(
                 cfg.micro_batches, cfg.train.batch
             )));
         }
-        let members = members(layout);
-        // Replica 0's stage 0 coordinates: it times the layers and checkpoints.
-        let coordinator = members
-            .iter()
-            .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
-            .unwrap_or(0);
-        // Rows of a micro-batch (the last may hold fewer).
-        let rows = share.div_ceil(cfg.micro_batches);
-        let costs = layer_costs(&group, coordinator, model, cfg.balance, rows)?;
+        let members = members(self.layout);
+        let costs = layer_costs(
+            self.group,
+            self.coordinator(&members),
+            model,
+            cfg.balance,
+            self.rows(),
+        )?;
         let sizes = model.layer_param_bytes();
         let limit = cfg.max_param_bytes.map(|l| (sizes.as_slice(), l));
+        let stages = self.layout.spec.replica_shape().map_or(1, |s| s.1);
         let ranges = partition::balance_within(&costs, stages, limit)?;
-        agree_on_plan(&group, layout, &members, &plan(model, &ranges, cfg))?;
-        let mut st =
-            Stage::new(model, &ranges, stage, cfg.train.seed)?.with_towers(cfg.train.towers);
+        agree_on_plan(
+            self.group,
+            self.layout,
+            &members,
+            &plan(model, &ranges, cfg),
+        )?;
+        Ok(ranges)
+    }
+
+    /// Replica 0's stage 0 coordinates: it times the layers and checkpoints.
+    fn coordinator(&self, members: &[usize]) -> usize {
+        let spec = &self.layout.spec;
+        members
+            .iter()
+            .position(|r| spec.replica_stage(&self.layout.ranks[*r].task) == Some((0, 0)))
+            .unwrap_or(0)
+    }
+
+    /// Rows of a micro-batch (the last may hold fewer).
+    fn rows(&self) -> usize {
+        let share = self.cfg.train.batch / self.place.replicas;
+        share.div_ceil(self.cfg.micro_batches)
+    }
+
+    /// This task's strategy: its stage holding `part`, checked to fit its share of the
+    /// node on every task, and how its gradients become the update.
+    fn strategy(
+        &self,
+        part: &'a crate::model::Part<'a>,
+        ranges: &[Range<usize>],
+        pipe: &'a C,
+        peers: C,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Stages<'a, C>, PipelineError> {
+        let (cfg, place) = (self.cfg, self.place);
+        let st = Stage::new(part, ranges, place.stage, cfg.train.seed)?;
+        let st = st.with_towers(cfg.train.towers);
         // What this task will hold must fit its share of the node, on every task.
-        let plan_ops = schedule::ops(cfg.schedule, stage, stages, cfg.micro_batches);
-        let need = st.need(
-            rows,
-            schedule::peak_in_flight(&plan_ops),
-            &cfg.train.optimizer,
-        );
-        let task = me.task.to_string();
+        let stages = ranges.len();
+        let ops = schedule::ops(cfg.schedule, place.stage, stages, cfg.micro_batches);
+        let in_flight = schedule::peak_in_flight(&ops);
+        let need = st.need(self.rows(), in_flight, &cfg.train.optimizer);
+        let task = self.layout.ranks[self.comm.rank()].task.to_string();
         let fits = resources::check(&task, &need, cfg.memory_share.as_ref());
-        save::agree(&group, fits.map_err(|e| e.to_string()))?;
-        let reporting = replica == 0 && st.is_last();
-        if reporting {
+        save::agree(self.group, fits.map_err(|e| e.to_string()))?;
+        if place.replica == 0 && st.is_last() {
             events(&Event::Note(format!(
-                "pipeline: {replicas} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by {} cost: {}",
+                "pipeline: {} replicas x {stages} stages, {} micro-batches per replica step, schedule {}; by {} cost: {}",
+                place.replicas,
                 cfg.micro_batches,
                 crate::named::Named::name(cfg.schedule),
                 crate::named::Named::name(cfg.balance),
-                describe_partition(model, &ranges).join("; ")
+                describe_partition(self.model, ranges).join("; ")
             )));
         }
-        let writers = Writers {
-            coordinator,
-            writes: replica == 0,
-        };
-        let saver = cfg.train.checkpoint_dir.as_deref().map(|dir| Saver {
-            group: &group,
-            who: writers,
-            dir,
-            model,
-            keep: cfg.train.keep_checkpoints,
-        });
-        let mut updater = match (&cfg.ps, stage_jobs.get(stage)) {
-            (Some(ps), Some((sub, Some(roles)))) => {
-                let vars = crate::model::variables(&st.params);
-                let client = StageClient::new(sub, roles, ps, &vars, stage, replicas, cfg);
+        let updater = match (&cfg.ps, self.ps_job) {
+            (Some(ps), Some((sub, roles))) => {
+                let vars = crate::model::variables(&st.replica.params);
+                let client =
+                    StageClient::new(sub, roles, ps, &vars, place.stage, place.replicas, cfg);
                 Updater::Ps { client }
             }
             _ => Updater::Allreduce {
-                peers: Box::new(peers),
+                peers: Box::new(Collectives::new(peers)),
                 fusion: Fusion::new(cfg.fusion),
                 opt: cfg.train.optimizer,
-                slots: st
-                    .params
-                    .iter()
+                slots: (st.replica.params.iter())
                     .map(|p| cfg.train.optimizer.state(p.numel()))
                     .collect(),
             },
         };
-        let mut step = updater.start(saver.as_ref(), &mut st, replica == 0, events)?;
-        let pipe = Collectives::new(pipe);
-        let mut link = Link::new(pipe.comm());
-        let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
-        let mut clock = Clock::new();
-        let mut verdict = Verdict::new();
-        let mut peak_activations = 0usize;
-        let mut passes = PassTimes::default();
-        let mut last_ckpt = step;
-        let first_step = step;
-        let mut steps = || -> Result<Option<i32>, PipelineError> {
-            while step < cfg.train.steps {
-                let signal = crate::signals::stop_requested_if(cfg.train.stop_on_signal);
-                let t = Instant::now();
-                link.step = step;
-                // A signal to a ps task reaches the stage tasks in its pull replies.
-                let signal = signal.or(updater.begin(step, &mut st)?);
-                let global = batches.global(step);
-                let mine = shard(&global, replica, replicas);
-                let micro = MicroBatches {
-                    data: train,
-                    mine,
-                    count: cfg.micro_batches,
-                };
-                let (loss_sum, times) = run_passes(&mut st, &mut link, &plan_ops, &micro)?;
-                let mut waited = times.idle;
-                if step > first_step {
-                    // The first step pays for allocations and first contacts.
-                    passes.total += times.total;
-                    passes.idle += times.idle;
-                }
-                let w = Instant::now();
-                let reducing = stall::wait(|| Wait {
-                    op: "allreduce",
-                    step,
-                    what: Some("the stage's gradients and the step's verdict".into()),
-                    peer: None,
-                    bytes: st.param_bytes() as u64,
-                });
-                updater.reduce(&mut st, mine.len(), global.len())?;
-                let grads_finite = st
-                    .grads
-                    .iter()
-                    .all(|g| guard::all_finite(g.as_slice::<f32>().expect("f32")));
-                let samples = if st.is_last() { mine.len() } else { 0 };
-                verdict.fill(loss_sum, samples, grads_finite, signal);
-                group.allreduce_tensor(&mut verdict.0, ReduceOp::Sum, cfg.fusion.algorithm)?;
-                drop(reducing);
-                verdict.check(step, replicas)?;
-                let loss = if st.is_last() {
-                    loss_sum / mine.len().max(1) as f32
-                } else {
-                    f32::NAN
-                };
-                updater.apply(&mut st, step, mine.len(), loss)?;
-                waited += w.elapsed();
-                timeline::span(
-                    "reduce and update",
-                    "comm",
-                    w,
-                    Instant::now(),
-                    Detail::at(step),
-                );
-                clock.charge(Phase::Comm, waited);
-                clock.charge(Phase::Compute, t.elapsed().saturating_sub(waited));
-                clock.steps(1);
-                peak_activations = peak_activations.max(st.take_peak_bytes());
-                step += 1;
-                if cfg.check_every > 0 && step.is_multiple_of(cfg.check_every) {
-                    updater.compare(&st, step)?;
-                }
-                let every = cfg.train.log_every;
-                if every > 0 && step.is_multiple_of(every) {
-                    let mine = clock.take();
-                    let ranks = crate::train::allreduce::gather_times(
-                        &group,
-                        layout,
-                        comm.rank(),
-                        mine,
-                        step,
-                    )?;
-                    if reporting {
-                        let batch = cfg.train.batch;
-                        let log = StepLog::of_window(step, verdict.loss(), &mine, batch, ranks);
-                        events(&Event::Step(log));
-                    }
-                }
-                let every = cfg.train.checkpoint_every;
-                let due = every > 0 && step.is_multiple_of(every) && step < cfg.train.steps;
-                let stop = verdict.stop();
-                if let (Some(at), true) = (&saver, due || (stop.is_some() && last_ckpt != step)) {
-                    updater.checkpoint(at, step, &mut st, events)?;
-                    last_ckpt = step;
-                }
-                if stop.is_some() {
-                    // Every task stops after the same step, its checkpoint kept.
-                    return Ok(stop);
-                }
-            }
-            if let (Some(at), true) = (&saver, last_ckpt != step) {
-                updater.checkpoint(at, step, &mut st, events)?;
-            }
-            Ok(None)
-        };
-        let stopped = steps()?;
-        updater.finish(&mut st, step, stopped)?;
-        if let Some(signal) = stopped {
-            let dir = cfg.train.checkpoint_dir.as_deref();
-            return Err(Stopped {
-                signal: crate::signals::name(signal),
-                step,
-                checkpoint: dir.map(|d| crate::train::checkpoint::path_of(d, step)),
-            }
-            .into());
-        }
-        let mine = StageReport {
-            stage,
-            param_bytes: st.param_bytes(),
-            state_bytes: updater.state_bytes(),
-            peak_activation_bytes: peak_activations,
-            pass_secs: passes.total.as_secs_f64(),
-            idle_secs: passes.idle.as_secs_f64(),
-        };
-        report_stages(&group, mine, cfg.micro_batches, reporting, events)?;
-        if replica == 0 {
-            evaluate(&mut st, &mut link, test, step, events)?;
-            if let Some(path) = &cfg.train.save_params {
-                save::save_params(&st, &mut link, model, path, step)?;
-            }
-        }
-        Ok(())
-    })();
-    if let (Err(e), Some((sub, Some(roles)))) = (&result, stage_jobs.get(stage)) {
-        use crate::train::ps::worker::{abort, abort_agreed};
-        match e {
-            PipelineError::Stopped(_) => {}
-            // Every replica task stops with it: the ps tasks end once all said so.
-            e if e.is_agreed() => abort_agreed(sub, roles, &e.to_string()),
-            e => abort(sub, roles, &e.to_string()),
-        }
+        let members = members(self.layout);
+        Ok(Stages {
+            st,
+            updater,
+            link: Link::new(pipe),
+            group: self.group,
+            layout: self.layout,
+            rank: self.comm.rank(),
+            cfg,
+            model: self.model,
+            ops,
+            place,
+            writers: Writers {
+                coordinator: self.coordinator(&members),
+                writes: place.replica == 0,
+            },
+            ps_job: self.ps_job,
+            applying: (0, f32::NAN),
+            stale: false,
+            step: 0,
+            first: 0,
+            peak_activations: 0,
+            passes: PassTimes::default(),
+        })
     }
-    result
+
+    /// Trains in a session over `strategy`: the built-in loop, then the stages' report,
+    /// the final evaluation, the trained parameters.
+    fn train(
+        &self,
+        strategy: Stages<'a, C>,
+        train: &Dataset,
+        test: &Dataset,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<(), TrainError> {
+        let cfg = &self.cfg.train;
+        let sess = Session::with_events(strategy, cfg, &mut *events)?;
+        let mut sess = crate::train::evaluating(sess, cfg, test);
+        crate::train::fit(&mut sess, cfg, train)?;
+        sess.save()?;
+        let (mine, reporting) = (sess.strategy().stage_report(), sess.is_chief());
+        let micro = self.cfg.micro_batches;
+        report_stages(self.group, mine, micro, reporting, &mut |e| sess.report(e))?;
+        sess.evaluate_now(test)?;
+        sess.close()?;
+        Ok(())
+    }
 }
 
 /// The layers' costs by `balance`: counted on every task, or timed by the coordinator on

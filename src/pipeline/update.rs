@@ -49,12 +49,15 @@ impl<C: Comm> Updater<'_, C> {
                     None => None,
                 };
                 if chief {
-                    client.start(found.as_ref().map(|(path, _)| path.as_path()), &st.params)?;
+                    client.start(
+                        found.as_ref().map(|(path, _)| path.as_path()),
+                        &st.replica.params,
+                    )?;
                     if let (Some((path, step)), true) = (found, st.is_last()) {
                         events(&Event::Restored { path, step });
                     }
                 }
-                Ok(client.pull(0, &mut st.params)?.0)
+                Ok(client.pull(0, &mut st.replica.params)?.0)
             }
         }
     }
@@ -67,7 +70,7 @@ impl<C: Comm> Updater<'_, C> {
         st: &mut Stage<'_>,
     ) -> Result<Option<i32>, PipelineError> {
         match self {
-            Updater::Ps { client } => Ok(client.pull(step, &mut st.params)?.1),
+            Updater::Ps { client } => Ok(client.pull(step, &mut st.replica.params)?.1),
             Updater::Allreduce { .. } => Ok(None),
         }
     }
@@ -110,7 +113,7 @@ impl<C: Comm> Updater<'_, C> {
     ) -> Result<(), PipelineError> {
         match self {
             Updater::Allreduce { opt, slots, .. } => {
-                for ((p, g), s) in st.params.iter_mut().zip(&st.grads).zip(slots) {
+                for ((p, g), s) in st.replica.params.iter_mut().zip(&st.grads).zip(slots) {
                     let g = g.as_slice::<f32>().expect("f32");
                     opt.apply(p.as_mut_slice::<f32>().expect("f32"), g, s);
                 }
@@ -129,7 +132,7 @@ impl<C: Comm> Updater<'_, C> {
         if peers.size() < 2 {
             return Ok(());
         }
-        let sum = st.params.iter().fold(0u64, |h, p| {
+        let sum = st.replica.params.iter().fold(0u64, |h, p| {
             crate::train::checkpoint::checksum(p.bytes()) ^ h.rotate_left(7)
         });
         let sums = {
@@ -158,7 +161,7 @@ impl<C: Comm> Updater<'_, C> {
             Updater::Allreduce { slots, .. } => save::write(at, step, st, slots, events),
             Updater::Ps { client } => {
                 // The ps tasks have applied `step` updates once this pull returns.
-                client.pull(step, &mut st.params)?;
+                client.pull(step, &mut st.replica.params)?;
                 let last = st.is_last();
                 save::write_with(at, step, last, events, |staging| client.save(staging))
             }
@@ -174,7 +177,7 @@ impl<C: Comm> Updater<'_, C> {
         stop: Option<i32>,
     ) -> Result<(), PipelineError> {
         if let Updater::Ps { client } = self {
-            client.pull(step, &mut st.params)?;
+            client.pull(step, &mut st.replica.params)?;
             client.done(stop)?;
         }
         Ok(())

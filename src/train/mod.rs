@@ -321,7 +321,7 @@ pub fn fit<'m, S: engine::Strategy<'m>>(
     train: &Dataset,
 ) -> Result<(), engine::TrainError> {
     let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
-    let (n, i) = sess.ranks();
+    let (n, i) = sess.data_shard();
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
         let (x, y) = train.rows(data::shard(&global, i, n));

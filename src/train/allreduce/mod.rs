@@ -288,15 +288,7 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), TrainError> {
-        if self.coll.size() < 2 {
-            return Ok(());
-        }
-        let mut t = Tensor::from_slice(&[values.len()], values)?;
-        let algorithm = crate::transport::Algorithm::Auto;
-        self.coll
-            .allreduce_tensor(&mut t, crate::transport::ReduceOp::Sum, algorithm)?;
-        values.copy_from_slice(t.as_slice::<f64>()?);
-        Ok(())
+        crate::train::engine::sum_over(&self.coll, values)
     }
 
     fn window(

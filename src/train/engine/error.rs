@@ -43,6 +43,10 @@ pub enum TrainError {
     /// apply).
     #[error("{0}")]
     Ps(#[from] crate::train::ps::PsError),
+    /// An error every rank that trains raises alike (a mode's own, said in full: a
+    /// pipeline's stages that diverged).
+    #[error("{0}")]
+    Agreed(String),
     /// The session used in a way it does not allow (a step after it stopped).
     #[error("{0}")]
     Usage(String),
@@ -61,6 +65,7 @@ impl TrainError {
                 | TrainError::Diverged { .. }
                 | TrainError::Stopped(_)
                 | TrainError::Models(_)
+                | TrainError::Agreed(_)
                 | TrainError::Ps(crate::train::ps::PsError::NotApplied(_))
                 | TrainError::Ps(crate::train::ps::PsError::Stopped(_))
         )

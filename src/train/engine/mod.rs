@@ -47,7 +47,9 @@ use crate::observe::phases::{Clock, RankTimes, Times};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
 use crate::train::checkpoint::{self, State};
+use crate::train::data::Dataset;
 use crate::train::events::Event;
+use crate::transport::{Collectives, Comm};
 
 /// Where a rank starts: the global step, and the step of the checkpoint it was restored
 /// from (the newest on disk), if any.
@@ -78,6 +80,19 @@ pub trait Strategy<'m> {
     /// The ranks that train together and this rank's place among them; place 0 is the
     /// chief, which writes checkpoints and reports.
     fn ranks(&self) -> (usize, usize);
+
+    /// True on the rank that reports (logs, evaluations, checkpoint events): by default
+    /// the chief.
+    fn reports(&self) -> bool {
+        self.ranks().1 == 0
+    }
+
+    /// The shares each global batch is cut into and this rank's ([`crate::train::fit`]):
+    /// by default one per rank that trains together (a pipeline: one per replica, which
+    /// all its stages take).
+    fn data_shard(&self) -> (usize, usize) {
+        self.ranks()
+    }
 
     /// True if the ranks sum every step's word, so that a hook's request to stop rides in
     /// the next step's and every rank stops together; false where ranks step apart (the
@@ -144,7 +159,7 @@ pub trait Strategy<'m> {
         keep: usize,
         events: &mut dyn FnMut(&Event),
     ) -> Result<PathBuf, TrainError> {
-        if self.ranks().1 != 0 {
+        if !self.reports() {
             return Ok(checkpoint::path_of(dir, step));
         }
         let t = std::time::Instant::now();
@@ -167,6 +182,30 @@ pub trait Strategy<'m> {
     /// place: by default those that train together.
     fn evaluation_ranks(&self) -> (usize, usize) {
         self.ranks()
+    }
+
+    /// The samples of `data` the current parameters classify correctly, and how many were
+    /// evaluated, over the ranks that evaluate together: the same on each. By default each
+    /// takes its share ([`Strategy::evaluation_ranks`], a contiguous run of rows, read in
+    /// place) and the counts are summed ([`Strategy::sum`]).
+    fn evaluate(&mut self, data: &Dataset) -> Result<(usize, usize), TrainError> {
+        let (n, i) = self.evaluation_ranks();
+        let rows = i * data.len() / n..(i + 1) * data.len() / n;
+        let f = data.features;
+        let (x, y) = (&data.x[rows.start * f..rows.end * f], &data.y[rows]);
+        let accuracy = self.replica().accuracy(x, y)?;
+        let mut counts = [(accuracy * y.len() as f64).round(), y.len() as f64];
+        self.sum(&mut counts)?;
+        Ok((counts[0] as usize, counts[1] as usize))
+    }
+
+    /// Writes the trained parameters to `path` (the checkpoint file format; every rank
+    /// calls it): by default the chief writes its copy.
+    fn save_params(&mut self, path: &Path, step: u64) -> Result<(), TrainError> {
+        if self.reports() {
+            crate::train::save_params(self.replica(), path, step)?;
+        }
+        Ok(())
     }
 
     /// The log window closing after `step`: this rank's times (taken from `clock`, or as
@@ -194,6 +233,21 @@ pub trait Strategy<'m> {
         let _ = how;
         Ok(())
     }
+}
+
+/// Sums `values` over the ranks of `coll`: an evaluation's counts ([`Strategy::sum`]).
+pub fn sum_over<C: Comm>(coll: &Collectives<C>, values: &mut [f64]) -> Result<(), TrainError> {
+    if coll.size() < 2 {
+        return Ok(());
+    }
+    let mut t = crate::tensor::Tensor::from_slice(&[values.len()], values)?;
+    let (sum, algorithm) = (
+        crate::transport::ReduceOp::Sum,
+        crate::transport::Algorithm::Auto,
+    );
+    coll.allreduce_tensor(&mut t, sum, algorithm)?;
+    values.copy_from_slice(t.as_slice::<f64>()?);
+    Ok(())
 }
 
 /// Reports checkpoint `step`, begun at `t` and `written` (its event): the timeline's

@@ -120,7 +120,7 @@ pub struct Session<'m, 'e, S: Strategy<'m>> {
 impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     /// A session of `strategy` as `cfg` says, its events printed by the chief.
     pub fn new(strategy: S, cfg: &TrainConfig) -> Result<Self, TrainError> {
-        let chief = strategy.ranks().1 == 0;
+        let chief = strategy.reports();
         Session::with_events(strategy, cfg, move |e: &Event| {
             if chief {
                 println!("{e}")
@@ -137,7 +137,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         events: impl FnMut(&Event) + 'e,
     ) -> Result<Self, TrainError> {
         let mut events: Box<dyn FnMut(&Event) + 'e> = Box::new(events);
-        let chief = strategy.ranks().1 == 0;
+        let chief = strategy.reports();
         let started = match strategy.start(cfg.checkpoint_dir.as_deref(), &mut *events) {
             Ok(s) => s,
             Err(e) => {
@@ -168,10 +168,6 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
             samples: 0.0,
             _model: std::marker::PhantomData,
         })
-    }
-
-    fn strategy(&self) -> &S {
-        self.strategy.as_ref().expect("open until closed")
     }
 
     fn strategy_mut(&mut self) -> &mut S {
@@ -225,6 +221,22 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     /// The ranks that train together, and this rank's place among them.
     pub fn ranks(&self) -> (usize, usize) {
         self.strategy().ranks()
+    }
+
+    /// The shares each global batch is cut into, and this rank's (what
+    /// [`crate::train::fit`] feeds [`Session::run`]).
+    pub fn data_shard(&self) -> (usize, usize) {
+        self.strategy().data_shard()
+    }
+
+    /// The mode's own state (what a strategy reports beyond the loop's).
+    pub fn strategy(&self) -> &S {
+        self.strategy.as_ref().expect("open until closed")
+    }
+
+    /// Tells `event` to the session's event sink (on this rank).
+    pub fn report(&mut self, event: &Event) {
+        (self.events)(event)
     }
 
     /// This rank's parameters.
@@ -335,7 +347,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     /// gradients applied are the same on every rank (a reduced sum); a strategy whose ranks
     /// apply their own says so in the word ([`StepWord::with_gradients`]).
     fn guard(&self, step: u64, agreed: &StepWord) -> Result<(), TrainError> {
-        let n = self.strategy().ranks().0;
+        let n = self.strategy().data_shard().0;
         let whose = |k: usize| match n {
             1 => String::new(),
             n => format!(" on {k} of {n} replicas"),
@@ -464,15 +476,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     /// chief).
     pub fn evaluate(&mut self, data: &Dataset) -> Result<Evaluation, TrainError> {
         let t = Instant::now();
-        let (n, i) = self.strategy().evaluation_ranks();
-        // This rank's share, the rows `shard` would give, read in place: a contiguous run.
-        let rows = i * data.len() / n..(i + 1) * data.len() / n;
-        let f = data.features;
-        let (x, y) = (&data.x[rows.start * f..rows.end * f], &data.y[rows]);
-        let accuracy = self.strategy().replica().accuracy(x, y)?;
-        let mut counts = [(accuracy * y.len() as f64).round(), y.len() as f64];
-        self.strategy_mut().sum(&mut counts)?;
-        let (correct, total) = (counts[0] as usize, counts[1] as usize);
+        let (correct, total) = self.strategy_mut().evaluate(data)?;
         let eval = Evaluation {
             step: self.step,
             accuracy: correct as f64 / total.max(1) as f64,
@@ -513,10 +517,11 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
     pub fn close(mut self) -> Result<Trained<'m>, TrainError> {
         let checkpoint = self.save()?;
         self.end(End::Done)?;
-        let strategy = self.strategy.take().expect("open until closed");
-        if let (Some(p), true) = (&self.cfg.save_params, self.chief) {
-            crate::train::save_params(strategy.replica(), p, self.step)?;
+        if let Some(p) = self.cfg.save_params.clone() {
+            let step = self.step;
+            self.strategy_mut().save_params(&p, step)?;
         }
+        let strategy = self.strategy.take().expect("open until closed");
         let secs = self.started.elapsed().as_secs_f64().max(1e-9);
         Ok(Trained {
             step: self.step,

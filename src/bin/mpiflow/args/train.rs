@@ -272,8 +272,6 @@ enum UsedBy {
     Stages,
     CheckpointDir,
     Mlp,
-    /// The modes that train in a session with evaluation hooks (not yet stages).
-    Evaluating,
     /// `--eval-every`.
     EvalEvery,
 }
@@ -358,7 +356,6 @@ impl TrainArgs {
                 UsedBy::CheckpointDir,
             ),
             ("--hidden", self.hidden != d.hidden, UsedBy::Mlp),
-            ("--eval-every", self.eval_every > 0, UsedBy::Evaluating),
             (
                 "--target-accuracy",
                 self.target_accuracy.is_some(),
@@ -405,9 +402,6 @@ impl TrainArgs {
                 }
             ),
             UsedBy::Mlp => format!("{flag} is for --model mlp (the CNN's layers are fixed)"),
-            UsedBy::Evaluating => format!(
-                "{flag} is for --mode local, allreduce or ps (not yet --stages)"
-            ),
             UsedBy::EvalEvery => {
                 format!("{flag} needs --eval-every N: how often to evaluate")
             }
@@ -424,8 +418,7 @@ impl TrainArgs {
             UsedBy::Stages => stages,
             UsedBy::CheckpointDir => self.checkpoint_dir.is_some(),
             UsedBy::Mlp => self.model == ModelChoice::Mlp,
-            UsedBy::Evaluating => !stages,
-            UsedBy::EvalEvery => self.eval_every > 0 && self.uses(UsedBy::Evaluating),
+            UsedBy::EvalEvery => self.eval_every > 0,
         }
     }
 }
