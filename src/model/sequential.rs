@@ -702,4 +702,46 @@ mod tests {
         let e = cnn([3, 3, 1], 10).err().unwrap();
         assert!(e.to_string().contains("layer 5 (maxpool 2/2)"), "{e}");
     }
+
+    #[test]
+    fn parts_run_in_sequence_as_the_whole_model_and_only_the_last_has_a_loss() {
+        let m = mlp(6, &[5, 4], 3).unwrap();
+        let whole = Replica::new(&m, 3);
+        let (head, tail) = (m.part(0..2).unwrap(), m.part(2..5).unwrap());
+        assert!(m.part(3..3).is_err() && m.part(4..6).is_err());
+        let (a, b) = (head.parameters().len(), tail.parameters().len());
+        assert_eq!(a + b, whole.params.len());
+        // The parts keep the whole model's parameter names.
+        let names: Vec<String> = (head.parameters().iter())
+            .chain(&tail.parameters())
+            .map(|p| p.name.clone())
+            .collect();
+        let want: Vec<&str> = whole.params.iter().map(|p| p.name()).collect();
+        assert_eq!(names, want);
+        let head_r = Replica {
+            model: &head,
+            params: whole.params[..a].to_vec(),
+        };
+        let tail_r = Replica {
+            model: &tail,
+            params: whole.params[a..].to_vec(),
+        };
+        assert_eq!((head.input_shape(), head.classes()), (vec![6], 5));
+        assert_eq!((tail.input_shape(), tail.classes()), (vec![5], 3));
+        let mut rng = Rng::new(9);
+        let x: Vec<f32> = (0..4 * 6).map(|_| rng.normal() as f32).collect();
+        let y = [0u8, 2, 1, 2];
+        let mid = head_r.logits(&x, 4).unwrap();
+        assert_eq!(tail_r.logits(&mid, 4).unwrap(), whole.logits(&x, 4).unwrap());
+        // The last part's loss and gradients are the whole model's for its parameters.
+        let mut all = whole.zeros_like();
+        let loss = whole.gradients_into(&x, &y, &mut all).unwrap();
+        let mut mine = tail_r.zeros_like();
+        assert_eq!(tail_r.gradients_into(&mid, &y, &mut mine).unwrap(), loss);
+        for (g, w) in mine.iter().zip(&all[a..]) {
+            assert_eq!(g.bytes(), w.bytes(), "{}", g.name());
+        }
+        let e = head_r.gradients_into(&x, &y, &mut head_r.zeros_like());
+        assert!(e.unwrap_err().to_string().contains("no loss of its own"));
+    }
 }
