@@ -732,7 +732,10 @@ mod tests {
         let x: Vec<f32> = (0..4 * 6).map(|_| rng.normal() as f32).collect();
         let y = [0u8, 2, 1, 2];
         let mid = head_r.logits(&x, 4).unwrap();
-        assert_eq!(tail_r.logits(&mid, 4).unwrap(), whole.logits(&x, 4).unwrap());
+        assert_eq!(
+            tail_r.logits(&mid, 4).unwrap(),
+            whole.logits(&x, 4).unwrap()
+        );
         // The last part's loss and gradients are the whole model's for its parameters.
         let mut all = whole.zeros_like();
         let loss = whole.gradients_into(&x, &y, &mut all).unwrap();

@@ -78,79 +78,7 @@ impl<C: Comm> Server<'_, C> {
                 self.pending.push(Parked::new(from, then));
                 self.answer_pending()
             }
-            Request::Push {
-                step,
-                samples,
-                loss,
-                stop,
-                times,
-                ref non_finite,
-                pull,
-                ..
-            } => {
-                if let Some(signal) = stop {
-                    self.note_stop(signal);
-                }
-                if let Some(t) = times {
-                    self.reports.entry(from).or_default().add(&t);
-                }
-                // Asynchronous: the first finding refuses training from here on (a
-                // synchronous ps counts a step's findings once it is complete).
-                if let (None, None, Some(found)) = (self.sync, &self.refused, non_finite) {
-                    let on = format!(" on {}", self.roles.task(from));
-                    self.refused = Some(found.clone().seen(on));
-                }
-                let verdict = self.judge(w, step, &request);
-                let into = match &verdict {
-                    Verdict::Apply => Dest::Apply,
-                    Verdict::Accept => Dest::Staged(w),
-                    Verdict::Stale | Verdict::Reject(_) => Dest::Drop,
-                };
-                if let Err(e) = self.take_payload(from, &lens, inline_bytes, into)? {
-                    return self.error(from, e);
-                }
-                let loss = loss.unwrap_or(f32::NAN);
-                // The pull that came with the push is answered in its place (parked first:
-                // the update below may make it ready).
-                let answered = match pull {
-                    Some(then) if !matches!(verdict, Verdict::Reject(_)) => {
-                        self.pending.push(Parked::new(from, then));
-                        true
-                    }
-                    _ => false,
-                };
-                match verdict {
-                    Verdict::Reject(e) => self.error(from, e),
-                    Verdict::Stale if answered => self.answer_pending(),
-                    Verdict::Stale => {
-                        let step = self.global_step;
-                        self.reply(from, &Reply::Stale { step })
-                    }
-                    Verdict::Apply => {
-                        self.global_step += 1;
-                        self.clock.steps(1);
-                        self.last_loss = loss;
-                        if !answered {
-                            self.ok(from)?;
-                        }
-                        self.answer_pending()
-                    }
-                    Verdict::Accept => {
-                        self.accum.insert(w, (samples as f32, loss));
-                        if let Some(found) = non_finite {
-                            self.non_finite.insert(w, found.clone());
-                        }
-                        if !answered {
-                            self.ok(from)?;
-                        }
-                        if self.accum.len() >= self.sync.unwrap_or(1) {
-                            self.apply_accumulated();
-                            self.answer_pending()?;
-                        }
-                        Ok(())
-                    }
-                }
-            }
+            request @ Request::Push { .. } => self.push(from, w, request, &lens, inline_bytes),
             Request::Save { dir } => {
                 let file = shards::file_of(self.k, self.stage);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
@@ -191,6 +119,109 @@ impl<C: Comm> Server<'_, C> {
             Request::Done { stop } => {
                 self.done[w] = true;
                 self.stopped = self.stopped.or(stop);
+                Ok(())
+            }
+        }
+    }
+
+    /// A gradient push: its payload taken where its verdict says, its pull (if it came
+    /// with one) parked, the update applied once the step is complete.
+    fn push(
+        &mut self,
+        from: usize,
+        w: usize,
+        request: Request,
+        lens: &[usize],
+        inline_bytes: &[u8],
+    ) -> Result<(), PsError> {
+        let Request::Push {
+            step,
+            samples,
+            loss,
+            stop,
+            times,
+            ref non_finite,
+            pull,
+            ..
+        } = request
+        else {
+            unreachable!("push is called on pushes")
+        };
+        if let Some(signal) = stop {
+            self.note_stop(signal);
+        }
+        if let Some(t) = times {
+            self.reports.entry(from).or_default().add(&t);
+        }
+        // Asynchronous: the first finding refuses training from here on (a synchronous
+        // ps counts a step's findings once it is complete).
+        if let (None, None, Some(found)) = (self.sync, &self.refused, non_finite) {
+            let on = format!(" on {}", self.roles.task(from));
+            self.refused = Some(found.clone().seen(on));
+        }
+        let verdict = self.judge(w, step, &request);
+        let into = match &verdict {
+            Verdict::Apply => Dest::Apply,
+            Verdict::Accept => Dest::Staged(w),
+            Verdict::Stale | Verdict::Reject(_) => Dest::Drop,
+        };
+        if let Err(e) = self.take_payload(from, lens, inline_bytes, into)? {
+            return self.error(from, e);
+        }
+        // The pull that came with the push is answered in its place (parked first: the
+        // update below may make it ready).
+        let answered = match pull {
+            Some(then) if !matches!(verdict, Verdict::Reject(_)) => {
+                self.pending.push(Parked::new(from, then));
+                true
+            }
+            _ => false,
+        };
+        let found = non_finite.clone();
+        let pushed = (samples as f32, loss.unwrap_or(f32::NAN));
+        self.settle(from, w, verdict, answered, pushed, found)
+    }
+
+    /// What follows a push's `verdict` once its payload is in: an error, the stale reply,
+    /// or the update counted (`pushed`: its samples and loss; `found`: what its worker
+    /// found not finite); `answered`: its pull is parked.
+    fn settle(
+        &mut self,
+        from: usize,
+        w: usize,
+        verdict: Verdict,
+        answered: bool,
+        pushed: (f32, f32),
+        found: Option<crate::train::guard::NonFinite>,
+    ) -> Result<(), PsError> {
+        match verdict {
+            Verdict::Reject(e) => self.error(from, e),
+            Verdict::Stale if answered => self.answer_pending(),
+            Verdict::Stale => {
+                let step = self.global_step;
+                self.reply(from, &Reply::Stale { step })
+            }
+            Verdict::Apply => {
+                self.global_step += 1;
+                self.clock.steps(1);
+                self.last_loss = pushed.1;
+                if !answered {
+                    self.ok(from)?;
+                }
+                self.answer_pending()
+            }
+            Verdict::Accept => {
+                self.accum.insert(w, pushed);
+                if let Some(found) = found {
+                    self.non_finite.insert(w, found);
+                }
+                if !answered {
+                    self.ok(from)?;
+                }
+                if self.accum.len() >= self.sync.unwrap_or(1) {
+                    self.apply_accumulated();
+                    self.answer_pending()?;
+                }
                 Ok(())
             }
         }
