@@ -123,14 +123,19 @@ pub struct Request {
 }
 
 impl Request {
-    /// The concrete source for this environment.
+    /// The concrete source for this environment: the one place the cluster's source is
+    /// chosen (the command line's and a program's [`crate::train::server::Server`]). A
+    /// description given per process (the seeds' flags, then `TF_CONFIG`) comes before
+    /// what the launcher implies (an MPI launcher's ranks, then Slurm's variables), as
+    /// TensorFlow has it: a process told its task is that task (under an MPI launcher,
+    /// matched to its rank). A hostfile asks for a preview.
     pub fn pick_source(&self, env: &BTreeMap<String, String>) -> Source {
         match self.source {
             Source::Auto if self.hostfile.is_some() => Source::Hostfile,
             Source::Auto if !self.legacy_flags.is_empty() => Source::Flags,
+            Source::Auto if env.contains_key("TF_CONFIG") => Source::TfConfig,
             Source::Auto if under_mpi_launcher(env) => Source::Mpi,
             Source::Auto if slurm::detected(env) => Source::Slurm,
-            Source::Auto if env.contains_key("TF_CONFIG") => Source::TfConfig,
             Source::Auto => Source::Mpi,
             s => s,
         }
@@ -544,15 +549,21 @@ mod tests {
             req.pick_source(&env(&[("TF_CONFIG", "{}")])),
             Source::TfConfig
         );
-        let slurm = env(&[
-            ("SLURM_PROCID", "0"),
-            ("SLURM_JOB_ID", "1"),
-            ("TF_CONFIG", "{}"),
-        ]);
+        let mut slurm = env(&[("SLURM_PROCID", "0"), ("SLURM_JOB_ID", "1")]);
         assert_eq!(req.pick_source(&slurm), Source::Slurm);
         let mut under_mpirun = slurm.clone();
         under_mpirun.insert("OMPI_COMM_WORLD_SIZE".into(), "4".into());
         assert_eq!(req.pick_source(&under_mpirun), Source::Mpi);
+        // A process's own description comes before the launcher's.
+        slurm.insert("TF_CONFIG".into(), "{}".into());
+        assert_eq!(req.pick_source(&slurm), Source::TfConfig);
+        under_mpirun.insert("TF_CONFIG".into(), "{}".into());
+        assert_eq!(req.pick_source(&under_mpirun), Source::TfConfig);
+        let flags = Request {
+            legacy_flags: vec!["--job_name=ps".into()],
+            ..Request::default()
+        };
+        assert_eq!(flags.pick_source(&under_mpirun), Source::Flags);
         let preview = Request {
             hostfile: Some("h".into()),
             ..Request::default()

@@ -89,26 +89,24 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts this process's server: initialises MPI and resolves the cluster from the
-    /// seeds' flags if `args` has them (other arguments are ignored), else `TF_CONFIG`,
-    /// else the MPI mapping of ranks onto `mapping`'s jobs.
+    /// Starts this process's server: initialises MPI and resolves the cluster as the
+    /// command line does ([`Request::pick_source`]): from the seeds' flags if `args` has
+    /// them (other arguments are ignored), else `TF_CONFIG`, else the ranks of the MPI job
+    /// (or Slurm's step) mapped onto `mapping`'s jobs.
     pub fn start(args: &[String], mapping: MappingOptions) -> Result<Server, ServerError> {
         let env: BTreeMap<String, String> = std::env::vars().collect();
         let seeds_flag = |a: &String| {
             let name = a.split('=').next().unwrap_or_default();
             crate::cluster::flags::FLAG_NAMES.contains(&name)
         };
-        let source = if args.iter().any(seeds_flag) {
-            Source::Flags
-        } else if env.contains_key("TF_CONFIG") {
-            Source::TfConfig
-        } else {
-            Source::Mpi
+        let flags = match args.iter().any(seeds_flag) {
+            true => args.to_vec(),
+            false => Vec::new(),
         };
         let req = Request {
-            source,
+            source: Source::Auto,
             mapping,
-            legacy_flags: args.to_vec(),
+            legacy_flags: flags,
             // The first port the MPI mapping probes on each host: TensorFlow's 2222, or
             // the Slurm job's own (`cluster::ports::default_base`).
             port_base: None,
