@@ -325,6 +325,17 @@ pub trait Comm {
         Ok(None)
     }
 
+    /// One-sided windows of `T` ([`super::window`]).
+    type Window<T: super::rma::RmaType>: super::window::RmaWindow<T>;
+
+    /// A window of `len` zeroed elements of `T` on this rank (lengths may differ by rank,
+    /// 0 included), exposed to every rank's one-sided operations. Collective: every rank
+    /// calls it, windows in the same order.
+    fn window<T: super::rma::RmaType>(
+        &self,
+        len: usize,
+    ) -> Result<Self::Window<T>, super::rma::AllocateError>;
+
     /// How long a collective waits for a peer before failing; `None`: the caller's default.
     fn wait_limit(&self) -> Option<std::time::Duration> {
         None

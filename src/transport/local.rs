@@ -45,6 +45,8 @@ struct Hub {
     splits: Mutex<BTreeMap<(u64, u32), Arc<Hub>>>,
     /// Shared segments by allocation number: the buffers and their addresses.
     segments: Mutex<BTreeMap<u64, SharedAlloc>>,
+    /// One-sided windows by allocation number ([`super::local_window`]).
+    windows: Mutex<BTreeMap<u64, Arc<dyn std::any::Any + Send + Sync>>>,
     /// The node of each rank (all 0 unless made by [`LocalComm::run_on_nodes`]): ranks of
     /// different nodes share no segments, as MPI's nodes do not.
     nodes: Vec<usize>,
@@ -59,6 +61,7 @@ impl Hub {
             timeout,
             splits: Mutex::new(BTreeMap::new()),
             segments: Mutex::new(BTreeMap::new()),
+            windows: Mutex::new(BTreeMap::new()),
             nodes,
         })
     }
@@ -70,6 +73,7 @@ pub struct LocalComm {
     hub: Arc<Hub>,
     splits_done: std::cell::Cell<u64>,
     segments_done: std::cell::Cell<u64>,
+    windows_done: std::cell::Cell<u64>,
     links: super::links::Links,
 }
 
@@ -101,6 +105,7 @@ impl LocalComm {
                 hub: hub.clone(),
                 splits_done: 0.into(),
                 segments_done: 0.into(),
+                windows_done: 0.into(),
                 links: Default::default(),
             })
             .collect()
@@ -332,6 +337,18 @@ impl Comm for LocalComm {
         }))
     }
 
+    type Window<T: super::rma::RmaType> = super::local_window::LocalWindow<T>;
+
+    fn window<T: super::rma::RmaType>(
+        &self,
+        len: usize,
+    ) -> Result<Self::Window<T>, super::rma::AllocateError> {
+        let seq = self.windows_done.get();
+        self.windows_done.set(seq + 1);
+        let (hub, me) = (&self.hub, (self.rank, self.size()));
+        super::local_window::allocate(&hub.windows, seq, me, len, hub.timeout)
+    }
+
     fn wait_limit(&self) -> Option<Duration> {
         Some(self.hub.timeout)
     }
@@ -393,6 +410,7 @@ impl Comm for LocalComm {
             hub,
             splits_done: 0.into(),
             segments_done: 0.into(),
+            windows_done: 0.into(),
             links: Default::default(),
         })
     }

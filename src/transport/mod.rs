@@ -34,6 +34,7 @@ pub mod fusion;
 pub mod inbox;
 pub mod links;
 pub mod local;
+pub mod local_window;
 pub mod mpi;
 pub mod p2p;
 pub mod progress;
@@ -44,6 +45,7 @@ pub mod segments;
 pub mod stack;
 pub mod tags;
 pub mod threads;
+pub mod window;
 
 pub use collectives::{Algorithm, Collectives};
 pub use comm::{Comm, ReduceOp, TransportError};

@@ -70,28 +70,37 @@ mod sealed {
 }
 
 /// Element types a window can hold, with their MPI datatype.
-pub trait RmaType: sealed::Sealed + Copy + Default + PartialEq + std::fmt::Debug + 'static {
+pub trait RmaType:
+    sealed::Sealed + Copy + Default + PartialEq + std::fmt::Debug + Send + Sync + 'static
+{
     /// The MPI datatype handle (`MPI_FLOAT`, `MPI_INT64_T`, ...).
     fn datatype() -> ffi::MPI_Datatype;
+
+    /// `a + b` as `MPI_SUM` adds (integers wrap).
+    fn sum(a: Self, b: Self) -> Self;
 }
 
 macro_rules! rma_type {
-    ($t:ty, $handle:ident) => {
+    ($t:ty, $handle:ident, $sum:expr) => {
         impl sealed::Sealed for $t {}
         impl RmaType for $t {
             fn datatype() -> ffi::MPI_Datatype {
                 // SAFETY: the RSMPI_* handles are constants set up by the MPI library.
                 unsafe { ffi::$handle }
             }
+
+            fn sum(a: Self, b: Self) -> Self {
+                $sum(a, b)
+            }
         }
     };
 }
-rma_type!(u8, RSMPI_UINT8_T);
-rma_type!(f32, RSMPI_FLOAT);
-rma_type!(f64, RSMPI_DOUBLE);
-rma_type!(i32, RSMPI_INT32_T);
-rma_type!(i64, RSMPI_INT64_T);
-rma_type!(u64, RSMPI_UINT64_T);
+rma_type!(u8, RSMPI_UINT8_T, u8::wrapping_add);
+rma_type!(f32, RSMPI_FLOAT, |a: f32, b: f32| a + b);
+rma_type!(f64, RSMPI_DOUBLE, |a: f64, b: f64| a + b);
+rma_type!(i32, RSMPI_INT32_T, i32::wrapping_add);
+rma_type!(i64, RSMPI_INT64_T, i64::wrapping_add);
+rma_type!(u64, RSMPI_UINT64_T, u64::wrapping_add);
 
 /// Errors from [`Window::allocate`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -104,6 +113,8 @@ pub enum AllocateError {
     },
     #[error("rank {rank}: a window of {len} elements is too large for this MPI")]
     TooLarge { rank: usize, len: usize },
+    #[error("rank {rank}: {message}")]
+    Other { rank: usize, message: String },
 }
 
 /// Errors from operations on a window.

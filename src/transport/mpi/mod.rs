@@ -497,6 +497,15 @@ impl Comm for MpiComm {
         self.node_segments(len)
     }
 
+    type Window<T: crate::transport::rma::RmaType> = crate::transport::rma::Window<T>;
+
+    fn window<T: crate::transport::rma::RmaType>(
+        &self,
+        len: usize,
+    ) -> Result<Self::Window<T>, crate::transport::rma::AllocateError> {
+        crate::transport::rma::Window::allocate(self, len)
+    }
+
     fn native_allreduce(
         &self,
         buf: &mut [u8],

@@ -1,6 +1,8 @@
 //! `mpiflow bench pushpull --transport rma`: the one-sided ps's message pattern alone.
 
 use super::*;
+use crate::transport::mpi::MpiComm;
+use crate::transport::rma::Window;
 
 /// Benchmark support (`mpiflow bench pushpull --transport rma`): a model of `floats`
 /// floats sliced evenly over the ps tasks' windows; each worker runs `warmup + rounds`

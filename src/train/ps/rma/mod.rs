@@ -77,9 +77,9 @@ use crate::train::events::Event;
 use crate::train::guard::NonFinite;
 use crate::train::optim::{OptimizerKind, Slots};
 use crate::transport::comm::{Backoff, Comm};
-use crate::transport::mpi::MpiComm;
-use crate::transport::progress::{Progress, ProgressError};
-use crate::transport::rma::{Epoch, RmaError, Window};
+use crate::transport::rma::{AllocateError, RmaError};
+use crate::transport::window::{Access, RmaWindow};
+use crate::transport::Collectives;
 use worker::OneSided;
 
 const STEP: usize = 0;
@@ -118,12 +118,6 @@ impl From<RmaError> for PsError {
 impl From<RmaError> for crate::train::engine::TrainError {
     fn from(e: RmaError) -> Self {
         PsError::from(e).into()
-    }
-}
-
-impl From<ProgressError> for PsError {
-    fn from(e: ProgressError) -> PsError {
-        PsError::Setup(e.to_string())
     }
 }
 
@@ -189,10 +183,10 @@ fn slices<'a>(tensors: &'a [Tensor], pieces: &'a [Piece]) -> Vec<(&'a Piece, &'a
 }
 
 /// Polls `read` until `done` holds; `stalled` names the culprit when the value has not
-/// changed for `timeout`. Each poll first runs MPI's progress engine (`progress`): the
-/// operations other ranks aim at this one may need it (see [`Progress`]).
+/// changed for `timeout`. Each poll first lets the operations other ranks aim at this one
+/// progress (`ctl`'s [`Access::poke`]: MPI's progress engine).
 fn wait_until(
-    progress: &Progress,
+    ctl: &impl Access<i64>,
     timeout: Duration,
     mut read: impl FnMut() -> Result<i64, PsError>,
     done: impl Fn(i64) -> bool,
@@ -201,7 +195,7 @@ fn wait_until(
     let mut backoff = Backoff::new(Duration::from_micros(200));
     let (mut last, mut since) = (i64::MIN, Instant::now());
     loop {
-        progress.poke()?;
+        ctl.poke()?;
         let v = read()?;
         if done(v) {
             return Ok(v);
@@ -241,8 +235,8 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
 
 /// Runs this rank's part of one-sided ps training (collective over `comm`: every rank
 /// allocates the windows): the ps tasks serve, the workers train in a session.
-pub fn run(
-    comm: &MpiComm,
+pub fn run<C: Comm>(
+    comm: &C,
     layout: &Layout,
     model: &dyn Model,
     cfg: &PsConfig,
@@ -254,7 +248,7 @@ pub fn run(
     let roles = Roles::new(layout)?;
     // Every rank places the variables from its own model: one of another model would put
     // its gradients where other variables are.
-    let everyone = crate::transport::Collectives::new(MpiComm::new(comm.raw()));
+    let everyone = Collectives::new(comm.split(0, comm.rank())?);
     crate::train::agree_on_model(&everyone, model, |r| roles.task(r))?.map_err(PsError::Setup)?;
     let replica = crate::train::initial_replica(model, train, cfg.train.seed)
         .map_err(|e| PsError::Setup(e.to_string()))?;
@@ -268,26 +262,19 @@ pub fn run(
     // A ps that cannot restore must not leave the others in the barrier below: every
     // rank learns whether all are ready (MPI_Allreduce of a flag) before it.
     let prepared = windows.prepare(&replica, &shards, &pieces, restored.as_ref(), cfg);
-    let mut failed = 0i32;
-    mpi::traits::CommunicatorCollectives::all_reduce_into(
-        comm.raw(),
-        &i32::from(prepared.is_err()),
-        &mut failed,
-        mpi::collective::SystemOperation::max(),
-    );
+    let failed = everyone.allgather_varlen(&[u8::from(prepared.is_err())])?;
     let state = prepared?;
-    if failed != 0 {
+    if failed.iter().any(|f| f[0] != 0) {
         return Err(PsError::Setup(
             "another rank could not set up one-sided training (its error says why)".into(),
         ));
     }
-    mpi::traits::CommunicatorCollectives::barrier(comm.raw());
+    everyone.barrier()?;
     let ctx = Rma {
         roles: &roles,
         cfg,
         pieces: &pieces,
         ranks: comm.size(),
-        progress: Progress::new(comm.rank())?,
         held: windows.held.clone(),
         model_meta: crate::train::checkpoint::state::model_meta(&model.describe(), &vars),
     };
@@ -305,8 +292,8 @@ pub fn run(
     )));
     notes.extend(path_notes(layout));
     let result = {
-        let mut d = windows.data.lock_all()?;
-        let c = windows.ctl.lock_all()?;
+        let mut d = windows.data.open()?;
+        let c = windows.ctl.open()?;
         let dir = cfg.train.checkpoint_dir.as_deref();
         match (state, roles.worker_index(comm.rank())) {
             (Some(state), _) if cfg.sync => ctx.serve_sync(&mut d, &c, state),
@@ -358,9 +345,9 @@ fn path_notes(layout: &Layout) -> Vec<Event> {
 }
 
 /// The windows of one-sided training (see the module's layout), allocated on every rank.
-struct Windows {
-    data: Window<f32>,
-    ctl: Window<i64>,
+struct Windows<C: Comm> {
+    data: C::Window<f32>,
+    ctl: C::Window<i64>,
     /// Elements of each ps's parameters (also where its gradient sum starts).
     held: Vec<usize>,
     /// This rank's index among the ps tasks, if it is one.
@@ -368,9 +355,9 @@ struct Windows {
     workers: usize,
 }
 
-impl Windows {
+impl<C: Comm> Windows<C> {
     /// Allocates the windows (a collective over `comm`).
-    fn open(comm: &MpiComm, roles: &Roles, pieces: &[Piece]) -> Result<Windows, PsError> {
+    fn open(comm: &C, roles: &Roles, pieces: &[Piece]) -> Result<Windows<C>, PsError> {
         let nw = roles.workers.len();
         let mut held = vec![0; roles.ps.len()];
         for p in pieces {
@@ -382,10 +369,10 @@ impl Windows {
             Some(k) => (2 * held[k] + 2, PUSHES + nw),
             None => (0, 0),
         };
-        let setup = |e: crate::transport::rma::AllocateError| PsError::Setup(e.to_string());
+        let setup = |e: AllocateError| PsError::Setup(e.to_string());
         Ok(Windows {
-            data: Window::<f32>::allocate(comm, data_len).map_err(setup)?,
-            ctl: Window::<i64>::allocate(comm, ctl_len).map_err(setup)?,
+            data: comm.window::<f32>(data_len).map_err(setup)?,
+            ctl: comm.window::<i64>(ctl_len).map_err(setup)?,
             held,
             ps,
             workers: nw,
@@ -408,33 +395,43 @@ impl Windows {
         };
         let mine: Vec<Shard> = shards.iter().filter(|s| s.ps == k).cloned().collect();
         let opt = cfg.train.optimizer;
-        // SAFETY: no rank opens an epoch before the barrier that follows preparation.
-        let mem = unsafe { self.data.local_mut() };
         let (slots, start) = match restored {
             Some(found) => {
                 let (params, slots, step) =
                     crate::train::ps::shards::read(&found.path, &mine, shards, &opt, false)?;
                 let at = pieces.iter().filter(|p| p.ps == k).map(|p| p.at);
-                for (a, p) in at.zip(&params) {
-                    mem[a..a + p.len()].copy_from_slice(p);
-                }
+                let into = |mem: &mut [f32]| {
+                    for (a, p) in at.zip(&params) {
+                        mem[a..a + p.len()].copy_from_slice(p);
+                    }
+                };
+                // SAFETY: no rank opens the windows before the barrier that follows
+                // preparation.
+                unsafe { self.data.with_local_mut(into) };
                 (slots, step)
             }
             None => {
-                for (p, src) in slices(&replica.params, pieces) {
-                    if p.ps == k {
-                        mem[p.at..p.at + p.len].copy_from_slice(src);
+                let into = |mem: &mut [f32]| {
+                    for (p, src) in slices(&replica.params, pieces) {
+                        if p.ps == k {
+                            mem[p.at..p.at + p.len].copy_from_slice(src);
+                        }
                     }
-                }
+                };
+                // SAFETY: as above.
+                unsafe { self.data.with_local_mut(into) };
                 (mine.iter().map(|s| opt.state(s.len)).collect(), 0)
             }
         };
+        let workers = self.workers;
+        let counters = |c: &mut [i64]| {
+            c[STEP] = start as i64;
+            c[SAVED] = start as i64;
+            c[SAVE_AT] = start as i64;
+            c[PUSHES..PUSHES + workers].fill(start as i64);
+        };
         // SAFETY: as above.
-        let c = unsafe { self.ctl.local_mut() };
-        c[STEP] = start as i64;
-        c[SAVED] = start as i64;
-        c[SAVE_AT] = start as i64;
-        c[PUSHES..PUSHES + self.workers].fill(start as i64);
+        unsafe { self.ctl.with_local_mut(counters) };
         Ok(Some(ShardState {
             k,
             shards: mine,
@@ -492,8 +489,6 @@ struct Rma<'a> {
     pieces: &'a [Piece],
     /// Ranks in the job.
     ranks: usize,
-    /// MPI's progress engine, run while this rank waits.
-    progress: Progress,
     /// Elements of each ps's parameters (the offset of its gradient sum).
     held: Vec<usize>,
     /// The model's description for checkpoint manifests.
@@ -525,7 +520,7 @@ impl Rma<'_> {
 
     /// Adds `t`, this rank's (`rank`'s) window, to its phase-time counters on ps 0
     /// (one accumulate, element-wise atomic).
-    fn report_times(&self, ctl: &Epoch<'_, i64>, rank: usize, t: &Times) -> Result<(), PsError> {
+    fn report_times(&self, ctl: &impl Access<i64>, rank: usize, t: &Times) -> Result<(), PsError> {
         let us = |s: f64| (s * 1e6).round() as i64;
         let v = [
             us(t.compute),
@@ -535,7 +530,7 @@ impl Rma<'_> {
             t.steps as i64,
         ];
         let at = PUSHES + self.roles.workers.len() + TIME_FIELDS * rank;
-        ctl.accumulate_sum(self.roles.ps[0], at, &v)?;
+        ctl.accumulates(&[(self.roles.ps[0], at, &v)])?;
         Ok(())
     }
 
@@ -543,7 +538,7 @@ impl Rma<'_> {
     /// then), in rank order; ranks that never reported are left out.
     fn read_times(
         &self,
-        ctl: &Epoch<'_, i64>,
+        ctl: &impl Access<i64>,
         seen: &mut [[i64; TIME_FIELDS]],
     ) -> Result<Vec<RankTimes>, PsError> {
         let base = PUSHES + self.roles.workers.len();
@@ -606,45 +601,4 @@ impl Rma<'_> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tensor::DType;
-
-    #[test]
-    fn pieces_number_each_ps_from_zero_and_slices_cover_the_tensors() {
-        let shards = placement::place(
-            &[("a".into(), 10), ("b".into(), 6)],
-            2,
-            placement::Strategy::Partition,
-            16,
-        );
-        let ps = pieces(&shards);
-        for k in 0..2 {
-            let mut at: Vec<(usize, usize)> = ps
-                .iter()
-                .filter(|p| p.ps == k)
-                .map(|p| (p.at, p.len))
-                .collect();
-            at.sort_unstable();
-            let mut next = 0;
-            for (a, l) in at {
-                assert_eq!(a, next);
-                next += l;
-            }
-        }
-        let mut t = vec![
-            Tensor::zeros(DType::F32, &[10]).unwrap(),
-            Tensor::zeros(DType::F32, &[6]).unwrap(),
-        ];
-        for (i, (p, s)) in slices_mut(&mut t, &ps).into_iter().enumerate() {
-            assert_eq!(s.len(), p.len);
-            s.fill(i as f32 + 1.0);
-        }
-        // Every element written exactly by its own piece.
-        for p in &ps {
-            let v = &t[p.var].as_slice::<f32>().unwrap()[p.offset..p.offset + p.len];
-            let i = ps.iter().position(|q| std::ptr::eq(q, p)).unwrap();
-            assert!(v.iter().all(|x| *x == i as f32 + 1.0));
-        }
-    }
-}
+mod tests;

@@ -19,8 +19,8 @@ impl Rma<'_> {
     /// ended.
     pub(super) fn serve_sync(
         &self,
-        data: &mut Epoch<'_, f32>,
-        ctl: &Epoch<'_, i64>,
+        data: &mut impl Access<f32>,
+        ctl: &impl Access<i64>,
         state: ShardState,
     ) -> Result<(), PsError> {
         let mut ps = Serving {
@@ -43,8 +43,8 @@ impl Rma<'_> {
     fn gather(
         &self,
         ps: &mut Serving,
-        data: &Epoch<'_, f32>,
-        ctl: &Epoch<'_, i64>,
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
     ) -> Result<bool, PsError> {
         let t = Instant::now();
         let (step, nw) = (ps.step, self.roles.workers.len());
@@ -59,7 +59,7 @@ impl Rma<'_> {
         });
         let (state, saved) = (&ps.state, &mut ps.saved);
         let arrived = wait_until(
-            &self.progress,
+            ctl,
             self.cfg.peer_timeout,
             || {
                 self.save_on_request(data, ctl, state, step, saved)?;
@@ -88,7 +88,7 @@ impl Rma<'_> {
 
     /// The first worker whose push count is behind `step`, named; told to the workers
     /// waiting for the step (`ABORT`, best effort: this ps stops either way).
-    fn late_worker(&self, ctl: &Epoch<'_, i64>, me: usize, step: u64) -> String {
+    fn late_worker(&self, ctl: &impl Access<i64>, me: usize, step: u64) -> String {
         let late = (0..self.roles.workers.len())
             .find(|w| {
                 ctl.fetch_and_add(me, PUSHES + w, 0)
@@ -104,8 +104,8 @@ impl Rma<'_> {
     fn update(
         &self,
         ps: &mut Serving,
-        data: &mut Epoch<'_, f32>,
-        ctl: &Epoch<'_, i64>,
+        data: &mut impl Access<f32>,
+        ctl: &impl Access<i64>,
     ) -> Result<bool, PsError> {
         let t = Instant::now();
         let (k, step) = (ps.state.k, ps.step);
@@ -162,15 +162,15 @@ impl Rma<'_> {
     fn ending(
         &self,
         ps: &mut Serving,
-        data: &Epoch<'_, f32>,
-        ctl: &Epoch<'_, i64>,
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
     ) -> Result<(), PsError> {
         let me = self.roles.ps[ps.state.k];
         let nw = self.roles.workers.len() as i64;
         stall::Board::global().idle();
         let (state, saved, step) = (&ps.state, &mut ps.saved, ps.step);
         wait_until(
-            &self.progress,
+            ctl,
             self.cfg.peer_timeout * 2,
             || {
                 self.save_on_request(data, ctl, state, step, saved)?;
@@ -189,8 +189,8 @@ impl Rma<'_> {
     /// the chief asked for it (`SAVE_AT`) and it is not written yet (`saved`).
     fn save_on_request(
         &self,
-        data: &Epoch<'_, f32>,
-        ctl: &Epoch<'_, i64>,
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
         state: &ShardState,
         step: u64,
         saved: &mut u64,
@@ -219,7 +219,7 @@ impl Rma<'_> {
     fn save_shard(
         &self,
         k: usize,
-        ctl: &Epoch<'_, i64>,
+        ctl: &impl Access<i64>,
         step: u64,
         arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
@@ -244,14 +244,14 @@ impl Rma<'_> {
     /// The async ps: nothing to do per request; wait until every worker is done. A stop
     /// signal this process gets is announced in ps 0's step counter (every worker's next
     /// claim sees it).
-    pub(super) fn serve_async(&self, k: usize, ctl: &Epoch<'_, i64>) -> Result<(), PsError> {
+    pub(super) fn serve_async(&self, k: usize, ctl: &impl Access<i64>) -> Result<(), PsError> {
         let ps0 = self.roles.ps[0];
         let nw = self.roles.workers.len() as i64;
         let mut announced = false;
         // Progress is any claimed step or finished worker; done is every worker finished.
         stall::Board::global().idle();
         let last = wait_until(
-            &self.progress,
+            ctl,
             self.cfg.peer_timeout,
             || {
                 if let (Some(signal), false) = (crate::signals::stop_requested(), announced) {
@@ -281,7 +281,7 @@ impl Rma<'_> {
 /// Asks async one-sided training to stop (`signal`): the number in ps 0's `STOP`, the
 /// mark on its step counter that every worker's next claim sees.
 pub(super) fn announce_async_stop(
-    ctl: &Epoch<'_, i64>,
+    ctl: &impl Access<i64>,
     ps0: usize,
     signal: i32,
 ) -> Result<(), PsError> {

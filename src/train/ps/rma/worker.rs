@@ -13,10 +13,10 @@ use crate::train::sidecar::EndNotice;
 /// A worker of one-sided ps training: the ps tasks' windows hold the parameters (and,
 /// synchronous, apply the update); this worker gets them, computes its gradient and
 /// accumulates it there.
-pub(super) struct OneSided<'a> {
+pub(super) struct OneSided<'a, C: Comm, D: Access<f32>, K: Access<i64>> {
     rma: &'a Rma<'a>,
-    data: &'a Epoch<'a, f32>,
-    ctl: &'a Epoch<'a, i64>,
+    data: &'a D,
+    ctl: &'a K,
     /// This worker's index among the workers (0: the chief).
     w: usize,
     replica: Replica<'a>,
@@ -38,10 +38,10 @@ pub(super) struct OneSided<'a> {
     /// Bytes a pull or a push moves, and with whom (for the timeline).
     moved: (usize, Arc<str>),
     /// The chief's notice to side-car evaluators, sent when the strategy is dropped.
-    _end: Option<EndNotice<'a, MpiComm>>,
+    _end: Option<EndNotice<'a, C>>,
 }
 
-impl<'a> OneSided<'a> {
+impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
     /// Worker `w` of `rma`'s training over the locked windows `data` and `ctl`, from
     /// `replica`'s parameters (the ps tasks' are pulled at start).
     #[allow(clippy::too_many_arguments)]
@@ -49,11 +49,11 @@ impl<'a> OneSided<'a> {
         rma: &'a Rma<'a>,
         w: usize,
         replica: Replica<'a>,
-        (data, ctl): (&'a Epoch<'a, f32>, &'a Epoch<'a, i64>),
+        (data, ctl): (&'a D, &'a K),
         notes: Vec<Event>,
         restored: Option<u64>,
-        end: Option<EndNotice<'a, MpiComm>>,
-    ) -> OneSided<'a> {
+        end: Option<EndNotice<'a, C>>,
+    ) -> Self {
         let chief = w == 0;
         OneSided {
             grads: replica.zeros_like(),
@@ -101,35 +101,27 @@ impl<'a> OneSided<'a> {
     /// sums, with `tail`, the loss and sample sums; asynchronous: into the parameters).
     fn push(&self, tail: Option<[f32; 2]>) -> Result<(), PsError> {
         let (rma, roles) = (self.rma, self.rma.roles);
-        self.data.batch(|b| -> Result<(), RmaError> {
-            for (p, g) in slices(&self.grads, rma.pieces) {
-                let at = match tail {
-                    Some(_) => rma.held[p.ps] + p.at,
-                    None => p.at,
-                };
-                b.accumulate_sum(roles.ps[p.ps], at, g)?;
+        let mut ops: Vec<(usize, usize, &[f32])> = slices(&self.grads, rma.pieces)
+            .into_iter()
+            .map(|(p, g)| match tail {
+                Some(_) => (roles.ps[p.ps], rma.held[p.ps] + p.at, g),
+                None => (roles.ps[p.ps], p.at, g),
+            })
+            .collect();
+        if let Some(tail) = &tail {
+            for (k, r) in roles.ps.iter().enumerate() {
+                ops.push((*r, 2 * rma.held[k], tail));
             }
-            if let Some(tail) = &tail {
-                for (k, r) in roles.ps.iter().enumerate() {
-                    b.accumulate_sum(*r, 2 * rma.held[k], tail)?;
-                }
-            }
-            Ok(())
-        })??;
-        Ok(())
+        }
+        Ok(self.data.accumulates(&ops)?)
     }
 
     /// Gets every shard straight into the model's tensors (one `MPI_Get` each).
     fn pull(&mut self) -> Result<(), PsError> {
         let targets = slices_mut(&mut self.replica.params, self.rma.pieces);
         let ps = &self.rma.roles.ps;
-        self.data.batch(|b| -> Result<(), RmaError> {
-            for (p, dst) in targets {
-                b.get_into(ps[p.ps], p.at, dst)?;
-            }
-            Ok(())
-        })??;
-        Ok(())
+        let ops = targets.into_iter().map(|(p, dst)| (ps[p.ps], p.at, dst));
+        Ok(self.data.gets(ops.collect())?)
     }
 
     /// Synchronous: waits until every ps published step `step` (the update of the step
@@ -143,7 +135,7 @@ impl<'a> OneSided<'a> {
             // The update of the step before (the one whose pushes ps k gathers).
             let _wait = rma.waiting("pull", step - 1, k);
             let v = wait_until(
-                &rma.progress,
+                ctl,
                 rma.cfg.peer_timeout * 2,
                 || match ctl.fetch_and_add(*r, ABORT, 0)? {
                     0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
@@ -305,7 +297,7 @@ impl<'a> OneSided<'a> {
         for (k, r) in rma.roles.ps.iter().enumerate() {
             let _wait = rma.waiting("checkpoint commit", step, k);
             wait_until(
-                &rma.progress,
+                ctl,
                 rma.cfg.peer_timeout * 2,
                 || Ok(ctl.fetch_and_add(*r, SAVED, 0)?),
                 |v| v >= step as i64,
@@ -319,7 +311,7 @@ impl<'a> OneSided<'a> {
     }
 }
 
-impl<'a> Strategy<'a> for OneSided<'a> {
+impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, C, D, K> {
     fn ranks(&self) -> (usize, usize) {
         (self.rma.roles.workers.len(), self.w)
     }
@@ -403,7 +395,7 @@ impl<'a> Strategy<'a> for OneSided<'a> {
         let me = self.me();
         let _wait = rma.waiting("finish", rma.cfg.train.steps, 0);
         wait_until(
-            &rma.progress,
+            ctl,
             rma.cfg.peer_timeout * 2,
             || Ok(ctl.fetch_and_add(ps0, DONE, 0)?),
             |d| d >= nw,

@@ -1,0 +1,132 @@
+//! The one-sided ps in process, over the in-process transport's windows: the same code
+//! that runs under `mpirun`.
+
+use super::*;
+use crate::cluster::MappingOptions;
+use crate::tensor::DType;
+use crate::train::optim::Optimizer;
+use crate::train::TrainConfig;
+use crate::transport::local::LocalComm;
+
+fn layout(n: usize, ps: usize) -> Layout {
+    let mapping = MappingOptions {
+        ps,
+        ..Default::default()
+    };
+    Layout::single_host(n, &mapping).unwrap()
+}
+
+fn cfg(steps: u64, sync: bool) -> PsConfig {
+    PsConfig {
+        train: TrainConfig {
+            steps,
+            log_every: 0,
+            ..TrainConfig::default()
+        },
+        sync,
+        peer_timeout: Duration::from_secs(20),
+        ..PsConfig::default()
+    }
+}
+
+/// Every rank's run of `c` over `l` on `ranks` in-process ranks; the chief's events.
+fn run_all(ranks: usize, l: &Layout, model: &dyn Model, c: &PsConfig) -> Vec<Event> {
+    let data = Dataset::load("digits", 0).unwrap();
+    let (train, test) = data.split_holdout(1);
+    let events = LocalComm::run(ranks, |comm| {
+        let mut seen = Vec::new();
+        run(&comm, l, model, c, &train, &test, &mut |e| {
+            seen.push(e.clone())
+        })
+        .unwrap();
+        seen
+    });
+    events.into_iter().flatten().collect()
+}
+
+#[test]
+fn sync_training_in_process_equals_local_training_and_resumes_from_its_checkpoint() {
+    let data = Dataset::load("digits", 0).unwrap();
+    let (train, test) = data.split_holdout(1);
+    let mlp = crate::model::mlp(64, &[32], 10).unwrap();
+    let local = crate::train::train_local(&mlp, &cfg(30, true).train, &train, &test, &mut |_| {});
+    let local = local.unwrap();
+    let dir = std::env::temp_dir().join(format!("mpiflow-rma-local-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // 2 ps tasks, 3 workers; variables cut into slices across both.
+    let l = layout(5, 2);
+    let mut c = cfg(20, true);
+    c.train.checkpoint_dir = Some(dir.join("ckpt"));
+    c.train.checkpoint_every = 10;
+    c.strategy = placement::Strategy::Partition;
+    c.partition_bytes = 4096;
+    run_all(5, &l, &mlp, &c);
+    for step in [10, 20] {
+        let found = crate::train::checkpoint::verify(&dir.join(format!("ckpt/ckpt-{step}")));
+        assert_eq!(found.unwrap().step, step);
+    }
+    // The rest of the run resumes from the newest, and ends where local training does.
+    c.train.steps = 30;
+    c.train.save_params = Some(dir.join("params.bin"));
+    let events = run_all(5, &l, &mlp, &c);
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, Event::Restored { step: 20, .. })),
+        "{events:?}"
+    );
+    let worst = crate::train::max_relative_difference(&local.model, &dir.join("params.bin"));
+    assert!(worst < 1e-4, "largest relative difference {worst}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn async_training_in_process_learns() {
+    let mlp = crate::model::mlp(64, &[32], 10).unwrap();
+    let mut c = cfg(600, false);
+    c.train.optimizer = Optimizer::new(OptimizerKind::Sgd, 0.1);
+    let events = run_all(3, &layout(3, 1), &mlp, &c);
+    let accuracy = events.iter().find_map(|e| match e {
+        Event::Accuracy { accuracy, .. } => Some(*accuracy),
+        _ => None,
+    });
+    assert!(accuracy.unwrap() > 0.85, "{events:?}");
+}
+
+#[test]
+fn pieces_number_each_ps_from_zero_and_slices_cover_the_tensors() {
+    let shards = placement::place(
+        &[("a".into(), 10), ("b".into(), 6)],
+        2,
+        placement::Strategy::Partition,
+        16,
+    );
+    let ps = pieces(&shards);
+    for k in 0..2 {
+        let mut at: Vec<(usize, usize)> = ps
+            .iter()
+            .filter(|p| p.ps == k)
+            .map(|p| (p.at, p.len))
+            .collect();
+        at.sort_unstable();
+        let mut next = 0;
+        for (a, l) in at {
+            assert_eq!(a, next);
+            next += l;
+        }
+    }
+    let mut t = vec![
+        Tensor::zeros(DType::F32, &[10]).unwrap(),
+        Tensor::zeros(DType::F32, &[6]).unwrap(),
+    ];
+    for (i, (p, s)) in slices_mut(&mut t, &ps).into_iter().enumerate() {
+        assert_eq!(s.len(), p.len);
+        s.fill(i as f32 + 1.0);
+    }
+    // Every element written exactly by its own piece.
+    for p in &ps {
+        let v = &t[p.var].as_slice::<f32>().unwrap()[p.offset..p.offset + p.len];
+        let i = ps.iter().position(|q| std::ptr::eq(q, p)).unwrap();
+        assert!(v.iter().all(|x| *x == i as f32 + 1.0));
+    }
+}
