@@ -1,16 +1,18 @@
 //! The ps wire protocol: typed requests (worker to ps) and replies (ps to worker).
 //!
-//! A request or a reply is a header message, a [`Request`] or a [`Reply`] as JSON (serde),
-//! on tag [`Reserved::PsRequest`] or [`Reserved::PsReply`]. The header says what floats it
-//! carries (initial values, gradients, parameters: [`Request::payload`]; a `Params` reply
-//! carries the ps's shards), so both sides know how they travel. Up to [`INLINE_FLOATS`]
-//! they ride in the header's message (small models: one message per request). Above, they
-//! follow as messages of their own on tag [`Reserved::PsPayload`], sent from the memory
-//! they live in and received into the memory they go to: no side gathers them into a
-//! message or scatters them out of one. Each part (a shard, a pushed variable slice) then
-//! travels as [`pieces`] of at most [`PIECE_FLOATS`], so a ps applies each piece of a
-//! gradient while it is still in cache. Messages from one rank on one tag arrive in order,
-//! so a header's pieces are the next payload messages from its sender.
+//! A request or a reply is a header message, a [`Request`] or a [`Reply`] in a binary
+//! encoding (serde, bincode), on tag [`Reserved::PsRequest`] or [`Reserved::PsReply`]. The
+//! header says what floats it carries (initial values, gradients, parameters:
+//! [`Request::payload`]; a `Params` reply carries the ps's shards), so both sides know how
+//! they travel. Up to [`INLINE_FLOATS`] they ride in the header's message (small models:
+//! one message per request). Above, they follow as messages of their own on tag
+//! [`Reserved::PsPayload`], sent from the memory they live in and received into the memory
+//! they go to: no side gathers them into a message or scatters them out of one. Each part
+//! (a shard, a pushed variable slice) then travels as [`pieces`] of at most
+//! [`PIECE_FLOATS`], so a ps applies each piece of a gradient while it is still in cache.
+//! Messages from one rank on one tag arrive in order, so a header's pieces are the next
+//! payload messages from its sender.
+
 use std::ops::Range;
 use std::path::PathBuf;
 
@@ -64,27 +66,23 @@ pub enum Request {
     Push {
         step: u64,
         samples: usize,
-        /// `None` for a loss that is not finite (JSON has no NaN).
+        /// `None` for a loss that is not finite.
         loss: Option<f32>,
         vars: Vec<(String, usize)>,
         /// A signal that asks this worker's job to stop (SIGTERM, SIGINT, SIGUSR1): the
         /// ps announces the stop to every worker at the next step boundary.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         stop: Option<i32>,
         /// This worker's phase times since it last reported (to ps 0, which passes them
         /// on to the chief).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         times: Option<Times>,
         /// Synchronous training: this worker's loss or gradients are not finite. The ps
         /// tasks do not apply the step and answer every worker with
         /// [`Reply::NotApplied`].
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         non_finite: Option<NonFinite>,
         /// The pull that follows this push, in the same request: the ps answers it (a
         /// `Params` reply, parked like a [`Request::Pull`]'s) instead of `Ok` or `Stale`:
         /// one round trip per step. See [`super::worker::Client::push_pull`] for when a
         /// worker asks.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         pull: Option<Then>,
     },
     /// The chief: write this ps's shard into checkpoint staging directory `dir`.
@@ -92,17 +90,10 @@ pub enum Request {
     /// A worker stops training with an error: the ps tells every other worker and stops.
     /// `agreed`: every worker stops with it (they agreed on it, a pipeline's replica
     /// tasks) and prints it: the ps ends with it quietly once each has said so.
-    Abort {
-        message: String,
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        agreed: bool,
-    },
+    Abort { message: String, agreed: bool },
     /// This worker is done; `stop`: because of this stop signal (its job ends with
     /// [`crate::train::Stopped`]).
-    Done {
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        stop: Option<i32>,
-    },
+    Done { stop: Option<i32> },
 }
 
 /// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the
@@ -111,7 +102,6 @@ pub enum Request {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Then {
     pub step: u64,
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub report: bool,
 }
 
@@ -127,15 +117,13 @@ pub enum Reply {
     Params {
         step: u64,
         loss: Option<f32>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         stop: Option<i32>,
         /// Microseconds the pull waited at the ps for its step (the other workers'
         /// gradients, the update): the worker's waiting, not its communication.
-        #[serde(default, skip_serializing_if = "is_zero")]
         held_us: u64,
         /// Asked by the chief's pull: this ps's own phase times, and those the workers
         /// reported to it, since the chief last asked.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        #[serde(with = "reports")]
         reports: Vec<RankTimes>,
     },
     /// A gradient for a step already applied: dropped.
@@ -153,8 +141,26 @@ pub enum Reply {
     NotApplied { why: NonFinite },
 }
 
-fn is_zero(v: &u64) -> bool {
-    *v == 0
+/// [`RankTimes`] on the wire: `(rank, task, times)` (the metrics file's flattened form
+/// needs a self-describing format).
+mod reports {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::observe::phases::{RankTimes, Times};
+
+    pub fn serialize<S: Serializer>(v: &[RankTimes], s: S) -> Result<S::Ok, S::Error> {
+        let wire: Vec<(usize, &str, &Times)> = v
+            .iter()
+            .map(|r| (r.rank, r.task.as_str(), &r.times))
+            .collect();
+        wire.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RankTimes>, D::Error> {
+        let wire: Vec<(usize, String, Times)> = Vec::deserialize(d)?;
+        let each = |(rank, task, times)| RankTimes { rank, task, times };
+        Ok(wire.into_iter().map(each).collect())
+    }
 }
 
 /// A loss as it travels: `None` if not finite.
@@ -242,12 +248,25 @@ pub fn inline(lens: impl IntoIterator<Item = usize>) -> bool {
     lens.into_iter().sum::<usize>() <= INLINE_FLOATS
 }
 
-/// A header message: `[u32 n | JSON header of n bytes | f32 payload]`, the JSON padded
-/// with spaces (which JSON ignores) to a multiple of 4 bytes; the payload is the parts of
-/// an [`inline`] one, or nothing.
+/// The headers' binary encoding (bincode: little-endian, variable-length integers),
+/// reading at most `limit` bytes (a claimed length beyond the message is refused, never
+/// allocated).
+fn wire(limit: usize) -> impl bincode::Options {
+    use bincode::Options;
+    bincode::DefaultOptions::new()
+        .with_limit(limit as u64)
+        .allow_trailing_bytes()
+}
+
+/// A header message: `[u32 n | header of n bytes | f32 payload]`, the header (serde, in a
+/// binary encoding) padded with zeros to a multiple of 4 bytes; the payload is the parts
+/// of an [`inline`] one, or nothing.
 pub fn encode_with<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
-    let mut h = serde_json::to_vec(header).expect("protocol headers serialise");
-    h.resize(h.len().next_multiple_of(4), b' ');
+    use bincode::Options;
+    let mut h = wire(usize::MAX)
+        .serialize(header)
+        .expect("protocol headers serialise");
+    h.resize(h.len().next_multiple_of(4), 0);
     let floats: usize = parts.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(4 + h.len() + 4 * floats);
     out.extend_from_slice(&(h.len() as u32).to_le_bytes());
@@ -266,8 +285,10 @@ pub fn encode<H: Serialize>(header: &H) -> Vec<u8> {
 /// The header a message holds and the bytes of its inline payload (a multiple of 4), or
 /// `None` if it is not a message of `H`.
 pub fn decode_with<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, &[u8])> {
+    use bincode::Options;
     let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-    let header = serde_json::from_slice(bytes.get(4..4usize.checked_add(n)?)?).ok()?;
+    let h = bytes.get(4..4usize.checked_add(n)?)?;
+    let header = wire(h.len()).deserialize(h).ok()?;
     let rest = &bytes[4 + n..];
     rest.len().is_multiple_of(4).then_some((header, rest))
 }
@@ -368,18 +389,20 @@ mod tests {
             held_us: 0,
             reports: vec![],
         };
-        // Nothing held, nothing reported, no report asked: the headers stay as they were.
-        let text = String::from_utf8_lossy(&encode(&params)).to_string();
-        assert!(
-            text.contains(r#"{"params":{"step":4,"loss":null}}"#),
-            "{text}"
-        );
+        // A step's headers are a few bytes (4 of length, the header padded to 4).
+        let m = encode(&params);
+        assert!(m.len() <= 12, "{} bytes: {m:?}", m.len());
+        assert_eq!(decode::<Reply>(&m), Some(params));
         let pull = Request::Pull(Then {
             step: 1,
             report: false,
         });
-        let text = String::from_utf8_lossy(&encode(&pull)).to_string();
-        assert!(text.contains(r#"{"pull":{"step":1}}"#), "{text}");
+        let m = encode(&pull);
+        assert!(m.len() <= 8, "{} bytes: {m:?}", m.len());
+        assert_eq!(decode::<Request>(&m), Some(pull));
+        // Bytes that are no header are refused, a length beyond the message too.
+        assert_eq!(decode::<Request>(&[4, 0, 0, 0, 255, 255, 255, 255]), None);
+        assert_eq!(decode::<Request>(&[64, 0, 0, 0, 1]), None);
         let done = Request::Done { stop: Some(10) };
         assert_eq!(decode::<Request>(&encode(&done)), Some(done));
         assert_eq!(r.payload(0), [3]);
@@ -401,7 +424,7 @@ mod tests {
             assert_eq!(c, [9.0]);
         }
         assert!(inline([INLINE_FLOATS]) && !inline([INLINE_FLOATS, 1]));
-        // A checksum above 2^53 survives (JSON numbers are u64 here, not f64).
+        // A checksum above 2^53 survives (an integer, not a float).
         let s = Reply::Saved {
             file: "shard-ps0.bin".into(),
             bytes: 9,
