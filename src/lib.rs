@@ -55,7 +55,7 @@ pub mod transport;
 pub use cluster::MappingOptions;
 pub use error::Error;
 pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, ShapeError};
-pub use model::{Model, Replica, Sequential};
+pub use model::{Model, Replica, Sequential, Targets};
 pub use signals::catch_stop_signals;
 pub use train::allreduce::{Allreduce, AllreduceConfig};
 pub use train::data::{shard, Batches, Dataset};
@@ -74,7 +74,7 @@ pub mod prelude {
         shard, Allreduce, AllreduceConfig, Batches, Conv2d, Dataset, Decay, Dense, Error, Event,
         Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind,
         PsConfig, PsError, Relu, Replica, Sequential, Server, ServerError, Session, ShapeError,
-        StepInfo, Stopped, Strategy, TrainConfig, TrainError, Trained,
+        StepInfo, Stopped, Strategy, Targets, TrainConfig, TrainError, Trained,
     };
 }
 

@@ -275,6 +275,21 @@ pub fn softmax_cross_entropy(
     (loss / rows.max(1) as f64) as f32
 }
 
+/// Mean squared error of `outputs` against `targets` (both `rows x width`, flat): returns
+/// the mean over rows of each row's mean squared difference, and writes its gradient
+/// w.r.t. the outputs into `grad`.
+pub fn mean_squared_error(outputs: &[f32], targets: &[f32], width: usize, grad: &mut [f32]) -> f32 {
+    let n = (outputs.len() / width.max(1)).max(1) as f32;
+    let per = 2.0 / (n * width.max(1) as f32);
+    let mut loss = 0.0f64;
+    for ((g, o), t) in grad.iter_mut().zip(outputs).zip(targets) {
+        let d = o - t;
+        loss += f64::from(d * d);
+        *g = per * d;
+    }
+    (loss / f64::from(n) / width.max(1) as f64) as f32
+}
+
 /// Index of the largest value of each row.
 pub fn argmax_rows(x: &[f32], cols: usize) -> Vec<usize> {
     x.chunks_exact(cols)

@@ -3,7 +3,8 @@
 //!
 //! A [`Model`] is an architecture without state: it declares its parameters (names,
 //! shapes, how to initialise them) and computes, for parameter values it is handed, the
-//! loss and gradients of a batch and the logits of samples. Who holds the values differs
+//! loss and gradients of a batch (against class labels, or against values: [`Targets`])
+//! and the logits (outputs) of samples. Who holds the values differs
 //! by mode (one process, every replica, the ps tasks), so the model never does: that is
 //! what lets one model run in every mode. [`Replica`] is one copy of the values with the
 //! model that uses them.
@@ -15,7 +16,7 @@
 //!
 //! A model of your own implements [`Model`]; a linear classifier in full:
 //! ```
-//! use mpiflow::model::{Init, Model, ModelError, ParamSpec, Replica};
+//! use mpiflow::model::{Init, Model, ModelError, ParamSpec, Replica, Targets};
 //! use mpiflow::tensor::Tensor;
 //!
 //! /// logits = x W, softmax cross-entropy.
@@ -34,12 +35,14 @@
 //!             x, p[0].as_slice::<f32>()?, 0.0, &mut out)?;
 //!         Ok(out)
 //!     }
-//!     fn loss_and_gradients(&self, p: &[Tensor], x: &[f32], y: &[u8], grads: &mut [Tensor],
-//!         ready: &mut dyn FnMut(std::ops::Range<usize>, &[Tensor])) -> Result<f32, ModelError> {
-//!         let logits = self.logits(p, x, y.len())?;
+//!     fn loss_and_gradients(&self, p: &[Tensor], x: &[f32], y: Targets<'_>,
+//!         grads: &mut [Tensor], ready: &mut dyn FnMut(std::ops::Range<usize>, &[Tensor]),
+//!     ) -> Result<f32, ModelError> {
+//!         let rows = y.rows(self.classes);
+//!         let logits = self.logits(p, x, rows)?;
 //!         let mut delta = vec![0.0; logits.len()];
-//!         let loss = mpiflow::kernels::softmax_cross_entropy(&logits, y, self.classes, &mut delta);
-//!         mpiflow::kernels::gemm(true, false, self.features, self.classes, y.len(), 1.0,
+//!         let loss = y.loss(&logits, self.classes, &mut delta);
+//!         mpiflow::kernels::gemm(true, false, self.features, self.classes, rows, 1.0,
 //!             x, &delta, 0.0, grads[0].as_mut_slice::<f32>()?)?;
 //!         ready(0..1, grads);
 //!         Ok(loss)
@@ -168,19 +171,111 @@ pub trait Model: Send + Sync {
     /// Logits (`rows x classes`) of `rows` samples `x`.
     fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError>;
 
-    /// The mean loss over the batch (`x`, one label per sample in `y`), and its gradients
-    /// written into `grads` (shaped like the parameters). Calls `ready(range, grads)` as
-    /// soon as the gradients of the parameters in `range` are final, each parameter
-    /// exactly once: a training mode starts reducing them while the rest of the backward
-    /// pass runs. A model that cannot tell early calls `ready(0..n, grads)` at the end.
+    /// The mean loss over the batch (`x`, its [`Targets`] `y`: a label per sample, or
+    /// values), and its gradients written into `grads` (shaped like the parameters). Calls
+    /// `ready(range, grads)` as soon as the gradients of the parameters in `range` are
+    /// final, each parameter exactly once: a training mode starts reducing them while the
+    /// rest of the backward pass runs. A model that cannot tell early calls
+    /// `ready(0..n, grads)` at the end.
     fn loss_and_gradients(
         &self,
         params: &[Tensor],
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError>;
+}
+
+/// What a batch's outputs are trained towards: a class label per sample (softmax
+/// cross-entropy on the logits), or the model's [`Model::classes`] values per sample (its
+/// output width: mean squared error on the outputs, a regression).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Targets<'a> {
+    Classes(&'a [u8]),
+    Values(&'a [f32]),
+}
+
+impl<'a> Targets<'a> {
+    /// Samples in the batch, for outputs `width` wide.
+    pub fn rows(&self, width: usize) -> usize {
+        match self {
+            Targets::Classes(y) => y.len(),
+            Targets::Values(v) => v.len() / width.max(1),
+        }
+    }
+
+    /// The targets of samples `rows`, for outputs `width` wide.
+    pub fn slice(&self, rows: Range<usize>, width: usize) -> Targets<'a> {
+        match *self {
+            Targets::Classes(y) => Targets::Classes(&y[rows]),
+            Targets::Values(v) => Targets::Values(&v[rows.start * width..rows.end * width]),
+        }
+    }
+
+    /// Checks that they fit `model`: labels below its classes, values a whole number of
+    /// rows of its outputs; an error naming both sides.
+    pub fn check(&self, model: &dyn Model) -> Result<(), ModelError> {
+        let width = model.classes();
+        let why = match self {
+            Targets::Classes(y) => y
+                .iter()
+                .find(|l| usize::from(**l) >= width)
+                .map(|bad| format!("label {bad} is not below the model's {width} classes")),
+            Targets::Values(v) => (!v.len().is_multiple_of(width.max(1))).then(|| {
+                format!(
+                    "{} target values are not a whole number of rows of its {width} outputs",
+                    v.len()
+                )
+            }),
+        };
+        match why {
+            Some(why) => Err(ModelError::Shape {
+                model: model.describe(),
+                why,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The mean loss of `outputs` (`rows x width`) against these targets; its gradient
+    /// w.r.t. the outputs into `grad`.
+    pub fn loss(&self, outputs: &[f32], width: usize, grad: &mut [f32]) -> f32 {
+        match self {
+            Targets::Classes(y) => kernels::softmax_cross_entropy(outputs, y, width, grad),
+            Targets::Values(v) => kernels::mean_squared_error(outputs, v, width, grad),
+        }
+    }
+}
+
+impl<'a> From<&'a [u8]> for Targets<'a> {
+    fn from(y: &'a [u8]) -> Self {
+        Targets::Classes(y)
+    }
+}
+
+impl<'a> From<&'a Vec<u8>> for Targets<'a> {
+    fn from(y: &'a Vec<u8>) -> Self {
+        Targets::Classes(y)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [u8; N]> for Targets<'a> {
+    fn from(y: &'a [u8; N]) -> Self {
+        Targets::Classes(y)
+    }
+}
+
+impl<'a> From<&'a [f32]> for Targets<'a> {
+    fn from(v: &'a [f32]) -> Self {
+        Targets::Values(v)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for Targets<'a> {
+    fn from(v: &'a Vec<f32>) -> Self {
+        Targets::Values(v)
+    }
 }
 
 /// Number of values in one sample of `model`.
@@ -276,34 +371,41 @@ impl<'m> Replica<'m> {
         zeros_like(&self.params)
     }
 
-    /// Mean loss; gradients written into `grads`.
-    pub fn gradients_into(
+    /// Mean loss of `x` against `y` (labels, or values: [`Targets`]); gradients written
+    /// into `grads`.
+    pub fn gradients_into<'y>(
         &self,
         x: &[f32],
-        y: &[u8],
+        y: impl Into<Targets<'y>>,
         grads: &mut [Tensor],
     ) -> Result<f32, ModelError> {
-        self.gradients_with(x, y, grads, &mut |_, _| {})
+        self.gradients_with(x, y.into(), grads, &mut |_, _| {})
     }
 
     /// As [`Self::gradients_into`], with the model's `ready` calls passed on; afterwards
     /// the gradients are checked to still match the parameters (a model that replaced
     /// one with another shape is an error naming both, not a wrong update).
-    pub fn gradients_with(
+    pub fn gradients_with<'y>(
         &self,
         x: &[f32],
-        y: &[u8],
+        y: impl Into<Targets<'y>>,
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
+        let y = y.into();
         self.check_gradients(grads)?;
-        let want = y.len() * sample_len(self.model);
+        y.check(self.model)?;
+        let rows = y.rows(self.model.classes());
+        let want = rows * sample_len(self.model);
         if x.len() != want {
+            let what = match y {
+                Targets::Classes(_) => "labels",
+                Targets::Values(_) => "rows of target values",
+            };
             return Err(ModelError::Shape {
                 model: self.model.describe(),
                 why: format!(
-                    "a batch of {} labels needs {want} input values, got {}",
-                    y.len(),
+                    "a batch of {rows} {what} needs {want} input values, got {}",
                     x.len()
                 ),
             });

@@ -9,8 +9,7 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use super::layers::{sized, Backward, Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, Saved};
-use super::{Model, ModelError, ParamSpec};
-use crate::kernels;
+use super::{Model, ModelError, ParamSpec, Targets};
 use crate::tensor::Tensor;
 
 /// Layers applied in order; the last one's output is the logits.
@@ -223,16 +222,16 @@ impl Sequential {
         layers: Range<usize>,
         params: &[Tensor],
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
         s: &mut Scratch,
     ) -> Result<f32, ModelError> {
-        let (n, classes) = (y.len(), self.classes());
+        let classes = self.classes();
+        let n = y.rows(classes);
         self.forward_layers(layers.clone(), params, x, n, s)?;
         let delta = sized(&mut s.delta, n * classes);
-        let loss =
-            kernels::softmax_cross_entropy(s.outs.last().expect("logits"), y, classes, delta);
+        let loss = y.loss(s.outs.last().expect("logits"), classes, delta);
         self.backward_layers(layers, params, x, n, grads, ready, false, s)?;
         Ok(loss)
     }
@@ -382,27 +381,15 @@ impl Model for Sequential {
         &self,
         params: &[Tensor],
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
-        check_labels(self, &self.name, y)?;
+        y.check(self)?;
         let mut s = self.take_scratch();
         let loss = self.backward(0..self.layers.len(), params, x, y, grads, ready, &mut s);
         self.give_back(s);
         loss
-    }
-}
-
-/// Refuses a label `model` (named `name`) has no class for.
-fn check_labels(model: &dyn Model, name: &str, y: &[u8]) -> Result<(), ModelError> {
-    let classes = model.classes();
-    match y.iter().find(|l| usize::from(**l) >= classes) {
-        Some(bad) => Err(ModelError::Shape {
-            model: name.to_string(),
-            why: format!("label {bad} is not below the model's {classes} classes"),
-        }),
-        None => Ok(()),
     }
 }
 
@@ -478,7 +465,7 @@ impl Model for Part<'_> {
         &self,
         params: &[Tensor],
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
@@ -488,7 +475,7 @@ impl Model for Part<'_> {
                 why: "its output is activations for the next layers, not logits: it has no loss of its own".into(),
             });
         }
-        check_labels(self, &self.model.name, y)?;
+        y.check(self)?;
         let mut s = self.model.take_scratch();
         let layers = self.layers.clone();
         let loss = self
@@ -609,6 +596,61 @@ mod tests {
         assert_eq!(
             names,
             ["layer0/w", "layer0/b", "layer1/w", "layer1/b", "layer2/w", "layer2/b"]
+        );
+    }
+
+    #[test]
+    fn regression_gradients_match_finite_differences_and_wrong_targets_are_refused() {
+        let m = mlp(5, &[7], 3).unwrap();
+        let r = Replica::new(&m, 2);
+        let mut rng = Rng::new(5);
+        let n = 4;
+        let x: Vec<f32> = (0..n * 5).map(|_| rng.normal() as f32).collect();
+        let t: Vec<f32> = (0..n * 3).map(|_| rng.normal() as f32).collect();
+        // The mean over rows of each row's mean squared error, in f64.
+        let mse = |r: &Replica<'_>| -> f64 {
+            let out = r.logits(&x, n).unwrap();
+            let sq: f64 = (out.iter().zip(&t))
+                .map(|(o, t)| f64::from(o - t).powi(2))
+                .sum();
+            sq / (n * 3) as f64
+        };
+        let mut grads = r.zeros_like();
+        let got = r.gradients_into(&x, &t, &mut grads).unwrap();
+        assert!(
+            (f64::from(got) - mse(&r)).abs() < 1e-5,
+            "{got} vs {}",
+            mse(&r)
+        );
+        let eps = 1e-2f32;
+        for (pi, p) in r.params.iter().enumerate() {
+            for i in (0..p.numel()).step_by(3) {
+                let mut plus = r.clone();
+                plus.params[pi].as_mut_slice::<f32>().unwrap()[i] += eps;
+                let mut minus = r.clone();
+                minus.params[pi].as_mut_slice::<f32>().unwrap()[i] -= eps;
+                let fd = (mse(&plus) - mse(&minus)) / (2.0 * f64::from(eps));
+                let an = f64::from(grads[pi].as_slice::<f32>().unwrap()[i]);
+                assert!(
+                    (fd - an).abs() < 1e-3 + 1e-2 * an.abs(),
+                    "{} [{i}]: {fd} vs {an}",
+                    p.name()
+                );
+            }
+        }
+        // Targets that are not whole rows of the outputs, or rows that do not match the
+        // inputs, are one error naming the model.
+        let e = r.gradients_into(&x, &t[..7], &mut grads).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("7 target values are not a whole number of rows of its 3 outputs"),
+            "{e}"
+        );
+        let e = r.gradients_into(&x, &t[..9], &mut grads).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("a batch of 3 rows of target values needs 15 input values, got 20"),
+            "{e}"
         );
     }
 

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use super::{ModelError, Replica};
+use super::{ModelError, Replica, Targets};
 use crate::tensor::Tensor;
 
 /// Rows `t` of `n` split `k` ways: contiguous, sizes differing by at most one.
@@ -37,15 +37,17 @@ impl Towers {
     /// The mean loss of the batch `x`, `y` and its gradients into `grads`, computed by the
     /// towers on their shares (a tower whose share is empty sits out). With more than one
     /// tower, `ready` hears of every parameter at once, at the end.
-    pub fn gradients_with(
+    pub fn gradients_with<'y>(
         &mut self,
         replica: &Replica<'_>,
         x: &[f32],
-        y: &[u8],
+        y: impl Into<Targets<'y>>,
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
-        let n = y.len();
+        let y = y.into();
+        let width = replica.model.classes();
+        let n = y.rows(width);
         let k = self.k.min(n.max(1));
         if k <= 1 {
             return replica.gradients_with(x, y, grads, ready);
@@ -59,12 +61,12 @@ impl Towers {
                 .enumerate()
                 .map(|(i, g)| {
                     let rows = share(n, i + 1, k);
-                    let (xs, ys) = (&x[rows.start * per..rows.end * per], &y[rows]);
+                    let (xs, ys) = (&x[rows.start * per..rows.end * per], y.slice(rows, width));
                     s.spawn(move || replica.gradients_into(xs, ys, g))
                 })
                 .collect();
             let rows = share(n, 0, k);
-            let first = replica.gradients_into(&x[..rows.end * per], &y[rows], grads);
+            let first = replica.gradients_into(&x[..rows.end * per], y.slice(rows, width), grads);
             let rest = others
                 .into_iter()
                 .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
@@ -91,11 +93,11 @@ impl Towers {
     }
 
     /// [`Towers::gradients_with`] with no early word.
-    pub fn gradients_into(
+    pub fn gradients_into<'y>(
         &mut self,
         replica: &Replica<'_>,
         x: &[f32],
-        y: &[u8],
+        y: impl Into<Targets<'y>>,
         grads: &mut [Tensor],
     ) -> Result<f32, ModelError> {
         self.gradients_with(replica, x, y, grads, &mut |_, _| {})

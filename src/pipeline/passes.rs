@@ -7,15 +7,16 @@ use super::link::{Direction, Link};
 use super::schedule::Op;
 use super::stage::Stage;
 use super::train::PipelineError;
+use crate::model::Targets;
 use crate::observe::timeline::{self, Detail};
 use crate::transport::Comm;
 
-/// A replica's share of a step (its samples' features `x`, `features` each, and labels
-/// `y`), cut into `count` micro-batches.
+/// A replica's share of a step (`rows` samples: their features `x` and targets `y`), cut
+/// into `count` micro-batches.
 pub(crate) struct MicroBatches<'d> {
     pub x: &'d [f32],
-    pub y: &'d [u8],
-    pub features: usize,
+    pub y: Targets<'d>,
+    pub rows: usize,
     pub count: usize,
 }
 
@@ -23,7 +24,7 @@ impl MicroBatches<'_> {
     /// The rows of micro-batch `mb`: a contiguous run, as [`crate::train::data::shard`]
     /// cuts.
     fn rows(&self, mb: usize) -> std::ops::Range<usize> {
-        let n = self.y.len();
+        let n = self.rows;
         mb * n / self.count..(mb + 1) * n / self.count
     }
 }
@@ -68,7 +69,7 @@ pub(crate) fn run_passes<C: Comm>(
                 let rows = micro.rows(mb);
                 let n = rows.len();
                 let input = if first {
-                    let f = micro.features;
+                    let f = micro.x.len() / micro.rows.max(1);
                     micro.x[rows.start * f..rows.end * f].to_vec()
                 } else {
                     let mut buf = st.input_buffer(n * st.input_width());
@@ -84,7 +85,8 @@ pub(crate) fn run_passes<C: Comm>(
                 if !last {
                     link.send(out, k + 1, Direction::Activations)?;
                 } else {
-                    loss_sum += st.loss(mb, &micro.y[rows])? * n as f32;
+                    let width = st.output_width();
+                    loss_sum += st.loss(mb, micro.y.slice(rows, width))? * n as f32;
                 }
             }
             Op::Backward(mb) => {

@@ -16,7 +16,7 @@ use std::ops::Range;
 use crate::kernels;
 use crate::model::sequential::Scratch;
 use crate::model::towers::share;
-use crate::model::{zeros_like, Model, ModelError, Part, Replica, Sequential};
+use crate::model::{zeros_like, Model, ModelError, Part, Replica, Sequential, Targets};
 use crate::named::Named;
 use crate::rng::Rng;
 use crate::tensor::Tensor;
@@ -340,26 +340,22 @@ impl<'m> Stage<'m> {
 
     /// On the last stage: the mean loss of micro-batch `mb` against `labels`, and the
     /// gradient of its output (the logits) for the backward pass, summed over samples.
-    pub fn loss(&mut self, mb: usize, labels: &[u8]) -> Result<f32, ModelError> {
+    pub fn loss<'y>(&mut self, mb: usize, y: impl Into<Targets<'y>>) -> Result<f32, ModelError> {
+        let y = y.into();
         let classes = self.output_width();
+        y.check(self.model)?;
         let model = self.model.describe();
         let pass = self.pass(mb)?;
-        if labels.len() != pass.n {
+        if y.rows(classes) != pass.n {
             return Err(ModelError::Shape {
                 model,
-                why: format!("{} labels for {} samples", labels.len(), pass.n),
-            });
-        }
-        if let Some(bad) = labels.iter().find(|l| usize::from(**l) >= classes) {
-            return Err(ModelError::Shape {
-                model,
-                why: format!("label {bad} is not below the model's {classes} classes"),
+                why: format!("targets of {} samples for {}", y.rows(classes), pass.n),
             });
         }
         let n = pass.n;
         let logits = pass.output().to_vec();
         let delta = pass.output_gradient_mut(n * classes);
-        let loss = kernels::softmax_cross_entropy(&logits, labels, classes, delta);
+        let loss = y.loss(&logits, classes, delta);
         delta.iter_mut().for_each(|v| *v *= n as f32);
         Ok(loss)
     }

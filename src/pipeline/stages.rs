@@ -16,7 +16,7 @@ use super::stage::Stage;
 use super::train::{PipelineConfig, PipelineError};
 use super::update::Updater;
 use crate::cluster::Layout;
-use crate::model::{Replica, Sequential};
+use crate::model::{Model, Replica, Sequential, Targets};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::{self, Detail};
@@ -107,7 +107,7 @@ impl<'a, C: Comm> Stages<'a, C> {
     fn passes(
         &mut self,
         step: u64,
-        (x, y): (&[f32], &[u8]),
+        (x, y): (&[f32], Targets<'_>),
         word: StepWord,
         clock: &mut Clock,
     ) -> Result<StepWord, PipelineError> {
@@ -118,10 +118,11 @@ impl<'a, C: Comm> Stages<'a, C> {
             .stop_signal()
             .or(self.updater.begin(step, &mut self.st)?);
         self.stale = false;
+        let n = y.rows(self.model.classes());
         let micro = MicroBatches {
             x,
             y,
-            features: x.len() / y.len().max(1),
+            rows: n,
             count: self.cfg.micro_batches,
         };
         let (loss_sum, times) = run_passes(&mut self.st, &mut self.link, &self.ops, &micro)?;
@@ -139,7 +140,6 @@ impl<'a, C: Comm> Stages<'a, C> {
             peer: None,
             bytes: self.st.param_bytes() as u64,
         });
-        let n = y.len();
         self.updater.reduce(&mut self.st, n, self.cfg.train.batch)?;
         let mut mine = StepWord::asking(signal, word.stop_asked());
         if self.st.is_last() {
@@ -207,7 +207,7 @@ impl<'a, C: Comm> Strategy<'a> for Stages<'a, C> {
         &mut self,
         step: u64,
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         word: StepWord,
         clock: &mut Clock,
         _: &mut dyn FnMut(&Event),

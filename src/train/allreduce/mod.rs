@@ -37,7 +37,7 @@ use super::optim::{Optimizer, Slots};
 use super::TrainConfig;
 use crate::cluster::Layout;
 use crate::model::towers::Towers;
-use crate::model::{Model, Replica};
+use crate::model::{Model, Replica, Targets};
 use crate::observe::phases::{self, Clock, Phase, RankTimes, Times};
 use crate::observe::stall::{self, Wait};
 use crate::tensor::Tensor;
@@ -214,7 +214,7 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
         &mut self,
         step: u64,
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         mut word: StepWord,
         clock: &mut Clock,
         events: &mut dyn FnMut(&Event),

@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use crate::model::towers::Towers;
-use crate::model::Replica;
+use crate::model::{Replica, Targets};
 use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
@@ -95,12 +95,13 @@ impl Reducer {
         coll: &Collectives<C>,
         (model, towers): (&Replica<'_>, &mut Towers),
         what: &std::sync::Arc<str>,
-        (x, y): (&[f32], &[u8]),
+        (x, y): (&[f32], Targets<'_>),
         grads: &mut [Tensor],
         step: u64,
         word: &mut StepWord,
     ) -> Result<(f64, FusionStats), TrainError> {
-        let n = y.len() as f32;
+        let rows = y.rows(model.model.classes());
+        let n = rows as f32;
         let start = Instant::now();
         // The timeline's peer of each allreduce (made only when it records).
         let replicas = || -> std::sync::Arc<str> { format!("{} replicas", coll.size()).into() };
@@ -123,7 +124,7 @@ impl Reducer {
                         .iter_mut()
                         .for_each(|v| *v *= n);
                 }
-                let mut said = word.with_loss(loss, y.len()).to_tensor();
+                let mut said = word.with_loss(loss, rows).to_tensor();
                 let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
                 refs.push(&mut said);
                 let t = Instant::now();
@@ -169,7 +170,7 @@ impl Reducer {
                         .named(&format!("grads{}..{}", range.start, range.end));
                     sent += usize::from(to_comm.send((Some(range), bucket)).is_ok());
                 })?;
-                let said = word.with_loss(loss, y.len()).to_tensor();
+                let said = word.with_loss(loss, rows).to_tensor();
                 sent += usize::from(to_comm.send((None, said)).is_ok());
                 let t = Instant::now();
                 // The layers' allreduces ran on the communication thread during the

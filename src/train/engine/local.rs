@@ -7,7 +7,7 @@ use std::path::Path;
 
 use super::{Started, StepWord, Strategy, TrainError};
 use crate::model::towers::Towers;
-use crate::model::{Model, Replica};
+use crate::model::{Model, Replica, Targets};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::timeline::Detail;
 use crate::tensor::Tensor;
@@ -79,7 +79,7 @@ impl<'m> Strategy<'m> for Local<'m> {
         &mut self,
         step: u64,
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         word: StepWord,
         clock: &mut Clock,
         _: &mut dyn FnMut(&Event),
@@ -89,7 +89,7 @@ impl<'m> Strategy<'m> for Local<'m> {
             .towers
             .gradients_into(&self.replica, x, y, &mut self.grads)?;
         clock.since_as(Phase::Compute, t, "gradients", Detail::at(step));
-        Ok(word.with_loss(loss, y.len()))
+        Ok(word.with_loss(loss, y.rows(self.replica.model.classes())))
     }
 
     fn pending(&self) -> &[Tensor] {

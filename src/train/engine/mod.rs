@@ -42,7 +42,7 @@ pub use word::StepWord;
 
 use std::path::{Path, PathBuf};
 
-use crate::model::Replica;
+use crate::model::{Replica, Targets};
 use crate::observe::phases::{Clock, RankTimes, Times};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
@@ -126,7 +126,7 @@ pub trait Strategy<'m> {
         &mut self,
         step: u64,
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         word: StepWord,
         clock: &mut Clock,
         events: &mut dyn FnMut(&Event),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::{End, Hook, StepInfo, StepWord, Strategy, TrainError};
-use crate::model::Replica;
+use crate::model::{Replica, Targets};
 use crate::observe::phases::{Clock, Phase};
 use crate::observe::timeline::{self, Detail};
 use crate::train::checkpoint;
@@ -261,9 +261,15 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         self.stop.is_some()
     }
 
-    /// One step on this rank's samples `x`, `y` (its share of the global batch). An error
-    /// ends training on this rank, and (the mode sees to it) on every rank.
-    pub fn run(&mut self, x: &[f32], y: &[u8]) -> Result<StepInfo, TrainError> {
+    /// One step on this rank's samples `x` and their targets `y` (its share of the global
+    /// batch; class labels, `&[u8]`, or values, `&[f32]`: [`Targets`]). An error ends
+    /// training on this rank, and (the mode sees to it) on every rank.
+    pub fn run<'y>(
+        &mut self,
+        x: &[f32],
+        y: impl Into<Targets<'y>>,
+    ) -> Result<StepInfo, TrainError> {
+        let y = y.into();
         if let Some(why) = self.stop {
             return Err(TrainError::Usage(format!(
                 "run() after the session stopped ({why:?} at step {}): check should_stop()",
@@ -294,7 +300,7 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         self.strategy_mut().end(how)
     }
 
-    fn step_once(&mut self, x: &[f32], y: &[u8]) -> Result<StepInfo, TrainError> {
+    fn step_once(&mut self, x: &[f32], y: Targets<'_>) -> Result<StepInfo, TrainError> {
         let step = self.step;
         let word = StepWord::asking((self.signals)(), self.asked);
         let (events, clock) = (&mut *self.events, &mut self.window.clock);

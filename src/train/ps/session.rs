@@ -39,7 +39,7 @@ use super::protocol::{Setup, Then};
 use super::roles::Roles;
 use super::worker::{Client, Gradients, PushNote};
 use super::{shards, PsConfig, PsError};
-use crate::model::{Model, Replica};
+use crate::model::{Model, Replica, Targets};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::timeline::{self, Detail};
 use crate::tensor::Tensor;
@@ -260,7 +260,7 @@ impl<'s, C: Comm> Strategy<'s> for Ps<'s, C> {
         &mut self,
         step: u64,
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         word: StepWord,
         clock: &mut Clock,
         _: &mut dyn FnMut(&Event),
@@ -279,7 +279,7 @@ impl<'s, C: Comm> Strategy<'s> for Ps<'s, C> {
         let bytes = self.grads.iter().map(|g| g.nbytes()).sum();
         let push = Gradients {
             step,
-            samples: y.len(),
+            samples: y.rows(self.replica.model.classes()),
             loss,
             note: PushNote {
                 // This worker's own signal goes to the ps tasks, which announce the stop.
@@ -321,7 +321,8 @@ impl<'s, C: Comm> Strategy<'s> for Ps<'s, C> {
         // The samples of the global steps this pull advanced (every worker's, in sync).
         let advanced = pulled.step.saturating_sub(step);
         let aggregate = self.cfg.sync_replicas(self.workers.0);
-        let per_step = y.len() * aggregate.map_or(1, |s| s.replicas_to_aggregate);
+        let rows = y.rows(self.replica.model.classes());
+        let per_step = rows * aggregate.map_or(1, |s| s.replicas_to_aggregate);
         self.pulled = (pulled.step, pulled.loss);
         // Applied by the ps tasks, so finite; the signal is the ps tasks' word.
         let said = StepWord::asking(self.signal, false);

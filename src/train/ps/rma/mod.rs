@@ -27,7 +27,7 @@
 //! `MPI_Accumulate`, element-wise atomic); ps processes only wait for `DONE`.
 //!
 //! The workers train in the step loop ([`crate::train::engine::Session`]) over the
-//! [`OneSided`](worker::OneSided) strategy. Synchronous, a stop rides with the steps: a
+//! `OneSided` strategy (`worker.rs`). Synchronous, a stop rides with the steps: a
 //! worker whose session asks to stop (a signal it noted, a hook's request) writes it into
 //! every ps's `STOP` before counting its push; each ps announces it with the next step it
 //! publishes (`STEP` marked), so every worker stops after the same step. A worker that

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::*;
+use crate::model::Targets;
 use crate::train::checkpoint::{self, State};
 use crate::train::engine::{self, End, Started, StepWord, Strategy, TrainError};
 use crate::train::sidecar::EndNotice;
@@ -83,7 +84,7 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
     }
 
     /// This worker's gradients of `x`, `y` and their loss.
-    fn compute(&mut self, x: &[f32], y: &[u8]) -> Result<f32, TrainError> {
+    fn compute(&mut self, x: &[f32], y: Targets<'_>) -> Result<f32, TrainError> {
         self.towers
             .gradients_into(&self.replica, x, y, &mut self.grads)
             .map_err(|e| PsError::Setup(format!("{}: {e}", self.me())).into())
@@ -178,7 +179,7 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
     fn sync_step(
         &mut self,
         step: u64,
-        (x, y): (&[f32], &[u8]),
+        (x, y): (&[f32], Targets<'_>),
         word: StepWord,
         clock: &mut Clock,
     ) -> Result<StepWord, TrainError> {
@@ -188,7 +189,8 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
         // Pushed all the same, and counted on every ps (see the module's rule).
         let found = crate::train::guard::check_step(step, loss, &self.grads);
         let found = super::super::non_finite_rule(found, true, || self.me())?;
-        let n = y.len() as f32;
+        let rows = y.rows(self.replica.model.classes());
+        let n = rows as f32;
         // In place: the ps divides the sum by the samples.
         self.scale(n);
         let t = clock.since_as(Phase::Compute, t, "gradients", Detail::at(step));
@@ -221,7 +223,7 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
             Some(signal) => StepWord::asking(Some(signal as i32), false),
             None => StepWord::default(),
         };
-        Ok(said.with_loss(combined, y.len() * rma.roles.workers.len()))
+        Ok(said.with_loss(combined, rows * rma.roles.workers.len()))
     }
 
     /// Asynchronous: claims the next global step on ps 0 and, unless the last step is
@@ -230,7 +232,7 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
     fn async_step(
         &mut self,
         step: u64,
-        (x, y): (&[f32], &[u8]),
+        (x, y): (&[f32], Targets<'_>),
         word: StepWord,
         clock: &mut Clock,
     ) -> Result<StepWord, TrainError> {
@@ -273,7 +275,8 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
         }
         // The global steps since this worker's last one, each a worker's batch.
         let advanced = (s + 1).saturating_sub(step) as usize;
-        Ok(StepWord::default().with_loss(loss, y.len() * advanced.max(1)))
+        let rows = y.rows(self.replica.model.classes());
+        Ok(StepWord::default().with_loss(loss, rows * advanced.max(1)))
     }
 
     /// Asynchronous: tells ps 0 this worker is done (once).
@@ -355,7 +358,7 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
         &mut self,
         step: u64,
         x: &[f32],
-        y: &[u8],
+        y: Targets<'_>,
         word: StepWord,
         clock: &mut Clock,
         _: &mut dyn FnMut(&Event),
