@@ -127,17 +127,23 @@ impl<T: RmaType> Access<T> for &LocalWindow<T> {
         Ok(())
     }
 
-    fn gets(&self, ops: Vec<(usize, usize, &mut [T])>) -> Result<(), RmaError> {
+    fn gets<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b mut [T])>,
+    ) -> Result<(), RmaError> {
         for (target, offset, into) in ops {
             self.get_into(target, offset, into)?;
         }
         Ok(())
     }
 
-    fn accumulates(&self, ops: &[(usize, usize, &[T])]) -> Result<(), RmaError> {
+    fn accumulates<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b [T])>,
+    ) -> Result<(), RmaError> {
         for (target, offset, values) in ops {
-            let mut mem = self.at("accumulate", *target, *offset, values.len())?;
-            for (m, v) in mem[*offset..].iter_mut().zip(*values) {
+            let mut mem = self.at("accumulate", target, offset, values.len())?;
+            for (m, v) in mem[offset..].iter_mut().zip(values) {
                 *m = T::sum(*m, *v);
             }
         }

@@ -38,10 +38,16 @@ pub trait Access<T: RmaType> {
     fn get_into(&self, target: usize, offset: usize, buf: &mut [T]) -> Result<(), RmaError>;
 
     /// Several gets, `(target, offset, into)`, started together.
-    fn gets(&self, ops: Vec<(usize, usize, &mut [T])>) -> Result<(), RmaError>;
+    fn gets<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b mut [T])>,
+    ) -> Result<(), RmaError>;
 
     /// Several accumulates (`MPI_SUM`), `(target, offset, values)`, started together.
-    fn accumulates(&self, ops: &[(usize, usize, &[T])]) -> Result<(), RmaError>;
+    fn accumulates<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b [T])>,
+    ) -> Result<(), RmaError>;
 
     /// Writes `buf` into rank `target`'s window at `offset`.
     fn put(&self, target: usize, offset: usize, buf: &[T]) -> Result<(), RmaError>;
@@ -113,7 +119,10 @@ impl<T: RmaType> Access<T> for Opened<'_, T> {
         self.epoch.get_into(target, offset, buf)
     }
 
-    fn gets(&self, ops: Vec<(usize, usize, &mut [T])>) -> Result<(), RmaError> {
+    fn gets<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b mut [T])>,
+    ) -> Result<(), RmaError> {
         self.epoch.batch(|b| -> Result<(), RmaError> {
             for (target, offset, into) in ops {
                 b.get_into(target, offset, into)?;
@@ -122,10 +131,13 @@ impl<T: RmaType> Access<T> for Opened<'_, T> {
         })?
     }
 
-    fn accumulates(&self, ops: &[(usize, usize, &[T])]) -> Result<(), RmaError> {
+    fn accumulates<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b [T])>,
+    ) -> Result<(), RmaError> {
         self.epoch.batch(|b| -> Result<(), RmaError> {
             for (target, offset, values) in ops {
-                b.accumulate_sum(*target, *offset, values)?;
+                b.accumulate_sum(target, offset, values)?;
             }
             Ok(())
         })?

@@ -530,7 +530,7 @@ impl Rma<'_> {
             t.steps as i64,
         ];
         let at = PUSHES + self.roles.workers.len() + TIME_FIELDS * rank;
-        ctl.accumulates(&[(self.roles.ps[0], at, &v)])?;
+        ctl.accumulates([(self.roles.ps[0], at, &v[..])])?;
         Ok(())
     }
 

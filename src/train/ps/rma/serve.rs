@@ -58,12 +58,18 @@ impl Rma<'_> {
             bytes: 0,
         });
         let (state, saved) = (&ps.state, &mut ps.saved);
+        let mut last = -1;
         let arrived = wait_until(
             ctl,
             self.cfg.peer_timeout,
             || {
-                self.save_on_request(data, ctl, state, step, saved)?;
-                Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?)
+                let a = ctl.fetch_and_add(me, ARRIVALS, 0)?;
+                // Asked only while no push comes: the chief asks, then waits, pushing
+                // nothing until the shard is written.
+                if a == std::mem::replace(&mut last, a) {
+                    self.save_on_request(data, ctl, state, step, saved)?;
+                }
+                Ok(a)
             },
             |a| a % MARK >= base + nw as i64 || a >= MARK,
             || {

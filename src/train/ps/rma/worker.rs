@@ -102,19 +102,16 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
     /// sums, with `tail`, the loss and sample sums; asynchronous: into the parameters).
     fn push(&self, tail: Option<[f32; 2]>) -> Result<(), PsError> {
         let (rma, roles) = (self.rma, self.rma.roles);
-        let mut ops: Vec<(usize, usize, &[f32])> = slices(&self.grads, rma.pieces)
-            .into_iter()
-            .map(|(p, g)| match tail {
-                Some(_) => (roles.ps[p.ps], rma.held[p.ps] + p.at, g),
-                None => (roles.ps[p.ps], p.at, g),
-            })
-            .collect();
-        if let Some(tail) = &tail {
-            for (k, r) in roles.ps.iter().enumerate() {
-                ops.push((*r, 2 * rma.held[k], tail));
-            }
-        }
-        Ok(self.data.accumulates(&ops)?)
+        let sync = tail.is_some();
+        let grads = slices(&self.grads, rma.pieces).into_iter().map(|(p, g)| {
+            let at = if sync { rma.held[p.ps] + p.at } else { p.at };
+            (roles.ps[p.ps], at, g)
+        });
+        let tails = tail.iter().flat_map(|t| {
+            let held = &rma.held;
+            (roles.ps.iter().enumerate()).map(move |(k, r)| (*r, 2 * held[k], &t[..]))
+        });
+        Ok(self.data.accumulates(grads.chain(tails))?)
     }
 
     /// Gets every shard straight into the model's tensors (one `MPI_Get` each).
@@ -122,7 +119,7 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
         let targets = slices_mut(&mut self.replica.params, self.rma.pieces);
         let ps = &self.rma.roles.ps;
         let ops = targets.into_iter().map(|(p, dst)| (ps[p.ps], p.at, dst));
-        Ok(self.data.gets(ops.collect())?)
+        Ok(self.data.gets(ops)?)
     }
 
     /// Synchronous: waits until every ps published step `step` (the update of the step
