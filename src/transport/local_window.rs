@@ -163,6 +163,10 @@ impl<T: RmaType> Access<T> for &LocalWindow<T> {
         Ok(old)
     }
 
+    fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError> {
+        self.get_into(target, offset, out)
+    }
+
     fn compare_and_swap(
         &self,
         target: usize,

@@ -428,6 +428,35 @@ impl<'w, T: RmaType> Epoch<'w, T> {
         Ok(old)
     }
 
+    /// `MPI_Get_accumulate` of zeros with `MPI_SUM`: reads `out.len()` (at most 8)
+    /// elements of `target`'s window at `offset`, each atomically (as `fetch_and_add` of 0
+    /// would, in one operation).
+    pub fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError> {
+        let zeros = [T::default(); 8];
+        assert!(out.len() <= zeros.len(), "at most 8 elements read at once");
+        let (t, disp, n) = self.range("MPI_Get_accumulate", target, offset, out.len())?;
+        // SAFETY: `zeros` and `out` hold at least `n` elements and live until the flush
+        // below completes the operation; the range was checked against the target's window.
+        let rc = unsafe {
+            ffi::MPI_Get_accumulate(
+                zeros.as_ptr().cast::<c_void>(),
+                n,
+                T::datatype(),
+                out.as_mut_ptr().cast::<c_void>(),
+                n,
+                T::datatype(),
+                t,
+                disp,
+                n,
+                T::datatype(),
+                ffi::RSMPI_SUM,
+                self.win.win,
+            )
+        };
+        check("MPI_Get_accumulate", self.win.rank, rc)?;
+        self.flush(target)
+    }
+
     /// `MPI_Compare_and_swap`: if the element equals `compare`, it becomes `swap`; returns
     /// the element's previous value either way.
     pub fn compare_and_swap(

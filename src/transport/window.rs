@@ -55,6 +55,9 @@ pub trait Access<T: RmaType> {
     /// Adds `value` to one element; returns the element before.
     fn fetch_and_add(&self, target: usize, offset: usize, value: T) -> Result<T, RmaError>;
 
+    /// Reads `out.len()` (at most 8) elements, each atomically, in one operation.
+    fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError>;
+
     /// Replaces one element by `value` if it equals `compare`; returns the element before.
     fn compare_and_swap(
         &self,
@@ -149,6 +152,10 @@ impl<T: RmaType> Access<T> for Opened<'_, T> {
 
     fn fetch_and_add(&self, target: usize, offset: usize, value: T) -> Result<T, RmaError> {
         self.epoch.fetch_and_add(target, offset, value)
+    }
+
+    fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError> {
+        self.epoch.read_atomic(target, offset, out)
     }
 
     fn compare_and_swap(

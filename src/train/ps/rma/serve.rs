@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// How long a sync ps gathering pushes waits for the next before it looks for the chief's
+/// checkpoint request (it waits for the shard, pushing nothing).
+const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// A sync ps at work: the step its window's parameters are at, their optimizer state,
 /// the newest step whose shard it wrote.
 struct Serving {
@@ -58,15 +62,17 @@ impl Rma<'_> {
             bytes: 0,
         });
         let (state, saved) = (&ps.state, &mut ps.saved);
-        let mut last = -1;
+        let (mut last, mut since) = (-1, Instant::now());
         let arrived = wait_until(
             ctl,
             self.cfg.peer_timeout,
             || {
                 let a = ctl.fetch_and_add(me, ARRIVALS, 0)?;
-                // Asked only while no push comes: the chief asks, then waits, pushing
-                // nothing until the shard is written.
-                if a == std::mem::replace(&mut last, a) {
+                // Asked only once no push came for a while: the chief asks, then waits,
+                // pushing nothing until the shard is written.
+                if a != last {
+                    (last, since) = (a, Instant::now());
+                } else if since.elapsed() >= SAVE_POLL {
                     self.save_on_request(data, ctl, state, step, saved)?;
                 }
                 Ok(a)

@@ -130,24 +130,31 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
         let me = self.me();
         let mut stop = None;
         for (k, r) in roles.ps.iter().enumerate() {
+            // ps k's step, unless it stopped: the step before was not applied (see the
+            // module's rule), or a worker was lost.
+            let verdict = |published: i64, abort: i64| match abort {
+                0 => Ok(published),
+                found if found < 0 => Err(not_applied(step - 1, -found, roles.workers.len())),
+                late => Err(PsError::Remote {
+                    task: me.clone(),
+                    message: rma
+                        .lost(
+                            rma.ps_task(k),
+                            roles.task(roles.workers[(late - 1) as usize]),
+                        )
+                        .to_string(),
+                }),
+            };
             // The update of the step before (the one whose pushes ps k gathers).
             let _wait = rma.waiting("pull", step - 1, k);
             let v = wait_until(
                 ctl,
                 rma.cfg.peer_timeout * 2,
-                || match ctl.fetch_and_add(*r, ABORT, 0)? {
-                    0 => Ok(ctl.fetch_and_add(*r, STEP, 0)?),
-                    // The step before was not applied (see the module's rule).
-                    found if found < 0 => Err(not_applied(step - 1, -found, roles.workers.len())),
-                    late => Err(PsError::Remote {
-                        task: me.clone(),
-                        message: rma
-                            .lost(
-                                rma.ps_task(k),
-                                roles.task(roles.workers[(late - 1) as usize]),
-                            )
-                            .to_string(),
-                    }),
+                || {
+                    // STEP and ABORT (and what lies between) in one atomic read.
+                    let mut v = [0i64; ABORT + 1];
+                    ctl.read_atomic(*r, STEP, &mut v)?;
+                    verdict(v[STEP], v[ABORT])
                 },
                 |v| v % MARK >= step as i64,
                 || rma.lost(me.clone(), rma.ps_task(k)),
