@@ -5,9 +5,9 @@
 //! Windows, on each ps `k` (workers expose empty ones):
 //! - `data` (f32): `[params | gradient sum | loss sum, sample sum]`, the parameters of
 //!   ps `k`'s shards back to back, in placement order;
-//! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS bits, ABORT, SAVED step, its bytes, its
-//!   checksum, STOP asked, NON_FINITE counts, SAVE_AT step, STOPPED_BY signal, pushes of
-//!   worker 0, 1, ...]`.
+//! - `ctl` (i64): `[STEP, ARRIVALS, DONE, LOSS (samples and loss bits), ABORT, SAVED step,
+//!   its bytes, its checksum, STOP asked, NON_FINITE counts, SAVE_AT step, STOPPED_BY
+//!   signal, pushes of worker 0, 1, ...]`.
 //!
 //! `--sync` (SyncReplicas semantics with every worker aggregated): a worker waits until
 //! every ps has published step `s` (`STEP >= s`, read with an atomic `fetch_and_add` of
@@ -119,6 +119,17 @@ impl From<RmaError> for crate::train::engine::TrainError {
     fn from(e: RmaError) -> Self {
         PsError::from(e).into()
     }
+}
+
+/// The `LOSS` word of a step whose combined batch of `samples` had mean `loss`: the
+/// samples in the high 32 bits, the loss's bits in the low.
+fn loss_word(loss: f32, samples: f32) -> i64 {
+    (i64::from(samples as u32) << 32) | i64::from(loss.to_bits())
+}
+
+/// The loss and samples of a `LOSS` word ([`loss_word`]).
+fn loss_of(word: i64) -> (f32, usize) {
+    (f32::from_bits(word as u32), (word >> 32) as usize)
 }
 
 /// One shard's place: in the model (`var`, `offset`) and in ps `ps`'s window (`at`).

@@ -140,7 +140,7 @@ impl Rma<'_> {
         // SAFETY: every worker pushed this step (accumulates flushed before it counted
         // its arrival) and now only polls `ctl` until STEP moves, which happens after
         // this returns: nothing touches this window meanwhile.
-        let loss = unsafe {
+        let (loss, samples) = unsafe {
             data.with_local(|mem| {
                 let (params, rest) = mem.split_at_mut(n);
                 let (grads, tail) = rest.split_at_mut(n);
@@ -153,7 +153,7 @@ impl Rma<'_> {
                 let loss = tail[0] / samples;
                 grads.fill(0.0);
                 tail.fill(0.0);
-                loss
+                (loss, samples)
             })
         }?;
         ps.clock
@@ -163,7 +163,7 @@ impl Rma<'_> {
         if every > 0 && (step + 1).is_multiple_of(every) {
             self.report_times(ctl, me, &ps.clock.take())?;
         }
-        ctl.put(me, LOSS, &[i64::from(loss.to_bits())])?;
+        ctl.put(me, LOSS, &[loss_word(loss, samples)])?;
         ctl.fetch_and_add(me, STEP, 1 + asked.unwrap_or(0) * MARK)?;
         ps.step += 1;
         Ok(asked.is_some())

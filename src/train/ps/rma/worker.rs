@@ -220,14 +220,14 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
         let t = clock.since_as(Phase::Wait, t, "wait", Detail::at(step));
         self.pull()?;
         clock.since_as(Phase::Comm, t, "pull", Detail::moved(step, bytes, &peer));
-        // The combined batch's loss, from ps 0.
-        let combined = f32::from_bits(ctl.fetch_and_add(self.ps0(), LOSS, 0)? as u32);
+        // The combined batch's loss and samples, from ps 0.
+        let (combined, samples) = loss_of(ctl.fetch_and_add(self.ps0(), LOSS, 0)?);
         let said = match stop {
             Some(HOOK) => StepWord::asking(None, true),
             Some(signal) => StepWord::asking(Some(signal as i32), false),
             None => StepWord::default(),
         };
-        Ok(said.with_loss(combined, rows * rma.roles.workers.len()))
+        Ok(said.with_loss(combined, samples))
     }
 
     /// Asynchronous: claims the next global step on ps 0 and, unless the last step is
