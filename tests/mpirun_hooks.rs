@@ -24,72 +24,30 @@ fn evaluations(path: &std::path::Path) -> Vec<(u64, f64)> {
 fn a_target_accuracy_stops_every_session_mode_at_the_first_evaluation_that_reaches_it() {
     let m = mpiflow();
     let dir = tmpdir("hooks");
-    let cases: [(&str, &[&str]); 5] = [
-        ("local", &[m, "train", "--mode", "local"]),
-        (
-            "allreduce",
-            &[
-                "mpirun",
-                "--oversubscribe",
-                "-np",
-                "2",
-                m,
-                "train",
-                "--mode",
-                "allreduce",
-            ],
-        ),
-        (
-            "ps",
-            &[
-                "mpirun",
-                "--oversubscribe",
-                "-np",
-                "3",
-                m,
-                "train",
-                "--mode",
-                "ps",
-                "--ps",
-                "1",
-            ],
-        ),
+    // Each mode's command: local alone, the others under mpirun.
+    let modes: [(&str, &str, &[&str]); 5] = [
+        ("local", "", &["--mode", "local"]),
+        ("allreduce", "2", &["--mode", "allreduce"]),
+        ("ps", "3", &["--mode", "ps", "--ps", "1"]),
         (
             "rma",
-            &[
-                "mpirun",
-                "--oversubscribe",
-                "-np",
-                "3",
-                m,
-                "train",
-                "--mode",
-                "ps",
-                "--ps",
-                "1",
-                "--transport",
-                "rma",
-            ],
+            "3",
+            &["--mode", "ps", "--ps", "1", "--transport", "rma"],
         ),
-        (
-            "stages",
-            &[
-                "mpirun",
-                "--oversubscribe",
-                "-np",
-                "4",
-                m,
-                "train",
-                "--mode",
-                "allreduce",
-                "--stages",
-                "2",
-            ],
-        ),
+        ("stages", "4", &["--mode", "allreduce", "--stages", "2"]),
     ];
+    let cases = modes.map(|(name, np, flags)| {
+        let mut cmd = match np {
+            "" => vec![m],
+            np => vec!["mpirun", "--oversubscribe", "-np", np, m],
+        };
+        cmd.push("train");
+        cmd.extend_from_slice(flags);
+        (name, cmd)
+    });
     for (name, start) in cases {
         let file = dir.join(format!("{name}.jsonl"));
-        let mut cmd = start.to_vec();
+        let mut cmd = start;
         cmd.extend_from_slice(&["--steps", "100000", "--log-every", "0"]);
         cmd.extend_from_slice(&["--eval-every", "20", "--target-accuracy", "0.9"]);
         cmd.extend_from_slice(&["--metrics", file.to_str().unwrap()]);

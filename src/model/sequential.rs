@@ -132,6 +132,22 @@ impl Sequential {
         self.spare.lock().unwrap_or_else(|e| e.into_inner()).push(s);
     }
 
+    /// The output of the layers `layers` (their parameters `params`) on `rows` samples
+    /// `x`.
+    fn output_of(
+        &self,
+        layers: Range<usize>,
+        params: &[Tensor],
+        x: &[f32],
+        rows: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut s = self.take_scratch();
+        let done = self.forward_layers(layers, params, x, rows, &mut s);
+        let out = s.outs.last().cloned().unwrap_or_default();
+        self.give_back(s);
+        done.map(|()| out)
+    }
+
     /// Runs the layers of `layers` forward on `n` samples `x` (the first one's input):
     /// their outputs into `s.outs` (the last layer's last), what each saves into
     /// `s.saved`. `params` are those layers' parameters, from the first one's
@@ -370,11 +386,7 @@ impl Model for Sequential {
     }
 
     fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
-        let mut s = self.take_scratch();
-        let done = self.forward_layers(0..self.layers.len(), params, x, rows, &mut s);
-        let logits = s.outs.last().cloned().unwrap_or_default();
-        self.give_back(s);
-        done.map(|()| logits)
+        self.output_of(0..self.layers.len(), params, x, rows)
     }
 
     fn loss_and_gradients(
@@ -452,13 +464,7 @@ impl Model for Part<'_> {
 
     /// Its output: the logits where it holds the last layer, else its activations.
     fn logits(&self, params: &[Tensor], x: &[f32], rows: usize) -> Result<Vec<f32>, ModelError> {
-        let mut s = self.model.take_scratch();
-        let done = self
-            .model
-            .forward_layers(self.layers.clone(), params, x, rows, &mut s);
-        let out = s.outs.last().cloned().unwrap_or_default();
-        self.model.give_back(s);
-        done.map(|()| out)
+        self.model.output_of(self.layers.clone(), params, x, rows)
     }
 
     fn loss_and_gradients(
