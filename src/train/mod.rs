@@ -27,6 +27,21 @@ pub mod sidecar;
 
 use std::path::PathBuf;
 
+/// The tags training's protocols keep on a communicator (the transport's
+/// [`Kept`](crate::transport::tags::Kept) slots), in one place so that they stay distinct.
+pub(crate) mod tags {
+    use crate::transport::tags::Kept;
+
+    /// Parameter-server requests (worker to ps).
+    pub const PS_REQUEST: Kept = Kept(0);
+    /// Parameter-server replies (ps to worker).
+    pub const PS_REPLY: Kept = Kept(1);
+    /// Parameter-server payloads (the floats after a request or a reply, both ways).
+    pub const PS_PAYLOAD: Kept = Kept(2);
+    /// The chief's end notice to side-car evaluators.
+    pub const SIDECAR: Kept = Kept(3);
+}
+
 use data::{Batches, Dataset};
 use events::Event;
 use optim::{Optimizer, OptimizerKind};

@@ -19,7 +19,6 @@ use crate::train::checkpoint::{self, State};
 use crate::train::data::Dataset;
 use crate::train::events::Event;
 use crate::transport::comm::{self, Comm, ANY_SOURCE};
-use crate::transport::tags::Reserved;
 
 /// How often the evaluator looks for a newer checkpoint.
 const POLL: Duration = Duration::from_millis(200);
@@ -50,7 +49,7 @@ impl<'c, C: Comm> EndNotice<'c, C> {
 
 impl<C: Comm> Drop for EndNotice<'_, C> {
     fn drop(&mut self) {
-        let tag = self.comm.tags().reserved(Reserved::Sidecar);
+        let tag = self.comm.tags().kept(crate::train::tags::SIDECAR);
         for r in &self.to {
             // A few bytes: sent eagerly, whether or not the evaluator receives yet. A
             // failure here is the job's end anyway (a dead evaluator ends it).
@@ -111,7 +110,7 @@ pub fn evaluate<C: Comm>(
 ) -> Result<(), SidecarError> {
     let mut replica = Replica::new(model, 0);
     let vars = replica.variables();
-    let tag = comm.tags().reserved(Reserved::Sidecar);
+    let tag = comm.tags().kept(crate::train::tags::SIDECAR);
     let mut last: Option<u64> = None;
     let mut warned: Vec<PathBuf> = Vec::new();
     loop {

@@ -4,9 +4,11 @@
 //! bound depends on the library and its transport: OpenMPI's `pml ob1` allows 2^31-1, its
 //! `pml ucx` (the default on most InfiniBand clusters) 2^23-1, MPICH 2^31-1 or less with
 //! some netmods. mpiflow reads the bound when a communicator is made and builds every
-//! scheme inside it: [`Tags::reserved`] gives the library's own tags (collectives, the ps
-//! protocol) from the top of the range, and every tag a caller passes (tensor links,
-//! channels) must lie in `0..=Tags::max_user()`, below them.
+//! scheme inside it: [`Tags::reserved`] gives the transport's own tags (collectives, links)
+//! from the top of the range, [`Tags::kept`] the few below them that the layers above keep
+//! for their own protocols (each names its own: the transport knows nothing of them), and
+//! every tag a caller passes (tensor links, channels) must lie in `0..=Tags::max_user()`,
+//! below those.
 //!
 //! `MPIFLOW_TAG_UB` lowers the bound (never raises it): the tests run whole jobs under the
 //! standard's minimum with it.
@@ -17,7 +19,7 @@ pub const STANDARD_TAG_UB: i32 = 32767;
 /// The environment variable that lowers the tag bound (for tests).
 pub const TAG_UB_VAR: &str = "MPIFLOW_TAG_UB";
 
-/// The library's own tag uses, each one tag at the top of the range.
+/// The transport's own tag uses, each one tag at the top of the range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reserved {
     Barrier,
@@ -25,14 +27,6 @@ pub enum Reserved {
     Allgather,
     Ring,
     RecursiveDoubling,
-    /// Parameter-server requests (worker to ps).
-    PsRequest,
-    /// Parameter-server replies (ps to worker).
-    PsReply,
-    /// Parameter-server payloads (the floats after a request or a reply, both ways).
-    PsPayload,
-    /// The chief's end notice to side-car evaluators.
-    Sidecar,
     /// A point-to-point link's offer of a ring in shared memory (sender to receiver, once
     /// per link between ranks of one node).
     LinkRing,
@@ -41,19 +35,29 @@ pub enum Reserved {
 impl Reserved {
     /// Every reserved use, in declaration order: the order they take tags down from the
     /// bound.
-    pub const ALL: [Reserved; 10] = [
+    pub const ALL: [Reserved; 6] = [
         Reserved::Barrier,
         Reserved::Bcast,
         Reserved::Allgather,
         Reserved::Ring,
         Reserved::RecursiveDoubling,
-        Reserved::PsRequest,
-        Reserved::PsReply,
-        Reserved::PsPayload,
-        Reserved::Sidecar,
         Reserved::LinkRing,
     ];
 }
+
+/// One of the tags kept for a protocol above the transport, by its number: its user names
+/// it (`const REQUESTS: Kept = Kept(0)`), and the users of one communicator keep distinct
+/// numbers below [`Kept::SLOTS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept(pub u8);
+
+impl Kept {
+    /// How many tags are kept for the layers above.
+    pub const SLOTS: u8 = 8;
+}
+
+/// Tags taken from the top of the range: the transport's own and the kept ones.
+const TAKEN: i32 = Reserved::ALL.len() as i32 + Kept::SLOTS as i32;
 
 /// Tags kept below the reserved ones for callers: at least this many, or the bound is
 /// refused (a caller's tags 0..1023 must fit even under the standard's minimum).
@@ -63,11 +67,11 @@ pub const MIN_USER_TAGS: i32 = 1024;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TagError {
     #[error(
-        "MPI_TAG_UB is {ub}: mpiflow needs at least {} tags ({} reserved and {MIN_USER_TAGS} for tensors)",
-        MIN_USER_TAGS + Reserved::ALL.len() as i32, Reserved::ALL.len()
+        "MPI_TAG_UB is {ub}: mpiflow needs at least {} tags ({TAKEN} reserved and {MIN_USER_TAGS} for tensors)",
+        MIN_USER_TAGS + TAKEN
     )]
     TooSmall { ub: i32 },
-    #[error("tag {tag} is out of range 0..={max} (MPI_TAG_UB {ub}; the {} tags above are mpiflow's own)", Reserved::ALL.len())]
+    #[error("tag {tag} is out of range 0..={max} (MPI_TAG_UB {ub}; the {TAKEN} tags above are mpiflow's own)")]
     OutOfRange { tag: i32, max: i32, ub: i32 },
     #[error("{TAG_UB_VAR}={0:?} is not a positive integer")]
     BadVariable(String),
@@ -82,7 +86,7 @@ pub struct Tags {
 impl Tags {
     /// The scheme under the bound `ub` (`MPI_TAG_UB`).
     pub fn new(ub: i32) -> Result<Tags, TagError> {
-        if ub < MIN_USER_TAGS - 1 + Reserved::ALL.len() as i32 {
+        if ub < MIN_USER_TAGS - 1 + TAKEN {
             return Err(TagError::TooSmall { ub });
         }
         Ok(Tags { ub })
@@ -112,13 +116,23 @@ impl Tags {
 
     /// The highest tag a caller may use.
     pub fn max_user(&self) -> i32 {
-        self.ub - Reserved::ALL.len() as i32
+        self.ub - TAKEN
     }
 
-    /// The tag of one of the library's own uses.
+    /// The tag of one of the transport's own uses.
     pub fn reserved(&self, r: Reserved) -> i32 {
         // Declaration order is the order in ALL: each use is its position below the bound.
         self.ub - r as i32
+    }
+
+    /// The tag kept as `k` for a protocol above the transport (below the transport's own).
+    pub fn kept(&self, k: Kept) -> i32 {
+        assert!(
+            k.0 < Kept::SLOTS,
+            "kept tags are numbered below {}",
+            Kept::SLOTS
+        );
+        self.ub - Reserved::ALL.len() as i32 - i32::from(k.0)
     }
 
     /// A caller's tag, checked against the range left to callers.
@@ -152,14 +166,16 @@ mod tests {
     fn reserved_tags_are_distinct_within_the_bound_and_above_every_user_tag() {
         for ub in [STANDARD_TAG_UB, (1 << 23) - 1, i32::MAX] {
             let t = Tags::new(ub).unwrap();
-            let mut seen: Vec<i32> = Reserved::ALL.iter().map(|r| t.reserved(*r)).collect();
+            let own = Reserved::ALL.iter().map(|r| t.reserved(*r));
+            let kept = (0..Kept::SLOTS).map(|k| t.kept(Kept(k)));
+            let mut seen: Vec<i32> = own.chain(kept).collect();
             assert!(
                 seen.iter().all(|x| *x <= ub && *x > t.max_user()),
                 "{seen:?}"
             );
             seen.sort_unstable();
             seen.dedup();
-            assert_eq!(seen.len(), Reserved::ALL.len());
+            assert_eq!(seen.len() as i32, TAKEN);
             assert!(t.check_user(t.max_user()).is_ok());
             assert!(t.check_user(0).is_ok());
             assert!(t.check_user(t.max_user() + 1).is_err());
@@ -179,7 +195,7 @@ mod tests {
         );
         assert_eq!(
             Tags::with_override(5000, None).unwrap().max_user(),
-            5000 - 10
+            5000 - 14
         );
         let e = Tags::with_override(32767, Some("lots")).unwrap_err();
         assert_eq!(
@@ -195,7 +211,7 @@ mod tests {
         let e = Tags::new(32767).unwrap().check_user(40000).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "tag 40000 is out of range 0..=32757 (MPI_TAG_UB 32767; the 10 tags above are mpiflow's own)"
+            "tag 40000 is out of range 0..=32753 (MPI_TAG_UB 32767; the 14 tags above are mpiflow's own)"
         );
     }
 }

@@ -1,12 +1,12 @@
 //! The ps wire protocol: typed requests (worker to ps) and replies (ps to worker).
 //!
 //! A request or a reply is a header message, a [`Request`] or a [`Reply`] in a binary
-//! encoding (serde, bincode), on tag [`Reserved::PsRequest`] or [`Reserved::PsReply`]. The
+//! encoding (serde, bincode), on the tag of [`request_tag`] or [`reply_tag`]. The
 //! header says what floats it carries (initial values, gradients, parameters:
 //! [`Request::payload`]; a `Params` reply carries the ps's shards), so both sides know how
 //! they travel. Up to [`INLINE_FLOATS`] they ride in the header's message (small models:
 //! one message per request). Above, they follow as messages of their own on tag
-//! [`Reserved::PsPayload`], sent from the memory they live in and received into the memory
+//! [`payload_tag`], sent from the memory they live in and received into the memory
 //! they go to: no side gathers them into a message or scatters them out of one. Each part
 //! (a shard, a pushed variable slice) then travels as [`pieces`] of at most
 //! [`PIECE_FLOATS`], so a ps applies each piece of a gradient while it is still in cache.
@@ -24,7 +24,6 @@ use crate::observe::phases::{RankTimes, Times};
 use crate::train::guard::NonFinite;
 use crate::train::optim::Optimizer;
 use crate::transport::comm::Comm;
-use crate::transport::tags::Reserved;
 
 /// How a ps applies gradients, told by the chief when it initialises or restores: a ps
 /// task needs no model and no flags of its own (it just `join`s).
@@ -168,19 +167,19 @@ pub fn finite(loss: f32) -> Option<f32> {
     loss.is_finite().then_some(loss)
 }
 
-/// The tag of requests (worker to ps), reserved at the top of the tag range.
+/// The tag of requests (worker to ps), kept at the top of the tag range.
 pub fn request_tag<C: Comm>(c: &C) -> i32 {
-    c.tags().reserved(Reserved::PsRequest)
+    c.tags().kept(crate::train::tags::PS_REQUEST)
 }
 
 /// The tag of replies (ps to worker).
 pub fn reply_tag<C: Comm>(c: &C) -> i32 {
-    c.tags().reserved(Reserved::PsReply)
+    c.tags().kept(crate::train::tags::PS_REPLY)
 }
 
 /// The tag of payload pieces (both ways).
 pub fn payload_tag<C: Comm>(c: &C) -> i32 {
-    c.tags().reserved(Reserved::PsPayload)
+    c.tags().kept(crate::train::tags::PS_PAYLOAD)
 }
 
 /// The longest piece of a payload, in floats (1 MiB: a ps applies each piece while it is
