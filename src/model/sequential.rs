@@ -252,6 +252,24 @@ impl Sequential {
         Ok(loss)
     }
 
+    /// The loss of the layers `layers` (the last of which gives the logits) and their
+    /// gradients, in spare buffers: [`Model::loss_and_gradients`] of the whole model and of
+    /// a [`Part`] holding its last layer.
+    fn loss_of(
+        &self,
+        layers: Range<usize>,
+        params: &[Tensor],
+        x: &[f32],
+        y: Targets<'_>,
+        grads: &mut [Tensor],
+        ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
+    ) -> Result<f32, ModelError> {
+        let mut s = self.take_scratch();
+        let loss = self.backward(layers, params, x, y, grads, ready, &mut s);
+        self.give_back(s);
+        loss
+    }
+
     /// The layers `layers` (contiguous, not empty) as a model of their own: a pipeline
     /// stage's part ([`Part`]).
     pub fn part(&self, layers: Range<usize>) -> Result<Part<'_>, ModelError> {
@@ -398,10 +416,7 @@ impl Model for Sequential {
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
         y.check(self)?;
-        let mut s = self.take_scratch();
-        let loss = self.backward(0..self.layers.len(), params, x, y, grads, ready, &mut s);
-        self.give_back(s);
-        loss
+        self.loss_of(0..self.layers.len(), params, x, y, grads, ready)
     }
 }
 
@@ -482,13 +497,8 @@ impl Model for Part<'_> {
             });
         }
         y.check(self)?;
-        let mut s = self.model.take_scratch();
         let layers = self.layers.clone();
-        let loss = self
-            .model
-            .backward(layers, params, x, y, grads, ready, &mut s);
-        self.model.give_back(s);
-        loss
+        self.model.loss_of(layers, params, x, y, grads, ready)
     }
 }
 

@@ -294,10 +294,8 @@ impl<'a, C: Comm> Strategy<'a> for Stages<'a, C> {
         step: u64,
         clock: &mut Clock,
     ) -> Result<(Times, Vec<RankTimes>), TrainError> {
-        let mine = clock.take();
-        let gather = crate::train::allreduce::gather_times;
-        let ranks = gather(self.group, self.layout, self.rank, mine, step)?;
-        Ok((mine, ranks))
+        let window = crate::train::allreduce::window_times;
+        Ok(window(self.group, self.layout, self.rank, clock, step)?)
     }
 
     /// With ps tasks: the final parameters pulled, and the ps told this task is done (or

@@ -267,6 +267,10 @@ pub fn run<C: Comm>(
         stage,
     };
     let (group, pipe) = (Collectives::new(group), Collectives::new(pipe));
+    let members = members(layout);
+    let coordinator = (members.iter())
+        .position(|r| layout.spec.replica_stage(&layout.ranks[*r].task) == Some((0, 0)))
+        .unwrap_or(0);
     let task = Task {
         comm,
         layout,
@@ -274,6 +278,8 @@ pub fn run<C: Comm>(
         cfg,
         place,
         group: &group,
+        members,
+        coordinator,
         ps_job,
     };
     // Before the session, a failure of this task reaches the ps tasks here (they tell the
@@ -300,6 +306,10 @@ struct Task<'a, C: Comm> {
     place: Place,
     /// Every replica task.
     group: &'a Collectives<C>,
+    /// The replica tasks' world ranks, and the place among them of the coordinator (replica
+    /// 0's stage 0: it times the layers and checkpoints).
+    members: Vec<usize>,
+    coordinator: usize,
     /// The stage's ps job, if ps tasks hold the variables.
     ps_job: Option<(&'a C, &'a crate::train::ps::Roles)>,
 }
@@ -329,10 +339,9 @@ impl<'a, C: Comm> Task<'a, C> {
                 cfg.micro_batches, cfg.train.batch
             )));
         }
-        let members = members(self.layout);
         let costs = layer_costs(
             self.group,
-            self.coordinator(&members),
+            self.coordinator,
             model,
             cfg.balance,
             self.rows(),
@@ -344,19 +353,10 @@ impl<'a, C: Comm> Task<'a, C> {
         agree_on_plan(
             self.group,
             self.layout,
-            &members,
+            &self.members,
             &plan(model, &ranges, cfg),
         )?;
         Ok(ranges)
-    }
-
-    /// Replica 0's stage 0 coordinates: it times the layers and checkpoints.
-    fn coordinator(&self, members: &[usize]) -> usize {
-        let spec = &self.layout.spec;
-        members
-            .iter()
-            .position(|r| spec.replica_stage(&self.layout.ranks[*r].task) == Some((0, 0)))
-            .unwrap_or(0)
     }
 
     /// Rows of a micro-batch (the last may hold fewer).
@@ -412,7 +412,6 @@ impl<'a, C: Comm> Task<'a, C> {
                     .collect(),
             },
         };
-        let members = members(self.layout);
         Ok(Stages {
             st,
             updater,
@@ -425,7 +424,7 @@ impl<'a, C: Comm> Task<'a, C> {
             ops,
             place,
             writers: Writers {
-                coordinator: self.coordinator(&members),
+                coordinator: self.coordinator,
                 writes: place.replica == 0,
             },
             ps_job: self.ps_job,

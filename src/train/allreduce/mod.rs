@@ -296,10 +296,8 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
         step: u64,
         clock: &mut Clock,
     ) -> Result<(Times, Vec<RankTimes>), TrainError> {
-        let mine = clock.take();
         let (coll, layout) = (&self.coll, &self.layout);
-        let ranks = gather_times(coll, layout, self.world_rank, mine, step)?;
-        Ok((mine, ranks))
+        Ok(window_times(coll, layout, self.world_rank, clock, step)?)
     }
 }
 
@@ -358,16 +356,19 @@ pub(crate) fn gathering(step: u64, what: &'static str, bytes: usize) -> stall::W
     })
 }
 
-/// Every replica's phase times of the window closing now (after `step`), named by world
+/// The log window closing now (after `step`) on every rank of `coll` (a collective):
+/// this rank's (`world_rank`'s) times taken from `clock`, and every rank's, named by world
 /// rank and task, with each rank's time in the reduction split into communication and
-/// waiting ([`phases::split_collective`]).
-pub(crate) fn gather_times<C: Comm>(
+/// waiting ([`phases::split_collective`]): [`Strategy::window`] of the modes whose ranks
+/// step together.
+pub(crate) fn window_times<C: Comm>(
     coll: &Collectives<C>,
     layout: &Layout,
     world_rank: usize,
-    mine: Times,
+    clock: &mut Clock,
     step: u64,
-) -> Result<Vec<RankTimes>, TransportError> {
+) -> Result<(Times, Vec<RankTimes>), TransportError> {
+    let mine = clock.take();
     let mut bytes = (world_rank as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(&mine.to_bytes());
     let mut all = vec![0u8; bytes.len() * coll.size()];
@@ -383,7 +384,7 @@ pub(crate) fn gather_times<C: Comm>(
         })
         .unzip();
     phases::split_collective(&mut times);
-    Ok(ranks
+    let ranks = ranks
         .into_iter()
         .zip(times)
         .map(|(rank, times)| RankTimes {
@@ -394,7 +395,8 @@ pub(crate) fn gather_times<C: Comm>(
                 .map_or_else(|| format!("rank {rank}"), |r| r.task.to_string()),
             times,
         })
-        .collect())
+        .collect();
+    Ok((mine, ranks))
 }
 
 #[cfg(test)]

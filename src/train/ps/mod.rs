@@ -261,24 +261,23 @@ pub fn run<C: Comm>(
     Ok(())
 }
 
+/// What the tests of both ps transports set up alike.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
     use crate::cluster::MappingOptions;
-    use crate::transport::local::LocalComm;
 
-    fn layout(n: usize, ps: usize) -> Layout {
-        Layout::single_host(
-            n,
-            &MappingOptions {
-                ps,
-                ..Default::default()
-            },
-        )
-        .unwrap()
+    /// `n` ranks on one host, `ps` of them ps tasks.
+    pub(crate) fn layout(n: usize, ps: usize) -> Layout {
+        let mapping = MappingOptions {
+            ps,
+            ..Default::default()
+        };
+        Layout::single_host(n, &mapping).unwrap()
     }
 
-    fn cfg(steps: u64, sync: bool) -> PsConfig {
+    /// `steps` steps, synchronous or not, no logs, whole variables on the ps tasks.
+    pub(crate) fn cfg(steps: u64, sync: bool) -> PsConfig {
         PsConfig {
             train: TrainConfig {
                 steps,
@@ -292,6 +291,14 @@ mod tests {
             peer_timeout: Duration::from_secs(10),
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{cfg, layout};
+    use super::*;
+    use crate::cluster::MappingOptions;
+    use crate::transport::local::LocalComm;
 
     #[test]
     fn sync_ps_training_equals_local_training_of_the_combined_batch() {

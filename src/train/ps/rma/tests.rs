@@ -2,30 +2,16 @@
 //! that runs under `mpirun`.
 
 use super::*;
-use crate::cluster::MappingOptions;
 use crate::tensor::DType;
 use crate::train::optim::Optimizer;
-use crate::train::TrainConfig;
+use crate::train::ps::test_support::layout;
 use crate::transport::local::LocalComm;
 
-fn layout(n: usize, ps: usize) -> Layout {
-    let mapping = MappingOptions {
-        ps,
-        ..Default::default()
-    };
-    Layout::single_host(n, &mapping).unwrap()
-}
-
+/// The ps tests' configuration, with a longer wait for a peer.
 fn cfg(steps: u64, sync: bool) -> PsConfig {
     PsConfig {
-        train: TrainConfig {
-            steps,
-            log_every: 0,
-            ..TrainConfig::default()
-        },
-        sync,
         peer_timeout: Duration::from_secs(20),
-        ..PsConfig::default()
+        ..crate::train::ps::test_support::cfg(steps, sync)
     }
 }
 
