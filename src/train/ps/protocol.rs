@@ -183,8 +183,7 @@ pub fn payload_tag<C: Comm>(c: &C) -> i32 {
 }
 
 /// The longest piece of a payload, in floats (1 MiB: a ps applies each piece while it is
-/// in cache; `bench pushpull` at 1-8 MiB read best with 0.5-1 MiB pieces, worse with
-/// 128 KiB or 4 MiB ones).
+/// in cache; the sizes compared are in `benches/results/2026-11-23g.md`).
 pub const PIECE_FLOATS: usize = 256 << 10;
 
 /// One piece of a payload: floats `range` of part `part`.
