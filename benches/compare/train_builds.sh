@@ -31,9 +31,10 @@ declare -A cmd=(
   [rma-sync]="mpirun --oversubscribe -np 4 BIN train --mode ps --ps 1 --transport rma --steps 10000 --log-every 1000"
   [rma-async]="mpirun --oversubscribe -np 4 BIN train --mode ps --ps 1 --transport rma --async --optimizer sgd --lr 0.1 --steps 20000 --log-every 2000"
   [stages]="mpirun --oversubscribe -np 4 BIN train --mode allreduce --stages 2 --steps 4000 --log-every 400"
+  [stages-cnn]="mpirun --oversubscribe -np 4 BIN train --mode allreduce --stages 2 --model cnn --data fashion-mnist --steps 300 --log-every 50"
   [stages-ps]="mpirun --oversubscribe -np 5 BIN train --mode ps --ps 1 --stages 2 --steps 3000 --log-every 300"
 )
-order=(local allreduce allreduce-cnn ps-sync ps-async ps-cnn rma-sync rma-async stages stages-ps)
+order=(local allreduce allreduce-cnn ps-sync ps-async ps-cnn rma-sync rma-async stages stages-cnn stages-ps)
 # The job's rate, from its stdout.
 rate() {
   awk '

@@ -38,9 +38,11 @@
 //! is never freed or reused while MPI may still touch it.
 
 mod batch;
+mod owned;
 
 pub(crate) use batch::{DeferredReceive, ExactLength};
 pub use batch::{Receives, Sends};
+pub use owned::{immediate_send_owned, OwnedSend};
 
 use super::comm::{check_peer, Comm, Completion, TransportError, ANY_SOURCE};
 use super::links::{link_key, Last, Links};
