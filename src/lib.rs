@@ -10,16 +10,16 @@
 //! - [`train`]: data sets, optimizers, and the training modes (local, ps, allreduce).
 //! - [`rng`]: the seeded generator behind every random choice.
 //! - [`tensor`]: tensors with their wire header in their own buffer.
-//! - [`hash`]: the one stable hash (FNV-1a) ranks compare and checkpoints carry.
-//! - [`launch`]: exporting a task's identity and exec'ing any program as that task.
-//! - [`named`]: the names users pick enum values by (command line, job scripts).
 //! - [`observe`]: seeing a run: time by phase per rank, the metrics file, progress.
 //! - [`signals`]: stop signals noted for the step loop.
 //!
 //! The `mpiflow` binary (`src/bin/mpiflow/`) is a thin command-line layer over these. Its
 //! commands' own machinery is public for it but not part of the library's face (hidden
 //! from these pages): `bench` (OSU-style benchmarks), `check` (the data plane verified on
-//! a live job), `scale` (the scale model), `supervise` (restarts).
+//! a live job), `launch` (a task's identity exported and any program exec'd as that task),
+//! `named` (the names users pick values by on the command line), `scale` (the scale
+//! model), `supervise` (restarts), and in [`observe`] the plots, the OSU tables' reader and
+//! the progress line.
 //!
 //! What a program needs is named at the crate root (and in [`prelude`]): the [`Server`]
 //! every task starts, the [`Session`] a worker trains in and the [`Strategy`] behind each
@@ -27,30 +27,33 @@
 //! [`Dataset`], [`TrainConfig`], and one [`Error`].
 
 mod error;
+pub(crate) mod hash;
+
+pub mod cluster;
+pub mod kernels;
+pub mod model;
+pub mod observe;
+pub mod pipeline;
+pub mod rng;
+pub mod signals;
+pub mod tensor;
+pub mod topology;
+pub mod train;
+pub mod transport;
 
 // The command line's own: public for the binary, not the library's face.
 #[doc(hidden)]
 pub mod bench;
 #[doc(hidden)]
 pub mod check;
-pub mod cluster;
-pub mod hash;
-pub mod kernels;
+#[doc(hidden)]
 pub mod launch;
-pub mod model;
+#[doc(hidden)]
 pub mod named;
-pub mod observe;
-pub mod pipeline;
-pub mod rng;
 #[doc(hidden)]
 pub mod scale;
-pub mod signals;
 #[doc(hidden)]
 pub mod supervise;
-pub mod tensor;
-pub mod topology;
-pub mod train;
-pub mod transport;
 
 pub use cluster::MappingOptions;
 pub use error::Error;

@@ -174,7 +174,7 @@ impl Element {
     }
 }
 
-/// `--shm-stores`: see [`crate::transport::collectives::stores`].
+/// `--shm-stores`: see `crate::transport::collectives::stores`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmStores {
     /// Whichever makes a step cheaper, as measured.

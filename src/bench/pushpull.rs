@@ -5,7 +5,7 @@
 //!   loop that does nothing else: the transfer ceiling;
 //! - `mpiflow`: the parameter-server protocol (headers, checks, the SGD update on the ps)
 //!   with `--transport p2p`, as training drives it: each push and the pull after it in one
-//!   request where that is safe ([`crate::train::ps::worker::Client::push_pull`]); with
+//!   request where that is safe (`crate::train::ps::worker::Client::push_pull`); with
 //!   `--transport rma`, one-sided accumulate and get on the ps tasks' windows
 //!   ([`crate::train::ps::rma::bench_pushpull`]);
 //! - `mpi-sgd`: the `mpi` pattern whose ps receives each push into a gradient buffer and

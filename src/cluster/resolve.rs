@@ -4,7 +4,7 @@
 //!   rank are gathered over MPI; each rank probes a free port on its own host; all ranks
 //!   first check that they were started with the same mapping flags.
 //! - **Slurm** (`srun` without MPI): see [`super::slurm`]; ports are `port_base + local
-//!   task offset` (by default the job's own base, [`ports::default_base`]), and this
+//!   task offset` (by default the job's own base, `ports::default_base`), and this
 //!   task's port is checked to be free (when the node name is this host's).
 //! - **Hostfile** (`--hostfile H -np N`, no MPI): a preview of what `mpirun` would do.
 //! - **TF_CONFIG** and the **legacy flags**: the cluster as the user wrote it.
@@ -106,7 +106,7 @@ pub struct Request {
     pub source: Source,
     pub mapping: MappingOptions,
     /// First port to probe (MPI) or to number from (Slurm, previews); `None`: the job's
-    /// own ([`ports::default_base`]).
+    /// own (`ports::default_base`).
     pub port_base: Option<u16>,
     pub hostfile: Option<PathBuf>,
     pub np: Option<usize>,
@@ -142,7 +142,7 @@ impl Request {
     }
 
     /// The first port: the one asked for, else the default for Slurm job `job`
-    /// ([`ports::default_base`]).
+    /// (`ports::default_base`).
     pub fn port_base_in(&self, job: Option<&str>) -> u16 {
         self.port_base.unwrap_or_else(|| ports::default_base(job))
     }

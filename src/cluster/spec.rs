@@ -147,7 +147,7 @@ pub struct Address {
 }
 
 impl Address {
-    /// Parses `host:port`; the error text says what is wrong (used inside [`SpecError`]).
+    /// Parses `host:port`; the error text says what is wrong (used inside `SpecError`).
     pub fn parse(s: &str) -> Result<Address, String> {
         let (host, port) = if let Some(rest) = s.strip_prefix('[') {
             let (h, p) = rest

@@ -10,9 +10,9 @@
 //! model that uses them.
 //!
 //! - [`layers`]: dense, 2-D convolution (im2col + sgemm), max pooling, ReLU, flatten.
-//! - [`sequential`]: a model that is a stack of layers, and the built-in [`mlp`] and
+//! - `sequential`: a model that is a stack of layers, and the built-in [`mlp`] and
 //!   [`cnn`].
-//! - [`towers`]: a batch's gradients computed by K threads of one task (`--towers`).
+//! - `towers`: a batch's gradients computed by K threads of one task (`--towers`).
 //!
 //! A model of your own implements [`Model`]; a linear classifier in full:
 //! ```
@@ -60,8 +60,8 @@
 //! ```
 
 pub mod layers;
-pub mod sequential;
-pub mod towers;
+pub(crate) mod sequential;
+pub(crate) mod towers;
 
 use std::ops::Range;
 

@@ -30,10 +30,6 @@ impl Towers {
         }
     }
 
-    pub fn count(&self) -> usize {
-        self.k
-    }
-
     /// The mean loss of the batch `x`, `y` and its gradients into `grads`, computed by the
     /// towers on their shares (a tower whose share is empty sits out). With more than one
     /// tower, `ready` hears of every parameter at once, at the end.

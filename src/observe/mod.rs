@@ -15,9 +15,12 @@
 //! [`crate::train::events::Event`] turns into [`metrics::Record`]s.
 
 pub mod metrics;
+#[doc(hidden)]
 pub mod osu_tables;
 pub mod phases;
+#[doc(hidden)]
 pub mod plot;
+#[doc(hidden)]
 pub mod progress;
 pub mod stall;
 pub mod timeline;

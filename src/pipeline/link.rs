@@ -108,11 +108,6 @@ impl<'c, C: Comm> Link<'c, C> {
         }
     }
 
-    /// This stage (its rank on the replica's communicator).
-    pub fn stage(&self) -> usize {
-        self.comm.rank()
-    }
-
     /// Starts sending `values` to stage `to`.
     pub fn send(&mut self, values: &[f32], to: usize, dir: Direction) -> Result<(), LinkError> {
         let mut t = take_from(&mut self.spare, values.len(), dir.name());

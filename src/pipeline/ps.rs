@@ -7,7 +7,7 @@
 //! and the ps tasks share a communicator, the stage's variables are placed on the ps tasks
 //! by the usual placement, and an update is applied when all R replicas' gradients for the
 //! step arrived, weighted by their samples ([`crate::train::ps`]'s semantics, unchanged). A
-//! ps task serves all S jobs from one thread ([`crate::train::ps::server::serve_many`]).
+//! ps task serves all S jobs from one thread (`crate::train::ps::server::serve_many`).
 //! The replica tasks still agree on each step's word (the loss, a non-finite value, a stop
 //! signal) among themselves, so every stage stops at the same step. Checkpoints: each ps
 //! task writes one file per stage it holds variables of (`shard-stage<k>-ps<j>.bin`), in the

@@ -4,11 +4,11 @@
 //!
 //! A step: each replica cuts its share into M micro-batches and runs them through its
 //! stages in the schedule's order, activations forward and their gradients backward by
-//! [`super::link`]; each stage sums its parameters' gradients over the micro-batches,
+//! `super::link`; each stage sums its parameters' gradients over the micro-batches,
 //! the replicas' stage-k tasks sum theirs by a fused allreduce on a communicator of
 //! their own, and dividing by the global batch gives exactly the combined batch's
 //! gradient. Every task then applies the optimizer to its own parameters (with ps tasks,
-//! each stage's gradients go to its own ps job instead: [`super::update`]). One small sum
+//! each stage's gradients go to its own ps job instead: `super::update`). One small sum
 //! over every replica task carries the step's word (the loss, a non-finite value, a stop
 //! signal) so all of them reach the same verdict.
 //!

@@ -20,8 +20,8 @@
 //! dims u64 x ndim | name bytes, zero-padded`. Names longer than [`MAX_WIRE_NAME`] bytes
 //! travel as a prefix plus a hash.
 
-pub mod buffer;
-pub mod dtype;
+pub(crate) mod buffer;
+pub(crate) mod dtype;
 
 use std::fmt;
 

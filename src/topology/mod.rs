@@ -17,7 +17,7 @@
 //! The plan is computed on [`Machine`], a plain description of the node, so it is unit
 //! tested on synthetic topologies; [`Machine::detect`] fills it from hwloc.
 
-pub mod colocated;
+pub(crate) mod colocated;
 
 use std::fmt::Write as _;
 

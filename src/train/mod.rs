@@ -22,8 +22,8 @@ pub mod guard;
 pub mod optim;
 pub mod ps;
 pub mod resources;
-pub mod server;
-pub mod sidecar;
+pub(crate) mod server;
+pub(crate) mod sidecar;
 
 use std::path::PathBuf;
 
@@ -79,7 +79,7 @@ pub struct TrainConfig {
     /// ([`crate::signals`]; the caller catches them): checkpoint, then [`Stopped`].
     pub stop_on_signal: bool,
     /// Threads computing a task's gradients, each on its share of the task's samples
-    /// ([`crate::model::towers`]); 1: the calling thread alone.
+    /// (`crate::model::towers`); 1: the calling thread alone.
     pub towers: usize,
     /// The command line's runs evaluate on the held-out samples every this many steps
     /// (0: only at the end; a session of one's own: [`engine::Session::evaluate_every`]).

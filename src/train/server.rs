@@ -224,7 +224,7 @@ impl Server {
     /// An evaluator task: evaluates `model` on `test` with each checkpoint the chief
     /// commits in `dir` (the chief's session has its `checkpoint_dir` there), reporting
     /// each to `events`, until the chief's session ends (TensorFlow's side-car evaluation,
-    /// [`crate::train::sidecar`]).
+    /// `crate::train::sidecar`).
     pub fn evaluate(
         &self,
         model: &dyn Model,

@@ -262,7 +262,7 @@ pub trait Comm {
     }
 
     /// This rank's node, as two ranks compare it to know whether they can share memory
-    /// ([`super::ring`]): the host name ([`host_name`], which MPI reports too); in-process,
+    /// (`super::ring`): the host name ([`host_name`], which MPI reports too); in-process,
     /// the simulated node.
     fn node_name(&self) -> Option<String> {
         host_name()

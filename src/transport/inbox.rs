@@ -35,7 +35,7 @@
 //! on its way, matched by no receive yet, stays with MPI for the next receive on the tag).
 //! Dropping an inbox withdraws them too, without the check.
 //!
-//! A channel on rings ([`super::ring`]) needs no receives posted ahead: its messages wait
+//! A channel on rings (`super::ring`) needs no receives posted ahead: its messages wait
 //! in the ring, which is what an inbox is for. An inbox of such a channel posts none, each
 //! [`Inbox::receive_into`] is the channel's, and nothing can be left untaken at close (what
 //! the ring still holds stays there for the channel's next receive).

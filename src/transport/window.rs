@@ -1,7 +1,7 @@
 //! One-sided windows as a transport's capability: memory each rank of a communicator
 //! exposes to the others' gets, puts, accumulates and atomics, allocated by
 //! [`super::Comm::window`]. MPI's windows ([`super::rma`]) and the in-process transport's
-//! ([`super::local_window`]) implement it, so what is built on windows (the one-sided
+//! (`super::local_window`) implement it, so what is built on windows (the one-sided
 //! parameter server) runs in `cargo test` as under `mpirun`.
 
 use super::progress::Progress;

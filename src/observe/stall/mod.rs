@@ -7,16 +7,16 @@
 //! - here, the [`Board`]: what this rank does now. The training loops mark each wait on
 //!   it ([`wait`], a guard), servers say when they are idle; the board costs one relaxed
 //!   atomic load per mark until a watch starts.
-//! - [`watch`]: a thread per rank on a communicator of its own. A rank whose wait passes
+//! - `watch`: a thread per rank on a communicator of its own. A rank whose wait passes
 //!   the threshold alerts the chief; the chief then asks every rank what it does (the
 //!   board) and reports. Nothing is sent while no one waits long. A rank whose chief does
 //!   not answer says so itself.
-//! - [`report`]: the chief's view of one stall and its line.
+//! - `report`: the chief's view of one stall and its line.
 //!
 //! The watch needs `MPI_THREAD_MULTIPLE` (its thread talks while training does).
 
-pub mod report;
-pub mod watch;
+pub(crate) mod report;
+pub(crate) mod watch;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -10,7 +10,7 @@
 //! newest checkpoint whose manifest and every shard verify is used; a corrupted or
 //! incomplete one is reported and the previous one tried.
 //!
-//! What the files hold, and how every mode restores from any mode's checkpoint: [`state`].
+//! What the files hold, and how every mode restores from any mode's checkpoint: `state`.
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-pub mod state;
+pub(crate) mod state;
 
 pub use state::State;
 

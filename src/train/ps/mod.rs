@@ -6,12 +6,12 @@
 //! the variables, writes checkpoints and logs.
 //!
 //! - [`protocol`]: the typed requests and replies, and their framing.
-//! - [`wire`]: sends and receives with deadlines.
-//! - [`server`]: a ps task's server (what `Server::join` runs).
-//! - [`worker`]: a worker's client of the ps tasks.
-//! - [`session`]: the monitored session workers train in (chief init/restore, hooks).
+//! - `wire`: sends and receives with deadlines.
+//! - `server`: a ps task's server (what `Server::join` runs).
+//! - `worker`: a worker's client of the ps tasks.
+//! - `session`: the monitored session workers train in (chief init/restore, hooks).
 //! - [`rma`]: the same training over one-sided MPI windows.
-//! - [`shards`]: the checkpoint both transports write: one file per ps and a manifest.
+//! - `shards`: the checkpoint both transports write: one file per ps and a manifest.
 //!
 //! Semantics (TensorFlow's `SyncReplicasOptimizer`, plus):
 //! - sync: a step's update is applied when `replicas_to_aggregate` fresh gradients have
@@ -33,13 +33,13 @@
 pub mod placement;
 pub mod protocol;
 pub mod rma;
-pub mod roles;
-pub mod server;
-pub mod session;
-pub mod shards;
+pub(crate) mod roles;
+pub(crate) mod server;
+pub(crate) mod session;
+pub(crate) mod shards;
 mod store;
-pub mod wire;
-pub mod worker;
+pub(crate) mod wire;
+pub(crate) mod worker;
 
 use std::time::Duration;
 
@@ -59,7 +59,7 @@ use crate::transport::comm::{Comm, TransportError};
 /// How workers reach the ps tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PsTransport {
-    /// Two-sided messages: the ps serves each request ([`server`]).
+    /// Two-sided messages: the ps serves each request (`server`).
     #[default]
     P2p,
     /// One-sided MPI windows: workers get and accumulate; the ps works once per step
@@ -225,7 +225,7 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
 }
 
 /// Runs this rank's part (ps, worker or chief) of ps training over two-sided messages:
-/// a ps task serves, a worker trains in a session of the [`Ps`] strategy on its shard of
+/// a ps task serves, a worker trains in a session of the `Ps` strategy on its shard of
 /// each global batch, and the chief finally evaluates on `test` and saves the parameters.
 pub fn run<C: Comm>(
     comm: &C,

@@ -80,7 +80,7 @@ pub enum Request {
         non_finite: Option<NonFinite>,
         /// The pull that follows this push, in the same request: the ps answers it (a
         /// `Params` reply, parked like a [`Request::Pull`]'s) instead of `Ok` or `Stale`:
-        /// one round trip per step. See [`super::worker::Client::push_pull`] for when a
+        /// one round trip per step. See `super::worker::Client::push_pull` for when a
         /// worker asks.
         pull: Option<Then>,
     },
@@ -112,7 +112,7 @@ pub enum Reply {
     Ok { step: u64 },
     /// The parameters (payload) at `step`, and the loss of the update that made them;
     /// `stop`: the job stops at this step, asked by this signal (see
-    /// [`super::server`]'s stop rule: every worker's reply at one step says the same).
+    /// `super::server`'s stop rule: every worker's reply at one step says the same).
     Params {
         step: u64,
         loss: Option<f32>,

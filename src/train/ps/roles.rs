@@ -77,7 +77,7 @@ impl Roles {
             })
     }
 
-    /// The ranks of the evaluator tasks (side-car evaluation, [`crate::train::sidecar`]).
+    /// The ranks of the evaluator tasks (side-car evaluation, `crate::train::sidecar`).
     pub fn evaluators(&self) -> Vec<usize> {
         let of = |(r, (t, _)): (&usize, &(TaskId, usize))| t.is_evaluator().then_some(*r);
         self.tasks.iter().filter_map(of).collect()

@@ -49,8 +49,6 @@ use crate::train::events::Event;
 use crate::train::sidecar::EndNotice;
 use crate::transport::comm::Comm;
 
-pub use crate::train::engine::{Hook, StepInfo};
-
 /// A ps worker's training session: the step loop over the [`Ps`] strategy.
 pub type MonitoredSession<'s, 'e, C> = Session<'s, 'e, Ps<'s, C>>;
 
@@ -88,7 +86,7 @@ pub struct Ps<'s, C: Comm> {
 
 impl<'s, C: Comm> Session<'s, 's, Ps<'s, C>> {
     /// Starts this worker's session (`roles` says which worker; worker 0 is the chief)
-    /// as `cfg` says, its events printed by the chief ([`Ps::new`], [`Session::new`]).
+    /// as `cfg` says, its events printed by the chief (`Ps::new`, [`Session::new`]).
     pub fn for_worker(
         comm: &'s C,
         roles: &'s Roles,

@@ -10,13 +10,13 @@
 //! - `recursive-doubling`: log2(n) exchanges of the whole buffer; best for small tensors.
 //!   Ranks beyond the largest power of two first fold into a partner and get the result
 //!   back at the end.
-//! - `shm`: through memory shared by the ranks of one node ([`shm`]): what peers
+//! - `shm`: through memory shared by the ranks of one node (`shm`): what peers
 //!   reduce is copied once into a slot, each rank reduces its sub-slice in place and
 //!   publishes it, peers copy it out; pipelined in 256 KiB chunks; one step for calls up to
 //!   16 KiB. Where ranks span nodes, `shm` runs as `auto` among the others.
 //! - `hierarchical`: across nodes, the ranks of each node reduce through shared memory, one
 //!   leader per node allreduces with the other leaders, and broadcasts inside its node
-//!   ([`hierarchical`]); on one node it runs as `auto`.
+//!   (`hierarchical`); on one node it runs as `auto`.
 //! - `auto` (default): by size, rank count and placement, from the thresholds in
 //!   [`AutoTuning`]. All ranks on one node with a core each: `shm` from 512 B up, the
 //!   library's own below; more ranks than cores: `shm` at every size. Across nodes: the
@@ -31,11 +31,11 @@
 
 use std::cell::RefCell;
 
-pub mod hierarchical;
+pub(crate) mod hierarchical;
 mod recursive_doubling;
 mod ring;
-pub mod shm;
-pub mod stores;
+pub(crate) mod shm;
+pub(crate) mod stores;
 mod tuning;
 
 pub use tuning::{Algorithm, AutoTuning};
@@ -284,7 +284,7 @@ impl<C: Comm> Collectives<C> {
     }
 
     /// Makes the shared-memory allreduce store by `mode` from now on (`None`, the default:
-    /// as each rank measures, [`stores`]); `false` where there is none. Collective
+    /// as each rank measures, `stores`); `false` where there is none. Collective
     /// the first time, like [`Self::choose`]; afterwards local (ranks need not agree).
     pub fn force_shm_stores(&self, mode: Option<StoreMode>) -> Result<bool, TransportError> {
         Ok(self.shm()?.map(|s| s.stores.force(mode)).is_some())

@@ -13,9 +13,9 @@ pub enum Algorithm {
     Mpi,
     Ring,
     RecursiveDoubling,
-    /// Through memory shared by the ranks of one node (see [`super::shm`]).
+    /// Through memory shared by the ranks of one node (see `super::shm`).
     Shm,
-    /// Shared memory in each node, one leader per node across (see [`super::hierarchical`]).
+    /// Shared memory in each node, one leader per node across (see `super::hierarchical`).
     Hierarchical,
 }
 
@@ -78,7 +78,7 @@ pub struct AutoTuning {
     /// the faster in 14 of 15 pairs from 1 to 16 MiB against the ring (0.34-0.68x of
     /// `MPI_Allreduce` against 0.55-0.92x; three jobs with both as paths, `bench allreduce
     /// --algorithm ring,shm`), since it copies each rank's sub-slice once and stores by
-    /// measured mode ([`super::stores`]).
+    /// measured mode (`super::stores`).
     pub shm_min_bytes: usize,
     pub shm_max_bytes: usize,
     /// Bytes per shared-memory slot (the pipeline's chunk). 256 KiB: against 64 KiB a

@@ -15,7 +15,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 pub(crate) mod errors;
-pub mod idle;
+pub(crate) mod idle;
 mod library;
 mod shared;
 mod waits;

@@ -7,7 +7,7 @@
 //! buffer end, never written past it.
 //!
 //! Headers are sent when they say something new. Each communicator remembers, per (peer,
-//! tag), the tensor last sent and the tensor last received ([`Links`]); both sides update
+//! tag), the tensor last sent and the tensor last received (`Links`); both sides update
 //! it in the same order, so they agree on it. Sending the link's last tensor again puts
 //! its payload alone on the wire, and a receiver that expects the link's last tensor
 //! receives the payload alone into place: the check is then that both sides' tensors
@@ -21,7 +21,7 @@
 //! Receives therefore name their source (no `ANY_SOURCE`).
 //!
 //! Between two ranks of one node a link's tensors of at most 32 KiB go through a ring in
-//! shared memory ([`super::ring`]; the sender offers it with the link's first message,
+//! shared memory (`super::ring`; the sender offers it with the link's first message,
 //! the receiver maps it at its first receive; a tensor over 4 KiB takes several slots):
 //! 0.4-0.9x plain MPI's latency and 1.1-3.7x its bandwidth to 2 KiB here, 0.14-0.4x and
 //! 3-14x at 4-32 KiB, in order with the link's larger messages, which go by MPI. So a
@@ -533,7 +533,7 @@ fn receive_other_into<C: Comm>(
 }
 
 /// Whether receives from rank `src` on `tag` go through a ring in shared memory (see
-/// [`super::ring`]): the link has received, its sender runs on this node, and
+/// `super::ring`): the link has received, its sender runs on this node, and
 /// no receive of a tensor larger than the ring's slots has moved it back to MPI.
 pub fn receives_by_ring<C: Comm>(c: &C, src: usize, tag: i32) -> bool {
     c.links().rings.receives_by_ring(src, tag)
