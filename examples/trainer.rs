@@ -6,7 +6,8 @@
 //!        --job_name=ps --task_index=0 : -np 1 trainer ... --job_name=worker --task_index=0
 //! TF_CONFIG='{"cluster": ..., "task": ...}' trainer                 # per process, under an MPI launcher
 //! ```
-//! Options: `--steps N` (default 1000), `--async`, `--checkpoint_dir DIR`, `--data SPEC`
+//! Options: `--steps N` (default 1000), `--async`, `--transport rma` (the ps over one-sided
+//! windows: every task calls `Server::one_sided`), `--checkpoint_dir DIR`, `--data SPEC`
 //! (default digits). Prints `accuracy X` on the chief at the end. SIGTERM, SIGINT or
 //! SIGUSR1 on any task stops every task after the same step, the chief checkpoints, and
 //! every task exits 75 (a rerun resumes). A loss or gradient not finite on any worker ends
@@ -96,9 +97,6 @@ fn run(args: &[String]) -> Result<Ended, Error> {
         server.evaluate(&net, &test, dir, &mut |e| println!("{e}"))?;
         return Ok(Ended::Done);
     }
-    if server.is_ps() {
-        return joined(server.join());
-    }
     let (train, test) = Dataset::load_split(&spec, 1)?;
     let net = model(&train)?;
     let cfg = PsConfig {
@@ -114,9 +112,34 @@ fn run(args: &[String]) -> Result<Ended, Error> {
         sync: !args.iter().any(|a| a == "--async"),
         ..PsConfig::default()
     };
-    let mut sess = server.session(&net, &cfg)?;
+    if value(args, "--transport").as_deref() == Some("rma") {
+        // Every task takes part: the windows are allocated by all of them together.
+        let ended = server.one_sided(&net, &cfg, &test, |sess| {
+            drive(sess, &cfg.train, &train, &test)
+        });
+        return match ended {
+            Ok(Some(ended)) => Ok(ended),
+            Ok(None) => Ok(Ended::Done),
+            Err(e) => joined(Err(e)),
+        };
+    }
+    if server.is_ps() {
+        return joined(server.join());
+    }
+    let sess = server.session(&net, &cfg)?;
+    Ok(drive(sess, &cfg.train, &train, &test)?)
+}
+
+/// A worker's training, the same in every mode: batches until the session stops, the
+/// chief's accuracy at the end.
+fn drive<'m, S: Strategy<'m>>(
+    mut sess: Session<'m, '_, S>,
+    cfg: &TrainConfig,
+    train: &Dataset,
+    test: &Dataset,
+) -> Result<Ended, TrainError> {
     let (workers, w) = sess.ranks();
-    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
+    let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
         let (x, y) = train.rows(shard(&global, w, workers));
@@ -127,10 +150,10 @@ fn run(args: &[String]) -> Result<Ended, Error> {
                 let line = format!("stopped by {} at step {}", s.signal, s.step);
                 return Ok(Ended::Stopped(sess.is_chief().then_some(line)));
             }
-            Err(e @ TrainError::Ps(PsError::NotApplied(_))) => {
+            Err(e @ (TrainError::Ps(PsError::NotApplied(_)) | TrainError::NonFinite(_))) => {
                 return Ok(Ended::Failed(sess.is_chief().then(|| e.to_string())));
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         }
     }
     let chief = sess.is_chief();
@@ -141,6 +164,7 @@ fn run(args: &[String]) -> Result<Ended, Error> {
     }
     Ok(Ended::Done)
 }
+
 /// One line on stderr in one write: `eprintln!` writes its pieces one by one, and mpirun,
 /// forwarding several processes' stderr, may put its own text between them.
 fn say(line: &str) {

@@ -1,7 +1,8 @@
 //! `examples/trainer.rs`, the seeds' trainer written with mpiflow's library, under real
 //! `mpirun -np 4` (1 ps, 3 workers), with its role from each of the three sources: the
 //! MPI mapping, the seeds' flags (one app context per task, ranks not in task order),
-//! and TF_CONFIG per process. The chief prints `accuracy X`. `examples/allreduce.rs`, a
+//! and TF_CONFIG per process, over messages and over one-sided windows. The chief prints
+//! `accuracy X`. `examples/allreduce.rs`, a
 //! model of its own trained by allreduce, under `mpirun -np 3`.
 
 mod common;
@@ -41,6 +42,25 @@ fn the_trainer_reaches_the_target_with_roles_from_mpi() {
         "{}",
         out.stdout
     );
+}
+
+/// The same program over one-sided windows (`Server::one_sided`: every task takes part,
+/// the workers drive the session in a closure): synchronous training is the same
+/// training, so the chief ends at the same accuracy as over messages.
+#[test]
+fn the_trainer_trains_the_same_over_one_sided_windows() {
+    let t = trainer();
+    let messages = mpirun(&["-np", "4", &t, "--steps", "300"]);
+    assert_trained(&messages, "ps over messages");
+    let windows = mpirun(&["-np", "4", &t, "--steps", "300", "--transport", "rma"]);
+    assert_trained(&windows, "ps over windows");
+    assert!(
+        windows.stdout.contains("# one-sided:"),
+        "{}",
+        windows.stdout
+    );
+    let (a, b) = (accuracy(&messages.stdout), accuracy(&windows.stdout));
+    assert!((a - b).abs() < 0.005, "over messages {a}, over windows {b}");
 }
 
 #[test]

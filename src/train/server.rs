@@ -41,6 +41,7 @@ use super::allreduce::{Allreduce, AllreduceConfig};
 use super::data::Dataset;
 use super::engine::{Session, TrainError};
 use super::events::Event;
+use super::ps::rma::{self, OneSidedSession};
 use super::ps::session::MonitoredSession;
 use super::ps::PsConfig;
 use super::ps::{server, PsError, Roles};
@@ -254,6 +255,39 @@ impl Server {
         let replicas = workers.split(0, workers.rank()).map_err(TrainError::from)?;
         let strategy = Allreduce::new(replicas, &self.layout, self.rank, model, cfg)?;
         Ok(Session::new(strategy, &cfg.train)?)
+    }
+
+    /// One-sided ps training (`--transport rma`): the ps tasks' variables in MPI windows
+    /// that the workers read and accumulate into. Every task calls it with the same model
+    /// and configuration (the windows are allocated by all tasks together and sized from
+    /// the model): on a worker it opens the session and hands it to `drive`, whose result
+    /// it returns; a ps task serves, and an evaluator evaluates the chief's checkpoints on
+    /// `test` (`cfg.train.checkpoint_dir`), until the workers end, and both return `None`.
+    /// The windows are freed when it returns, so the session lives inside `drive`. Events
+    /// are printed by the chief and the evaluator.
+    pub fn one_sided<R>(
+        &self,
+        model: &dyn Model,
+        cfg: &PsConfig,
+        test: &Dataset,
+        drive: impl for<'a, 'w> FnOnce(OneSidedSession<'a, 'w, MpiComm>) -> Result<R, TrainError>,
+    ) -> Result<Option<R>, ServerError> {
+        let prints = self.is_chief() || self.is_evaluator();
+        let mut events = |e: &Event| {
+            if prints {
+                println!("{e}")
+            }
+        };
+        let (comm, layout) = (&self.comm, &self.layout);
+        Ok(rma::scope(
+            comm,
+            layout,
+            model,
+            cfg,
+            test,
+            &mut events,
+            drive,
+        )?)
     }
 
     /// A worker's training session of `model` against the ps tasks, as `cfg` says (its

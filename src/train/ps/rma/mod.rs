@@ -72,7 +72,7 @@ use crate::observe::stall::{self, Wait};
 use crate::observe::timeline::Detail;
 use crate::tensor::Tensor;
 use crate::train::data::Dataset;
-use crate::train::engine::Session;
+use crate::train::engine::{Session, TrainError};
 use crate::train::events::Event;
 use crate::train::guard::NonFinite;
 use crate::train::optim::{OptimizerKind, Slots};
@@ -80,7 +80,7 @@ use crate::transport::comm::{Backoff, Comm};
 use crate::transport::rma::{AllocateError, RmaError};
 use crate::transport::window::{Access, RmaWindow};
 use crate::transport::Collectives;
-use worker::OneSided;
+pub use worker::OneSided;
 
 const STEP: usize = 0;
 const ARRIVALS: usize = 1;
@@ -244,8 +244,18 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
     Ok(())
 }
 
+/// A worker's session of one-sided training: the step loop over the [`OneSided`]
+/// strategy, on this job's windows (it lives inside [`scope`], which holds them).
+/// `'w`: the windows', open for the session's `'a`.
+pub type OneSidedSession<'a, 'w, C> =
+    Session<'a, 'a, OneSided<'a, C, Open<'w, C, f32>, Open<'w, C, i64>>>;
+
+/// A window of `T` of communicator `C`, open for one-sided operations.
+type Open<'a, C, T> = <<C as Comm>::Window<T> as RmaWindow<T>>::Open<'a>;
+
 /// Runs this rank's part of one-sided ps training (collective over `comm`: every rank
-/// allocates the windows): the ps tasks serve, the workers train in a session.
+/// allocates the windows): the ps tasks serve, the workers train to the end on `train`
+/// (evaluating on `test`), the evaluators evaluate the chief's checkpoints.
 pub fn run<C: Comm>(
     comm: &C,
     layout: &Layout,
@@ -254,15 +264,46 @@ pub fn run<C: Comm>(
     train: &Dataset,
     test: &Dataset,
     events: &mut dyn FnMut(&Event),
-) -> Result<(), PsError> {
+) -> Result<(), PsError>
+where
+    C::Window<f32>: 'static,
+    C::Window<i64>: 'static,
+{
+    crate::model::check_data(model, "train", train.features, train.classes)
+        .map_err(|e| PsError::Setup(e.to_string()))?;
+    scope(comm, layout, model, cfg, test, events, |sess| {
+        crate::train::train_to_end(sess, &cfg.train, train, test).map(drop)
+    })
+    .map(drop)
+}
+
+/// One-sided ps training as the program drives it: every rank of `comm` calls it (a
+/// collective: every rank allocates the windows). On a worker it opens the session and
+/// hands it to `drive`, whose result it returns; a ps task serves the workers and an
+/// evaluator evaluates the chief's checkpoints on `test`, until the workers end, and both
+/// return `None`. The windows are freed when it returns, so the session lives inside
+/// `drive`.
+#[allow(clippy::too_many_arguments)]
+pub fn scope<C: Comm, R>(
+    comm: &C,
+    layout: &Layout,
+    model: &dyn Model,
+    cfg: &PsConfig,
+    test: &Dataset,
+    events: &mut dyn FnMut(&Event),
+    drive: impl for<'a, 'w> FnOnce(OneSidedSession<'a, 'w, C>) -> Result<R, TrainError>,
+) -> Result<Option<R>, PsError>
+where
+    C::Window<f32>: 'static,
+    C::Window<i64>: 'static,
+{
     check_config(cfg, layout)?;
     let roles = Roles::new(layout)?;
     // Every rank places the variables from its own model: one of another model would put
     // its gradients where other variables are.
     let everyone = Collectives::new(comm.split(0, comm.rank())?);
     crate::train::agree_on_model(&everyone, model, |r| roles.task(r))?.map_err(PsError::Setup)?;
-    let replica = crate::train::initial_replica(model, train, cfg.train.seed)
-        .map_err(|e| PsError::Setup(e.to_string()))?;
+    let replica = Replica::new(model, cfg.train.seed);
     let vars = replica.variables();
     let shards = placement::place(&vars, roles.ps.len(), cfg.strategy, cfg.partition_bytes);
     let pieces = pieces(&shards);
@@ -307,8 +348,8 @@ pub fn run<C: Comm>(
         let c = windows.ctl.open()?;
         let dir = cfg.train.checkpoint_dir.as_deref();
         match (state, roles.worker_index(comm.rank())) {
-            (Some(state), _) if cfg.sync => ctx.serve_sync(&mut d, &c, state),
-            (Some(state), _) => ctx.serve_async(state.k, &c),
+            (Some(state), _) if cfg.sync => ctx.serve_sync(&mut d, &c, state).map(|()| None),
+            (Some(state), _) => ctx.serve_async(state.k, &c).map(|()| None),
             (None, Some(w)) => {
                 // Dropped with the strategy on every way out of training, before the
                 // windows are freed: the evaluators then end (and come to the free).
@@ -317,14 +358,14 @@ pub fn run<C: Comm>(
                 let restored = restored.map(|f| f.step);
                 let worker = OneSided::new(&ctx, w, replica, (&d, &c), notes, restored, end);
                 Session::with_events(worker, &cfg.train, &mut *events)
-                    .and_then(|sess| crate::train::train_to_end(sess, &cfg.train, train, test))
-                    .map(drop)
+                    .and_then(drive)
+                    .map(Some)
                     .map_err(PsError::from)
             }
             (None, None) => {
                 let evaluator = crate::train::sidecar::take_part;
                 let taken = evaluator(comm, layout, model, test, dir, events);
-                taken.map(drop).map_err(PsError::from)
+                taken.map(|_| None).map_err(PsError::from)
             }
         }
     };

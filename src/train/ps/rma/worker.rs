@@ -14,7 +14,7 @@ use crate::train::sidecar::EndNotice;
 /// A worker of one-sided ps training: the ps tasks' windows hold the parameters (and,
 /// synchronous, apply the update); this worker gets them, computes its gradient and
 /// accumulates it there.
-pub(super) struct OneSided<'a, C: Comm, D: Access<f32>, K: Access<i64>> {
+pub struct OneSided<'a, C: Comm, D: Access<f32>, K: Access<i64>> {
     rma: &'a Rma<'a>,
     data: &'a D,
     ctl: &'a K,
