@@ -1,8 +1,12 @@
 //! A model of your own, trained by synchronous replicas: every rank holds the model,
 //! computes gradients on its share of each batch, and a fused allreduce averages them.
+//! With `--stages S`, each replica is S tasks, each holding some of the model's layers
+//! (pipeline stages; the replicas' stage-k tasks allreduce their stage's gradients): the
+//! same loop drives the stage's session.
 //!
 //! ```text
 //! mpirun -np 3 target/release/examples/allreduce [--steps N] [--data SPEC]
+//! mpirun -np 4 target/release/examples/allreduce --stages 2     # 2 replicas of 2 stages
 //! ```
 //! The chief prints the held-out `accuracy` at the end.
 
@@ -35,10 +39,35 @@ fn value(args: &[String], name: &str) -> Option<String> {
     args.get(at + 1).cloned()
 }
 
+/// The training loop, the same for every mode: each replica's share of each global
+/// batch, the held-out evaluation at the end.
+fn drive<'m, S: Strategy<'m>>(
+    mut sess: Session<'m, '_, S>,
+    cfg: &TrainConfig,
+    (train, test): (&Dataset, &Dataset),
+) -> Result<(), TrainError> {
+    let (replicas, me) = sess.data_shard();
+    let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
+    while !sess.should_stop() {
+        let global = batches.global(sess.global_step());
+        let (x, y) = train.rows(shard(&global, me, replicas));
+        sess.run(&x, &y)?;
+    }
+    sess.evaluate(test)?;
+    sess.close()?;
+    Ok(())
+}
+
 fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    // Every rank a worker (no ps tasks): roles from MPI, TF_CONFIG or the seeds' flags.
-    let server = Server::start(&args, MappingOptions::default())?;
+    let stages = value(&args, "--stages").and_then(|s| s.parse().ok());
+    // Every rank a worker (no ps tasks), or a replica's stage: roles from MPI, TF_CONFIG
+    // or the seeds' flags.
+    let mapping = MappingOptions {
+        stages,
+        ..MappingOptions::default()
+    };
+    let server = Server::start(&args, mapping)?;
     if server.layout().ranks.len() > 1 && server.is_chief() {
         for w in server.warnings() {
             eprintln!("warning: {w}");
@@ -61,15 +90,16 @@ fn main() -> Result<(), Error> {
     };
     // The session prints what the chief reports; the loop feeds each replica its share of
     // each global batch.
-    let mut sess = server.allreduce_session(&net, &cfg)?;
-    let (replicas, me) = sess.ranks();
-    let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
-    while !sess.should_stop() {
-        let global = batches.global(sess.global_step());
-        let (x, y) = train.rows(shard(&global, me, replicas));
-        sess.run(&x, &y)?;
+    let data = (&train, &test);
+    if stages.is_some() {
+        let cfg = PipelineConfig {
+            train: cfg.train.clone(),
+            ..PipelineConfig::default()
+        };
+        server.stages(&net, &cfg, data, |sess| drive(sess, &cfg.train, data))?;
+        return Ok(());
     }
-    sess.evaluate(&test)?;
-    sess.close()?;
+    let sess = server.allreduce_session(&net, &cfg)?;
+    drive(sess, &cfg.train, data)?;
     Ok(())
 }

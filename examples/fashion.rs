@@ -74,7 +74,7 @@ fn main() -> Result<std::process::ExitCode, Error> {
         .allreduce_session(&net, &cfg)?
         .evaluate_every(every, &test)
         .stop_at_accuracy(target);
-    let (replicas, me) = sess.ranks();
+    let (replicas, me) = sess.data_shard();
     let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());

@@ -138,7 +138,7 @@ fn drive<'m, S: Strategy<'m>>(
     train: &Dataset,
     test: &Dataset,
 ) -> Result<Ended, TrainError> {
-    let (workers, w) = sess.ranks();
+    let (workers, w) = sess.data_shard();
     let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());

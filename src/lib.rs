@@ -59,6 +59,7 @@ pub use cluster::MappingOptions;
 pub use error::Error;
 pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, ShapeError};
 pub use model::{Model, Replica, Sequential, Targets};
+pub use pipeline::{PipelineConfig, PipelineError, Schedule};
 pub use signals::catch_stop_signals;
 pub use train::allreduce::{Allreduce, AllreduceConfig};
 pub use train::data::{shard, Batches, Dataset};
@@ -76,8 +77,9 @@ pub mod prelude {
     pub use crate::{
         shard, Allreduce, AllreduceConfig, Batches, Conv2d, Dataset, Decay, Dense, Error, Event,
         Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind,
-        PsConfig, PsError, Relu, Replica, Sequential, Server, ServerError, Session, ShapeError,
-        StepInfo, Stopped, Strategy, Targets, TrainConfig, TrainError, Trained,
+        PipelineConfig, PipelineError, PsConfig, PsError, Relu, Replica, Sequential, Server,
+        ServerError, Session, ShapeError, StepInfo, Stopped, Strategy, Targets, TrainConfig,
+        TrainError, Trained,
     };
 }
 

@@ -175,3 +175,32 @@ fn the_allreduce_example_trains_its_own_model() {
         out.stdout
     );
 }
+
+/// The same program with `--stages 2` (`Server::stages`: every task takes part, each
+/// replica task drives its stage's session with the same loop): 2 replicas of 2 stages
+/// train on the same global batches as 2 plain replicas, so they end where those do.
+#[test]
+fn the_allreduce_example_drives_pipeline_stages_with_the_same_loop() {
+    let plain = mpirun(&["-np", "2", &example("allreduce"), "--steps", "400"]);
+    assert_trained(&plain, "2 replicas");
+    let staged = mpirun(&[
+        "-np",
+        "4",
+        &example("allreduce"),
+        "--steps",
+        "400",
+        "--stages",
+        "2",
+    ]);
+    assert_trained(&staged, "2 replicas of 2 stages");
+    assert!(
+        staged.stdout.contains("# pipeline: 2 replicas x 2 stages"),
+        "{}",
+        staged.stdout
+    );
+    let (a, b) = (accuracy(&plain.stdout), accuracy(&staged.stdout));
+    assert!(
+        (a - b).abs() < 0.01,
+        "2 replicas {a}, 2 replicas of 2 stages {b}"
+    );
+}

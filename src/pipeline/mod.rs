@@ -76,7 +76,8 @@ pub(crate) mod update;
 pub use partition::{balance, Balance, PartitionError};
 pub use schedule::{Op, Schedule};
 pub use stage::Stage;
-pub use train::{PipelineConfig, PipelineError};
+pub use stages::Stages;
+pub use train::{PipelineConfig, PipelineError, StagesSession};
 
 #[cfg(test)]
 mod tests;

@@ -37,33 +37,33 @@ pub(crate) struct Place {
 }
 
 /// A replica task of pipeline training: one stage of one replica.
-pub(crate) struct Stages<'a, C: Comm> {
-    pub st: Stage<'a>,
-    pub updater: Updater<'a, C>,
+pub struct Stages<'a, C: Comm> {
+    pub(crate) st: Stage<'a>,
+    pub(crate) updater: Updater<'a, C>,
     /// To the replica's other stages.
-    pub link: Link<'a, C>,
+    pub(crate) link: Link<'a, C>,
     /// Every replica task.
-    pub group: &'a Collectives<C>,
-    pub layout: &'a Layout,
+    pub(crate) group: &'a Collectives<C>,
+    pub(crate) layout: &'a Layout,
     /// This task's world rank.
-    pub rank: usize,
-    pub cfg: &'a PipelineConfig,
-    pub model: &'a Sequential,
+    pub(crate) rank: usize,
+    pub(crate) cfg: &'a PipelineConfig,
+    pub(crate) model: &'a Sequential,
     /// The schedule's passes of this stage.
-    pub ops: Vec<Op>,
-    pub place: Place,
-    pub writers: Writers,
+    pub(crate) ops: Vec<Op>,
+    pub(crate) place: Place,
+    pub(crate) writers: Writers,
     /// The stage's ps job, told when this task fails.
-    pub ps_job: Option<(&'a C, &'a Roles)>,
+    pub(crate) ps_job: Option<(&'a C, &'a Roles)>,
     /// The step being applied: this replica's samples and loss (the last stage's).
-    pub applying: (usize, f32),
+    pub(crate) applying: (usize, f32),
     /// With ps tasks: the parameters are behind the ps's (pulled before they are used).
-    pub stale: bool,
+    pub(crate) stale: bool,
     /// The global step, and the first this task trained.
-    pub step: u64,
-    pub first: u64,
-    pub peak_activations: usize,
-    pub passes: PassTimes,
+    pub(crate) step: u64,
+    pub(crate) first: u64,
+    pub(crate) peak_activations: usize,
+    pub(crate) passes: PassTimes,
 }
 
 impl<'a, C: Comm> Stages<'a, C> {

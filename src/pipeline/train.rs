@@ -198,6 +198,10 @@ fn plan(model: &Sequential, ranges: &[Range<usize>], cfg: &PipelineConfig) -> St
     )
 }
 
+/// A replica task's session of pipeline training: the step loop over its stage's
+/// [`Stages`] strategy (it lives inside [`scope`], which holds the communicators).
+pub type StagesSession<'a, C> = Session<'a, 'a, Stages<'a, C>>;
+
 /// Runs this rank's part of pipeline training; `events` sees what this rank reports
 /// (replica 0's last stage reports the steps and the accuracy).
 pub fn run<C: Comm>(
@@ -209,6 +213,47 @@ pub fn run<C: Comm>(
     test: &Dataset,
     events: &mut dyn FnMut(&Event),
 ) -> Result<(), PipelineError> {
+    let data = (train, test);
+    scope(comm, layout, model, cfg, data, events, |s| {
+        finish(s, cfg, train, test)
+    })
+    .map(drop)
+}
+
+/// Trains a replica task's session to its end: every step, the last checkpoint, the
+/// stages' report (memory, bubble), the last evaluation.
+fn finish<C: Comm>(
+    sess: StagesSession<'_, C>,
+    pipeline: &PipelineConfig,
+    train: &Dataset,
+    test: &Dataset,
+) -> Result<(), TrainError> {
+    let cfg = &pipeline.train;
+    let mut sess = crate::train::evaluating(sess, cfg, test);
+    crate::train::fit(&mut sess, cfg, train)?;
+    sess.save()?;
+    let (mine, reporting) = (sess.strategy().stage_report(), sess.is_chief());
+    let (group, micro) = (sess.strategy().group, pipeline.micro_batches);
+    report_stages(group, mine, micro, reporting, &mut |e| sess.report(e))?;
+    sess.evaluate_now(test)?;
+    sess.close()?;
+    Ok(())
+}
+
+/// Pipeline training as the program drives it: every rank of `comm` calls it (the
+/// communicators of replicas and stages are made by all of them). On a replica task it
+/// plans the stages (timing the layers on `train`'s samples), opens the session and
+/// hands it to `drive`, whose result it returns; a ps task serves every stage's job, an
+/// evaluator evaluates the checkpoints on `test`, and both return `None`.
+pub fn scope<C: Comm, R>(
+    comm: &C,
+    layout: &Layout,
+    model: &Sequential,
+    cfg: &PipelineConfig,
+    (train, test): (&Dataset, &Dataset),
+    events: &mut dyn FnMut(&Event),
+    drive: impl for<'a> FnOnce(StagesSession<'a, C>) -> Result<R, TrainError>,
+) -> Result<Option<R>, PipelineError> {
     let me = &layout.ranks[comm.rank()];
     let place = layout.spec.replica_stage(&me.task);
     let shape = layout.spec.replica_shape();
@@ -232,7 +277,7 @@ pub fn run<C: Comm>(
             .filter_map(|(c, r)| r.as_ref().map(|r| (c, r)))
             .collect();
         let served = crate::train::ps::server::serve_many(&jobs, me.task.index, ps.peer_timeout);
-        return served.map_err(PipelineError::from);
+        return served.map(|()| None).map_err(PipelineError::from);
     }
     let dir = cfg.train.checkpoint_dir.as_deref();
     let Some((replica, stage)) = place else {
@@ -240,14 +285,14 @@ pub fn run<C: Comm>(
         // end notice comes then.)
         let evaluator = crate::train::sidecar::take_part;
         if shape.is_some() && evaluator(comm, layout, model, test, dir, events)? {
-            return Ok(());
+            return Ok(None);
         }
         events(&Event::Warning(format!(
             "{} (rank {}): not a replica in pipeline training; idle",
             me.task,
             comm.rank()
         )));
-        return Ok(());
+        return Ok(None);
     };
     let Some((replicas, _)) = shape else {
         return Err(PipelineError::Config(
@@ -293,8 +338,8 @@ pub fn run<C: Comm>(
         Ok(s) => s,
         Err(e) => return Err(task.tell_ps(e)),
     };
-    task.train(strategy, train, test, events)
-        .map_err(PipelineError::from)
+    let sess = Session::with_events(strategy, &cfg.train, &mut *events)?;
+    drive(sess).map(Some).map_err(PipelineError::from)
 }
 
 /// A replica task setting up and running its part of pipeline training.
@@ -435,28 +480,6 @@ impl<'a, C: Comm> Task<'a, C> {
             peak_activations: 0,
             passes: PassTimes::default(),
         })
-    }
-
-    /// Trains in a session over `strategy`: the built-in loop, then the stages' report,
-    /// the final evaluation, the trained parameters.
-    fn train(
-        &self,
-        strategy: Stages<'a, C>,
-        train: &Dataset,
-        test: &Dataset,
-        events: &mut dyn FnMut(&Event),
-    ) -> Result<(), TrainError> {
-        let cfg = &self.cfg.train;
-        let sess = Session::with_events(strategy, cfg, &mut *events)?;
-        let mut sess = crate::train::evaluating(sess, cfg, test);
-        crate::train::fit(&mut sess, cfg, train)?;
-        sess.save()?;
-        let (mine, reporting) = (sess.strategy().stage_report(), sess.is_chief());
-        let micro = self.cfg.micro_batches;
-        report_stages(self.group, mine, micro, reporting, &mut |e| sess.report(e))?;
-        sess.evaluate_now(test)?;
-        sess.close()?;
-        Ok(())
     }
 }
 

@@ -7,7 +7,10 @@
 //! first). Tensors travel by MPI in every case, so the job runs under an MPI launcher.
 //! A ps task calls [`Server::join`], which serves the variables until every worker is
 //! done; workers train in a [`MonitoredSession`]; an evaluator task evaluates the chief's
-//! checkpoints as they come ([`Server::evaluate`]).
+//! checkpoints as they come ([`Server::evaluate`]). Over one-sided windows every task
+//! calls [`Server::one_sided`] instead (the windows are allocated by all of them at once),
+//! and in pipeline training [`Server::stages`]; data-parallel replicas train in
+//! [`Server::allreduce_session`].
 //!
 //! ```no_run
 //! use mpiflow::{PsConfig, Server, TrainConfig};
@@ -49,6 +52,7 @@ use super::sidecar;
 use crate::cluster::resolve::{resolve_bound, resolve_mpi, resolve_offline};
 use crate::cluster::{Layout, MappingOptions, Request, ResolveError, Source, TaskId};
 use crate::model::Model;
+use crate::pipeline::StagesSession;
 use crate::transport::mpi::MpiComm;
 use crate::transport::Comm;
 use crate::transport::{Context, InitError};
@@ -66,6 +70,8 @@ pub enum ServerError {
     Sidecar(#[from] sidecar::SidecarError),
     #[error("{0}")]
     Train(#[from] TrainError),
+    #[error("{0}")]
+    Pipeline(#[from] crate::pipeline::PipelineError),
     #[error("{task} (rank {rank}): {what}")]
     Role {
         task: String,
@@ -288,6 +294,35 @@ impl Server {
             &mut events,
             drive,
         )?)
+    }
+
+    /// Pipeline training (model parallelism): the cluster's replica jobs (`replica_0`,
+    /// `replica_1`, ..., started with [`MappingOptions::stages`]) each hold the model cut
+    /// into stages, one per task. Every task calls it with the same model and
+    /// configuration (the communicators of replicas and stages are made by all tasks
+    /// together): on a replica task it plans the stages (timing the layers on `train`'s
+    /// samples) and hands the stage's session to `drive`, whose result it returns; a ps
+    /// task serves every stage's variables (`cfg.ps`), an evaluator evaluates the
+    /// checkpoints on `test`, and both return `None`. Every replica task runs every step
+    /// with its replica's share of the batch ([`Session::data_shard`]). Events are printed
+    /// by the task that reports (replica 0's last stage) and the evaluator.
+    pub fn stages<R>(
+        &self,
+        model: &crate::model::Sequential,
+        cfg: &crate::pipeline::PipelineConfig,
+        (train, test): (&Dataset, &Dataset),
+        drive: impl for<'a> FnOnce(StagesSession<'a, MpiComm>) -> Result<R, TrainError>,
+    ) -> Result<Option<R>, ServerError> {
+        let reporter = crate::pipeline::train::reporter(&self.layout);
+        let prints = reporter == Some(self.rank) || self.is_evaluator();
+        let mut events = |e: &Event| {
+            if prints {
+                println!("{e}")
+            }
+        };
+        let (comm, layout, data) = (&self.comm, &self.layout, (train, test));
+        let scope = crate::pipeline::train::scope;
+        Ok(scope(comm, layout, model, cfg, data, &mut events, drive)?)
     }
 
     /// A worker's training session of `model` against the ps tasks, as `cfg` says (its
