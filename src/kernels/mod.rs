@@ -59,9 +59,10 @@ unsafe extern "C" {
 /// The OpenBLAS kernel family (`OPENBLAS_CORETYPE`) for this CPU's instruction set.
 ///
 /// OpenBLAS picks its kernels by CPU model when it loads; on virtual machines that report a
-/// generic model (here: "Intel Xeon Processor"), Debian's OpenBLAS 0.3.21 falls back to
-/// `Prescott`, an SSE3 kernel: measured 25 GFLOP/s single-threaded sgemm where `SkylakeX`
-/// gives 4x that on the same AVX-512 CPU. Choosing by instruction set avoids the fallback.
+/// generic model ("Intel Xeon Processor"), Debian's OpenBLAS 0.3.21 falls back to
+/// `Prescott`, an SSE3 kernel, several times slower than the AVX-512 one on the same CPU
+/// (`benches/results/2026-11-22.md` has the sgemm rates). Choosing by instruction set avoids the
+/// fallback.
 pub fn openblas_coretype() -> Option<&'static str> {
     #[cfg(target_arch = "x86_64")]
     {

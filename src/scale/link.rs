@@ -177,10 +177,10 @@ mod tests {
         assert_eq!(rows.len(), 3);
         assert_eq!(rows[0].0, 1.0);
         assert!((rows[2].1 - 423.23e-6).abs() < 1e-12);
-        // The two-host TCP link of benches/results/2026-11-24-hosts.md, unshaped: ~6 us.
+        // A two-host TCP link's latencies (benches/results/2026-11-24-hosts.md): microseconds.
         let fit = Link::fit(&rows).unwrap();
         assert!(fit.latency > 4e-6 && fit.latency < 8e-6, "{fit:?}");
-        // Both ways at once: 4 MiB each way at 1978 MB/s in all is 4.24 ms.
+        // Both ways at once: the bandwidth is of both directions together.
         let text = "# OSU MPI Bi-Directional Bandwidth Test v7.4\n# Size      Bandwidth (MB/s)\n\
                     1 0.00\n1048576 2027.49\n4194304 1978.39\n";
         let rows = exchange_rows("bibw.txt", text).unwrap();

@@ -9,11 +9,10 @@
 //! ranks go as the payload alone, see [`crate::transport::p2p`].)
 //!
 //! Payloads of 2 MiB and more start a whole huge page into their allocation (the header sits
-//! at the end of the first one), so they are huge-page aligned like a plain MPI buffer: with
-//! the payload 128 bytes off that boundary, 4 MiB ping-pongs measured 1.2-1.3x slower here.
-//! Payloads of 4 KiB to 2 MiB start a page into theirs, page-aligned like OSU's buffers
-//! (4-64 KiB ping-pongs: 1.04-1.08x plain MPI's time 128 bytes into a page, 0.98-1.05x
-//! aligned); smaller ones [`HEADER_ROOM`] bytes in.
+//! at the end of the first one), so they are huge-page aligned like a plain MPI buffer (a
+//! payload off that boundary makes the kernel's single copy touch one more page per huge
+//! page). Payloads of 4 KiB to 2 MiB start a page into theirs, page-aligned like OSU's
+//! buffers; smaller ones [`HEADER_ROOM`] bytes in.
 //!
 //! Wire header (little-endian, 8-byte multiple, at most [`HEADER_ROOM`] bytes):
 //! `magic u32 | dtype u8 | ndim u8 | name_len u8 | header_len/8 u8 | numel u64 |

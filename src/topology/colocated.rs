@@ -4,9 +4,8 @@
 //!
 //! Open MPI's `orted` on each such host binds its first rank to core 0, so ranks of
 //! different hosts end up on the same CPU; every message between two of them then waits
-//! for the scheduler to switch from one busy-polling rank to the other (one tick, 4 ms
-//! here: `osu_latency` across the namespace hosts reads 4,000 us at every size, 6 us with
-//! `--bind-to none`; `benches/results/2026-11-24-hosts.md`). mpiflow finds these ranks at
+//! for the scheduler to switch from one busy-polling rank to the other (a scheduler tick
+//! per message; `benches/results/2026-11-24-hosts.md`). mpiflow finds these ranks at
 //! start ([`clash`], on what every rank reports in a [`Seat`]) and unbinds them; its own
 //! pinning then counts ranks per machine ([`machine_locals`]), not per host name.
 //!

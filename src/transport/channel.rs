@@ -10,8 +10,8 @@
 //! that exactly its bytes arrived.
 //!
 //! Between two ranks of one node, a channel of a small tensor (at most `ring::MAX_BYTES`)
-//! carries its messages through rings in memory the two share (`super::ring`: 0.45-0.65x
-//! MPI's latency and 2-5x its bandwidth to 4 KiB under Open MPI here), and by MPI when a
+//! carries its messages through rings in memory the two share (`super::ring`: a copy in
+//! and a copy out, no matching and no request), and by MPI when a
 //! ring is full, in order either way. [`Channel::carrier`] says which was chosen;
 //! [`Channel::open_over`] with [`Carrier::Mpi`] keeps a channel on MPI. A ring has one
 //! producer and one consumer, so a channel stays on the thread that opened it (it is

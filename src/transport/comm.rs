@@ -59,8 +59,7 @@ pub enum TransportError {
 /// How a receive completed.
 ///
 /// Three whole words: a receive's result is copied word by word, and a word read over a
-/// narrower store (a `bool` beside its padding) stalls on store forwarding, ~10 ns per
-/// small message here.
+/// narrower store (a `bool` beside its padding) stalls on store forwarding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completion {
     /// Bytes that arrived (at most the buffer length).
@@ -162,11 +161,10 @@ pub trait Comm {
     /// into `slot` (the window's next element, in place: nothing is returned and copied
     /// per message). `slot` holds a send exactly when this returns `Ok`.
     ///
-    /// A window of small messages is bound by what the sender stores per message: one
-    /// more store per message (a request's length beside its handle) read 143 against 195
-    /// MB/s at 16 bytes (`benches/results/2026-11-25-osu.md`). Open MPI's shared-memory
-    /// fast box takes each message in a cache line the receiver is polling; a reading
-    /// consistent with every variant measured is that the message's stores wait for that
+    /// A window of small messages is bound by what the sender stores per message, so
+    /// nothing is stored per message beyond the request itself
+    /// (`benches/results/2026-11-25-osu.md`). Open MPI's shared-memory fast box takes each
+    /// message in a cache line the receiver is polling: the message's stores wait for that
     /// line, and every later store queues behind them.
     ///
     /// # Safety
@@ -477,7 +475,7 @@ pub fn spins_while_waiting() -> bool {
 /// ([`spin_while_waiting`]), polls spin for the first [`Backoff::BUSY`] of a wait, as MPI's
 /// own waits do; then they yield the CPU until [`Backoff::SPIN`] (and for at least 64
 /// polls); later ones sleep a little longer each time, up to `max_sleep`. A yield is a
-/// system call (about a microsecond here) in which the awaited message can arrive: a
+/// system call (about a microsecond) in which the awaited message can arrive: a
 /// parameter server's round trip of a small model paid it on each of its four waits. Busy
 /// waiting starves oversubscribed ranks (more ranks than cores is normal on small
 /// machines), so they never spin; sleeping at once costs a wait that ends soon a wake-up

@@ -17,16 +17,12 @@
 //! sender's window), within a core's cache in bytes. Each message lands in the next of the
 //! `depth` buffers (and the caller's), so `depth x size` is memory the stream cycles
 //! through; beyond the cache every message lands in cold memory, and large messages go by
-//! rendezvous, where a receive posted late costs little. Measured with `mpiflow bench
-//! --path inbox` (`benches/results/2026-11-26-inbox.md`), a window of 64 messages into one
-//! tensor against plain MPI's window of receives posted into one buffer: 64 receives
-//! ahead read 0.95-1.10x of it at 256 B-2 KiB (0.91-0.95x receiving one message at a
-//! time), but 0.6-0.7x at 256 KiB-1 MiB; the benchmark keeps an inbox within 1 MiB.
-//! Whether it pays depends on the MPI library: those figures are Open MPI's, whose
-//! unexpected-message path costs a copy and a match per message. Under MPICH (`ch4:ucx`)
-//! that path is cheap and the request an inbox adds per message is not: a channel with an
-//! inbox read 0.83-0.89x of plain MPI at 1-64 B where the channel alone read 0.94-1.00x
-//! (`benches/results/2026-11-26-mpich.md`). Measure under the MPI the job runs on.
+//! rendezvous, where a receive posted late costs little (`mpiflow bench --path inbox`
+//! measures it: `benches/results/2026-11-26-inbox.md`). Whether it pays depends on the MPI
+//! library: Open MPI's unexpected-message path costs a copy and a match per message, which
+//! receives posted ahead save; under MPICH (`ch4:ucx`) that path is cheap and the request
+//! an inbox adds per message is not (`benches/results/2026-11-26-mpich.md`). Measure
+//! under the MPI the job runs on.
 //!
 //! The inbox owns its channel's receiving side while it is open: every message the peer
 //! sends on the channel goes through it. [`Inbox::close`] withdraws the receives posted

@@ -5,9 +5,9 @@
 //! device atomics (shared memory, TCP) emulates atomics in software on the target. A ps
 //! that polls its own counters with atomics does not serve them: under `osc ucx` an
 //! atomic on one's own window progresses only this thread's UCX worker, not the one that
-//! remote ranks reach (measured: a remote `MPI_Fetch_and_op` took 3.0 s while its target
-//! polled its own window for 3 s, and returned at once while the target tested a pending
-//! receive, `benches/results/2026-11-24-ucx.md`).
+//! remote ranks reach (a remote `MPI_Fetch_and_op` waits for as long as its target polls
+//! its own window, and completes once the target tests a pending receive:
+//! `benches/results/2026-11-24-ucx.md`).
 //!
 //! [`Progress`] holds a receive that never matches, on a private duplicate of
 //! `MPI_COMM_SELF`; each [`Progress::poke`] tests it, and `MPI_Test` of an incomplete

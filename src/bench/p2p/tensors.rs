@@ -57,12 +57,10 @@ impl<'c> Via<'c> {
 }
 
 /// A path's calls on tensors, for [`Tensors::window_on`] and [`Tensors::round_trip_on`]:
-/// one instance per path, dispatched once per window or round trip (a match per message
-/// put the latency of the header path at 1.07-1.10x of the `mpi` path at 1-8 B, where
-/// calling `p2p` straight read 1.05-1.07, in the same jobs). A window of small messages
-/// is bound by what the sender stores per message (see `Comm::isend_window_into`): a
-/// match per message, or a loop that spilled one more register around each `MPI_Isend`,
-/// read 129-154 MB/s at 16 bytes where the loop without read 186-205.
+/// one instance per path, dispatched once per window or round trip, not per message (a
+/// match per message shows in small messages' latency). A window of small messages is
+/// bound by what the sender stores per message (see `Comm::isend_window_into`): neither a
+/// match per message nor a loop that spills a register around each `MPI_Isend`.
 trait Way {
     /// Sends `t` (blocking).
     fn send(&self, c: &MpiComm, t: &Tensor) -> Result<(), P2pError>;

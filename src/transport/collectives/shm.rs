@@ -137,8 +137,8 @@ impl ShmAllreduce {
             "slot size"
         );
         assert!(segs.len() >= segment_bytes(slot_bytes), "segment too small");
-        // A PAUSE is ~40 ns here: 256 of them cover a peer's chunk copy, and then the core
-        // goes to whoever needs it (a training's compute thread, say).
+        // 256 PAUSEs cover about a peer's chunk copy; then the core goes to whoever needs
+        // it (a training's compute thread, say).
         let spins = if segs.ranks() > online_cpus() { 0 } else { 256 };
         ShmAllreduce {
             segs,

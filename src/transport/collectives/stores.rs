@@ -9,10 +9,10 @@
 //! round trip may change several-fold within seconds. Streaming stores skip the
 //! read-for-ownership and send whole lines to memory, at the price of peers reading them
 //! from memory instead of from a cache, which can make a whole allreduce slower although
-//! the copies cost the same (`benches/results/2026-11-23.md` and `2026-11-23b.md` have the numbers). Neither
-//! is best everywhere, and the topology does not tell (a VM shows one socket), so the
-//! cost that counts is a whole step of the
-//! allreduce (copy in, wait, reduce, copy out) per byte, which includes the peers'
+//! the copies cost the same (`benches/results/2026-11-23.md` and `2026-11-23b.md`).
+//! Neither is best everywhere, and the topology does not tell (a VM shows one socket), so
+//! the cost that counts is a whole step of the allreduce (copy in, wait, reduce, copy
+//! out) per byte, which includes the peers'
 //! reads: each rank uses the mode whose recent step cost is lower, and all ranks try the
 //! other on the same step, one in [`EXPLORE_EVERY`] (steps are numbered alike on every
 //! rank), so that step measures the other mode as every rank storing that way, and a
@@ -161,8 +161,8 @@ impl StoreChooser {
         // longer than its mode's cost (a peer preempted, ranks sharing cores), so a
         // cheaper sample is news: one exploring step that finds the other mode cheaper
         // (the phase changed) switches at once, where an average would keep the wrong
-        // mode for several explorations (~50 fused 1 MiB calls at 2x their time, seen
-        // here). A costlier sample moves the cost by at most its own value.
+        // mode for several explorations. A costlier sample moves the cost by at most its
+        // own value.
         cost.set(if old == 0.0 || sample < old {
             sample.max(f64::MIN_POSITIVE)
         } else {

@@ -74,23 +74,20 @@ pub struct AutoTuning {
     pub shm: bool,
     /// ...from `shm_min_bytes` up to and including `shm_max_bytes` (default: no limit),
     /// or for every size when the node has more ranks than cores. With a core per rank the
-    /// library's own is faster below (0.6 against 0.75 us at 2 ranks here). Above, shm was
-    /// the faster in 14 of 15 pairs from 1 to 16 MiB against the ring (0.34-0.68x of
-    /// `MPI_Allreduce` against 0.55-0.92x; three jobs with both as paths, `bench allreduce
-    /// --algorithm ring,shm`), since it copies each rank's sub-slice once and stores by
-    /// measured mode (`super::stores`).
+    /// library's own wins below (its small-message path has no slot to publish); above,
+    /// shm copies each rank's sub-slice once and stores by measured mode
+    /// (`super::stores`), where the ring moves every byte through every rank
+    /// (`benches/results/2026-11-23b.md` has the comparison).
     pub shm_min_bytes: usize,
     pub shm_max_bytes: usize,
-    /// Bytes per shared-memory slot (the pipeline's chunk). 256 KiB: against 64 KiB a
-    /// fused 1 MiB call took 80-98 us instead of 115-122 (fewer steps to wait for), and
-    /// plain calls from 16 KiB to 16 MiB were as fast or faster at 2 and 4 ranks; 512 KiB
-    /// and 1 MiB pipeline too little (`benches/results/2026-11-23b.md`).
+    /// Bytes per shared-memory slot (the pipeline's chunk): large enough that a fused
+    /// call waits on few steps, small enough that copying in and reducing still overlap
+    /// (`benches/results/2026-11-23b.md` compares 64 KiB to 1 MiB).
     pub shm_slot_bytes: usize,
     /// Across nodes with several ranks on some node: the hierarchical allreduce from this
-    /// many bytes (`usize::MAX`: never by `auto`). Two hosts of two ranks here, on a
-    /// 10 Gbit/s link and unshaped: 0.41-0.88x of `osu_allreduce`'s time and 0.27-0.91x of
-    /// the flat ring's from 4 KiB to 16 MiB, except 64 KiB (0.98-1.22x of OSU's); not
-    /// measured below 4 KiB (`benches/results/2026-11-24-hosts.md`).
+    /// many bytes (`usize::MAX`: never by `auto`): from where one copy per node crossing
+    /// the network outweighs the extra steps inside each node
+    /// (`benches/results/2026-11-24-hosts.md`).
     pub hierarchical_min_bytes: usize,
 }
 

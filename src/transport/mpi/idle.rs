@@ -4,8 +4,7 @@
 //! it only for a host it sees oversubscribed. Hosts that are containers or namespaces of one
 //! machine each see their own share, so when together they hold more ranks than the
 //! machine has CPUs, every wait spins through its time slice while the rank it waits for
-//! cannot run: an allreduce of 1 MiB across two such hosts of two ranks on 2 CPUs took
-//! 30-50 ms instead of 0.8-1 ms (`benches/results/2026-11-24-hosts.md`). The setting is
+//! cannot run (`benches/results/2026-11-24-hosts.md`). The setting is
 //! read at `MPI_Init`; Open MPI's progress engine also takes it afterwards
 //! (`opal_progress_set_yield_when_idle`, exported by `libopen-pal`).
 

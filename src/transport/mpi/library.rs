@@ -29,15 +29,12 @@ pub(super) fn library_in_place(v: &str) -> Option<*mut c_void> {
 /// (InfiniBand's default) makes `MPI_Send` a UCX send with fast completion, which UCX
 /// keeps on its eager protocol up to `UCX_RNDV_SEND_NBR_THRESH` (256 KiB): a copy into
 /// UCX's fragments and another out of them, where `MPI_Isend` turns to rendezvous at
-/// `UCX_RNDV_THRESH` (one copy on shared memory). Measured on shared memory
-/// (`benches/compare/persistent.c`, `benches/results/2026-11-27-receive.md`, fifteenth
-/// look): a ping-pong's time 0.55-0.75x of `MPI_Send`'s at 16-128 KiB with the request,
-/// equal at 4-8 KiB and from 256 KiB. Between hosts over UCX's TCP transport the request
-/// read 0.55-0.74x at 8-16 KiB but 1.4x at 32 KiB and up to 3.7x at 64 KiB (rendezvous
-/// over TCP), and InfiniBand cannot be measured here: sends to other nodes keep
-/// `MPI_Send`, the library's own choice. Under `pml ob1` the request cost 1-6% at 4-64
-/// KiB (ob1's blocking send keeps a request ready), under MPICH it changed nothing: both
-/// keep `MPI_Send`. A user's own `UCX_RNDV_SEND_NBR_THRESH` is kept too.
+/// `UCX_RNDV_THRESH` (one copy on shared memory): the request is faster on shared memory
+/// from 16 KiB, slower between hosts over TCP (rendezvous over TCP), so sends to other
+/// nodes keep `MPI_Send`, the library's own choice; under `pml ob1` (whose blocking send
+/// keeps a request ready) and under MPICH sends keep `MPI_Send` too
+/// (`benches/compare/persistent.c`; `benches/results/2026-11-27-receive.md` has the
+/// measurements). A user's own `UCX_RNDV_SEND_NBR_THRESH` is kept too.
 pub const SEND_AS_REQUEST_FROM: usize = 4096;
 
 /// The size from which this process's blocking sends to its node are requests:
@@ -71,8 +68,8 @@ pub(super) fn status_u32(status: &ffi::MPI_Status, at: usize) -> u32 {
 
 /// Where the library keeps a receive's byte count in `MPI_Status`: OpenMPI's `_ucount`
 /// (after four ints), MPICH's `count_lo` (first). Trusted only after two messages to
-/// ourselves showed it equal to `MPI_Get_count`'s answer. Reading it saves that call's
-/// ~8 ns on every receive, a twentieth of a small message's latency on shared memory.
+/// ourselves showed it equal to `MPI_Get_count`'s answer. Reading it saves that call on
+/// every receive, a measurable share of a small message's latency on shared memory.
 /// `None`: receives ask `MPI_Get_count`.
 pub(super) fn count_offset(comm: &SimpleCommunicator, version: &str) -> Option<usize> {
     let at = if version.contains("Open MPI") {

@@ -512,7 +512,7 @@ impl Comm for MpiComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Option<Result<(), TransportError>> {
-        // 8-bit reductions are wrong in both libraries measured here: OpenMPI 4.1's AVX
+        // 8-bit reductions are wrong in both libraries mpiflow supports: OpenMPI 4.1's AVX
         // code saturates sums instead of wrapping (open-mpi/ompi#8045, closed as won't
         // fix), and MPICH 4.0.2 takes MPI_UINT8_T as signed in MPI_MIN and MPI_MAX
         // (min(249, 0, 254) = 249, found by `mpiflow check`). mpiflow's own algorithms

@@ -127,8 +127,8 @@ impl<'a, C: Comm> Sends<'a, C> {
     /// one by one, with the window's vector held in a local for the loop: a window of small
     /// messages is bound by what the sender stores per message (see
     /// [`Comm::isend_window_into`]), and a caller's loop of `immediate_send` may keep the
-    /// window's length in memory, one more store around each `MPI_Isend` (where a build's
-    /// loop did, 145 against 191-205 MB/s at 16 bytes, `benches/results/2026-11-25-osu.md`).
+    /// window's length in memory, one more store around each `MPI_Isend`
+    /// (`benches/results/2026-11-25-osu.md`).
     /// After a failed send, the sends started before it stay in the window.
     #[inline(always)]
     pub fn immediate_send_each(

@@ -13,8 +13,8 @@
 //! receives the payload alone into place: the check is then that both sides' tensors
 //! equal the one whose header crossed before (a signature comparison on each side), and
 //! that exactly its bytes arrived. The same tensor sent at every step costs what plain
-//! MPI costs, while a small header pushed small messages into OpenMPI's next size
-//! class (1.2-1.5x the latency of plain MPI). When a receiver expects something else
+//! MPI costs, where a small header would push small messages into OpenMPI's next size
+//! class. When a receiver expects something else
 //! than the sender sends, the message tells by its length which kind it is: a sender
 //! pads a whole message ([`crate::tensor::WIRE_PAD`]) whose length would equal the link's
 //! last payload; so the error still names both sides, and no message is misread.
@@ -22,9 +22,9 @@
 //!
 //! Between two ranks of one node a link's tensors of at most 32 KiB go through a ring in
 //! shared memory (`super::ring`; the sender offers it with the link's first message,
-//! the receiver maps it at its first receive; a tensor over 4 KiB takes several slots):
-//! 0.4-0.9x plain MPI's latency and 1.1-3.7x its bandwidth to 2 KiB here, 0.14-0.4x and
-//! 3-14x at 4-32 KiB, in order with the link's larger messages, which go by MPI. So a
+//! the receiver maps it at its first receive; a tensor over 4 KiB takes several slots),
+//! in order with the link's larger messages, which go by MPI (the comparison with plain
+//! MPI: `docs/data-plane.md`). So a
 //! link owns its (peer, tag): plain MPI messages on the same tag between the same ranks
 //! are not seen by its receives, nor its messages by plain MPI receives. On a ring, an
 //! `immediate_` receive of a tensor of at most 4 KiB (or one started after it on its

@@ -41,8 +41,7 @@ use crate::transport::tags::Reserved;
 /// it is posted at once). A receive's region holds the message it expects and
 /// [`TAIL_ROOM`] bytes more (`Tensor::receive_region`, `Tensor::payload_region`), there
 /// to tell a longer message by its count: they do not make the receive large (counting
-/// them sent every receive of a 4 KiB tensor through a detach, at 0.7-1.0x plain MPI's
-/// bandwidth where the ring gives 10x).
+/// them would send every receive of a 4 KiB tensor through a detach, off the ring).
 #[inline(always)]
 fn expects_large(region: usize, geo: &Geometry) -> bool {
     region > geo.nbytes + TAIL_ROOM

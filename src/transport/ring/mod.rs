@@ -11,8 +11,7 @@
 //! rings, one slot a message (a slot carries its message's length); a link's slots hold
 //! `LINK_BYTES`, the whole message of such a tensor, and a link's message may take up to
 //! `LINK_CHUNKS` slots in turn (tensors of up to 32 KiB), where MPI's single copy (CMA,
-//! from 4 KiB under `vader`) costs more than two copies through a ring on the machines
-//! measured.
+//! from 4 KiB under `vader`) costs more than two copies through a ring.
 //!
 //! A channel's rings are agreed in its opening (`pair`): each rank creates the ring it
 //! receives on (a POSIX shared-memory object, named in the opening handshake and unlinked
@@ -71,16 +70,15 @@ const LINK_BYTES: usize = MAX_BYTES + TAIL_ROOM;
 /// Slots a message on a link's ring may take, in turn (a channel's takes one): the whole
 /// message of a tensor of up to 32 KiB goes through the ring, each slot copied out while
 /// the next is copied in. From 4 KiB `vader` moves a message by the kernel's single copy
-/// (`process_vm_readv`, a rendezvous), whose fixed checks cost more than two copies
-/// through a ring up to 32 KiB (`benches/results/2026-11-27-fourk.md`). From 64 KiB the
-/// bytes outweigh the checks and a message would take a quarter of the ring: MPI's
-/// single copy.
+/// (`process_vm_readv`, a rendezvous), whose fixed cost exceeds two copies through a ring
+/// for small messages (`benches/results/2026-11-27-fourk.md` finds the crossing); from 64
+/// KiB the bytes outweigh it and a message would take a quarter of the ring: MPI's single
+/// copy.
 const LINK_CHUNKS: usize = 8;
 /// Slots of a ring: OSU's window (and `mpiflow bench`'s), so that a window of small
-/// messages fits a ring whose receiver has not taken any yet. With 63 slots (a link's
-/// first jobs of `bench bw`) its receiver, slow at the first size while its caches and
-/// pages warm, let three a window go by MPI, and windows took 15-20 us where they take
-/// 1-2: 12-23 MB/s at 1 B where later sizes ran at twice plain MPI's bandwidth.
+/// messages fits a ring whose receiver has not taken any yet (one slot fewer and a
+/// receiver still warming its caches and pages lets a window's last messages go by MPI,
+/// out of the ring's way).
 const MAX_SLOTS: usize = 64;
 /// Bytes of slots a ring aims for (a core's share of cache): [`MAX_SLOTS`] slots to
 /// messages as large as a link's ring carries.
@@ -508,7 +506,7 @@ const SPIN_POLLS: u32 = 512;
 /// A wait for what a peer writes into shared memory or sends (a ring's next message, a
 /// link's offer): where ranks have cores of their own, the first polls spin without
 /// reading the clock (a message a few hundred nanoseconds away is polled for before the
-/// clock is read: a [`Backoff`] reads it on every poll, 20-25 ns, a sixth of a round trip
+/// clock is read: a [`Backoff`] reads it on every poll, a sizeable share of a round trip
 /// through a ring); later ones back off as MPI's waits do, and every 64 of them MPI
 /// progresses ([`Comm::progress`]) and the communicator's [`Comm::wait_limit`] is checked.
 struct Waiting {
