@@ -63,4 +63,13 @@ if [[ $(grep '^accuracy' <<<"$ps") != $(grep '^accuracy' <<<"$allreduce") ]]; th
   echo "MPICH check failed: the synchronous ps and allreduce ended apart:"
   grep '^accuracy' <<<"$ps"; grep '^accuracy' <<<"$allreduce"; exit 1
 fi
-echo "MPICH: 5 passed, 0 failed"
+# A program that uses MPI itself under `mpiflow launch`: its own MPI_Init (MPICH's) works
+# as its rank, its world is the whole job, and it sees its task.
+prog=$CARGO_TARGET_DIR/mpi_allreduce
+mpicc.mpich -O2 -o "$prog" launcher/examples/mpi_allreduce.c
+launched=$(timeout 120 mpiexec.mpich -n 3 "$CARGO_TARGET_DIR/release/mpiflow" launch -- "$prog" | sort)
+want=$(for r in 0 1 2; do echo "rank $r size 3 sum 6 task worker:$r tf_config yes"; done)
+if [[ $launched != "$want" ]]; then
+  echo "MPICH check failed: an MPI program under launch printed:"; echo "$launched"; exit 1
+fi
+echo "MPICH: 6 passed, 0 failed"

@@ -1,7 +1,8 @@
 //! `mpiflow launch` of TensorFlow-1-style jobs under real `mpirun`: ps tasks that block
 //! forever (as `server.join()` does) end when the workers are done, a failing worker ends
 //! the job with its status and name, signals reach the programs, and `--ps-lifetime
-//! forever` keeps TensorFlow's behaviour.
+//! forever` keeps TensorFlow's behaviour. A program that itself uses MPI (a C allreduce)
+//! runs under `launch` as its rank.
 
 mod common;
 
@@ -170,4 +171,32 @@ fn bad_lifetime_flags_are_one_line_errors_and_idle_ones_warnings() {
     let warning =
         "mpiflow: warning: --stop-evaluator stops nothing here: the cluster has no evaluator task";
     assert_eq!(run.stderr.matches(warning).count(), 1, "{run:?}");
+}
+
+/// A program that initialises MPI itself, launched as each rank's task: `launch` learns
+/// the cluster from mpirun's variables without initialising MPI, so the program's own
+/// `MPI_Init` works, its world is the whole job, and it sees its task.
+#[test]
+fn an_mpi_program_runs_as_its_rank_under_launch() {
+    let dir = common::tmpdir("launch-mpi-program");
+    let bin = dir.join("mpi_allreduce");
+    let source = format!("{}/launcher/examples/mpi_allreduce.c", common::root());
+    let built = common::run_bounded(
+        120,
+        &["mpicc", "-O2", "-o", bin.to_str().unwrap(), &source],
+        &[],
+    );
+    assert_eq!(built.code, 0, "mpicc: {built:?}");
+    let out = mpirun(&["-np", "3", mpiflow(), "launch", "--", bin.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let mut lines: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("rank "))
+        .collect();
+    lines.sort();
+    let want: Vec<String> = (0..3)
+        .map(|r| format!("rank {r} size 3 sum 6 task worker:{r} tf_config yes"))
+        .collect();
+    assert_eq!(lines, want, "{out:?}");
 }

@@ -3,6 +3,7 @@
 //! - `spec`: `ClusterSpec`, `TaskId`, roles, with TensorFlow's semantics.
 //! - `tf_config` and [`flags`]: the two ways TensorFlow programs learn their role.
 //! - [`hostlist`], [`hostfile`], [`slurm`]: the formats HPC schedulers describe jobs in.
+//! - [`launched`]: the job as its MPI launcher's variables tell it, before any `MPI_Init`.
 //! - [`mapping`]: rank-to-role policies and the resulting [`mapping::Layout`].
 //! - [`peers`]: tensors to and from tasks (`worker:1`) instead of ranks.
 //! - `ports`: free ports, found by binding them.
@@ -11,6 +12,7 @@
 pub mod flags;
 pub mod hostfile;
 pub mod hostlist;
+pub mod launched;
 pub mod mapping;
 pub mod peers;
 pub(crate) mod ports;

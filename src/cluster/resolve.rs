@@ -334,6 +334,42 @@ pub fn resolve_mpi(ctx: &Context, req: &Request) -> Result<Resolved, ResolveErro
     })
 }
 
+/// The MPI job's cluster without initialising MPI, where its launcher's variables tell it
+/// ([`super::launched`]: every rank on this host under `mpirun` or `mpiexec`; Slurm's step
+/// under `srun`), so that a program started as the rank can still initialise MPI. Ports
+/// are numbered from the base, not probed (this rank's is checked free). `None`: only MPI
+/// can tell (ranks on several hosts under `mpirun`), or no launcher started this process.
+pub fn resolve_launched(
+    req: &Request,
+    env: &BTreeMap<String, String>,
+) -> Result<Option<Resolved>, ResolveError> {
+    use super::launched::{from_env, Launched, OneHost};
+    let OneHost { rank, size } = match from_env(env) {
+        Launched::OneHost(one) => one,
+        Launched::Unknown if slurm::detected(env) => {
+            return resolve_offline(req, Source::Slurm, env).map(Some)
+        }
+        Launched::Hosts { .. } | Launched::Unknown => return Ok(None),
+    };
+    let host = env.get("MPIFLOW_HOST").cloned().or_else(hostname);
+    let hosts = vec![host.unwrap_or_else(|| "localhost".into()); size];
+    let job = env.get("SLURM_JOB_ID").cloned();
+    let base = req.port_base_in(job.as_deref());
+    let tasks = roles(&hosts, req, job)?;
+    let ports = sequential_ports(&hosts, base)?;
+    let layout = req.built(Layout::from_ranks(&hosts, &ports, tasks)?);
+    let me = &layout.ranks[rank];
+    let guard = own_port(me.address.port, &me.task, &me.host)?;
+    Ok(Some(Resolved {
+        source: Source::Mpi,
+        layout,
+        me: Some(rank),
+        outside: None,
+        size: Some(size),
+        port_guard: Some(guard),
+    }))
+}
+
 /// The resolvers that need no MPI: Slurm, hostfile preview, TF_CONFIG, legacy flags.
 pub fn resolve_offline(
     req: &Request,

@@ -8,6 +8,9 @@ use mpiflow::launch::lifetime::{self, Supervision};
 use mpiflow::launch::{self as launcher};
 use mpiflow::transport::mpi::MpiComm;
 
+use mpiflow::cluster::resolve::{resolve_launched, Resolved};
+use mpiflow::cluster::Source;
+
 use super::resolve;
 use crate::args::LaunchArgs;
 use crate::out::{say, Failure};
@@ -34,7 +37,55 @@ fn idle_stop_evaluator(
     }
 }
 
+/// The program's arguments, checked to run (as this rank's task), and its environment.
+type Prepared = (
+    Result<Vec<String>, launcher::LaunchError>,
+    Vec<(String, String)>,
+);
+
+/// What the program of rank `me` of `resolved` runs with; the job's warnings said by the
+/// rank that `warns`.
+fn prepare(args: &LaunchArgs, resolved: &Resolved, me: usize, mpi: bool, warns: bool) -> Prepared {
+    let layout = &resolved.layout;
+    let info = &layout.ranks[me];
+    let argv = launcher::task_args(layout, info, &args.program, args.legacy_flags).and_then(|a| {
+        launcher::find_program(&a[0], std::env::var_os("PATH").as_ref())?;
+        Ok(a)
+    });
+    if warns {
+        if let Some(why) = idle_stop_evaluator(args, layout, mpi) {
+            say!("mpiflow: warning: --stop-evaluator stops nothing here: {why}");
+        }
+    }
+    (argv, launcher::task_env(layout, info, resolved.size))
+}
+
+/// Under an MPI launcher whose variables describe the whole job (one host, or Slurm's
+/// step), a job that needs no supervision starts its program without MPI ever initialised
+/// here, so the program may initialise it as the rank (mpi4py, Horovod, a C MPI code).
+/// Returns only if that cannot be done (the cluster needs MPI to be learned, or tasks to
+/// be stopped at the end).
+fn exec_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    let req = args.cluster.request();
+    if req.pick_source(env) != Source::Mpi || args.cluster.unused_flag(Source::Mpi).is_some() {
+        return Ok(());
+    }
+    let Some(resolved) = resolve_launched(&req, env).map_err(Failure::local)? else {
+        return Ok(());
+    };
+    let layout = &resolved.layout;
+    let supervised = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
+    let Some(me) = resolved.me.filter(|_| supervised.is_none()) else {
+        return Ok(());
+    };
+    let (argv, task_env) = prepare(args, &resolved, me, false, me == 0);
+    let argv = argv.map_err(Failure::local)?;
+    drop(resolved.port_guard);
+    Err(Failure::local(launcher::exec(&argv, &task_env)))
+}
+
 pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+    exec_without_mpi(args, env)?;
     let (resolved, ctx) = resolve(&args.cluster, env)?;
     let Some(me) = resolved.me else {
         return Err(Failure::local(
@@ -43,21 +94,12 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
     };
     let layout = &resolved.layout;
     let info = &layout.ranks[me];
-    let prepared =
-        launcher::task_args(layout, info, &args.program, args.legacy_flags).and_then(|a| {
-            launcher::find_program(&a[0], std::env::var_os("PATH").as_ref())?;
-            Ok(a)
-        });
+    let warns = ctx.as_ref().is_none_or(|c| c.rank() == 0);
+    let (prepared, task_env) = prepare(args, &resolved, me, ctx.is_some(), warns);
     let argv = match &ctx {
         Some(c) => c.agree(prepared).map_err(|e| Failure::agreed(e, c))?,
         None => prepared.map_err(Failure::local)?,
     };
-    if ctx.as_ref().is_none_or(|c| c.rank() == 0) {
-        if let Some(why) = idle_stop_evaluator(args, layout, ctx.is_some()) {
-            say!("mpiflow: warning: --stop-evaluator stops nothing here: {why}");
-        }
-    }
-    let task_env = launcher::task_env(layout, info, resolved.size);
     let tasks = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
     // Free the probed port for the program's server.
     drop(resolved.port_guard);
