@@ -51,16 +51,24 @@ fn the_trainer_reaches_the_target_with_roles_from_mpi() {
 fn the_trainer_trains_the_same_over_one_sided_windows() {
     let t = trainer();
     let messages = mpirun(&["-np", "4", &t, "--steps", "300"]);
-    assert_trained(&messages, "ps over messages");
     let windows = mpirun(&["-np", "4", &t, "--steps", "300", "--transport", "rma"]);
-    assert_trained(&windows, "ps over windows");
-    assert!(
-        windows.stdout.contains("# one-sided:"),
-        "{}",
-        windows.stdout
-    );
-    let (a, b) = (accuracy(&messages.stdout), accuracy(&windows.stdout));
-    assert!((a - b).abs() < 0.005, "over messages {a}, over windows {b}");
+    let runs = [
+        (&messages, "ps over messages"),
+        (&windows, "ps over windows"),
+    ];
+    assert_same_training(runs, "# one-sided:", 0.005);
+}
+
+/// Two runs of the same training by two paths: both trained, the second's output shows
+/// `marker` (the path it took), and their accuracies are within `tolerance`.
+fn assert_same_training(runs: [(&common::Run, &str); 2], marker: &str, tolerance: f64) {
+    for (run, what) in runs {
+        assert_trained(run, what);
+    }
+    let [(a, what_a), (b, what_b)] = runs;
+    assert!(b.stdout.contains(marker), "{what_b}: {}", b.stdout);
+    let (x, y) = (accuracy(&a.stdout), accuracy(&b.stdout));
+    assert!((x - y).abs() < tolerance, "{what_a} {x}, {what_b} {y}");
 }
 
 #[test]
@@ -182,8 +190,7 @@ fn the_allreduce_example_trains_its_own_model() {
 #[test]
 fn the_allreduce_example_drives_pipeline_stages_with_the_same_loop() {
     let plain = mpirun(&["-np", "2", &example("allreduce"), "--steps", "400"]);
-    assert_trained(&plain, "2 replicas");
-    let staged = mpirun(&[
+    let staged = [
         "-np",
         "4",
         &example("allreduce"),
@@ -191,16 +198,8 @@ fn the_allreduce_example_drives_pipeline_stages_with_the_same_loop() {
         "400",
         "--stages",
         "2",
-    ]);
-    assert_trained(&staged, "2 replicas of 2 stages");
-    assert!(
-        staged.stdout.contains("# pipeline: 2 replicas x 2 stages"),
-        "{}",
-        staged.stdout
-    );
-    let (a, b) = (accuracy(&plain.stdout), accuracy(&staged.stdout));
-    assert!(
-        (a - b).abs() < 0.01,
-        "2 replicas {a}, 2 replicas of 2 stages {b}"
-    );
+    ];
+    let staged = mpirun(&staged);
+    let runs = [(&plain, "2 replicas"), (&staged, "2 replicas of 2 stages")];
+    assert_same_training(runs, "# pipeline: 2 replicas x 2 stages", 0.01);
 }
