@@ -187,16 +187,25 @@ fn an_mpi_program_runs_as_its_rank_under_launch() {
         &[],
     );
     assert_eq!(built.code, 0, "mpicc: {built:?}");
-    let out = mpirun(&["-np", "3", mpiflow(), "launch", "--", bin.to_str().unwrap()]);
-    assert_eq!(out.code, 0, "{out:?}");
-    let mut lines: Vec<&str> = out
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with("rank "))
-        .collect();
-    lines.sort();
-    let want: Vec<String> = (0..3)
-        .map(|r| format!("rank {r} size 3 sum 6 task worker:{r} tf_config yes"))
-        .collect();
-    assert_eq!(lines, want, "{out:?}");
+    let bin = bin.to_str().unwrap();
+    // Alone (the launcher becomes the program), and with a ps task (the launchers stay as
+    // their programs' parents and supervise them over a socket of their own, not MPI).
+    let jobs = [
+        ("0", ["worker:0", "worker:1", "worker:2"]),
+        ("1", ["ps:0", "worker:0", "worker:1"]),
+    ];
+    for (ps, tasks) in jobs {
+        let out = mpirun(&["-np", "3", mpiflow(), "launch", "--ps", ps, "--", bin]);
+        assert_eq!(out.code, 0, "{out:?}");
+        let mut lines: Vec<&str> = out
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("rank "))
+            .collect();
+        lines.sort();
+        let want: Vec<String> = (0..3)
+            .map(|r| format!("rank {r} size 3 sum 6 task {} tf_config yes", tasks[r]))
+            .collect();
+        assert_eq!(lines, want, "--ps {ps}: {out:?}");
+    }
 }

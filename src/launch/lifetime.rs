@@ -1,4 +1,5 @@
-//! When a launched job ends: the tasks' agreement, over the job's own MPI communicator.
+//! When a launched job ends: the tasks' agreement, over a channel between the launchers
+//! ([`super::notices`]: the job's MPI communicator, or a socket of their own on one host).
 //!
 //! TensorFlow's ps tasks (and often its evaluator) never return: `server.join()` blocks
 //! forever, so a job of them outlives its workers until a time limit kills it. Under
@@ -14,12 +15,13 @@
 //!   status is the failure's.
 //!
 //! A launcher exits once its own program ended and it has heard from every other task,
-//! so no message is left in flight when MPI is finalised.
+//! so no message is left in flight when the channel closes.
 
 use std::time::Duration;
 
+use super::notices::Notices;
 use crate::cluster::TaskId;
-use crate::transport::comm::{Comm, TransportError};
+use crate::transport::comm::TransportError;
 
 /// How long a task's program lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,6 +173,8 @@ pub trait Program {
 pub enum SuperviseError {
     #[error("{0}")]
     Transport(#[from] TransportError),
+    #[error("rank {rank}: the launchers' channel: {what}")]
+    Channel { rank: usize, what: String },
     #[error("rank {rank}: waiting for the program: {source}")]
     Wait {
         rank: usize,
@@ -194,8 +198,6 @@ pub struct Supervision {
     pub grace: Duration,
     /// How often the loop looks at the program and the messages.
     pub poll: Duration,
-    /// The message tag (the launchers talk on a communicator of their own).
-    pub tag: i32,
 }
 
 /// What the loop ended with: this task's outcome, and the first failure of the job.
@@ -206,32 +208,18 @@ pub struct Ending {
 }
 
 /// Runs this rank's side of the agreement until its program ended and every other task
-/// reported: reports its own outcome to every rank, stops its program when the
-/// [`Tally`] says so, and prints one line when it is the failing task, or the
+/// reported: tells its own outcome to every rank (through `notices`), stops its program
+/// when the [`Tally`] says so, and prints one line when it is the failing task, or the
 /// lowest-ranked task stopped because the job is done.
-pub fn supervise<C: Comm, P: Program>(
-    comm: &C,
+pub fn supervise<N: Notices, P: Program>(
+    notices: &mut N,
     program: &mut P,
     how: &Supervision,
 ) -> Result<Ending, SuperviseError> {
-    let (me, n) = (comm.rank(), comm.size());
+    let me = notices.rank();
     let mut tally = Tally::new(how.tasks.iter().map(|(_, l)| *l).collect());
-    // Leaked (8 bytes per task, once per process): valid for any request still pending
-    // when an error returns early.
-    let inbox: &'static mut [[u8; 8]] = Box::leak(vec![[0u8; 8]; n].into_boxed_slice());
-    let outbox: &'static mut [u8; 8] = Box::leak(Box::new([0u8; 8]));
-    let mut reqs: Vec<Option<C::Request>> = Vec::with_capacity(n);
-    for (peer, buf) in inbox.iter_mut().enumerate() {
-        reqs.push(if peer == me {
-            None
-        } else {
-            // SAFETY: `inbox` lives for the rest of the process, and each entry is read
-            // only after its request completed.
-            Some(unsafe { comm.irecv(buf.as_mut_ptr(), 8, peer, how.tag)? })
-        });
-    }
-    let mut sends = Vec::new();
     let mut mine: Option<Outcome> = None;
+    let mut told = false;
     let wait_err = |source| SuperviseError::Wait { rank: me, source };
     loop {
         program.forward_signals();
@@ -245,18 +233,13 @@ pub fn supervise<C: Comm, P: Program>(
                 );
             }
         }
-        for (peer, req) in reqs.iter_mut().enumerate() {
-            let Some(r) = req else { continue };
-            if let Some(done) = comm.test(r)? {
-                *req = None;
-                let o =
-                    Outcome::decode(&inbox[peer][..done.count]).ok_or(SuperviseError::Garbled {
-                        rank: me,
-                        peer,
-                        len: done.count,
-                    })?;
-                tally.record(peer, o);
-            }
+        for (peer, m) in notices.take()? {
+            let o = Outcome::decode(&m).ok_or(SuperviseError::Garbled {
+                rank: me,
+                peer,
+                len: m.len(),
+            })?;
+            tally.record(peer, o);
         }
         if mine.is_none() && tally.should_stop(me) {
             if tally.verdict() == Verdict::Done && first_stopped(&how.tasks) == Some(me) {
@@ -268,18 +251,14 @@ pub fn supervise<C: Comm, P: Program>(
             program.stop(how.grace).map_err(wait_err)?;
             mine = Some(Outcome::Stopped);
         }
-        if let Some(o) = mine.filter(|_| sends.is_empty() && n > 1) {
-            *outbox = o.encode();
-            for peer in (0..n).filter(|&p| p != me) {
-                // SAFETY: `outbox` lives for the rest of the process and is written only
-                // here, before any send of it starts (once: `sends` is empty).
-                sends.push(unsafe { comm.isend(outbox.as_ptr(), 8, peer, how.tag)? });
-            }
-        }
         if let Some(o) = mine {
+            if !told {
+                notices.tell(o.encode())?;
+                told = true;
+            }
             tally.record(me, o);
             if tally.all_ended() {
-                comm.wait_all(&mut sends)?;
+                notices.flush()?;
                 return Ok(Ending {
                     mine: o,
                     verdict: tally.verdict(),
@@ -303,9 +282,64 @@ fn stopped_names(tasks: &[(TaskId, Lifetime)]) -> String {
         .join(", ")
 }
 
+/// A stand-in for a program in the tests of the supervising loop.
+#[cfg(test)]
+pub(crate) mod stand_in {
+    use super::*;
+
+    /// A program that ends by itself after `ends_after` polls (never if `None`), with
+    /// `status`; stopping it ends it at once.
+    pub(crate) struct StandIn {
+        pub polls: usize,
+        pub ends_after: Option<usize>,
+        pub status: i32,
+        pub stopped: bool,
+    }
+
+    impl Program for StandIn {
+        fn try_wait(&mut self) -> std::io::Result<Option<Outcome>> {
+            self.polls += 1;
+            Ok(match self.ends_after {
+                Some(n) if self.polls >= n => Some(Outcome::Exited(self.status)),
+                _ => None,
+            })
+        }
+        fn stop(&mut self, _grace: Duration) -> std::io::Result<()> {
+            self.stopped = true;
+            Ok(())
+        }
+        fn forward_signals(&mut self) {}
+    }
+
+    /// Supervises a stand-in that ends after `ends_after` polls with `status` (never by
+    /// itself if `None`) as task `me` of `tasks`, over `notices`; how it ended, and whether
+    /// it was stopped.
+    pub(crate) fn supervise_one<N: Notices>(
+        notices: &mut N,
+        (ends_after, status): (Option<usize>, i32),
+        tasks: Vec<(TaskId, Lifetime)>,
+    ) -> (Ending, bool) {
+        let mut p = StandIn {
+            polls: 0,
+            ends_after,
+            status,
+            stopped: false,
+        };
+        let how = Supervision {
+            tasks,
+            grace: Duration::ZERO,
+            poll: Duration::from_millis(1),
+        };
+        let end = supervise(notices, &mut p, &how).unwrap();
+        (end, p.stopped)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::stand_in::supervise_one;
     use super::*;
+    use crate::transport::comm::Comm;
     use crate::transport::local::LocalComm;
 
     #[test]
@@ -348,30 +382,6 @@ mod tests {
         assert!(t.should_stop(0) && t.should_stop(1));
     }
 
-    /// A program that ends by itself after `ends_after` polls (never if `None`), with
-    /// `status`; stopping it ends it at once.
-    struct StandIn {
-        polls: usize,
-        ends_after: Option<usize>,
-        status: i32,
-        stopped: bool,
-    }
-
-    impl Program for StandIn {
-        fn try_wait(&mut self) -> std::io::Result<Option<Outcome>> {
-            self.polls += 1;
-            Ok(match self.ends_after {
-                Some(n) if self.polls >= n => Some(Outcome::Exited(self.status)),
-                _ => None,
-            })
-        }
-        fn stop(&mut self, _grace: Duration) -> std::io::Result<()> {
-            self.stopped = true;
-            Ok(())
-        }
-        fn forward_signals(&mut self) {}
-    }
-
     fn run(programs: Vec<(Lifetime, Option<usize>, i32)>) -> Vec<(Ending, bool)> {
         let n = programs.len();
         let tasks: Vec<(TaskId, Lifetime)> = programs
@@ -384,20 +394,8 @@ mod tests {
             .collect();
         LocalComm::run(n, move |c| {
             let (_, ends_after, status) = programs[c.rank()];
-            let mut p = StandIn {
-                polls: 0,
-                ends_after,
-                status,
-                stopped: false,
-            };
-            let how = Supervision {
-                tasks: tasks.clone(),
-                grace: Duration::from_millis(10),
-                poll: Duration::from_millis(1),
-                tag: 5,
-            };
-            let end = supervise(&c, &mut p, &how).unwrap();
-            (end, p.stopped)
+            let mut notices = crate::launch::notices::OverMpi::new(&c, 5).unwrap();
+            supervise_one(&mut notices, (ends_after, status), tasks.clone())
         })
     }
 

@@ -14,22 +14,27 @@
 //! With `--legacy-flags`, `--ps_hosts --worker_hosts --job_name --task_index` are appended
 //! to the program's arguments.
 //!
-//! Under MPI the launcher finalises MPI before the exec: the program is a new process image
-//! and must not inherit an initialised MPI library. A program that itself initialises MPI
-//! again in the same process is not supported by every MPI (the common case, TensorFlow's
-//! gRPC servers, needs no MPI).
+//! The launcher learns the cluster without initialising MPI where the MPI launcher's
+//! variables tell it (every rank on one host under `mpirun` or `mpiexec`, Slurm's step
+//! under `srun`: [`crate::cluster::launched`]), so a program that initialises MPI itself
+//! (mpi4py, Horovod, a C MPI code) can still do so as its rank. Elsewhere (`mpirun` across
+//! hosts) it asks MPI and finalises it before the exec: the program is a new process image
+//! and must not inherit an initialised MPI library, and cannot initialise it again as the
+//! same rank (programs that need no MPI, like TensorFlow's gRPC servers, are unaffected).
 //!
 //! **Ending the job.** TensorFlow's ps tasks `join()` forever, so a job of them never ends
-//! by itself. When the cluster has ps tasks (and the job runs under MPI: `mpirun`, or
-//! `srun --mpi=pmix`), each launcher instead starts the program as its child and stays,
-//! with MPI, until the job is over ([`lifetime`], [`child`]): once every worker and chief
-//! has exited 0, the ps tasks are stopped; once any task fails, all are, and the job's
-//! status is the failure's. MPI is the channel because it is already there, on every
-//! host, under both launchers; no port or file of its own is needed. `--ps-lifetime
-//! forever` keeps TensorFlow's behaviour (and the exec).
+//! by itself. When the cluster has ps tasks, each launcher instead starts the program as
+//! its child and stays until the job is over ([`lifetime`], [`child`]): once every worker
+//! and chief has exited 0, the ps tasks are stopped; once any task fails, all are, and the
+//! job's status is the failure's. The launchers tell each other their programs' outcomes
+//! ([`notices`]) over a socket of their own on one host ([`star`]: MPI stays the
+//! program's), else over the job's MPI communicator. `--ps-lifetime forever` keeps
+//! TensorFlow's behaviour (and the exec).
 
 pub mod child;
 pub mod lifetime;
+pub mod notices;
+pub mod star;
 
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;

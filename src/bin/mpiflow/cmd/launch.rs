@@ -3,8 +3,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use mpiflow::cluster::TaskId;
 use mpiflow::launch::child::{self, ChildProgram};
-use mpiflow::launch::lifetime::{self, Supervision};
+use mpiflow::launch::lifetime::{self, Lifetime, Supervision};
+use mpiflow::launch::notices::{Notices, OverMpi};
+use mpiflow::launch::star::{self, Star};
 use mpiflow::launch::{self as launcher};
 use mpiflow::transport::mpi::MpiComm;
 
@@ -75,13 +78,47 @@ fn exec_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result
     };
     let layout = &resolved.layout;
     let supervised = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
-    let Some(me) = resolved.me.filter(|_| supervised.is_none()) else {
+    let one_host = layout.ranks.iter().all(|r| r.host == layout.ranks[0].host);
+    let Some(me) = resolved.me.filter(|_| supervised.is_none() || one_host) else {
         return Ok(());
     };
-    let (argv, task_env) = prepare(args, &resolved, me, false, me == 0);
+    let (argv, task_env) = prepare(args, &resolved, me, supervised.is_some(), me == 0);
     let argv = argv.map_err(Failure::local)?;
     drop(resolved.port_guard);
-    Err(Failure::local(launcher::exec(&argv, &task_env)))
+    let Some(tasks) = supervised else {
+        return Err(Failure::local(launcher::exec(&argv, &task_env)));
+    };
+    // The launchers of one host supervise over a socket of their own.
+    let token = star::job_token(env, &layout.spec.to_string(), layout.ranks.len());
+    let join = Star::join(&token, me, layout.ranks.len());
+    let mut star = join.map_err(|e| Failure::local(e.to_string()))?;
+    let how = supervision(args, tasks);
+    let end = match ChildProgram::spawn(&argv, &task_env) {
+        Ok(mut program) => watch(&mut star, &mut program, &how),
+        Err(e) => {
+            say!(
+                "mpiflow: error: cannot run {:?} for {}: {e}",
+                argv[0],
+                layout.ranks[me].task
+            );
+            watch(&mut star, &mut NotStarted, &how)
+        }
+    };
+    child::exit_as(end)
+}
+
+/// A program that could not be started: it failed at once (status 127, as a shell says),
+/// so the other tasks stop.
+struct NotStarted;
+
+impl lifetime::Program for NotStarted {
+    fn try_wait(&mut self) -> std::io::Result<Option<lifetime::Outcome>> {
+        Ok(Some(lifetime::Outcome::Exited(127)))
+    }
+    fn stop(&mut self, _grace: Duration) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn forward_signals(&mut self) {}
 }
 
 pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
@@ -125,23 +162,37 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
             });
         }
     };
-    let how = Supervision {
+    let how = supervision(args, tasks);
+    let mut notices = OverMpi::new(&comm, 0).map_err(|e| Failure::local(e.to_string()))?;
+    let end = watch(&mut notices, &mut program, &how);
+    drop(notices);
+    drop(comm);
+    drop(ctx);
+    child::exit_as(end)
+}
+
+/// The options of the supervising loop.
+fn supervision(args: &LaunchArgs, tasks: Vec<(TaskId, Lifetime)>) -> Supervision {
+    Supervision {
         tasks,
         grace: Duration::from_secs_f64(args.stop_grace),
         poll: POLL,
-        tag: 0,
-    };
-    match lifetime::supervise(&comm, &mut program, &how) {
-        Ok(end) => {
-            drop(comm);
-            drop(ctx);
-            child::exit_as(end.mine)
-        }
+    }
+}
+
+/// Supervises `program` with the other launchers over `notices` until the job's verdict;
+/// the program's outcome. On an error of the channel the program is stopped and the
+/// launcher exits 1 (the other launchers may be waiting for this one: no `MPI_Finalize`,
+/// which could wait for them; the MPI launcher then ends the job).
+fn watch<N: Notices, P: lifetime::Program>(
+    notices: &mut N,
+    program: &mut P,
+    how: &Supervision,
+) -> lifetime::Outcome {
+    match lifetime::supervise(notices, program, how) {
+        Ok(end) => end.mine,
         Err(e) => {
-            // The other launchers may be waiting for this one: no MPI_Finalize (it could
-            // wait for them); exiting without it makes mpirun or srun end the job, and the
-            // program dies with its launcher.
-            let _ = lifetime::Program::stop(&mut program, Duration::ZERO);
+            let _ = program.stop(Duration::ZERO);
             say!("mpiflow: error: {e}");
             std::process::exit(1)
         }
