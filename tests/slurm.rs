@@ -319,16 +319,24 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
     let Some(slurm) = LocalSlurm::start("spec") else {
         return;
     };
+    // A program that initialises MPI itself, for `launch` under `srun --mpi=pmix`.
+    let dir = common::tmpdir("slurm-mpi-program");
+    let program = dir.join("mpi_allreduce");
+    let source = format!("{}/launcher/examples/mpi_allreduce.c", common::root());
+    let program = program.to_str().unwrap();
+    let built = common::run_bounded(120, &["mpicc", "-O2", "-o", program, &source], &[]);
+    assert_eq!(built.code, 0, "mpicc: {built:?}");
     let job = slurm.sbatch_text(
         &["-N4", "-n8"],
-        "set -e\n\
+        &format!("set -e\n\
+         echo '=== mpi-program'; srun --mpi=pmix mpiflow launch -- {program}\n\
          echo '=== job'; echo $SLURM_JOB_ID\n\
          echo '=== srun'; srun --mpi=none mpiflow spec --ps 2 --format json\n\
          echo '=== pmix'; srun --mpi=pmix mpiflow spec --ps 2 --format json\n\
          echo '=== mpirun'; mpirun mpiflow spec --ps 2 --format json\n\
          echo '=== table'; srun --mpi=none mpiflow spec --ps 2 --format table\n\
-         echo '=== launch'; srun --mpi=none mpiflow launch --ps 2 -- sh -c 'echo \"{\\\"rank\\\": $SLURM_PROCID, \\\"tf\\\": $TF_CONFIG}\"'\n\
-         echo '=== end'",
+         echo '=== launch'; srun --mpi=none mpiflow launch --ps 2 -- sh -c 'echo \"{{\\\"rank\\\": $SLURM_PROCID, \\\"tf\\\": $TF_CONFIG}}\"'\n\
+         echo '=== end'"),
     );
     job.assert_completed();
     let hosts = [
@@ -354,6 +362,19 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
         )),
         "{table}"
     );
+    // The MPI program each task exec'd initialised MPI as its rank: a world of 8 that
+    // sums their ranks, and its own task.
+    let mut lines: Vec<String> = job
+        .section("mpi-program")
+        .output
+        .lines()
+        .map(String::from)
+        .collect();
+    lines.sort();
+    let want: Vec<String> = (0..8)
+        .map(|r| format!("rank {r} size 8 sum 36 task worker:{r} tf_config yes"))
+        .collect();
+    assert_eq!(lines, want, "{job:?}");
     // The program each task exec'd saw its own task in TF_CONFIG.
     let launched = job.section("launch").json_lines();
     assert_eq!(launched.len(), 8, "{job:?}");
