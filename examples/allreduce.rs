@@ -50,7 +50,7 @@ fn drive<'m, S: Strategy<'m>>(
     let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
-        let (x, y) = train.rows(shard(&global, me, replicas));
+        let (x, y) = train.rows(shard(global, me, replicas));
         sess.run(&x, &y)?;
     }
     sess.evaluate(test)?;

@@ -78,7 +78,7 @@ fn main() -> Result<std::process::ExitCode, Error> {
     let mut batches = Batches::new(train.len(), cfg.train.batch, cfg.train.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
-        let (x, y) = train.rows(shard(&global, me, replicas));
+        let (x, y) = train.rows(shard(global, me, replicas));
         sess.run(&x, &y)?;
     }
     let trained = sess.close()?;

@@ -142,7 +142,7 @@ fn drive<'m, S: Strategy<'m>>(
     let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
-        let (x, y) = train.rows(shard(&global, w, workers));
+        let (x, y) = train.rows(shard(global, w, workers));
         match sess.run(&x, &y) {
             Ok(_) => {}
             // Every task has these (a signal, a loss or gradient not finite): one line.

@@ -235,7 +235,7 @@ fn train(cfg: &TrainConfig, train: &Dataset, test: &Dataset, setup: Setup) -> Ve
             while !sess.should_stop() {
                 step = sess.global_step();
                 let global = batches.global(step);
-                let (mut x, y) = train.rows(shard(&global, rank, REPLICAS));
+                let (mut x, y) = train.rows(shard(global, rank, REPLICAS));
                 if rank == 1 && setup.poison.is_some_and(|p| step >= p) {
                     x[0] = f32::NAN;
                 }

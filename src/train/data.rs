@@ -333,11 +333,21 @@ impl Dataset {
 
     /// The rows `idx`, in that order.
     pub fn rows(&self, idx: &[usize]) -> (Vec<f32>, Vec<u8>) {
-        let mut x = Vec::with_capacity(idx.len() * self.features);
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        self.rows_into(idx, &mut x, &mut y);
+        (x, y)
+    }
+
+    /// [`Dataset::rows`] into a caller's buffers (their contents replaced; a training
+    /// loop reuses them, allocating nothing per step).
+    pub fn rows_into(&self, idx: &[usize], x: &mut Vec<f32>, y: &mut Vec<u8>) {
+        x.clear();
+        x.reserve(idx.len() * self.features);
         for i in idx {
             x.extend_from_slice(&self.x[i * self.features..(i + 1) * self.features]);
         }
-        (x, idx.iter().map(|i| self.y[*i]).collect())
+        y.clear();
+        y.extend(idx.iter().map(|i| self.y[*i]));
     }
 
     /// (train, held-out): a fixed, seeded fifth held out.
@@ -384,7 +394,7 @@ impl Batches {
     }
 
     /// The sample indices of global step `step`.
-    pub fn global(&mut self, step: u64) -> Vec<usize> {
+    pub fn global(&mut self, step: u64) -> &[usize] {
         let per_epoch = (self.n / self.batch).max(1) as u64;
         let (epoch, k) = (step / per_epoch, (step % per_epoch) as usize);
         if self.epoch != Some(epoch) {
@@ -392,7 +402,7 @@ impl Batches {
             self.order = rng.permutation(self.n);
             self.epoch = Some(epoch);
         }
-        self.order[k * self.batch..(k + 1) * self.batch].to_vec()
+        &self.order[k * self.batch..(k + 1) * self.batch]
     }
 }
 
@@ -456,13 +466,14 @@ mod tests {
     #[test]
     fn batches_and_shards_cover_each_sample_once_per_epoch() {
         let mut b = Batches::new(100, 10, 3);
-        let mut seen: Vec<usize> = (0..10).flat_map(|s| b.global(s)).collect();
+        let mut seen: Vec<usize> = (0..10).flat_map(|s| b.global(s).to_vec()).collect();
         seen.sort_unstable();
         assert_eq!(seen, (0..100).collect::<Vec<_>>());
-        assert_ne!(b.global(0), b.global(10), "a new order each epoch");
+        let first = b.global(0).to_vec();
+        assert_ne!(first, b.global(10), "a new order each epoch");
         // Kept or drawn again, an epoch's order is the same (a resumed run goes back).
         assert_eq!(b.global(3), Batches::new(100, 10, 3).global(3));
-        let g = b.global(4);
+        let g = b.global(4).to_vec();
         let parts: Vec<usize> = (0..3).flat_map(|r| shard(&g, r, 3).to_vec()).collect();
         assert_eq!(parts, g);
         assert_eq!(shard(&g, 0, 3).len(), 3);

@@ -337,9 +337,10 @@ pub fn fit<'m, S: engine::Strategy<'m>>(
 ) -> Result<(), engine::TrainError> {
     let mut batches = Batches::new(train.len(), cfg.batch, cfg.seed);
     let (n, i) = sess.data_shard();
+    let (mut x, mut y) = (Vec::new(), Vec::new());
     while !sess.should_stop() {
         let global = batches.global(sess.global_step());
-        let (x, y) = train.rows(data::shard(&global, i, n));
+        train.rows_into(data::shard(global, i, n), &mut x, &mut y);
         sess.run(&x, &y)?;
     }
     Ok(())

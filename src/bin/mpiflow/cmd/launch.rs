@@ -3,16 +3,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use mpiflow::cluster::TaskId;
+use mpiflow::cluster::resolve::{resolve_launched, Resolved};
+use mpiflow::cluster::{Source, TaskId};
 use mpiflow::launch::child::{self, ChildProgram};
 use mpiflow::launch::lifetime::{self, Lifetime, Supervision};
 use mpiflow::launch::notices::{Notices, OverMpi};
 use mpiflow::launch::star::{self, Star};
 use mpiflow::launch::{self as launcher};
 use mpiflow::transport::mpi::MpiComm;
-
-use mpiflow::cluster::resolve::{resolve_launched, Resolved};
-use mpiflow::cluster::Source;
 
 use super::resolve;
 use crate::args::LaunchArgs;
@@ -22,11 +20,12 @@ use crate::out::{say, Failure};
 const POLL: Duration = Duration::from_millis(20);
 
 /// Why `--stop-evaluator` has nothing to do in this job, if it was given: no evaluator
-/// task, or no task is stopped at the end at all.
+/// task, or no task is stopped at the end at all (`supervised`: the launchers can stop
+/// tasks, which they cannot outside an MPI launcher's job).
 fn idle_stop_evaluator(
     args: &LaunchArgs,
     layout: &mpiflow::cluster::Layout,
-    mpi: bool,
+    supervised: bool,
 ) -> Option<&'static str> {
     let evaluators = layout.spec.num_tasks("evaluator").unwrap_or(0);
     match args.stop_evaluator {
@@ -35,7 +34,7 @@ fn idle_stop_evaluator(
         true if args.ps_lifetime == crate::args::PsLifetimeArg::Forever => {
             Some("--ps-lifetime forever stops no task")
         }
-        true if !mpi => Some("without MPI (mpirun, srun --mpi=pmix) no task is stopped"),
+        true if !supervised => Some("without MPI (mpirun, srun --mpi=pmix) no task is stopped"),
         true => None,
     }
 }
@@ -48,7 +47,13 @@ type Prepared = (
 
 /// What the program of rank `me` of `resolved` runs with; the job's warnings said by the
 /// rank that `warns`.
-fn prepare(args: &LaunchArgs, resolved: &Resolved, me: usize, mpi: bool, warns: bool) -> Prepared {
+fn prepare(
+    args: &LaunchArgs,
+    resolved: &Resolved,
+    me: usize,
+    supervised: bool,
+    warns: bool,
+) -> Prepared {
     let layout = &resolved.layout;
     let info = &layout.ranks[me];
     let argv = launcher::task_args(layout, info, &args.program, args.legacy_flags).and_then(|a| {
@@ -56,7 +61,7 @@ fn prepare(args: &LaunchArgs, resolved: &Resolved, me: usize, mpi: bool, warns: 
         Ok(a)
     });
     if warns {
-        if let Some(why) = idle_stop_evaluator(args, layout, mpi) {
+        if let Some(why) = idle_stop_evaluator(args, layout, supervised) {
             say!("mpiflow: warning: --stop-evaluator stops nothing here: {why}");
         }
     }
@@ -64,11 +69,12 @@ fn prepare(args: &LaunchArgs, resolved: &Resolved, me: usize, mpi: bool, warns: 
 }
 
 /// Under an MPI launcher whose variables describe the whole job (one host, or Slurm's
-/// step), a job that needs no supervision starts its program without MPI ever initialised
-/// here, so the program may initialise it as the rank (mpi4py, Horovod, a C MPI code).
-/// Returns only if that cannot be done (the cluster needs MPI to be learned, or tasks to
-/// be stopped at the end).
-fn exec_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
+/// step), runs the program without MPI ever initialised here, so the program may
+/// initialise it as the rank (mpi4py, Horovod, a C MPI code): it becomes the program, or,
+/// where tasks are stopped at the end and every rank is on this host, supervises it with
+/// the other launchers over a socket of their own. Returns only if that cannot be done
+/// (the cluster needs MPI to be learned, or supervision across hosts).
+fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let req = args.cluster.request();
     if req.pick_source(env) != Source::Mpi || args.cluster.unused_flag(Source::Mpi).is_some() {
         return Ok(());
@@ -122,7 +128,7 @@ impl lifetime::Program for NotStarted {
 }
 
 pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
-    exec_without_mpi(args, env)?;
+    run_without_mpi(args, env)?;
     let (resolved, ctx) = resolve(&args.cluster, env)?;
     let Some(me) = resolved.me else {
         return Err(Failure::local(
