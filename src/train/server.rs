@@ -45,7 +45,7 @@ use super::data::Dataset;
 use super::engine::{Session, TrainError};
 use super::events::Event;
 use super::ps::rma::{self, OneSidedSession};
-use super::ps::session::MonitoredSession;
+use super::ps::MonitoredSession;
 use super::ps::PsConfig;
 use super::ps::{server, PsError, Roles};
 use super::sidecar;

@@ -46,7 +46,7 @@ use std::time::Duration;
 use self::placement::{DeviceSetter, Strategy};
 use self::protocol::SyncReplicas;
 pub use self::roles::Roles;
-use self::session::Ps;
+pub use self::session::{MonitoredSession, Ps};
 use super::checkpoint;
 use super::data::Dataset;
 use super::engine::{Session, TrainError};

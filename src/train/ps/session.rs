@@ -14,7 +14,7 @@
 //! that training stopped (the ps tasks tell the other workers).
 //!
 //! ```no_run
-//! # use mpiflow::train::ps::{session::MonitoredSession, PsConfig, Roles};
+//! # use mpiflow::train::ps::{MonitoredSession, PsConfig, Roles};
 //! # use mpiflow::train::TrainConfig;
 //! # fn batch(step: u64) -> (Vec<f32>, Vec<u8>) { unimplemented!() }
 //! # fn f(comm: &mpiflow::transport::local::LocalComm, roles: &Roles,
