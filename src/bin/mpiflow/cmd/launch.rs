@@ -61,11 +61,20 @@ fn prepare(
         Ok(a)
     });
     if warns {
-        if let Some(why) = idle_stop_evaluator(args, layout, supervised) {
-            say!("mpiflow: warning: --stop-evaluator stops nothing here: {why}");
-        }
+        warn_idle_stop_evaluator(args, layout, supervised);
     }
     (argv, launcher::task_env(layout, info, resolved.size))
+}
+
+/// Says why `--stop-evaluator` does nothing here, if it does not.
+fn warn_idle_stop_evaluator(
+    args: &LaunchArgs,
+    layout: &mpiflow::cluster::Layout,
+    supervised: bool,
+) {
+    if let Some(why) = idle_stop_evaluator(args, layout, supervised) {
+        say!("mpiflow: warning: --stop-evaluator stops nothing here: {why}");
+    }
 }
 
 /// Under an MPI launcher whose variables describe the whole job (one host, or Slurm's
@@ -73,13 +82,16 @@ fn prepare(
 /// initialise it as the rank (mpi4py, Horovod, a C MPI code): it becomes the program, or,
 /// where tasks are stopped at the end and every rank is on this host, supervises it with
 /// the other launchers over a socket of their own. Returns only if that cannot be done
-/// (the cluster needs MPI to be learned, or supervision across hosts).
+/// (the cluster needs MPI to be learned, or supervision across hosts) or something is
+/// wrong, which the ranks then agree on over MPI.
 fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let req = args.cluster.request();
     if req.pick_source(env) != Source::Mpi || args.cluster.unused_flag(Source::Mpi).is_some() {
         return Ok(());
     }
-    let Some(resolved) = resolve_launched(&req, env).map_err(Failure::local)? else {
+    // Errors (a mapping, a port, a program not found) are left to the path over MPI,
+    // where the ranks agree on them: one line, not one per rank.
+    let Ok(Some(resolved)) = resolve_launched(&req, env) else {
         return Ok(());
     };
     let layout = &resolved.layout;
@@ -88,8 +100,13 @@ fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<
     let Some(me) = resolved.me.filter(|_| supervised.is_none() || one_host) else {
         return Ok(());
     };
-    let (argv, task_env) = prepare(args, &resolved, me, supervised.is_some(), me == 0);
-    let argv = argv.map_err(Failure::local)?;
+    let (argv, task_env) = prepare(args, &resolved, me, supervised.is_some(), false);
+    let Ok(argv) = argv else {
+        return Ok(());
+    };
+    if me == 0 {
+        warn_idle_stop_evaluator(args, layout, supervised.is_some());
+    }
     drop(resolved.port_guard);
     let Some(tasks) = supervised else {
         return Err(Failure::local(launcher::exec(&argv, &task_env)));
