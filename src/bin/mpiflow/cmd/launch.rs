@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use mpiflow::cluster::resolve::{resolve_launched, Resolved};
+use mpiflow::cluster::resolve::{resolve_launched, ResolveError, Resolved};
 use mpiflow::cluster::{Source, TaskId};
 use mpiflow::launch::child::{self, ChildProgram};
 use mpiflow::launch::lifetime::{self, Lifetime, Supervision};
@@ -89,10 +89,14 @@ fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<
     if req.pick_source(env) != Source::Mpi || args.cluster.unused_flag(Source::Mpi).is_some() {
         return Ok(());
     }
-    // Errors (a mapping, a port, a program not found) are left to the path over MPI,
-    // where the ranks agree on them: one line, not one per rank.
-    let Ok(Some(resolved)) = resolve_launched(&req, env) else {
-        return Ok(());
+    // Errors every rank finds alike (a mapping, a program not found) are left to the path
+    // over MPI, where the ranks agree on them: one line, not one per rank. A port in use
+    // is this rank's alone: it ends this rank (the MPI launcher then ends the job), as a
+    // rank that went to MPI while the others did not would wait for them for ever.
+    let resolved = match resolve_launched(&req, env) {
+        Ok(Some(resolved)) => resolved,
+        Err(e @ ResolveError::Port(_)) => return Err(Failure::local(e)),
+        Ok(None) | Err(_) => return Ok(()),
     };
     let layout = &resolved.layout;
     let supervised = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
