@@ -179,15 +179,7 @@ fn bad_lifetime_flags_are_one_line_errors_and_idle_ones_warnings() {
 #[test]
 fn an_mpi_program_runs_as_its_rank_under_launch() {
     let dir = common::tmpdir("launch-mpi-program");
-    let bin = dir.join("mpi_allreduce");
-    let source = format!("{}/launcher/examples/mpi_allreduce.c", common::root());
-    let built = common::run_bounded(
-        120,
-        &["mpicc", "-O2", "-o", bin.to_str().unwrap(), &source],
-        &[],
-    );
-    assert_eq!(built.code, 0, "mpicc: {built:?}");
-    let bin = bin.to_str().unwrap();
+    let bin = common::mpi_program(&dir);
     // Alone (the launcher becomes the program), and with a ps task (the launchers stay as
     // their programs' parents and supervise them over a socket of their own, not MPI).
     let jobs = [
@@ -195,17 +187,8 @@ fn an_mpi_program_runs_as_its_rank_under_launch() {
         ("1", ["ps:0", "worker:0", "worker:1"]),
     ];
     for (ps, tasks) in jobs {
-        let out = mpirun(&["-np", "3", mpiflow(), "launch", "--ps", ps, "--", bin]);
-        assert_eq!(out.code, 0, "{out:?}");
-        let mut lines: Vec<&str> = out
-            .stdout
-            .lines()
-            .filter(|l| l.starts_with("rank "))
-            .collect();
-        lines.sort();
-        let want: Vec<String> = (0..3)
-            .map(|r| format!("rank {r} size 3 sum 6 task {} tf_config yes", tasks[r]))
-            .collect();
-        assert_eq!(lines, want, "--ps {ps}: {out:?}");
+        let out = mpirun(&["-np", "3", mpiflow(), "launch", "--ps", ps, "--", &bin]);
+        assert_eq!(out.code, 0, "--ps {ps}: {out:?}");
+        common::assert_mpi_program_ran(&out, &tasks);
     }
 }

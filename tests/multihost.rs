@@ -393,3 +393,23 @@ fn pipelines_across_hosts_keep_replicas_inside_hosts_and_train_as_local_training
         assert!(worst < 1e-4, "{name}: largest relative difference {worst}");
     }
 }
+
+/// A program that initialises MPI itself, launched across the three hosts: `launch
+/// --hostfile` (the one mpirun was given) learns the cluster from it and the rank from
+/// mpirun's variables, without MPI, so the program's own `MPI_Init` spans the hosts.
+#[test]
+fn an_mpi_program_launched_across_hosts_by_the_hostfile_initialises_mpi_itself() {
+    let Some(script) = cluster_script() else {
+        return;
+    };
+    let dir = common::tmpdir("multihost-mpi-program");
+    let program = common::mpi_program(&dir);
+    let (m, hosts) = (mpiflow(), "hostfiles/netns-3hosts");
+    let inner = format!(
+        "mpirun $MPIFLOW_NETNS_MCA --hostfile {hosts} -np 6 {m} launch --hostfile {hosts} -- {program}"
+    );
+    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let tasks: Vec<String> = (0..6).map(|r| format!("worker:{r}")).collect();
+    common::assert_mpi_program_ran(&run, &tasks);
+}

@@ -38,6 +38,17 @@ fn number(env: &BTreeMap<String, String>, var: &str) -> Option<usize> {
     env.get(var)?.trim().parse().ok()
 }
 
+/// This process's rank and the job's size, as Open MPI's or Hydra's variables say.
+pub fn rank_and_size(env: &BTreeMap<String, String>) -> Option<(usize, usize)> {
+    [
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ]
+    .iter()
+    .find_map(|(r, s)| Some((number(env, r)?, number(env, s)?)))
+    .filter(|(r, s)| r < s)
+}
+
 /// The job as Open MPI's or Hydra's variables describe it.
 pub fn from_env(env: &BTreeMap<String, String>) -> Launched {
     let launchers = [

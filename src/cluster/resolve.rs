@@ -370,6 +370,43 @@ pub fn resolve_launched(
     }))
 }
 
+/// The cluster of a hostfile (`req.hostfile`, mapped as the MPI launcher maps it: give
+/// both the same hostfile and mapping options) for the rank the launcher's variables name
+/// ([`super::launched::rank_and_size`]), without MPI: how `launch` learns a job across
+/// hosts under `mpirun`. `None` outside an MPI launcher; an error if the hostfile places
+/// this rank on another host than the one it runs on.
+pub fn resolve_hostfile_rank(
+    req: &Request,
+    env: &BTreeMap<String, String>,
+) -> Result<Option<Resolved>, ResolveError> {
+    let Some((rank, size)) = super::launched::rank_and_size(env) else {
+        return Ok(None);
+    };
+    let req = Request {
+        np: Some(req.np.unwrap_or(size)),
+        ..req.clone()
+    };
+    if req.np != Some(size) {
+        return Err(ResolveError::Usage(format!(
+            "rank {rank}: -np {} but the job has {size} ranks",
+            req.np.unwrap_or(0)
+        )));
+    }
+    let mut resolved = resolve_offline(&req, Source::Hostfile, env)?;
+    let me = &resolved.layout.ranks[rank];
+    let host = env.get("MPIFLOW_HOST").cloned().or_else(hostname);
+    if !is_this_host(&me.host) && host.as_deref() != Some(me.host.as_str()) {
+        return Err(ResolveError::Usage(format!(
+            "rank {rank}: the hostfile places it on {} but it runs on {} (give mpirun the same --hostfile and mapping)",
+            me.host,
+            host.unwrap_or_else(|| "an unknown host".into())
+        )));
+    }
+    resolved.port_guard = Some(own_port(me.address.port, &me.task, &me.host)?);
+    resolved.me = Some(rank);
+    Ok(Some(resolved))
+}
+
 /// The resolvers that need no MPI: Slurm, hostfile preview, TF_CONFIG, legacy flags.
 pub fn resolve_offline(
     req: &Request,

@@ -433,3 +433,33 @@ pub fn usr1_counts(output: &str) -> Vec<String> {
     counts.sort();
     counts
 }
+
+/// `launcher/examples/mpi_allreduce.c`, a program that initialises MPI itself, built by
+/// `mpicc` into `dir`; its path.
+pub fn mpi_program(dir: &Path) -> String {
+    let program = dir.join("mpi_allreduce").display().to_string();
+    let source = format!("{}/launcher/examples/mpi_allreduce.c", root());
+    let built = run_bounded(120, &["mpicc", "-O2", "-o", &program, &source], &[]);
+    assert_eq!(built.code, 0, "mpicc: {built:?}");
+    program
+}
+
+/// What [`mpi_program`] printed on each rank of a job of `tasks.len()` ranks (rank r has
+/// task `tasks[r]`): a world of the whole job that summed every rank's `r + 1`.
+pub fn assert_mpi_program_ran(out: &Run, tasks: &[impl AsRef<str>]) {
+    let n = tasks.len();
+    let mut lines: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("rank "))
+        .collect();
+    lines.sort();
+    let sum = n * (n + 1) / 2;
+    let want: Vec<String> = (0..n)
+        .map(|r| {
+            let task = tasks[r].as_ref();
+            format!("rank {r} size {n} sum {sum} task {task} tf_config yes")
+        })
+        .collect();
+    assert_eq!(lines, want, "{out:?}");
+}

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use mpiflow::cluster::resolve::{resolve_launched, ResolveError, Resolved};
+use mpiflow::cluster::resolve::{resolve_hostfile_rank, resolve_launched, ResolveError, Resolved};
 use mpiflow::cluster::{Source, TaskId};
 use mpiflow::launch::child::{self, ChildProgram};
 use mpiflow::launch::lifetime::{self, Lifetime, Supervision};
@@ -86,22 +86,36 @@ fn warn_idle_stop_evaluator(
 /// wrong, which the ranks then agree on over MPI.
 fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let req = args.cluster.request();
-    if req.pick_source(env) != Source::Mpi || args.cluster.unused_flag(Source::Mpi).is_some() {
+    let source = req.pick_source(env);
+    if args.cluster.unused_flag(source).is_some() {
         return Ok(());
     }
     // Errors every rank finds alike (a mapping, a program not found) are left to the path
     // over MPI, where the ranks agree on them: one line, not one per rank. A port in use
     // is this rank's alone: it ends this rank (the MPI launcher then ends the job), as a
-    // rank that went to MPI while the others did not would wait for them for ever.
-    let resolved = match resolve_launched(&req, env) {
-        Ok(Some(resolved)) => resolved,
-        Err(e @ ResolveError::Port(_)) => return Err(Failure::local(e)),
-        Ok(None) | Err(_) => return Ok(()),
+    // rank that went to MPI while the others did not would wait for them for ever. A
+    // hostfile's job has no MPI to fall back to: its errors are each rank's.
+    let resolved = match source {
+        Source::Mpi => match resolve_launched(&req, env) {
+            Ok(Some(resolved)) => resolved,
+            Err(e @ ResolveError::Port(_)) => return Err(Failure::local(e)),
+            Ok(None) | Err(_) => return Ok(()),
+        },
+        Source::Hostfile => match resolve_hostfile_rank(&req, env).map_err(Failure::local)? {
+            Some(resolved) => resolved,
+            None => return Ok(()),
+        },
+        _ => return Ok(()),
     };
     let layout = &resolved.layout;
     let supervised = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
     let one_host = layout.ranks.iter().all(|r| r.host == layout.ranks[0].host);
     let Some(me) = resolved.me.filter(|_| supervised.is_none() || one_host) else {
+        if source == Source::Hostfile {
+            return Err(Failure::local(
+                "launch --hostfile: ps tasks on several hosts are stopped at the end over MPI, which a hostfile's job does not start; leave out --hostfile, or give --ps-lifetime forever",
+            ));
+        }
         return Ok(());
     };
     let (argv, task_env) = prepare(args, &resolved, me, supervised.is_some(), false);
