@@ -614,6 +614,56 @@ mod tests {
     use super::*;
     use crate::test_support::env;
 
+    /// `launch --hostfile` under mpirun: the hostfile's cluster, the rank from mpirun's
+    /// variables; a rank the hostfile puts elsewhere, or another job size, is refused.
+    #[test]
+    fn a_hostfile_and_the_launchers_rank_give_this_ranks_task() {
+        let dir =
+            std::env::temp_dir().join(format!("mpiflow-hostfile-rank-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (here, elsewhere) = (dir.join("here"), dir.join("elsewhere"));
+        std::fs::write(&here, "localhost slots=4\n").unwrap();
+        std::fs::write(&elsewhere, "localhost slots=1\nno-such-host-here slots=3\n").unwrap();
+        let req = |path: &std::path::Path| Request {
+            hostfile: Some(path.to_path_buf()),
+            // Ports of this test's own (this rank's is bound to check it is free).
+            port_base: Some(40_000 + (std::process::id() % 5_000) as u16),
+            mapping: MappingOptions {
+                ps: 1,
+                ..MappingOptions::default()
+            },
+            ..Request::default()
+        };
+        let mpirun = |rank: &str| {
+            env(&[
+                ("OMPI_COMM_WORLD_RANK", rank),
+                ("OMPI_COMM_WORLD_SIZE", "3"),
+            ])
+        };
+        assert!(resolve_hostfile_rank(&req(&here), &env(&[]))
+            .unwrap()
+            .is_none());
+        let r = resolve_hostfile_rank(&req(&here), &mpirun("2"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.me, Some(2));
+        assert_eq!(r.layout.ranks.len(), 3);
+        assert_eq!(r.layout.ranks[2].task, TaskId::new("worker", 1));
+        let e = resolve_hostfile_rank(&req(&elsewhere), &mpirun("1")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("rank 1: the hostfile places it on no-such-host-here"),
+            "{e}"
+        );
+        let four = Request {
+            np: Some(4),
+            ..req(&here)
+        };
+        let e = resolve_hostfile_rank(&four, &mpirun("0")).unwrap_err();
+        assert_eq!(e.to_string(), "rank 0: -np 4 but the job has 3 ranks");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn auto_source_order() {
         let req = Request::default();
