@@ -229,32 +229,11 @@ impl Sequential {
         Ok(())
     }
 
-    /// The forward pass, the loss, and the backward pass layer by layer (last first),
-    /// calling `ready` as each layer's parameter gradients are written.
-    /// ... of the layers `layers`, the last of which gives the logits.
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &self,
-        layers: Range<usize>,
-        params: &[Tensor],
-        x: &[f32],
-        y: Targets<'_>,
-        grads: &mut [Tensor],
-        ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
-        s: &mut Scratch,
-    ) -> Result<f32, ModelError> {
-        let classes = self.classes();
-        let n = y.rows(classes);
-        self.forward_layers(layers.clone(), params, x, n, s)?;
-        let delta = sized(&mut s.delta, n * classes);
-        let loss = y.loss(s.outs.last().expect("logits"), classes, delta);
-        self.backward_layers(layers, params, x, n, grads, ready, false, s)?;
-        Ok(loss)
-    }
-
     /// The loss of the layers `layers` (the last of which gives the logits) and their
-    /// gradients, in spare buffers: [`Model::loss_and_gradients`] of the whole model and of
-    /// a [`Part`] holding its last layer.
+    /// gradients, in spare buffers: the forward pass, the loss, and the backward pass layer
+    /// by layer (last first), calling `ready` as each layer's parameter gradients are
+    /// written. [`Model::loss_and_gradients`] of the whole model and of a [`Part`] holding
+    /// its last layer.
     fn loss_of(
         &self,
         layers: Range<usize>,
@@ -264,8 +243,17 @@ impl Sequential {
         grads: &mut [Tensor],
         ready: &mut dyn FnMut(Range<usize>, &[Tensor]),
     ) -> Result<f32, ModelError> {
+        let classes = self.classes();
+        let n = y.rows(classes);
         let mut s = self.take_scratch();
-        let loss = self.backward(layers, params, x, y, grads, ready, &mut s);
+        let passes = |s: &mut Scratch| -> Result<f32, ModelError> {
+            self.forward_layers(layers.clone(), params, x, n, s)?;
+            let delta = sized(&mut s.delta, n * classes);
+            let loss = y.loss(s.outs.last().expect("logits"), classes, delta);
+            self.backward_layers(layers, params, x, n, grads, ready, false, s)?;
+            Ok(loss)
+        };
+        let loss = passes(&mut s);
         self.give_back(s);
         loss
     }
