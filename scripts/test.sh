@@ -14,6 +14,9 @@ phase() {
 }
 MPIFLOW_WITH_MPICH=1 MPIFLOW_WITH_SLURM=1 bash scripts/setup.sh
 source scripts/env.sh
+# Python programs under test (mpi4py under `launch`) run in the environment venv.sh makes.
+MPIFLOW_PYTHON=$(bash scripts/venv.sh)
+export MPIFLOW_PYTHON MPIFLOW_REQUIRE_PYTHON=1
 # The Slurm tests (tests/slurm.rs) start a private Slurm, the multi-host test network
 # namespaces, others mounts: as root they must run, not skip (tests/common: as_root).
 if [[ $(id -u) -eq 0 ]]; then export MPIFLOW_REQUIRE_SLURM=1 MPIFLOW_REQUIRE_ROOT=1; fi

@@ -1,8 +1,9 @@
 //! `mpiflow launch` of TensorFlow-1-style jobs under real `mpirun`: ps tasks that block
 //! forever (as `server.join()` does) end when the workers are done, a failing worker ends
 //! the job with its status and name, signals reach the programs, and `--ps-lifetime
-//! forever` keeps TensorFlow's behaviour. A program that itself uses MPI (a C allreduce)
-//! runs under `launch` as its rank.
+//! forever` keeps TensorFlow's behaviour. Programs that themselves use MPI (a C allreduce,
+//! mpi4py) run under `launch` as their ranks, and their jobs end too when the ps tasks
+//! wait for ever.
 
 mod common;
 
@@ -191,4 +192,69 @@ fn an_mpi_program_runs_as_its_rank_under_launch() {
         assert_eq!(out.code, 0, "--ps {ps}: {out:?}");
         common::assert_mpi_program_ran(&out, &tasks);
     }
+}
+
+/// MPI programs whose ps tasks wait for ever without finalising MPI (as `server.join()`
+/// does), which would keep the workers in `MPI_Finalize`: the job ends when the workers
+/// are done, with status 0, every rank having run (C, and mpi4py with the seeds' flags).
+#[test]
+fn mpi_programs_end_when_their_ps_tasks_join_forever() {
+    let dir = common::tmpdir("launch-mpi-joins");
+    let c = common::mpi_program(&dir);
+    let out = mpirun(&[
+        "-np",
+        "3",
+        mpiflow(),
+        "launch",
+        "--ps",
+        "1",
+        "--",
+        &c,
+        "--ps-joins",
+    ]);
+    assert_eq!(out.code, 0, "{out:?}");
+    common::assert_mpi_program_ran(&out, &["ps:0", "worker:0", "worker:1"]);
+    let Some(python) = common::python_with_mpi4py() else {
+        return;
+    };
+    let script = common::mpi4py_program();
+    let launch = [mpiflow(), "launch", "--ps", "2", "--legacy-flags", "--"];
+    let program = [python.as_str(), &script, "--ps-joins"];
+    let out = mpirun(&[&["-np", "4"][..], &launch, &program].concat());
+    assert_eq!(out.code, 0, "{out:?}");
+    common::assert_mpi_program_ran(&out, &["ps:0", "ps:1", "worker:0", "worker:1"]);
+}
+
+/// mpi4py under `launch`: alone (the launcher becomes the program) and with a ps task;
+/// a worker that exits 3 after using MPI ends the job with its status and name, while
+/// the ps task waits for ever.
+#[test]
+fn mpi4py_programs_run_as_their_ranks_and_fail_as_their_tasks() {
+    let Some(python) = common::python_with_mpi4py() else {
+        return;
+    };
+    let script = common::mpi4py_program();
+    for (ps, tasks) in [
+        ("0", ["worker:0", "worker:1", "worker:2"]),
+        ("1", ["ps:0", "worker:0", "worker:1"]),
+    ] {
+        let out = mpirun(&[
+            "-np",
+            "3",
+            mpiflow(),
+            "launch",
+            "--ps",
+            ps,
+            "--",
+            &python,
+            &script,
+        ]);
+        assert_eq!(out.code, 0, "--ps {ps}: {out:?}");
+        common::assert_mpi_program_ran(&out, &tasks);
+    }
+    let (out, took) = launch("3", &[], &[&python, &script, "--ps-joins", "--exit", "3"]);
+    assert_eq!(out.code, 3, "{out:?}");
+    let named = "mpiflow launch: worker:1 (rank 2) exited with status 3";
+    assert_eq!(out.stderr.matches(named).count(), 1, "{out:?}");
+    assert!(took < Duration::from_secs(60), "took {took:?}: {out:?}");
 }

@@ -27,6 +27,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use super::lifetime::{Outcome, Program};
+use super::watch::MpiWatch;
 
 /// The signals passed on to the program.
 const FORWARDED: [libc::c_int; 7] = [
@@ -98,6 +99,8 @@ fn reached_directly(sender: libc::pid_t, child: libc::pid_t) -> bool {
 pub struct ChildProgram {
     child: Child,
     done: Option<Outcome>,
+    /// Where its MPI stands, when it runs with the MPI watch.
+    watch: Option<MpiWatch>,
 }
 
 impl ChildProgram {
@@ -105,6 +108,20 @@ impl ChildProgram {
     /// and starts passing signals on to it.
     pub fn spawn(args: &[String], env: &[(String, String)]) -> std::io::Result<ChildProgram> {
         Self::spawn_with(args, env, std::process::Stdio::inherit())
+    }
+
+    /// [`ChildProgram::spawn`] with the MPI watch preloaded ([`super::watch`]): a program
+    /// that uses MPI tells when it enters `MPI_Finalize`, and is stopped by finalising it.
+    pub fn spawn_watched(
+        args: &[String],
+        env: &[(String, String)],
+    ) -> std::io::Result<ChildProgram> {
+        let watch = MpiWatch::new()?;
+        let mut env = env.to_vec();
+        env.extend(watch.env());
+        let mut program = Self::spawn(args, &env)?;
+        program.watch = Some(watch);
+        Ok(program)
     }
 
     /// [`ChildProgram::spawn`] with its stdout as `stdout` says (piped: read it with
@@ -138,7 +155,11 @@ impl ChildProgram {
         // program (same process group): only those other processes send are passed on.
         crate::signals::catch(&FORWARDED, true)?;
         let child = cmd.spawn()?;
-        Ok(ChildProgram { child, done: None })
+        Ok(ChildProgram {
+            child,
+            done: None,
+            watch: None,
+        })
     }
 
     /// The program's process id.
@@ -159,6 +180,18 @@ impl ChildProgram {
         }
     }
 
+    /// Whether the program ended within `grace` (it is polled meanwhile).
+    fn ended_within(&mut self, grace: Duration) -> std::io::Result<bool> {
+        let since = Instant::now();
+        while self.try_wait()?.is_none() {
+            if since.elapsed() >= grace {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(true)
+    }
+
     fn signal(&self, sig: libc::c_int) {
         // SAFETY: kill with our own child's pid; it is not reaped before `done` is set,
         // so the pid cannot belong to another process.
@@ -174,19 +207,24 @@ impl Program for ChildProgram {
         Ok(self.done)
     }
 
+    fn mpi_finalizing(&mut self) -> bool {
+        self.watch.as_mut().is_some_and(MpiWatch::finalizing)
+    }
+
+    /// A program with MPI initialised is first asked to finalise it and exit (the other
+    /// ranks' `MPI_Finalize` waits for that); then, as any other, SIGTERM, and SIGKILL
+    /// after `grace`.
     fn stop(&mut self, grace: Duration) -> std::io::Result<()> {
         if self.try_wait()?.is_some() {
             return Ok(());
         }
+        if self.watch.as_mut().is_some_and(MpiWatch::ask_to_finalize) && self.ended_within(grace)? {
+            return Ok(());
+        }
         self.signal(libc::SIGTERM);
-        let since = Instant::now();
-        while self.try_wait()?.is_none() {
-            if since.elapsed() >= grace {
-                self.signal(libc::SIGKILL);
-                self.done = Some(Self::outcome(self.child.wait()?));
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        if !self.ended_within(grace)? {
+            self.signal(libc::SIGKILL);
+            self.done = Some(Self::outcome(self.child.wait()?));
         }
         Ok(())
     }

@@ -49,30 +49,6 @@ impl Outcome {
         matches!(self, Outcome::Exited(c) if c != 0) || matches!(self, Outcome::Signaled(_))
     }
 
-    /// The 8-byte message that tells the other tasks.
-    fn encode(self) -> [u8; 8] {
-        let (kind, value) = match self {
-            Outcome::Exited(c) => (0u32, c),
-            Outcome::Signaled(s) => (1, s),
-            Outcome::Stopped => (2, 0),
-        };
-        let mut m = [0u8; 8];
-        m[..4].copy_from_slice(&kind.to_le_bytes());
-        m[4..].copy_from_slice(&value.to_le_bytes());
-        m
-    }
-
-    fn decode(m: &[u8]) -> Option<Outcome> {
-        let kind = u32::from_le_bytes(m.get(..4)?.try_into().ok()?);
-        let value = i32::from_le_bytes(m.get(4..8)?.try_into().ok()?);
-        match (kind, m.len()) {
-            (0, 8) => Some(Outcome::Exited(value)),
-            (1, 8) => Some(Outcome::Signaled(value)),
-            (2, 8) => Some(Outcome::Stopped),
-            _ => None,
-        }
-    }
-
     /// `exited with status 3`, `was killed by signal 9 (SIGKILL)`.
     pub fn describe(self) -> String {
         match self {
@@ -81,6 +57,45 @@ impl Outcome {
                 format!("was killed by signal {s} ({})", crate::signals::name(s))
             }
             Outcome::Stopped => "was stopped by mpiflow".into(),
+        }
+    }
+}
+
+/// What a launcher tells the others, in 8 bytes: how its program ended, or, before that,
+/// that the program (one using MPI) has entered `MPI_Finalize` and waits there only for
+/// the other ranks: it counts as done for stopping the ps tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Note {
+    Ended(Outcome),
+    Finalizing,
+}
+
+impl Note {
+    fn encode(self) -> [u8; 8] {
+        let (kind, value) = match self {
+            Note::Ended(Outcome::Exited(c)) => (0u32, c),
+            Note::Ended(Outcome::Signaled(s)) => (1, s),
+            Note::Ended(Outcome::Stopped) => (2, 0),
+            Note::Finalizing => (3, 0),
+        };
+        let mut m = [0u8; 8];
+        m[..4].copy_from_slice(&kind.to_le_bytes());
+        m[4..].copy_from_slice(&value.to_le_bytes());
+        m
+    }
+
+    fn decode(m: &[u8]) -> Option<Note> {
+        if m.len() != 8 {
+            return None;
+        }
+        let kind = u32::from_le_bytes(m[..4].try_into().ok()?);
+        let value = i32::from_le_bytes(m[4..8].try_into().ok()?);
+        match kind {
+            0 => Some(Note::Ended(Outcome::Exited(value))),
+            1 => Some(Note::Ended(Outcome::Signaled(value))),
+            2 => Some(Note::Ended(Outcome::Stopped)),
+            3 => Some(Note::Finalizing),
+            _ => None,
         }
     }
 }
@@ -101,6 +116,8 @@ pub enum Verdict {
 pub struct Tally {
     lifetimes: Vec<Lifetime>,
     outcomes: Vec<Option<Outcome>>,
+    /// The programs that entered `MPI_Finalize` (waiting for the other ranks).
+    finalizing: Vec<bool>,
     first_failure: Option<(usize, Outcome)>,
 }
 
@@ -110,7 +127,16 @@ impl Tally {
         Tally {
             lifetimes,
             outcomes: vec![None; n],
+            finalizing: vec![false; n],
             first_failure: None,
+        }
+    }
+
+    /// Records what `rank` told.
+    pub fn note(&mut self, rank: usize, note: Note) {
+        match note {
+            Note::Ended(o) => self.record(rank, o),
+            Note::Finalizing => self.finalizing[rank] = true,
         }
     }
 
@@ -129,12 +155,9 @@ impl Tally {
         if let Some((rank, outcome)) = self.first_failure {
             return Verdict::Failed { rank, outcome };
         }
-        let own_done = self
-            .lifetimes
-            .iter()
-            .zip(&self.outcomes)
-            .filter(|(l, _)| **l == Lifetime::Own)
-            .all(|(_, o)| o.is_some());
+        let own_done = (0..self.lifetimes.len())
+            .filter(|&r| self.lifetimes[r] == Lifetime::Own)
+            .all(|r| self.outcomes[r].is_some() || self.finalizing[r]);
         if own_done {
             Verdict::Done
         } else {
@@ -162,6 +185,11 @@ impl Tally {
 pub trait Program {
     /// The outcome if the program has ended (without blocking).
     fn try_wait(&mut self) -> std::io::Result<Option<Outcome>>;
+    /// Whether the program, still running, has entered `MPI_Finalize` (an MPI program
+    /// waiting there for the ranks that have not: [`super::watch`]).
+    fn mpi_finalizing(&mut self) -> bool {
+        false
+    }
     /// Stops it: SIGTERM, SIGKILL after `grace`; returns once it is gone.
     fn stop(&mut self, grace: Duration) -> std::io::Result<()>;
     /// Passes on signals this launcher received since the last call.
@@ -220,6 +248,7 @@ pub fn supervise<N: Notices, P: Program>(
     let mut tally = Tally::new(how.tasks.iter().map(|(_, l)| *l).collect());
     let mut mine: Option<Outcome> = None;
     let mut told = false;
+    let mut told_finalizing = false;
     let wait_err = |source| SuperviseError::Wait { rank: me, source };
     loop {
         program.forward_signals();
@@ -233,13 +262,18 @@ pub fn supervise<N: Notices, P: Program>(
                 );
             }
         }
+        if mine.is_none() && !told_finalizing && program.mpi_finalizing() {
+            notices.tell(Note::Finalizing.encode())?;
+            told_finalizing = true;
+            tally.note(me, Note::Finalizing);
+        }
         for (peer, m) in notices.take()? {
-            let o = Outcome::decode(&m).ok_or(SuperviseError::Garbled {
+            let note = Note::decode(&m).ok_or(SuperviseError::Garbled {
                 rank: me,
                 peer,
                 len: m.len(),
             })?;
-            tally.record(peer, o);
+            tally.note(peer, note);
         }
         if mine.is_none() && tally.should_stop(me) {
             if tally.verdict() == Verdict::Done && first_stopped(&how.tasks) == Some(me) {
@@ -253,7 +287,7 @@ pub fn supervise<N: Notices, P: Program>(
         }
         if let Some(o) = mine {
             if !told {
-                notices.tell(o.encode())?;
+                notices.tell(Note::Ended(o).encode())?;
                 told = true;
             }
             tally.record(me, o);
@@ -343,17 +377,19 @@ mod tests {
     use crate::transport::local::LocalComm;
 
     #[test]
-    fn outcomes_cross_as_eight_bytes_and_nothing_else_decodes() {
+    fn notes_cross_as_eight_bytes_and_nothing_else_decodes() {
         for o in [
             Outcome::Exited(0),
             Outcome::Exited(3),
             Outcome::Signaled(9),
             Outcome::Stopped,
         ] {
-            assert_eq!(Outcome::decode(&o.encode()), Some(o));
+            assert_eq!(Note::decode(&Note::Ended(o).encode()), Some(Note::Ended(o)));
         }
-        assert_eq!(Outcome::decode(&[0; 7]), None);
-        assert_eq!(Outcome::decode(&[9, 0, 0, 0, 0, 0, 0, 0]), None);
+        let f = Note::Finalizing;
+        assert_eq!(Note::decode(&f.encode()), Some(f));
+        assert_eq!(Note::decode(&[0; 7]), None);
+        assert_eq!(Note::decode(&[9, 0, 0, 0, 0, 0, 0, 0]), None);
         assert!(Outcome::Exited(3).failed() && Outcome::Signaled(15).failed());
         assert!(!Outcome::Exited(0).failed() && !Outcome::Stopped.failed());
     }
@@ -380,6 +416,27 @@ mod tests {
         };
         assert_eq!(t.verdict(), failed);
         assert!(t.should_stop(0) && t.should_stop(1));
+    }
+
+    #[test]
+    fn a_worker_in_mpi_finalize_counts_as_done_until_it_ends() {
+        use Lifetime::*;
+        let mut t = Tally::new(vec![Job, Own, Own]);
+        t.note(1, Note::Finalizing);
+        assert_eq!(t.verdict(), Verdict::Running);
+        t.note(2, Note::Ended(Outcome::Exited(0)));
+        assert_eq!(t.verdict(), Verdict::Done);
+        assert!(t.should_stop(0) && !t.should_stop(1));
+        t.note(0, Note::Ended(Outcome::Stopped));
+        assert!(!t.all_ended());
+        // It fails on its way out: the job's status is its.
+        t.note(1, Note::Ended(Outcome::Exited(3)));
+        assert!(t.all_ended());
+        let failed = Verdict::Failed {
+            rank: 1,
+            outcome: Outcome::Exited(3),
+        };
+        assert_eq!(t.verdict(), failed);
     }
 
     fn run(programs: Vec<(Lifetime, Option<usize>, i32)>) -> Vec<(Ending, bool)> {

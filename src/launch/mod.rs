@@ -35,6 +35,7 @@ pub mod child;
 pub mod lifetime;
 pub mod notices;
 pub mod star;
+pub mod watch;
 
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;

@@ -1,5 +1,8 @@
 //! The channel supervising launchers tell each other their programs' outcomes on
-//! ([`super::lifetime`]): one 8-byte message per task, to every other task.
+//! ([`super::lifetime`]): each task's outcome in 8 bytes, to every other task, and before
+//! it at most one note of the same size (a program that entered `MPI_Finalize`; only over
+//! [`super::star::Star`], as a program under [`OverMpi`] cannot use MPI: its launcher
+//! holds it).
 //!
 //! - [`OverMpi`]: the job's own MPI communicator, where the launcher initialised MPI (it
 //!   learned the cluster that way).
@@ -17,7 +20,7 @@ pub trait Notices {
     /// The messages that arrived since the last call, with the rank each came from.
     fn take(&mut self) -> Result<Vec<(usize, Vec<u8>)>, SuperviseError>;
 
-    /// Tells every other rank `message` (once per launcher).
+    /// Tells every other rank `message` (at most twice per launcher, see above).
     fn tell(&mut self, message: [u8; 8]) -> Result<(), SuperviseError>;
 
     /// Waits until what this launcher told has left it, before it exits.
@@ -80,6 +83,12 @@ impl<C: Comm> Notices for OverMpi<'_, C> {
     }
 
     fn tell(&mut self, message: [u8; 8]) -> Result<(), SuperviseError> {
+        if !self.sends.is_empty() {
+            return Err(SuperviseError::Channel {
+                rank: self.comm.rank(),
+                what: "over MPI a launcher tells its outcome only".into(),
+            });
+        }
         *self.outbox = message;
         let me = self.comm.rank();
         for peer in (0..self.comm.size()).filter(|&p| p != me) {

@@ -3,7 +3,8 @@
 //! gone with its last user).
 //!
 //! Rank 0 listens; every other launcher connects, says its rank, and sends its program's
-//! outcome when it has one; rank 0 passes each outcome on to all the others, and replays
+//! outcome when it has one (and a note before it: [`super::notices`]); rank 0 passes each
+//! message on to all the others, and replays
 //! what it has to a launcher that connects late. Messages are frames of 12 bytes: the rank
 //! whose outcome it is (`u32`, little-endian) and the 8-byte outcome. The socket's name is
 //! the job's ([`job_token`]), so two jobs on one host never meet.
@@ -122,8 +123,8 @@ struct Hub {
 struct Spoke {
     addr: SocketAddr,
     hub: Option<Peer>,
-    /// This rank's outcome, until it reached rank 0.
-    pending: Option<[u8; 8]>,
+    /// What this rank told before it reached rank 0.
+    pending: Vec<[u8; 8]>,
     since: Instant,
 }
 
@@ -162,7 +163,7 @@ impl Star {
             let mut spoke = Spoke {
                 addr,
                 hub: None,
-                pending: None,
+                pending: Vec::new(),
                 since: Instant::now(),
             };
             spoke.connect(rank).map_err(|e| channel(e.to_string()))?;
@@ -189,7 +190,7 @@ impl Spoke {
         stream.set_nonblocking(true)?;
         write_all(&mut stream, &(rank as u32).to_le_bytes())?;
         let mut hub = Peer::new(stream);
-        if let Some(m) = self.pending.take() {
+        for m in self.pending.drain(..) {
             hub.send(rank, &m)?;
         }
         self.hub = Some(hub);
@@ -316,7 +317,7 @@ impl Notices for Star {
             Side::Spoke(spoke) => match spoke.hub.as_mut() {
                 Some(hub) => hub.send(rank, &message).map_err(|e| channel(e.to_string())),
                 None => {
-                    spoke.pending = Some(message);
+                    spoke.pending.push(message);
                     Ok(())
                 }
             },
@@ -328,7 +329,7 @@ impl Notices for Star {
     fn flush(&mut self) -> Result<(), SuperviseError> {
         let rank = self.rank;
         if let Side::Spoke(spoke) = &mut self.side {
-            while spoke.pending.is_some() {
+            while !spoke.pending.is_empty() {
                 spoke.connect(rank).map_err(|e| SuperviseError::Channel {
                     rank,
                     what: e.to_string(),

@@ -444,6 +444,28 @@ pub fn mpi_program(dir: &Path) -> String {
     program
 }
 
+/// The Python with mpi4py that `scripts/venv.sh` made (`MPIFLOW_PYTHON`, else
+/// `target/venv/bin/python`), or `None`: the test is then skipped, or fails where the
+/// environment requires it (`MPIFLOW_REQUIRE_PYTHON=1`, as the test command sets).
+pub fn python_with_mpi4py() -> Option<String> {
+    let python = std::env::var("MPIFLOW_PYTHON")
+        .unwrap_or_else(|_| format!("{}/target/venv/bin/python", root()));
+    let found = Path::new(&python).exists();
+    assert!(
+        found || std::env::var("MPIFLOW_REQUIRE_PYTHON").as_deref() != Ok("1"),
+        "MPIFLOW_REQUIRE_PYTHON=1, but {python} does not exist (scripts/venv.sh makes it)"
+    );
+    if !found {
+        eprintln!("skipped: no Python with mpi4py at {python} (run scripts/venv.sh)");
+    }
+    found.then_some(python)
+}
+
+/// `launcher/examples/mpi4py_task.py`, [`mpi_program`]'s twin in Python.
+pub fn mpi4py_program() -> String {
+    format!("{}/launcher/examples/mpi4py_task.py", root())
+}
+
 /// What [`mpi_program`] printed on each rank of a job of `tasks.len()` ranks (rank r has
 /// task `tasks[r]`): a world of the whole job that summed every rank's `r + 1`.
 pub fn assert_mpi_program_ran(out: &Run, tasks: &[impl AsRef<str>]) {

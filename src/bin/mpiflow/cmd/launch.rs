@@ -134,7 +134,9 @@ fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<
     let join = Star::join(&token, me, layout.ranks.len());
     let mut star = join.map_err(|e| Failure::local(e.to_string()))?;
     let how = supervision(args, tasks);
-    let end = match ChildProgram::spawn(&argv, &task_env) {
+    // The program may use MPI: watched, so that its MPI_Finalize and the ps tasks' stop
+    // do not wait for each other.
+    let end = match ChildProgram::spawn_watched(&argv, &task_env) {
         Ok(mut program) => watch(&mut star, &mut program, &how),
         Err(e) => {
             say!(
