@@ -17,12 +17,9 @@ fn checker() -> String {
 
 /// `mpirun -np N mpiflow launch --ps 1 LAUNCH_ARGS -- PROGRAM...` and its wall time.
 fn launch(np: &str, launch_args: &[&str], program: &[&str]) -> (common::Run, Duration) {
-    let mut args = vec!["-np", np, mpiflow(), "launch", "--ps", "1"];
-    args.extend_from_slice(launch_args);
-    args.push("--");
-    args.extend_from_slice(program);
+    let flags = [&["--ps", "1"][..], launch_args].concat();
     let t = Instant::now();
-    let run = mpirun(&args);
+    let run = launch_with(np, &flags, program);
     (run, t.elapsed())
 }
 
@@ -194,6 +191,15 @@ fn an_mpi_program_runs_as_its_rank_under_launch() {
     }
 }
 
+/// `mpirun -np N mpiflow launch FLAGS -- PROGRAM...`.
+fn launch_with(np: &str, flags: &[&str], program: &[&str]) -> common::Run {
+    let mut args = vec!["-np", np, mpiflow(), "launch"];
+    args.extend_from_slice(flags);
+    args.push("--");
+    args.extend_from_slice(program);
+    mpirun(&args)
+}
+
 /// MPI programs whose ps tasks wait for ever without finalising MPI (as `server.join()`
 /// does), which would keep the workers in `MPI_Finalize`: the job ends when the workers
 /// are done, with status 0, every rank having run (C, and mpi4py with the seeds' flags).
@@ -201,26 +207,15 @@ fn an_mpi_program_runs_as_its_rank_under_launch() {
 fn mpi_programs_end_when_their_ps_tasks_join_forever() {
     let dir = common::tmpdir("launch-mpi-joins");
     let c = common::mpi_program(&dir);
-    let out = mpirun(&[
-        "-np",
-        "3",
-        mpiflow(),
-        "launch",
-        "--ps",
-        "1",
-        "--",
-        &c,
-        "--ps-joins",
-    ]);
+    let out = launch_with("3", &["--ps", "1"], &[&c, "--ps-joins"]);
     assert_eq!(out.code, 0, "{out:?}");
     common::assert_mpi_program_ran(&out, &["ps:0", "worker:0", "worker:1"]);
     let Some(python) = common::python_with_mpi4py() else {
         return;
     };
     let script = common::mpi4py_program();
-    let launch = [mpiflow(), "launch", "--ps", "2", "--legacy-flags", "--"];
-    let program = [python.as_str(), &script, "--ps-joins"];
-    let out = mpirun(&[&["-np", "4"][..], &launch, &program].concat());
+    let flags = ["--ps", "2", "--legacy-flags"];
+    let out = launch_with("4", &flags, &[&python, &script, "--ps-joins"]);
     assert_eq!(out.code, 0, "{out:?}");
     common::assert_mpi_program_ran(&out, &["ps:0", "ps:1", "worker:0", "worker:1"]);
 }
@@ -238,17 +233,7 @@ fn mpi4py_programs_run_as_their_ranks_and_fail_as_their_tasks() {
         ("0", ["worker:0", "worker:1", "worker:2"]),
         ("1", ["ps:0", "worker:0", "worker:1"]),
     ] {
-        let out = mpirun(&[
-            "-np",
-            "3",
-            mpiflow(),
-            "launch",
-            "--ps",
-            ps,
-            "--",
-            &python,
-            &script,
-        ]);
+        let out = launch_with("3", &["--ps", ps], &[&python, &script]);
         assert_eq!(out.code, 0, "--ps {ps}: {out:?}");
         common::assert_mpi_program_ran(&out, &tasks);
     }

@@ -413,3 +413,34 @@ fn an_mpi_program_launched_across_hosts_by_the_hostfile_initialises_mpi_itself()
     let tasks: Vec<String> = (0..6).map(|r| format!("worker:{r}")).collect();
     common::assert_mpi_program_ran(&run, &tasks);
 }
+
+/// MPI programs with a ps task on another host than the workers', launched across the
+/// three hosts by the hostfile: the launchers supervise over TCP to rank 0's host (no
+/// MPI of their own), so the ps task that waits for ever without finalising MPI is
+/// stopped when the workers are done (C, then mpi4py with a worker that fails).
+#[test]
+fn mpi_programs_with_ps_tasks_across_hosts_end_with_their_workers() {
+    let Some(script) = cluster_script() else {
+        return;
+    };
+    let dir = common::tmpdir("multihost-mpi-ps");
+    let program = common::mpi_program(&dir);
+    let (m, hosts) = (mpiflow(), "hostfiles/netns-3hosts");
+    let launch = |prog: &str| {
+        let inner = format!(
+            "mpirun $MPIFLOW_NETNS_MCA --hostfile {hosts} -np 3 --map-by node \
+             {m} launch --hostfile {hosts} --map-by node --ps 1 -- {prog} --ps-joins"
+        );
+        run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[])
+    };
+    let run = launch(&program);
+    assert_eq!(run.code, 0, "{run:?}");
+    common::assert_mpi_program_ran(&run, &["ps:0", "worker:0", "worker:1"]);
+    let Some(python) = common::python_with_mpi4py() else {
+        return;
+    };
+    let run = launch(&format!("{python} {} --exit 3", common::mpi4py_program()));
+    assert_eq!(run.code, 3, "{run:?}");
+    let named = "mpiflow launch: worker:1 (rank 2) exited with status 3";
+    assert_eq!(run.stderr.matches(named).count(), 1, "{run:?}");
+}

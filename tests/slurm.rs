@@ -322,10 +322,15 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
     // A program that initialises MPI itself, for `launch` under `srun --mpi=pmix`.
     let dir = common::tmpdir("slurm-mpi-program");
     let program = common::mpi_program(&dir);
+    // And mpi4py's, with the seeds' flags.
+    let python = common::python_with_mpi4py().unwrap_or_else(|| "false".into());
+    let mpi4py = format!("{python} {}", common::mpi4py_program());
     let job = slurm.sbatch_text(
         &["-N4", "-n8"],
         &format!("set -e\n\
          echo '=== mpi-program'; srun --mpi=pmix mpiflow launch -- {program}\n\
+         echo '=== mpi-ps'; srun --mpi=pmix mpiflow launch --ps 2 -- {program} --ps-joins\n\
+         echo '=== mpi4py'; srun --mpi=pmix mpiflow launch --ps 2 --legacy-flags -- {mpi4py} --ps-joins || true\n\
          echo '=== job'; echo $SLURM_JOB_ID\n\
          echo '=== srun'; srun --mpi=none mpiflow spec --ps 2 --format json\n\
          echo '=== pmix'; srun --mpi=pmix mpiflow spec --ps 2 --format json\n\
@@ -367,6 +372,28 @@ fn spec_over_four_nodes_by_srun_with_and_without_mpi_and_by_mpirun() {
         stderr: String::new(),
     };
     common::assert_mpi_program_ran(&section, &tasks);
+    // With ps tasks that wait for ever without finalising MPI: the launchers supervise
+    // over sockets of their own, and the step ends when the workers are done.
+    let tasks: Vec<String> = (0..8)
+        .map(|r| match r {
+            0 | 1 => format!("ps:{r}"),
+            _ => format!("worker:{}", r - 2),
+        })
+        .collect();
+    let section = common::Run {
+        code: 0,
+        stdout: job.section("mpi-ps").output.clone(),
+        stderr: String::new(),
+    };
+    common::assert_mpi_program_ran(&section, &tasks);
+    if python != "false" {
+        let section = common::Run {
+            code: 0,
+            stdout: job.section("mpi4py").output.clone(),
+            stderr: String::new(),
+        };
+        common::assert_mpi_program_ran(&section, &tasks);
+    }
     // The program each task exec'd saw its own task in TF_CONFIG.
     let launched = job.section("launch").json_lines();
     assert_eq!(launched.len(), 8, "{job:?}");

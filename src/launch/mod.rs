@@ -27,9 +27,11 @@
 //! its child and stays until the job is over ([`lifetime`], [`child`]): once every worker
 //! and chief has exited 0, the ps tasks are stopped; once any task fails, all are, and the
 //! job's status is the failure's. The launchers tell each other their programs' outcomes
-//! ([`notices`]) over a socket of their own on one host ([`star`]: MPI stays the
-//! program's), else over the job's MPI communicator. `--ps-lifetime forever` keeps
-//! TensorFlow's behaviour (and the exec).
+//! ([`notices`]) over sockets of their own where the cluster was learned without MPI
+//! ([`star`]: MPI stays the program's), else over the job's MPI communicator. A program
+//! that uses MPI runs with the MPI watch ([`watch`]): a worker in `MPI_Finalize` counts as
+//! done, and a ps task's MPI is finalised when it is stopped. `--ps-lifetime forever`
+//! keeps TensorFlow's behaviour (and the exec).
 
 pub mod child;
 pub mod lifetime;

@@ -1,8 +1,10 @@
-//! The supervising launchers of a job on one host, without MPI: a star around rank 0's
-//! launcher over a Unix socket in Linux's abstract namespace (no file to clean up; it is
-//! gone with its last user).
+//! The supervising launchers of a job, without MPI: a star around rank 0's launcher, over
+//! a Unix socket in Linux's abstract namespace for the launchers of rank 0's host (no file
+//! to clean up; it is gone with its last user) and over TCP, on a port of the job's on
+//! rank 0's host ([`tcp_port`]), for those of other hosts.
 //!
-//! Rank 0 listens; every other launcher connects, says its rank, and sends its program's
+//! Rank 0 listens; every other launcher connects, says the job's key and its rank (a
+//! connection with another key is dropped: another job's, or no launcher), and sends its program's
 //! outcome when it has one (and a note before it: [`super::notices`]); rank 0 passes each
 //! message on to all the others, and replays
 //! what it has to a launcher that connects late. Messages are frames of 12 bytes: the rank
@@ -11,6 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
@@ -38,16 +41,80 @@ pub fn job_token(env: &BTreeMap<String, String>, spec: &str, size: usize) -> Str
     format!("mpiflow-launch-{h:016x}")
 }
 
+/// The variable that sets the port of the launchers' TCP star (see [`tcp_port`]).
+pub const PORT_VAR: &str = "MPIFLOW_LAUNCH_PORT";
+
+/// The TCP port rank 0's launcher listens on for launchers of other hosts:
+/// `MPIFLOW_LAUNCH_PORT` if set, else one of 20000-29999 (below Linux's ephemeral ports)
+/// that the job's name picks, the same in every launcher.
+pub fn tcp_port(env: &BTreeMap<String, String>, token: &str) -> Result<u16, String> {
+    match env.get(PORT_VAR) {
+        Some(v) => v
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| format!("{PORT_VAR}={v:?} is not a port (1-65535)")),
+        None => Ok(20_000 + (crate::hash::fnv1a(token.as_bytes()) % 10_000) as u16),
+    }
+}
+
+/// A launcher's connection: within rank 0's host, or from another.
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(true),
+            Stream::Tcp(s) => {
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)
+            }
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Bytes of a greeting: the job's key (`u64`) and the rank (`u32`), little-endian.
+const GREETING: usize = 12;
+
+/// The job's key, from its name: what a connection must say first.
+fn key(token: &str) -> u64 {
+    crate::hash::fnv1a(format!("star {token}").as_bytes())
+}
+
 /// One connection's bytes not yet read as frames.
 struct Peer {
-    stream: UnixStream,
+    stream: Stream,
     buf: Vec<u8>,
     /// Its end of the connection closed.
     closed: bool,
 }
 
 impl Peer {
-    fn new(stream: UnixStream) -> Peer {
+    fn new(stream: Stream) -> Peer {
         Peer {
             stream,
             buf: Vec::new(),
@@ -96,7 +163,7 @@ impl Peer {
 
 /// Writes all of `bytes` to a non-blocking stream (a frame fits any socket buffer; a full
 /// one is waited out).
-fn write_all(stream: &mut UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
+fn write_all(stream: &mut Stream, mut bytes: &[u8]) -> std::io::Result<()> {
     while !bytes.is_empty() {
         match stream.write(bytes) {
             Ok(n) => bytes = &bytes[n..],
@@ -110,9 +177,12 @@ fn write_all(stream: &mut UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Rank 0's side: the listener, each rank's connection, every outcome so far.
+/// Rank 0's side: the listeners, each rank's connection, every outcome so far.
 struct Hub {
+    key: u64,
     listener: UnixListener,
+    /// For launchers on other hosts.
+    tcp: Option<TcpListener>,
     /// Connections whose rank is not read yet.
     greeting: Vec<Peer>,
     peers: Vec<Option<Peer>>,
@@ -121,7 +191,13 @@ struct Hub {
 
 /// Another rank's side: its connection to rank 0, once made.
 struct Spoke {
-    addr: SocketAddr,
+    key: u64,
+    /// Rank 0's Unix socket, if this launcher may be on its host.
+    addr: Option<SocketAddr>,
+    /// Rank 0's host and TCP port, when some launcher is on another host.
+    tcp: Option<(String, u16)>,
+    /// Why rank 0's TCP address could not be reached yet, for the error if it never is.
+    tcp_error: Option<String>,
     hub: Option<Peer>,
     /// What this rank told before it reached rank 0.
     pending: Vec<[u8; 8]>,
@@ -141,9 +217,27 @@ pub struct Star {
 
 impl Star {
     /// Joins the star of the job named `token` (see [`job_token`]) as `rank` of `size`:
-    /// rank 0 listens at once (an error if another process holds the name), the others
-    /// connect as soon as it does.
-    pub fn join(token: &str, rank: usize, size: usize) -> Result<Star, SuperviseError> {
+    /// rank 0 listens at once (an error if another process holds the name or the port),
+    /// the others connect as soon as it does. `tcp`: rank 0's host and the port
+    /// ([`tcp_port`]), when some launcher runs on another host than rank 0's.
+    pub fn join(
+        token: &str,
+        rank: usize,
+        size: usize,
+        tcp: Option<(String, u16)>,
+    ) -> Result<Star, SuperviseError> {
+        Self::join_by(token, rank, size, tcp, true)
+    }
+
+    /// [`Star::join`]; a spoke tries rank 0's Unix socket only if `unix` (the tests reach
+    /// rank 0 over TCP from its own host).
+    fn join_by(
+        token: &str,
+        rank: usize,
+        size: usize,
+        tcp: Option<(String, u16)>,
+        unix: bool,
+    ) -> Result<Star, SuperviseError> {
         let channel = |what: String| SuperviseError::Channel { rank, what };
         let addr = SocketAddr::from_abstract_name(token.as_bytes())
             .map_err(|e| channel(format!("socket name {token}: {e}")))?;
@@ -153,15 +247,24 @@ impl Star {
             listener
                 .set_nonblocking(true)
                 .map_err(|e| channel(e.to_string()))?;
+            let tcp = match tcp {
+                Some((_, port)) => Some(listen_tcp(port).map_err(channel)?),
+                None => None,
+            };
             Side::Hub(Hub {
+                key: key(token),
                 listener,
+                tcp,
                 greeting: Vec::new(),
                 peers: (0..size).map(|_| None).collect(),
                 told: Vec::new(),
             })
         } else {
             let mut spoke = Spoke {
-                addr,
+                key: key(token),
+                addr: unix.then_some(addr),
+                tcp,
+                tcp_error: None,
                 hub: None,
                 pending: Vec::new(),
                 since: Instant::now(),
@@ -173,22 +276,67 @@ impl Star {
     }
 }
 
+/// Rank 0's TCP listener for the launchers of other hosts, on every address of its host.
+fn listen_tcp(port: u16) -> Result<TcpListener, String> {
+    let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+        format!("cannot listen on TCP port {port} for the launchers of other hosts: {e} (set {PORT_VAR} to a free port, the same for every rank)")
+    })?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    Ok(listener)
+}
+
+/// Whether a connection error means rank 0 does not listen (yet).
+fn not_listening(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::NotFound | ErrorKind::TimedOut
+    )
+}
+
 impl Spoke {
-    /// Connects to rank 0 if it listens by now, and says this rank (and its outcome, if
-    /// known); `Ok` also while rank 0 does not listen yet.
+    /// A connection to rank 0: within its host, else over TCP; `None` while it does not
+    /// listen (or cannot be reached: see `tcp_error`).
+    fn reach(&mut self) -> std::io::Result<Option<Stream>> {
+        if let Some(addr) = &self.addr {
+            match UnixStream::connect_addr(addr) {
+                Ok(s) => return Ok(Some(Stream::Unix(s))),
+                Err(e) if not_listening(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let Some((host, port)) = &self.tcp else {
+            return Ok(None);
+        };
+        let addrs = match (host.as_str(), *port).to_socket_addrs() {
+            Ok(a) => a,
+            Err(e) => {
+                self.tcp_error = Some(format!("{host}: {e}"));
+                return Ok(None);
+            }
+        };
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
+                Ok(s) => return Ok(Some(Stream::Tcp(s))),
+                Err(e) => self.tcp_error = Some(format!("{host} ({a}): {e}")),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Connects to rank 0 if it listens by now, and says the job's key and this rank (and
+    /// what this rank told, if anything); `Ok` also while rank 0 does not listen yet.
     fn connect(&mut self, rank: usize) -> std::io::Result<()> {
         if self.hub.is_some() {
             return Ok(());
         }
-        let mut stream = match UnixStream::connect_addr(&self.addr) {
-            Ok(s) => s,
-            Err(e) if matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound) => {
-                return Ok(())
-            }
-            Err(e) => return Err(e),
+        let Some(mut stream) = self.reach()? else {
+            return Ok(());
         };
-        stream.set_nonblocking(true)?;
-        write_all(&mut stream, &(rank as u32).to_le_bytes())?;
+        stream.set_nonblocking()?;
+        let mut greeting = [0u8; GREETING];
+        greeting[..8].copy_from_slice(&self.key.to_le_bytes());
+        greeting[8..].copy_from_slice(&(rank as u32).to_le_bytes());
+        write_all(&mut stream, &greeting)?;
         let mut hub = Peer::new(stream);
         for m in self.pending.drain(..) {
             hub.send(rank, &m)?;
@@ -200,8 +348,12 @@ impl Spoke {
     /// The error of a rank 0 that never listened within [`CONNECT_WITHIN`].
     fn missing(&self) -> Option<String> {
         (self.hub.is_none() && self.since.elapsed() > CONNECT_WITHIN).then(|| {
+            let tcp = match (&self.tcp, &self.tcp_error) {
+                (Some((host, port)), Some(e)) => format!("; TCP port {port} on {host}: {e}"),
+                _ => String::new(),
+            };
             format!(
-                "rank 0's launcher did not listen within {} s (is every rank started by `mpiflow launch` under the same launcher?)",
+                "rank 0's launcher did not listen within {} s (is every rank started by `mpiflow launch` under the same launcher?){tcp}",
                 CONNECT_WITHIN.as_secs()
             )
         })
@@ -209,24 +361,38 @@ impl Spoke {
 }
 
 impl Hub {
-    /// Takes new connections and their greetings; replays what was told to each.
-    fn admit(&mut self, size: usize) -> Result<(), String> {
+    /// Takes the connections waiting on both listeners.
+    fn accept(&mut self) -> Result<(), String> {
         loop {
-            match self.listener.accept() {
-                Ok((stream, _)) => {
-                    stream.set_nonblocking(true).map_err(|e| e.to_string())?;
+            let accepted = match self.listener.accept() {
+                Ok((s, _)) => Ok(Stream::Unix(s)),
+                Err(e) => match self.tcp.as_ref().map(TcpListener::accept) {
+                    Some(Ok((s, _))) => Ok(Stream::Tcp(s)),
+                    Some(Err(t)) if e.kind() == ErrorKind::WouldBlock => Err(t),
+                    _ => Err(e),
+                },
+            };
+            match accepted {
+                Ok(stream) => {
+                    stream.set_nonblocking().map_err(|e| e.to_string())?;
                     self.greeting.push(Peer::new(stream));
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.to_string()),
             }
         }
+    }
+
+    /// Takes new connections and their greetings; replays what was told to each.
+    fn admit(&mut self, size: usize) -> Result<(), String> {
+        self.accept()?;
         let mut i = 0;
         while i < self.greeting.len() {
             let p = &mut self.greeting[i];
             p.read_available().map_err(|e| e.to_string())?;
-            if p.buf.len() < 4 {
+            let foreign = p.buf.len() >= 8 && p.buf[..8] != self.key.to_le_bytes();
+            if p.buf.len() < GREETING && !foreign {
                 if p.closed {
                     self.greeting.swap_remove(i);
                 } else {
@@ -235,8 +401,11 @@ impl Hub {
                 continue;
             }
             let mut p = self.greeting.swap_remove(i);
-            let r = u32::from_le_bytes(p.buf[..4].try_into().expect("4 bytes")) as usize;
-            p.buf.drain(..4);
+            if foreign {
+                continue;
+            }
+            let r = u32::from_le_bytes(p.buf[8..GREETING].try_into().expect("4 bytes")) as usize;
+            p.buf.drain(..GREETING);
             if r == 0 || r >= size || self.peers[r].is_some() {
                 return Err(format!(
                     "a launcher said it is rank {r} of {size}, which is taken or no rank"
@@ -352,9 +521,18 @@ mod tests {
     use crate::launch::lifetime::{Lifetime, Outcome, Verdict};
 
     /// Threads as launchers of one job (rank 0 a ps that never ends by itself), joined to
-    /// the star in the order `order` (a late rank 0 included).
-    fn run(programs: &[(Option<usize>, i32)], order: &[usize]) -> Vec<(Outcome, Verdict, bool)> {
-        let token = format!("mpiflow-test-star-{}-{:?}", std::process::id(), order);
+    /// the star in the order `order` (a late rank 0 included); over TCP on `tcp_port`
+    /// (and a stranger's connection with another key meanwhile), if given.
+    fn run_by(
+        programs: &[(Option<usize>, i32)],
+        order: &[usize],
+        tcp_port: Option<u16>,
+    ) -> Vec<(Outcome, Verdict, bool)> {
+        let token = format!(
+            "mpiflow-test-star-{}-{order:?}-{tcp_port:?}",
+            std::process::id()
+        );
+        let tcp = tcp_port.map(|p| ("127.0.0.1".to_string(), p));
         let n = programs.len();
         let tasks: Vec<(TaskId, Lifetime)> = (0..n)
             .map(|i| match i {
@@ -366,14 +544,19 @@ mod tests {
             let handles: Vec<_> = order
                 .iter()
                 .map(|&r| {
-                    let (token, tasks) = (token.clone(), tasks.clone());
+                    let (token, tasks, tcp) = (token.clone(), tasks.clone(), tcp.clone());
                     let (ends_after, status) = programs[r];
                     let h = s.spawn(move || {
-                        let mut star = Star::join(&token, r, n).unwrap();
+                        let unix = tcp.is_none();
+                        let mut star = Star::join_by(&token, r, n, tcp.clone(), unix).unwrap();
                         let (end, stopped) = supervise_one(&mut star, (ends_after, status), tasks);
                         (r, (end.mine, end.verdict, stopped))
                     });
                     std::thread::sleep(Duration::from_millis(20));
+                    if let (0, Some(port)) = (r, tcp_port) {
+                        let mut stranger = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                        stranger.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+                    }
                     h
                 })
                 .collect();
@@ -381,6 +564,39 @@ mod tests {
             out.sort_by_key(|(r, _)| *r);
             out.into_iter().map(|(_, o)| o).collect()
         })
+    }
+
+    fn run(programs: &[(Option<usize>, i32)], order: &[usize]) -> Vec<(Outcome, Verdict, bool)> {
+        run_by(programs, order, None)
+    }
+
+    #[test]
+    fn launchers_of_other_hosts_join_over_tcp_and_strangers_are_dropped() {
+        let free = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = free.local_addr().unwrap().port();
+        drop(free);
+        let out = run_by(
+            &[(None, 0), (Some(3), 0), (Some(30), 0)],
+            &[2, 0, 1],
+            Some(port),
+        );
+        assert_eq!(out[0], (Outcome::Stopped, Verdict::Done, true));
+        assert_eq!(out[1], (Outcome::Exited(0), Verdict::Done, false));
+        assert_eq!(out[2], (Outcome::Exited(0), Verdict::Done, false));
+    }
+
+    #[test]
+    fn the_tcp_port_is_the_jobs_or_the_variables() {
+        let none = crate::test_support::env(&[]);
+        let p = tcp_port(&none, "job-a").unwrap();
+        assert!((20_000..30_000).contains(&p));
+        assert_eq!(tcp_port(&none, "job-a").unwrap(), p);
+        let set = crate::test_support::env(&[(PORT_VAR, "31000")]);
+        assert_eq!(tcp_port(&set, "job-a"), Ok(31000));
+        let bad = crate::test_support::env(&[(PORT_VAR, "0")]);
+        assert!(tcp_port(&bad, "job-a")
+            .unwrap_err()
+            .contains("MPIFLOW_LAUNCH_PORT"));
     }
 
     #[test]

@@ -33,6 +33,7 @@ down() {
       for pid in $(ip netns pids "$(ns "$h")" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
       ip netns delete "$(ns "$h")" 2>/dev/null || true
     fi
+    rm -rf "/etc/netns/$(ns "$h")"
   done
   for i in 1 2 3; do ip link delete "${PREFIX:0:6}v$i" 2>/dev/null || true; done
 }
@@ -67,6 +68,11 @@ up() {
     ip link set "$p" netns "$(ns "$h")"
     ip -n "$(ns br)" link set "$v" master br0 up
     ip -n "$(ns "$h")" link set lo up
+    # The hosts' names resolve inside each of them (`ip netns exec` mounts this file
+    # over /etc/hosts), as a cluster's do.
+    mkdir -p "/etc/netns/$(ns "$h")"
+    { echo "127.0.0.1 localhost"; for j in 1 2 3; do echo "$SUBNET.$j h$j"; done; } \
+      >"/etc/netns/$(ns "$h")/hosts"
     ip -n "$(ns "$h")" addr add "$SUBNET.$i/24" dev "$p"
     ip -n "$(ns "$h")" link set "$p" up
     if [[ -n ${MPIFLOW_NETNS_RATE:-} ]]; then

@@ -80,10 +80,9 @@ fn warn_idle_stop_evaluator(
 /// Under an MPI launcher whose variables describe the whole job (one host, or Slurm's
 /// step), runs the program without MPI ever initialised here, so the program may
 /// initialise it as the rank (mpi4py, Horovod, a C MPI code): it becomes the program, or,
-/// where tasks are stopped at the end and every rank is on this host, supervises it with
-/// the other launchers over a socket of their own. Returns only if that cannot be done
-/// (the cluster needs MPI to be learned, or supervision across hosts) or something is
-/// wrong, which the ranks then agree on over MPI.
+/// where tasks are stopped at the end, supervises it with the other launchers over
+/// sockets of their own. Returns only if that cannot be done (the cluster needs MPI to be
+/// learned) or something is wrong, which the ranks then agree on over MPI.
 fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
     let req = args.cluster.request();
     let source = req.pick_source(env);
@@ -109,13 +108,7 @@ fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<
     };
     let layout = &resolved.layout;
     let supervised = launcher::lifetimes(layout, args.ps_lifetime.into(), args.stop_evaluator);
-    let one_host = layout.ranks.iter().all(|r| r.host == layout.ranks[0].host);
-    let Some(me) = resolved.me.filter(|_| supervised.is_none() || one_host) else {
-        if source == Source::Hostfile {
-            return Err(Failure::local(
-                "launch --hostfile: ps tasks on several hosts are stopped at the end over MPI, which a hostfile's job does not start; leave out --hostfile, or give --ps-lifetime forever",
-            ));
-        }
+    let Some(me) = resolved.me else {
         return Ok(());
     };
     let (argv, task_env) = prepare(args, &resolved, me, supervised.is_some(), false);
@@ -129,9 +122,18 @@ fn run_without_mpi(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<
     let Some(tasks) = supervised else {
         return Err(Failure::local(launcher::exec(&argv, &task_env)));
     };
-    // The launchers of one host supervise over a socket of their own.
+    // The launchers supervise over sockets of their own: within rank 0's host, and over
+    // TCP from other hosts.
     let token = star::job_token(env, &layout.spec.to_string(), layout.ranks.len());
-    let join = Star::join(&token, me, layout.ranks.len());
+    let one_host = layout.ranks.iter().all(|r| r.host == layout.ranks[0].host);
+    let tcp = match one_host {
+        true => None,
+        false => {
+            let port = star::tcp_port(env, &token).map_err(Failure::local)?;
+            Some((layout.ranks[0].host.clone(), port))
+        }
+    };
+    let join = Star::join(&token, me, layout.ranks.len(), tcp);
     let mut star = join.map_err(|e| Failure::local(e.to_string()))?;
     let how = supervision(args, tasks);
     // The program may use MPI: watched, so that its MPI_Finalize and the ps tasks' stop
