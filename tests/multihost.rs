@@ -444,3 +444,27 @@ fn mpi_programs_with_ps_tasks_across_hosts_end_with_their_workers() {
     let named = "mpiflow launch: worker:1 (rank 2) exited with status 3";
     assert_eq!(run.stderr.matches(named).count(), 1, "{run:?}");
 }
+
+/// Across hosts without the hostfile, `launch` must initialise MPI to learn the cluster,
+/// so an MPI program cannot: it fails at once with one line that says what to do (rank
+/// 0's), not in `MPI_Init` with the MPI library's pages of help.
+#[test]
+fn an_mpi_program_whose_rank_launch_had_to_take_is_one_line_error() {
+    let Some(script) = cluster_script() else {
+        return;
+    };
+    let dir = common::tmpdir("multihost-mpi-taken");
+    let program = common::mpi_program(&dir);
+    let inner = format!(
+        "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 3 --map-by node \
+         {} launch -- {program}",
+        mpiflow()
+    );
+    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    assert_ne!(run.code, 0, "{run:?}");
+    let line = "mpiflow: error: the program initialises MPI itself, but `launch` had to \
+                initialise it to learn the cluster";
+    assert_eq!(run.stderr.matches(line).count(), 1, "{run:?}");
+    assert!(!run.stderr.contains("orte_init"), "{run:?}");
+    assert!(!run.stdout.contains("rank "), "{run:?}");
+}

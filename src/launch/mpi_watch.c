@@ -14,7 +14,13 @@
  * enters MPI_Finalize, "finalized PID" when it returned. After init it listens on a socket
  * of its own, named "<MPIFLOW_MPI_WATCH>/PID": on "finalize" (the launcher stops a task
  * whose program waits for ever, as a ps task's join() does) a thread of its own finalises
- * MPI and ends the process with status 0, so the other ranks' MPI_Finalize completes. */
+ * MPI and ends the process with status 0, so the other ranks' MPI_Finalize completes.
+ *
+ * Where the launcher itself took the rank's MPI to learn the cluster, MPIFLOW_MPI_TAKEN
+ * is set: MPI_Init then prints it (if not empty) and exits 1, instead of failing inside
+ * the MPI library with pages of help. Preloaded so (from /proc/self/fd, a descriptor of
+ * this process's own), it removes itself from LD_PRELOAD at load, so that the program's
+ * children do not look for a descriptor they may not have. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <link.h>
@@ -82,6 +88,24 @@ static void tell(const char *what) {
     close(s);
 }
 
+__attribute__((constructor)) static void forget_own_descriptor(void) {
+    const char *p = getenv("LD_PRELOAD");
+    if (p == NULL || strncmp(p, "/proc/self/fd/", 14) != 0) return;
+    const char *rest = strchr(p, ':');
+    if (rest != NULL) {
+        setenv("LD_PRELOAD", rest + 1, 1);
+    } else {
+        unsetenv("LD_PRELOAD");
+    }
+}
+
+static void refuse_if_taken(void) {
+    const char *taken = getenv("MPIFLOW_MPI_TAKEN");
+    if (taken == NULL) return;
+    if (taken[0] != '\0') fprintf(stderr, "%s\n", taken);
+    exit(1);
+}
+
 static int finalize_now(void) {
     static int (*real)(void);
     if (real == NULL) real = (int (*)(void))mpi_function("PMPI_Finalize");
@@ -127,6 +151,7 @@ static void initialized(void) {
 }
 
 int MPI_Init(int *argc, char ***argv) {
+    refuse_if_taken();
     int (*real)(int *, char ***) = (int (*)(int *, char ***))mpi_function("PMPI_Init");
     int rc = real(argc, argv);
     if (rc == 0) initialized();
@@ -134,6 +159,7 @@ int MPI_Init(int *argc, char ***argv) {
 }
 
 int MPI_Init_thread(int *argc, char ***argv, int required, int *provided) {
+    refuse_if_taken();
     int (*real)(int *, char ***, int, int *) =
         (int (*)(int *, char ***, int, int *))mpi_function("PMPI_Init_thread");
     int rc = real(argc, argv, required, provided);

@@ -4,12 +4,12 @@
 //! rank 0's host ([`tcp_port`]), for those of other hosts.
 //!
 //! Rank 0 listens; every other launcher connects, says the job's key and its rank (a
-//! connection with another key is dropped: another job's, or no launcher), and sends its program's
-//! outcome when it has one (and a note before it: [`super::notices`]); rank 0 passes each
-//! message on to all the others, and replays
-//! what it has to a launcher that connects late. Messages are frames of 12 bytes: the rank
-//! whose outcome it is (`u32`, little-endian) and the 8-byte outcome. The socket's name is
-//! the job's ([`job_token`]), so two jobs on one host never meet.
+//! connection with another key is dropped: another job's, or no launcher), and sends its
+//! program's outcome when it has one (and a note before it: [`super::notices`]); rank 0
+//! passes each message on to all the others, and replays what it has to a launcher that
+//! connects late. Messages are frames of 12 bytes: the rank whose message it is (`u32`,
+//! little-endian) and the 8-byte message. The socket's name is the job's ([`job_token`]),
+//! so two jobs on one host never meet.
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};

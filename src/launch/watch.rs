@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{ErrorKind, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 
@@ -30,6 +30,46 @@ const LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libmpiflow_mpi_
 
 /// The variable naming the launcher's socket to the library.
 const SOCKET_VAR: &str = "MPIFLOW_MPI_WATCH";
+
+/// The variable that makes the library's `MPI_Init` print it (if not empty) and exit 1.
+const TAKEN_VAR: &str = "MPIFLOW_MPI_TAKEN";
+
+/// The library in a new memory file (kept across `exec` unless `cloexec`).
+fn library_file(cloexec: bool) -> std::io::Result<File> {
+    let flags = if cloexec { libc::MFD_CLOEXEC } else { 0 };
+    // SAFETY: memfd_create with a NUL-terminated name; the descriptor it returns is owned
+    // by the File from here on.
+    let fd = unsafe { libc::memfd_create(c"mpiflow-mpi-watch".as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a new descriptor that nothing else owns.
+    let mut library = unsafe { File::from_raw_fd(fd) };
+    library.write_all(LIBRARY)?;
+    Ok(library)
+}
+
+/// `path` first in `LD_PRELOAD`, before what the environment preloads already.
+fn preload(path: String) -> (String, String) {
+    let value = match std::env::var("LD_PRELOAD") {
+        Ok(more) if !more.is_empty() => format!("{path}:{more}"),
+        _ => path,
+    };
+    ("LD_PRELOAD".into(), value)
+}
+
+/// The variables of a program that must not initialise MPI, because this launcher took
+/// the rank's MPI to learn the cluster: the library preloaded from a memory file that
+/// survives `exec` (the program has it as its own descriptor), and `line`, which the
+/// program's `MPI_Init` prints (when not empty) before it exits 1, in place of the MPI
+/// library's failure at length.
+pub fn mpi_taken_env(line: &str) -> std::io::Result<Vec<(String, String)>> {
+    let fd = library_file(false)?.into_raw_fd();
+    Ok(vec![
+        preload(format!("/proc/self/fd/{fd}")),
+        (TAKEN_VAR.into(), line.into()),
+    ])
+}
 
 /// How far one process of the program has got with MPI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -56,19 +96,10 @@ impl MpiWatch {
         let name = format!("mpiflow-mpi-watch-{}-{nanos:08x}", std::process::id());
         let socket = UnixDatagram::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
         socket.set_nonblocking(true)?;
-        // SAFETY: memfd_create with a NUL-terminated name; the descriptor it returns is
-        // owned by the File from here on.
-        let fd = unsafe { libc::memfd_create(c"mpiflow-mpi-watch".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        let mut library = unsafe { File::from_raw_fd(fd) };
-        library.write_all(LIBRARY)?;
         Ok(MpiWatch {
             socket,
             name,
-            library,
+            library: library_file(true)?,
             stages: BTreeMap::new(),
         })
     }
@@ -81,14 +112,7 @@ impl MpiWatch {
             std::process::id(),
             self.library.as_raw_fd()
         );
-        let preload = match std::env::var("LD_PRELOAD") {
-            Ok(more) if !more.is_empty() => format!("{path}:{more}"),
-            _ => path,
-        };
-        vec![
-            ("LD_PRELOAD".into(), preload),
-            (SOCKET_VAR.into(), self.name.clone()),
-        ]
+        vec![preload(path), (SOCKET_VAR.into(), self.name.clone())]
     }
 
     /// Reads what the program's processes said since the last call.

@@ -9,12 +9,15 @@ use mpiflow::launch::child::{self, ChildProgram};
 use mpiflow::launch::lifetime::{self, Lifetime, Supervision};
 use mpiflow::launch::notices::{Notices, OverMpi};
 use mpiflow::launch::star::{self, Star};
-use mpiflow::launch::{self as launcher};
+use mpiflow::launch::{self as launcher, watch};
 use mpiflow::transport::mpi::MpiComm;
 
 use super::resolve;
 use crate::args::LaunchArgs;
 use crate::out::{say, Failure};
+
+/// What a program that initialises MPI is told where the launcher took the rank's MPI.
+const MPI_TAKEN: &str = "mpiflow: error: the program initialises MPI itself, but `launch` had to initialise it to learn the cluster (ranks on several hosts under mpirun): give launch the hostfile mpirun was given (mpirun --hostfile H -np N mpiflow launch --hostfile H -- PROGRAM), or start the job with srun --mpi=pmix";
 
 /// How often a supervising launcher looks at its program and at the other tasks' news.
 const POLL: Duration = Duration::from_millis(20);
@@ -177,7 +180,14 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
     let layout = &resolved.layout;
     let info = &layout.ranks[me];
     let warns = ctx.as_ref().is_none_or(|c| c.rank() == 0);
-    let (prepared, task_env) = prepare(args, &resolved, me, ctx.is_some(), warns);
+    let (prepared, mut task_env) = prepare(args, &resolved, me, ctx.is_some(), warns);
+    if ctx.is_some() {
+        // This launcher took the rank's MPI: a program that initialises MPI too is told
+        // why it cannot, in one line (rank 0's), not in the MPI library's pages of help.
+        let line = if warns { MPI_TAKEN } else { "" };
+        let taken = watch::mpi_taken_env(line).map_err(|e| Failure::local(e.to_string()))?;
+        task_env.extend(taken);
+    }
     let argv = match &ctx {
         Some(c) => c.agree(prepared).map_err(|e| Failure::agreed(e, c))?,
         None => prepared.map_err(Failure::local)?,
