@@ -36,7 +36,9 @@ def main():
     else:
         job, index = "none", "none"
     yes = "yes" if tf_config else "no"
-    print(f"rank {rank} size {size} sum {total} task {job}:{index} tf_config {yes}", flush=True)
+    line = f"rank {rank} size {size} sum {total} task {job}:{index} tf_config {yes}\n"
+    # One write: the ranks' lines reach mpirun's output whole, never interleaved.
+    os.write(1, line.encode())
     if args.ps_joins and job == "ps":
         threading.Event().wait()
     if job == "worker" and index == 1 and args.exit:
