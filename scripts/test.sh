@@ -27,7 +27,7 @@ if cargo fmt --version >/dev/null 2>&1; then
 fi
 if cargo clippy --version >/dev/null 2>&1; then
   phase "cargo clippy"
-  cargo clippy --release --all-targets --quiet -- -D warnings
+  cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 fi
 
 phase "cargo doc (no warnings)"

@@ -102,6 +102,13 @@ impl Server {
     /// (or Slurm's step) mapped onto `mapping`'s jobs.
     pub fn start(args: &[String], mapping: MappingOptions) -> Result<Server, ServerError> {
         let env: BTreeMap<String, String> = std::env::vars().collect();
+        Server::start_with(&Server::request(args, mapping), &env)
+    }
+
+    /// The cluster request [`Server::start`] makes of `args` and `mapping`: the seeds'
+    /// flags if `args` has them (other arguments are ignored), else `TF_CONFIG`, else the
+    /// MPI job's ranks (or Slurm's step) mapped onto `mapping`'s jobs.
+    pub fn request(args: &[String], mapping: MappingOptions) -> Request {
         let seeds_flag = |a: &String| {
             let name = a.split('=').next().unwrap_or_default();
             crate::cluster::flags::FLAG_NAMES.contains(&name)
@@ -110,7 +117,7 @@ impl Server {
             true => args.to_vec(),
             false => Vec::new(),
         };
-        let req = Request {
+        Request {
             source: Source::Auto,
             mapping,
             legacy_flags: flags,
@@ -118,8 +125,7 @@ impl Server {
             // the Slurm job's own (`cluster::ports::default_base`).
             port_base: None,
             ..Request::default()
-        };
-        Server::start_with(&req, &env)
+        }
     }
 
     /// Starts the server of the cluster `req` describes (`req.source` picked as
@@ -128,7 +134,16 @@ impl Server {
         req: &Request,
         env: &BTreeMap<String, String>,
     ) -> Result<Server, ServerError> {
-        let ctx = Context::init()?;
+        Server::start_in(Context::init()?, req, env)
+    }
+
+    /// [`Server::start_with`] on an MPI library the caller initialised (for example with
+    /// threads: [`Context::init_threaded`]).
+    pub fn start_in(
+        ctx: Context,
+        req: &Request,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Server, ServerError> {
         let layout = match req.pick_source(env) {
             Source::Mpi | Source::Auto => resolve_mpi(&ctx, req)?.layout,
             Source::Slurm => resolve_offline(req, Source::Slurm, env)?.layout,

@@ -1,0 +1,209 @@
+//! The collectives on NumPy arrays, in place: `allreduce_`, `broadcast_`, `barrier`.
+//!
+//! Each call first agrees with every rank on what it is (one small allgather of a
+//! description: the call, dtype, shape and its argument), so ranks that call different
+//! things, or the same thing on different arrays, get one exception each naming this
+//! rank's call and the first other that differs, instead of a hang or wrong sums.
+
+use mpiflow::tensor::DType;
+use mpiflow::transport::{Algorithm, ReduceOp};
+use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use super::{with_state, Error, State};
+
+/// Bytes of a call's description in the agreement.
+const DESCRIPTION: usize = 96;
+
+/// An array checked for a collective: its dtype as mpiflow's, or why it cannot take
+/// part (a `TypeError` or `ValueError` naming `call`), and a short word for that reason
+/// that goes into the agreement.
+fn checked(
+    py: Python<'_>,
+    a: &Bound<'_, PyUntypedArray>,
+    call: &str,
+) -> (PyResult<DType>, &'static str) {
+    let d = a.dtype();
+    let table = [
+        (dtype::<f32>(py), DType::F32),
+        (dtype::<f64>(py), DType::F64),
+        (dtype::<i32>(py), DType::I32),
+        (dtype::<i64>(py), DType::I64),
+    ];
+    let Some(dt) = table.iter().find(|(np, _)| d.is_equiv_to(np)).map(|t| t.1) else {
+        let e = PyTypeError::new_err(format!(
+            "mpiflow: {call}: arrays of dtype {d} are not supported (float32, float64, int32, int64)"
+        ));
+        return (Err(e), "");
+    };
+    let value = |what: &str| PyValueError::new_err(format!("mpiflow: {call}: {what}"));
+    if !a.is_c_contiguous() {
+        let e = value("the array must be C-contiguous (np.ascontiguousarray makes a copy that is)");
+        return (Err(e), " non-contiguous");
+    }
+    if !a.is_aligned() {
+        return (
+            Err(value("the array is not aligned to its dtype")),
+            " unaligned",
+        );
+    }
+    // SAFETY: the array object is a live NumPy array (PyUntypedArray); its flags are read.
+    let flags = unsafe { (*a.as_array_ptr()).fields.flags };
+    if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
+        let e = value("the array is read-only (it is written in place)");
+        return (Err(e), " read-only");
+    }
+    (Ok(dt), "")
+}
+
+/// The bytes of an array [`checked`] found usable, to be written in place.
+///
+/// # Safety
+/// The array must outlive `'a`, and while the slice lives nothing else may reach the
+/// array's memory through Rust: the caller writes it in one collective and lets go.
+/// (Python code of other threads can, as while any NumPy operation that releases the GIL
+/// runs: the program's to avoid.)
+unsafe fn bytes_of<'a>(a: &Bound<'_, PyUntypedArray>) -> &'a mut [u8] {
+    let len = a.len() * a.dtype().itemsize();
+    // SAFETY: a C-contiguous array's data are `len` bytes from its data pointer, owned by
+    // the array, which the caller keeps alive (and borrowed from Python) for the call.
+    unsafe { std::slice::from_raw_parts_mut((*a.as_array_ptr()).fields.data.cast::<u8>(), len) }
+}
+
+/// This rank's call, for the agreement: `name(dtype [shape]<why not>, arg)`.
+fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str) -> String {
+    format!("{name}({} {:?}{why_not}, {arg})", a.dtype(), a.shape())
+}
+
+/// Agrees with every rank on `what` (this rank's call); an `Error` naming the first rank
+/// whose call differs.
+fn agree(s: &State, what: &str) -> PyResult<()> {
+    let mut mine = [0u8; DESCRIPTION];
+    let n = what.len().min(DESCRIPTION);
+    mine[..n].copy_from_slice(&what.as_bytes()[..n]);
+    let size = s.coll.size();
+    let mut all = vec![0u8; DESCRIPTION * size];
+    s.coll
+        .allgather(&mine, &mut all)
+        .map_err(|e| Error::new_err(format!("mpiflow: {e}")))?;
+    let me = s.coll.rank();
+    let text = |r: usize| {
+        let d = &all[r * DESCRIPTION..(r + 1) * DESCRIPTION];
+        String::from_utf8_lossy(d)
+            .trim_end_matches('\0')
+            .to_string()
+    };
+    match (0..size).find(|&r| all[r * DESCRIPTION..(r + 1) * DESCRIPTION] != mine) {
+        None => Ok(()),
+        Some(r) => Err(Error::new_err(format!(
+            "mpiflow: rank {me} called {what}, but rank {r} called {}",
+            text(r)
+        ))),
+    }
+}
+
+/// The state, for a closure that runs without the GIL.
+struct Detached<'a>(&'a State);
+
+// SAFETY: `Python::detach` runs its closure on the calling thread (only the GIL is let
+// go), which holds the state's mutex for the whole call.
+unsafe impl Send for Detached<'_> {}
+
+/// The whole state, dropped without the GIL (MPI finalised).
+pub(super) struct Owned(pub(super) State);
+
+// SAFETY: as for `Detached`: `Python::detach` runs the drop on the calling thread.
+unsafe impl Send for Owned {}
+
+/// Runs `f` on the state without the GIL.
+fn detached<R: Send>(py: Python<'_>, s: &State, f: impl FnOnce(&State) -> R + Send) -> R {
+    let d = Detached(s);
+    py.detach(move || {
+        let d = d;
+        f(d.0)
+    })
+}
+
+/// The call `name(array, arg)` agreed by every rank and its array checked: the call's
+/// name for errors (`rank R: name`) and the array's dtype.
+fn agreed(
+    py: Python<'_>,
+    s: &State,
+    array: &Bound<'_, PyUntypedArray>,
+    name: &str,
+    arg: &str,
+) -> PyResult<(String, DType)> {
+    let call = format!("rank {}: {name}", s.coll.rank());
+    let (dt, why_not) = checked(py, array, &call);
+    agree(s, &described(name, array, why_not, arg))?;
+    Ok((call, dt?))
+}
+
+/// `op`'s reduction, or a `ValueError` naming `call`.
+fn reduce_op(op: &str, call: &str) -> PyResult<ReduceOp> {
+    match op {
+        "sum" => Ok(ReduceOp::Sum),
+        "mean" => Ok(ReduceOp::Average),
+        "min" => Ok(ReduceOp::Min),
+        "max" => Ok(ReduceOp::Max),
+        _ => Err(PyValueError::new_err(format!(
+            "mpiflow: {call}: op {op:?} is none of sum, mean, min, max"
+        ))),
+    }
+}
+
+/// Reduces `array` over every rank, in place, by `op` ("sum", "mean", "min", "max"):
+/// every rank ends with the same bits. The ranks agree on the call before any checks
+/// this rank's array alone fails, so no rank waits for one that gave up.
+#[pyfunction]
+#[pyo3(signature = (array, op = "sum"))]
+fn allreduce_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, op: &str) -> PyResult<()> {
+    with_state(|s| {
+        let (call, dt) = agreed(py, s, array, "allreduce", &format!("op={op}"))?;
+        let reduce = reduce_op(op, &call)?;
+        // SAFETY: the array is borrowed for this call; the slice serves this allreduce only.
+        let bytes = unsafe { bytes_of(array) };
+        detached(py, s, |s| {
+            s.coll.allreduce(bytes, dt, reduce, Algorithm::Auto)
+        })
+        .map_err(|e| Error::new_err(format!("mpiflow: {call}: {e}")))?;
+        Ok(())
+    })
+}
+
+/// Copies `root`'s `array` into every rank's, in place (checked as `allreduce_` does).
+#[pyfunction]
+#[pyo3(signature = (array, root = 0))]
+fn broadcast_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, root: usize) -> PyResult<()> {
+    with_state(|s| {
+        let (call, _) = agreed(py, s, array, "broadcast", &format!("root={root}"))?;
+        let size = s.coll.size();
+        if root >= size {
+            return Err(PyValueError::new_err(format!(
+                "mpiflow: {call}: root {root} is no rank of {size}"
+            )));
+        }
+        // SAFETY: the array is borrowed for this call; the slice serves this broadcast only.
+        let bytes = unsafe { bytes_of(array) };
+        detached(py, s, |s| s.coll.bcast(bytes, root))
+            .map_err(|e| Error::new_err(format!("mpiflow: {call}: {e}")))
+    })
+}
+
+/// Waits until every rank called `barrier()`.
+#[pyfunction]
+fn barrier(py: Python<'_>) -> PyResult<()> {
+    with_state(|s| {
+        agree(s, "barrier()")?;
+        detached(py, s, |s| s.coll.barrier())
+            .map_err(|e| Error::new_err(format!("mpiflow: barrier: {e}")))
+    })
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
+    m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
+    m.add_function(wrap_pyfunction!(barrier, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! `mpiflow._native`: mpiflow's cluster and collectives for Python programs (the extension
+//! module under the pure-Python package in `python/mpiflow`).
+//!
+//! One process-wide state, made by `init()`: the server (MPI initialised with threads, the
+//! cluster resolved as `mpiflow spec` resolves it) and mpiflow's collectives over a
+//! communicator of their own. Every call takes NumPy arrays in place (C-contiguous
+//! float32, float64, int32 or int64, writeable), releases the GIL while it communicates,
+//! and first agrees with every other rank on what is being called (the operation, dtype,
+//! shape and op): a call that differs between ranks is one exception on every rank naming
+//! both sides, never a hang. Errors are `mpiflow.Error` (bad arrays: `TypeError`,
+//! `ValueError`), each one line naming the rank.
+
+mod collectives;
+
+use std::sync::{Mutex, MutexGuard};
+
+use mpiflow::cluster::MappingOptions;
+use mpiflow::transport::collectives::Collectives;
+use mpiflow::transport::mpi::MpiComm;
+use mpiflow::transport::{Comm, Context};
+use mpiflow::Server;
+use pyo3::create_exception;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+create_exception!(
+    _native,
+    Error,
+    PyRuntimeError,
+    "An mpiflow call failed (on this rank, or agreed by every rank)."
+);
+
+/// What `init()` made (fields drop in order: the collectives' communicator before the
+/// server, which finalises MPI).
+struct State {
+    coll: Collectives<MpiComm>,
+    server: Server,
+}
+
+// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (checked in `init`), and every use
+// of the state is serialised by the mutex below.
+unsafe impl Send for State {}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+/// The state, locked; an error before `init()`.
+fn state() -> PyResult<MutexGuard<'static, Option<State>>> {
+    let guard = STATE
+        .lock()
+        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))?;
+    if guard.is_none() {
+        return Err(Error::new_err(
+            "mpiflow: call mpiflow.init() first (under mpirun or srun)",
+        ));
+    }
+    Ok(guard)
+}
+
+/// Runs `f` with the state (locked).
+fn with_state<R>(f: impl FnOnce(&State) -> PyResult<R>) -> PyResult<R> {
+    let guard = state()?;
+    f(guard.as_ref().expect("checked by state()"))
+}
+
+/// Initialises MPI (with threads) and resolves this process's cluster: from the seeds'
+/// flags in `args` if any, else `TF_CONFIG`, else the ranks of the MPI job mapped onto
+/// `ps` ps tasks (and a chief or evaluator if asked). A second call does nothing.
+#[pyfunction]
+#[pyo3(signature = (args = Vec::new(), ps = 0, chief = false, evaluator = false))]
+fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<()> {
+    let mut guard = STATE
+        .lock()
+        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))?;
+    if guard.is_some() {
+        return Ok(());
+    }
+    let fail = |e: &dyn std::fmt::Display| Error::new_err(format!("mpiflow: {e}"));
+    let (ctx, multiple) = Context::init_threaded().map_err(|e| fail(&e))?;
+    if !multiple {
+        return Err(fail(
+            &"the MPI library does not provide MPI_THREAD_MULTIPLE, which Python threads need",
+        ));
+    }
+    let mapping = MappingOptions {
+        ps,
+        chief,
+        evaluator,
+        ..MappingOptions::default()
+    };
+    let req = Server::request(&args, mapping);
+    let env = std::env::vars().collect();
+    let server = Server::start_in(ctx, &req, &env).map_err(|e| fail(&e))?;
+    let comm = server.comm();
+    let own = comm.split(0, comm.rank()).map_err(|e| fail(&e))?;
+    *guard = Some(State {
+        coll: Collectives::new(own),
+        server,
+    });
+    Ok(())
+}
+
+/// Finalises MPI (the package calls it at exit); nothing before `init()` or after a first
+/// call.
+#[pyfunction]
+fn finalize(py: Python<'_>) -> PyResult<()> {
+    let taken = STATE
+        .lock()
+        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))?
+        .take();
+    if let Some(state) = taken {
+        // MPI_Finalize waits for every rank: not with the GIL held.
+        let d = collectives::Owned(state);
+        py.detach(move || {
+            let collectives::Owned(state) = d;
+            drop(state);
+        });
+    }
+    Ok(())
+}
+
+/// This process's rank in the job.
+#[pyfunction]
+fn rank() -> PyResult<usize> {
+    with_state(|s| Ok(s.server.comm().rank()))
+}
+
+/// The number of processes in the job.
+#[pyfunction]
+fn size() -> PyResult<usize> {
+    with_state(|s| Ok(s.server.comm().size()))
+}
+
+/// This process's rank among those of its host.
+#[pyfunction]
+fn local_rank() -> PyResult<usize> {
+    with_state(|s| {
+        let me = &s.server.layout().ranks[s.server.comm().rank()];
+        Ok(me.local_rank.unwrap_or(0))
+    })
+}
+
+/// The cluster as TF_CONFIG says it (JSON), with `is_chief`: the Python layer's dict.
+#[pyfunction]
+fn cluster_json() -> PyResult<String> {
+    with_state(|s| {
+        let layout = s.server.layout();
+        let me = &layout.ranks[s.server.comm().rank()];
+        let mut v: serde_json::Value = serde_json::from_str(&layout.tf_config(me).to_json())
+            .map_err(|e| Error::new_err(format!("mpiflow: {e}")))?;
+        v["is_chief"] = serde_json::Value::Bool(s.server.is_chief());
+        Ok(v.to_string())
+    })
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("Error", m.py().get_type::<Error>())?;
+    m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(finalize, m)?)?;
+    m.add_function(wrap_pyfunction!(rank, m)?)?;
+    m.add_function(wrap_pyfunction!(size, m)?)?;
+    m.add_function(wrap_pyfunction!(local_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(cluster_json, m)?)?;
+    collectives::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! The Python package under real `mpirun` (`tests/python/*.py`, in the environment
+//! `scripts/venv.sh` made, which installs the package from this repository): each rank
+//! prints one JSON line of what it checked, asserted here.
+
+mod common;
+
+use serde_json::Value;
+
+/// `mpirun -np N python tests/python/SCRIPT`: every rank's line, by rank (`None` where the
+/// environment has no Python: the test is then skipped, or fails where it is required).
+fn ranks_of(script: &str, np: usize) -> Option<Vec<Value>> {
+    let python = common::python_with_mpi4py()?;
+    let path = format!("{}/tests/python/{script}", common::root());
+    let out = common::mpirun(&["-np", &np.to_string(), &python, &path]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let mut lines = out.json_lines();
+    lines.sort_by_key(|l| l["rank"].as_u64());
+    assert_eq!(lines.len(), np, "{out:?}");
+    Some(lines)
+}
+
+/// Every op and dtype at odd sizes equal to the reduction of every rank's array, the same
+/// bits on every rank, in place and returning, broadcast, barrier; bad arrays and calls
+/// that differ between ranks one exception on every rank, each naming its rank, after
+/// which the collectives still work.
+#[test]
+fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_rank() {
+    for np in [2, 3] {
+        let Some(ranks) = ranks_of("collectives.py", np) else {
+            return;
+        };
+        for (r, line) in ranks.iter().enumerate() {
+            assert_eq!(line["rank"].as_u64(), Some(r as u64), "{line}");
+            assert_eq!(line["size"].as_u64(), Some(np as u64), "{line}");
+            assert_eq!(line["failures"], serde_json::json!([]), "{line}");
+            assert_eq!(line["checks"], ranks[0]["checks"], "{line}");
+            assert!(line["checks"].as_u64() > Some(250), "{line}");
+            assert_eq!(line["task"]["type"].as_str(), Some("worker"), "{line}");
+            let errors = &line["errors"];
+            let last = np - 1;
+            let one = errors["one dtype"].as_str().unwrap_or_default();
+            let other = if r == last { 0 } else { last };
+            assert!(
+                one.contains(&format!("but rank {other} called allreduce(float")),
+                "{line}"
+            );
+            assert!(errors["order"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("barrier()"));
+        }
+    }
+}

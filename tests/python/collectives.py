@@ -1,0 +1,116 @@
+"""mpiflow's collectives from Python, under mpirun (tests/python.rs runs it at 2 and 3
+ranks): every op and dtype at odd sizes against the reduction each rank computes of the
+arrays every rank holds, the same bits on every rank, the in-place and returning forms,
+broadcast, barrier; then bad input, each one exception on every rank, after which the
+collectives still work. Each rank prints one JSON line of what it checked."""
+import json
+import os
+import sys
+
+import numpy as np
+
+import mpiflow
+
+mpiflow.init()
+rank, size = mpiflow.rank(), mpiflow.size()
+checks, failures = 0, []
+
+
+def check(ok, what):
+    global checks
+    checks += 1
+    if not ok:
+        failures.append(what)
+
+
+def data(r, n, dtype):
+    """Rank r's array: values that differ by rank and element (integers exact)."""
+    x = (np.arange(n, dtype=np.int64) * 7 + r * 13) % 101 - 50
+    if np.issubdtype(dtype, np.floating):
+        return (x * 0.37 + r * 0.11).astype(dtype)
+    return x.astype(dtype)
+
+
+def expected(n, dtype, op):
+    stack = np.stack([data(r, n, dtype) for r in range(size)])
+    if op == "sum":
+        return stack.astype(np.float64).sum(axis=0)
+    if op == "mean":
+        return stack.astype(np.float64).sum(axis=0) / size
+    return getattr(stack, op)(axis=0).astype(np.float64)
+
+
+for dtype in (np.float32, np.float64, np.int32, np.int64):
+    for op in ("sum", "mean", "min", "max"):
+        for n in (1, 7, 1000, 100003):
+            mine = data(rank, n, dtype)
+            got = mpiflow.allreduce(mine, op=op)
+            check(got.dtype == dtype and got.shape == mine.shape, f"{op} {dtype} {n}: type")
+            check(np.array_equal(mine, data(rank, n, dtype)), f"{op} {dtype} {n}: input kept")
+            want = expected(n, dtype, op)
+            if np.issubdtype(dtype, np.floating):
+                tol = 1e-5 if dtype == np.float32 else 1e-12
+                ok = np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol * 50)
+            elif op == "mean":
+                ok = np.array_equal(got, np.trunc(want).astype(dtype))
+            else:
+                ok = np.array_equal(got, want.astype(dtype))
+            check(ok, f"{op} {dtype} {n}: values")
+            # The same bits on every rank: the result's bytes' spread is zero.
+            bits = got.view(np.int32 if got.itemsize == 4 else np.int64).astype(np.int64)
+            spread = mpiflow.allreduce(bits, "max") - mpiflow.allreduce(bits, "min")
+            check(not spread.any(), f"{op} {dtype} {n}: same bits")
+
+# In place, with a 2-D shape.
+a = np.full((3, 5), rank + 1, dtype=np.float32)
+out = mpiflow.allreduce(a, out=a)
+check(out is a and np.all(a == size * (size + 1) / 2), "in place")
+
+# Broadcast from the last rank.
+b = np.full(11, rank, dtype=np.int64)
+mpiflow.broadcast(b, root=size - 1)
+check(np.all(b == size - 1), "broadcast")
+mpiflow.barrier()
+
+
+def raises(kind, text, call):
+    """`call` raises `kind` with `text` and this rank in its message; the message."""
+    try:
+        call()
+    except kind as e:
+        check(text in str(e) and f"rank {rank}" in str(e), f"{text}: {e}")
+        return str(e)
+    check(False, f"no {kind.__name__} for {text}")
+    return None
+
+
+def read_only():
+    a = np.ones(4, np.float32)
+    a.flags.writeable = False
+    return a
+
+
+mine_only = np.ones(4, np.float16 if rank == size - 1 else np.float32)
+errors = {
+    "dtype": raises(TypeError, "float16", lambda: mpiflow.allreduce(np.ones(4, np.float16))),
+    "strides": raises(
+        ValueError, "C-contiguous", lambda: mpiflow.broadcast(np.ones((4, 4), np.float32)[:, 1])
+    ),
+    "read-only": raises(ValueError, "read-only", lambda: mpiflow.broadcast(read_only())),
+    "op": raises(ValueError, "none of", lambda: mpiflow.allreduce(np.ones(4, np.float32), op="prod")),
+    "root": raises(ValueError, "no rank", lambda: mpiflow.broadcast(np.ones(2), root=size)),
+    # One rank's array alone is bad: every rank hears of it, none waits.
+    "one dtype": raises(mpiflow.Error, "but rank", lambda: mpiflow.allreduce(mine_only, out=mine_only)),
+    "shape": raises(
+        mpiflow.Error, "but rank", lambda: mpiflow.allreduce(np.ones(4 + (rank == 1), np.float32))
+    ),
+    "order": raises(
+        mpiflow.Error, "but rank",
+        lambda: mpiflow.barrier() if rank == 0 else mpiflow.allreduce(np.ones(2, np.float64)),
+    ),
+}
+# Still usable after every error.
+check(np.all(mpiflow.allreduce(np.ones(3, np.float64)) == size), "usable after errors")
+print(json.dumps({"rank": rank, "size": size, "checks": checks, "failures": failures,
+                  "errors": errors, "task": mpiflow.cluster()["task"]}), flush=True)
+sys.exit(1 if failures else 0)
