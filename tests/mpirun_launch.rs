@@ -243,3 +243,39 @@ fn mpi4py_programs_run_as_their_ranks_and_fail_as_their_tasks() {
     assert_eq!(out.stderr.matches(named).count(), 1, "{out:?}");
     assert!(took < Duration::from_secs(60), "took {took:?}: {out:?}");
 }
+
+/// A program on mpiflow's own Python package under `launch`, with a ps task that waits
+/// for ever: every task's package takes its role from the TF_CONFIG launch exported, the
+/// allreduce spans the whole job, and the job ends with the workers.
+#[test]
+fn a_program_on_mpiflows_python_package_runs_under_launch() {
+    let Some(python) = common::python_with_mpi4py() else {
+        return;
+    };
+    let script = format!("{}/tests/python/launched.py", common::root());
+    let out = launch_with("3", &["--ps", "1"], &[&python, &script]);
+    assert_eq!(out.code, 0, "{out:?}");
+    let mut lines = out.json_lines();
+    lines.sort_by_key(|l| l["rank"].as_u64());
+    let tasks: Vec<(String, u64)> = lines
+        .iter()
+        .map(|l| {
+            let t = &l["task"];
+            (
+                t["type"].as_str().unwrap_or("").to_string(),
+                t["index"].as_u64().unwrap_or(9),
+            )
+        })
+        .collect();
+    let want = [("ps", 0), ("worker", 0), ("worker", 1)].map(|(j, i)| (j.to_string(), i));
+    assert_eq!(tasks, want, "{out:?}");
+    for l in &lines {
+        assert_eq!(l["size"].as_u64(), Some(3), "{l}");
+        assert_eq!(
+            l["sum"],
+            serde_json::json!([6.0, 6.0, 6.0, 6.0, 6.0]),
+            "{l}"
+        );
+        assert_eq!(l["ps"].as_array().map(Vec::len), Some(1), "{l}");
+    }
+}

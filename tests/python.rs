@@ -6,16 +6,18 @@ mod common;
 
 use serde_json::Value;
 
-/// `mpirun -np N python tests/python/SCRIPT`: every rank's line, by rank (`None` where the
-/// environment has no Python: the test is then skipped, or fails where it is required).
-fn ranks_of(script: &str, np: usize) -> Option<Vec<Value>> {
+/// `mpirun -np N python tests/python/SCRIPT ARGS`: every rank's line, by rank, of a job
+/// that exited 0 (`None` where the environment has no Python: the test is then skipped,
+/// or fails where it is required).
+fn ranks_of(script: &str, np: usize, args: &[&str]) -> Option<Vec<Value>> {
     let python = common::python_with_mpi4py()?;
     let path = format!("{}/tests/python/{script}", common::root());
-    let out = common::mpirun(&["-np", &np.to_string(), &python, &path]);
+    let np = np.to_string();
+    let out = common::mpirun(&[&["-np", &np, &python, &path][..], args].concat());
     assert_eq!(out.code, 0, "{out:?}");
     let mut lines = out.json_lines();
     lines.sort_by_key(|l| l["rank"].as_u64());
-    assert_eq!(lines.len(), np, "{out:?}");
+    assert_eq!(lines.len().to_string(), np, "{out:?}");
     Some(lines)
 }
 
@@ -26,7 +28,7 @@ fn ranks_of(script: &str, np: usize) -> Option<Vec<Value>> {
 #[test]
 fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_rank() {
     for np in [2, 3] {
-        let Some(ranks) = ranks_of("collectives.py", np) else {
+        let Some(ranks) = ranks_of("collectives.py", np, &[]) else {
             return;
         };
         for (r, line) in ranks.iter().enumerate() {
@@ -48,6 +50,28 @@ fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_ran
                 .as_str()
                 .unwrap_or_default()
                 .contains("barrier()"));
+        }
+    }
+}
+
+/// mpiflow's package and mpi4py in one program, either initialising MPI first: the same
+/// ranks, both allreduces right, and the job exits 0 (MPI finalised once: a second
+/// `MPI_Finalize`, or none, is an error under mpirun).
+#[test]
+fn mpiflow_and_mpi4py_share_one_mpi_whichever_starts_it() {
+    for order in ["mpi4py-first", "mpiflow-first"] {
+        let Some(lines) = ranks_of("with_mpi4py.py", 3, &[order]) else {
+            return;
+        };
+        for l in &lines {
+            assert_eq!(l["rank"], l["mpi4py_rank"], "{order}: {l}");
+            assert_eq!(l["size"].as_u64(), Some(3), "{order}: {l}");
+            assert_eq!(
+                l["ours"],
+                serde_json::json!([6.0, 6.0, 6.0, 6.0]),
+                "{order}: {l}"
+            );
+            assert_eq!(l["theirs"].as_u64(), Some(6), "{order}: {l}");
         }
     }
 }

@@ -1,8 +1,9 @@
 //! `mpiflow._native`: mpiflow's cluster and collectives for Python programs (the extension
 //! module under the pure-Python package in `python/mpiflow`).
 //!
-//! One process-wide state, made by `init()`: the server (MPI initialised with threads, the
-//! cluster resolved as `mpiflow spec` resolves it) and mpiflow's collectives over a
+//! One process-wide state, made by `init()`: the server (MPI initialised with threads, or
+//! the library mpi4py initialised, which then finalises it; the cluster resolved as
+//! `mpiflow spec` resolves it) and mpiflow's collectives over a
 //! communicator of their own. Every call takes NumPy arrays in place (C-contiguous
 //! float32, float64, int32 or int64, writeable), releases the GIL while it communicates,
 //! and first agrees with every other rank on what is being called (the operation, dtype,
@@ -17,7 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 use mpiflow::cluster::MappingOptions;
 use mpiflow::transport::collectives::Collectives;
 use mpiflow::transport::mpi::MpiComm;
-use mpiflow::transport::{Comm, Context};
+use mpiflow::transport::{Comm, Context, InitError};
 use mpiflow::Server;
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
@@ -75,7 +76,13 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
         return Ok(());
     }
     let fail = |e: &dyn std::fmt::Display| Error::new_err(format!("mpiflow: {e}"));
-    let (ctx, multiple) = Context::init_threaded().map_err(|e| fail(&e))?;
+    // MPI initialised already (mpi4py imported first): its library is used, and left to
+    // it to finalise.
+    let (ctx, multiple) = match Context::init_threaded() {
+        Err(InitError::AlreadyInitialised) => Context::adopt(),
+        started => started,
+    }
+    .map_err(|e| fail(&e))?;
     if !multiple {
         return Err(fail(
             &"the MPI library does not provide MPI_THREAD_MULTIPLE, which Python threads need",

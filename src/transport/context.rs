@@ -18,6 +18,8 @@ use mpi::traits::*;
 pub enum InitError {
     #[error("MPI is already initialised in this process")]
     AlreadyInitialised,
+    #[error("MPI is not initialised in this process (or already finalised)")]
+    NotInitialised,
     #[error("{0}")]
     Tags(#[from] super::tags::TagError),
     #[error("setting MPI_COMM_WORLD's error handler failed: {0}")]
@@ -39,7 +41,9 @@ pub struct Context {
     // Field order matters: the communicator handle is dropped before the universe,
     // whose drop calls `MPI_Finalize`.
     world: SimpleCommunicator,
-    _universe: Universe,
+    /// `None` where another part of the program initialised MPI ([`Context::adopt`]): it
+    /// finalises it.
+    _universe: Option<Universe>,
     /// Each rank's index among the ranks of its machine, and their number.
     machine_locals: Vec<(usize, usize)>,
     /// What starting found about hosts that are one machine (see [`Context::warnings`]).
@@ -50,7 +54,7 @@ impl Context {
     /// Initialises MPI (`MPI_Init`).
     pub fn init() -> Result<Context, InitError> {
         let universe = mpi::initialize().ok_or(InitError::AlreadyInitialised)?;
-        Context::started(universe)
+        Context::started(universe.world(), Some(universe))
     }
 
     /// Initialises MPI asking for `MPI_THREAD_MULTIPLE`; the flag says whether the library
@@ -59,15 +63,30 @@ impl Context {
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
             .ok_or(InitError::AlreadyInitialised)?;
         Ok((
-            Context::started(universe)?,
+            Context::started(universe.world(), Some(universe))?,
             level == mpi::Threading::Multiple,
         ))
     }
 
+    /// The context of an MPI library another part of the program initialised (mpi4py, a C
+    /// caller): its `MPI_COMM_WORLD`, and MPI left to that part to finalise. The flag says
+    /// whether it provides `MPI_THREAD_MULTIPLE`.
+    pub fn adopt() -> Result<(Context, bool), InitError> {
+        if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
+            return Err(InitError::NotInitialised);
+        }
+        let multiple = mpi::environment::threading_support() == mpi::Threading::Multiple;
+        let world = SimpleCommunicator::world();
+        Ok((Context::started(world, None)?, multiple))
+    }
+
     /// The context of a started library: tags checked, ranks seated.
-    fn started(universe: Universe) -> Result<Context, InitError> {
+    fn started(
+        world: SimpleCommunicator,
+        universe: Option<Universe>,
+    ) -> Result<Context, InitError> {
         let mut ctx = Context {
-            world: universe.world(),
+            world,
             _universe: universe,
             machine_locals: Vec::new(),
             warnings: Vec::new(),
