@@ -26,6 +26,7 @@ __all__ = [
     "local_rank",
     "cluster",
     "allreduce",
+    "allreduce_many",
     "broadcast",
     "barrier",
 ]
@@ -60,6 +61,15 @@ def allreduce(array, op="sum", out=None):
         _np.copyto(out, array)
     _native.allreduce_(out, op)
     return out
+
+
+def allreduce_many(arrays, op="sum", inplace=False):
+    """`allreduce` of every array of the list, fused: one message per dtype (the arrays
+    of a dtype back to back), as mpiflow reduces a model's gradients. In place if
+    `inplace` (each array C-contiguous and writeable), else into new arrays; the list."""
+    outs = list(arrays) if inplace else [_np.array(a, copy=True, order="C") for a in arrays]
+    _native.allreduce_many_(outs, op)
+    return outs
 
 
 def broadcast(array, root=0):

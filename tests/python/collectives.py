@@ -66,6 +66,22 @@ a = np.full((3, 5), rank + 1, dtype=np.float32)
 out = mpiflow.allreduce(a, out=a)
 check(out is a and np.all(a == size * (size + 1) / 2), "in place")
 
+# Fused: a list of several dtypes and shapes, as one allreduce of each would give.
+specs = [((3,), np.float32), ((2, 5), np.float64), ((1000,), np.float32), ((7,), np.int64)]
+arrays = [data(rank, int(np.prod(sh)), dt).reshape(sh) for sh, dt in specs]
+singles = [mpiflow.allreduce(a) for a in arrays]
+for op in ("sum", "max"):
+    fused = mpiflow.allreduce_many(arrays, op=op)
+    singles = [mpiflow.allreduce(a, op=op) for a in arrays]
+    for f, one, a in zip(fused, singles, arrays):
+        same = np.allclose(f, one, rtol=1e-6) if f.dtype.kind == "f" else np.array_equal(f, one)
+        check(same and f.shape == a.shape and f.dtype == a.dtype, f"fused {op} {a.dtype} {a.shape}")
+inplace = [a.copy() for a in arrays]
+back = mpiflow.allreduce_many(inplace, inplace=True)
+check(all(b is i for b, i in zip(back, inplace)), "fused in place: the same arrays")
+check(all(np.allclose(i, one) for i, one in zip(inplace, mpiflow.allreduce_many(arrays))),
+      "fused in place: values")
+
 # Broadcast from the last rank.
 b = np.full(11, rank, dtype=np.int64)
 mpiflow.broadcast(b, root=size - 1)
@@ -103,6 +119,12 @@ errors = {
     "one dtype": raises(mpiflow.Error, "but rank", lambda: mpiflow.allreduce(mine_only, out=mine_only)),
     "shape": raises(
         mpiflow.Error, "but rank", lambda: mpiflow.allreduce(np.ones(4 + (rank == 1), np.float32))
+    ),
+    "fused list": raises(
+        mpiflow.Error, "but rank", lambda: mpiflow.allreduce_many([np.ones(3)] * (1 + (rank == 0)))
+    ),
+    "fused twice": raises(
+        ValueError, "twice", lambda: (lambda x: mpiflow.allreduce_many([x, x], inplace=True))(np.ones(3))
     ),
     "order": raises(
         mpiflow.Error, "but rank",
