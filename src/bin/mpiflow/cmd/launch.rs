@@ -184,9 +184,10 @@ pub(crate) fn run(args: &LaunchArgs, env: &BTreeMap<String, String>) -> Result<(
     if ctx.is_some() {
         // This launcher took the rank's MPI: a program that initialises MPI too is told
         // why it cannot, in one line (rank 0's), not in the MPI library's pages of help.
+        // (Without the memory file for it, the MPI library says it its own way: no rank
+        // stops here while the others go on to agree.)
         let line = if warns { MPI_TAKEN } else { "" };
-        let taken = watch::mpi_taken_env(line).map_err(|e| Failure::local(e.to_string()))?;
-        task_env.extend(taken);
+        task_env.extend(watch::mpi_taken_env(line).unwrap_or_default());
     }
     let argv = match &ctx {
         Some(c) => c.agree(prepared).map_err(|e| Failure::agreed(e, c))?,
