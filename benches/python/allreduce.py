@@ -1,0 +1,61 @@
+"""mpiflow's allreduce from Python against mpi4py's (`comm.Allreduce` of NumPy buffers,
+the library's own MPI_Allreduce), side by side in one job: for each size, the two paths
+alternate, `--reps` calls each per round, best round of `--rounds` per path (the VM's slow
+phases only slow a round). Rank 0 prints one JSON line per size.
+
+    mpirun -np 4 target/venv/bin/python benches/python/allreduce.py
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiflow
+
+p = argparse.ArgumentParser()
+p.add_argument("--rounds", type=int, default=7)
+p.add_argument("--reps", type=int, default=20)
+p.add_argument("--dtype", default="float32")
+args = p.parse_args()
+
+mpiflow.init()
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+dtype = np.dtype(args.dtype)
+
+
+def timed(call, reps):
+    comm.Barrier()
+    t = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - t) / reps
+
+
+for size in [1 << k for k in range(10, 25, 2)]:  # bytes: 1 KiB .. 16 MiB
+    n = size // dtype.itemsize
+    a = np.full(n, rank + 1, dtype)
+    out = np.empty_like(a)
+    reps = max(2, min(args.reps, (1 << 24) // size * 4))
+    paths = {
+        "mpiflow": lambda: mpiflow.allreduce(a, out=out),
+        "mpi4py": lambda: comm.Allreduce(a, out, op=MPI.SUM),
+    }
+    best = {k: float("inf") for k in paths}
+    for _ in range(args.rounds):
+        for name, call in paths.items():
+            best[name] = min(best[name], timed(call, reps))
+    # Both right: the sum of every rank's rank + 1.
+    want = comm.Get_size() * (comm.Get_size() + 1) / 2
+    mpiflow.allreduce(a, out=out)
+    ok = bool(np.all(out == want))
+    if rank == 0:
+        print(json.dumps({
+            "bytes": size, "ranks": comm.Get_size(), "dtype": args.dtype,
+            "mpiflow_us": round(best["mpiflow"] * 1e6, 2),
+            "mpi4py_us": round(best["mpi4py"] * 1e6, 2),
+            "mpi4py_over_mpiflow": round(best["mpi4py"] / best["mpiflow"], 2),
+            "right": ok,
+        }), flush=True)
