@@ -77,16 +77,26 @@ fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str
 }
 
 /// Agrees with every rank on `what` (this rank's call); an `Error` naming the first rank
-/// whose call differs.
+/// whose call differs. One small allreduce of the description's hash and its negation by
+/// max (every rank's hash equal exactly when both maxima are this rank's); only where
+/// they differ, the descriptions themselves, to name the ranks.
 fn agree(s: &State, what: &str) -> PyResult<()> {
+    let mpi = |e: mpiflow::transport::TransportError| Error::new_err(format!("mpiflow: {e}"));
+    let h = (fnv1a(what) >> 1) as i64;
+    let mut words = [h, -h];
+    let bytes: &mut [u8] = bytemuck_words(&mut words);
+    s.coll
+        .allreduce(bytes, DType::I64, ReduceOp::Max, Algorithm::Auto)
+        .map_err(mpi)?;
+    if words == [h, -h] {
+        return Ok(());
+    }
     let mut mine = [0u8; DESCRIPTION];
     let n = what.len().min(DESCRIPTION);
     mine[..n].copy_from_slice(&what.as_bytes()[..n]);
     let size = s.coll.size();
     let mut all = vec![0u8; DESCRIPTION * size];
-    s.coll
-        .allgather(&mine, &mut all)
-        .map_err(|e| Error::new_err(format!("mpiflow: {e}")))?;
+    s.coll.allgather(&mine, &mut all).map_err(mpi)?;
     let me = s.coll.rank();
     let text = |r: usize| {
         let d = &all[r * DESCRIPTION..(r + 1) * DESCRIPTION];
@@ -94,13 +104,19 @@ fn agree(s: &State, what: &str) -> PyResult<()> {
             .trim_end_matches('\0')
             .to_string()
     };
-    match (0..size).find(|&r| all[r * DESCRIPTION..(r + 1) * DESCRIPTION] != mine) {
-        None => Ok(()),
-        Some(r) => Err(Error::new_err(format!(
-            "mpiflow: rank {me} called {what}, but rank {r} called {}",
-            text(r)
-        ))),
-    }
+    let r = (0..size)
+        .find(|&r| all[r * DESCRIPTION..(r + 1) * DESCRIPTION] != mine)
+        .unwrap_or(me);
+    Err(Error::new_err(format!(
+        "mpiflow: rank {me} called {what}, but rank {r} called {}",
+        text(r)
+    )))
+}
+
+/// Two words' bytes, in place.
+fn bytemuck_words(words: &mut [i64; 2]) -> &mut [u8] {
+    // SAFETY: 16 bytes of two i64, exclusively borrowed; any bytes are valid u8.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), 16) }
 }
 
 /// The state, for a closure that runs without the GIL.
