@@ -1,9 +1,11 @@
-//! The collectives on NumPy arrays, in place: `allreduce_`, `broadcast_`, `barrier`.
+//! The collectives on NumPy arrays, in place: `allreduce_`, `allreduce_many_`,
+//! `broadcast_`, `barrier`.
 //!
-//! Each call first agrees with every rank on what it is (one small allgather of a
-//! description: the call, dtype, shape and its argument), so ranks that call different
-//! things, or the same thing on different arrays, get one exception each naming this
-//! rank's call and the first other that differs, instead of a hang or wrong sums.
+//! Each call first agrees with every rank on what it is (a description: the call, dtype,
+//! shape, its argument and whether this rank refuses its array; checked by one small
+//! allreduce of its hash), so ranks that call different things, or the same thing on
+//! different arrays, get one exception each naming this rank's call and the first other
+//! that differs, instead of a hang or wrong sums.
 
 use mpiflow::tensor::DType;
 use mpiflow::transport::{Algorithm, ReduceOp};
@@ -212,22 +214,29 @@ fn broadcast_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, root: usize) ->
 /// the same results as one `allreduce_` each, in fewer, larger collectives. The ranks
 /// agree on the whole list (count, dtypes, shapes) first.
 #[pyfunction]
-#[pyo3(signature = (arrays, op = "sum"))]
-fn allreduce_many_(
-    py: Python<'_>,
-    arrays: Vec<Bound<'_, PyUntypedArray>>,
-    op: &str,
-) -> PyResult<()> {
+#[pyo3(signature = (items, op = "sum"))]
+fn allreduce_many_(py: Python<'_>, items: Vec<Bound<'_, PyAny>>, op: &str) -> PyResult<()> {
     with_state(|s| {
         let call = format!("rank {}: allreduce_many", s.coll.rank());
-        let checks: Vec<_> = arrays.iter().map(|a| checked(py, a, &call)).collect();
-        // The list in full for the hash, a summary to show.
-        let full: String = arrays
+        // An item that is no NumPy array is refused after the agreement, as a bad array.
+        let arrays: Vec<Option<&Bound<'_, PyUntypedArray>>> = items
             .iter()
-            .zip(&checks)
-            .map(|(a, (_, why_not))| described("", a, why_not, ""))
+            .map(|a| a.cast::<PyUntypedArray>().ok())
             .collect();
-        let elements: usize = arrays.iter().map(|a| a.len()).sum();
+        let checks: Vec<_> = (arrays.iter().enumerate())
+            .map(|(i, a)| match a {
+                Some(a) => checked(py, a, &call),
+                None => (Err(not_an_array(&call, i, &items[i])), " not an array"),
+            })
+            .collect();
+        // The list in full for the hash, a summary to show.
+        let full: String = (arrays.iter().zip(&checks))
+            .map(|(a, (_, why_not))| match a {
+                Some(a) => described("", a, why_not, ""),
+                None => why_not.to_string(),
+            })
+            .collect();
+        let elements: usize = arrays.iter().flatten().map(|a| a.len()).sum();
         let what = format!(
             "allreduce_many({} arrays, {elements} elements, list {:016x}, op={op})",
             arrays.len(),
@@ -237,7 +246,7 @@ fn allreduce_many_(
         let reduce = reduce_op(op, &call)?;
         let mut groups: Vec<(DType, Vec<&mut [u8]>)> = Vec::new();
         for (a, (dt, _)) in arrays.iter().zip(checks) {
-            let dt = dt?;
+            let (dt, a) = (dt?, a.expect("an array where checked said so"));
             // SAFETY: the arrays are borrowed for this call; each slice serves this
             // collective only (the same array twice in the list is refused below).
             let bytes = unsafe { bytes_of(a) };
@@ -267,6 +276,14 @@ fn allreduce_many_(
             Error::new_err(format!("mpiflow: {call}: {e}"))
         })
     })
+}
+
+/// The `TypeError` of list item `i`, which is no NumPy array.
+fn not_an_array(call: &str, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
+    let kind = item.get_type().name().map_or("?".into(), |n| n.to_string());
+    PyTypeError::new_err(format!(
+        "mpiflow: {call}: item {i} of the list is a {kind}, not a NumPy array"
+    ))
 }
 
 /// A 64-bit FNV-1a hash of `text`.

@@ -126,6 +126,9 @@ errors = {
     "fused twice": raises(
         ValueError, "twice", lambda: (lambda x: mpiflow.allreduce_many([x, x], inplace=True))(np.ones(3))
     ),
+    "fused item": raises(
+        TypeError, "not a NumPy array", lambda: mpiflow.allreduce_many([np.ones(2), [1.0]], inplace=True)
+    ),
     "order": raises(
         mpiflow.Error, "but rank",
         lambda: mpiflow.barrier() if rank == 0 else mpiflow.allreduce(np.ones(2, np.float64)),
