@@ -87,6 +87,7 @@ fn bad_training_input_is_one_line() {
     let spec = format!("digits:{}", bad.display());
     mpiflow_alone(&["train", "--data", &spec], &[])
         .assert_one_line_error(":1: 3 fields, expected 64 pixels and a label");
+    let _ = std::fs::remove_file(&bad);
 }
 
 #[test]

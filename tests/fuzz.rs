@@ -228,6 +228,7 @@ proptest! {
         std::fs::write(ckpt.join("manifest.json"), escape).unwrap();
         let e = checkpoint::verify(&ckpt).unwrap_err().to_string();
         prop_assert!(e.contains("is not a file name"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
