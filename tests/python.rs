@@ -27,7 +27,7 @@ fn ranks_of(script: &str, np: usize, args: &[&str]) -> Option<Vec<Value>> {
 /// which the collectives still work.
 #[test]
 fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_rank() {
-    for np in [2, 3] {
+    for np in [2, 3, 4] {
         let Some(ranks) = ranks_of("collectives.py", np, &[]) else {
             return;
         };

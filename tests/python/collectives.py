@@ -1,5 +1,5 @@
-"""mpiflow's collectives from Python, under mpirun (tests/python.rs runs it at 2 and 3
-ranks): every op and dtype at odd sizes against the reduction each rank computes of the
+"""mpiflow's collectives from Python, under mpirun (tests/python.rs runs it at 2, 3 and
+4 ranks): every op and dtype at odd sizes against the reduction each rank computes of the
 arrays every rank holds, the same bits on every rank, the in-place and returning forms,
 broadcast, barrier; then bad input, each one exception on every rank, after which the
 collectives still work. Each rank prints one JSON line of what it checked."""
