@@ -8,15 +8,13 @@
 //! that differs, instead of a hang or wrong sums.
 
 use mpiflow::tensor::DType;
+use mpiflow::transport::fusion::{self, FusionError};
 use mpiflow::transport::{Algorithm, ReduceOp};
 use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::{with_state, Error, State};
-
-/// Bytes of a call's description in the agreement.
-const DESCRIPTION: usize = 96;
 
 /// An array checked for a collective: its dtype as mpiflow's, or why it cannot take
 /// part (a `TypeError` or `ValueError` naming `call`), and a short word for that reason
@@ -78,47 +76,30 @@ fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str
     format!("{name}({} {:?}{why_not}, {arg})", a.dtype(), a.shape())
 }
 
-/// Agrees with every rank on `what` (this rank's call); an `Error` naming the first rank
-/// whose call differs. One small allreduce of the description's hash and its negation by
-/// max (every rank's hash equal exactly when both maxima are this rank's); only where
-/// they differ, the descriptions themselves, to name the ranks.
+/// Agrees with every rank on `what` (this rank's call): mpiflow's negotiation of fused
+/// lists ([`fusion::negotiate`]: one small allreduce of the description's hash, the
+/// descriptions gathered only on a mismatch). An `Error` naming the first rank whose call
+/// differs from this rank's: rank 0 where this rank's differs from rank 0's, else the
+/// first that differs from rank 0's.
 fn agree(s: &State, what: &str) -> PyResult<()> {
-    let mpi = |e: mpiflow::transport::TransportError| Error::new_err(format!("mpiflow: {e}"));
-    let h = (fnv1a(what) >> 1) as i64;
-    let mut words = [h, -h];
-    let bytes: &mut [u8] = bytemuck_words(&mut words);
-    s.coll
-        .allreduce(bytes, DType::I64, ReduceOp::Max, Algorithm::Auto)
-        .map_err(mpi)?;
-    if words == [h, -h] {
-        return Ok(());
+    let entries = || vec![what.to_string()];
+    match fusion::negotiate(&s.coll, fusion::list_hash(&entries()), entries) {
+        Ok(()) => Ok(()),
+        Err(FusionError::Mismatch {
+            rank, theirs, ours, ..
+        }) => {
+            let (r, other) = if ours != what {
+                (0, ours)
+            } else {
+                (rank, theirs)
+            };
+            Err(Error::new_err(format!(
+                "mpiflow: rank {} called {what}, but rank {r} called {other}",
+                s.coll.rank()
+            )))
+        }
+        Err(e) => Err(Error::new_err(format!("mpiflow: {e}"))),
     }
-    let mut mine = [0u8; DESCRIPTION];
-    let n = what.len().min(DESCRIPTION);
-    mine[..n].copy_from_slice(&what.as_bytes()[..n]);
-    let size = s.coll.size();
-    let mut all = vec![0u8; DESCRIPTION * size];
-    s.coll.allgather(&mine, &mut all).map_err(mpi)?;
-    let me = s.coll.rank();
-    let text = |r: usize| {
-        let d = &all[r * DESCRIPTION..(r + 1) * DESCRIPTION];
-        String::from_utf8_lossy(d)
-            .trim_end_matches('\0')
-            .to_string()
-    };
-    let r = (0..size)
-        .find(|&r| all[r * DESCRIPTION..(r + 1) * DESCRIPTION] != mine)
-        .unwrap_or(me);
-    Err(Error::new_err(format!(
-        "mpiflow: rank {me} called {what}, but rank {r} called {}",
-        text(r)
-    )))
-}
-
-/// Two words' bytes, in place.
-fn bytemuck_words(words: &mut [i64; 2]) -> &mut [u8] {
-    // SAFETY: 16 bytes of two i64, exclusively borrowed; any bytes are valid u8.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), 16) }
 }
 
 /// The state, for a closure that runs without the GIL.
@@ -240,7 +221,7 @@ fn allreduce_many_(py: Python<'_>, items: Vec<Bound<'_, PyAny>>, op: &str) -> Py
         let what = format!(
             "allreduce_many({} arrays, {elements} elements, list {:016x}, op={op})",
             arrays.len(),
-            fnv1a(&full)
+            fusion::list_hash(&[full])
         );
         agree(s, &what)?;
         let reduce = reduce_op(op, &call)?;
@@ -284,13 +265,6 @@ fn not_an_array(call: &str, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
     PyTypeError::new_err(format!(
         "mpiflow: {call}: item {i} of the list is a {kind}, not a NumPy array"
     ))
-}
-
-/// A 64-bit FNV-1a hash of `text`.
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Waits until every rank called `barrier()`.
