@@ -19,6 +19,22 @@ fn cluster_script() -> Option<String> {
     Some(format!("{}/tests/netns/cluster.sh", common::root()))
 }
 
+/// `bash -c INNER` inside the three hosts (made before, removed after) built by `script`
+/// ([`cluster_script`]), under `timeout SECS`.
+fn on_hosts(script: &str, secs: u32, inner: &str) -> common::Run {
+    run_bounded(secs, &[script, "with", "--", "bash", "-c", inner], &[])
+}
+
+/// For the tests of MPI programs under `launch`: the cluster's script and
+/// `launcher/examples/mpi_allreduce.c` built into a directory named after `name` (kept
+/// alive by the caller), or `None` as [`cluster_script`] says.
+fn mpi_program_on_hosts(name: &str) -> Option<(String, common::TempDir, String)> {
+    let script = cluster_script()?;
+    let dir = common::tmpdir(name);
+    let program = common::mpi_program(&dir);
+    Some((script, dir, program))
+}
+
 #[test]
 fn spread_places_ps_on_distinct_namespace_hosts() {
     let Some(script) = cluster_script() else {
@@ -33,7 +49,7 @@ fn spread_places_ps_on_distinct_namespace_hosts() {
          echo '=== block'; \
          mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 6 {m} spec --ps 2 --format json"
     );
-    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 240, &inner);
     assert_eq!(run.code, 0, "{run:?}");
     let (spread, rest) = run.stdout.split_once("=== table").expect("table marker");
     let (table, block) = rest.split_once("=== block").expect("block marker");
@@ -108,7 +124,7 @@ fn ranks_of_hosts_that_are_one_machine_are_unbound_from_a_shared_core_and_pinned
         topo(""),
         topo("--bind-to none")
     );
-    let run = run_bounded(120, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 120, &inner);
     assert_eq!(run.code, 0, "{run:?}");
     let (bound_err, none_err) = run.stderr.split_once("=== none").expect("marker");
     let (bound_out, none_out) = run.stdout.split_once("=== none").expect("marker");
@@ -188,7 +204,7 @@ fn one_sided_ps_over_tcp_between_hosts_matches_the_two_sided_ps_on_pt2pt_and_ucx
         train("rma", "auto", &rma),
         train("rma", "ucx", &ucx)
     );
-    let run = run_bounded(300, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 300, &inner);
     assert_eq!(run.code, 0, "{run:?}");
     let (_, async_out) = run.stdout.split_once("=== async").expect("async marker");
     let acc = common::accuracy(async_out);
@@ -243,7 +259,7 @@ fn a_launched_tf1_job_across_hosts_ends_with_its_workers() {
         launch("--exit worker:1=3")
     );
     let t = std::time::Instant::now();
-    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 240, &inner);
     assert!(t.elapsed().as_secs() < 120, "{run:?}");
     let statuses: Vec<&str> = run
         .stdout
@@ -304,7 +320,7 @@ fn allreduce_in_two_levels_across_hosts_checks_and_trains_as_local_training() {
         train("hierarchical"),
         train("ring")
     );
-    let run = run_bounded(300, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 300, &inner);
     assert_eq!(run.code, 0, "{run:?}");
     // More ranks than this machine's CPUs, on hosts whose launchers each see their own
     // slots: mpiflow makes MPI yield while waiting, and says so once per job.
@@ -380,7 +396,7 @@ fn pipelines_across_hosts_keep_replicas_inside_hosts_and_train_as_local_training
         train("allreduce", 6, "--mode allreduce"),
         train("ps", 5, "--mode ps --ps 1")
     );
-    let run = run_bounded(300, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 300, &inner);
     assert_eq!(run.code, 0, "{run:?}");
     for ranks in [
         "# ranks: 0=replica_0:0 1=replica_0:1 2=replica_1:0 3=replica_1:1 4=replica_2:0 5=replica_2:1",
@@ -399,16 +415,14 @@ fn pipelines_across_hosts_keep_replicas_inside_hosts_and_train_as_local_training
 /// mpirun's variables, without MPI, so the program's own `MPI_Init` spans the hosts.
 #[test]
 fn an_mpi_program_launched_across_hosts_by_the_hostfile_initialises_mpi_itself() {
-    let Some(script) = cluster_script() else {
+    let Some((script, _dir, program)) = mpi_program_on_hosts("multihost-mpi-program") else {
         return;
     };
-    let dir = common::tmpdir("multihost-mpi-program");
-    let program = common::mpi_program(&dir);
     let (m, hosts) = (mpiflow(), "hostfiles/netns-3hosts");
     let inner = format!(
         "mpirun $MPIFLOW_NETNS_MCA --hostfile {hosts} -np 6 {m} launch --hostfile {hosts} -- {program}"
     );
-    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 240, &inner);
     assert_eq!(run.code, 0, "{run:?}");
     let tasks: Vec<String> = (0..6).map(|r| format!("worker:{r}")).collect();
     common::assert_mpi_program_ran(&run, &tasks);
@@ -420,18 +434,16 @@ fn an_mpi_program_launched_across_hosts_by_the_hostfile_initialises_mpi_itself()
 /// stopped when the workers are done (C, then mpi4py with a worker that fails).
 #[test]
 fn mpi_programs_with_ps_tasks_across_hosts_end_with_their_workers() {
-    let Some(script) = cluster_script() else {
+    let Some((script, _dir, program)) = mpi_program_on_hosts("multihost-mpi-ps") else {
         return;
     };
-    let dir = common::tmpdir("multihost-mpi-ps");
-    let program = common::mpi_program(&dir);
     let (m, hosts) = (mpiflow(), "hostfiles/netns-3hosts");
     let launch = |prog: &str| {
         let inner = format!(
             "mpirun $MPIFLOW_NETNS_MCA --hostfile {hosts} -np 3 --map-by node \
              {m} launch --hostfile {hosts} --map-by node --ps 1 -- {prog} --ps-joins"
         );
-        run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[])
+        on_hosts(&script, 240, &inner)
     };
     let run = launch(&program);
     assert_eq!(run.code, 0, "{run:?}");
@@ -450,17 +462,15 @@ fn mpi_programs_with_ps_tasks_across_hosts_end_with_their_workers() {
 /// 0's), not in `MPI_Init` with the MPI library's pages of help.
 #[test]
 fn an_mpi_program_whose_rank_launch_had_to_take_is_one_line_error() {
-    let Some(script) = cluster_script() else {
+    let Some((script, _dir, program)) = mpi_program_on_hosts("multihost-mpi-taken") else {
         return;
     };
-    let dir = common::tmpdir("multihost-mpi-taken");
-    let program = common::mpi_program(&dir);
     let inner = format!(
         "mpirun $MPIFLOW_NETNS_MCA --hostfile hostfiles/netns-3hosts -np 3 --map-by node \
          {} launch -- {program}",
         mpiflow()
     );
-    let run = run_bounded(240, &[&script, "with", "--", "bash", "-c", &inner], &[]);
+    let run = on_hosts(&script, 240, &inner);
     assert_ne!(run.code, 0, "{run:?}");
     let line = "mpiflow: error: the program initialises MPI itself, but `launch` had to \
                 initialise it to learn the cluster";
