@@ -44,11 +44,16 @@ unsafe impl Send for State {}
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
 
+/// The state's lock, made or not.
+fn locked() -> PyResult<MutexGuard<'static, Option<State>>> {
+    STATE
+        .lock()
+        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))
+}
+
 /// The state, locked; an error before `init()`.
 fn state() -> PyResult<MutexGuard<'static, Option<State>>> {
-    let guard = STATE
-        .lock()
-        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))?;
+    let guard = locked()?;
     if guard.is_none() {
         return Err(Error::new_err(
             "mpiflow: call mpiflow.init() first (under mpirun or srun)",
@@ -69,9 +74,7 @@ fn with_state<R>(f: impl FnOnce(&State) -> PyResult<R>) -> PyResult<R> {
 #[pyfunction]
 #[pyo3(signature = (args = Vec::new(), ps = 0, chief = false, evaluator = false))]
 fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<()> {
-    let mut guard = STATE
-        .lock()
-        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))?;
+    let mut guard = locked()?;
     if guard.is_some() {
         return Ok(());
     }
@@ -110,10 +113,7 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
 /// call.
 #[pyfunction]
 fn finalize(py: Python<'_>) -> PyResult<()> {
-    let taken = STATE
-        .lock()
-        .map_err(|_| Error::new_err("mpiflow: an earlier call panicked"))?
-        .take();
+    let taken = locked()?.take();
     if let Some(state) = taken {
         // MPI_Finalize waits for every rank: not with the GIL held.
         let d = collectives::Owned(state);
