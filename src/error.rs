@@ -5,6 +5,7 @@
 
 use crate::cluster::ResolveError;
 use crate::model::ModelError;
+use crate::tensor::TensorError;
 use crate::train::checkpoint::CheckpointError;
 use crate::train::data::DataError;
 use crate::train::engine::TrainError;
@@ -33,6 +34,8 @@ pub enum Error {
     Transport(#[from] TransportError),
     #[error("{0}")]
     Cluster(#[from] ResolveError),
+    #[error("{0}")]
+    Tensor(#[from] TensorError),
 }
 
 impl std::fmt::Debug for Error {

@@ -58,7 +58,7 @@ pub mod supervise;
 pub use cluster::MappingOptions;
 pub use error::Error;
 pub use model::layers::{Conv2d, Dense, Flatten, Layer, MaxPool2d, Relu, ShapeError};
-pub use model::{Model, Replica, Sequential, Targets};
+pub use model::{External, Model, Replica, Sequential, Targets};
 pub use pipeline::{PipelineConfig, PipelineError, Schedule};
 pub use signals::catch_stop_signals;
 pub use train::allreduce::{Allreduce, AllreduceConfig};
@@ -76,10 +76,10 @@ pub use train::{Stopped, TrainConfig};
 pub mod prelude {
     pub use crate::{
         shard, Allreduce, AllreduceConfig, Batches, Conv2d, Dataset, Decay, Dense, Error, Event,
-        Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer, OptimizerKind,
-        PipelineConfig, PipelineError, PsConfig, PsError, Relu, Replica, Sequential, Server,
-        ServerError, Session, ShapeError, StepInfo, Stopped, Strategy, Targets, TrainConfig,
-        TrainError, Trained,
+        External, Flatten, Layer, Local, MappingOptions, MaxPool2d, Model, Optimizer,
+        OptimizerKind, PipelineConfig, PipelineError, PsConfig, PsError, Relu, Replica, Sequential,
+        Server, ServerError, Session, ShapeError, StepInfo, Stopped, Strategy, Targets,
+        TrainConfig, TrainError, Trained,
     };
 }
 

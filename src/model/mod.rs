@@ -12,6 +12,8 @@
 //! - [`layers`]: dense, 2-D convolution (im2col + sgemm), max pooling, ReLU, flatten.
 //! - `sequential`: a model that is a stack of layers, and the built-in [`mlp`] and
 //!   [`cnn`].
+//! - [`External`]: a model whose loss and gradients the program computes (NumPy,
+//!   PyTorch) and hands in each step, trained by every mode.
 //! - `towers`: a batch's gradients computed by K threads of one task (`--towers`).
 //!
 //! A model of your own implements [`Model`]; a linear classifier in full:
@@ -59,12 +61,14 @@
 //! assert_eq!(replica.accuracy(&[1.0, 0.0, 0.5], &[1]).unwrap(), 1.0);
 //! ```
 
+mod external;
 pub mod layers;
 pub(crate) mod sequential;
 pub(crate) mod towers;
 
 use std::ops::Range;
 
+pub use external::External;
 pub use sequential::{cnn, mlp, Part, Sequential};
 
 use crate::kernels::{self, KernelError};
@@ -161,6 +165,13 @@ pub trait Model: Send + Sync {
 
     /// The parameters, in the order every other call takes them.
     fn parameters(&self) -> Vec<ParamSpec>;
+
+    /// The parameters' starting values, the same on every machine for one `seed`: by
+    /// default drawn as [`Model::parameters`] say ([`initial_values`]); a model whose
+    /// values come from elsewhere ([`External`]) gives its own.
+    fn initial_values(&self, seed: u64) -> Vec<Tensor> {
+        initial_values(&self.parameters(), seed)
+    }
 
     /// Values a training pass keeps per sample (every layer's output and what its
     /// backward pass needs), for the memory check before training; 0 if unknown.
@@ -357,7 +368,7 @@ impl<'m> Replica<'m> {
     pub fn new(model: &'m dyn Model, seed: u64) -> Replica<'m> {
         Replica {
             model,
-            params: initial_values(&model.parameters(), seed),
+            params: model.initial_values(seed),
         }
     }
 
