@@ -442,6 +442,37 @@ mod tests {
     }
 
     #[test]
+    fn one_replicas_refused_step_stops_every_replica() {
+        let v = Tensor::from_slice(&[2], &[0f32; 2]).unwrap().named("v");
+        let ext = External::new("v", vec![v]).unwrap();
+        let ar = crate::train::allreduce::AllreduceConfig {
+            train: quiet(5),
+            ..Default::default()
+        };
+        let layout = crate::train::ps::test_support::layout(3, 0);
+        let out = LocalComm::run(3, |comm| {
+            let own = comm.split(0, comm.rank()).unwrap();
+            let s = crate::train::allreduce::Allreduce::new(own, &layout, comm.rank(), &ext, &ar);
+            let mut sess = Session::new(s.unwrap(), &ar.train).unwrap();
+            ext.run(&mut sess, &[&[1.0, 2.0]], 0.5, 2).unwrap();
+            let g: &[f32] = if comm.rank() == 1 {
+                &[1.0]
+            } else {
+                &[1.0, 2.0]
+            };
+            ext.run(&mut sess, &[g], 0.5, 2).map_err(|e| e.to_string())
+        });
+        let others = "step 1 failed on 1 of 3 replicas (their errors say why)";
+        assert_eq!(out[0], Err(others.to_string()));
+        assert_eq!(out[2], Err(others.to_string()));
+        let own = out[1].as_ref().unwrap_err();
+        assert!(
+            own.contains("the gradient of 'v' f32[2] has 1 values, not 2"),
+            "{own}"
+        );
+    }
+
+    #[test]
     fn variables_need_unique_names_and_f32() {
         let t = |name: &str| Tensor::from_slice(&[1], &[0f32]).unwrap().named(name);
         let e = External::new("m", vec![t("w"), t("w")]).unwrap_err();

@@ -462,7 +462,7 @@ mod tests {
                     _ => 1,
                 };
                 let said = format!(
-                    "tensors, {} bytes (and the step's 32-byte word), allreduce calls per \
+                    "tensors, {} bytes (and the step's 36-byte word), allreduce calls per \
                      step: {calls} (",
                     4 * (64 * 128 + 128 + 128 * 10 + 10)
                 );

@@ -117,14 +117,21 @@ impl Reducer {
         };
         match self {
             Reducer::Fused(fusion) => {
-                let loss = towers.gradients_into(model, x, y, grads)?;
+                // A replica whose gradients fail still takes part, with zeros and a word
+                // saying so: every replica stops at this step, none waits.
+                let computed = towers.gradients_into(model, x, y, grads);
                 for g in grads.iter_mut() {
-                    g.as_mut_slice::<f32>()
-                        .expect("f32")
-                        .iter_mut()
-                        .for_each(|v| *v *= n);
+                    let g = g.as_mut_slice::<f32>().expect("f32");
+                    match computed {
+                        Ok(_) => g.iter_mut().for_each(|v| *v *= n),
+                        Err(_) => g.fill(0.0),
+                    }
                 }
-                let mut said = word.with_loss(loss, rows).to_tensor();
+                let mut said = match &computed {
+                    Ok(loss) => word.with_loss(*loss, rows),
+                    Err(_) => word.failing(),
+                }
+                .to_tensor();
                 let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
                 refs.push(&mut said);
                 let t = Instant::now();
@@ -133,6 +140,14 @@ impl Reducer {
                 let _wait = stall::wait(waiting(bytes));
                 let stats = fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
                 *word = StepWord::from_tensor(&said);
+                computed?;
+                if word.failed() > 0 {
+                    return Err(TrainError::Agreed(format!(
+                        "step {step} failed on {} of {} replicas (their errors say why)",
+                        word.failed(),
+                        coll.size()
+                    )));
+                }
                 let end = Instant::now();
                 if timeline::enabled() {
                     let moved = Detail::moved(step, stats.bytes, &replicas());

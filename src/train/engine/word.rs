@@ -25,11 +25,14 @@ pub struct StepWord {
     pub asked: f32,
     /// Ranks whose own gradients held a non-finite value ([`StepWord::with_gradients`]).
     pub bad_gradients: f32,
+    /// Ranks whose step failed before the reduction (their gradients could not be made:
+    /// [`StepWord::failing`]); every rank then stops.
+    pub failed: f32,
 }
 
 impl StepWord {
     /// Elements of the encoding.
-    pub const LEN: usize = 8;
+    pub const LEN: usize = 9;
 
     /// A rank's word before its step: the signal it was sent, and whether its hooks asked
     /// to stop.
@@ -68,6 +71,20 @@ impl StepWord {
         }
     }
 
+    /// This word saying the rank's step failed (it takes part in the reduction with no
+    /// gradients, so that no rank waits for it, and raises its own error after).
+    pub fn failing(self) -> StepWord {
+        StepWord {
+            failed: 1.0,
+            ..self
+        }
+    }
+
+    /// How many ranks' steps failed before the reduction.
+    pub fn failed(&self) -> usize {
+        self.failed as usize
+    }
+
     /// The sum of two ranks' words.
     pub fn add(&self, o: &StepWord) -> StepWord {
         let mut a = self.encode();
@@ -87,6 +104,7 @@ impl StepWord {
             self.signal_sum,
             self.asked,
             self.bad_gradients,
+            self.failed,
         ]
     }
 
@@ -101,6 +119,7 @@ impl StepWord {
             signal_sum: at(5),
             asked: at(6),
             bad_gradients: at(7),
+            failed: at(8),
         }
     }
 
@@ -165,8 +184,9 @@ mod tests {
         let b = StepWord::asking(None, true).with_loss(f32::NAN, 3);
         let c = StepWord::asking(Some(15), false).with_loss(1.0, 4);
         let grads = [Tensor::from_slice(&[2], &[1f32, f32::INFINITY]).unwrap()];
-        let all = a.add(&b).add(&c.with_gradients(&grads));
+        let all = a.add(&b).add(&c.with_gradients(&grads).failing());
         assert_eq!(all.bad_gradients(), 1);
+        assert_eq!(all.failed(), 1);
         assert_eq!(StepWord::decode(&all.encode()), all);
         assert_eq!(all.loss(), 12.0 / 11.0);
         assert_eq!(all.non_finite(), (1, 0));
