@@ -273,8 +273,8 @@ fn timelines_hold_every_ranks_spans_on_one_clock() {
             assert_eq!(n, 200, "rank {rank} {name}");
         }
         for (_, ts, dur, args) in spans.iter().filter(|s| s.0 == "allreduce") {
-            // The gradients and the step's word (8 f32).
-            assert_eq!(args["bytes"], 38440 + 32, "{args}");
+            // The gradients and the step's word (9 f32).
+            assert_eq!(args["bytes"], 38440 + 36, "{args}");
             assert_eq!(args["peer"], "3 replicas");
             ends[args["step"].as_u64().unwrap() as usize].push(ts + dur);
         }
