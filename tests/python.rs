@@ -75,3 +75,66 @@ fn mpiflow_and_mpi4py_share_one_mpi_whichever_starts_it() {
         }
     }
 }
+
+/// A training session from Python over the ps tasks (1 ps, 2 workers) and the allreduce
+/// (2 workers), the program's NumPy MLP handing in its gradients: the parameters equal
+/// local training of the whole batch within 1e-4; a second job restores the first's
+/// checkpoint and ends equal to training straight through; a float64 gradient on one
+/// worker is a `TypeError` there and an `mpiflow.Error` naming it on every other task,
+/// within seconds.
+#[test]
+fn a_python_session_trains_as_local_training_in_every_mode_and_resumes() {
+    let tmp = common::tmpdir("py-session");
+    let dir = tmp.to_str().unwrap();
+    for (mode, np, workers) in [("ps", 3, 2), ("allreduce", 2, 2)] {
+        let run = |scenario: &str| {
+            let d = format!("{dir}/{mode}");
+            std::fs::create_dir_all(&d).unwrap();
+            ranks_of("session.py", np, &[mode, scenario, &d])
+        };
+        let Some(equal) = run("equal") else {
+            return;
+        };
+        let trained: Vec<&Value> = equal.iter().filter(|l| l["step"].is_u64()).collect();
+        assert_eq!(trained.len(), workers, "{mode}: {equal:?}");
+        for l in trained {
+            assert_eq!(l["step"], 25, "{mode}: {l}");
+            assert!(l["worst"].as_f64().unwrap() < 1e-4, "{mode}: {l}");
+            assert!(
+                l["last_loss"].as_f64() < l["first_loss"].as_f64(),
+                "{mode}: {l}"
+            );
+        }
+        for (scenario, first, last) in [("restore10", 0, 10), ("restore20", 10, 20)] {
+            let ranks = run(scenario).unwrap();
+            let trained: Vec<&Value> = ranks.iter().filter(|l| l["step"].is_u64()).collect();
+            assert_eq!(trained.len(), workers, "{mode} {scenario}: {ranks:?}");
+            for l in trained {
+                assert_eq!(l["resumed_at"], first, "{mode} {scenario}: {l}");
+                assert_eq!(l["step"], last, "{mode} {scenario}: {l}");
+                assert_eq!(l["checkpoint"], format!("ckpt-{last}"), "{l}");
+                assert!(
+                    l["worst"].as_f64().unwrap() < 1e-4,
+                    "{mode} {scenario}: {l}"
+                );
+            }
+        }
+        let bad = run("bad").unwrap();
+        let why = "push_pull: the gradient of 'w2' is float64, the variable is float32";
+        for l in &bad {
+            let line = l["line"].as_str().unwrap_or_default();
+            assert!(l["secs"].as_f64().unwrap() < 10.0, "{mode}: {l}");
+            let culprit = l["task"] == "worker:1";
+            let want = if culprit { "TypeError" } else { "Error" };
+            assert_eq!(l["raised"], want, "{mode}: {l}");
+            match (culprit, mode) {
+                (true, _) => assert!(line.ends_with(why), "{l}"),
+                (false, "ps") => {
+                    assert!(line.contains("worker:1 (rank 2): model external"), "{l}");
+                    assert!(line.ends_with(why), "{l}");
+                }
+                (false, _) => assert!(line.contains("step 3 failed on 1 of 2 replicas"), "{l}"),
+            }
+        }
+    }
+}

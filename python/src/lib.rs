@@ -12,8 +12,9 @@
 //! `ValueError`), each one line naming the rank.
 
 mod collectives;
+mod session;
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use mpiflow::cluster::MappingOptions;
 use mpiflow::transport::collectives::Collectives;
@@ -31,11 +32,28 @@ create_exception!(
     "An mpiflow call failed (on this rank, or agreed by every rank)."
 );
 
+create_exception!(
+    _native,
+    Stopped,
+    Error,
+    "Training stopped at a step boundary, asked by a signal (SIGTERM, SIGINT, SIGUSR1), \
+     after a checkpoint: a rerun resumes from it."
+);
+
+/// The server, shared by the Python thread and the session threads.
+pub(crate) struct Shared(pub(crate) Server);
+
+// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (checked in `init`); the server's
+// communicators are used by one session thread at a time (its own duplicates: the ps
+// protocol, the workers' split), apart from the collectives' communicator of `State`.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
 /// What `init()` made (fields drop in order: the collectives' communicator before the
 /// server, which finalises MPI).
 struct State {
     coll: Collectives<MpiComm>,
-    server: Server,
+    server: Arc<Shared>,
 }
 
 // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (checked in `init`), and every use
@@ -60,6 +78,11 @@ fn state() -> PyResult<MutexGuard<'static, Option<State>>> {
         ));
     }
     Ok(guard)
+}
+
+/// The server, for a session or a ps task's service (which run without the lock).
+fn shared_server() -> PyResult<Arc<Shared>> {
+    with_state(|s| Ok(s.server.clone()))
 }
 
 /// Runs `f` with the state (locked).
@@ -104,7 +127,7 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
     let own = comm.split(0, comm.rank()).map_err(|e| fail(&e))?;
     *guard = Some(State {
         coll: Collectives::new(own),
-        server,
+        server: Arc::new(Shared(server)),
     });
     Ok(())
 }
@@ -113,6 +136,9 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
 /// call.
 #[pyfunction]
 fn finalize(py: Python<'_>) -> PyResult<()> {
+    // Sessions still open end first (as abandoned: the ps tasks are told); their threads
+    // hold the server.
+    py.detach(session::end_all);
     let taken = locked()?.take();
     if let Some(state) = taken {
         // MPI_Finalize waits for every rank: not with the GIL held.
@@ -128,20 +154,20 @@ fn finalize(py: Python<'_>) -> PyResult<()> {
 /// This process's rank in the job.
 #[pyfunction]
 fn rank() -> PyResult<usize> {
-    with_state(|s| Ok(s.server.comm().rank()))
+    with_state(|s| Ok(s.server.0.comm().rank()))
 }
 
 /// The number of processes in the job.
 #[pyfunction]
 fn size() -> PyResult<usize> {
-    with_state(|s| Ok(s.server.comm().size()))
+    with_state(|s| Ok(s.server.0.comm().size()))
 }
 
 /// This process's rank among those of its host.
 #[pyfunction]
 fn local_rank() -> PyResult<usize> {
     with_state(|s| {
-        let me = &s.server.layout().ranks[s.server.comm().rank()];
+        let me = &s.server.0.layout().ranks[s.server.0.comm().rank()];
         Ok(me.local_rank.unwrap_or(0))
     })
 }
@@ -150,11 +176,11 @@ fn local_rank() -> PyResult<usize> {
 #[pyfunction]
 fn cluster_json() -> PyResult<String> {
     with_state(|s| {
-        let layout = s.server.layout();
-        let me = &layout.ranks[s.server.comm().rank()];
+        let layout = s.server.0.layout();
+        let me = &layout.ranks[s.server.0.comm().rank()];
         let mut v: serde_json::Value = serde_json::from_str(&layout.tf_config(me).to_json())
             .map_err(|e| Error::new_err(format!("mpiflow: {e}")))?;
-        v["is_chief"] = serde_json::Value::Bool(s.server.is_chief());
+        v["is_chief"] = serde_json::Value::Bool(s.server.0.is_chief());
         Ok(v.to_string())
     })
 }
@@ -162,6 +188,7 @@ fn cluster_json() -> PyResult<String> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Error", m.py().get_type::<Error>())?;
+    m.add("Stopped", m.py().get_type::<Stopped>())?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(finalize, m)?)?;
     m.add_function(wrap_pyfunction!(rank, m)?)?;
@@ -169,5 +196,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_rank, m)?)?;
     m.add_function(wrap_pyfunction!(cluster_json, m)?)?;
     collectives::register(m)?;
+    session::register(m)?;
     Ok(())
 }
