@@ -138,3 +138,57 @@ fn a_python_session_trains_as_local_training_in_every_mode_and_resumes() {
         }
     }
 }
+
+/// The seeds' trainer.py in Python (`examples/python/trainer.py`: its NumPy MLP on the
+/// ps tasks): it learns the digits; SIGUSR1 to mpirun stops both workers at one step with
+/// a checkpoint of it (exit 75), and the same command with a nearer end resumes there.
+#[test]
+fn the_seeds_trainer_in_python_learns_and_resumes_after_a_signal() {
+    let Some(python) = common::python_with_mpi4py() else {
+        return;
+    };
+    let trainer = format!("{}/examples/python/trainer.py", common::root());
+    let learnt = common::mpirun(&["-np", "3", &python, &trainer, "--steps", "600"]);
+    assert_eq!(learnt.code, 0, "{learnt:?}");
+    let accuracy: f64 = common::accuracy(&learnt.stdout);
+    assert!(accuracy > 0.9, "{learnt:?}");
+
+    let dir = common::tmpdir("py-trainer-signal");
+    let c = dir.to_str().unwrap();
+    let args = ["-np", "3", &python, &trainer, "--checkpoint_dir", c];
+    let long = [&args[..], &["--steps", "1000000"]].concat();
+    let (text, code) = common::with_rank_when(
+        &long,
+        None,
+        |out| out.contains("step    400 "),
+        |_, mpirun| common::signal(mpirun, "-USR1"),
+    );
+    assert_eq!(code, Some(75), "{text}");
+    let stops: Vec<&str> = text.lines().filter(|l| l.contains("stopped by")).collect();
+    assert_eq!(stops.len(), 2, "one line per worker: {text}");
+    let step: u64 = stops[0]
+        .split("at step ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    for line in &stops {
+        assert!(
+            line.contains(&format!(
+                "stopped by SIGUSR1 at step {step}, checkpoint {c}/ckpt-{step}"
+            )),
+            "{text}"
+        );
+    }
+    let end = (step + 200).to_string();
+    let again = [&args[..], &["--steps", &end]].concat();
+    let resumed = common::mpirun(&again);
+    assert_eq!(resumed.code, 0, "{resumed:?}");
+    assert!(
+        resumed
+            .stdout
+            .contains(&format!("ckpt-{step} (global step {step})")),
+        "{resumed:?}"
+    );
+    assert!(common::accuracy(&resumed.stdout) > 0.9, "{resumed:?}");
+}

@@ -18,7 +18,7 @@ import types as _types
 import numpy as _np
 
 from . import _native
-from ._native import Error, Stopped, barrier, join, local_rank, rank, size
+from ._native import Error, Stopped, barrier, catch_stop_signals, join, load_dataset, local_rank, rank, size
 
 __all__ = [
     "Error",
@@ -32,6 +32,8 @@ __all__ = [
     "broadcast",
     "barrier",
     "join",
+    "catch_stop_signals",
+    "load_dataset",
     "Session",
     "Stopped",
 ]

@@ -12,6 +12,7 @@
 //! `ValueError`), each one line naming the rank.
 
 mod collectives;
+mod data;
 mod session;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -151,6 +152,15 @@ fn finalize(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
+/// From now on SIGTERM, SIGINT and SIGUSR1 are noted instead of ending the process: a
+/// session with `stop_on_signal` stops every worker at a step with a checkpoint, and a ps
+/// task's `join()` announces the stop to the workers (then raises `Stopped`).
+#[pyfunction]
+fn catch_stop_signals() -> PyResult<()> {
+    mpiflow::catch_stop_signals()
+        .map_err(|e| Error::new_err(format!("mpiflow: catching the stop signals: {e}")))
+}
+
 /// This process's rank in the job.
 #[pyfunction]
 fn rank() -> PyResult<usize> {
@@ -192,10 +202,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(finalize, m)?)?;
     m.add_function(wrap_pyfunction!(rank, m)?)?;
+    m.add_function(wrap_pyfunction!(catch_stop_signals, m)?)?;
     m.add_function(wrap_pyfunction!(size, m)?)?;
     m.add_function(wrap_pyfunction!(local_rank, m)?)?;
     m.add_function(wrap_pyfunction!(cluster_json, m)?)?;
     collectives::register(m)?;
     session::register(m)?;
+    data::register(m)?;
     Ok(())
 }

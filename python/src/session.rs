@@ -27,6 +27,7 @@ use mpiflow::{
     AllreduceConfig, External, Local, Optimizer, OptimizerKind, PsConfig, Session, StepInfo,
     Strategy, TrainConfig, TrainError,
 };
+use mpiflow::{PsError, ServerError};
 use numpy::{
     dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
 };
@@ -302,7 +303,10 @@ impl Io<'_> {
 }
 
 fn failed(e: TrainError) -> Reply {
-    let stopped = matches!(e, TrainError::Stopped(_));
+    let stopped = matches!(
+        e,
+        TrainError::Stopped(_) | TrainError::Ps(PsError::Stopped(_))
+    );
     Reply::Failed(e.to_string(), stopped)
 }
 
@@ -750,8 +754,13 @@ fn forget(link: &Arc<Link>) {
 #[pyfunction]
 pub fn join(py: Python<'_>) -> PyResult<()> {
     let server = shared_server()?;
-    py.detach(move || server.0.join().map_err(|e| e.to_string()))
-        .map_err(|e| Error::new_err(format!("mpiflow: {e}")))
+    py.detach(move || server.0.join()).map_err(|e| {
+        let line = format!("mpiflow: {e}");
+        match e {
+            ServerError::Ps(PsError::Stopped(_)) => Stopped::new_err(line),
+            _ => Error::new_err(line),
+        }
+    })
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
