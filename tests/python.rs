@@ -22,7 +22,8 @@ fn ranks_of(script: &str, np: usize, args: &[&str]) -> Option<Vec<Value>> {
 }
 
 /// Every op and dtype at odd sizes equal to the reduction of every rank's array, the same
-/// bits on every rank, in place and returning, broadcast, barrier; bad arrays and calls
+/// bits on every rank, in place and returning, broadcast, allgather, barrier, non-blocking
+/// calls in flight together; bad arrays and calls
 /// that differ between ranks one exception on every rank, each naming its rank, after
 /// which the collectives still work.
 #[test]
@@ -50,6 +51,10 @@ fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_ran
                 .as_str()
                 .unwrap_or_default()
                 .contains("barrier()"));
+            for key in ["async dtype", "allgather shapes"] {
+                let e = errors[key].as_str().unwrap_or_default();
+                assert!(e.contains(&format!("mpiflow: rank {r} called ")), "{key}: {line}");
+            }
         }
     }
 }

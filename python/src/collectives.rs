@@ -1,20 +1,25 @@
 //! The collectives on NumPy arrays, in place: `allreduce_`, `allreduce_many_`,
-//! `broadcast_`, `barrier`.
+//! `broadcast_`, `allgather_`, `barrier_`, each returning the [`Handle`] of the call
+//! queued to the collectives' thread (`crate::executor`); the Python layer's blocking forms
+//! wait at once.
 //!
 //! Each call first agrees with every rank on what it is (a description: the call, dtype,
 //! shape, its argument and whether this rank refuses its array; checked by one small
 //! allreduce of its hash), so ranks that call different things, or the same thing on
 //! different arrays, get one exception each naming this rank's call and the first other
-//! that differs, instead of a hang or wrong sums.
+//! that differs, instead of a hang or wrong sums. The arrays are checked here, with the
+//! GIL; what this rank refuses is raised by `wait()` after the agreement.
 
 use mpiflow::tensor::DType;
-use mpiflow::transport::fusion::{self, FusionError};
-use mpiflow::transport::{Algorithm, ReduceOp};
+use mpiflow::transport::fusion;
+use mpiflow::transport::ReduceOp;
 use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
-use super::{with_state, Error, State};
+use super::executor::{failure, Handle, Job, Op, Span};
+use super::with_state;
 
 /// An array checked for a collective: its dtype as mpiflow's, or why it cannot take
 /// part (a `TypeError` or `ValueError` naming `call`), and a short word for that reason
@@ -23,6 +28,7 @@ fn checked(
     py: Python<'_>,
     a: &Bound<'_, PyUntypedArray>,
     call: &str,
+    writes: bool,
 ) -> (PyResult<DType>, &'static str) {
     let d = a.dtype();
     let table = [
@@ -50,93 +56,25 @@ fn checked(
     }
     // SAFETY: the array object is a live NumPy array (PyUntypedArray); its flags are read.
     let flags = unsafe { (*a.as_array_ptr()).fields.flags };
-    if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
+    if writes && flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
         let e = value("the array is read-only (it is written in place)");
         return (Err(e), " read-only");
     }
     (Ok(dt), "")
 }
 
-/// The bytes of an array [`checked`] found usable, to be written in place.
-///
-/// # Safety
-/// The array must outlive `'a`, and while the slice lives nothing else may reach the
-/// array's memory through Rust: the caller writes it in one collective and lets go.
-/// (Python code of other threads can, as while any NumPy operation that releases the GIL
-/// runs: the program's to avoid.)
-unsafe fn bytes_of<'a>(a: &Bound<'_, PyUntypedArray>) -> &'a mut [u8] {
-    let len = a.len() * a.dtype().itemsize();
-    // SAFETY: a C-contiguous array's data are `len` bytes from its data pointer, owned by
-    // the array, which the caller keeps alive (and borrowed from Python) for the call.
-    unsafe { std::slice::from_raw_parts_mut((*a.as_array_ptr()).fields.data.cast::<u8>(), len) }
+/// Where the bytes of an array [`checked`] found usable are.
+fn span_of(a: &Bound<'_, PyUntypedArray>) -> Span {
+    Span {
+        // SAFETY: the array object is a live NumPy array; its data pointer is read.
+        ptr: unsafe { (*a.as_array_ptr()).fields.data } as usize,
+        len: a.len() * a.dtype().itemsize(),
+    }
 }
 
 /// This rank's call, for the agreement: `name(dtype [shape]<why not>, arg)`.
 fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str) -> String {
     format!("{name}({} {:?}{why_not}, {arg})", a.dtype(), a.shape())
-}
-
-/// Agrees with every rank on `what` (this rank's call): mpiflow's negotiation of fused
-/// lists ([`fusion::negotiate`]: one small allreduce of the description's hash, the
-/// descriptions gathered only on a mismatch). An `Error` naming the first rank whose call
-/// differs from this rank's: rank 0 where this rank's differs from rank 0's, else the
-/// first that differs from rank 0's.
-fn agree(s: &State, what: &str) -> PyResult<()> {
-    let entries = || vec![what.to_string()];
-    match fusion::negotiate(&s.coll, fusion::list_hash(&entries()), entries) {
-        Ok(()) => Ok(()),
-        Err(FusionError::Mismatch {
-            rank, theirs, ours, ..
-        }) => {
-            let (r, other) = if ours != what {
-                (0, ours)
-            } else {
-                (rank, theirs)
-            };
-            Err(Error::new_err(format!(
-                "mpiflow: rank {} called {what}, but rank {r} called {other}",
-                s.coll.rank()
-            )))
-        }
-        Err(e) => Err(Error::new_err(format!("mpiflow: {e}"))),
-    }
-}
-
-/// The state, for a closure that runs without the GIL.
-struct Detached<'a>(&'a State);
-
-// SAFETY: `Python::detach` runs its closure on the calling thread (only the GIL is let
-// go), which holds the state's mutex for the whole call.
-unsafe impl Send for Detached<'_> {}
-
-/// The whole state, dropped without the GIL (MPI finalised).
-pub(super) struct Owned(pub(super) State);
-
-// SAFETY: as for `Detached`: `Python::detach` runs the drop on the calling thread.
-unsafe impl Send for Owned {}
-
-/// Runs `f` on the state without the GIL.
-fn detached<R: Send>(py: Python<'_>, s: &State, f: impl FnOnce(&State) -> R + Send) -> R {
-    let d = Detached(s);
-    py.detach(move || {
-        let d = d;
-        f(d.0)
-    })
-}
-
-/// The call `name(array, arg)` agreed by every rank and its array checked: the call's
-/// name for errors (`rank R: name`) and the array's dtype.
-fn agreed(
-    py: Python<'_>,
-    s: &State,
-    array: &Bound<'_, PyUntypedArray>,
-    name: &str,
-    arg: &str,
-) -> PyResult<(String, DType)> {
-    let call = format!("rank {}: {name}", s.coll.rank());
-    let (dt, why_not) = checked(py, array, &call);
-    agree(s, &described(name, array, why_not, arg))?;
-    Ok((call, dt?))
 }
 
 /// `op`'s reduction, or a `ValueError` naming `call`.
@@ -152,111 +90,160 @@ fn reduce_op(op: &str, call: &str) -> PyResult<ReduceOp> {
     }
 }
 
+/// Queues a call: `what` for the agreement, `call` for errors, its operation (or this
+/// rank's refusal), the arrays it uses and what its `wait()` returns.
+fn submit(
+    py: Python<'_>,
+    what: String,
+    call: String,
+    op: PyResult<Op>,
+    keep: Vec<Py<PyAny>>,
+    result: Py<PyAny>,
+) -> PyResult<Handle> {
+    let op = op.map_err(|e| failure(py, &e));
+    with_state(|s| Ok(s.exec.submit(Job { what, call, op }, keep, result)))
+}
+
+/// This rank's name for a call's errors.
+fn call_name(name: &str) -> PyResult<String> {
+    with_state(|s| Ok(format!("rank {}: {name}", s.exec.rank)))
+}
+
 /// Reduces `array` over every rank, in place, by `op` ("sum", "mean", "min", "max"):
-/// every rank ends with the same bits. The ranks agree on the call before any checks
-/// this rank's array alone fails, so no rank waits for one that gave up.
+/// every rank ends with the same bits. Returns the call's handle (`wait()`: the array).
 #[pyfunction]
 #[pyo3(signature = (array, op = "sum"))]
-fn allreduce_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, op: &str) -> PyResult<()> {
-    with_state(|s| {
-        let (call, dt) = agreed(py, s, array, "allreduce", &format!("op={op}"))?;
-        let reduce = reduce_op(op, &call)?;
-        // SAFETY: the array is borrowed for this call; the slice serves this allreduce only.
-        let bytes = unsafe { bytes_of(array) };
-        detached(py, s, |s| {
-            s.coll.allreduce(bytes, dt, reduce, Algorithm::Auto)
-        })
-        .map_err(|e| Error::new_err(format!("mpiflow: {call}: {e}")))?;
-        Ok(())
-    })
+fn allreduce_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, op: &str) -> PyResult<Handle> {
+    let call = call_name("allreduce")?;
+    let (dt, why_not) = checked(py, array, &call, true);
+    let what = described("allreduce", array, why_not, &format!("op={op}"));
+    let run = dt.and_then(|dt| {
+        Ok(Op::Allreduce(
+            vec![(dt, vec![span_of(array)])],
+            reduce_op(op, &call)?,
+        ))
+    });
+    let a: Py<PyAny> = array.clone().into_any().unbind();
+    submit(py, what, call, run, vec![a.clone_ref(py)], a)
 }
 
 /// Copies `root`'s `array` into every rank's, in place (checked as `allreduce_` does).
 #[pyfunction]
 #[pyo3(signature = (array, root = 0))]
-fn broadcast_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, root: usize) -> PyResult<()> {
-    with_state(|s| {
-        let (call, _) = agreed(py, s, array, "broadcast", &format!("root={root}"))?;
-        let size = s.coll.size();
-        if root >= size {
-            return Err(PyValueError::new_err(format!(
-                "mpiflow: {call}: root {root} is no rank of {size}"
-            )));
-        }
-        // SAFETY: the array is borrowed for this call; the slice serves this broadcast only.
-        let bytes = unsafe { bytes_of(array) };
-        detached(py, s, |s| s.coll.bcast(bytes, root))
-            .map_err(|e| Error::new_err(format!("mpiflow: {call}: {e}")))
-    })
+fn broadcast_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, root: usize) -> PyResult<Handle> {
+    let call = call_name("broadcast")?;
+    let (dt, why_not) = checked(py, array, &call, true);
+    let what = described("broadcast", array, why_not, &format!("root={root}"));
+    let size = with_state(|s| Ok(s.exec.size))?;
+    let run = dt.and_then(|_| match root < size {
+        true => Ok(Op::Broadcast(span_of(array), root)),
+        false => Err(PyValueError::new_err(format!(
+            "mpiflow: {call}: root {root} is no rank of {size}"
+        ))),
+    });
+    let a: Py<PyAny> = array.clone().into_any().unbind();
+    submit(py, what, call, run, vec![a.clone_ref(py)], a)
 }
 
-/// Reduces every array of `arrays` over every rank, in place, by `op`, as one message per
-/// dtype (the arrays of a dtype back to back: mpiflow's fusion of a model's gradients):
-/// the same results as one `allreduce_` each, in fewer, larger collectives. The ranks
-/// agree on the whole list (count, dtypes, shapes) first.
+/// Every rank's `array` into `out` (`[size, *array.shape]`, the same dtype), in rank
+/// order. `array` is only read.
 #[pyfunction]
-#[pyo3(signature = (items, op = "sum"))]
-fn allreduce_many_(py: Python<'_>, items: Vec<Bound<'_, PyAny>>, op: &str) -> PyResult<()> {
-    with_state(|s| {
-        let call = format!("rank {}: allreduce_many", s.coll.rank());
-        // An item that is no NumPy array is refused after the agreement, as a bad array.
-        let arrays: Vec<Option<&Bound<'_, PyUntypedArray>>> = items
-            .iter()
-            .map(|a| a.cast::<PyUntypedArray>().ok())
-            .collect();
-        let checks: Vec<_> = (arrays.iter().enumerate())
-            .map(|(i, a)| match a {
-                Some(a) => checked(py, a, &call),
-                None => (Err(not_an_array(&call, i, &items[i])), " not an array"),
-            })
-            .collect();
-        // The list in full for the hash, a summary to show.
-        let full: String = (arrays.iter().zip(&checks))
-            .map(|(a, (_, why_not))| match a {
-                Some(a) => described("", a, why_not, ""),
-                None => why_not.to_string(),
-            })
-            .collect();
-        let elements: usize = arrays.iter().flatten().map(|a| a.len()).sum();
-        let what = format!(
-            "allreduce_many({} arrays, {elements} elements, list {:016x}, op={op})",
-            arrays.len(),
-            fusion::list_hash(&[full])
-        );
-        agree(s, &what)?;
-        let reduce = reduce_op(op, &call)?;
-        let mut groups: Vec<(DType, Vec<&mut [u8]>)> = Vec::new();
-        for (a, (dt, _)) in arrays.iter().zip(checks) {
-            let (dt, a) = (dt?, a.expect("an array where checked said so"));
-            // SAFETY: the arrays are borrowed for this call; each slice serves this
-            // collective only (the same array twice in the list is refused below).
-            let bytes = unsafe { bytes_of(a) };
-            match groups.iter_mut().find(|(d, _)| *d == dt) {
-                Some((_, parts)) => parts.push(bytes),
-                None => groups.push((dt, vec![bytes])),
-            }
-        }
-        let mut starts: Vec<usize> = groups
-            .iter()
-            .flat_map(|(_, p)| p.iter().map(|b| b.as_ptr() as usize))
-            .collect();
-        starts.sort_unstable();
-        if starts.windows(2).any(|w| w[0] == w[1]) {
+fn allgather_(
+    py: Python<'_>,
+    array: &Bound<'_, PyUntypedArray>,
+    out: &Bound<'_, PyUntypedArray>,
+) -> PyResult<Handle> {
+    let call = call_name("allgather")?;
+    let (dt, why_not) = checked(py, array, &call, false);
+    let (out_dt, _) = checked(py, out, &call, true);
+    let what = described("allgather", array, why_not, "");
+    let size = with_state(|s| Ok(s.exec.size))?;
+    let run = dt.and_then(|dt| {
+        let mut want = vec![size];
+        want.extend(array.shape());
+        if out_dt? != dt || out.shape() != want.as_slice() {
             return Err(PyValueError::new_err(format!(
-                "mpiflow: {call}: an array is in the list twice (or two share memory)"
+                "mpiflow: {call}: out is {} {:?}, not {} {want:?}",
+                out.dtype(),
+                out.shape(),
+                array.dtype()
             )));
         }
-        detached(py, s, move |s| {
-            for (dt, mut parts) in groups {
-                s.coll
-                    .allreduce_parts(&mut parts, dt, reduce, Algorithm::Auto)?;
-            }
-            Ok(())
+        Ok(Op::Allgather(span_of(array), span_of(out)))
+    });
+    let (a, o): (Py<PyAny>, Py<PyAny>) = (
+        array.clone().into_any().unbind(),
+        out.clone().into_any().unbind(),
+    );
+    submit(py, what, call, run, vec![a, o.clone_ref(py)], o)
+}
+
+/// Reduces every array of `items` over every rank, in place, by `op`, as one message per
+/// dtype (the arrays of a dtype back to back: mpiflow's fusion of a model's gradients):
+/// the same results as one `allreduce_` each, in fewer, larger collectives. The ranks
+/// agree on the whole list (count, dtypes, shapes) first. `wait()` returns the list.
+#[pyfunction]
+#[pyo3(signature = (items, op = "sum"))]
+fn allreduce_many_(py: Python<'_>, items: Vec<Bound<'_, PyAny>>, op: &str) -> PyResult<Handle> {
+    let call = call_name("allreduce_many")?;
+    // An item that is no NumPy array is refused after the agreement, as a bad array.
+    let arrays: Vec<Option<&Bound<'_, PyUntypedArray>>> = items
+        .iter()
+        .map(|a| a.cast::<PyUntypedArray>().ok())
+        .collect();
+    let checks: Vec<_> = (arrays.iter().enumerate())
+        .map(|(i, a)| match a {
+            Some(a) => checked(py, a, &call, true),
+            None => (Err(not_an_array(&call, i, &items[i])), " not an array"),
         })
-        .map_err(|e: mpiflow::transport::TransportError| {
-            Error::new_err(format!("mpiflow: {call}: {e}"))
+        .collect();
+    // The list in full for the hash, a summary to show.
+    let full: String = (arrays.iter().zip(&checks))
+        .map(|(a, (_, why_not))| match a {
+            Some(a) => described("", a, why_not, ""),
+            None => why_not.to_string(),
         })
-    })
+        .collect();
+    let elements: usize = arrays.iter().flatten().map(|a| a.len()).sum();
+    let what = format!(
+        "allreduce_many({} arrays, {elements} elements, list {:016x}, op={op})",
+        arrays.len(),
+        fusion::list_hash(&[full])
+    );
+    let run = fused(&call, &arrays, checks, op);
+    let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
+    let list = PyList::new(py, &items)?.into_any().unbind();
+    submit(py, what, call, run, keep, list)
+}
+
+/// The fused reduction of `arrays` (checked), grouped by dtype; an error for a bad array
+/// or an array in the list twice.
+fn fused(
+    call: &str,
+    arrays: &[Option<&Bound<'_, PyUntypedArray>>],
+    checks: Vec<(PyResult<DType>, &'static str)>,
+    op: &str,
+) -> PyResult<Op> {
+    let mut groups: Vec<(DType, Vec<Span>)> = Vec::new();
+    for (a, (dt, _)) in arrays.iter().zip(checks) {
+        let (dt, a) = (dt?, a.expect("an array where checked said so"));
+        match groups.iter_mut().find(|(d, _)| *d == dt) {
+            Some((_, parts)) => parts.push(span_of(a)),
+            None => groups.push((dt, vec![span_of(a)])),
+        }
+    }
+    let reduce = reduce_op(op, call)?;
+    let mut starts: Vec<usize> = groups
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|s| s.ptr))
+        .collect();
+    starts.sort_unstable();
+    if starts.windows(2).any(|w| w[0] == w[1]) {
+        return Err(PyValueError::new_err(format!(
+            "mpiflow: {call}: an array is in the list twice (or two share memory)"
+        )));
+    }
+    Ok(Op::Allreduce(groups, reduce))
 }
 
 /// The `TypeError` of list item `i`, which is no NumPy array.
@@ -267,20 +254,26 @@ fn not_an_array(call: &str, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
     ))
 }
 
-/// Waits until every rank called `barrier()`.
+/// Waits until every rank called `barrier()` (its handle's `wait()`).
 #[pyfunction]
-fn barrier(py: Python<'_>) -> PyResult<()> {
-    with_state(|s| {
-        agree(s, "barrier()")?;
-        detached(py, s, |s| s.coll.barrier())
-            .map_err(|e| Error::new_err(format!("mpiflow: barrier: {e}")))
-    })
+fn barrier_(py: Python<'_>) -> PyResult<Handle> {
+    let call = call_name("barrier")?;
+    submit(
+        py,
+        "barrier()".into(),
+        call,
+        Ok(Op::Barrier),
+        Vec::new(),
+        py.None(),
+    )
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Handle>()?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_many_, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
-    m.add_function(wrap_pyfunction!(barrier, m)?)?;
+    m.add_function(wrap_pyfunction!(allgather_, m)?)?;
+    m.add_function(wrap_pyfunction!(barrier_, m)?)?;
     Ok(())
 }

@@ -13,13 +13,13 @@
 
 mod collectives;
 mod data;
+mod executor;
 mod session;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use mpiflow::cluster::MappingOptions;
 use mpiflow::transport::collectives::Collectives;
-use mpiflow::transport::mpi::MpiComm;
 use mpiflow::transport::{Comm, Context, InitError};
 use mpiflow::Server;
 use pyo3::create_exception;
@@ -50,16 +50,12 @@ pub(crate) struct Shared(pub(crate) Server);
 unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
-/// What `init()` made (fields drop in order: the collectives' communicator before the
-/// server, which finalises MPI).
+/// What `init()` made (fields drop in order: the collectives' thread, its queue run out,
+/// and its communicator before the server, which finalises MPI).
 struct State {
-    coll: Collectives<MpiComm>,
+    exec: executor::Executor,
     server: Arc<Shared>,
 }
-
-// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (checked in `init`), and every use
-// of the state is serialised by the mutex below.
-unsafe impl Send for State {}
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
 
@@ -126,8 +122,9 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
     let server = Server::start_in(ctx, &req, &env).map_err(|e| fail(&e))?;
     let comm = server.comm();
     let own = comm.split(0, comm.rank()).map_err(|e| fail(&e))?;
+    let exec = executor::Executor::start(Collectives::new(own)).map_err(|e| fail(&e))?;
     *guard = Some(State {
-        coll: Collectives::new(own),
+        exec,
         server: Arc::new(Shared(server)),
     });
     Ok(())
@@ -142,12 +139,9 @@ fn finalize(py: Python<'_>) -> PyResult<()> {
     py.detach(session::end_all);
     let taken = locked()?.take();
     if let Some(state) = taken {
-        // MPI_Finalize waits for every rank: not with the GIL held.
-        let d = collectives::Owned(state);
-        py.detach(move || {
-            let collectives::Owned(state) = d;
-            drop(state);
-        });
+        // The collectives' queue runs out, then MPI_Finalize waits for every rank: not
+        // with the GIL held.
+        py.detach(move || drop(state));
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 """mpiflow's collectives from Python, under mpirun (tests/python.rs runs it at 2, 3 and
 4 ranks): every op and dtype at odd sizes against the reduction each rank computes of the
 arrays every rank holds, the same bits on every rank, the in-place and returning forms,
-broadcast, barrier; then bad input, each one exception on every rank, after which the
+broadcast, allgather, barrier, non-blocking calls in flight together; then bad input, each one exception on every rank, after which the
 collectives still work. Each rank prints one JSON line of what it checked."""
 import json
 import os
@@ -88,6 +88,31 @@ mpiflow.broadcast(b, root=size - 1)
 check(np.all(b == size - 1), "broadcast")
 mpiflow.barrier()
 
+# Allgather: every rank's array in rank order, from a read-only input too.
+g = mpiflow.allgather(np.arange(5, dtype=np.float64) + 10 * rank)
+check(g.shape == (size, 5) and all(np.array_equal(g[r], np.arange(5) + 10 * r) for r in range(size)),
+      "allgather")
+ro = np.full((2, 3), rank, np.int32)
+ro.flags.writeable = False
+check(np.array_equal(mpiflow.allgather(ro)[:, 0, 0], np.arange(size)), "allgather, read-only 2-D")
+
+# Non-blocking: several calls in flight at once complete in call order with the same
+# results as the blocking calls; wait() twice returns the same array.
+xs = [data(rank, n, np.float32) for n in (5, 100003, 17)]
+handles = [mpiflow.allreduce_async(x, op="sum") for x in xs]
+handles.append(mpiflow.allgather_async(np.full(3, rank, np.int64)))
+handles.append(mpiflow.allreduce_many_async([x.copy() for x in xs], op="max"))
+bb = np.full(4, rank, np.float64)
+handles.append(mpiflow.broadcast_async(bb, root=0))
+results = [h.wait() for h in handles]
+for x, r in zip(xs, results):
+    check(np.allclose(r, expected(len(x), np.float32, "sum"), rtol=1e-5, atol=1e-3), f"async {len(x)}")
+check(np.array_equal(results[3][:, 0], np.arange(size)), "async allgather")
+check(all(np.allclose(m, expected(len(x), np.float32, "max")) for m, x in zip(results[4], xs)),
+      "async fused")
+check(results[5] is bb and np.all(bb == 0) and handles[5].done(), "async broadcast")
+check(handles[0].wait() is results[0], "wait twice")
+
 
 def raises(kind, text, call):
     """`call` raises `kind` with `text` and this rank in its message; the message."""
@@ -128,6 +153,14 @@ errors = {
     ),
     "fused item": raises(
         TypeError, "not a NumPy array", lambda: mpiflow.allreduce_many([np.ones(2), [1.0]], inplace=True)
+    ),
+    # A bad array in a non-blocking call raises at wait(), after every rank agreed.
+    "async dtype": raises(
+        mpiflow.Error, "but rank",
+        lambda: mpiflow.allreduce_async(mine_only, out=mine_only).wait(),
+    ),
+    "allgather shapes": raises(
+        mpiflow.Error, "but rank", lambda: mpiflow.allgather(np.ones(2 + (rank == 0), np.float32))
     ),
     "order": raises(
         mpiflow.Error, "but rank",

@@ -1,0 +1,72 @@
+"""mpiflow's collectives on NumPy arrays.
+
+Arrays are float32, float64, int32 or int64. The in-place forms write into C-contiguous,
+writeable arrays; the returning forms copy first. Every call agrees with the other ranks
+on what it is, so ranks that call different things get one `mpiflow.Error` each, naming
+both calls, never a hang. The GIL is released while communicating.
+
+Each call is queued, in call order, to the collectives' own thread; the `_async` forms
+return its `Handle` at once (`wait()` returns the result or raises the call's error; the
+arrays must not be touched until then), the others wait for it. Every rank must issue the
+same calls in the same order, as with MPI.
+"""
+import numpy as _np
+
+from . import _native
+
+
+def allreduce_async(array, op="sum", out=None):
+    """`allreduce`, not waiting: its Handle (`wait()` returns the reduced array)."""
+    if out is None:
+        out = _np.array(array, copy=True, order="C")
+    elif out is not array:
+        _np.copyto(out, array)
+    return _native.allreduce_(out, op)
+
+
+def allreduce(array, op="sum", out=None):
+    """The reduction of `array` over every rank by `op` ("sum", "mean", "min", "max"),
+    the same bits on every rank. Into `out` if given (`out=array` reduces in place), else
+    into a new array."""
+    return allreduce_async(array, op, out).wait()
+
+
+def allreduce_many_async(arrays, op="sum", inplace=False):
+    """`allreduce_many`, not waiting: its Handle (`wait()` returns the list)."""
+    outs = list(arrays) if inplace else [_np.array(a, copy=True, order="C") for a in arrays]
+    return _native.allreduce_many_(outs, op)
+
+
+def allreduce_many(arrays, op="sum", inplace=False):
+    """`allreduce` of every array of the list, fused: one message per dtype (the arrays
+    of a dtype back to back), as mpiflow reduces a model's gradients. In place if
+    `inplace` (each array C-contiguous and writeable), else into new arrays; the list."""
+    return allreduce_many_async(arrays, op, inplace).wait()
+
+
+def broadcast_async(array, root=0):
+    """`broadcast`, not waiting: its Handle (`wait()` returns the array)."""
+    return _native.broadcast_(array, root)
+
+
+def broadcast(array, root=0):
+    """Copies rank `root`'s `array` into every rank's `array`, in place; returns it."""
+    return broadcast_async(array, root).wait()
+
+
+def allgather_async(array):
+    """`allgather`, not waiting: its Handle (`wait()` returns the gathered array)."""
+    a = _np.asarray(array)
+    out = _np.empty((_native.size(),) + a.shape, dtype=a.dtype)
+    return _native.allgather_(a, out)
+
+
+def allgather(array):
+    """Every rank's `array` (the same shape and dtype on each), stacked in rank order: a
+    new array of shape `(size, *array.shape)`."""
+    return allgather_async(array).wait()
+
+
+def barrier():
+    """Waits until every rank called `barrier()`."""
+    _native.barrier_().wait()

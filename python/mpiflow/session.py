@@ -1,0 +1,113 @@
+"""A worker's training session over variables whose gradients the program computes."""
+import types as _types
+
+from . import _native
+from ._native import rank
+
+def _settings(**kw):
+    return _types.SimpleNamespace(**kw)
+
+
+class Session:
+    """A worker's training session over named float32 arrays (the variables), whose loss
+    and gradients the program computes: each step it hands them in with `push_pull`, and
+    mpiflow updates the parameters in the session's mode and writes them back into
+    `params`.
+
+        sess = mpiflow.Session({"w": w0, "b": b0}, mode="ps", optimizer="sgd", lr=0.1,
+                               steps=1000, checkpoint_dir="ckpt")
+        while not sess.should_stop():
+            loss, grads = my_model(sess.params, batch(sess.global_step))
+            sess.push_pull(grads, loss, samples=len(batch))
+        sess.close()
+
+    Modes: "ps" (the ps tasks hold the variables and apply the updates, synchronously
+    over every worker, or `replicas_to_aggregate` of them with the others as backups, or
+    asynchronously with `sync=False`; the ps tasks call `mpiflow.join()`), "allreduce"
+    (synchronous replicas: the gradients summed over the workers, each applying the
+    update), "local" (one process). The chief's `variables` are the job's initial values,
+    unless `checkpoint_dir` holds a checkpoint, which every mode restores; the chief
+    checkpoints every `checkpoint_every` steps (and `checkpoint_secs`), and at close.
+    Training stops at `steps`, at a non-finite loss or gradient (an error on every
+    worker), at `request_stop()`, or at a stop signal with `stop_on_signal` (then
+    `mpiflow.Stopped`, after a checkpoint). An error ends the session on every worker.
+    """
+
+    def __init__(self, variables, mode="ps", *, sync=True, replicas_to_aggregate=None,
+                 optimizer="sgd", lr=0.01, momentum=0.9, steps=1000, seed=1,
+                 log_every=100, checkpoint_dir=None, checkpoint_every=0,
+                 checkpoint_secs=None, keep_checkpoints=5, stop_on_signal=False,
+                 peer_timeout=60.0, name="python"):
+        names = list(variables)
+        settings = _settings(
+            mode=mode, sync=sync, replicas_to_aggregate=replicas_to_aggregate,
+            optimizer=optimizer, lr=float(lr), momentum=float(momentum), steps=int(steps),
+            seed=int(seed), log_every=int(log_every),
+            checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+            checkpoint_every=int(checkpoint_every), checkpoint_secs=checkpoint_secs,
+            keep_checkpoints=int(keep_checkpoints), stop_on_signal=bool(stop_on_signal),
+            peer_timeout=float(peer_timeout), name=str(name))
+        self._s = _native.Session(names, [variables[n] for n in names], settings)
+        self.params = dict(zip(self._s.names, self._s.arrays))
+
+    def push_pull(self, grads, loss, samples):
+        """One step: `grads` (a dict by variable name, or a list in the variables' order;
+        float32 arrays of their variables' shapes) of the mean `loss` over this worker's
+        `samples` samples. Returns `params`, updated in place."""
+        if isinstance(grads, dict):
+            missing = [n for n in self._s.names if n not in grads]
+            extra = [n for n in grads if n not in self.params]
+            if missing or extra:
+                why = (f"push_pull: gradients missing for {missing}, given for unknown "
+                       f"variables {extra}")
+                self._s.refuse(why)  # every worker hears of it, as of a bad array
+                raise ValueError(f"mpiflow: rank {rank()}: {why}")
+            grads = [grads[n] for n in self._s.names]
+        self._s.push_pull(list(grads), float(loss), int(samples))
+        return self.params
+
+    def should_stop(self):
+        return self._s.should_stop()
+
+    def request_stop(self):
+        """Stop after the next step (every worker where they step together)."""
+        self._s.request_stop()
+
+    def save(self):
+        """A checkpoint of this step now (every worker calls it); its path or None."""
+        return self._s.save()
+
+    def close(self):
+        """Ends the session (the last checkpoint written, the ps tasks told): a dict of
+        the global step, the first step, the last loss, samples per second and the
+        newest checkpoint."""
+        step, first, loss, rate, ckpt = self._s.close()
+        return {"global_step": step, "first_step": first, "loss": loss,
+                "samples_per_sec": rate, "checkpoint": ckpt}
+
+    @property
+    def global_step(self):
+        return self._s.global_step
+
+    @property
+    def loss(self):
+        """The last step's loss (over every worker's samples where they step together)."""
+        return self._s.loss
+
+    @property
+    def is_chief(self):
+        return self._s.is_chief
+
+    @property
+    def data_shard(self):
+        """(shares, this worker's share) each global batch is cut into."""
+        return self._s.data_shard
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        # Closed on a normal exit; after an exception the session is dropped, which ends
+        # it as abandoned (the ps tasks tell the other workers).
+        if kind is None and not self._s.ended:
+            self.close()

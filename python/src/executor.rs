@@ -1,0 +1,277 @@
+//! The collectives' own thread: every collective a Python program calls, blocking or not,
+//! is queued to it in call order and run there (the agreement on the call, then the
+//! operation), so that non-blocking calls keep the order every rank issued them in, and
+//! a `Handle` is what a call returns: `wait()` gives its result or raises its error.
+//! (Horovod's background loop, without the tensor-name negotiation: the order is the
+//! program's, checked by the agreement.)
+
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use mpiflow::tensor::DType;
+use mpiflow::transport::collectives::Collectives;
+use mpiflow::transport::fusion::{self, FusionError};
+use mpiflow::transport::mpi::MpiComm;
+use mpiflow::transport::{Algorithm, ReduceOp, TransportError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use super::Error;
+
+/// Where an array's bytes are. The array is kept alive by the call's [`Handle`] until the
+/// call is done, and nothing else reaches it through Rust meanwhile.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Span {
+    pub(crate) ptr: usize,
+    pub(crate) len: usize,
+}
+
+impl Span {
+    /// # Safety
+    /// The span's array must be alive and not otherwise borrowed by Rust for `'a`.
+    unsafe fn bytes<'a>(self) -> &'a mut [u8] {
+        // SAFETY: as the caller promises; a span is made from an array's data and its
+        // length in bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
+}
+
+/// The exception a failed call raises.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Kind {
+    Type,
+    Value,
+    Mpi,
+}
+
+/// A call's failure: its exception and line.
+pub(crate) type Failure = (Kind, String);
+
+/// An operation on the collectives' communicator.
+pub(crate) enum Op {
+    /// The arrays of each dtype reduced as one message, in place.
+    Allreduce(Vec<(DType, Vec<Span>)>, ReduceOp),
+    Broadcast(Span, usize),
+    /// This rank's bytes, and every rank's, in rank order.
+    Allgather(Span, Span),
+    Barrier,
+}
+
+/// One call: its description for the agreement, its name for errors, what it does (or why
+/// this rank refuses it, said after the agreement so that no rank waits for it).
+pub(crate) struct Job {
+    pub(crate) what: String,
+    pub(crate) call: String,
+    pub(crate) op: Result<Op, Failure>,
+}
+
+// SAFETY: the spans point into arrays the job's Handle keeps alive until the job is done;
+// only the executor thread reaches them meanwhile.
+unsafe impl Send for Job {}
+
+/// A call's outcome, set once by the executor.
+#[derive(Default)]
+pub(crate) struct Done {
+    outcome: Mutex<Option<Result<(), Failure>>>,
+    cv: Condvar,
+}
+
+impl Done {
+    fn set(&self, r: Result<(), Failure>) {
+        *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        self.cv.notify_all();
+    }
+
+    fn wait(&self) -> Result<(), Failure> {
+        let mut g = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = g.as_ref() {
+                return r.clone();
+            }
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn is_set(&self) -> bool {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+}
+
+/// The collectives' thread and its queue.
+pub(crate) struct Executor {
+    to: Option<Sender<(Job, Arc<Done>)>>,
+    thread: Option<JoinHandle<()>>,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+}
+
+impl Executor {
+    /// Starts the thread, which owns `coll`.
+    pub(crate) fn start(coll: Collectives<MpiComm>) -> std::io::Result<Executor> {
+        let (rank, size) = (coll.rank(), coll.size());
+        let (to, inbox) = channel::<(Job, Arc<Done>)>();
+        let coll = Owned(coll);
+        let thread = std::thread::Builder::new()
+            .name("mpiflow-collectives".into())
+            .spawn(move || {
+                // The whole wrapper moves in (not its field alone).
+                let owned = coll;
+                let coll = owned.0;
+                while let Ok((job, done)) = inbox.recv() {
+                    done.set(run(&coll, job));
+                }
+            })?;
+        Ok(Executor {
+            to: Some(to),
+            thread: Some(thread),
+            rank,
+            size,
+        })
+    }
+
+    /// Queues `job`; `keep` (the call's arrays, and what `wait()` returns) stays with the
+    /// handle until the job is done.
+    pub(crate) fn submit(&self, job: Job, keep: Vec<Py<PyAny>>, result: Py<PyAny>) -> Handle {
+        let done = Arc::new(Done::default());
+        let queued = self.to.as_ref().map(|to| to.send((job, done.clone())));
+        if !matches!(queued, Some(Ok(()))) {
+            done.set(Err((
+                Kind::Mpi,
+                "mpiflow: the collectives have ended".into(),
+            )));
+        }
+        Handle {
+            done,
+            keep,
+            result: Some(result),
+        }
+    }
+}
+
+impl Drop for Executor {
+    /// The queue closed, the thread joined (its calls done) before MPI is finalised.
+    fn drop(&mut self) {
+        self.to.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The collectives, moved to their thread.
+struct Owned(Collectives<MpiComm>);
+
+// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE; the communicator is used by the
+// executor thread alone from then on.
+unsafe impl Send for Owned {}
+
+/// Runs one job: the agreement, then this rank's refusal or the operation.
+fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
+    agree(coll, &job.what)?;
+    let mpi = |e: TransportError| (Kind::Mpi, format!("mpiflow: {}: {e}", job.call));
+    // SAFETY (each `bytes`): the job's handle keeps its arrays alive until `done` is set,
+    // after this returns; each span is reached by this call alone (the same array twice
+    // in one list was refused when the job was made).
+    match job.op? {
+        Op::Allreduce(groups, reduce) => {
+            for (dt, spans) in groups {
+                let mut parts: Vec<&mut [u8]> =
+                    spans.into_iter().map(|s| unsafe { s.bytes() }).collect();
+                coll.allreduce_parts(&mut parts, dt, reduce, Algorithm::Auto)
+                    .map_err(mpi)?;
+            }
+            Ok(())
+        }
+        Op::Broadcast(span, root) => coll.bcast(unsafe { span.bytes() }, root).map_err(mpi),
+        Op::Allgather(mine, all) => {
+            let mine: &[u8] = unsafe { mine.bytes() };
+            coll.allgather(mine, unsafe { all.bytes() }).map_err(mpi)
+        }
+        Op::Barrier => coll.barrier().map_err(mpi),
+    }
+}
+
+/// Agrees with every rank on `what` (this rank's call): mpiflow's negotiation of fused
+/// lists ([`fusion::negotiate`]: one small allreduce of the description's hash, the
+/// descriptions gathered only on a mismatch). An error naming the first rank whose call
+/// differs from this rank's: rank 0 where this rank's differs from rank 0's, else the
+/// first that differs from rank 0's.
+fn agree(coll: &Collectives<MpiComm>, what: &str) -> Result<(), Failure> {
+    let entries = || vec![what.to_string()];
+    match fusion::negotiate(coll, fusion::list_hash(&entries()), entries) {
+        Ok(()) => Ok(()),
+        Err(FusionError::Mismatch {
+            rank, theirs, ours, ..
+        }) => {
+            let (r, other) = if ours != what {
+                (0, ours)
+            } else {
+                (rank, theirs)
+            };
+            let line = format!(
+                "mpiflow: rank {} called {what}, but rank {r} called {other}",
+                coll.rank()
+            );
+            Err((Kind::Mpi, line))
+        }
+        Err(e) => Err((Kind::Mpi, format!("mpiflow: {e}"))),
+    }
+}
+
+/// A call in flight: `wait()` returns its result (the array written, or the list) or
+/// raises its error. Dropped before it is done, it waits first (its arrays are in use).
+#[pyclass(module = "mpiflow._native", name = "Handle")]
+pub struct Handle {
+    done: Arc<Done>,
+    keep: Vec<Py<PyAny>>,
+    result: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl Handle {
+    /// Waits for the call (without the GIL); its result, or its exception.
+    fn wait(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let done = self.done.clone();
+        let outcome = py.detach(move || done.wait());
+        self.keep.clear();
+        match outcome {
+            Ok(()) => Ok(match &self.result {
+                Some(r) => r.clone_ref(py),
+                None => py.None(),
+            }),
+            Err((Kind::Type, line)) => Err(PyTypeError::new_err(line)),
+            Err((Kind::Value, line)) => Err(PyValueError::new_err(line)),
+            Err((Kind::Mpi, line)) => Err(Error::new_err(line)),
+        }
+    }
+
+    /// True once the call is done (`wait()` then returns at once).
+    fn done(&self) -> bool {
+        self.done.is_set()
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if !self.keep.is_empty() {
+            // The executor needs no GIL: waiting with it held cannot deadlock.
+            let _ = self.done.wait();
+        }
+    }
+}
+
+/// A Python exception as a [`Failure`], to be raised by `wait()`.
+pub(crate) fn failure(py: Python<'_>, e: &PyErr) -> Failure {
+    let kind = if e.is_instance_of::<PyTypeError>(py) {
+        Kind::Type
+    } else if e.is_instance_of::<PyValueError>(py) {
+        Kind::Value
+    } else {
+        Kind::Mpi
+    };
+    (kind, e.value(py).to_string())
+}
