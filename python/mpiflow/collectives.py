@@ -15,33 +15,40 @@ import numpy as _np
 from . import _native
 
 
+def _out(array, out):
+    if out is None:
+        return _np.array(array, copy=True, order="C")
+    if out is not array:
+        _np.copyto(out, array)
+    return out
+
+
 def allreduce_async(array, op="sum", out=None):
     """`allreduce`, not waiting: its Handle (`wait()` returns the reduced array)."""
-    if out is None:
-        out = _np.array(array, copy=True, order="C")
-    elif out is not array:
-        _np.copyto(out, array)
-    return _native.allreduce_(out, op)
+    return _native.allreduce_(_out(array, out), op)
 
 
 def allreduce(array, op="sum", out=None):
     """The reduction of `array` over every rank by `op` ("sum", "mean", "min", "max"),
     the same bits on every rank. Into `out` if given (`out=array` reduces in place), else
     into a new array."""
-    return allreduce_async(array, op, out).wait()
+    return _native.allreduce_(_out(array, out), op, blocking=True).wait()
+
+
+def _outs(arrays, inplace):
+    return list(arrays) if inplace else [_np.array(a, copy=True, order="C") for a in arrays]
 
 
 def allreduce_many_async(arrays, op="sum", inplace=False):
     """`allreduce_many`, not waiting: its Handle (`wait()` returns the list)."""
-    outs = list(arrays) if inplace else [_np.array(a, copy=True, order="C") for a in arrays]
-    return _native.allreduce_many_(outs, op)
+    return _native.allreduce_many_(_outs(arrays, inplace), op)
 
 
 def allreduce_many(arrays, op="sum", inplace=False):
     """`allreduce` of every array of the list, fused: one message per dtype (the arrays
     of a dtype back to back), as mpiflow reduces a model's gradients. In place if
     `inplace` (each array C-contiguous and writeable), else into new arrays; the list."""
-    return allreduce_many_async(arrays, op, inplace).wait()
+    return _native.allreduce_many_(_outs(arrays, inplace), op, blocking=True).wait()
 
 
 def broadcast_async(array, root=0):
@@ -51,22 +58,25 @@ def broadcast_async(array, root=0):
 
 def broadcast(array, root=0):
     """Copies rank `root`'s `array` into every rank's `array`, in place; returns it."""
-    return broadcast_async(array, root).wait()
+    return _native.broadcast_(array, root, blocking=True).wait()
+
+
+def _gathered(array):
+    a = _np.asarray(array)
+    return a, _np.empty((_native.size(),) + a.shape, dtype=a.dtype)
 
 
 def allgather_async(array):
     """`allgather`, not waiting: its Handle (`wait()` returns the gathered array)."""
-    a = _np.asarray(array)
-    out = _np.empty((_native.size(),) + a.shape, dtype=a.dtype)
-    return _native.allgather_(a, out)
+    return _native.allgather_(*_gathered(array))
 
 
 def allgather(array):
     """Every rank's `array` (the same shape and dtype on each), stacked in rank order: a
     new array of shape `(size, *array.shape)`."""
-    return allgather_async(array).wait()
+    return _native.allgather_(*_gathered(array), blocking=True).wait()
 
 
 def barrier():
     """Waits until every rank called `barrier()`."""
-    _native.barrier_().wait()
+    _native.barrier_(blocking=True).wait()

@@ -1,7 +1,7 @@
 //! The collectives on NumPy arrays, in place: `allreduce_`, `allreduce_many_`,
 //! `broadcast_`, `allgather_`, `barrier_`, each returning the [`Handle`] of the call
-//! queued to the collectives' thread (`crate::executor`); the Python layer's blocking forms
-//! wait at once.
+//! queued to the collectives' thread (`crate::executor`), or with `blocking` run at once
+//! where nothing is queued; the Python layer's blocking forms wait at once.
 //!
 //! Each call first agrees with every rank on what it is (a description: the call, dtype,
 //! shape, its argument and whether this rank refuses its array; checked by one small
@@ -94,14 +94,14 @@ fn reduce_op(op: &str, call: &str) -> PyResult<ReduceOp> {
 /// rank's refusal), the arrays it uses and what its `wait()` returns.
 fn submit(
     py: Python<'_>,
-    what: String,
-    call: String,
+    (what, call): (String, String),
     op: PyResult<Op>,
-    keep: Vec<Py<PyAny>>,
-    result: Py<PyAny>,
+    (keep, result): (Vec<Py<PyAny>>, Py<PyAny>),
+    blocking: bool,
 ) -> PyResult<Handle> {
     let op = op.map_err(|e| failure(py, &e));
-    with_state(|s| Ok(s.exec.submit(Job { what, call, op }, keep, result)))
+    let job = Job { what, call, op };
+    with_state(|s| Ok(s.exec.submit(py, job, keep, result, blocking)))
 }
 
 /// This rank's name for a call's errors.
@@ -112,8 +112,13 @@ fn call_name(name: &str) -> PyResult<String> {
 /// Reduces `array` over every rank, in place, by `op` ("sum", "mean", "min", "max"):
 /// every rank ends with the same bits. Returns the call's handle (`wait()`: the array).
 #[pyfunction]
-#[pyo3(signature = (array, op = "sum"))]
-fn allreduce_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, op: &str) -> PyResult<Handle> {
+#[pyo3(signature = (array, op = "sum", blocking = false))]
+fn allreduce_(
+    py: Python<'_>,
+    array: &Bound<'_, PyUntypedArray>,
+    op: &str,
+    blocking: bool,
+) -> PyResult<Handle> {
     let call = call_name("allreduce")?;
     let (dt, why_not) = checked(py, array, &call, true);
     let what = described("allreduce", array, why_not, &format!("op={op}"));
@@ -124,13 +129,18 @@ fn allreduce_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, op: &str) -> Py
         ))
     });
     let a: Py<PyAny> = array.clone().into_any().unbind();
-    submit(py, what, call, run, vec![a.clone_ref(py)], a)
+    submit(py, (what, call), run, (vec![a.clone_ref(py)], a), blocking)
 }
 
 /// Copies `root`'s `array` into every rank's, in place (checked as `allreduce_` does).
 #[pyfunction]
-#[pyo3(signature = (array, root = 0))]
-fn broadcast_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, root: usize) -> PyResult<Handle> {
+#[pyo3(signature = (array, root = 0, blocking = false))]
+fn broadcast_(
+    py: Python<'_>,
+    array: &Bound<'_, PyUntypedArray>,
+    root: usize,
+    blocking: bool,
+) -> PyResult<Handle> {
     let call = call_name("broadcast")?;
     let (dt, why_not) = checked(py, array, &call, true);
     let what = described("broadcast", array, why_not, &format!("root={root}"));
@@ -142,16 +152,18 @@ fn broadcast_(py: Python<'_>, array: &Bound<'_, PyUntypedArray>, root: usize) ->
         ))),
     });
     let a: Py<PyAny> = array.clone().into_any().unbind();
-    submit(py, what, call, run, vec![a.clone_ref(py)], a)
+    submit(py, (what, call), run, (vec![a.clone_ref(py)], a), blocking)
 }
 
 /// Every rank's `array` into `out` (`[size, *array.shape]`, the same dtype), in rank
 /// order. `array` is only read.
 #[pyfunction]
+#[pyo3(signature = (array, out, blocking = false))]
 fn allgather_(
     py: Python<'_>,
     array: &Bound<'_, PyUntypedArray>,
     out: &Bound<'_, PyUntypedArray>,
+    blocking: bool,
 ) -> PyResult<Handle> {
     let call = call_name("allgather")?;
     let (dt, why_not) = checked(py, array, &call, false);
@@ -175,7 +187,7 @@ fn allgather_(
         array.clone().into_any().unbind(),
         out.clone().into_any().unbind(),
     );
-    submit(py, what, call, run, vec![a, o.clone_ref(py)], o)
+    submit(py, (what, call), run, (vec![a, o.clone_ref(py)], o), blocking)
 }
 
 /// Reduces every array of `items` over every rank, in place, by `op`, as one message per
@@ -183,8 +195,13 @@ fn allgather_(
 /// the same results as one `allreduce_` each, in fewer, larger collectives. The ranks
 /// agree on the whole list (count, dtypes, shapes) first. `wait()` returns the list.
 #[pyfunction]
-#[pyo3(signature = (items, op = "sum"))]
-fn allreduce_many_(py: Python<'_>, items: Vec<Bound<'_, PyAny>>, op: &str) -> PyResult<Handle> {
+#[pyo3(signature = (items, op = "sum", blocking = false))]
+fn allreduce_many_(
+    py: Python<'_>,
+    items: Vec<Bound<'_, PyAny>>,
+    op: &str,
+    blocking: bool,
+) -> PyResult<Handle> {
     let call = call_name("allreduce_many")?;
     // An item that is no NumPy array is refused after the agreement, as a bad array.
     let arrays: Vec<Option<&Bound<'_, PyUntypedArray>>> = items
@@ -213,7 +230,7 @@ fn allreduce_many_(py: Python<'_>, items: Vec<Bound<'_, PyAny>>, op: &str) -> Py
     let run = fused(&call, &arrays, checks, op);
     let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
     let list = PyList::new(py, &items)?.into_any().unbind();
-    submit(py, what, call, run, keep, list)
+    submit(py, (what, call), run, (keep, list), blocking)
 }
 
 /// The fused reduction of `arrays` (checked), grouped by dtype; an error for a bad array
@@ -256,16 +273,11 @@ fn not_an_array(call: &str, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
 
 /// Waits until every rank called `barrier()` (its handle's `wait()`).
 #[pyfunction]
-fn barrier_(py: Python<'_>) -> PyResult<Handle> {
+#[pyo3(signature = (blocking = false))]
+fn barrier_(py: Python<'_>, blocking: bool) -> PyResult<Handle> {
     let call = call_name("barrier")?;
-    submit(
-        py,
-        "barrier()".into(),
-        call,
-        Ok(Op::Barrier),
-        Vec::new(),
-        py.None(),
-    )
+    let what = ("barrier()".to_string(), call);
+    submit(py, what, Ok(Op::Barrier), (Vec::new(), py.None()), blocking)
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -6,6 +6,7 @@
 //! program's, checked by the agreement.)
 
 use std::sync::mpsc::{channel, Sender};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -101,8 +102,18 @@ impl Done {
     }
 }
 
+/// The collectives, their queue and what is in it.
+struct Inner {
+    coll: Mutex<Owned>,
+    /// Jobs queued and not yet done.
+    pending: AtomicUsize,
+    /// Held while a call is queued or run at once, so that calls keep their order.
+    order: Mutex<()>,
+}
+
 /// The collectives' thread and its queue.
 pub(crate) struct Executor {
+    inner: Arc<Inner>,
     to: Option<Sender<(Job, Arc<Done>)>>,
     thread: Option<JoinHandle<()>>,
     pub(crate) rank: usize,
@@ -110,22 +121,29 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    /// Starts the thread, which owns `coll`.
+    /// Starts the thread; the collectives are shared with blocking calls, which run on
+    /// the caller's thread when nothing is queued (a thread's wake-up costs more than a
+    /// small allreduce).
     pub(crate) fn start(coll: Collectives<MpiComm>) -> std::io::Result<Executor> {
         let (rank, size) = (coll.rank(), coll.size());
+        let inner = Arc::new(Inner {
+            coll: Mutex::new(Owned(coll)),
+            pending: AtomicUsize::new(0),
+            order: Mutex::new(()),
+        });
         let (to, inbox) = channel::<(Job, Arc<Done>)>();
-        let coll = Owned(coll);
+        let shared = inner.clone();
         let thread = std::thread::Builder::new()
             .name("mpiflow-collectives".into())
             .spawn(move || {
-                // The whole wrapper moves in (not its field alone).
-                let owned = coll;
-                let coll = owned.0;
                 while let Ok((job, done)) = inbox.recv() {
-                    done.set(run(&coll, job));
+                    let r = run(&lock(&shared.coll).0, job);
+                    shared.pending.fetch_sub(1, Ordering::SeqCst);
+                    done.set(r);
                 }
             })?;
         Ok(Executor {
+            inner,
             to: Some(to),
             thread: Some(thread),
             rank,
@@ -133,17 +151,31 @@ impl Executor {
         })
     }
 
-    /// Queues `job`; `keep` (the call's arrays, and what `wait()` returns) stays with the
-    /// handle until the job is done.
-    pub(crate) fn submit(&self, job: Job, keep: Vec<Py<PyAny>>, result: Py<PyAny>) -> Handle {
+    /// Queues `job` (or, `blocking` with nothing queued, runs it now without the GIL);
+    /// `keep` (the call's arrays) stays with the handle until the job is done, `result`
+    /// is what its `wait()` returns.
+    pub(crate) fn submit(
+        &self,
+        py: Python<'_>,
+        job: Job,
+        keep: Vec<Py<PyAny>>,
+        result: Py<PyAny>,
+        blocking: bool,
+    ) -> Handle {
         let done = Arc::new(Done::default());
-        let queued = self.to.as_ref().map(|to| to.send((job, done.clone())));
-        if !matches!(queued, Some(Ok(()))) {
-            done.set(Err((
-                Kind::Mpi,
-                "mpiflow: the collectives have ended".into(),
-            )));
-        }
+        let (inner, d) = (self.inner.clone(), done.clone());
+        let to = self.to.clone();
+        py.detach(move || {
+            let _order = lock(&inner.order);
+            if blocking && inner.pending.load(Ordering::SeqCst) == 0 {
+                return d.set(run(&lock(&inner.coll).0, job));
+            }
+            inner.pending.fetch_add(1, Ordering::SeqCst);
+            if !matches!(to.map(|to| to.send((job, d.clone()))), Some(Ok(()))) {
+                inner.pending.fetch_sub(1, Ordering::SeqCst);
+                d.set(Err((Kind::Mpi, "mpiflow: the collectives have ended".into())));
+            }
+        });
         Handle {
             done,
             keep,
@@ -162,11 +194,15 @@ impl Drop for Executor {
     }
 }
 
-/// The collectives, moved to their thread.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The collectives, shared by the executor's thread and blocking calls.
 struct Owned(Collectives<MpiComm>);
 
-// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE; the communicator is used by the
-// executor thread alone from then on.
+// SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE; the communicator is used under
+// `Inner::coll`'s lock, by one thread at a time.
 unsafe impl Send for Owned {}
 
 /// Runs one job: the agreement, then this rank's refusal or the operation.
