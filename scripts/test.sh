@@ -17,6 +17,13 @@ source scripts/env.sh
 # Python programs under test (mpi4py under `launch`) run in the environment venv.sh makes.
 MPIFLOW_PYTHON=$(bash scripts/venv.sh)
 export MPIFLOW_PYTHON MPIFLOW_REQUIRE_PYTHON=1
+# The PyTorch tests run where benches/python/torch-venv.sh made its environment (outside
+# the repository); this tree's package is installed into it first.
+torch_venv=${MPIFLOW_TORCH_VENV:-$HOME/.cache/mpiflow/torch-venv}
+if [[ -z ${MPIFLOW_TORCH_PYTHON:-} && -x $torch_venv/bin/python ]]; then
+  MPIFLOW_TORCH_PYTHON=$(bash benches/python/torch-venv.sh)
+  export MPIFLOW_TORCH_PYTHON
+fi
 # The Slurm tests (tests/slurm.rs) start a private Slurm, the multi-host test network
 # namespaces, others mounts: as root they must run, not skip (tests/common: as_root).
 if [[ $(id -u) -eq 0 ]]; then export MPIFLOW_REQUIRE_SLURM=1 MPIFLOW_REQUIRE_ROOT=1; fi

@@ -10,7 +10,11 @@ use serde_json::Value;
 /// that exited 0 (`None` where the environment has no Python: the test is then skipped,
 /// or fails where it is required).
 fn ranks_of(script: &str, np: usize, args: &[&str]) -> Option<Vec<Value>> {
-    let python = common::python_with_mpi4py()?;
+    ranks_in(common::python_with_mpi4py()?, script, np, args)
+}
+
+/// [`ranks_of`] in the environment `python`.
+fn ranks_in(python: String, script: &str, np: usize, args: &[&str]) -> Option<Vec<Value>> {
     let path = format!("{}/tests/python/{script}", common::root());
     let np = np.to_string();
     let out = common::mpirun(&[&["-np", &np, &python, &path][..], args].concat());
@@ -53,7 +57,10 @@ fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_ran
                 .contains("barrier()"));
             for key in ["async dtype", "allgather shapes"] {
                 let e = errors[key].as_str().unwrap_or_default();
-                assert!(e.contains(&format!("mpiflow: rank {r} called ")), "{key}: {line}");
+                assert!(
+                    e.contains(&format!("mpiflow: rank {r} called ")),
+                    "{key}: {line}"
+                );
             }
         }
     }
@@ -196,4 +203,29 @@ fn the_seeds_trainer_in_python_learns_and_resumes_after_a_signal() {
         "{resumed:?}"
     );
     assert!(common::accuracy(&resumed.stdout) > 0.9, "{resumed:?}");
+}
+
+/// `mpiflow.torch` (where PyTorch is installed: `benches/python/torch-venv.sh`): models of
+/// different seeds equal after `broadcast_parameters`; a small MLP trained on each
+/// worker's share of a batch by `DistributedOptimizer` (several buckets, reduced during the
+/// backward pass) and by `PsOptimizer` over a ps task equals the model trained on the whole
+/// batch in one process within 1e-4.
+#[test]
+fn pytorch_trains_by_mpiflows_allreduce_and_ps_as_on_the_whole_batch() {
+    let Some(python) = common::python_with_torch() else {
+        return;
+    };
+    for (mode, workers) in [("allreduce", 3), ("ps", 2)] {
+        let ranks = ranks_in(python.clone(), "torch_optim.py", 3, &[mode]).unwrap();
+        let trained: Vec<&Value> = ranks.iter().filter(|l| l["worst"].is_f64()).collect();
+        assert_eq!(trained.len(), workers, "{mode}: {ranks:?}");
+        for l in trained {
+            assert!(l["worst"].as_f64().unwrap() < 1e-4, "{mode}: {l}");
+            if mode == "allreduce" {
+                assert_eq!(l["broadcast_equal"], true, "{l}");
+            } else {
+                assert_eq!(l["step"], 20, "{l}");
+            }
+        }
+    }
 }

@@ -187,7 +187,13 @@ fn allgather_(
         array.clone().into_any().unbind(),
         out.clone().into_any().unbind(),
     );
-    submit(py, (what, call), run, (vec![a, o.clone_ref(py)], o), blocking)
+    submit(
+        py,
+        (what, call),
+        run,
+        (vec![a, o.clone_ref(py)], o),
+        blocking,
+    )
 }
 
 /// Reduces every array of `items` over every rank, in place, by `op`, as one message per

@@ -5,8 +5,8 @@
 //! (Horovod's background loop, without the tensor-name negotiation: the order is the
 //! program's, checked by the agreement.)
 
-use std::sync::mpsc::{channel, Sender};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -173,7 +173,10 @@ impl Executor {
             inner.pending.fetch_add(1, Ordering::SeqCst);
             if !matches!(to.map(|to| to.send((job, d.clone()))), Some(Ok(()))) {
                 inner.pending.fetch_sub(1, Ordering::SeqCst);
-                d.set(Err((Kind::Mpi, "mpiflow: the collectives have ended".into())));
+                d.set(Err((
+                    Kind::Mpi,
+                    "mpiflow: the collectives have ended".into(),
+                )));
             }
         });
         Handle {

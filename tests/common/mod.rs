@@ -461,6 +461,21 @@ pub fn python_with_mpi4py() -> Option<String> {
     found.then_some(python)
 }
 
+/// The Python with PyTorch (and mpiflow's package) that `benches/python/torch-venv.sh`
+/// makes outside the repository: `$MPIFLOW_TORCH_PYTHON`, else that script's default
+/// place; `None` (the PyTorch tests are skipped) where there is none.
+pub fn python_with_torch() -> Option<String> {
+    let python = std::env::var("MPIFLOW_TORCH_PYTHON").unwrap_or_else(|_| {
+        let home = std::env::var("HOME").unwrap_or_default();
+        format!("{home}/.cache/mpiflow/torch-venv/bin/python")
+    });
+    let found = Path::new(&python).exists();
+    if !found {
+        eprintln!("skipped: no Python with PyTorch at {python} (benches/python/torch-venv.sh)");
+    }
+    found.then_some(python)
+}
+
 /// `launcher/examples/mpi4py_task.py`, [`mpi_program`]'s twin in Python.
 pub fn mpi4py_program() -> String {
     format!("{}/launcher/examples/mpi4py_task.py", root())
