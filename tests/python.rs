@@ -229,3 +229,22 @@ fn pytorch_trains_by_mpiflows_allreduce_and_ps_as_on_the_whole_batch() {
         }
     }
 }
+
+/// `examples/python/torch_fashion.py` (where PyTorch is installed): the PyTorch CNN
+/// learns Fashion-MNIST to 80% held-out accuracy in 250 steps by mpiflow's allreduce (2
+/// workers) and by its ps (1 ps, 2 workers).
+#[test]
+fn pytorch_cnn_learns_fashion_mnist_by_allreduce_and_by_ps() {
+    let Some(python) = common::python_with_torch() else {
+        return;
+    };
+    let example = format!("{}/examples/python/torch_fashion.py", common::root());
+    for (mode, np) in [("allreduce", "2"), ("ps", "3")] {
+        let run = common::mpirun(&[
+            "-np", np, &python, &example, "--mode", mode, "--steps", "250",
+        ]);
+        assert_eq!(run.code, 0, "{mode}: {run:?}");
+        let accuracy = common::accuracy(&run.stdout);
+        assert!(accuracy > 0.8, "{mode}: {run:?}");
+    }
+}
