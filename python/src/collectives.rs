@@ -13,33 +13,38 @@
 use mpiflow::tensor::DType;
 use mpiflow::transport::fusion;
 use mpiflow::transport::ReduceOp;
-use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use super::executor::{failure, Handle, Job, Op, Span};
-use super::with_state;
+use super::{with_state, Error};
 
 /// An array checked for a collective: its dtype as mpiflow's, or why it cannot take
 /// part (a `TypeError` or `ValueError` naming `call`), and a short word for that reason
 /// that goes into the agreement.
 fn checked(
-    py: Python<'_>,
     a: &Bound<'_, PyUntypedArray>,
     call: &str,
     writes: bool,
 ) -> (PyResult<DType>, &'static str) {
     let d = a.dtype();
-    let table = [
-        (dtype::<f32>(py), DType::F32),
-        (dtype::<f64>(py), DType::F64),
-        (dtype::<i32>(py), DType::I32),
-        (dtype::<i64>(py), DType::I64),
-    ];
-    let Some(dt) = table.iter().find(|(np, _)| d.is_equiv_to(np)).map(|t| t.1) else {
+    // By kind, size and byte order (native: '=', or '|' where order means nothing), not
+    // by comparing descriptors: this runs for every array of every call.
+    let native = matches!(d.byteorder(), b'=' | b'|')
+        || (d.byteorder() == b'<') == cfg!(target_endian = "little");
+    let dt = match (d.kind(), d.itemsize()) {
+        (b'f', 4) if native => Some(DType::F32),
+        (b'f', 8) if native => Some(DType::F64),
+        (b'i', 4) if native => Some(DType::I32),
+        (b'i', 8) if native => Some(DType::I64),
+        _ => None,
+    };
+    let Some(dt) = dt else {
         let e = PyTypeError::new_err(format!(
-            "mpiflow: {call}: arrays of dtype {d} are not supported (float32, float64, int32, int64)"
+            "mpiflow: {call}: arrays of dtype {} are not supported (float32, float64, int32, int64 in the machine's byte order)",
+            dtype_name(a)
         ));
         return (Err(e), "");
     };
@@ -74,7 +79,22 @@ fn span_of(a: &Bound<'_, PyUntypedArray>) -> Span {
 
 /// This rank's call, for the agreement: `name(dtype [shape]<why not>, arg)`.
 fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str) -> String {
-    format!("{name}({} {:?}{why_not}, {arg})", a.dtype(), a.shape())
+    format!("{name}({} {:?}{why_not}, {arg})", dtype_name(a), a.shape())
+}
+
+/// NumPy's name of an array's dtype (`float32`), made here: NumPy's own `str(dtype)` runs
+/// Python code, several microseconds a call.
+pub(crate) fn dtype_name(a: &Bound<'_, PyUntypedArray>) -> String {
+    let d = a.dtype();
+    let bits = d.itemsize() * 8;
+    match d.kind() {
+        b'f' => format!("float{bits}"),
+        b'i' => format!("int{bits}"),
+        b'u' => format!("uint{bits}"),
+        b'c' => format!("complex{bits}"),
+        b'b' => "bool".into(),
+        _ => d.to_string(),
+    }
 }
 
 /// `op`'s reduction, or a `ValueError` naming `call`.
@@ -100,7 +120,16 @@ fn submit(
     blocking: bool,
 ) -> PyResult<Handle> {
     let op = op.map_err(|e| failure(py, &e));
-    let job = Job { what, call, op };
+    queue(py, Job { what, call, op }, (keep, result), blocking)
+}
+
+/// Queues (or runs) `job`, its arrays kept and its result returned by its handle.
+fn queue(
+    py: Python<'_>,
+    job: Job,
+    (keep, result): (Vec<Py<PyAny>>, Py<PyAny>),
+    blocking: bool,
+) -> PyResult<Handle> {
     with_state(|s| Ok(s.exec.submit(py, job, keep, result, blocking)))
 }
 
@@ -120,7 +149,7 @@ fn allreduce_(
     blocking: bool,
 ) -> PyResult<Handle> {
     let call = call_name("allreduce")?;
-    let (dt, why_not) = checked(py, array, &call, true);
+    let (dt, why_not) = checked(array, &call, true);
     let what = described("allreduce", array, why_not, &format!("op={op}"));
     let run = dt.and_then(|dt| {
         Ok(Op::Allreduce(
@@ -142,7 +171,7 @@ fn broadcast_(
     blocking: bool,
 ) -> PyResult<Handle> {
     let call = call_name("broadcast")?;
-    let (dt, why_not) = checked(py, array, &call, true);
+    let (dt, why_not) = checked(array, &call, true);
     let what = described("broadcast", array, why_not, &format!("root={root}"));
     let size = with_state(|s| Ok(s.exec.size))?;
     let run = dt.and_then(|_| match root < size {
@@ -166,8 +195,8 @@ fn allgather_(
     blocking: bool,
 ) -> PyResult<Handle> {
     let call = call_name("allgather")?;
-    let (dt, why_not) = checked(py, array, &call, false);
-    let (out_dt, _) = checked(py, out, &call, true);
+    let (dt, why_not) = checked(array, &call, false);
+    let (out_dt, _) = checked(out, &call, true);
     let what = described("allgather", array, why_not, "");
     let size = with_state(|s| Ok(s.exec.size))?;
     let run = dt.and_then(|dt| {
@@ -208,6 +237,34 @@ fn allreduce_many_(
     op: &str,
     blocking: bool,
 ) -> PyResult<Handle> {
+    let job = many_job(py, &items, op)?;
+    let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
+    let list = PyList::new(py, &items)?.into_any().unbind();
+    queue(py, job, (keep, list), blocking)
+}
+
+/// Benchmarks: `allreduce_many_(items, op)`'s call (its agreement and fused reduction)
+/// run `reps` times from Rust, with no Python between calls: the seconds per call, to
+/// set beside the same call from Python.
+#[pyfunction]
+#[pyo3(signature = (items, op = "sum", reps = 10))]
+fn allreduce_many_from_rust(
+    py: Python<'_>,
+    items: Vec<Bound<'_, PyAny>>,
+    op: &str,
+    reps: usize,
+) -> PyResult<f64> {
+    let job = many_job(py, &items, op)?;
+    with_state(|s| {
+        s.exec
+            .time_from_rust(py, job, reps)
+            .map_err(|(_, line)| Error::new_err(line))
+    })
+}
+
+/// The job of `allreduce_many_(items, op)`: the list's description for the agreement and
+/// the fused reduction (or this rank's refusal of the list).
+fn many_job(py: Python<'_>, items: &[Bound<'_, PyAny>], op: &str) -> PyResult<Job> {
     let call = call_name("allreduce_many")?;
     // An item that is no NumPy array is refused after the agreement, as a bad array.
     let arrays: Vec<Option<&Bound<'_, PyUntypedArray>>> = items
@@ -216,7 +273,7 @@ fn allreduce_many_(
         .collect();
     let checks: Vec<_> = (arrays.iter().enumerate())
         .map(|(i, a)| match a {
-            Some(a) => checked(py, a, &call, true),
+            Some(a) => checked(a, &call, true),
             None => (Err(not_an_array(&call, i, &items[i])), " not an array"),
         })
         .collect();
@@ -233,10 +290,8 @@ fn allreduce_many_(
         arrays.len(),
         fusion::list_hash(&[full])
     );
-    let run = fused(&call, &arrays, checks, op);
-    let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
-    let list = PyList::new(py, &items)?.into_any().unbind();
-    submit(py, (what, call), run, (keep, list), blocking)
+    let op = fused(&call, &arrays, checks, op).map_err(|e| failure(py, &e));
+    Ok(Job { what, call, op })
 }
 
 /// The fused reduction of `arrays` (checked), grouped by dtype; an error for a bad array
@@ -293,5 +348,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(allgather_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier_, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_many_from_rust, m)?)?;
     Ok(())
 }
