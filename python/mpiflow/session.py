@@ -23,7 +23,10 @@ class Session:
 
     Modes: "ps" (the ps tasks hold the variables and apply the updates, synchronously
     over every worker, or `replicas_to_aggregate` of them with the others as backups, or
-    asynchronously with `sync=False`; the ps tasks call `mpiflow.join()`), "allreduce"
+    asynchronously with `sync=False`; the ps tasks call `mpiflow.join()`; with
+    `transport="rma"` over one-sided MPI windows, where every task, the ps tasks too,
+    makes the session with the same variables and settings, and a ps task's constructor
+    serves until the workers end: `is_worker` is then False), "allreduce"
     (synchronous replicas: the gradients summed over the workers, each applying the
     update), "local" (one process). The chief's `variables` are the job's initial values,
     unless `checkpoint_dir` holds a checkpoint, which every mode restores; the chief
@@ -33,14 +36,15 @@ class Session:
     `mpiflow.Stopped`, after a checkpoint). An error ends the session on every worker.
     """
 
-    def __init__(self, variables, mode="ps", *, sync=True, replicas_to_aggregate=None,
+    def __init__(self, variables, mode="ps", *, transport="p2p", sync=True,
+                 replicas_to_aggregate=None,
                  optimizer="sgd", lr=0.01, momentum=0.9, steps=1000, seed=1,
                  log_every=100, checkpoint_dir=None, checkpoint_every=0,
                  checkpoint_secs=None, keep_checkpoints=5, stop_on_signal=False,
                  peer_timeout=60.0, name="python"):
         names = list(variables)
         settings = _settings(
-            mode=mode, sync=sync, replicas_to_aggregate=replicas_to_aggregate,
+            mode=mode, transport=transport, sync=sync, replicas_to_aggregate=replicas_to_aggregate,
             optimizer=optimizer, lr=float(lr), momentum=float(momentum), steps=int(steps),
             seed=int(seed), log_every=int(log_every),
             checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
@@ -81,6 +85,8 @@ class Session:
         """Ends the session (the last checkpoint written, the ps tasks told): a dict of
         the global step, the first step, the last loss, samples per second and the
         newest checkpoint."""
+        if not self._s.is_worker:
+            return None  # a ps task of one-sided training: its part ended with it
         step, first, loss, rate, ckpt = self._s.close()
         return {"global_step": step, "first_step": first, "loss": loss,
                 "samples_per_sec": rate, "checkpoint": ckpt}
@@ -99,6 +105,11 @@ class Session:
         return self._s.is_chief
 
     @property
+    def is_worker(self):
+        """False on a ps task of one-sided training (its session served and ended)."""
+        return self._s.is_worker
+
+    @property
     def data_shard(self):
         """(shares, this worker's share) each global batch is cut into."""
         return self._s.data_shard
@@ -109,5 +120,5 @@ class Session:
     def __exit__(self, kind, value, tb):
         # Closed on a normal exit; after an exception the session is dropped, which ends
         # it as abandoned (the ps tasks tell the other workers).
-        if kind is None and not self._s.ended:
+        if kind is None and self._s.is_worker and not self._s.ended:
             self.close()

@@ -24,8 +24,8 @@ use mpiflow::named::Named;
 use mpiflow::tensor::Tensor;
 use mpiflow::train::ps::placement::Strategy as Placement;
 use mpiflow::{
-    AllreduceConfig, External, Local, Optimizer, OptimizerKind, PsConfig, Session, StepInfo,
-    Strategy, TrainConfig, TrainError,
+    AllreduceConfig, Dataset, External, Local, Optimizer, OptimizerKind, PsConfig, Session,
+    StepInfo, Strategy, TrainConfig, TrainError,
 };
 use mpiflow::{PsError, ServerError};
 use numpy::{
@@ -77,6 +77,8 @@ enum Reply {
     },
     Saved(Option<PathBuf>),
     Closed(Closed),
+    /// A ps task served the one-sided session to its end.
+    Served,
     /// The line of the error that ended the session; true if a stop signal ended it.
     Failed(String, bool),
 }
@@ -146,6 +148,9 @@ enum Mode {
     Local,
     Allreduce,
     Ps,
+    /// The ps over one-sided windows: every task opens the session (the windows are
+    /// allocated by all together); a ps task serves in it until the workers end.
+    PsRma,
 }
 
 /// What a session thread is started with.
@@ -200,6 +205,26 @@ fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
             );
         }
         Mode::Ps => io.drive(server.session(&model, &ps).map_err(|e| e.to_string())),
+        Mode::PsRma => {
+            // The evaluator's held-out samples: none (an external model is evaluated by
+            // the program).
+            let none = Dataset {
+                x: Vec::new(),
+                y: Vec::new(),
+                features: 0,
+                classes: 1,
+                shape: vec![0],
+            };
+            let served = server.one_sided(&model, &ps, &none, |sess| {
+                io.drive(Ok(sess));
+                Ok(())
+            });
+            match served {
+                Ok(Some(())) => {}
+                Ok(None) => io.reply(Reply::Served),
+                Err(e) => io.reply(Reply::Failed(e.to_string(), ps_stopped(&e))),
+            }
+        }
     }
 }
 
@@ -325,6 +350,8 @@ pub struct PySession {
     ended: bool,
     shard: (usize, usize),
     chief: bool,
+    /// False on a ps task of one-sided training, whose session served and ended.
+    worker: bool,
     stop_asked: Arc<AtomicBool>,
 }
 
@@ -332,6 +359,7 @@ pub struct PySession {
 #[derive(FromPyObject)]
 pub struct Settings {
     mode: String,
+    transport: String,
     sync: bool,
     replicas_to_aggregate: Option<usize>,
     optimizer: String,
@@ -351,9 +379,16 @@ pub struct Settings {
 
 impl Settings {
     fn mode(&self) -> PyResult<Mode> {
+        if !matches!(self.transport.as_str(), "p2p" | "rma") {
+            return Err(PyValueError::new_err(format!(
+                "mpiflow: Session: transport {:?} is none of p2p, rma",
+                self.transport
+            )));
+        }
         match self.mode.as_str() {
             "local" => Ok(Mode::Local),
             "allreduce" => Ok(Mode::Allreduce),
+            "ps" if self.transport == "rma" => Ok(Mode::PsRma),
             "ps" => Ok(Mode::Ps),
             m => Err(PyValueError::new_err(format!(
                 "mpiflow: Session: mode {m:?} is none of ps, allreduce, local"
@@ -496,6 +531,7 @@ impl PySession {
             ended: false,
             shard: (1, 0),
             chief: false,
+            worker: true,
             stop_asked,
         };
         // The start waits for the other workers (the chief's initial values, or its
@@ -506,6 +542,11 @@ impl PySession {
             Reply::Ready { step, shard, chief } => {
                 (sess.step, sess.shard, sess.chief) = (step, shard, chief);
                 sess.stop = step >= steps;
+                Ok(sess)
+            }
+            // A ps task of one-sided training: its part is done.
+            Reply::Served => {
+                (sess.worker, sess.ended, sess.stop) = (false, true, true);
                 Ok(sess)
             }
             other => Err(sess.ended_by(other)),
@@ -661,6 +702,12 @@ impl PySession {
         self.chief
     }
 
+    /// False on a ps task of one-sided training (its constructor served to the end).
+    #[getter]
+    fn is_worker(&self) -> bool {
+        self.worker
+    }
+
     /// The shares each global batch is cut into, and this worker's.
     #[getter]
     fn data_shard(&self) -> (usize, usize) {
@@ -756,11 +803,16 @@ pub fn join(py: Python<'_>) -> PyResult<()> {
     let server = shared_server()?;
     py.detach(move || server.0.join()).map_err(|e| {
         let line = format!("mpiflow: {e}");
-        match e {
-            ServerError::Ps(PsError::Stopped(_)) => Stopped::new_err(line),
-            _ => Error::new_err(line),
+        match ps_stopped(&e) {
+            true => Stopped::new_err(line),
+            false => Error::new_err(line),
         }
     })
+}
+
+/// True if a ps task's service ended at a stop signal.
+fn ps_stopped(e: &ServerError) -> bool {
+    matches!(e, ServerError::Ps(PsError::Stopped(_)))
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

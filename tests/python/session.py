@@ -2,7 +2,7 @@
 whose gradients each worker computes on its share of every global batch and hands to
 mpiflow, over the ps tasks (mode ps: `mpiflow.init(ps=1)`) or the allreduce.
 
-    session.py MODE SCENARIO DIR
+    session.py MODE SCENARIO DIR      # MODE: ps, rma (the ps over one-sided windows), allreduce
 
 - equal: the parameters after 25 steps equal local training of the whole batch (NumPy
   SGD on one process) within 1e-4, on every worker.
@@ -23,7 +23,7 @@ import numpy as np
 import mpiflow
 
 MODE, SCENARIO, DIR = sys.argv[1], sys.argv[2], sys.argv[3]
-mpiflow.init(ps=1 if MODE == "ps" else 0)
+mpiflow.init(ps=0 if MODE == "allreduce" else 1)
 me = mpiflow.cluster()["task"]
 out = {"rank": mpiflow.rank(), "task": f"{me['type']}:{me['index']}"}
 
@@ -70,10 +70,24 @@ def local(steps):
     return p
 
 
+def session(steps, **kw):
+    """This task's session to `steps`: a worker's, or None on a ps task once it has
+    served (p2p: `join()`; rma: the session on every task, the ps's serving in it)."""
+    mode, transport = ("ps", "rma") if MODE == "rma" else (MODE, "p2p")
+    if me["type"] == "ps" and transport == "p2p":
+        mpiflow.join()
+        return None
+    sess = mpiflow.Session(initial(), mode, transport=transport, optimizer="sgd", lr=LR,
+                           steps=steps, log_every=0, **kw)
+    return sess if sess.is_worker else None
+
+
 def train(steps, **kw):
-    """A session to `steps` on this worker's share of the batch: its parameters, losses."""
-    sess = mpiflow.Session(initial(), MODE, optimizer="sgd", lr=LR, steps=steps, log_every=0,
-                           peer_timeout=10, **kw)
+    """A session to `steps` on this worker's share of the batch: its parameters, losses,
+    summary (None on a ps task)."""
+    sess = session(steps, peer_timeout=10, **kw)
+    if sess is None:
+        return None
     k, i = sess.data_shard
     rows = slice(i * BATCH // k, (i + 1) * BATCH // k)
     losses = []
@@ -89,31 +103,25 @@ def worst(p, q):
     return max(float(np.max(np.abs(p[k] - q[k]) / (1 + np.abs(q[k])))) for k in q)
 
 
-is_ps = me["type"] == "ps"
 if SCENARIO == "equal":
-    if is_ps:
-        mpiflow.join()
-    else:
-        p, losses, closed = train(25)
+    trained = train(25)
+    if trained:
+        p, losses, closed = trained
         out.update(worst=worst(p, local(25)), step=closed["global_step"],
                    first_loss=losses[0], last_loss=losses[-1])
 elif SCENARIO.startswith("restore"):
     steps = int(SCENARIO[len("restore"):])
-    if is_ps:
-        mpiflow.join()
-    else:
-        p, _, closed = train(steps, checkpoint_dir=os.path.join(DIR, "ckpt"))
+    trained = train(steps, checkpoint_dir=os.path.join(DIR, "ckpt"))
+    if trained:
+        p, _, closed = trained
         out.update(resumed_at=closed["first_step"], step=closed["global_step"],
                    worst=worst(p, local(steps)),
                    checkpoint=os.path.basename(closed["checkpoint"] or ""))
 elif SCENARIO == "bad":
     t = time.monotonic()
     try:
-        if is_ps:
-            mpiflow.join()
-        else:
-            sess = mpiflow.Session(initial(), MODE, optimizer="sgd", lr=LR, steps=100,
-                                   log_every=0, peer_timeout=30)
+        sess = session(100, peer_timeout=30)
+        if sess is not None:
             k, i = sess.data_shard
             rows = slice(i * BATCH // k, (i + 1) * BATCH // k)
             while not sess.should_stop():
