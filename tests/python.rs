@@ -131,6 +131,23 @@ fn a_python_session_trains_as_local_training_in_every_mode_and_resumes() {
                 );
             }
         }
+        // Asynchronous (the ps modes), and synchronous with a backup worker (the ps over
+        // messages; one-sided windows aggregate every worker): the last step reached on
+        // every worker (async: at least), its loss fallen.
+        let others: &[&str] = match mode {
+            "ps" => &["async", "backup"],
+            "rma" => &["async"],
+            _ => &[],
+        };
+        for scenario in others {
+            let ranks = run(scenario).unwrap();
+            let trained: Vec<&Value> = ranks.iter().filter(|l| l["step"].is_u64()).collect();
+            assert_eq!(trained.len(), workers, "{mode} {scenario}: {ranks:?}");
+            for l in trained {
+                assert!(l["step"].as_u64() >= Some(60), "{mode} {scenario}: {l}");
+                assert!(l["last_loss"].as_f64() < l["first_loss"].as_f64(), "{l}");
+            }
+        }
         if mode == "rma" {
             // A worker failing before the others push its step leaves them to their
             // timeout in the one-sided ps (the ps takes its end for the job's): not

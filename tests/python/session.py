@@ -8,6 +8,9 @@ mpiflow, over the ps tasks (mode ps: `mpiflow.init(ps=1)`) or the allreduce.
   SGD on one process) within 1e-4, on every worker.
 - restore10, restore20: a job trains 10 steps checkpointed into DIR; a second job to step
   20 restores step 10 and ends equal to 20 steps straight.
+- async, backup: asynchronous (`sync=False`), and synchronous with
+  `replicas_to_aggregate=1` (the other worker a backup): 60 steps reached, the loss
+  falling.
 - bad: worker 1 hands a float64 gradient at step 3: a TypeError there, an mpiflow.Error on
   every other task, each within seconds.
 
@@ -117,6 +120,13 @@ elif SCENARIO.startswith("restore"):
         out.update(resumed_at=closed["first_step"], step=closed["global_step"],
                    worst=worst(p, local(steps)),
                    checkpoint=os.path.basename(closed["checkpoint"] or ""))
+elif SCENARIO in ("async", "backup"):
+    kw = {"sync": False} if SCENARIO == "async" else {"replicas_to_aggregate": 1}
+    trained = train(60, **kw)
+    if trained:
+        p, losses, closed = trained
+        out.update(step=closed["global_step"], first_loss=losses[0],
+                   last_loss=float(np.mean(losses[-5:])))
 elif SCENARIO == "bad":
     t = time.monotonic()
     try:
