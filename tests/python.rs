@@ -148,12 +148,6 @@ fn a_python_session_trains_as_local_training_in_every_mode_and_resumes() {
                 assert!(l["last_loss"].as_f64() < l["first_loss"].as_f64(), "{l}");
             }
         }
-        if mode == "rma" {
-            // A worker failing before the others push its step leaves them to their
-            // timeout in the one-sided ps (the ps takes its end for the job's): not
-            // asserted here until that is fixed.
-            continue;
-        }
         let bad = run("bad").unwrap();
         let why = "push_pull: the gradient of 'w2' is float64, the variable is float32";
         for l in &bad {
@@ -167,6 +161,10 @@ fn a_python_session_trains_as_local_training_in_every_mode_and_resumes() {
                 (false, "ps") => {
                     assert!(line.contains("worker:1 (rank 2): model external"), "{l}");
                     assert!(line.ends_with(why), "{l}");
+                }
+                // The one-sided ps names the worker and the step (its line says why).
+                (false, "rma") => {
+                    assert!(line.contains("worker:1 (rank 2) ended at step 3"), "{l}")
                 }
                 (false, _) => assert!(line.contains("step 3 failed on 1 of 2 replicas"), "{l}"),
             }

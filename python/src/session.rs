@@ -191,21 +191,24 @@ fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
     match mode {
         Mode::Local => {
             let sess = Local::new(&model, &ps.train).and_then(|s| Session::new(s, &ps.train));
-            io.drive(sess.map_err(|e| e.to_string()));
+            let _ = io.drive(sess.map_err(|e| e.to_string()));
         }
         Mode::Allreduce => {
             let cfg = AllreduceConfig {
                 train: ps.train.clone(),
                 ..AllreduceConfig::default()
             };
-            io.drive(
+            let _ = io.drive(
                 server
                     .allreduce_session(&model, &cfg)
                     .map_err(|e| e.to_string()),
             );
         }
-        Mode::Ps => io.drive(server.session(&model, &ps).map_err(|e| e.to_string())),
+        Mode::Ps => {
+            let _ = io.drive(server.session(&model, &ps).map_err(|e| e.to_string()));
+        }
         Mode::PsRma => {
+            let is_worker = server.worker().is_some();
             // The evaluator's held-out samples: none (an external model is evaluated by
             // the program).
             let none = Dataset {
@@ -215,14 +218,13 @@ fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
                 classes: 1,
                 shape: vec![0],
             };
-            let served = server.one_sided(&model, &ps, &none, |sess| {
-                io.drive(Ok(sess));
-                Ok(())
-            });
-            match served {
-                Ok(Some(())) => {}
-                Ok(None) => io.reply(Reply::Served),
-                Err(e) => io.reply(Reply::Failed(e.to_string(), ps_stopped(&e))),
+            let served = server.one_sided(&model, &ps, &none, |sess| io.drive(Ok(sess)));
+            match (served, is_worker) {
+                (Ok(None), _) => io.reply(Reply::Served),
+                // A worker's session told Python how it ended.
+                (_, true) => {}
+                (Err(e), false) => io.reply(Reply::Failed(e.to_string(), ps_stopped(&e))),
+                (Ok(Some(())), false) => {}
             }
         }
     }
@@ -238,13 +240,23 @@ struct Io<'a> {
 }
 
 impl Io<'_> {
-    fn drive<'m, S: Strategy<'m>>(&self, opened: Result<Session<'m, '_, S>, String>) {
+    /// Serves the session's commands until it is closed (`Ok`) or the Python side lets
+    /// go; then the error that ended it, if one did (or that it was left unclosed): the
+    /// one-sided scope frees its windows together only after a clean end, as every
+    /// other rank then does.
+    fn drive<'m, S: Strategy<'m>>(
+        &self,
+        opened: Result<Session<'m, '_, S>, String>,
+    ) -> Result<(), TrainError> {
         let mut sess = match opened {
             Ok(s) => {
                 let asked = self.stop_asked.clone();
                 s.with_hook(move |_: &StepInfo| asked.load(Ordering::SeqCst))
             }
-            Err(e) => return self.reply(Reply::Failed(e, false)),
+            Err(e) => {
+                self.reply(Reply::Failed(e.clone(), false));
+                return Err(TrainError::Setup(e));
+            }
         };
         self.write_params(&sess);
         self.reply(Reply::Ready {
@@ -252,21 +264,31 @@ impl Io<'_> {
             shard: sess.data_shard(),
             chief: sess.is_chief(),
         });
+        let mut ended: Option<TrainError> = None;
+        // A failure is answered, and kept as how the session ended.
+        let mut fail = |e: TrainError| {
+            let reply = failed(e.clone());
+            ended.get_or_insert(e);
+            reply
+        };
         while let Ok(cmd) = self.inbox.recv() {
             let reply = match cmd {
                 Cmd::Step {
                     grads,
                     loss,
                     samples,
-                } => self.step(&mut sess, &grads, loss, samples),
-                Cmd::Refuse(why) => failed(self.model.refuse(&mut sess, why)),
+                } => self
+                    .step(&mut sess, &grads, loss, samples)
+                    .unwrap_or_else(&mut fail),
+                Cmd::Refuse(why) => fail(self.model.refuse(&mut sess, why)),
                 Cmd::Save => match sess.save() {
                     Ok(path) => Reply::Saved(path),
-                    Err(e) => failed(e),
+                    Err(e) => fail(e),
                 },
                 Cmd::Close => {
                     let closed = sess.close();
-                    return self.reply(match closed {
+                    let r = closed.as_ref().map(|_| ()).map_err(Clone::clone);
+                    self.reply(match closed {
                         Ok(t) => Reply::Closed(Closed {
                             step: t.step,
                             first_step: t.first_step,
@@ -274,12 +296,15 @@ impl Io<'_> {
                             samples_per_sec: t.samples_per_sec,
                             checkpoint: t.checkpoint,
                         }),
-                        Err(e) => failed(e),
+                        Err(e) => fail(e),
                     });
+                    return r;
                 }
             };
             self.reply(reply);
         }
+        Err(ended
+            .unwrap_or_else(|| TrainError::Usage("the session was left without close()".into())))
     }
 
     fn step<'m, S: Strategy<'m>>(
@@ -288,23 +313,19 @@ impl Io<'_> {
         grads: &[Span],
         loss: f32,
         samples: usize,
-    ) -> Reply {
+    ) -> Result<Reply, TrainError> {
         // SAFETY: the spans are the data of float32 arrays the Python thread checked and
         // holds, waiting for this reply, for the whole step.
         let slices: Vec<&[f32]> = grads
             .iter()
             .map(|s| unsafe { std::slice::from_raw_parts(s.ptr as *const f32, s.len) })
             .collect();
-        match self.model.run(sess, &slices, loss, samples) {
-            Ok(info) => {
-                self.write_params(sess);
-                Reply::Stepped {
-                    info,
-                    stop: sess.should_stop(),
-                }
-            }
-            Err(e) => failed(e),
-        }
+        let info = self.model.run(sess, &slices, loss, samples)?;
+        self.write_params(sess);
+        Ok(Reply::Stepped {
+            info,
+            stop: sess.should_stop(),
+        })
     }
 
     /// Copies the session's parameters into the Python session's arrays.

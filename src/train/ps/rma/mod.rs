@@ -32,7 +32,9 @@
 //! every ps's `STOP` before counting its push; each ps announces it with the next step it
 //! publishes (`STEP` marked), so every worker stops after the same step. A worker that
 //! ends adds `MARK` to every ps's `ARRIVALS` (and the signal that stopped it to
-//! `STOPPED_BY`); a ps ends once every worker has.
+//! `STOPPED_BY`); a ps ends once every worker has. A ps waits for each worker to push a
+//! step or end: where some pushed and another ended, that one failed, and the ps tells
+//! the others (`ABORT`: its number, plus `ENDED` where it ended rather than went silent).
 //!
 //! Checkpoints (`--sync`): every ps restores its shard from the newest valid checkpoint
 //! before the windows open. The chief asks for checkpoint `s` (its session's schedule: by
@@ -104,6 +106,10 @@ const TIME_FIELDS: usize = 5;
 /// announces a stop at `step` (async: plus `MARK` per announcement), `ARRIVALS` gains one
 /// `MARK` per worker that stopped.
 const MARK: i64 = 1 << 40;
+
+/// Added to the late worker's number in `ABORT` where that worker ended (its error says
+/// why), not went silent.
+const ENDED: i64 = 1 << 32;
 
 /// What a worker writes into `STOP` (and a ps announces) for a hook's request to stop: no
 /// signal's number.

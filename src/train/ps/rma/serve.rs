@@ -77,9 +77,14 @@ impl Rma<'_> {
                 }
                 Ok(a)
             },
-            |a| a % MARK >= base + nw as i64 || a >= MARK,
+            // Every worker pushed this step or ended (one that ends before the others
+            // push is waited out: they push, then learn it failed).
+            |a| {
+                a % MARK >= base + nw as i64
+                    || (a >= MARK && a % MARK - base + a / MARK >= nw as i64)
+            },
             || {
-                let late = self.late_worker(ctl, me, step);
+                let late = self.late_worker(ctl, me, step, false);
                 self.lost(self.roles.task(me), late)
             },
         )?;
@@ -89,7 +94,7 @@ impl Rma<'_> {
         }
         if arrived % MARK > base {
             // Some pushed this step and another ended: that one failed (its error says why).
-            let late = self.late_worker(ctl, me, step);
+            let late = self.late_worker(ctl, me, step, true);
             return Err(PsError::Aborted {
                 task: self.roles.task(me),
                 message: format!("{late} ended at step {step}, which the others pushed"),
@@ -99,15 +104,17 @@ impl Rma<'_> {
     }
 
     /// The first worker whose push count is behind `step`, named; told to the workers
-    /// waiting for the step (`ABORT`, best effort: this ps stops either way).
-    fn late_worker(&self, ctl: &impl Access<i64>, me: usize, step: u64) -> String {
+    /// waiting for the step (`ABORT`, with whether it `ended` or went silent; best
+    /// effort: this ps stops either way).
+    fn late_worker(&self, ctl: &impl Access<i64>, me: usize, step: u64, ended: bool) -> String {
         let late = (0..self.roles.workers.len())
             .find(|w| {
                 ctl.fetch_and_add(me, PUSHES + w, 0)
                     .is_ok_and(|c| c <= step as i64)
             })
             .unwrap_or(0);
-        let _ = ctl.put(me, ABORT, &[late as i64 + 1]);
+        let said = late as i64 + 1 + if ended { ENDED } else { 0 };
+        let _ = ctl.put(me, ABORT, &[said]);
         self.roles.task(self.roles.workers[late])
     }
 

@@ -135,6 +135,15 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
             let verdict = |published: i64, abort: i64| match abort {
                 0 => Ok(published),
                 found if found < 0 => Err(not_applied(step - 1, -found, roles.workers.len())),
+                late if late > ENDED => Err(PsError::Remote {
+                    task: me.clone(),
+                    message: format!(
+                        "{}: {} ended at step {} (its error says why)",
+                        rma.ps_task(k),
+                        roles.task(roles.workers[(late - ENDED - 1) as usize]),
+                        step - 1
+                    ),
+                }),
                 late => Err(PsError::Remote {
                     task: me.clone(),
                     message: rma
