@@ -116,3 +116,48 @@ fn pieces_number_each_ps_from_zero_and_slices_cover_the_tensors() {
         assert!(v.iter().all(|x| *x == i as f32 + 1.0));
     }
 }
+
+#[test]
+fn a_worker_failing_before_the_others_push_is_named_to_them_at_once() {
+    // Worker 1 fails its third step at once; worker 0 pushes that step later. Both learn
+    // within seconds (the wait for a peer is 20 s), worker 0 naming worker 1.
+    let v = crate::tensor::Tensor::from_slice(&[4], &[0f32; 4])
+        .unwrap()
+        .named("v");
+    let ext = crate::model::External::new("v", vec![v]).unwrap();
+    let l = layout(3, 1);
+    let c = cfg(10, true);
+    let none = Dataset::synthetic(0, 0, 1, 0);
+    let t = std::time::Instant::now();
+    let out = LocalComm::run(3, |comm| {
+        let w = comm.rank();
+        let ran = scope(&comm, &l, &ext, &c, &none, &mut |_| {}, |mut sess| {
+            while !sess.should_stop() {
+                if sess.global_step() == 2 {
+                    match w {
+                        2 => return Err(ext.refuse(&mut sess, "no gradient".into())),
+                        _ => std::thread::sleep(Duration::from_millis(300)),
+                    }
+                }
+                ext.run(&mut sess, &[&[1.0; 4]], 1.0, 2)?;
+            }
+            Ok(())
+        });
+        ran.map(|_| ()).map_err(|e| e.to_string())
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "{:?}: {out:?}",
+        t.elapsed()
+    );
+    let said = |r: usize| out[r].as_ref().unwrap_err().clone();
+    assert!(said(2).contains("no gradient"), "{out:?}");
+    assert!(
+        said(1).contains("worker:1 (rank 2) ended at step 2"),
+        "{out:?}"
+    );
+    assert!(
+        said(0).contains("worker:1 (rank 2) ended at step 2"),
+        "{out:?}"
+    );
+}
