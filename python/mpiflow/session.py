@@ -4,6 +4,7 @@ import types as _types
 from . import _native
 from ._native import rank
 
+
 def _settings(**kw):
     return _types.SimpleNamespace(**kw)
 
