@@ -29,47 +29,61 @@ fn checked(
     call: &str,
     writes: bool,
 ) -> (PyResult<DType>, &'static str) {
-    let d = a.dtype();
-    // By kind, size and byte order (native: '=', or '|' where order means nothing), not
-    // by comparing descriptors: this runs for every array of every call.
-    let native = matches!(d.byteorder(), b'=' | b'|')
-        || (d.byteorder() == b'<') == cfg!(target_endian = "little");
-    let dt = match (d.kind(), d.itemsize()) {
-        (b'f', 4) if native => Some(DType::F32),
-        (b'f', 8) if native => Some(DType::F64),
-        (b'i', 4) if native => Some(DType::I32),
-        (b'i', 8) if native => Some(DType::I64),
-        _ => None,
-    };
-    let Some(dt) = dt else {
+    let Some(dt) = dtype_of(a) else {
         let e = PyTypeError::new_err(format!(
             "mpiflow: {call}: arrays of dtype {} are not supported (float32, float64, int32, int64 in the machine's byte order)",
             dtype_name(a)
         ));
         return (Err(e), "");
     };
+    match layout_error(a, call, writes) {
+        Some((e, why_not)) => (Err(e), why_not),
+        None => (Ok(dt), ""),
+    }
+}
+
+/// An array's dtype as mpiflow's, if it is one mpiflow takes: by kind, size and byte
+/// order (native: '=', or '|' where order means nothing), not by comparing descriptors,
+/// as this runs for every array of every call.
+pub(crate) fn dtype_of(a: &Bound<'_, PyUntypedArray>) -> Option<DType> {
+    let d = a.dtype();
+    let native = matches!(d.byteorder(), b'=' | b'|')
+        || (d.byteorder() == b'<') == cfg!(target_endian = "little");
+    match (d.kind(), d.itemsize()) {
+        (b'f', 4) if native => Some(DType::F32),
+        (b'f', 8) if native => Some(DType::F64),
+        (b'i', 4) if native => Some(DType::I32),
+        (b'i', 8) if native => Some(DType::I64),
+        _ => None,
+    }
+}
+
+/// Why an array's memory cannot be used in place (a `ValueError` naming `call`, and its
+/// short word): not C-contiguous, unaligned, or read-only where it is written.
+pub(crate) fn layout_error(
+    a: &Bound<'_, PyUntypedArray>,
+    call: &str,
+    writes: bool,
+) -> Option<(PyErr, &'static str)> {
     let value = |what: &str| PyValueError::new_err(format!("mpiflow: {call}: {what}"));
     if !a.is_c_contiguous() {
         let e = value("the array must be C-contiguous (np.ascontiguousarray makes a copy that is)");
-        return (Err(e), " non-contiguous");
+        return Some((e, " non-contiguous"));
     }
     if !a.is_aligned() {
-        return (
-            Err(value("the array is not aligned to its dtype")),
-            " unaligned",
-        );
+        return Some((value("the array is not aligned to its dtype"), " unaligned"));
     }
     // SAFETY: the array object is a live NumPy array (PyUntypedArray); its flags are read.
     let flags = unsafe { (*a.as_array_ptr()).fields.flags };
     if writes && flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
         let e = value("the array is read-only (it is written in place)");
-        return (Err(e), " read-only");
+        return Some((e, " read-only"));
     }
-    (Ok(dt), "")
+    None
 }
 
 /// Where the bytes of an array [`checked`] found usable are.
-fn span_of(a: &Bound<'_, PyUntypedArray>) -> Span {
+pub(crate) fn span_of(a: &Bound<'_, PyUntypedArray>) -> Span {
     Span {
         // SAFETY: the array object is a live NumPy array; its data pointer is read.
         ptr: unsafe { (*a.as_array_ptr()).fields.data } as usize,

@@ -36,6 +36,16 @@ impl Span {
         // length in bytes.
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
     }
+
+    /// The span's float32 values.
+    ///
+    /// # Safety
+    /// As [`Span::bytes`], and the span must be a float32 array's, aligned (checked by
+    /// `collectives::layout_error`).
+    pub(crate) unsafe fn floats<'a>(self) -> &'a mut [f32] {
+        // SAFETY: as the caller promises: `len` bytes of aligned float32 values.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut f32, self.len / 4) }
+    }
 }
 
 /// The exception a failed call raises.

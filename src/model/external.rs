@@ -88,10 +88,7 @@ impl External {
     /// its values the initial ones: the chief's are the job's). An error names a
     /// variable without a name, of another type, or whose name is taken.
     pub fn new(name: &str, variables: Vec<Tensor>) -> Result<External, ModelError> {
-        let fail = |why: String| ModelError::Shape {
-            model: format!("external {name}"),
-            why,
-        };
+        let fail = |why: String| shape_error(name, why);
         if variables.is_empty() {
             return Err(fail("it has no variables".into()));
         }
@@ -179,12 +176,7 @@ impl External {
         if samples == 0 {
             return Some("a step of 0 samples".into());
         }
-        let (g, s) = self
-            .specs
-            .iter()
-            .zip(grads)
-            .find(|(s, g)| g.len() != s.numel())
-            .map(|(s, g)| (g, s))?;
+        let (s, g) = (self.specs.iter().zip(grads)).find(|(s, g)| g.len() != s.numel())?;
         Some(format!(
             "the gradient of {} has {} values, not {}",
             s.describe(),
@@ -194,16 +186,26 @@ impl External {
     }
 
     fn error(&self, why: String) -> ModelError {
-        ModelError::Shape {
-            model: self.describe(),
-            why,
-        }
+        shape_error(&self.name, why)
+    }
+}
+
+/// How an external model called `name` is described (its checkpoints record it).
+fn described(name: &str) -> String {
+    format!("external {name}")
+}
+
+/// The error of the external model called `name`: `why`.
+fn shape_error(name: &str, why: String) -> ModelError {
+    ModelError::Shape {
+        model: described(name),
+        why,
     }
 }
 
 impl Model for External {
     fn describe(&self) -> String {
-        format!("external {}", self.name)
+        described(&self.name)
     }
 
     /// No input values: the program holds its samples.

@@ -21,18 +21,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Mutex};
 
+use mpiflow::tensor::DType;
 use mpiflow::tensor::Tensor;
 use mpiflow::transport::Comm;
 use mpiflow::{External, PsError, ServerError};
-use numpy::{
-    dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
-};
+use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use self::settings::Settings;
 pub(crate) use self::thread::end_all;
-use self::thread::{serve, Cmd, Job, Link, Reply, Span, OPEN};
+use self::thread::{serve, Cmd, Job, Link, Reply, OPEN};
+use super::collectives::{dtype_name, dtype_of, layout_error, span_of};
+use super::executor::Span;
 use super::{shared_server, Error, Stopped};
 
 /// A worker's training session over variables the program computes the gradients of.
@@ -59,7 +60,7 @@ pub struct PySession {
 fn variable(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let a = value.cast::<PyArrayDyn<f32>>().map_err(|_| {
         let what = match value.cast::<PyUntypedArray>() {
-            Ok(a) => format!("an array of dtype {}", a.dtype()),
+            Ok(a) => format!("an array of dtype {}", dtype_name(a)),
             Err(_) => format!(
                 "a {}",
                 value
@@ -100,13 +101,7 @@ impl PySession {
             .map(|t| PyArrayDyn::<f32>::zeros(py, t.shape(), false).unbind())
             .collect::<Vec<_>>();
         let out = (params.iter())
-            .map(|a| {
-                let a = a.bind(py);
-                Span {
-                    ptr: a.data() as usize,
-                    len: a.len(),
-                }
-            })
+            .map(|a| span_of(a.bind(py).as_untyped()))
             .collect();
         let model = External::new(&settings.name, vars)
             .map_err(|e| PyValueError::new_err(format!("mpiflow: Session: {e}")))?;
@@ -362,8 +357,8 @@ impl PySession {
         }
     }
 
-    /// Gradient `i`, checked against its variable: a float32, C-contiguous array of its
-    /// shape.
+    /// Gradient `i`, checked against its variable (a float32 array of its shape) and as a
+    /// collective's array is (C-contiguous, aligned): where its data are.
     fn gradient(&self, py: Python<'_>, i: usize, g: &Bound<'_, PyAny>) -> PyResult<Span> {
         let name = self.names.get(i).map_or("?", String::as_str);
         let call = format!("{}: push_pull: the gradient of '{name}'", self.me);
@@ -371,10 +366,10 @@ impl PySession {
             let kind = g.get_type().name().map_or("?".into(), |n| n.to_string());
             PyTypeError::new_err(format!("mpiflow: {call} is a {kind}, not a NumPy array"))
         })?;
-        if !a.dtype().is_equiv_to(&dtype::<f32>(py)) {
+        if dtype_of(a) != Some(DType::F32) {
             return Err(PyTypeError::new_err(format!(
                 "mpiflow: {call} is {}, the variable is float32",
-                a.dtype()
+                dtype_name(a)
             )));
         }
         let want = self.params[i].bind(py).shape().to_vec();
@@ -384,17 +379,10 @@ impl PySession {
                 a.shape()
             )));
         }
-        if !a.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!(
-                "mpiflow: {call} is not C-contiguous (np.ascontiguousarray makes a copy that is)"
-            )));
+        match layout_error(a, &call, false) {
+            Some((e, _)) => Err(e),
+            None => Ok(span_of(a)),
         }
-        Ok(Span {
-            // SAFETY: the array object is live (borrowed for this call); its data pointer
-            // is read.
-            ptr: unsafe { (*a.as_array_ptr()).fields.data } as usize,
-            len: a.len(),
-        })
     }
 }
 

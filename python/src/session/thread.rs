@@ -13,15 +13,8 @@ use mpiflow::{
 };
 
 use super::ps_stopped;
+use crate::executor::Span;
 use crate::Shared;
-
-/// Where a NumPy array's float32 data are (kept alive by whoever sent it, for as long as
-/// the session thread may use it: see each use).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Span {
-    pub(super) ptr: usize,
-    pub(super) len: usize,
-}
 
 /// What the Python thread asks of its session thread.
 pub(super) enum Cmd {
@@ -291,12 +284,10 @@ impl Io<'_> {
         loss: f32,
         samples: usize,
     ) -> Result<Reply, TrainError> {
-        // SAFETY: the spans are the data of float32 arrays the Python thread checked and
-        // holds, waiting for this reply, for the whole step.
-        let slices: Vec<&[f32]> = grads
-            .iter()
-            .map(|s| unsafe { std::slice::from_raw_parts(s.ptr as *const f32, s.len) })
-            .collect();
+        // SAFETY: the spans are the data of float32 arrays the Python thread checked
+        // (aligned, C-contiguous) and holds, waiting for this reply, for the whole step;
+        // they are only read.
+        let slices: Vec<&[f32]> = grads.iter().map(|s| &*unsafe { s.floats() }).collect();
         let info = self.model.run(sess, &slices, loss, samples)?;
         self.write_params(sess);
         Ok(Reply::Stepped {
@@ -314,8 +305,7 @@ impl Io<'_> {
             // SAFETY: the span is a C-contiguous float32 array of this variable's length,
             // owned by the Python session, which waits for this thread's reply while it
             // is written (the thread writes only while answering a command).
-            let to = unsafe { std::slice::from_raw_parts_mut(s.ptr as *mut f32, s.len) };
-            to.copy_from_slice(from);
+            unsafe { s.floats() }.copy_from_slice(from);
         }
     }
 
