@@ -200,9 +200,7 @@ fn stop_step(stderr: &str) -> u64 {
         .lines()
         .find(|l| l.starts_with("mpiflow: stopped by "))
         .unwrap_or_else(|| panic!("no stop line in {stderr}"));
-    let after = line.split(" at step ").nth(1).unwrap();
-    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().unwrap()
+    common::step_of_stop(line).unwrap_or_else(|| panic!("no step in {line}"))
 }
 
 /// A name, the job's start and mode flags, the signal, the `pgrep` arguments of what to

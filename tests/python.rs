@@ -199,12 +199,7 @@ fn the_seeds_trainer_in_python_learns_and_resumes_after_a_signal() {
     assert_eq!(code, Some(75), "{text}");
     let stops: Vec<&str> = text.lines().filter(|l| l.contains("stopped by")).collect();
     assert_eq!(stops.len(), 2, "one line per worker: {text}");
-    let step: u64 = stops[0]
-        .split("at step ")
-        .nth(1)
-        .and_then(|s| s.split(',').next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("{text}"));
+    let step = common::step_of_stop(stops[0]).unwrap_or_else(|| panic!("{text}"));
     for line in &stops {
         assert!(
             line.contains(&format!(

@@ -207,6 +207,13 @@ pub fn hostname() -> String {
     mpiflow::cluster::resolve::hostname().expect("gethostname")
 }
 
+/// The step a stop line names (`... stopped by SIGUSR1 at step 7659, checkpoint ...`).
+pub fn step_of_stop(line: &str) -> Option<u64> {
+    let after = line.split(" at step ").nth(1)?;
+    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
 /// The held-out accuracy on the `accuracy ...` line of a training run.
 pub fn accuracy(stdout: &str) -> f64 {
     let line = stdout
