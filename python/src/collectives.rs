@@ -97,7 +97,8 @@ fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str
 }
 
 /// NumPy's name of an array's dtype (`float32`), made here: NumPy's own `str(dtype)` runs
-/// Python code, several microseconds a call.
+/// Python code, which costs more than a small collective (its cost measured in
+/// benches/results/2026-11-28-python.md).
 pub(crate) fn dtype_name(a: &Bound<'_, PyUntypedArray>) -> String {
     let d = a.dtype();
     let bits = d.itemsize() * 8;
