@@ -97,7 +97,7 @@ def train(steps, **kw):
     while not sess.should_stop():
         loss, g = loss_and_grads(sess.params, X[rows], Y[rows])
         sess.push_pull(g, loss, samples=len(Y[rows]))
-        losses.append(sess.loss)
+        losses.append(loss)  # the program's own loss of the parameters it stepped from
     closed = sess.close()
     return {k: v.copy() for k, v in sess.params.items()}, losses, closed
 
