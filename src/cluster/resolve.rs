@@ -626,8 +626,9 @@ mod tests {
         std::fs::write(&elsewhere, "localhost slots=1\nno-such-host-here slots=3\n").unwrap();
         let req = |path: &std::path::Path| Request {
             hostfile: Some(path.to_path_buf()),
-            // Ports of this test's own (this rank's is bound to check it is free).
-            port_base: Some(40_000 + (std::process::id() % 5_000) as u16),
+            // Ports of this test's own (this rank's is bound to check it is free), above
+            // Linux's ephemeral range (32768-60999) so no outgoing connection holds one.
+            port_base: Some(61_000 + (std::process::id() % 4_000) as u16),
             mapping: MappingOptions {
                 ps: 1,
                 ..MappingOptions::default()
