@@ -88,6 +88,51 @@ fn mpiflow_and_mpi4py_share_one_mpi_whichever_starts_it() {
     }
 }
 
+/// `mpiflow.init(comm=...)` with an mpi4py communicator: the world split in two halves, each
+/// a job of its own (its ranks, its cluster of 1 ps and 1 worker, its allreduce's sum, a ps
+/// session trained in each at once to the exact value of plain SGD); something that is no
+/// communicator a TypeError and `MPI.COMM_NULL` an `mpiflow.Error`, each naming it.
+#[test]
+fn init_takes_an_mpi4py_communicator_whose_ranks_are_the_job() {
+    let Some(lines) = ranks_of("with_comm.py", 4, &[]) else {
+        return;
+    };
+    // 20 steps of w -= 0.25 (w - target) from 0: the largest target (7) times 0.75^20.
+    let expected = 7.0 * 0.75f64.powi(20);
+    for (r, l) in lines.iter().enumerate() {
+        let half = r % 2;
+        assert_eq!(l["mpiflow_rank"].as_u64(), Some((r / 2) as u64), "{l}");
+        assert_eq!(l["size"].as_u64(), Some(2), "{l}");
+        // The world ranks of the half, plus one: 1 + 3 (even) and 2 + 4 (odd).
+        let sum = if half == 0 { 4.0 } else { 6.0 };
+        assert_eq!(l["sum"], serde_json::json!([sum, sum, sum]), "{l}");
+        assert_eq!(l["jobs"], serde_json::json!({"ps": 1, "worker": 1}), "{l}");
+        let refused = l["refused"].as_array().unwrap();
+        assert_eq!(
+            refused[0].as_str(),
+            Some("mpiflow.init: comm must be an mpi4py communicator (MPI.Comm), not str"),
+            "{l}"
+        );
+        assert!(
+            refused[1].as_str().unwrap().starts_with(&format!(
+                "mpiflow: the communicator given on rank {r}: Fortran handle "
+            )),
+            "{l}"
+        );
+        if r / 2 == 1 {
+            assert_eq!(l["task"], "worker:0", "{l}");
+            assert_eq!(l["step"].as_u64(), Some(20), "{l}");
+            let error = l["error"].as_f64().unwrap();
+            assert!(
+                (error - expected).abs() < 1e-5,
+                "{error} vs {expected}: {l}"
+            );
+        } else {
+            assert_eq!(l["task"], "ps:0", "{l}");
+        }
+    }
+}
+
 /// A training session from Python over the ps tasks (1 ps, 2 workers; by messages and over
 /// one-sided windows) and the allreduce (2 workers), the program's NumPy MLP handing in its gradients: the parameters equal
 /// local training of the whole batch within 1e-4; a second job restores the first's

@@ -54,12 +54,21 @@ __all__ = [
 ]
 
 
-def init(args=None, ps=0, chief=False, evaluator=False):
+def init(args=None, ps=0, chief=False, evaluator=False, comm=None):
     """Initialises MPI and resolves this process's task, as `mpiflow spec` does: from the
     seeds' flags in `args` (--ps_hosts ... --job_name ... --task_index), else TF_CONFIG,
     else the MPI job's ranks mapped onto `ps` ps tasks (and a chief or an evaluator if
-    asked). Calling it again does nothing."""
-    _native.init(list(args or []), ps, chief, evaluator)
+    asked). `comm`: an mpi4py intracommunicator whose ranks are the job instead of every
+    rank's (mpiflow works on a duplicate of it; mpi4py finalises MPI). Calling it again
+    does nothing."""
+    handle = None
+    if comm is not None:
+        py2f = getattr(comm, "py2f", None)
+        if py2f is None:
+            raise TypeError("mpiflow.init: comm must be an mpi4py communicator "
+                            f"(MPI.Comm), not {type(comm).__name__}")
+        handle = py2f()
+    _native.init(list(args or []), ps, chief, evaluator, handle)
 
 
 # MPI is finalised once, at exit (MPI_Finalize waits for every rank).

@@ -18,7 +18,7 @@ mod session;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use mpiflow::cluster::MappingOptions;
+use mpiflow::cluster::{MappingOptions, Source};
 use mpiflow::transport::collectives::Collectives;
 use mpiflow::transport::{Comm, Context, InitError};
 use mpiflow::Server;
@@ -90,10 +90,19 @@ fn with_state<R>(f: impl FnOnce(&State) -> PyResult<R>) -> PyResult<R> {
 
 /// Initialises MPI (with threads) and resolves this process's cluster: from the seeds'
 /// flags in `args` if any, else `TF_CONFIG`, else the ranks of the MPI job mapped onto
-/// `ps` ps tasks (and a chief or evaluator if asked). A second call does nothing.
+/// `ps` ps tasks (and a chief or evaluator if asked). `comm`: the Fortran handle of a
+/// communicator the program made (mpi4py's `comm.py2f()`), whose ranks are then the job
+/// (MPI initialised by mpi4py; the cluster is never Slurm's whole step then, which may
+/// hold other ranks). A second call does nothing.
 #[pyfunction]
-#[pyo3(signature = (args = Vec::new(), ps = 0, chief = false, evaluator = false))]
-fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<()> {
+#[pyo3(signature = (args = Vec::new(), ps = 0, chief = false, evaluator = false, comm = None))]
+fn init(
+    args: Vec<String>,
+    ps: usize,
+    chief: bool,
+    evaluator: bool,
+    comm: Option<i32>,
+) -> PyResult<()> {
     let mut guard = locked()?;
     if guard.is_some() {
         return Ok(());
@@ -101,9 +110,12 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
     let fail = |e: &dyn std::fmt::Display| Error::new_err(format!("mpiflow: {e}"));
     // MPI initialised already (mpi4py imported first): its library is used, and left to
     // it to finalise.
-    let (ctx, multiple) = match Context::init_threaded() {
-        Err(InitError::AlreadyInitialised) => Context::adopt(),
-        started => started,
+    let (ctx, multiple) = match comm {
+        Some(fortran) => Context::adopt_communicator(fortran),
+        None => match Context::init_threaded() {
+            Err(InitError::AlreadyInitialised) => Context::adopt(),
+            started => started,
+        },
     }
     .map_err(|e| fail(&e))?;
     if !multiple {
@@ -117,8 +129,11 @@ fn init(args: Vec<String>, ps: usize, chief: bool, evaluator: bool) -> PyResult<
         evaluator,
         ..MappingOptions::default()
     };
-    let req = Server::request(&args, mapping);
+    let mut req = Server::request(&args, mapping);
     let env = std::env::vars().collect();
+    if comm.is_some() && req.pick_source(&env) == Source::Slurm {
+        req.source = Source::Mpi;
+    }
     let server = Server::start_in(ctx, &req, &env).map_err(|e| fail(&e))?;
     let comm = server.comm();
     let own = comm.split(0, comm.rank()).map_err(|e| fail(&e))?;

@@ -9,7 +9,7 @@ use std::fmt::Display;
 
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
-use mpi::raw::AsRaw;
+use mpi::raw::{AsRaw, FromRaw};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
@@ -24,6 +24,10 @@ pub enum InitError {
     Tags(#[from] super::tags::TagError),
     #[error("setting MPI_COMM_WORLD's error handler failed: {0}")]
     ErrorHandler(String),
+    /// The communicator a program handed in ([`Context::adopt_communicator`]) cannot be
+    /// this context's (the message names the rank in `MPI_COMM_WORLD`).
+    #[error("the communicator given on {0}")]
+    Communicator(String),
 }
 
 /// An error raised on one rank (or on all alike) and agreed by all.
@@ -36,7 +40,8 @@ pub struct RankError {
     pub message: String,
 }
 
-/// The initialised MPI library and the world communicator (`MPI_COMM_WORLD`).
+/// The initialised MPI library and the job's communicator (`MPI_COMM_WORLD`, or a
+/// duplicate of the one a program gave: [`Context::adopt_communicator`]).
 pub struct Context {
     // Field order matters: the communicator handle is dropped before the universe,
     // whose drop calls `MPI_Finalize`.
@@ -78,6 +83,57 @@ impl Context {
         let multiple = mpi::environment::threading_support() == mpi::Threading::Multiple;
         let world = SimpleCommunicator::world();
         Ok((Context::started(world, None)?, multiple))
+    }
+
+    /// The context of a communicator another part of the program made (mpi4py's
+    /// `comm.py2f()`), given by its Fortran handle: the one form of a communicator every
+    /// MPI library and language binding shares. Its ranks are this context's job (a
+    /// duplicate of it carries mpiflow's traffic apart from the program's); MPI is left to
+    /// that part to finalise. The flag says whether the library provides
+    /// `MPI_THREAD_MULTIPLE`.
+    pub fn adopt_communicator(fortran: i32) -> Result<(Context, bool), InitError> {
+        if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
+            return Err(InitError::NotInitialised);
+        }
+        let rank = SimpleCommunicator::world().rank();
+        let bad = |what: String| InitError::Communicator(format!("rank {rank}: {what}"));
+        // SAFETY: MPI is initialised; MPI_Comm_f2c takes any integer (an unknown handle
+        // converts to MPI_COMM_NULL in Open MPI, checked below).
+        let raw = unsafe { mpi::ffi::RSMPI_Comm_f2c(fortran) };
+        // SAFETY: reading the constant handle of the initialised library.
+        if raw == unsafe { mpi::ffi::RSMPI_COMM_NULL } {
+            return Err(bad(format!(
+                "Fortran handle {fortran} is MPI_COMM_NULL or no communicator"
+            )));
+        }
+        let mut inter = 0;
+        // SAFETY: `raw` is a communicator handle (not null, checked above); `inter` is
+        // written by the call.
+        let rc = unsafe { mpi::ffi::MPI_Comm_test_inter(raw, &mut inter) };
+        if rc != 0 {
+            return Err(bad(super::mpi::error_string(rc)));
+        }
+        if inter != 0 {
+            return Err(bad(
+                "an intercommunicator (mpiflow's job is one group of ranks)".into(),
+            ));
+        }
+        let mut dup = raw;
+        // SAFETY: `raw` is an intracommunicator of the initialised library; `dup` receives
+        // a new communicator that the context owns (freed when it drops, before MPI is
+        // finalised by the part that initialised it).
+        let rc = unsafe { mpi::ffi::MPI_Comm_dup(raw, &mut dup) };
+        if rc != 0 {
+            return Err(bad(format!(
+                "MPI_Comm_dup: {}",
+                super::mpi::error_string(rc)
+            )));
+        }
+        let multiple = mpi::environment::threading_support() == mpi::Threading::Multiple;
+        // SAFETY: `dup` is a live intracommunicator of no one else's, neither
+        // MPI_COMM_WORLD nor MPI_COMM_SELF (a duplicate).
+        let job = unsafe { SimpleCommunicator::from_raw(dup) };
+        Ok((Context::started(job, None)?, multiple))
     }
 
     /// The context of a started library: tags checked, ranks seated.
