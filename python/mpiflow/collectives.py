@@ -32,7 +32,7 @@ def allreduce(array, op="sum", out=None):
     """The reduction of `array` over every rank by `op` ("sum", "mean", "min", "max"),
     the same bits on every rank. Into `out` if given (`out=array` reduces in place), else
     into a new array."""
-    return _native.allreduce_(_out(array, out), op, blocking=True).wait()
+    return _native.allreduce_(_out(array, out), op, blocking=True)
 
 
 def _outs(arrays, inplace):
@@ -48,7 +48,7 @@ def allreduce_many(arrays, op="sum", inplace=False):
     """`allreduce` of every array of the list, fused: one message per dtype (the arrays
     of a dtype back to back), as mpiflow reduces a model's gradients. In place if
     `inplace` (each array C-contiguous and writeable), else into new arrays; the list."""
-    return _native.allreduce_many_(_outs(arrays, inplace), op, blocking=True).wait()
+    return _native.allreduce_many_(_outs(arrays, inplace), op, blocking=True)
 
 
 def broadcast_async(array, root=0):
@@ -58,7 +58,7 @@ def broadcast_async(array, root=0):
 
 def broadcast(array, root=0):
     """Copies rank `root`'s `array` into every rank's `array`, in place; returns it."""
-    return _native.broadcast_(array, root, blocking=True).wait()
+    return _native.broadcast_(array, root, blocking=True)
 
 
 def _gathered(array):
@@ -74,9 +74,9 @@ def allgather_async(array):
 def allgather(array):
     """Every rank's `array` (the same shape and dtype on each), stacked in rank order: a
     new array of shape `(size, *array.shape)`."""
-    return _native.allgather_(*_gathered(array), blocking=True).wait()
+    return _native.allgather_(*_gathered(array), blocking=True)
 
 
 def barrier():
     """Waits until every rank called `barrier()`."""
-    _native.barrier_(blocking=True).wait()
+    _native.barrier_(blocking=True)

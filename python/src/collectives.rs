@@ -10,15 +10,18 @@
 //! that differs, instead of a hang or wrong sums. The arrays are checked here, with the
 //! GIL; what this rank refuses is raised by `wait()` after the agreement.
 
+use std::fmt::Display;
+
 use mpiflow::tensor::DType;
-use mpiflow::transport::fusion;
 use mpiflow::transport::ReduceOp;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use super::executor::{failure, Handle, Job, Op, Span};
+pub(crate) use super::described::dtype_name;
+use super::described::Described;
+use super::executor::{failure, Call, Job, Op, Port, Span};
 use super::{with_state, Error};
 
 /// An array checked for a collective: its dtype as mpiflow's, or why it cannot take
@@ -26,7 +29,7 @@ use super::{with_state, Error};
 /// that goes into the agreement.
 fn checked(
     a: &Bound<'_, PyUntypedArray>,
-    call: &str,
+    call: &Call,
     writes: bool,
 ) -> (PyResult<DType>, &'static str) {
     let Some(dt) = dtype_of(a) else {
@@ -34,7 +37,9 @@ fn checked(
             "mpiflow: {call}: arrays of dtype {} are not supported (float32, float64, int32, int64 in the machine's byte order)",
             dtype_name(a)
         ));
-        return (Err(e), "");
+        // In the description: a rank alone with such an array (another byte order of
+        // float32) differs from the others.
+        return (Err(e), " unsupported");
     };
     match layout_error(a, call, writes) {
         Some((e, why_not)) => (Err(e), why_not),
@@ -62,7 +67,7 @@ pub(crate) fn dtype_of(a: &Bound<'_, PyUntypedArray>) -> Option<DType> {
 /// short word): not C-contiguous, unaligned, or read-only where it is written.
 pub(crate) fn layout_error(
     a: &Bound<'_, PyUntypedArray>,
-    call: &str,
+    call: &dyn Display,
     writes: bool,
 ) -> Option<(PyErr, &'static str)> {
     let value = |what: &str| PyValueError::new_err(format!("mpiflow: {call}: {what}"));
@@ -91,29 +96,8 @@ pub(crate) fn span_of(a: &Bound<'_, PyUntypedArray>) -> Span {
     }
 }
 
-/// This rank's call, for the agreement: `name(dtype [shape]<why not>, arg)`.
-fn described(name: &str, a: &Bound<'_, PyUntypedArray>, why_not: &str, arg: &str) -> String {
-    format!("{name}({} {:?}{why_not}, {arg})", dtype_name(a), a.shape())
-}
-
-/// NumPy's name of an array's dtype (`float32`), made here: NumPy's own `str(dtype)` runs
-/// Python code, which costs more than a small collective (its cost measured in
-/// benches/results/2026-11-28-python.md).
-pub(crate) fn dtype_name(a: &Bound<'_, PyUntypedArray>) -> String {
-    let d = a.dtype();
-    let bits = d.itemsize() * 8;
-    match d.kind() {
-        b'f' => format!("float{bits}"),
-        b'i' => format!("int{bits}"),
-        b'u' => format!("uint{bits}"),
-        b'c' => format!("complex{bits}"),
-        b'b' => "bool".into(),
-        _ => d.to_string(),
-    }
-}
-
 /// `op`'s reduction, or a `ValueError` naming `call`.
-fn reduce_op(op: &str, call: &str) -> PyResult<ReduceOp> {
+fn reduce_op(op: &str, call: &Call) -> PyResult<ReduceOp> {
     match op {
         "sum" => Ok(ReduceOp::Sum),
         "mean" => Ok(ReduceOp::Average),
@@ -125,36 +109,29 @@ fn reduce_op(op: &str, call: &str) -> PyResult<ReduceOp> {
     }
 }
 
-/// Queues a call: `what` for the agreement, `call` for errors, its operation (or this
-/// rank's refusal), the arrays it uses and what its `wait()` returns.
+/// Queues (or with `blocking` runs) `job`, its arrays kept until it is done: the call's
+/// `Handle`, or with `blocking` what its `wait()` would return (`result`).
 fn submit(
     py: Python<'_>,
-    (what, call): (String, String),
-    op: PyResult<Op>,
-    (keep, result): (Vec<Py<PyAny>>, Py<PyAny>),
-    blocking: bool,
-) -> PyResult<Handle> {
-    let op = op.map_err(|e| failure(py, &e));
-    queue(py, Job { what, call, op }, (keep, result), blocking)
-}
-
-/// Queues (or runs) `job`, its arrays kept and its result returned by its handle.
-fn queue(
-    py: Python<'_>,
+    s: &Port,
     job: Job,
     (keep, result): (Vec<Py<PyAny>>, Py<PyAny>),
     blocking: bool,
-) -> PyResult<Handle> {
-    with_state(|s| Ok(s.exec.submit(py, job, keep, result, blocking)))
+) -> PyResult<Py<PyAny>> {
+    s.submit(py, job, keep, result, blocking)
 }
 
-/// This rank's name for a call's errors.
-fn call_name(name: &str) -> PyResult<String> {
-    with_state(|s| Ok(format!("rank {}: {name}", s.exec.rank)))
+/// A call of `name` on this rank, made and queued by `make` to the collectives (the
+/// state's lock is not held meanwhile: see [`Port`]).
+fn with_call<R>(name: &'static str, make: impl FnOnce(&Port, Call) -> PyResult<R>) -> PyResult<R> {
+    let port = with_state(|s| Ok(s.exec.port()))?;
+    let call = Call::new(port.rank, name);
+    make(&port, call)
 }
 
 /// Reduces `array` over every rank, in place, by `op` ("sum", "mean", "min", "max"):
-/// every rank ends with the same bits. Returns the call's handle (`wait()`: the array).
+/// every rank ends with the same bits. Returns the call's handle (`wait()`: the array), or
+/// with `blocking` the array.
 #[pyfunction]
 #[pyo3(signature = (array, op = "sum", blocking = false))]
 fn allreduce_(
@@ -162,18 +139,20 @@ fn allreduce_(
     array: &Bound<'_, PyUntypedArray>,
     op: &str,
     blocking: bool,
-) -> PyResult<Handle> {
-    let call = call_name("allreduce")?;
-    let (dt, why_not) = checked(array, &call, true);
-    let what = described("allreduce", array, why_not, &format!("op={op}"));
-    let run = dt.and_then(|dt| {
-        Ok(Op::Allreduce(
-            vec![(dt, vec![span_of(array)])],
-            reduce_op(op, &call)?,
-        ))
-    });
-    let a: Py<PyAny> = array.clone().into_any().unbind();
-    submit(py, (what, call), run, (vec![a.clone_ref(py)], a), blocking)
+) -> PyResult<Py<PyAny>> {
+    with_call("allreduce", |s, call| {
+        let (dt, why_not) = checked(array, &call, true);
+        let what = Described::new(call.name, format!("op={op}"), false).array(array, why_not);
+        let run = dt.and_then(|dt| {
+            Ok(Op::Allreduce(
+                vec![(dt, vec![span_of(array)])],
+                reduce_op(op, &call)?,
+            ))
+        });
+        let a: Py<PyAny> = array.clone().into_any().unbind();
+        let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
+        submit(py, s, job, (vec![a.clone_ref(py)], a), blocking)
+    })
 }
 
 /// Copies `root`'s `array` into every rank's, in place (checked as `allreduce_` does).
@@ -184,19 +163,21 @@ fn broadcast_(
     array: &Bound<'_, PyUntypedArray>,
     root: usize,
     blocking: bool,
-) -> PyResult<Handle> {
-    let call = call_name("broadcast")?;
-    let (dt, why_not) = checked(array, &call, true);
-    let what = described("broadcast", array, why_not, &format!("root={root}"));
-    let size = with_state(|s| Ok(s.exec.size))?;
-    let run = dt.and_then(|_| match root < size {
-        true => Ok(Op::Broadcast(span_of(array), root)),
-        false => Err(PyValueError::new_err(format!(
-            "mpiflow: {call}: root {root} is no rank of {size}"
-        ))),
-    });
-    let a: Py<PyAny> = array.clone().into_any().unbind();
-    submit(py, (what, call), run, (vec![a.clone_ref(py)], a), blocking)
+) -> PyResult<Py<PyAny>> {
+    with_call("broadcast", |s, call| {
+        let (dt, why_not) = checked(array, &call, true);
+        let what = Described::new(call.name, format!("root={root}"), false).array(array, why_not);
+        let size = s.size;
+        let run = dt.and_then(|_| match root < size {
+            true => Ok(Op::Broadcast(span_of(array), root)),
+            false => Err(PyValueError::new_err(format!(
+                "mpiflow: {call}: root {root} is no rank of {size}"
+            ))),
+        });
+        let a: Py<PyAny> = array.clone().into_any().unbind();
+        let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
+        submit(py, s, job, (vec![a.clone_ref(py)], a), blocking)
+    })
 }
 
 /// Every rank's `array` into `out` (`[size, *array.shape]`, the same dtype), in rank
@@ -208,54 +189,53 @@ fn allgather_(
     array: &Bound<'_, PyUntypedArray>,
     out: &Bound<'_, PyUntypedArray>,
     blocking: bool,
-) -> PyResult<Handle> {
-    let call = call_name("allgather")?;
-    let (dt, why_not) = checked(array, &call, false);
-    let (out_dt, _) = checked(out, &call, true);
-    let what = described("allgather", array, why_not, "");
-    let size = with_state(|s| Ok(s.exec.size))?;
-    let run = dt.and_then(|dt| {
-        let mut want = vec![size];
-        want.extend(array.shape());
-        if out_dt? != dt || out.shape() != want.as_slice() {
-            return Err(PyValueError::new_err(format!(
-                "mpiflow: {call}: out is {} {:?}, not {} {want:?}",
-                out.dtype(),
-                out.shape(),
-                array.dtype()
-            )));
-        }
-        Ok(Op::Allgather(span_of(array), span_of(out)))
-    });
-    let (a, o): (Py<PyAny>, Py<PyAny>) = (
-        array.clone().into_any().unbind(),
-        out.clone().into_any().unbind(),
-    );
-    submit(
-        py,
-        (what, call),
-        run,
-        (vec![a, o.clone_ref(py)], o),
-        blocking,
-    )
+) -> PyResult<Py<PyAny>> {
+    with_call("allgather", |s, call| {
+        let (dt, why_not) = checked(array, &call, false);
+        let (out_dt, _) = checked(out, &call, true);
+        let what = Described::new(call.name, String::new(), false).array(array, why_not);
+        let run = dt.and_then(|dt| {
+            let mut want = vec![s.size];
+            want.extend(array.shape());
+            if out_dt? != dt || out.shape() != want.as_slice() {
+                return Err(PyValueError::new_err(format!(
+                    "mpiflow: {call}: out is {} {:?}, not {} {want:?}",
+                    out.dtype(),
+                    out.shape(),
+                    array.dtype()
+                )));
+            }
+            Ok(Op::Allgather(span_of(array), span_of(out)))
+        });
+        let (a, o): (Py<PyAny>, Py<PyAny>) = (
+            array.clone().into_any().unbind(),
+            out.clone().into_any().unbind(),
+        );
+        let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
+        submit(py, s, job, (vec![a, o.clone_ref(py)], o), blocking)
+    })
 }
 
 /// Reduces every array of `items` over every rank, in place, by `op`, as one message per
 /// dtype (the arrays of a dtype back to back: mpiflow's fusion of a model's gradients):
 /// the same results as one `allreduce_` each, in fewer, larger collectives. The ranks
-/// agree on the whole list (count, dtypes, shapes) first. `wait()` returns the list.
+/// agree on the whole list (count, dtypes, shapes) first. `wait()` returns the list (with
+/// `blocking`, the list is returned).
 #[pyfunction]
 #[pyo3(signature = (items, op = "sum", blocking = false))]
 fn allreduce_many_(
     py: Python<'_>,
-    items: Vec<Bound<'_, PyAny>>,
+    items: &Bound<'_, PyList>,
     op: &str,
     blocking: bool,
-) -> PyResult<Handle> {
-    let job = many_job(py, &items, op)?;
-    let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
-    let list = PyList::new(py, &items)?.into_any().unbind();
-    queue(py, job, (keep, list), blocking)
+) -> PyResult<Py<PyAny>> {
+    let items: Vec<Bound<'_, PyAny>> = items.iter().collect();
+    with_call("allreduce_many", |s, call| {
+        let job = many_job(py, call, &items, op);
+        let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
+        let list = PyList::new(py, &items)?.into_any().unbind();
+        submit(py, s, job, (keep, list), blocking)
+    })
 }
 
 /// Benchmarks: `allreduce_many_(items, op)`'s call (its agreement and fused reduction)
@@ -269,56 +249,49 @@ fn allreduce_many_from_rust(
     op: &str,
     reps: usize,
 ) -> PyResult<f64> {
-    let job = many_job(py, &items, op)?;
-    with_state(|s| {
-        s.exec
-            .time_from_rust(py, job, reps)
+    with_call("allreduce_many", |s, call| {
+        let job = many_job(py, call, &items, op);
+        s.time_from_rust(py, job, reps)
             .map_err(|(_, line)| Error::new_err(line))
     })
 }
 
 /// The job of `allreduce_many_(items, op)`: the list's description for the agreement and
 /// the fused reduction (or this rank's refusal of the list).
-fn many_job(py: Python<'_>, items: &[Bound<'_, PyAny>], op: &str) -> PyResult<Job> {
-    let call = call_name("allreduce_many")?;
+fn many_job(py: Python<'_>, call: Call, items: &[Bound<'_, PyAny>], op: &str) -> Job {
     // An item that is no NumPy array is refused after the agreement, as a bad array.
     let arrays: Vec<Option<&Bound<'_, PyUntypedArray>>> = items
         .iter()
         .map(|a| a.cast::<PyUntypedArray>().ok())
         .collect();
+    let mut what = Described::new(call.name, format!("op={op}"), true);
     let checks: Vec<_> = (arrays.iter().enumerate())
         .map(|(i, a)| match a {
-            Some(a) => checked(a, &call, true),
-            None => (Err(not_an_array(&call, i, &items[i])), " not an array"),
+            Some(a) => {
+                let (dt, why_not) = checked(a, &call, true);
+                what.push(a, why_not);
+                dt
+            }
+            None => {
+                what.push_not_an_array();
+                Err(not_an_array(&call, i, &items[i]))
+            }
         })
         .collect();
-    // The list in full for the hash, a summary to show.
-    let full: String = (arrays.iter().zip(&checks))
-        .map(|(a, (_, why_not))| match a {
-            Some(a) => described("", a, why_not, ""),
-            None => why_not.to_string(),
-        })
-        .collect();
-    let elements: usize = arrays.iter().flatten().map(|a| a.len()).sum();
-    let what = format!(
-        "allreduce_many({} arrays, {elements} elements, list {:016x}, op={op})",
-        arrays.len(),
-        fusion::list_hash(&[full])
-    );
     let op = fused(&call, &arrays, checks, op).map_err(|e| failure(py, &e));
-    Ok(Job { what, call, op })
+    Job::new(what, call, op)
 }
 
 /// The fused reduction of `arrays` (checked), grouped by dtype; an error for a bad array
 /// or an array in the list twice.
 fn fused(
-    call: &str,
+    call: &Call,
     arrays: &[Option<&Bound<'_, PyUntypedArray>>],
-    checks: Vec<(PyResult<DType>, &'static str)>,
+    checks: Vec<PyResult<DType>>,
     op: &str,
 ) -> PyResult<Op> {
     let mut groups: Vec<(DType, Vec<Span>)> = Vec::new();
-    for (a, (dt, _)) in arrays.iter().zip(checks) {
+    for (a, dt) in arrays.iter().zip(checks) {
         let (dt, a) = (dt?, a.expect("an array where checked said so"));
         match groups.iter_mut().find(|(d, _)| *d == dt) {
             Some((_, parts)) => parts.push(span_of(a)),
@@ -340,7 +313,7 @@ fn fused(
 }
 
 /// The `TypeError` of list item `i`, which is no NumPy array.
-fn not_an_array(call: &str, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
+fn not_an_array(call: &Call, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
     let kind = item.get_type().name().map_or("?".into(), |n| n.to_string());
     PyTypeError::new_err(format!(
         "mpiflow: {call}: item {i} of the list is a {kind}, not a NumPy array"
@@ -350,14 +323,19 @@ fn not_an_array(call: &str, i: usize, item: &Bound<'_, PyAny>) -> PyErr {
 /// Waits until every rank called `barrier()` (its handle's `wait()`).
 #[pyfunction]
 #[pyo3(signature = (blocking = false))]
-fn barrier_(py: Python<'_>, blocking: bool) -> PyResult<Handle> {
-    let call = call_name("barrier")?;
-    let what = ("barrier()".to_string(), call);
-    submit(py, what, Ok(Op::Barrier), (Vec::new(), py.None()), blocking)
+fn barrier_(py: Python<'_>, blocking: bool) -> PyResult<Py<PyAny>> {
+    with_call("barrier", |s, call| {
+        let job = Job::new(
+            Described::new(call.name, String::new(), false),
+            call,
+            Ok(Op::Barrier),
+        );
+        submit(py, s, job, (Vec::new(), py.None()), blocking)
+    })
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<Handle>()?;
+    m.add_class::<super::executor::Handle>()?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_many_, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;

@@ -18,6 +18,7 @@ use mpiflow::transport::{Algorithm, ReduceOp, TransportError};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use super::described::Described;
 use super::Error;
 
 /// Where an array's bytes are. The array is kept alive by the call's [`Handle`] until the
@@ -70,12 +71,38 @@ pub(crate) enum Op {
     Barrier,
 }
 
+/// This rank's name of a call, for its errors (`rank 2: allreduce`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call {
+    rank: usize,
+    pub(crate) name: &'static str,
+}
+
+impl Call {
+    pub(crate) fn new(rank: usize, name: &'static str) -> Call {
+        Call { rank, name }
+    }
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {}: {}", self.rank, self.name)
+    }
+}
+
 /// One call: its description for the agreement, its name for errors, what it does (or why
 /// this rank refuses it, said after the agreement so that no rank waits for it).
+#[derive(Clone)]
 pub(crate) struct Job {
-    pub(crate) what: String,
-    pub(crate) call: String,
+    pub(crate) what: Described,
+    pub(crate) call: Call,
     pub(crate) op: Result<Op, Failure>,
+}
+
+impl Job {
+    pub(crate) fn new(what: Described, call: Call, op: Result<Op, Failure>) -> Job {
+        Job { what, call, op }
+    }
 }
 
 // SAFETY: the spans point into arrays the job's Handle keeps alive until the job is done;
@@ -124,9 +151,17 @@ struct Inner {
 
 /// The collectives' thread and its queue.
 pub(crate) struct Executor {
+    port: Port,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Where calls go: the collectives and their thread's queue. Taken from the state, so
+/// that no lock is held while a call runs without the GIL (a Python thread waiting for
+/// the state's lock with the GIL would wait for ever for a call that needs the GIL back).
+#[derive(Clone)]
+pub(crate) struct Port {
     inner: Arc<Inner>,
     to: Option<Sender<(Job, Arc<Done>)>>,
-    thread: Option<JoinHandle<()>>,
     pub(crate) rank: usize,
     pub(crate) size: usize,
 }
@@ -153,18 +188,29 @@ impl Executor {
                     done.set(r);
                 }
             })?;
-        Ok(Executor {
+        let port = Port {
             inner,
             to: Some(to),
-            thread: Some(thread),
             rank,
             size,
+        };
+        Ok(Executor {
+            port,
+            thread: Some(thread),
         })
     }
 
+    /// Where calls go (see [`Port`]).
+    pub(crate) fn port(&self) -> Port {
+        self.port.clone()
+    }
+}
+
+impl Port {
     /// Queues `job` (or, `blocking` with nothing queued, runs it now without the GIL);
     /// `keep` (the call's arrays) stays with the handle until the job is done, `result`
-    /// is what its `wait()` returns.
+    /// is what its `wait()` returns. The handle; with `blocking`, what its `wait()` returns
+    /// (no handle is made).
     pub(crate) fn submit(
         &self,
         py: Python<'_>,
@@ -172,33 +218,45 @@ impl Executor {
         keep: Vec<Py<PyAny>>,
         result: Py<PyAny>,
         blocking: bool,
-    ) -> Handle {
-        let done = Arc::new(Done::default());
-        let (inner, d) = (self.inner.clone(), done.clone());
-        let to = self.to.clone();
-        py.detach(move || {
+    ) -> PyResult<Py<PyAny>> {
+        let inner = &self.inner;
+        let queued = py.detach(|| {
             let _order = lock(&inner.order);
             if blocking && inner.pending.load(Ordering::SeqCst) == 0 {
-                return d.set(run(&lock(&inner.coll).0, job));
+                return Err(run(&lock(&inner.coll).0, job));
             }
+            let done = Arc::new(Done::default());
             inner.pending.fetch_add(1, Ordering::SeqCst);
-            if !matches!(to.map(|to| to.send((job, d.clone()))), Some(Ok(()))) {
+            let sent = self
+                .to
+                .as_ref()
+                .map(|to| to.send((job, done.clone())).is_ok());
+            if sent != Some(true) {
                 inner.pending.fetch_sub(1, Ordering::SeqCst);
-                d.set(Err((
+                done.set(Err((
                     Kind::Mpi,
                     "mpiflow: the collectives have ended".into(),
                 )));
             }
+            Ok(done)
         });
-        Handle {
-            done,
-            keep,
-            result: Some(result),
+        match queued {
+            // Run at once: done, and no handle needed.
+            Err(ran) => ran.map(|()| result).map_err(raised),
+            Ok(done) => {
+                let mut handle = Handle {
+                    done,
+                    keep,
+                    result: Some(result),
+                };
+                match blocking {
+                    true => handle.wait(py),
+                    false => Ok(Py::new(py, handle)?.into_any()),
+                }
+            }
         }
     }
-}
 
-impl Executor {
     /// Benchmarks: `job`'s call run `reps` times from Rust (each with its agreement, as
     /// from Python), without the GIL, when nothing is queued; the seconds per call.
     pub(crate) fn time_from_rust(
@@ -217,12 +275,10 @@ impl Executor {
             let op = job.op?;
             let t = std::time::Instant::now();
             for _ in 0..reps {
-                let one = Job {
-                    what: job.what.clone(),
-                    call: job.call.clone(),
-                    op: Ok(op.clone()),
-                };
-                run(&coll.0, one)?;
+                run(
+                    &coll.0,
+                    Job::new(job.what.clone(), job.call, Ok(op.clone())),
+                )?;
             }
             Ok(t.elapsed().as_secs_f64() / reps.max(1) as f64)
         })
@@ -232,7 +288,7 @@ impl Executor {
 impl Drop for Executor {
     /// The queue closed, the thread joined (its calls done) before MPI is finalised.
     fn drop(&mut self) {
-        self.to.take();
+        self.port.to.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -281,20 +337,20 @@ fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
 /// descriptions gathered only on a mismatch). An error naming the first rank whose call
 /// differs from this rank's: rank 0 where this rank's differs from rank 0's, else the
 /// first that differs from rank 0's.
-fn agree(coll: &Collectives<MpiComm>, what: &str) -> Result<(), Failure> {
-    let entries = || vec![what.to_string()];
-    match fusion::negotiate(coll, fusion::list_hash(&entries()), entries) {
+fn agree(coll: &Collectives<MpiComm>, what: &Described) -> Result<(), Failure> {
+    match fusion::negotiate(coll, what.hash(), || vec![what.text()]) {
         Ok(()) => Ok(()),
         Err(FusionError::Mismatch {
             rank, theirs, ours, ..
         }) => {
-            let (r, other) = if ours != what {
+            let mine = what.text();
+            let (r, other) = if ours != mine {
                 (0, ours)
             } else {
                 (rank, theirs)
             };
             let line = format!(
-                "mpiflow: rank {} called {what}, but rank {r} called {other}",
+                "mpiflow: rank {} called {mine}, but rank {r} called {other}",
                 coll.rank()
             );
             Err((Kind::Mpi, line))
@@ -323,15 +379,11 @@ impl Handle {
             false => py.detach(move || done.wait()),
         };
         self.keep.clear();
-        match outcome {
-            Ok(()) => Ok(match &self.result {
-                Some(r) => r.clone_ref(py),
-                None => py.None(),
-            }),
-            Err((Kind::Type, line)) => Err(PyTypeError::new_err(line)),
-            Err((Kind::Value, line)) => Err(PyValueError::new_err(line)),
-            Err((Kind::Mpi, line)) => Err(Error::new_err(line)),
-        }
+        outcome.map_err(raised)?;
+        Ok(match &self.result {
+            Some(r) => r.clone_ref(py),
+            None => py.None(),
+        })
     }
 
     /// True once the call is done (`wait()` then returns at once).
@@ -346,6 +398,15 @@ impl Drop for Handle {
             // The executor needs no GIL: waiting with it held cannot deadlock.
             let _ = self.done.wait();
         }
+    }
+}
+
+/// The exception a [`Failure`] raises.
+fn raised((kind, line): Failure) -> PyErr {
+    match kind {
+        Kind::Type => PyTypeError::new_err(line),
+        Kind::Value => PyValueError::new_err(line),
+        Kind::Mpi => Error::new_err(line),
     }
 }
 

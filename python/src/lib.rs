@@ -13,6 +13,7 @@
 
 mod collectives;
 mod data;
+mod described;
 mod executor;
 mod session;
 

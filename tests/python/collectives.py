@@ -145,6 +145,10 @@ errors = {
     "shape": raises(
         mpiflow.Error, "but rank", lambda: mpiflow.allreduce(np.ones(4 + (rank == 1), np.float32))
     ),
+    # float32 in the other byte order on one rank: named "float32 [4] unsupported".
+    "byte order": raises(
+        mpiflow.Error, "unsupported", lambda: mpiflow.allreduce(np.ones(4, ">f4" if rank == 1 else "<f4"))
+    ),
     "fused list": raises(
         mpiflow.Error, "but rank", lambda: mpiflow.allreduce_many([np.ones(3)] * (1 + (rank == 0)))
     ),
