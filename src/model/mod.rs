@@ -15,6 +15,8 @@
 //! - [`External`]: a model whose loss and gradients the program computes (NumPy,
 //!   PyTorch) and hands in each step, trained by every mode.
 //! - `towers`: a batch's gradients computed by K threads of one task (`--towers`).
+//! - [`embedding`]: embedding tables whose rows a batch names, with sparse gradients and
+//!   sparse optimizers (the parameters of recommendation models).
 //!
 //! A model of your own implements [`Model`]; a linear classifier in full:
 //! ```
@@ -61,6 +63,7 @@
 //! assert_eq!(replica.accuracy(&[1.0, 0.0, 0.5], &[1]).unwrap(), 1.0);
 //! ```
 
+pub mod embedding;
 mod external;
 pub mod layers;
 pub(crate) mod sequential;

@@ -1,0 +1,329 @@
+//! A table's rows in one process (local training, or a ps task's shard): rows made on
+//! their first touch, updated only where a sparse gradient names them, each with its own
+//! optimizer state.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{EmbeddingError, SparseGrad, TableSpec};
+
+/// How a sparse gradient updates its rows; the state is per row and changes only when
+/// the row is in a gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SparseOptimizer {
+    /// `w -= lr g`.
+    Sgd { lr: f32 },
+    /// `acc += g^2; w -= lr g / sqrt(acc)`, `acc` starting at `initial` (TensorFlow's 0.1).
+    Adagrad { lr: f32, initial: f32 },
+    /// Adam whose moments and step count are the row's own (TensorFlow's `LazyAdam`, with
+    /// the bias correction by the row's updates): rows a batch does not touch keep their
+    /// moments instead of decaying.
+    LazyAdam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+    },
+}
+
+impl SparseOptimizer {
+    /// Adagrad with TensorFlow's initial accumulator.
+    pub fn adagrad(lr: f32) -> SparseOptimizer {
+        SparseOptimizer::Adagrad { lr, initial: 0.1 }
+    }
+
+    /// Lazy Adam with Adam's usual moments.
+    pub fn lazy_adam(lr: f32) -> SparseOptimizer {
+        SparseOptimizer::LazyAdam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+
+    /// State values per row of `dim` values.
+    pub fn state_len(&self, dim: usize) -> usize {
+        match self {
+            SparseOptimizer::Sgd { .. } => 0,
+            SparseOptimizer::Adagrad { .. } => dim,
+            // Both moments, then the row's update count.
+            SparseOptimizer::LazyAdam { .. } => 2 * dim + 1,
+        }
+    }
+
+    /// A new row's state.
+    fn initial_state(&self, state: &mut [f32]) {
+        match *self {
+            SparseOptimizer::Adagrad { initial, .. } => state.fill(initial),
+            _ => state.fill(0.0),
+        }
+    }
+
+    /// One row's update by its gradient `g` (already scaled).
+    fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
+        match *self {
+            SparseOptimizer::Sgd { lr } => w.iter_mut().zip(g).for_each(|(w, g)| *w -= lr * g),
+            SparseOptimizer::Adagrad { lr, .. } => {
+                for ((w, acc), g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
+                    *acc += g * g;
+                    *w -= lr * g / acc.sqrt();
+                }
+            }
+            SparseOptimizer::LazyAdam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                let d = w.len();
+                let (moments, count) = state.split_at_mut(2 * d);
+                count[0] += 1.0;
+                let t = count[0];
+                let step = lr * (1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t));
+                let (m, v) = moments.split_at_mut(d);
+                for i in 0..d {
+                    m[i] = beta1 * m[i] + (1.0 - beta1) * g[i];
+                    v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
+                    w[i] -= step * m[i] / (v[i].sqrt() + eps);
+                }
+            }
+        }
+    }
+}
+
+/// The rows of one table that exist here, their values and optimizer state.
+#[derive(Debug, Clone)]
+pub struct Table {
+    spec: TableSpec,
+    seed: u64,
+    opt: SparseOptimizer,
+    /// Each existing row's slot.
+    slot: HashMap<u64, u32>,
+    /// Each slot's row.
+    ids: Vec<u64>,
+    values: Vec<f32>,
+    state: Vec<f32>,
+}
+
+impl Table {
+    /// A table with no rows yet; a row is made on its first touch from `spec.init` and
+    /// `seed`.
+    pub fn new(spec: TableSpec, seed: u64, opt: SparseOptimizer) -> Table {
+        Table {
+            spec,
+            seed,
+            opt,
+            slot: HashMap::new(),
+            ids: Vec::new(),
+            values: Vec::new(),
+            state: Vec::new(),
+        }
+    }
+
+    pub fn spec(&self) -> &TableSpec {
+        &self.spec
+    }
+
+    /// The rows that exist (touched so far, or restored).
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The bytes the existing rows take with their state and index.
+    pub fn bytes(&self) -> usize {
+        let per_row = 4 * (self.spec.dim + self.opt.state_len(self.spec.dim)) + 8 + 16;
+        self.len() * per_row
+    }
+
+    /// Row `id`'s slot, made from the initialiser if the row does not exist.
+    fn slot_of(&mut self, id: u64) -> Result<usize, EmbeddingError> {
+        if let Some(s) = self.slot.get(&id) {
+            return Ok(*s as usize);
+        }
+        self.spec.check(id)?;
+        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
+        let s = self.ids.len();
+        self.ids.push(id);
+        self.values.resize((s + 1) * d, 0.0);
+        self.spec
+            .init
+            .fill(self.seed, &self.spec, id, &mut self.values[s * d..]);
+        self.state.resize((s + 1) * k, 0.0);
+        self.opt.initial_state(&mut self.state[s * k..]);
+        self.slot.insert(id, s as u32);
+        Ok(s)
+    }
+
+    /// The rows of `ids` into `out` (`ids.len() x dim`, in that order), each made if it
+    /// does not exist.
+    pub fn pull_into(&mut self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
+        let d = self.spec.dim;
+        out.clear();
+        out.reserve(ids.len() * d);
+        for id in ids {
+            let s = self.slot_of(*id)?;
+            out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
+        }
+        Ok(())
+    }
+
+    /// Row `id`, if it exists.
+    pub fn row(&self, id: u64) -> Option<&[f32]> {
+        let d = self.spec.dim;
+        let s = *self.slot.get(&id)? as usize;
+        Some(&self.values[s * d..(s + 1) * d])
+    }
+
+    /// Updates the rows `grad` names by `scale` times their gradient (each row made first
+    /// if it does not exist); the other rows and their state are untouched.
+    pub fn apply(&mut self, grad: &SparseGrad, scale: f32) -> Result<(), EmbeddingError> {
+        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
+        if grad.values.len() != grad.ids.len() * d {
+            return Err(EmbeddingError::Shape {
+                table: self.spec.name.clone(),
+                what: format!(
+                    "a gradient of {} values for {} rows of {d}",
+                    grad.values.len(),
+                    grad.ids.len()
+                ),
+            });
+        }
+        let mut g = vec![0f32; d];
+        for (i, id) in grad.ids.iter().enumerate() {
+            let s = self.slot_of(*id)?;
+            g.iter_mut()
+                .zip(grad.row(i, d))
+                .for_each(|(g, v)| *g = scale * v);
+            let (w, st) = (
+                &mut self.values[s * d..(s + 1) * d],
+                &mut self.state[s * k..(s + 1) * k],
+            );
+            self.opt.apply(w, st, &g);
+        }
+        Ok(())
+    }
+
+    /// Every existing row with its state, in the order rows were made: what a checkpoint
+    /// holds of the table.
+    pub fn rows(&self) -> impl Iterator<Item = (u64, &[f32], &[f32])> {
+        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
+        self.ids.iter().enumerate().map(move |(s, id)| {
+            (
+                *id,
+                &self.values[s * d..(s + 1) * d],
+                &self.state[s * k..(s + 1) * k],
+            )
+        })
+    }
+
+    /// Sets row `id` and its state (a restore), making the row if it does not exist.
+    pub fn insert(&mut self, id: u64, values: &[f32], state: &[f32]) -> Result<(), EmbeddingError> {
+        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
+        if values.len() != d || state.len() != k {
+            return Err(EmbeddingError::Shape {
+                table: self.spec.name.clone(),
+                what: format!(
+                    "row {id} restored with {} values and {} of state, not {d} and {k}",
+                    values.len(),
+                    state.len()
+                ),
+            });
+        }
+        let s = self.slot_of(id)?;
+        self.values[s * d..(s + 1) * d].copy_from_slice(values);
+        self.state[s * k..(s + 1) * k].copy_from_slice(state);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grad(ids: &[u64], dim: usize, v: f32) -> SparseGrad {
+        SparseGrad {
+            ids: ids.to_vec(),
+            values: vec![v; ids.len() * dim],
+        }
+    }
+
+    /// A table of 10^12 rows of which 3 are touched holds 3; a row's first values are the
+    /// same in every table of the same seed, whether pulled or pushed first.
+    #[test]
+    fn rows_exist_once_touched_and_start_the_same_everywhere() {
+        let spec = TableSpec::new("big", 1_000_000_000_000, 4);
+        assert_eq!(spec.dense_bytes(), 16_000_000_000_000);
+        let mut a = Table::new(spec.clone(), 9, SparseOptimizer::Sgd { lr: 0.0 });
+        let mut b = Table::new(spec.clone(), 9, SparseOptimizer::Sgd { lr: 0.0 });
+        let mut out = Vec::new();
+        a.pull_into(&[999_999_999_999, 3, 3], &mut out).unwrap();
+        assert_eq!(a.len(), 2);
+        b.apply(&grad(&[3], 4, 1.0), 1.0).unwrap();
+        assert_eq!(a.row(3), b.row(3));
+        assert_eq!(&out[4..8], &out[8..12]);
+        assert_ne!(&out[0..4], &out[4..8]);
+        assert!(out.iter().all(|v| v.abs() <= 0.05 && *v != 0.0));
+        let other_seed = Table::new(spec.clone(), 10, SparseOptimizer::Sgd { lr: 0.0 });
+        let mut c = other_seed;
+        let mut out_c = Vec::new();
+        c.pull_into(&[3], &mut out_c).unwrap();
+        assert_ne!(out_c, out[4..8].to_vec());
+        assert_eq!(
+            a.pull_into(&[spec.rows], &mut out).unwrap_err().to_string(),
+            "table big: id 1000000000000 is no row of its 1000000000000"
+        );
+    }
+
+    /// Each optimizer moves exactly the named rows by its formula; untouched rows keep
+    /// their values and state.
+    #[test]
+    fn sparse_optimizers_update_only_the_rows_named() {
+        let mut spec = TableSpec::new("t", 100, 2);
+        spec.init = super::super::RowInit::Zeros;
+        for opt in [
+            SparseOptimizer::Sgd { lr: 0.5 },
+            SparseOptimizer::adagrad(0.5),
+            SparseOptimizer::lazy_adam(0.5),
+        ] {
+            let mut t = Table::new(spec.clone(), 1, opt);
+            let mut out = Vec::new();
+            t.pull_into(&[1, 2], &mut out).unwrap();
+            let before: Vec<f32> = t.rows().flat_map(|(_, _, s)| s.to_vec()).collect();
+            t.apply(&grad(&[2], 2, 2.0), 0.5).unwrap();
+            assert_eq!(t.row(1), Some(&[0.0, 0.0][..]), "{opt:?}");
+            let row1_state: Vec<f32> = t.rows().next().unwrap().2.to_vec();
+            assert_eq!(row1_state, before[..before.len() / 2].to_vec(), "{opt:?}");
+            // g = 0.5 x 2 = 1 for row 2.
+            let want = match opt {
+                SparseOptimizer::Sgd { lr } => -lr,
+                SparseOptimizer::Adagrad { lr, initial } => -lr / (initial + 1.0).sqrt(),
+                // Bias-corrected first step: lr x m / sqrt(v) = lr (up to eps).
+                SparseOptimizer::LazyAdam { lr, .. } => -lr,
+            };
+            let got = t.row(2).unwrap()[0];
+            assert!((got - want).abs() < 1e-5, "{opt:?}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn a_restored_row_must_have_its_tables_shape() {
+        let mut t = Table::new(
+            TableSpec::new("emb", 10, 3),
+            1,
+            SparseOptimizer::adagrad(0.1),
+        );
+        t.insert(4, &[1.0, 2.0, 3.0], &[0.5, 0.5, 0.5]).unwrap();
+        assert_eq!(t.row(4), Some(&[1.0, 2.0, 3.0][..]));
+        assert_eq!(
+            t.insert(5, &[1.0], &[]).unwrap_err().to_string(),
+            "table emb: row 5 restored with 1 values and 0 of state, not 3 and 3"
+        );
+    }
+}
