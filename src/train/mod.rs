@@ -1,6 +1,7 @@
 //! Training: the model, its data, the optimizers, and the training loop.
 //!
 //! - [`data`]: digits, MNIST IDX, synthetic; the held-out fifth; batch sharding.
+//! - [`ctr`]: click-through data (a planted-teacher generator, Criteo's TSV) and AUC.
 //! - [`optim`]: SGD, momentum, Adagrad, Adam as pure update rules.
 //! - [`ps`], [`checkpoint`]: parameter-server training (placement, protocol, server,
 //!   worker, the one-sided variant, the monitored session workers train in), and
@@ -15,6 +16,7 @@
 
 pub mod allreduce;
 pub mod checkpoint;
+pub mod ctr;
 pub mod data;
 pub mod engine;
 pub mod events;
