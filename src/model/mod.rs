@@ -15,6 +15,7 @@
 //! - [`External`]: a model whose loss and gradients the program computes (NumPy,
 //!   PyTorch) and hands in each step, trained by every mode.
 //! - `towers`: a batch's gradients computed by K threads of one task (`--towers`).
+//! - [`dlrm`]: DLRM, dense MLPs around embedding tables' dot interactions.
 //! - [`embedding`]: embedding tables whose rows a batch names, with sparse gradients and
 //!   sparse optimizers (the parameters of recommendation models).
 //!
@@ -63,6 +64,7 @@
 //! assert_eq!(replica.accuracy(&[1.0, 0.0, 0.5], &[1]).unwrap(), 1.0);
 //! ```
 
+pub mod dlrm;
 pub mod embedding;
 mod external;
 pub mod layers;
@@ -128,6 +130,8 @@ pub enum ModelError {
     Kernel(#[from] KernelError),
     #[error("{0}")]
     Tensor(#[from] TensorError),
+    #[error("{0}")]
+    Embedding(#[from] embedding::EmbeddingError),
     #[error("model {model}: {why}")]
     Shape { model: String, why: String },
     #[error("model {model}: gradient {position} is {got}, its parameter is {want}")]

@@ -100,7 +100,7 @@ impl RowInit {
 }
 
 /// Embedding errors: one line naming the table.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EmbeddingError {
     #[error("table {table}: id {id} is no row of its {rows}")]
     Id { table: String, id: u64, rows: u64 },
