@@ -70,6 +70,9 @@ fn p2p_rounds<C: Comm>(
             optimizer: Optimizer::new(OptimizerKind::Sgd, 1e-12),
             sync: None,
             stage: None,
+            tables: Vec::new(),
+            sparse: None,
+            seed: 0,
         };
         client.init(&setup, &mut params)?;
     }

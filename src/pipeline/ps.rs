@@ -114,6 +114,9 @@ impl<'a, C: Comm> StageClient<'a, C> {
                 replicas_to_aggregate: replicas,
             }),
             stage: Some(stage),
+            tables: Vec::new(),
+            sparse: None,
+            seed: 0,
         };
         StageClient { client, setup }
     }

@@ -184,23 +184,32 @@ impl Table {
     /// Updates the rows `grad` names by `scale` times their gradient (each row made first
     /// if it does not exist); the other rows and their state are untouched.
     pub fn apply(&mut self, grad: &SparseGrad, scale: f32) -> Result<(), EmbeddingError> {
+        self.apply_rows(&grad.ids, &grad.values, scale)
+    }
+
+    /// [`Table::apply`] of the gradient rows `values` (one of `dim` values per id of
+    /// `ids`).
+    pub fn apply_rows(
+        &mut self,
+        ids: &[u64],
+        values: &[f32],
+        scale: f32,
+    ) -> Result<(), EmbeddingError> {
         let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
-        if grad.values.len() != grad.ids.len() * d {
+        if values.len() != ids.len() * d {
             return Err(EmbeddingError::Shape {
                 table: self.spec.name.clone(),
                 what: format!(
                     "a gradient of {} values for {} rows of {d}",
-                    grad.values.len(),
-                    grad.ids.len()
+                    values.len(),
+                    ids.len()
                 ),
             });
         }
         let mut g = vec![0f32; d];
-        for (i, id) in grad.ids.iter().enumerate() {
+        for (id, row) in ids.iter().zip(values.chunks_exact(d.max(1))) {
             let s = self.slot_of(*id)?;
-            g.iter_mut()
-                .zip(grad.row(i, d))
-                .for_each(|(g, v)| *g = scale * v);
+            g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
             let (w, st) = (
                 &mut self.values[s * d..(s + 1) * d],
                 &mut self.state[s * k..(s + 1) * k],

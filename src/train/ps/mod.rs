@@ -34,6 +34,7 @@ pub mod placement;
 pub mod protocol;
 pub mod rma;
 pub(crate) mod roles;
+mod rows;
 pub(crate) mod server;
 pub(crate) mod session;
 pub(crate) mod shards;
@@ -53,6 +54,7 @@ use super::engine::{Session, TrainError};
 use super::events::Event;
 use super::TrainConfig;
 use crate::cluster::Layout;
+use crate::model::embedding::{SparseOptimizer, TableSpec};
 use crate::model::Model;
 use crate::transport::comm::{Comm, TransportError};
 
@@ -92,6 +94,12 @@ pub struct PsConfig {
     pub strategy: Strategy,
     pub partition_bytes: usize,
     pub peer_timeout: Duration,
+    /// Embedding tables the ps tasks hold besides the model's variables: their rows spread
+    /// over the ps tasks by id, made on first touch from the run's seed, pulled and pushed
+    /// by workers ([`Ps::pull_rows`], [`Ps::push_rows`]).
+    pub tables: Vec<TableSpec>,
+    /// How the tables' rows are updated.
+    pub sparse: SparseOptimizer,
 }
 
 impl Default for PsConfig {
@@ -105,6 +113,8 @@ impl Default for PsConfig {
             strategy: Strategy::Greedy,
             partition_bytes: 4 << 20,
             peer_timeout: Duration::from_secs(60),
+            tables: Vec::new(),
+            sparse: SparseOptimizer::adagrad(0.05),
         }
     }
 }
@@ -289,6 +299,7 @@ pub(crate) mod test_support {
             strategy: Strategy::Greedy,
             partition_bytes: 4 << 20,
             peer_timeout: Duration::from_secs(10),
+            ..PsConfig::default()
         }
     }
 }

@@ -20,6 +20,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::placement::Shard;
+use crate::model::embedding::{SparseOptimizer, TableSpec};
 use crate::observe::phases::{RankTimes, Times};
 use crate::train::guard::NonFinite;
 use crate::train::optim::Optimizer;
@@ -40,6 +41,20 @@ pub struct Setup {
     /// of a whole model's checkpoint.
     #[serde(default)]
     pub stage: Option<usize>,
+    /// Embedding tables whose rows the ps tasks hold (row `id` on ps `id mod ps tasks`:
+    /// [`row_owner`]), made on first touch from `seed` and updated by `sparse`.
+    #[serde(default)]
+    pub tables: Vec<TableSpec>,
+    #[serde(default)]
+    pub sparse: Option<SparseOptimizer>,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// The ps task (of `ps`) that holds row `id` of every table: rows spread evenly over the ps
+/// tasks, so each holds about its share of every table's bytes.
+pub fn row_owner(id: u64, ps: usize) -> usize {
+    (id % ps.max(1) as u64) as usize
 }
 
 /// TensorFlow's `SyncReplicasOptimizer`: a step's update averages the first
@@ -93,6 +108,17 @@ pub enum Request {
     /// This worker is done; `stop`: because of this stop signal (its job ends with
     /// [`crate::train::Stopped`]).
     Done { stop: Option<i32> },
+    /// Rows `ids` of table `table` (each this ps's: [`row_owner`]), made if new: a
+    /// [`Reply::Rows`] whose payload is their values in this order.
+    PullRows { table: usize, ids: Vec<u64> },
+    /// A sparse gradient of table `table` scaled by `scale`, applied at once to the rows
+    /// `ids` (each this ps's); the payload is `values` floats, a row's gradient per id.
+    PushRows {
+        table: usize,
+        ids: Vec<u64>,
+        scale: f32,
+        values: usize,
+    },
 }
 
 /// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the
@@ -138,6 +164,8 @@ pub enum Reply {
     /// The step was not applied: some workers' losses or gradients were not finite
     /// (`why` counts them, ` on 2 of 3 workers`). Every worker and ps task ends with it.
     NotApplied { why: NonFinite },
+    /// The rows a [`Request::PullRows`] asked for (the payload).
+    Rows { table: usize },
 }
 
 /// [`RankTimes`] on the wire: `(rank, task, times)` (the metrics file's flattened form
@@ -210,6 +238,7 @@ impl Request {
     pub fn payload(&self, k: usize) -> Vec<usize> {
         match self {
             Request::Push { vars, .. } => vars.iter().map(|v| v.1).collect(),
+            Request::PushRows { values, .. } => vec![*values],
             Request::Init { setup } => setup
                 .shards
                 .iter()
@@ -459,8 +488,18 @@ mod tests {
             ),
             sync: None,
             stage: None,
+            tables: Vec::new(),
+            sparse: None,
+            seed: 0,
         };
         assert!(Request::Init { setup }.payload(0).is_empty());
+        let rows = Request::PushRows {
+            table: 0,
+            ids: vec![3, 9],
+            scale: 1.0,
+            values: 8,
+        };
+        assert_eq!(rows.payload(0), vec![8]);
         assert!(Request::Done { stop: None }.payload(0).is_empty());
     }
 }

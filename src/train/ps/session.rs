@@ -39,6 +39,7 @@ use super::protocol::{Setup, Then};
 use super::roles::Roles;
 use super::worker::{Client, Gradients, PushNote};
 use super::{shards, PsConfig, PsError};
+use crate::model::embedding::{SparseGrad, TableSpec};
 use crate::model::{Model, Replica, Targets};
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::timeline::{self, Detail};
@@ -150,7 +151,35 @@ impl<'s, C: Comm> Ps<'s, C> {
             optimizer: self.cfg.train.optimizer,
             sync: self.cfg.sync_replicas(self.workers.0),
             stage: None,
+            tables: self.cfg.tables.clone(),
+            sparse: Some(self.cfg.sparse),
+            seed: self.cfg.train.seed,
         }
+    }
+
+    /// Rows `ids` of embedding table `table` (of [`PsConfig::tables`]) into `out`, in the
+    /// order of `ids`, each from the ps that holds it.
+    pub fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), PsError> {
+        let dim = self.table(table)?.dim;
+        self.client.pull_rows(table, dim, ids, out)
+    }
+
+    /// Pushes table `table`'s sparse gradient `grad` scaled by `scale` (`-1 / workers`
+    /// for the mean of the workers' gradients, say): each ps applies its rows' part at
+    /// once with [`PsConfig::sparse`].
+    pub fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), PsError> {
+        let dim = self.table(table)?.dim;
+        self.client.push_rows(table, dim, grad, scale)
+    }
+
+    fn table(&self, table: usize) -> Result<&TableSpec, PsError> {
+        self.cfg.tables.get(table).ok_or_else(|| {
+            PsError::Setup(format!(
+                "{}: no embedding table {table} (the session has {})",
+                self.client.me(),
+                self.cfg.tables.len()
+            ))
+        })
     }
 
     /// The chief: the ps tasks restore the newest valid checkpoint in `dir`, or take the

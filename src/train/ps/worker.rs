@@ -120,7 +120,7 @@ impl<'a, C: Comm> Client<'a, C> {
             .collect()
     }
 
-    fn lost(&self, rank: usize) -> PsError {
+    pub(super) fn lost(&self, rank: usize) -> PsError {
         PsError::Lost {
             task: self.me(),
             lost: self.roles.task(rank),
@@ -154,7 +154,7 @@ impl<'a, C: Comm> Client<'a, C> {
     /// The order matters: a ps waits for its reply's payload to be taken before it serves
     /// anyone else, so a worker that awaited every reply first could wait on a ps that
     /// waits on another worker that waits on this worker's first ps.
-    fn round_then<'p>(
+    pub(super) fn round_then<'p>(
         &self,
         request: impl Fn(usize) -> Request,
         payload: impl Fn(usize) -> Vec<&'p [f32]>,

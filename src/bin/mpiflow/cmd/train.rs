@@ -436,6 +436,7 @@ fn cmd_train_distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Re
                 strategy: args.var_placement,
                 partition_bytes: args.partition_bytes,
                 peer_timeout: std::time::Duration::from_secs(args.peer_timeout),
+                ..PsConfig::default()
             };
             let ran = match args.transport {
                 PsTransport::P2p => {

@@ -46,6 +46,7 @@ use super::roles::Roles;
 use super::store::Store;
 use super::wire::{notify, send_all_within, send_within, Sent};
 use super::{shards, PsError};
+use crate::model::embedding::Table;
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
 use crate::observe::stall;
 use crate::observe::timeline::{self, Detail};
@@ -56,6 +57,7 @@ use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
 mod payload;
 mod requests;
+mod rows;
 
 /// Serves ps task `k` (this rank) until every worker is done. The error names the lost
 /// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
@@ -147,6 +149,10 @@ struct Server<'a, C: Comm> {
     sum: Vec<f32>,
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
+    /// This ps's rows of the embedding tables (see [`Setup::tables`]).
+    tables: Vec<Table>,
+    /// Rows pulled or a sparse gradient pushed, reused from one request to the next.
+    rows: Vec<f32>,
     last_loss: f32,
     /// A stop signal, and the first global step whose pull replies announce it.
     stop: Option<(i32, u64)>,
@@ -207,6 +213,8 @@ impl<'a, C: Comm> Server<'a, C> {
             piece: Vec::new(),
             sum: Vec::new(),
             inbox: Vec::new(),
+            tables: Vec::new(),
+            rows: Vec::new(),
             last_loss: f32::NAN,
             stop: None,
             stopped: None,
@@ -327,6 +335,7 @@ impl<'a, C: Comm> Server<'a, C> {
                 ));
             }
         }
+        self.tables = rows::tables(setup)?;
         self.opt = setup.optimizer;
         self.stage = setup.stage;
         self.sync = setup.sync.map(|s| s.replicas_to_aggregate);

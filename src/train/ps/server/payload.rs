@@ -33,11 +33,15 @@ impl<C: Comm> Server<'_, C> {
         }
         let (tag, deadline) = (payload_tag(self.comm), self.timeout);
         let received = match into {
-            Dest::Params | Dest::Staged(_) => {
+            Dest::Params | Dest::Staged(_) | Dest::Rows => {
                 let dst = match into {
                     Dest::Staged(w) => {
                         self.staged[w].resize(self.store.len(), 0.0);
                         &mut self.staged[w][..]
+                    }
+                    Dest::Rows => {
+                        self.rows.resize(lens.iter().sum(), 0.0);
+                        &mut self.rows[..]
                     }
                     _ => self.store.all_mut(),
                 };
@@ -120,6 +124,10 @@ impl<C: Comm> Server<'_, C> {
                 self.piece.resize(total, 0.0);
                 &mut self.piece[..total]
             }
+            Dest::Rows => {
+                self.rows.resize(total, 0.0);
+                &mut self.rows[..]
+            }
         };
         read_inline(bytes, [dst]);
         if let Dest::Apply = into {
@@ -142,6 +150,7 @@ impl<C: Comm> Server<'_, C> {
             std::mem::forget(std::mem::replace(&mut self.store, Store::new([])));
             std::mem::forget(std::mem::take(&mut self.staged));
             std::mem::forget(std::mem::take(&mut self.piece));
+            std::mem::forget(std::mem::take(&mut self.rows));
         }
         Ok(r?)
     }

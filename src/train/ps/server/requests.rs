@@ -29,6 +29,8 @@ pub(super) enum Dest {
     Apply,
     /// Into worker `w`'s buffer for the step (a synchronous gradient).
     Staged(usize),
+    /// Into the rows buffer (a sparse gradient, applied once whole).
+    Rows,
     /// Nowhere (a rejected or stale push): taken only so the next payload starts clean.
     Drop,
 }
@@ -63,8 +65,10 @@ impl<C: Comm> Server<'_, C> {
                 self.answer_pending()
             }
             Request::Restore { setup, path } => {
-                let restored = self
-                    .configure(&setup)
+                let restored = (setup.tables.is_empty())
+                    .then_some(())
+                    .ok_or_else(|| "restoring embedding tables is not built yet".to_string())
+                    .and_then(|()| self.configure(&setup))
                     .and_then(|()| self.restore(&path, &setup.shards));
                 match restored {
                     Ok(()) => {
@@ -79,6 +83,10 @@ impl<C: Comm> Server<'_, C> {
                 self.answer_pending()
             }
             request @ Request::Push { .. } => self.push(from, w, request, &lens, inline_bytes),
+            Request::PullRows { table, ids } => self.pull_rows(from, table, &ids),
+            Request::PushRows {
+                table, ids, scale, ..
+            } => self.push_rows(from, table, &ids, scale, &lens, inline_bytes),
             Request::Save { dir } => {
                 let file = shards::file_of(self.k, self.stage);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {

@@ -1,0 +1,213 @@
+//! A worker's side of the embedding tables on the ps tasks: rows pulled by id and sparse
+//! gradients pushed, each id to the ps that holds its row ([`row_owner`]), every ps asked
+//! in one round (see [`Client::round_then`]).
+
+use super::protocol::{f32_bytes_mut, inline, payload_tag, read_inline, row_owner, Reply, Request};
+use super::wire::{receive_all_within, Received};
+use super::worker::Client;
+use super::PsError;
+use crate::model::embedding::SparseGrad;
+use crate::transport::comm::Comm;
+
+/// `ids` split by the ps that holds each: per ps, its ids and their places in `ids`.
+fn by_owner(ids: &[u64], nps: usize) -> (Vec<Vec<u64>>, Vec<Vec<usize>>) {
+    let (mut owned, mut places) = (vec![Vec::new(); nps], vec![Vec::new(); nps]);
+    for (i, id) in ids.iter().enumerate() {
+        let k = row_owner(*id, nps);
+        owned[k].push(*id);
+        places[k].push(i);
+    }
+    (owned, places)
+}
+
+impl<C: Comm> Client<'_, C> {
+    /// Rows `ids` of table `table` (`dim` values each) into `out`, in the order of `ids`;
+    /// rows not yet touched are made by their ps.
+    pub fn pull_rows(
+        &self,
+        table: usize,
+        dim: usize,
+        ids: &[u64],
+        out: &mut Vec<f32>,
+    ) -> Result<(), PsError> {
+        let nps = self.roles.ps.len();
+        let (owned, places) = by_owner(ids, nps);
+        let mut got: Vec<Vec<f32>> = owned.iter().map(|o| vec![0.0; o.len() * dim]).collect();
+        let data = payload_tag(self.comm);
+        let take = |k: usize, reply: &Reply, inline_bytes: &[u8]| -> Result<(), PsError> {
+            let task = || self.roles.task(self.roles.ps[k]);
+            let wrong = |what: String| PsError::Remote {
+                task: task(),
+                message: what,
+            };
+            if *reply != (Reply::Rows { table }) {
+                return Err(wrong(format!("answered a pull of rows with {reply:?}")));
+            }
+            let want = got[k].len();
+            if inline([want]) {
+                return match read_inline(inline_bytes, [&mut got[k][..]]) {
+                    true => Ok(()),
+                    false => Err(wrong(format!(
+                        "sent {} values for {} rows of {dim}",
+                        inline_bytes.len() / 4,
+                        owned[k].len()
+                    ))),
+                };
+            }
+            let r = self.roles.ps[k];
+            let mut into: Vec<_> = (got[k].chunks_mut(super::protocol::PIECE_FLOATS))
+                .map(|piece| (f32_bytes_mut(piece), r, data))
+                .collect();
+            match receive_all_within(self.comm, &mut into, self.timeout * 2)? {
+                Received::Done => Ok(()),
+                Received::TimedOut { from } => Err(self.lost(from)),
+                Received::Length { want, .. } => Err(wrong(format!(
+                    "sent a piece of rows of another length than {want} bytes"
+                ))),
+            }
+        };
+        let request = |k: usize| Request::PullRows {
+            table,
+            ids: owned[k].clone(),
+        };
+        self.round_then(request, |_| Vec::new(), take)?;
+        out.clear();
+        out.resize(ids.len() * dim, 0.0);
+        for (k, rows) in got.iter().enumerate() {
+            for (row, i) in rows.chunks_exact(dim.max(1)).zip(&places[k]) {
+                out[i * dim..(i + 1) * dim].copy_from_slice(row);
+            }
+        }
+        Ok(())
+    }
+
+    /// Pushes table `table`'s sparse gradient `grad` (`dim` values a row) scaled by
+    /// `scale`: each ps applies its rows' part at once.
+    pub fn push_rows(
+        &self,
+        table: usize,
+        dim: usize,
+        grad: &SparseGrad,
+        scale: f32,
+    ) -> Result<(), PsError> {
+        let nps = self.roles.ps.len();
+        let (owned, places) = by_owner(&grad.ids, nps);
+        let parts: Vec<Vec<f32>> = places
+            .iter()
+            .map(|p| {
+                p.iter()
+                    .flat_map(|i| grad.row(*i, dim).iter().copied())
+                    .collect()
+            })
+            .collect();
+        let request = |k: usize| Request::PushRows {
+            table,
+            ids: owned[k].clone(),
+            scale,
+            values: parts[k].len(),
+        };
+        let replies = self.round_then(request, |k| vec![&parts[k][..]], |_, _, _| Ok(()));
+        match replies {
+            Ok((replies, _)) => match replies.iter().find(|r| !matches!(r, Reply::Ok { .. })) {
+                None => Ok(()),
+                Some(other) => Err(PsError::Remote {
+                    task: self.me(),
+                    message: format!("a ps answered a push of rows with {other:?}"),
+                }),
+            },
+            Err(e) => {
+                // MPI may still read the parts after an error.
+                std::mem::forget(parts);
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Barrier;
+    use std::time::Duration;
+
+    use super::super::test_support::{cfg, layout};
+    use super::super::{server, Roles};
+    use crate::model::embedding::{SparseGrad, SparseOptimizer, Table, TableSpec};
+    use crate::train::engine::Session;
+    use crate::transport::comm::Comm;
+    use crate::transport::local::LocalComm;
+
+    /// Two ps tasks hold a table of 2^40 rows: two workers pull rows (ids on both ps,
+    /// repeated ones too) equal to a local table's, each pushes a sparse gradient, and
+    /// both then pull the rows as the local table has them after both gradients; only the
+    /// touched rows exist, so the job needs no memory for the rest.
+    #[test]
+    fn rows_pulled_and_pushed_over_two_ps_tasks_equal_a_local_table() {
+        let l = layout(4, 2); // ps:0, ps:1, worker:0, worker:1
+        let mut c = cfg(3, true);
+        let spec = TableSpec::new("emb", 1 << 40, 3);
+        c.tables = vec![spec.clone()];
+        c.sparse = SparseOptimizer::Sgd { lr: 0.5 };
+        let model = crate::model::mlp(4, &[3], 2).unwrap();
+        let ids = [7u64, (1 << 40) - 1, 10, 7, 123_456_789_012];
+        let grads = [
+            SparseGrad {
+                ids: vec![7, 10],
+                values: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            },
+            SparseGrad {
+                ids: vec![7, 123_456_789_012],
+                values: vec![-1.0, 0.5, 0.0, 2.0, 2.0, 2.0],
+            },
+        ];
+        let mut local = Table::new(spec.clone(), c.train.seed, c.sparse);
+        let mut before = Vec::new();
+        local.pull_into(&ids, &mut before).unwrap();
+        grads.iter().for_each(|g| local.apply(g, 0.5).unwrap());
+        let mut after = Vec::new();
+        local.pull_into(&ids, &mut after).unwrap();
+        // Enough rows per ps for the rows to travel as pieces, not in the header's message.
+        let many: Vec<u64> = (0..12_000u64).map(|i| i * 7919).collect();
+        let many_grad = SparseGrad {
+            ids: many.clone(),
+            values: (0..many.len() * 3).map(|i| (i % 7) as f32).collect(),
+        };
+        let mut many_before = Vec::new();
+        local.pull_into(&many, &mut many_before).unwrap();
+        local.apply(&many_grad, 1.0).unwrap();
+        let mut many_after = Vec::new();
+        local.pull_into(&many, &mut many_after).unwrap();
+        let both = Barrier::new(2);
+        let out = LocalComm::run(4, |comm| {
+            let roles = Roles::new(&l).unwrap();
+            if let Some(k) = roles.ps_index(comm.rank()) {
+                server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
+                return None;
+            }
+            let w = roles.worker_index(comm.rank()).unwrap();
+            let sess = Session::for_worker(&comm, &roles, &model, &c).unwrap();
+            let ps = sess.strategy();
+            let (mut first, mut last) = (Vec::new(), Vec::new());
+            ps.pull_rows(0, &ids, &mut first).unwrap();
+            both.wait();
+            ps.push_rows(0, &grads[w], 0.5).unwrap();
+            both.wait();
+            ps.pull_rows(0, &ids, &mut last).unwrap();
+            let bad = ps
+                .pull_rows(1, &ids, &mut Vec::new())
+                .unwrap_err()
+                .to_string();
+            sess.close().unwrap();
+            Some((first, last, bad))
+        });
+        for (first, last, bad) in out.into_iter().flatten() {
+            assert_eq!(first, before);
+            // The two pushes to row 7 may land in either order: equal up to rounding.
+            let close = last.iter().zip(&after).all(|(a, b)| (a - b).abs() < 1e-6);
+            assert!(close && last.len() == after.len(), "{last:?} vs {after:?}");
+            assert!(
+                bad.ends_with("no embedding table 1 (the session has 1)"),
+                "{bad}"
+            );
+        }
+    }
+}
