@@ -65,11 +65,17 @@ class Session:
             if missing or extra:
                 why = (f"push_pull: gradients missing for {missing}, given for unknown "
                        f"variables {extra}")
-                self._s.refuse(why)  # every worker hears of it, as of a bad array
+                self.refuse(why)
                 raise ValueError(f"mpiflow: rank {rank()}: {why}")
             grads = [grads[n] for n in self._s.names]
         self._s.push_pull(list(grads), float(loss), int(samples))
         return self.params
+
+    def refuse(self, why):
+        """Ends the session on every worker at this step for this worker's finding `why`
+        (a corrupt batch, a missing gradient): the others raise an `mpiflow.Error` naming
+        this task, as for a bad array; the caller raises its own error."""
+        self._s.refuse(str(why))
 
     def should_stop(self):
         return self._s.should_stop()

@@ -129,7 +129,7 @@ class PsOptimizer:
             grads[n] = _view(p.grad, f"the gradient of '{n}'") if p.grad is not None else None
         missing = [n for n, g in grads.items() if g is None]
         if missing:
-            self.session._s.refuse(f"step: no gradient for {missing} (call backward() first)")
+            self.session.refuse(f"step: no gradient for {missing} (call backward() first)")
             raise ValueError(f"mpiflow.torch: step: no gradient for {missing}")
         self.session.push_pull(grads, float(loss), int(samples))
 

@@ -11,8 +11,9 @@ mpiflow, over the ps tasks (mode ps: `mpiflow.init(ps=1)`) or the allreduce.
 - async, backup: asynchronous (`sync=False`), and synchronous with
   `replicas_to_aggregate=1` (the other worker a backup): 60 steps reached, the loss
   falling.
-- bad: worker 1 hands a float64 gradient at step 3: a TypeError there, an mpiflow.Error on
-  every other task, each within seconds.
+- bad: worker 1 hands a float64 gradient at step 3 (allreduce: no gradient for one
+  variable): a TypeError (ValueError) there, an mpiflow.Error on every other task, each
+  within seconds.
 
 Each rank prints one JSON line of what it found.
 """
@@ -137,7 +138,10 @@ elif SCENARIO == "bad":
             while not sess.should_stop():
                 loss, g = loss_and_grads(sess.params, X[rows], Y[rows])
                 if sess.global_step == 3 and me["index"] == 1 and me["type"] == "worker":
-                    g["w2"] = g["w2"].astype(np.float64)
+                    if MODE == "allreduce":
+                        del g["w2"]  # refused by the session (Session.refuse)
+                    else:
+                        g["w2"] = g["w2"].astype(np.float64)
                 sess.push_pull(g, loss, samples=len(Y[rows]))
         out["raised"] = None
     except Exception as e:  # noqa: BLE001 - what was raised is the finding
