@@ -133,6 +133,47 @@ fn init_takes_an_mpi4py_communicator_whose_ranks_are_the_job() {
     }
 }
 
+/// Embedding tables on two ps tasks from a Python session: a table of 2^40 rows, rows
+/// pulled by both workers alike (ids on both ps, a repeated one), both workers' sparse
+/// gradients applied by the ps tasks (SGD) within rounding; an unknown table, a gradient
+/// of the wrong shape and an id beyond the table raise on their worker, which then closes
+/// its session normally.
+#[test]
+fn a_python_session_pulls_and_pushes_embedding_rows_on_the_ps_tasks() {
+    let Some(lines) = ranks_of("rows.py", 4, &[]) else {
+        return;
+    };
+    let workers: Vec<&Value> = lines.iter().filter(|l| l.get("worst").is_some()).collect();
+    assert_eq!(workers.len(), 2, "{lines:?}");
+    for l in &workers {
+        assert_eq!(l["shape"], serde_json::json!([5, 3]), "{l}");
+        assert_eq!(l["repeated"], true, "{l}");
+        assert_eq!(l["before"], workers[0]["before"], "{l}");
+        assert!(l["worst"].as_f64().unwrap() < 1e-5, "{l}");
+        assert!(l["moved"].as_f64().unwrap() > 1.0, "{l}");
+        assert_eq!(l["step"].as_u64(), Some(2), "{l}");
+        let e = &l["errors"];
+        assert!(
+            e["table"]
+                .as_str()
+                .unwrap()
+                .contains("no embedding table 'nope'"),
+            "{l}"
+        );
+        assert!(
+            e["shape"].as_str().unwrap().starts_with("ValueError"),
+            "{l}"
+        );
+        assert!(
+            e["row"]
+                .as_str()
+                .unwrap()
+                .ends_with("id 1099511627776 is no row of table emb's 1099511627776"),
+            "{l}"
+        );
+    }
+}
+
 /// A training session from Python over the ps tasks (1 ps, 2 workers; by messages and over
 /// one-sided windows) and the allreduce (2 workers), the program's NumPy MLP handing in its gradients: the parameters equal
 /// local training of the whole batch within 1e-4; a second job restores the first's

@@ -1,6 +1,8 @@
 """A worker's training session over variables whose gradients the program computes."""
 import types as _types
 
+import numpy as _np
+
 from . import _native
 from ._native import rank
 
@@ -35,6 +37,11 @@ class Session:
     Training stops at `steps`, at a non-finite loss or gradient (an error on every
     worker), at `request_stop()`, or at a stop signal with `stop_on_signal` (then
     `mpiflow.Stopped`, after a checkpoint). An error ends the session on every worker.
+
+    `tables` (mode "ps", transport "p2p"): embedding tables the ps tasks hold besides the
+    variables, `{name: (rows, width)}`, of any number of rows (a row exists once touched,
+    made from `seed`); `pull_rows` and `push_rows` reach them, updated by
+    `sparse_optimizer` ("sgd", "adagrad", "lazy_adam") at `sparse_lr`.
     """
 
     def __init__(self, variables, mode="ps", *, transport="p2p", sync=True,
@@ -42,8 +49,11 @@ class Session:
                  optimizer="sgd", lr=0.01, momentum=0.9, steps=1000, seed=1,
                  log_every=100, checkpoint_dir=None, checkpoint_every=0,
                  checkpoint_secs=None, keep_checkpoints=5, stop_on_signal=False,
-                 peer_timeout=60.0, name="python"):
+                 peer_timeout=60.0, name="python", tables=None, sparse_optimizer="adagrad",
+                 sparse_lr=0.05):
         names = list(variables)
+        tables = dict(tables or {})
+        self._tables = {n: i for i, n in enumerate(tables)}
         settings = _settings(
             mode=mode, transport=transport, sync=sync, replicas_to_aggregate=replicas_to_aggregate,
             optimizer=optimizer, lr=float(lr), momentum=float(momentum), steps=int(steps),
@@ -51,7 +61,9 @@ class Session:
             checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
             checkpoint_every=int(checkpoint_every), checkpoint_secs=checkpoint_secs,
             keep_checkpoints=int(keep_checkpoints), stop_on_signal=bool(stop_on_signal),
-            peer_timeout=float(peer_timeout), name=str(name))
+            peer_timeout=float(peer_timeout), name=str(name),
+            tables=[(str(n), int(r), int(d)) for n, (r, d) in tables.items()],
+            sparse_optimizer=str(sparse_optimizer), sparse_lr=float(sparse_lr))
         self._s = _native.Session(names, [variables[n] for n in names], settings)
         self.params = dict(zip(self._s.names, self._s.arrays))
 
@@ -70,6 +82,25 @@ class Session:
             grads = [grads[n] for n in self._s.names]
         self._s.push_pull(list(grads), float(loss), int(samples))
         return self.params
+
+    def pull_rows(self, table, ids):
+        """Rows `ids` (integers) of embedding table `table` (a name of `tables`), from the
+        ps tasks that hold them (a row is made on its first touch): a float32 array of
+        shape `(len(ids), width)`."""
+        return self._s.pull_rows(self._table(table), _np.ascontiguousarray(ids, _np.uint64))
+
+    def push_rows(self, table, ids, grads, scale=1.0):
+        """Table `table`'s gradient `grads` (a row per id of `ids`, the ids distinct)
+        times `scale`: the ps tasks apply it to those rows at once with the session's
+        `sparse_optimizer`."""
+        self._s.push_rows(self._table(table), _np.ascontiguousarray(ids, _np.uint64),
+                          _np.ascontiguousarray(grads, _np.float32), float(scale))
+
+    def _table(self, name):
+        if name not in self._tables:
+            raise KeyError(f"mpiflow: rank {rank()}: no embedding table {name!r} "
+                           f"(the session has {list(self._tables)})")
+        return self._tables[name]
 
     def refuse(self, why):
         """Ends the session on every worker at this step for this worker's finding `why`

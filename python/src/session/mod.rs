@@ -21,17 +21,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Mutex};
 
+use mpiflow::model::embedding::SparseGrad;
 use mpiflow::tensor::DType;
 use mpiflow::tensor::Tensor;
 use mpiflow::transport::Comm;
 use mpiflow::{External, PsError, ServerError};
-use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use numpy::{
+    PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use self::settings::Settings;
 pub(crate) use self::thread::end_all;
-use self::thread::{serve, Cmd, Job, Link, Reply, OPEN};
+use self::thread::{serve, Cmd, Job, Link, Reply, Rows, OPEN};
 use super::collectives::{dtype_name, dtype_of, layout_error, span_of};
 use super::executor::Span;
 use super::{shared_server, Error, Stopped};
@@ -54,6 +58,8 @@ pub struct PySession {
     /// False on a ps task of one-sided training, whose session served and ended.
     worker: bool,
     stop_asked: Arc<AtomicBool>,
+    /// The embedding tables (name, rows, width), by index.
+    tables: Vec<(String, u64, usize)>,
 }
 
 /// Variable `name`'s starting values: a float32 NumPy array (any layout, copied).
@@ -91,6 +97,9 @@ impl PySession {
         settings: Settings,
     ) -> PyResult<Self> {
         let (mode, ps, steps) = (settings.mode()?, settings.config()?, settings.steps);
+        let tables = (ps.tables.iter())
+            .map(|t| (t.name.clone(), t.rows, t.dim))
+            .collect();
         if names.len() != values.len() {
             return Err(PyValueError::new_err("mpiflow: Session: a value per name"));
         }
@@ -147,6 +156,7 @@ impl PySession {
             chief: false,
             worker: true,
             stop_asked,
+            tables,
         };
         // The start waits for the other workers (the chief's initial values, or its
         // restore of the newest checkpoint).
@@ -239,6 +249,55 @@ impl PySession {
     #[getter]
     fn ended(&self) -> bool {
         self.ended
+    }
+
+    /// Rows `ids` of embedding table `table` (from the ps tasks that hold them, made on
+    /// first touch): a float32 array `(len(ids), width)`.
+    fn pull_rows<'py>(
+        &mut self,
+        py: Python<'py>,
+        table: usize,
+        ids: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        self.open("pull_rows")?;
+        let dim = self.dim(table)?;
+        let ids = self.ids(table, "pull_rows", ids)?;
+        let n = ids.len();
+        let link = self.link.clone();
+        match py.detach(move || link.ask(Cmd::Rows(Rows::Pull { table, ids }))) {
+            Reply::Rows(rows) => PyArray1::from_vec(py, rows).reshape([n, dim]),
+            other => Err(self.ended_by(other)),
+        }
+    }
+
+    /// Pushes table `table`'s gradient `grads` (`(len(ids), width)` float32, a row per id
+    /// of `ids`, distinct) scaled by `scale`: the ps tasks apply it to those rows at once.
+    fn push_rows(
+        &mut self,
+        py: Python<'_>,
+        table: usize,
+        ids: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+        scale: f32,
+    ) -> PyResult<()> {
+        self.open("push_rows")?;
+        let dim = self.dim(table)?;
+        let ids = self.ids(table, "push_rows", ids)?;
+        if grads.shape() != [ids.len(), dim] {
+            return Err(PyValueError::new_err(format!(
+                "mpiflow: {}: push_rows: gradients of shape {:?} for {} ids of width {dim}",
+                self.me,
+                grads.shape(),
+                ids.len()
+            )));
+        }
+        let values = grads.as_array().iter().copied().collect();
+        let grad = SparseGrad { ids, values };
+        let link = self.link.clone();
+        match py.detach(move || link.ask(Cmd::Rows(Rows::Push { table, grad, scale }))) {
+            Reply::Rows(_) => Ok(()),
+            other => Err(self.ended_by(other)),
+        }
     }
 
     /// Checkpoints this step now (every worker calls it); the checkpoint's path, or None
@@ -354,6 +413,31 @@ impl PySession {
         match stopped {
             true => Stopped::new_err(line),
             false => Error::new_err(line),
+        }
+    }
+
+    /// Table `table`'s width, or an `IndexError`.
+    fn dim(&self, table: usize) -> PyResult<usize> {
+        self.tables.get(table).map(|t| t.2).ok_or_else(|| {
+            PyIndexError::new_err(format!(
+                "mpiflow: {}: no embedding table {table} (the session has {})",
+                self.me,
+                self.tables.len()
+            ))
+        })
+    }
+
+    /// `ids`, each checked to be a row of table `table` (a `ValueError` for `call`
+    /// naming the table and the id otherwise: the session goes on).
+    fn ids(&self, table: usize, call: &str, ids: PyReadonlyArray1<'_, u64>) -> PyResult<Vec<u64>> {
+        let (name, rows, _) = &self.tables[table];
+        let ids = ids.as_array().to_vec();
+        match ids.iter().find(|id| **id >= *rows) {
+            Some(id) => Err(PyValueError::new_err(format!(
+                "mpiflow: {}: {call}: id {id} is no row of table {name}'s {rows}",
+                self.me
+            ))),
+            None => Ok(ids),
         }
     }
 

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use mpiflow::model::embedding::{SparseOptimizer, TableSpec};
 use mpiflow::named::Named;
 use mpiflow::train::ps::placement::Strategy as Placement;
 use mpiflow::{Optimizer, OptimizerKind, PsConfig, TrainConfig};
@@ -32,6 +33,10 @@ pub(super) struct Settings {
     pub(super) stop_on_signal: bool,
     peer_timeout: f64,
     pub(super) name: String,
+    /// Embedding tables on the ps tasks: name, rows, width.
+    pub(super) tables: Vec<(String, u64, usize)>,
+    sparse_optimizer: String,
+    sparse_lr: f32,
 }
 
 impl Settings {
@@ -88,7 +93,38 @@ impl Settings {
             replicas_to_aggregate: self.replicas_to_aggregate,
             strategy: Placement::Greedy,
             peer_timeout: secs(self.peer_timeout, "peer_timeout")?,
+            tables: self.tables()?,
+            sparse: self.sparse()?,
             ..PsConfig::default()
         })
+    }
+
+    /// The tables, on the ps tasks of the ps over messages only.
+    fn tables(&self) -> PyResult<Vec<TableSpec>> {
+        if !self.tables.is_empty() && (self.mode != "ps" || self.transport != "p2p") {
+            return Err(PyValueError::new_err(
+                "mpiflow: Session: embedding tables need mode=\"ps\" (transport \"p2p\")",
+            ));
+        }
+        (self.tables.iter())
+            .map(|(name, rows, dim)| match *rows > 0 && *dim > 0 {
+                true => Ok(TableSpec::new(name, *rows, *dim)),
+                false => Err(PyValueError::new_err(format!(
+                    "mpiflow: Session: table {name:?} of {rows} rows of {dim}: both must be at least 1"
+                ))),
+            })
+            .collect()
+    }
+
+    fn sparse(&self) -> PyResult<SparseOptimizer> {
+        let lr = self.sparse_lr;
+        match self.sparse_optimizer.as_str() {
+            "sgd" => Ok(SparseOptimizer::Sgd { lr }),
+            "adagrad" => Ok(SparseOptimizer::adagrad(lr)),
+            "lazy_adam" => Ok(SparseOptimizer::lazy_adam(lr)),
+            other => Err(PyValueError::new_err(format!(
+                "mpiflow: Session: sparse_optimizer {other:?} is none of sgd, adagrad, lazy_adam"
+            ))),
+        }
     }
 }

@@ -7,6 +7,9 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use mpiflow::model::embedding::SparseGrad;
+use mpiflow::train::ps::Ps;
+use mpiflow::transport::mpi::MpiComm;
 use mpiflow::{
     AllreduceConfig, Dataset, External, Local, PsConfig, PsError, Session, StepInfo, Strategy,
     TrainError,
@@ -28,8 +31,45 @@ pub(super) enum Cmd {
     Refuse(String),
     /// A checkpoint of this step.
     Save,
+    /// Rows of an embedding table pulled or pushed (the ps over messages).
+    Rows(Rows),
     /// The session's end: its final checkpoint, the ps tasks told.
     Close,
+}
+
+/// A request for an embedding table's rows.
+pub(super) enum Rows {
+    Pull {
+        table: usize,
+        ids: Vec<u64>,
+    },
+    Push {
+        table: usize,
+        grad: SparseGrad,
+        scale: f32,
+    },
+}
+
+/// Answers a [`Rows`] request in a session whose strategy has no tables.
+fn no_rows<S>(_: &S, _: Rows) -> Result<Reply, TrainError> {
+    Err(TrainError::Usage(
+        "embedding tables need mode=\"ps\" (transport \"p2p\")".into(),
+    ))
+}
+
+/// Answers a [`Rows`] request from the ps tasks.
+fn ps_rows(ps: &Ps<'_, MpiComm>, r: Rows) -> Result<Reply, TrainError> {
+    match r {
+        Rows::Pull { table, ids } => {
+            let mut out = Vec::new();
+            ps.pull_rows(table, &ids, &mut out)?;
+            Ok(Reply::Rows(out))
+        }
+        Rows::Push { table, grad, scale } => {
+            ps.push_rows(table, &grad, scale)?;
+            Ok(Reply::Rows(Vec::new()))
+        }
+    }
 }
 
 /// What a session thread answers.
@@ -46,6 +86,8 @@ pub(super) enum Reply {
         stop: bool,
     },
     Saved(Option<PathBuf>),
+    /// The rows pulled (or none: a push done).
+    Rows(Vec<f32>),
     Closed(Closed),
     /// A ps task served the one-sided session to its end.
     Served,
@@ -161,7 +203,7 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
     match mode {
         Mode::Local => {
             let sess = Local::new(&model, &ps.train).and_then(|s| Session::new(s, &ps.train));
-            let _ = io.drive(sess.map_err(|e| e.to_string()));
+            let _ = io.drive(sess.map_err(|e| e.to_string()), no_rows);
         }
         Mode::Allreduce => {
             let cfg = AllreduceConfig {
@@ -172,10 +214,12 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
                 server
                     .allreduce_session(&model, &cfg)
                     .map_err(|e| e.to_string()),
+                no_rows,
             );
         }
         Mode::Ps => {
-            let _ = io.drive(server.session(&model, &ps).map_err(|e| e.to_string()));
+            let opened = server.session(&model, &ps).map_err(|e| e.to_string());
+            let _ = io.drive(opened, ps_rows);
         }
         Mode::PsRma => {
             let is_worker = server.worker().is_some();
@@ -188,7 +232,7 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
                 classes: 1,
                 shape: vec![0],
             };
-            let served = server.one_sided(&model, &ps, &none, |sess| io.drive(Ok(sess)));
+            let served = server.one_sided(&model, &ps, &none, |sess| io.drive(Ok(sess), no_rows));
             match (served, is_worker) {
                 (Ok(None), _) => io.reply(Reply::Served),
                 // A worker's session told Python how it ended.
@@ -217,6 +261,7 @@ impl Io<'_> {
     fn drive<'m, S: Strategy<'m>>(
         &self,
         opened: Result<Session<'m, '_, S>, String>,
+        rows: impl Fn(&S, Rows) -> Result<Reply, TrainError>,
     ) -> Result<(), TrainError> {
         let mut sess = match opened {
             Ok(s) => {
@@ -255,6 +300,7 @@ impl Io<'_> {
                     Ok(path) => Reply::Saved(path),
                     Err(e) => fail(e),
                 },
+                Cmd::Rows(r) => rows(sess.strategy(), r).unwrap_or_else(&mut fail),
                 Cmd::Close => {
                     let closed = sess.close();
                     let r = closed.as_ref().map(|_| ()).map_err(Clone::clone);

@@ -1,0 +1,50 @@
+"""Embedding tables on the ps tasks from Python (tests/python.rs): 2 ps tasks and 2
+workers; a table of 2^40 rows. Each worker pulls the same rows (ids on both ps, one
+repeated), both push a sparse gradient (SGD), and after a synchronous step (every push
+applied) both pull the rows as they must be; bad calls raise on their worker and the
+session goes on. Each rank
+prints one JSON line."""
+import hashlib
+import json
+import os
+
+import numpy as np
+
+import mpiflow
+
+mpiflow.init(ps=2)
+me = mpiflow.cluster()["task"]
+out = {"rank": mpiflow.rank(), "task": f"{me['type']}:{me['index']}"}
+if me["type"] == "ps":
+    mpiflow.join()
+else:
+    ROWS, DIM, LR, SCALE = 1 << 40, 3, 0.5, 0.25
+    sess = mpiflow.Session({"w": np.zeros(2, np.float32)}, "ps", steps=3,
+                           tables={"emb": (ROWS, DIM)}, sparse_optimizer="sgd", sparse_lr=LR)
+    ids = np.array([7, ROWS - 1, 10, 7, 123456789012], np.int64)
+    before = sess.pull_rows("emb", ids)
+    sess.push_pull({"w": np.ones(2, np.float32)}, 0.0, 1)  # both workers pulled
+    # Each worker's gradient: known to both, so each checks the sum of both.
+    push = np.array([7, 10, 123456789012], np.uint64)
+    grad = lambda w: (np.arange(9, dtype=np.float32).reshape(3, 3) + 10 * w)
+    sess.push_rows("emb", push, grad(me["index"]), scale=SCALE)
+    sess.push_pull({"w": np.ones(2, np.float32)}, 0.0, 1)  # both workers pushed
+    after = sess.pull_rows("emb", ids)
+    want = before.copy()
+    both = grad(0) + grad(1)
+    for i, r in enumerate(push):
+        want[ids == np.int64(r)] -= LR * SCALE * both[i]
+    errors = {}
+    for name, call in [("table", lambda: sess.pull_rows("nope", ids)),
+                       ("shape", lambda: sess.push_rows("emb", push, np.zeros((2, 3)))),
+                       ("row", lambda: sess.pull_rows("emb", [ROWS]))]:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - what was raised is the finding
+            errors[name] = f"{type(e).__name__}: {e}"
+    closed = sess.close()
+    out.update(shape=list(before.shape), step=closed["global_step"], repeated=bool((before[0] == before[3]).all()),
+               before=hashlib.sha256(before.tobytes()).hexdigest(),
+               worst=float(np.abs(after - want).max()), moved=float(np.abs(after - before).max()),
+               errors=errors)
+os.write(1, (json.dumps(out) + "\n").encode())
