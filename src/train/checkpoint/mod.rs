@@ -81,6 +81,11 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     crate::hash::fnv1a(bytes)
 }
 
+/// The first characters of the names of the arrays that hold an embedding table's rows in
+/// a ps task's shard file (`table:NAME:ids`, `:values`, `:state`): no model variable;
+/// the ps tasks restore them (`ps::server::rows`).
+pub const TABLE_ARRAYS: &str = "table:";
+
 /// Named float arrays with a little metadata: what a shard file holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Arrays {

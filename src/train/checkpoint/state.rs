@@ -193,6 +193,9 @@ impl State {
             state.step = state.step.max(a.step);
             state.t = state.t.max(a.meta["t"].as_u64().unwrap_or(a.step));
             for (key, values) in &a.arrays {
+                if key.starts_with(super::TABLE_ARRAYS) {
+                    continue; // an embedding table's rows: the ps tasks' own to restore
+                }
                 let (name, offset, part) = parse_key(key)
                     .ok_or_else(|| other_model(path, format!("it holds an array named {key:?}")))?;
                 let Some(i) = vars.iter().position(|(n, _)| n == name) else {

@@ -515,13 +515,15 @@ impl<'a, C: Comm> Server<'a, C> {
     }
 
     fn snapshot(&self) -> checkpoint::Arrays {
-        shards::arrays(
+        let mut a = shards::arrays(
             self.k,
             &self.shards,
             &self.store.shards(),
             &self.slots,
             self.global_step,
-        )
+        );
+        a.arrays.extend(rows::table_arrays(&self.tables));
+        a
     }
 
     /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
@@ -529,6 +531,10 @@ impl<'a, C: Comm> Server<'a, C> {
         let (params, slots, step) =
             shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
                 .map_err(|e| e.to_string())?;
+        if !self.tables.is_empty() {
+            let (_, files) = checkpoint::open(dir).map_err(|e| e.to_string())?;
+            rows::restore_rows(&mut self.tables, &files, self.k, self.roles.ps.len())?;
+        }
         // All or nothing: only now replace the live state.
         for (i, p) in params.iter().enumerate() {
             let r = self.store.range(i);

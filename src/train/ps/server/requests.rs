@@ -65,10 +65,8 @@ impl<C: Comm> Server<'_, C> {
                 self.answer_pending()
             }
             Request::Restore { setup, path } => {
-                let restored = (setup.tables.is_empty())
-                    .then_some(())
-                    .ok_or_else(|| "restoring embedding tables is not built yet".to_string())
-                    .and_then(|()| self.configure(&setup))
+                let restored = self
+                    .configure(&setup)
                     .and_then(|()| self.restore(&path, &setup.shards));
                 match restored {
                     Ok(()) => {
