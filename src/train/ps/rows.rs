@@ -70,7 +70,11 @@ impl<C: Comm> Client<'_, C> {
             table,
             ids: owned[k].clone(),
         };
-        self.round_then(request, |_| Vec::new(), take)?;
+        if let Err(e) = self.round_then(request, |_| Vec::new(), take) {
+            // Receives into the rows may still be in flight after an error.
+            std::mem::forget(got);
+            return Err(e);
+        }
         out.clear();
         out.resize(ids.len() * dim, 0.0);
         for (k, rows) in got.iter().enumerate() {

@@ -531,11 +531,13 @@ impl<'a, C: Comm> Server<'a, C> {
         let (params, slots, step) =
             shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
                 .map_err(|e| e.to_string())?;
-        if !self.tables.is_empty() {
+        let mut tables = self.tables.clone();
+        if !tables.is_empty() {
             let (_, files) = checkpoint::open(dir).map_err(|e| e.to_string())?;
-            rows::restore_rows(&mut self.tables, &files, self.k, self.roles.ps.len())?;
+            rows::restore_rows(&mut tables, &files, self.k, self.roles.ps.len())?;
         }
         // All or nothing: only now replace the live state.
+        self.tables = tables;
         for (i, p) in params.iter().enumerate() {
             let r = self.store.range(i);
             self.store.all_mut()[r].copy_from_slice(p);
