@@ -27,7 +27,6 @@
 //! [`Dataset`], [`TrainConfig`], and one [`Error`].
 
 mod error;
-pub(crate) mod hash;
 
 pub mod cluster;
 pub mod kernels;
@@ -41,11 +40,14 @@ pub mod topology;
 pub mod train;
 pub mod transport;
 
-// The command line's own: public for the binary, not the library's face.
+// The command line's own (and the Python package's): public for them, not the library's
+// face.
 #[doc(hidden)]
 pub mod bench;
 #[doc(hidden)]
 pub mod check;
+#[doc(hidden)]
+pub mod hash;
 #[doc(hidden)]
 pub mod launch;
 #[doc(hidden)]

@@ -168,7 +168,7 @@ fn a_python_session_pulls_and_pushes_embedding_rows_on_the_ps_tasks() {
             e["row"]
                 .as_str()
                 .unwrap()
-                .ends_with("id 1099511627776 is no row of table emb's 1099511627776"),
+                .ends_with("pull_rows: table emb: id 1099511627776 is no row of its 1099511627776"),
             "{l}"
         );
     }

@@ -109,18 +109,6 @@ fn reduce_op(op: &str, call: &Call) -> PyResult<ReduceOp> {
     }
 }
 
-/// Queues (or with `blocking` runs) `job`, its arrays kept until it is done: the call's
-/// `Handle`, or with `blocking` what its `wait()` would return (`result`).
-fn submit(
-    py: Python<'_>,
-    s: &Port,
-    job: Job,
-    (keep, result): (Vec<Py<PyAny>>, Py<PyAny>),
-    blocking: bool,
-) -> PyResult<Py<PyAny>> {
-    s.submit(py, job, keep, result, blocking)
-}
-
 /// A call of `name` on this rank, made and queued by `make` to the collectives (the
 /// state's lock is not held meanwhile: see [`Port`]).
 fn with_call<R>(name: &'static str, make: impl FnOnce(&Port, Call) -> PyResult<R>) -> PyResult<R> {
@@ -151,7 +139,7 @@ fn allreduce_(
         });
         let a: Py<PyAny> = array.clone().into_any().unbind();
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
-        submit(py, s, job, (vec![a.clone_ref(py)], a), blocking)
+        s.submit(py, job, vec![a.clone_ref(py)], a, blocking)
     })
 }
 
@@ -176,7 +164,7 @@ fn broadcast_(
         });
         let a: Py<PyAny> = array.clone().into_any().unbind();
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
-        submit(py, s, job, (vec![a.clone_ref(py)], a), blocking)
+        s.submit(py, job, vec![a.clone_ref(py)], a, blocking)
     })
 }
 
@@ -212,15 +200,16 @@ fn allgather_(
             out.clone().into_any().unbind(),
         );
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
-        submit(py, s, job, (vec![a, o.clone_ref(py)], o), blocking)
+        s.submit(py, job, vec![a, o.clone_ref(py)], o, blocking)
     })
 }
 
 /// Reduces every array of `items` over every rank, in place, by `op`, as one message per
 /// dtype (the arrays of a dtype back to back: mpiflow's fusion of a model's gradients):
 /// the same results as one `allreduce_` each, in fewer, larger collectives. The ranks
-/// agree on the whole list (count, dtypes, shapes) first. `wait()` returns the list (with
-/// `blocking`, the list is returned).
+/// agree on the whole list (count, dtypes, shapes) first. `wait()` returns `items` itself
+/// (with `blocking`, it is returned); its arrays are kept until the call is done, even if
+/// the list changes meanwhile.
 #[pyfunction]
 #[pyo3(signature = (items, op = "sum", blocking = false))]
 fn allreduce_many_(
@@ -229,12 +218,12 @@ fn allreduce_many_(
     op: &str,
     blocking: bool,
 ) -> PyResult<Py<PyAny>> {
+    let list = items.clone().into_any().unbind();
     let items: Vec<Bound<'_, PyAny>> = items.iter().collect();
     with_call("allreduce_many", |s, call| {
         let job = many_job(py, call, &items, op);
         let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
-        let list = PyList::new(py, &items)?.into_any().unbind();
-        submit(py, s, job, (keep, list), blocking)
+        s.submit(py, job, keep, list, blocking)
     })
 }
 
@@ -330,7 +319,7 @@ fn barrier_(py: Python<'_>, blocking: bool) -> PyResult<Py<PyAny>> {
             call,
             Ok(Op::Barrier),
         );
-        submit(py, s, job, (Vec::new(), py.None()), blocking)
+        s.submit(py, job, Vec::new(), py.None(), blocking)
     })
 }
 

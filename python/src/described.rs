@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 use std::fmt::Write;
 
+use mpiflow::hash::{fnv1a, fnv1a_from, FNV_OFFSET};
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -71,15 +72,15 @@ impl Described {
 
     /// The hash the ranks compare: equal where the descriptions are.
     pub(crate) fn hash(&self) -> u64 {
-        let h = mix(fnv(self.name.as_bytes()), self.many as u64);
-        mix(self.arrays_hash(h), fnv(self.arg.as_bytes()))
+        let h = mix(fnv1a(self.name.as_bytes()), self.many as u64);
+        mix(self.arrays_hash(h), fnv1a(self.arg.as_bytes()))
     }
 
     /// The arrays' part of the hash, from `h`.
     fn arrays_hash(&self, h: u64) -> u64 {
         let h = self.arrays.iter().fold(h, |h, a| {
-            let h = mix(h, fnv(a.dtype.as_bytes()));
-            mix(mix(h, fnv(a.flaw.as_bytes())), a.ndim as u64)
+            let h = mix(h, fnv1a(a.dtype.as_bytes()));
+            mix(mix(h, fnv1a(a.flaw.as_bytes())), a.ndim as u64)
         });
         self.dims.iter().fold(h, |h, d| mix(h, *d as u64))
     }
@@ -90,7 +91,7 @@ impl Described {
         let mut s = format!("{}(", self.name);
         if self.many {
             let elements: usize = self.shapes().map(|d| d.iter().product::<usize>()).sum();
-            let list = self.arrays_hash(OFFSET);
+            let list = self.arrays_hash(FNV_OFFSET);
             let n = self.arrays.len();
             let _ = write!(s, "{n} arrays, {elements} elements, list {list:016x}");
         } else {
@@ -115,17 +116,9 @@ impl Described {
     }
 }
 
-/// FNV-1a's offset basis: the hash of nothing.
-const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// One word into hash `h` (FNV-1a's step, a word at a time).
+/// `word` into hash `h` (FNV-1a continued over its bytes).
 fn mix(h: u64, word: u64) -> u64 {
-    (h ^ word).wrapping_mul(0x0100_0000_01b3)
-}
-
-/// FNV-1a of `bytes`.
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(OFFSET, |h, b| mix(h, u64::from(*b)))
+    fnv1a_from(h, &word.to_le_bytes())
 }
 
 /// NumPy's name of an array's dtype (`float32`), made here: NumPy's own `str(dtype)` runs

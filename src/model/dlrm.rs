@@ -26,6 +26,8 @@ pub struct Dlrm {
     tables: Vec<TableSpec>,
     bottom: Sequential,
     top: Sequential,
+    /// The bottom MLP's parameters: the first of [`Dlrm::parameters`], the top's after.
+    bottom_params: usize,
 }
 
 /// One table's part of a batch: its ids deduplicated, and their rows (`unique.ids` order,
@@ -97,12 +99,15 @@ impl Dlrm {
             Sequential::new(name, &[input], layers)
         };
         let pairs = (tables.len() + 1) * tables.len() / 2;
+        let bottom = mlp("dlrm bottom", dense, bottom, dim, true)?;
+        let bottom_params = super::Model::parameters(&bottom).len();
         Ok(Dlrm {
             dense,
             dim,
-            bottom: mlp("dlrm bottom", dense, bottom, dim, true)?,
+            bottom,
             top: mlp("dlrm top", dim + pairs, top, 1, false)?,
             tables,
+            bottom_params,
         })
     }
 
@@ -171,10 +176,9 @@ impl Dlrm {
         }
     }
 
-    fn param_ranges(&self) -> (Range<usize>, Range<usize>) {
-        use super::Model;
-        let b = self.bottom.parameters().len();
-        (0..b, b..b + self.top.parameters().len())
+    /// The bottom MLP's parameters and the top's, of [`Dlrm::parameters`].
+    fn param_ranges(&self, params: usize) -> (Range<usize>, Range<usize>) {
+        (0..self.bottom_params, self.bottom_params..params)
     }
 
     /// The forward pass to the logits (left in `ws.top`'s output).
@@ -186,7 +190,7 @@ impl Dlrm {
         ws: &mut DlrmScratch,
     ) -> Result<(), ModelError> {
         let (n, d, k) = (batch.len(), self.dim, self.tables.len() + 1);
-        let (pb, pt) = self.param_ranges();
+        let (pb, pt) = self.param_ranges(params.len());
         let rows_wanted = |l: &Lookup| l.unique.ids.len() * d;
         if let Some((f, l)) = lookups
             .iter()
@@ -266,7 +270,7 @@ impl Dlrm {
     ) -> Result<f32, ModelError> {
         self.forward(params, batch, lookups, ws)?;
         let (n, d, k) = (batch.len(), self.dim, self.tables.len() + 1);
-        let (pb, pt) = self.param_ranges();
+        let (pb, pt) = self.param_ranges(params.len());
         let logits = ws.top.output().to_vec();
         let loss = crate::train::ctr::logloss(&logits, &batch.labels) as f32;
         let dz = ws.top.gradient_mut(n);

@@ -77,12 +77,18 @@ impl Context {
     /// caller): its `MPI_COMM_WORLD`, and MPI left to that part to finalise. The flag says
     /// whether it provides `MPI_THREAD_MULTIPLE`.
     pub fn adopt() -> Result<(Context, bool), InitError> {
+        let multiple = Context::initialised_elsewhere()?;
+        let world = SimpleCommunicator::world();
+        Ok((Context::started(world, None)?, multiple))
+    }
+
+    /// Checks that another part of the program initialised MPI (and has not finalised
+    /// it); whether the library provides `MPI_THREAD_MULTIPLE`.
+    fn initialised_elsewhere() -> Result<bool, InitError> {
         if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
             return Err(InitError::NotInitialised);
         }
-        let multiple = mpi::environment::threading_support() == mpi::Threading::Multiple;
-        let world = SimpleCommunicator::world();
-        Ok((Context::started(world, None)?, multiple))
+        Ok(mpi::environment::threading_support() == mpi::Threading::Multiple)
     }
 
     /// The context of a communicator another part of the program made (mpi4py's
@@ -92,9 +98,7 @@ impl Context {
     /// that part to finalise. The flag says whether the library provides
     /// `MPI_THREAD_MULTIPLE`.
     pub fn adopt_communicator(fortran: i32) -> Result<(Context, bool), InitError> {
-        if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
-            return Err(InitError::NotInitialised);
-        }
+        let multiple = Context::initialised_elsewhere()?;
         let rank = SimpleCommunicator::world().rank();
         let bad = |what: String| InitError::Communicator(format!("rank {rank}: {what}"));
         // SAFETY: MPI is initialised; MPI_Comm_f2c takes any integer (an unknown handle
@@ -129,7 +133,6 @@ impl Context {
                 super::mpi::error_string(rc)
             )));
         }
-        let multiple = mpi::environment::threading_support() == mpi::Threading::Multiple;
         // SAFETY: `dup` is a live intracommunicator of no one else's, neither
         // MPI_COMM_WORLD nor MPI_COMM_SELF (a duplicate).
         let job = unsafe { SimpleCommunicator::from_raw(dup) };

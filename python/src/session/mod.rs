@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Mutex};
 
-use mpiflow::model::embedding::SparseGrad;
+use mpiflow::model::embedding::{SparseGrad, TableSpec};
 use mpiflow::tensor::DType;
 use mpiflow::tensor::Tensor;
 use mpiflow::transport::Comm;
@@ -58,8 +58,8 @@ pub struct PySession {
     /// False on a ps task of one-sided training, whose session served and ended.
     worker: bool,
     stop_asked: Arc<AtomicBool>,
-    /// The embedding tables (name, rows, width), by index.
-    tables: Vec<(String, u64, usize)>,
+    /// The embedding tables, by index.
+    tables: Vec<TableSpec>,
 }
 
 /// Variable `name`'s starting values: a float32 NumPy array (any layout, copied).
@@ -97,9 +97,7 @@ impl PySession {
         settings: Settings,
     ) -> PyResult<Self> {
         let (mode, ps, steps) = (settings.mode()?, settings.config()?, settings.steps);
-        let tables = (ps.tables.iter())
-            .map(|t| (t.name.clone(), t.rows, t.dim))
-            .collect();
+        let tables = ps.tables.clone();
         if names.len() != values.len() {
             return Err(PyValueError::new_err("mpiflow: Session: a value per name"));
         }
@@ -418,7 +416,7 @@ impl PySession {
 
     /// Table `table`'s width, or an `IndexError`.
     fn dim(&self, table: usize) -> PyResult<usize> {
-        self.tables.get(table).map(|t| t.2).ok_or_else(|| {
+        self.tables.get(table).map(|t| t.dim).ok_or_else(|| {
             PyIndexError::new_err(format!(
                 "mpiflow: {}: no embedding table {table} (the session has {})",
                 self.me,
@@ -430,14 +428,13 @@ impl PySession {
     /// `ids`, each checked to be a row of table `table` (a `ValueError` for `call`
     /// naming the table and the id otherwise: the session goes on).
     fn ids(&self, table: usize, call: &str, ids: PyReadonlyArray1<'_, u64>) -> PyResult<Vec<u64>> {
-        let (name, rows, _) = &self.tables[table];
         let ids = ids.as_array().to_vec();
-        match ids.iter().find(|id| **id >= *rows) {
-            Some(id) => Err(PyValueError::new_err(format!(
-                "mpiflow: {}: {call}: id {id} is no row of table {name}'s {rows}",
+        match ids.iter().try_for_each(|id| self.tables[table].check(*id)) {
+            Err(e) => Err(PyValueError::new_err(format!(
+                "mpiflow: {}: {call}: {e}",
                 self.me
             ))),
-            None => Ok(ids),
+            Ok(()) => Ok(ids),
         }
     }
 
