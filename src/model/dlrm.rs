@@ -15,7 +15,7 @@ use std::ops::Range;
 use super::embedding::{Bags, EmbeddingBag, Pooling, SparseGrad, TableSpec, Unique};
 use super::layers::{Dense, Layer, Relu};
 use super::sequential::Scratch;
-use super::{ModelError, ParamSpec, Sequential};
+use super::{External, ModelError, ParamSpec, Sequential};
 use crate::tensor::Tensor;
 use crate::train::ctr::CtrBatch;
 
@@ -138,6 +138,20 @@ impl Dlrm {
         let mut specs = named("bottom", &self.bottom);
         specs.extend(named("top", &self.top));
         specs
+    }
+
+    /// The MLPs' parameters as a model a training mode trains ([`External`]): their
+    /// initial values drawn from `seed`, their gradients handed in each step (what
+    /// [`crate::train::ctr::fit`] does), while the tables live where the mode keeps them.
+    pub fn dense_model(&self, seed: u64) -> Result<External, ModelError> {
+        let specs = self.parameters();
+        let values = super::initial_values(&specs, seed);
+        let named = values
+            .into_iter()
+            .zip(&specs)
+            .map(|(t, s)| t.named(&s.name))
+            .collect();
+        External::new(&self.describe(), named)
     }
 
     /// Each table's ids of `batch`, deduplicated, into `lookups` (one per table); their

@@ -49,6 +49,15 @@ pub enum Record {
         correct: usize,
         total: usize,
     },
+    /// An evaluation of a click model on the held-out samples: AUC and mean log loss over
+    /// `total` samples.
+    Ctr {
+        step: u64,
+        wall_s: f64,
+        auc: f64,
+        logloss: f64,
+        total: usize,
+    },
     /// A stall report ([`super::stall`]): the longest wait, of `waited_s` seconds in `op`
     /// at `step`, the tasks that wait and those that have not arrived; `cleared`: the
     /// stall ended (then `waited_s` is its length and the lists are empty).
@@ -109,6 +118,19 @@ impl Record {
                     )),
                 }
             }
+            Record::Ctr {
+                wall_s,
+                auc,
+                logloss,
+                ..
+            } => {
+                fine("wall_s", *wall_s)?;
+                fine("logloss", *logloss)?;
+                match (0.0..=1.0).contains(auc) {
+                    true => Ok(()),
+                    false => Err(format!("auc {auc:?} is not an AUC")),
+                }
+            }
             Record::Stall {
                 wall_s, waited_s, ..
             } => {
@@ -121,9 +143,10 @@ impl Record {
     /// The global step the record is of.
     pub fn step(&self) -> u64 {
         match self {
-            Record::Step { step, .. } | Record::Eval { step, .. } | Record::Stall { step, .. } => {
-                *step
-            }
+            Record::Step { step, .. }
+            | Record::Eval { step, .. }
+            | Record::Ctr { step, .. }
+            | Record::Stall { step, .. } => *step,
         }
     }
 
@@ -132,6 +155,7 @@ impl Record {
         match self {
             Record::Step { wall_s, .. }
             | Record::Eval { wall_s, .. }
+            | Record::Ctr { wall_s, .. }
             | Record::Stall { wall_s, .. } => *wall_s,
         }
     }
@@ -196,14 +220,18 @@ pub enum MetricsError {
     },
 }
 
-const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps,op,waiting,missing\n";
+const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps,op,waiting,missing,auc,logloss\n";
+
+/// The header before click models' evaluations (read, never written): its rows lack the
+/// last two columns.
+const CSV_HEADER_V2: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps,op,waiting,missing\n";
 
 /// The header before stall reports (read, never written): its rows lack the last three
 /// columns.
 const CSV_HEADER_V1: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps\n";
 
 /// The columns of a row of [`CSV_HEADER`].
-const CSV_COLUMNS: usize = 19;
+const CSV_COLUMNS: usize = 21;
 
 /// A metrics file being written.
 #[derive(Debug)]
@@ -283,14 +311,14 @@ fn csv_rows(r: &Record) -> String {
                 opt(*loss)
             );
             if ranks.is_empty() {
-                return format!("{head},,,,,,,,,,,,\n");
+                return format!("{head},,,,,,,,,,,,,,\n");
             }
             ranks
                 .iter()
                 .map(|rt| {
                     let t = &rt.times;
                     format!(
-                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{},,,\n",
+                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{},,,,,\n",
                         rt.rank,
                         csv_field(&rt.task),
                         t.compute,
@@ -308,7 +336,14 @@ fn csv_rows(r: &Record) -> String {
             accuracy,
             correct,
             total,
-        } => format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,,,,\n"),
+        } => format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,,,,,,\n"),
+        Record::Ctr {
+            step,
+            wall_s,
+            auc,
+            logloss,
+            total,
+        } => format!("ctr,{step},{wall_s:.6},,,,,,{total},,,,,,,,,,,{auc},{logloss}\n"),
         Record::Stall {
             step,
             wall_s,
@@ -318,7 +353,7 @@ fn csv_rows(r: &Record) -> String {
             missing,
             cleared,
         } => format!(
-            "{},{step},{wall_s:.6},,,,,,,,,,,{waited_s:.3},,,{},{},{}\n",
+            "{},{step},{wall_s:.6},,,,,,,,,,,{waited_s:.3},,,{},{},{},,\n",
             if *cleared { "stall_cleared" } else { "stall" },
             csv_field(op),
             csv_field(&waiting.join(";")),
@@ -389,6 +424,7 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
     }
     let columns = match lines.next() {
         Some((_, h)) if h == CSV_HEADER.trim_end() => CSV_COLUMNS,
+        Some((_, h)) if h == CSV_HEADER_V2.trim_end() => 19,
         Some((_, h)) if h == CSV_HEADER_V1.trim_end() => 16,
         Some((n, h)) => return Err(bad(n, format!("not mpiflow's CSV header: {h:?}"))),
         None => return Ok(out),
@@ -425,6 +461,13 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                 wall_s,
                 accuracy: need(6, "accuracy")?,
                 correct: count(7, "correct")?,
+                total: count(8, "total")?,
+            }),
+            "ctr" => out.push(Record::Ctr {
+                step,
+                wall_s,
+                auc: need(19, "auc")?,
+                logloss: need(20, "logloss")?,
                 total: count(8, "total")?,
             }),
             "step" => {
@@ -484,7 +527,12 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                     cleared: kind == "stall_cleared",
                 })
             }
-            k => return Err(bad(n, format!("kind {k:?} is not step, eval or stall"))),
+            k => {
+                return Err(bad(
+                    n,
+                    format!("kind {k:?} is not step, eval, ctr or stall"),
+                ))
+            }
         }
         // The line's record, or the step's record it joined.
         if let Some(r) = out.last() {
@@ -542,6 +590,13 @@ mod tests {
                 accuracy: 0.875,
                 correct: 350,
                 total: 400,
+            },
+            Record::Ctr {
+                step: 500,
+                wall_s: 1.5,
+                auc: 0.8125,
+                logloss: 0.4375,
+                total: 20000,
             },
             Record::Stall {
                 step: 612,

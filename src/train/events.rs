@@ -33,6 +33,13 @@ pub enum Event {
         total: usize,
         step: u64,
     },
+    /// The chief's evaluation of a click model on the held-out samples.
+    Auc {
+        auc: f64,
+        logloss: f64,
+        total: usize,
+        step: u64,
+    },
     /// Something worth a look that does not stop training.
     Warning(String),
     /// Any other note (a comment line).
@@ -67,6 +74,15 @@ impl fmt::Display for Event {
                 f,
                 "evaluated {}: accuracy {accuracy:.4} ({correct}/{total} held-out samples) at global step {step}",
                 path.file_name().unwrap_or_default().to_string_lossy()
+            ),
+            Event::Auc {
+                auc,
+                logloss,
+                total,
+                step,
+            } => write!(
+                f,
+                "auc {auc:.4} (log loss {logloss:.4}, {total} held-out samples) at global step {step}"
             ),
             Event::Warning(w) => write!(f, "# warning: {w}"),
             Event::Note(n) if n.starts_with('#') => write!(f, "{n}"),
@@ -107,6 +123,18 @@ impl Event {
                 wall_s,
                 accuracy: *accuracy,
                 correct: *correct,
+                total: *total,
+            }),
+            Event::Auc {
+                auc,
+                logloss,
+                total,
+                step,
+            } => Some(Record::Ctr {
+                step: *step,
+                wall_s,
+                auc: *auc,
+                logloss: *logloss,
                 total: *total,
             }),
             _ => None,

@@ -21,11 +21,13 @@ pub mod data;
 pub mod engine;
 pub mod events;
 pub mod guard;
+pub mod hybrid;
 pub mod optim;
 pub mod ps;
 pub mod resources;
 pub(crate) mod server;
 pub(crate) mod sidecar;
+pub mod tables;
 
 use std::path::PathBuf;
 

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 pub(crate) mod state;
+pub mod tables;
 
 pub use state::State;
 
@@ -83,7 +84,7 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 
 /// The first characters of the names of the arrays that hold an embedding table's rows in
 /// a ps task's shard file (`table:NAME:ids`, `:values`, `:state`): no model variable;
-/// the ps tasks restore them (`ps::server::rows`).
+/// whoever holds the rows restores them ([`tables`]).
 pub const TABLE_ARRAYS: &str = "table:";
 
 /// Named float arrays with a little metadata: what a shard file holds.

@@ -8,10 +8,17 @@
 //! - [`criteo`]: a reader of the Criteo TSV layout (label, 13 integer features, 26 hashed
 //!   categorical features) for those who have such files.
 //! - [`metrics`]: AUC and log loss.
+//! - [`fit`]: a click model trained in any mode whose strategy holds its tables, and its
+//!   evaluation (AUC over every evaluating rank's share).
 
 pub mod criteo;
+mod fit;
 pub mod metrics;
+mod run;
 pub mod synthetic;
+
+pub use fit::{evaluate, fit, CtrEvaluation, CtrFit};
+pub use run::{CtrReport, CtrRun};
 
 pub use criteo::Criteo;
 pub use metrics::{auc, logloss};
@@ -39,6 +46,51 @@ pub trait CtrData: Send + Sync {
     fn batch_into(&self, idx: &[usize], batch: &mut CtrBatch) {
         batch.clear(self.dense(), self.tables().len());
         idx.iter().for_each(|i| self.push(*i, batch));
+    }
+}
+
+/// Samples `rows` of a set: a training part and a held-out part of one set.
+#[derive(Clone, Copy)]
+pub struct Part<'a> {
+    data: &'a dyn CtrData,
+    start: usize,
+    len: usize,
+}
+
+impl<'a> Part<'a> {
+    /// The samples of `data` from `start`, `len` of them (cut to the set).
+    pub fn new(data: &'a dyn CtrData, start: usize, len: usize) -> Part<'a> {
+        let start = start.min(data.len());
+        Part {
+            data,
+            start,
+            len: len.min(data.len() - start),
+        }
+    }
+
+    /// `data` cut into its first samples for training and its last `held_out` for
+    /// evaluation.
+    pub fn split(data: &'a dyn CtrData, held_out: usize) -> (Part<'a>, Part<'a>) {
+        let cut = data.len().saturating_sub(held_out);
+        (Part::new(data, 0, cut), Part::new(data, cut, held_out))
+    }
+}
+
+impl CtrData for Part<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn dense(&self) -> usize {
+        self.data.dense()
+    }
+
+    fn tables(&self) -> &[u64] {
+        self.data.tables()
+    }
+
+    fn push(&self, i: usize, batch: &mut CtrBatch) {
+        self.data.push(self.start + i, batch)
     }
 }
 
@@ -96,3 +148,6 @@ pub enum CtrError {
     #[error("synthetic-ctr: {0}")]
     Options(String),
 }
+
+#[cfg(test)]
+mod tests;

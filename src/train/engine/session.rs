@@ -250,6 +250,19 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         self.chief || self.strategy().evaluation_ranks().0 > 1
     }
 
+    /// The ranks that evaluate together (each its share of the held-out samples) and this
+    /// rank's place: an evaluation of the program's own takes its share and sums its counts
+    /// with [`Session::sum`].
+    pub fn evaluation_ranks(&self) -> (usize, usize) {
+        self.strategy().evaluation_ranks()
+    }
+
+    /// Sums `values` over the ranks that evaluate together (a collective of theirs where
+    /// there are several).
+    pub fn sum(&mut self, values: &mut [f64]) -> Result<(), TrainError> {
+        self.strategy_mut().sum(values)
+    }
+
     /// The newest evaluation, if any.
     pub fn evaluation(&self) -> Option<Evaluation> {
         self.evaluation

@@ -468,3 +468,27 @@ impl<'s, C: Comm> Strategy<'s> for Ps<'s, C> {
         }
     }
 }
+
+/// The ps mode's tables: rows on the ps tasks beside the dense variables, a worker's
+/// sparse gradient scaled like its dense one (the mean over the replicas aggregated, or
+/// alone when asynchronous).
+impl<C: Comm> crate::train::tables::Tables for Ps<'_, C> {
+    fn table_specs(&self) -> &[TableSpec] {
+        &self.cfg.tables
+    }
+
+    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        Ok(Ps::pull_rows(self, table, ids, out)?)
+    }
+
+    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
+        Ok(Ps::push_rows(self, table, grad, scale)?)
+    }
+
+    fn push_scale(&self) -> f32 {
+        match self.cfg.sync_replicas(self.workers.0) {
+            Some(s) => 1.0 / s.replicas_to_aggregate as f32,
+            None => 1.0,
+        }
+    }
+}

@@ -522,7 +522,8 @@ impl<'a, C: Comm> Server<'a, C> {
             &self.slots,
             self.global_step,
         );
-        a.arrays.extend(rows::table_arrays(&self.tables));
+        a.arrays
+            .extend(checkpoint::tables::table_arrays(&self.tables));
         a
     }
 
@@ -534,7 +535,9 @@ impl<'a, C: Comm> Server<'a, C> {
         let mut tables = self.tables.clone();
         if !tables.is_empty() {
             let (_, files) = checkpoint::open(dir).map_err(|e| e.to_string())?;
-            rows::restore_rows(&mut tables, &files, self.k, self.roles.ps.len())?;
+            let (k, nps) = (self.k, self.roles.ps.len());
+            let mine = |id| super::protocol::row_owner(id, nps) == k;
+            checkpoint::tables::restore_rows(&mut tables, &files, mine)?;
         }
         // All or nothing: only now replace the live state.
         self.tables = tables;

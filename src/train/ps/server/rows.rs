@@ -11,79 +11,7 @@ use super::super::PsError;
 use super::requests::Dest;
 use super::Server;
 use crate::model::embedding::Table;
-use crate::train::checkpoint::{self, TABLE_ARRAYS};
 use crate::transport::comm::Comm;
-
-/// The arrays of a checkpoint that hold `tables`' rows: per table its ids (each as its low
-/// and high 32 bits, stored as the bits of two floats), the rows' values and their
-/// optimizer state, in the same order.
-pub(super) fn table_arrays(tables: &[Table]) -> Vec<(String, Vec<f32>)> {
-    let mut out = Vec::new();
-    for t in tables {
-        let name = |part: &str| format!("{TABLE_ARRAYS}{}:{part}", t.spec().name);
-        let (mut ids, mut values, mut state) = (Vec::new(), Vec::new(), Vec::new());
-        for (id, v, s) in t.rows() {
-            ids.extend([f32::from_bits(id as u32), f32::from_bits((id >> 32) as u32)]);
-            values.extend_from_slice(v);
-            state.extend_from_slice(s);
-        }
-        out.extend([
-            (name("ids"), ids),
-            (name("values"), values),
-            (name("state"), state),
-        ]);
-    }
-    out
-}
-
-/// Puts into `tables` the rows of the checkpoint's shard `files` that ps `k` of `nps`
-/// holds (whatever ps task wrote them: a restore may have another number of ps tasks).
-pub(super) fn restore_rows(
-    tables: &mut [Table],
-    files: &[checkpoint::Arrays],
-    k: usize,
-    nps: usize,
-) -> Result<(), String> {
-    for t in tables.iter_mut() {
-        let name = t.spec().name.clone();
-        let (dim, mut found) = (t.spec().dim, false);
-        for f in files {
-            let get = |part: &str| f.get(&format!("{TABLE_ARRAYS}{name}:{part}"));
-            let (Some(ids), Some(values), Some(state)) = (get("ids"), get("values"), get("state"))
-            else {
-                continue;
-            };
-            found = true;
-            let n = ids.len() / 2;
-            let per = state.len().checked_div(n).unwrap_or(0);
-            if values.len() != n * dim || state.len() != n * per {
-                return Err(format!(
-                    "table {name}: the checkpoint holds {} values and {} of state for {n} rows of {dim}",
-                    values.len(),
-                    state.len()
-                ));
-            }
-            for i in 0..n {
-                let id =
-                    u64::from(ids[2 * i].to_bits()) | (u64::from(ids[2 * i + 1].to_bits()) << 32);
-                if row_owner(id, nps) == k {
-                    t.insert(
-                        id,
-                        &values[i * dim..(i + 1) * dim],
-                        &state[i * per..(i + 1) * per],
-                    )
-                    .map_err(|e| e.to_string())?;
-                }
-            }
-        }
-        if !found {
-            return Err(format!(
-                "table {name}: the checkpoint holds none of its rows"
-            ));
-        }
-    }
-    Ok(())
-}
 
 /// The tables of `setup`, with no rows yet.
 pub(super) fn tables(setup: &Setup) -> Result<Vec<Table>, String> {

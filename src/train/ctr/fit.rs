@@ -1,0 +1,188 @@
+//! A click model trained in any mode whose strategy holds its embedding tables
+//! ([`Tables`]: the ps mode, hybrid, local with [`crate::train::tables::LocalRows`]).
+//!
+//! Each step takes this rank's share of the global batch, pulls the rows it names (each
+//! id once), computes the loss and both gradients, pushes the rows' sparse gradient and
+//! hands the dense gradients to the session ([`External::run`]): the step loop does the
+//! rest as for any model (the mode's update, the guard, logs, checkpoints of the dense
+//! state and the rows, signals). A step that cannot be made on one rank (a bad id, a ps
+//! gone) fails on every rank, through the session.
+
+use super::metrics::ScoreCounts;
+use super::{CtrBatch, CtrData};
+use crate::model::dlrm::{Dlrm, DlrmScratch, Lookup};
+use crate::model::embedding::SparseGrad;
+use crate::model::External;
+use crate::tensor::Tensor;
+use crate::train::data::{self, Batches};
+use crate::train::engine::{Session, Strategy, TrainError};
+use crate::train::events::Event;
+use crate::train::tables::Tables;
+
+/// Score buckets of an evaluation's AUC ([`ScoreCounts`]).
+const BUCKETS: usize = 10_000;
+/// Samples per pass of an evaluation.
+const EVAL_BATCH: usize = 4096;
+
+/// What [`fit`] trains and how.
+pub struct CtrFit<'d> {
+    pub model: &'d Dlrm,
+    /// The dense parameters the session's strategy trains: `model.dense_model(seed)`.
+    pub dense: &'d External,
+    /// Global batch.
+    pub batch: usize,
+    /// The batches' order.
+    pub seed: u64,
+    /// Evaluate on the held-out samples every this many steps (0: only at the end).
+    pub eval_every: u64,
+}
+
+/// An evaluation on held-out samples, the same on every rank that evaluates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CtrEvaluation {
+    /// The global step of the parameters evaluated.
+    pub step: u64,
+    /// `None` where the samples were all of one kind.
+    pub auc: Option<f64>,
+    pub logloss: f64,
+    pub total: usize,
+}
+
+/// A step's buffers, kept from step to step.
+#[derive(Default)]
+struct Work {
+    batch: CtrBatch,
+    lookups: Vec<Lookup>,
+    grads: Vec<Tensor>,
+    sparse: Vec<SparseGrad>,
+    ws: DlrmScratch,
+}
+
+/// Trains in `sess` on `train` until the session stops, evaluating on `test` as `run`
+/// says and at the end (after the last checkpoint, so that it is what was evaluated).
+/// Returns the last evaluation where this rank evaluates.
+pub fn fit<'m, S: Strategy<'m> + Tables>(
+    sess: &mut Session<'m, '_, S>,
+    run: &CtrFit<'_>,
+    train: &dyn CtrData,
+    test: &dyn CtrData,
+) -> Result<Option<CtrEvaluation>, TrainError> {
+    let mut batches = Batches::new(train.len(), run.batch, run.seed);
+    let mut work = Work {
+        grads: crate::model::zeros_like(&sess.replica().params),
+        ..Work::default()
+    };
+    let mut last = None;
+    while !sess.should_stop() {
+        let prev = sess.global_step();
+        let global = batches.global(prev);
+        let (n, i) = sess.data_shard();
+        let mine = data::shard(global, i, n);
+        // This rank's share of the update: its samples over the global batch's.
+        let share = (mine.len() * n) as f32 / global.len().max(1) as f32;
+        train.batch_into(mine, &mut work.batch);
+        let loss = match step(sess, run.model, share, &mut work) {
+            Ok(loss) => loss,
+            Err(why) => return Err(run.dense.refuse(sess, why)),
+        };
+        let grads = (work.grads.iter())
+            .map(Tensor::as_slice::<f32>)
+            .collect::<Result<Vec<_>, _>>()?;
+        run.dense.run(sess, &grads, loss, work.batch.len())?;
+        let every = run.eval_every;
+        if every > 0 && sess.global_step() / every > prev / every && sess.evaluates() {
+            last = Some(evaluate(sess, run.model, test)?);
+        }
+    }
+    sess.save()?;
+    if sess.evaluates() && last.is_none_or(|e| e.step != sess.global_step()) {
+        last = Some(evaluate(sess, run.model, test)?);
+    }
+    Ok(last.filter(|_| sess.evaluates()))
+}
+
+/// This rank's part of a step up to the dense update: rows pulled, gradients computed,
+/// the sparse ones pushed (scaled by the rank's `share`); the loss, or why the step
+/// cannot be made here.
+fn step<'m, S: Strategy<'m> + Tables>(
+    sess: &Session<'m, '_, S>,
+    model: &Dlrm,
+    share: f32,
+    w: &mut Work,
+) -> Result<f32, String> {
+    let tables = sess.strategy();
+    model
+        .lookups_into(&w.batch, &mut w.lookups)
+        .map_err(|e| e.to_string())?;
+    for (t, l) in w.lookups.iter_mut().enumerate() {
+        tables
+            .pull_rows(t, &l.unique.ids, &mut l.rows)
+            .map_err(|e| e.to_string())?;
+    }
+    let params = &sess.replica().params;
+    let loss = model
+        .loss_and_gradients(
+            params,
+            &w.batch,
+            &w.lookups,
+            &mut w.grads,
+            &mut w.sparse,
+            &mut w.ws,
+        )
+        .map_err(|e| e.to_string())?;
+    // A row gradient that is not finite is never pushed; the dense step's guard sees the
+    // loss (a finite loss with such gradients is this rank's own failure).
+    let spec = tables.table_specs();
+    if let Some(t) = (w.sparse.iter()).position(|g| g.values.iter().any(|v| !v.is_finite())) {
+        if loss.is_finite() {
+            return Err(format!("table {}'s gradient is not finite", spec[t].name));
+        }
+        return Ok(loss);
+    }
+    let scale = tables.push_scale() * share;
+    for (t, g) in w.sparse.iter().enumerate() {
+        tables.push_rows(t, g, scale).map_err(|e| e.to_string())?;
+    }
+    Ok(loss)
+}
+
+/// Evaluates the current parameters and rows on `test` (each rank that evaluates its
+/// share, the counts summed); the chief reports it ([`Event::Auc`]). Every rank that
+/// evaluates ([`Session::evaluates`]) calls it.
+pub fn evaluate<'m, S: Strategy<'m> + Tables>(
+    sess: &mut Session<'m, '_, S>,
+    model: &Dlrm,
+    test: &dyn CtrData,
+) -> Result<CtrEvaluation, TrainError> {
+    let (n, i) = sess.evaluation_ranks();
+    let rows = i * test.len() / n..(i + 1) * test.len() / n;
+    let mut counts = ScoreCounts::new(BUCKETS);
+    let (mut batch, mut lookups, mut ws) =
+        (CtrBatch::default(), Vec::new(), DlrmScratch::default());
+    let idx: Vec<usize> = rows.collect();
+    for part in idx.chunks(EVAL_BATCH) {
+        test.batch_into(part, &mut batch);
+        model.lookups_into(&batch, &mut lookups)?;
+        for (t, l) in lookups.iter_mut().enumerate() {
+            sess.strategy().pull_rows(t, &l.unique.ids, &mut l.rows)?;
+        }
+        let logits = model.logits(&sess.replica().params, &batch, &lookups, &mut ws)?;
+        counts.add(&logits, &batch.labels);
+    }
+    sess.sum(counts.values_mut())?;
+    let eval = CtrEvaluation {
+        step: sess.global_step(),
+        auc: counts.auc(),
+        logloss: counts.logloss(),
+        total: counts.total(),
+    };
+    if sess.is_chief() {
+        sess.report(&Event::Auc {
+            auc: eval.auc.unwrap_or(f64::NAN),
+            logloss: eval.logloss,
+            total: eval.total,
+            step: eval.step,
+        });
+    }
+    Ok(eval)
+}

@@ -1,0 +1,138 @@
+//! A click model's run in each mode that holds tables: the session set up as the mode
+//! needs, then [`fit`]. What `mpiflow train --model dlrm` runs on each rank.
+
+use super::fit::{fit, CtrEvaluation, CtrFit};
+use super::CtrData;
+use crate::cluster::Layout;
+use crate::model::dlrm::Dlrm;
+use crate::model::embedding::SparseOptimizer;
+use crate::train::engine::{Local, Session, Strategy, TrainError, Trained};
+use crate::train::events::Event;
+use crate::train::hybrid::{self, HybridConfig};
+use crate::train::ps::{server, Ps, PsConfig, Roles};
+use crate::train::tables::{LocalRows, Sparse, Tables};
+use crate::train::TrainConfig;
+use crate::transport::Comm;
+
+/// What a click model's run reached on a rank that trains.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CtrReport {
+    /// The last evaluation, on the ranks that evaluate.
+    pub evaluation: Option<CtrEvaluation>,
+    /// The global step reached.
+    pub steps: u64,
+    /// The last step's loss.
+    pub loss: f32,
+    /// Samples per second over the run (every rank's).
+    pub samples_per_sec: f64,
+}
+
+/// What every mode's click run shares.
+pub struct CtrRun<'d> {
+    pub model: &'d Dlrm,
+    pub train: &'d dyn CtrData,
+    pub test: &'d dyn CtrData,
+    /// The dense parameters' training (the batch, steps, optimizer, seed, checkpoints).
+    pub cfg: &'d TrainConfig,
+    /// How the tables' rows are updated.
+    pub sparse: SparseOptimizer,
+}
+
+impl CtrRun<'_> {
+    /// Trains in `sess` to the end; what it reached.
+    fn fit<'m, S: Strategy<'m> + Tables>(
+        &self,
+        mut sess: Session<'m, '_, S>,
+        dense: &crate::model::External,
+    ) -> Result<CtrReport, TrainError> {
+        let run = CtrFit {
+            model: self.model,
+            dense,
+            batch: self.cfg.batch,
+            seed: self.cfg.seed,
+            eval_every: self.cfg.eval_every,
+        };
+        let evaluation = fit(&mut sess, &run, self.train, self.test)?;
+        Ok(report(sess.close()?, evaluation))
+    }
+
+    /// Local training: the tables in this process.
+    pub fn local(&self, events: &mut dyn FnMut(&Event)) -> Result<CtrReport, TrainError> {
+        let dense = self.model.dense_model(self.cfg.seed)?;
+        let rows = LocalRows::new(self.model.tables(), self.cfg.seed, self.sparse);
+        let strategy = Sparse::new(Local::new(&dense, self.cfg)?, rows, 1.0);
+        let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
+        self.fit(sess, &dense)
+    }
+
+    /// Hybrid training on this rank of `comm` (`layout`'s cluster): a ps task serves the
+    /// rows, a worker trains (`cfg`'s allreduce and timeout; the tables are the model's).
+    /// `None` on a ps task.
+    pub fn hybrid<C: Comm + Send + 'static>(
+        &self,
+        comm: &C,
+        layout: &Layout,
+        cfg: &HybridConfig,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Option<CtrReport>, TrainError> {
+        let roles = Roles::new(layout)?;
+        let workers = hybrid::split_workers(comm, &roles)?;
+        if let Some(k) = roles.ps_index(comm.rank()) {
+            server::serve(comm, &roles, k, cfg.peer_timeout)?;
+            return Ok(None);
+        }
+        let Some(workers) = workers else {
+            return Ok(None); // an evaluator: no part in hybrid training
+        };
+        let dense = self.model.dense_model(self.cfg.seed)?;
+        let cfg = HybridConfig {
+            tables: self.model.tables().to_vec(),
+            sparse: self.sparse,
+            ..cfg.clone()
+        };
+        let strategy = hybrid::strategy(comm, workers, &roles, layout, &dense, &cfg)?;
+        let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
+        self.fit(sess, &dense).map(Some)
+    }
+
+    /// Ps training on this rank of `comm`: the dense variables and the rows on the ps
+    /// tasks (`cfg`'s synchrony, placement and timeout; the tables are the model's).
+    /// `None` on a ps task.
+    pub fn ps<C: Comm>(
+        &self,
+        comm: &C,
+        layout: &Layout,
+        cfg: &PsConfig,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Option<CtrReport>, TrainError> {
+        let roles = Roles::new(layout)?;
+        crate::train::ps::check_config(cfg, layout)?;
+        if let Some(k) = roles.ps_index(comm.rank()) {
+            server::serve(comm, &roles, k, cfg.peer_timeout)?;
+            return Ok(None);
+        }
+        if roles.worker_index(comm.rank()).is_none() {
+            return Ok(None);
+        }
+        let dense = self.model.dense_model(self.cfg.seed)?;
+        let cfg = PsConfig {
+            train: self.cfg.clone(),
+            tables: self.model.tables().to_vec(),
+            sparse: self.sparse,
+            ..cfg.clone()
+        };
+        let strategy = Ps::new(comm, &roles, &dense, &cfg)?;
+        let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
+        self.fit(sess, &dense).map(Some)
+    }
+}
+
+/// The report of a closed session and its last evaluation.
+fn report(trained: Trained<'_>, evaluation: Option<CtrEvaluation>) -> CtrReport {
+    CtrReport {
+        evaluation,
+        steps: trained.step,
+        loss: trained.loss,
+        samples_per_sec: trained.samples_per_sec,
+    }
+}

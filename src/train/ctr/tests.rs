@@ -1,0 +1,80 @@
+//! A click model trained in every mode that holds tables reaches the AUC of local
+//! training on the same steps.
+
+use super::*;
+use crate::model::dlrm::Dlrm;
+use crate::model::embedding::{SparseOptimizer, TableSpec};
+use crate::train::hybrid::HybridConfig;
+use crate::train::optim::{Optimizer, OptimizerKind};
+use crate::train::ps::test_support::layout;
+use crate::train::ps::PsConfig;
+use crate::train::TrainConfig;
+use crate::transport::local::LocalComm;
+
+fn model(data: &SyntheticCtr) -> Dlrm {
+    let tables = (data.tables.iter().enumerate())
+        .map(|(f, rows)| TableSpec::new(&format!("emb{f}"), *rows, 8))
+        .collect();
+    Dlrm::new(data.dense, tables, &[32], &[32]).unwrap()
+}
+
+fn cfg(steps: u64) -> TrainConfig {
+    TrainConfig {
+        batch: 256,
+        steps,
+        optimizer: Optimizer::new(OptimizerKind::Adam, 0.003),
+        log_every: 0,
+        ..TrainConfig::default()
+    }
+}
+
+/// The AUC each rank that evaluated reached.
+fn aucs(reports: Vec<Option<CtrReport>>) -> Vec<f64> {
+    (reports.into_iter().flatten())
+        .filter_map(|r| r.evaluation.and_then(|e| e.auc))
+        .collect()
+}
+
+#[test]
+fn hybrid_and_ps_training_reach_the_auc_of_local_training() {
+    let data = SyntheticCtr::parse("samples=420000,features=8,rows=2000,seed=4").unwrap();
+    let (train, test) = Part::split(&data, 20_000);
+    let m = model(&data);
+    let cfg = cfg(1200);
+    let run = CtrRun {
+        model: &m,
+        train: &train,
+        test: &test,
+        cfg: &cfg,
+        sparse: SparseOptimizer::adagrad(0.2),
+    };
+    let local = run
+        .local(&mut |_| {})
+        .unwrap()
+        .evaluation
+        .unwrap()
+        .auc
+        .unwrap();
+    let l = layout(4, 2);
+    let hybrid_cfg = HybridConfig::default();
+    let hybrid = aucs(LocalComm::run(4, |comm| {
+        run.hybrid(&comm, &l, &hybrid_cfg, &mut |_| {}).unwrap()
+    }));
+    let l = layout(3, 1);
+    let ps_cfg = PsConfig::default();
+    let ps = aucs(LocalComm::run(3, |comm| {
+        run.ps(&comm, &l, &ps_cfg, &mut |_| {}).unwrap()
+    }));
+    eprintln!("local {local} hybrid {hybrid:?} ps {ps:?}");
+    assert!(local > 0.8, "local AUC {local}");
+    // Both hybrid workers evaluate (their shares summed); the ps chief alone.
+    assert_eq!(hybrid.len(), 2);
+    assert_eq!(hybrid[0], hybrid[1]);
+    assert_eq!(ps.len(), 1);
+    for (mode, auc) in [("hybrid", hybrid[0]), ("ps", ps[0])] {
+        assert!(
+            (auc - local).abs() < 0.01,
+            "{mode} AUC {auc}, local {local}"
+        );
+    }
+}

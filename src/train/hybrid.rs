@@ -1,0 +1,175 @@
+//! Hybrid training (`--mode hybrid`), Persia's and XDL's design: the embedding tables'
+//! rows on the ps tasks, each row where [`row_owner`](super::ps::protocol::row_owner)
+//! puts it, pulled and pushed by the workers as their batches name them (applied as they
+//! arrive: asynchronous), and the dense parameters replicated on the workers, summed by
+//! allreduce among them every step (synchronous). A table may be far larger than a worker
+//! (only touched rows exist, spread over the ps tasks); the dense part, small, never
+//! waits on a ps.
+//!
+//! The strategy is [`Sparse`] over the allreduce's [`Allreduce`] with [`PsRows`]: the
+//! workers' step loop is the allreduce's (signals, the guard, evaluations agreed among
+//! them), and a checkpoint holds the chief's dense state beside each ps task's rows, one
+//! checkpoint that the ps mode can resume too (and the other way round).
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::allreduce::{Allreduce, AllreduceConfig};
+use super::engine::{End, TrainError};
+use super::ps::protocol::Setup;
+use super::ps::worker::{abort_agreed, Client};
+use super::ps::{PsError, Roles};
+use super::tables::{RowHome, Sparse};
+use crate::cluster::Layout;
+use crate::model::embedding::{SparseGrad, SparseOptimizer, TableSpec};
+use crate::model::Model;
+use crate::transport::Comm;
+
+/// Settings of hybrid training.
+#[derive(Debug, Clone)]
+pub struct HybridConfig {
+    /// The dense parameters' allreduce (and what every mode shares: `allreduce.train`).
+    pub allreduce: AllreduceConfig,
+    /// The tables whose rows the ps tasks hold.
+    pub tables: Vec<TableSpec>,
+    /// How the rows are updated.
+    pub sparse: SparseOptimizer,
+    /// How long a ps waits for a worker (and a worker for a ps) before calling it lost.
+    pub peer_timeout: Duration,
+}
+
+impl Default for HybridConfig {
+    fn default() -> Self {
+        HybridConfig {
+            allreduce: AllreduceConfig::default(),
+            tables: Vec::new(),
+            sparse: SparseOptimizer::adagrad(0.05),
+            peer_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The strategy of a hybrid worker.
+pub type Hybrid<'s, C> = Sparse<Allreduce<'s, C>, PsRows<'s, C>>;
+
+/// Rows on the ps tasks, reached over `C` (every task's communicator).
+pub struct PsRows<'s, C: Comm> {
+    client: Client<'s, C>,
+    setup: Setup,
+}
+
+impl<'s, C: Comm> PsRows<'s, C> {
+    /// This worker's way to the rows of `cfg`'s tables on `roles`' ps tasks.
+    pub fn new(comm: &'s C, roles: &'s Roles, cfg: &HybridConfig) -> PsRows<'s, C> {
+        PsRows {
+            client: Client::new(comm, roles, Vec::new(), cfg.peer_timeout),
+            setup: Setup {
+                shards: Vec::new(),
+                optimizer: cfg.allreduce.train.optimizer,
+                sync: None,
+                stage: None,
+                tables: cfg.tables.clone(),
+                sparse: Some(cfg.sparse),
+                seed: cfg.allreduce.train.seed,
+            },
+        }
+    }
+
+    fn dim(&self, table: usize) -> Result<usize, TrainError> {
+        let t = self.setup.tables.get(table).ok_or_else(|| {
+            PsError::Setup(format!(
+                "{}: no embedding table {table} (the session has {})",
+                self.client.me(),
+                self.setup.tables.len()
+            ))
+        })?;
+        Ok(t.dim)
+    }
+}
+
+impl<C: Comm> RowHome for PsRows<'_, C> {
+    fn specs(&self) -> &[TableSpec] {
+        &self.setup.tables
+    }
+
+    fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        let dim = self.dim(table)?;
+        Ok(self.client.pull_rows(table, dim, ids, out)?)
+    }
+
+    fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
+        let dim = self.dim(table)?;
+        Ok(self.client.push_rows(table, dim, grad, scale)?)
+    }
+
+    fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError> {
+        match restore {
+            Some(path) => self.client.restore(&self.setup, path)?,
+            None => self.client.init(&self.setup, &mut Vec::new())?,
+        }
+        Ok(())
+    }
+
+    fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError> {
+        Ok(self.client.save(dir)?)
+    }
+
+    /// Every ps is told: done (with the signal that stopped the workers), or the error;
+    /// one the workers agreed on ends the ps tasks quietly (each worker says it).
+    fn end(&mut self, how: &End<'_>) -> Result<(), TrainError> {
+        let c = &self.client;
+        match how {
+            End::Done => Ok(c.done(None)?),
+            End::Stopped(signal) => Ok(c.done(Some(*signal))?),
+            End::Failed(e) if e.is_agreed() => {
+                abort_agreed(c.comm, c.roles, &e.to_string());
+                Ok(())
+            }
+            End::Failed(e) => {
+                c.abort(&e.to_string());
+                Ok(())
+            }
+            End::Abandoned => {
+                let me = c.me();
+                c.abort(&format!(
+                    "{me} left its training session without closing it"
+                ));
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A hybrid worker of `roles` (the chief is worker 0) training `model`'s dense
+/// parameters with the other workers over `workers` (their own communicator, this
+/// worker's rank in it its worker index) and the tables' rows on the ps tasks over
+/// `comm` (every task's); `layout` names the tasks.
+pub fn strategy<'s, C: Comm + Send + 'static>(
+    comm: &'s C,
+    workers: C,
+    roles: &'s Roles,
+    layout: &Layout,
+    model: &'s dyn Model,
+    cfg: &HybridConfig,
+) -> Result<Hybrid<'s, C>, TrainError> {
+    if cfg.tables.is_empty() {
+        return Err(TrainError::Setup(
+            "hybrid training needs embedding tables for the ps tasks to hold".into(),
+        ));
+    }
+    let n = workers.size();
+    let dense = Allreduce::new(workers, layout, comm.rank(), model, &cfg.allreduce)?;
+    Ok(Sparse::new(
+        dense,
+        PsRows::new(comm, roles, cfg),
+        1.0 / n as f32,
+    ))
+}
+
+/// The workers' communicator of `roles` (worker index order), made by every task of
+/// `comm` together; `None` on a task that is no worker.
+pub fn split_workers<C: Comm>(comm: &C, roles: &Roles) -> Result<Option<C>, TrainError> {
+    let worker = roles.worker_index(comm.rank());
+    let split = comm.split(u32::from(worker.is_none()), worker.unwrap_or(comm.rank()))?;
+    Ok(worker.map(|_| split))
+}

@@ -1,0 +1,332 @@
+//! Embedding tables beside a mode's dense parameters: where their rows live (this
+//! process, or the ps tasks), and [`Sparse`], the strategy that adds them to any mode.
+//!
+//! A recommendation model's step pulls the rows its batch names, computes, and pushes the
+//! rows' sparse gradient ([`Tables`]); the dense parameters go through the mode as any
+//! model's do. [`Sparse`] wraps a mode's strategy with a [`RowHome`]: the dense part's
+//! start, steps and logs are the mode's, while the start (a restore of the rows), the
+//! checkpoint (the dense state and the rows in one checkpoint, the rows that exist
+//! only) and the end (the ps tasks told) take the rows along. `--mode hybrid` is
+//! `Sparse<Allreduce, PsRows>` ([`super::hybrid`]); the ps mode holds its tables itself
+//! ([`super::ps::Ps`] is a [`Tables`] too).
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+
+use super::checkpoint::{self, state::REPLICA_FILE, State};
+use super::engine::{End, Started, StepWord, Strategy, TrainError};
+use super::events::Event;
+use crate::model::embedding::{SparseGrad, SparseOptimizer, Table, TableSpec};
+use crate::model::{Replica, Targets};
+use crate::observe::phases::{Clock, RankTimes, Times};
+use crate::tensor::Tensor;
+use crate::train::data::Dataset;
+
+/// A strategy whose model has embedding tables: what a step does with their rows.
+pub trait Tables {
+    /// The tables, in the order the calls name them by index.
+    fn table_specs(&self) -> &[TableSpec];
+
+    /// Rows `ids` of table `table` into `out` (`dim` values each, in the order of `ids`);
+    /// rows not yet touched are made from the initialiser.
+    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+
+    /// Applies table `table`'s sparse gradient `grad` scaled by `scale` to its rows.
+    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError>;
+
+    /// The scale of this rank's sparse gradients (the mean over its share of the global
+    /// batch) in the update: `1 / replicas` where the replicas' updates make one step.
+    fn push_scale(&self) -> f32;
+}
+
+/// Where a [`Sparse`] strategy's rows live.
+pub trait RowHome {
+    /// The tables.
+    fn specs(&self) -> &[TableSpec];
+
+    /// [`Tables::pull_rows`].
+    fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+
+    /// [`Tables::push_rows`].
+    fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError>;
+
+    /// The rows' start (the chief's call; the others wait for it in the mode's own start,
+    /// which follows): fresh tables, or the rows of the checkpoint at `restore`.
+    fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError>;
+
+    /// The chief: writes the rows into checkpoint staging directory `dir`; the files'
+    /// names, bytes and checksums for the manifest.
+    fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError>;
+
+    /// Training ended on this rank.
+    fn end(&mut self, how: &End<'_>) -> Result<(), TrainError> {
+        let _ = how;
+        Ok(())
+    }
+}
+
+/// A mode's strategy `S` with embedding tables whose rows live in `R`.
+pub struct Sparse<S, R> {
+    inner: S,
+    rows: R,
+    /// The scale of a rank's sparse gradient ([`Tables::push_scale`]).
+    scale: f32,
+}
+
+impl<S, R: RowHome> Sparse<S, R> {
+    /// `inner`'s mode with tables in `rows`, each rank's sparse gradient scaled by
+    /// `scale`.
+    pub fn new(inner: S, rows: R, scale: f32) -> Sparse<S, R> {
+        Sparse { inner, rows, scale }
+    }
+
+    /// The mode's strategy.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, R: RowHome> Tables for Sparse<S, R> {
+    fn table_specs(&self) -> &[TableSpec] {
+        self.rows.specs()
+    }
+
+    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        self.rows.pull(table, ids, out)
+    }
+
+    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
+        self.rows.push(table, grad, scale)
+    }
+
+    fn push_scale(&self) -> f32 {
+        self.scale
+    }
+}
+
+impl<'m, S: Strategy<'m>, R: RowHome> Strategy<'m> for Sparse<S, R> {
+    fn ranks(&self) -> (usize, usize) {
+        self.inner.ranks()
+    }
+    fn reports(&self) -> bool {
+        self.inner.reports()
+    }
+    fn data_shard(&self) -> (usize, usize) {
+        self.inner.data_shard()
+    }
+    fn agrees(&self) -> bool {
+        self.inner.agrees()
+    }
+    fn replica(&self) -> &Replica<'m> {
+        self.inner.replica()
+    }
+    fn into_replica(self) -> Replica<'m> {
+        self.inner.into_replica()
+    }
+
+    /// The chief starts the rows first (from the checkpoint the mode restores), so that
+    /// no rank pulls a row before its home is set up: the others leave the mode's start
+    /// only after the chief entered it.
+    fn start(
+        &mut self,
+        dir: Option<&Path>,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Started, TrainError> {
+        let newest = match (dir, self.inner.reports()) {
+            (Some(dir), true) => {
+                checkpoint::prepare_dir(dir)?;
+                checkpoint::latest(dir).0.map(|f| (f.step, f.path))
+            }
+            _ => None,
+        };
+        if self.inner.reports() {
+            self.rows.start(newest.as_ref().map(|n| n.1.as_path()))?;
+        }
+        let started = self.inner.start(dir, events)?;
+        if let Some((_, path)) = newest.filter(|n| started.restored != Some(n.0)) {
+            return Err(TrainError::Setup(format!(
+                "the tables were restored from {} but the dense parameters from step {:?}: \
+                 the checkpoint directory changed during the start",
+                path.display(),
+                started.restored
+            )));
+        }
+        Ok(started)
+    }
+
+    fn gradients(
+        &mut self,
+        step: u64,
+        x: &[f32],
+        y: Targets<'_>,
+        word: StepWord,
+        clock: &mut Clock,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<StepWord, TrainError> {
+        self.inner.gradients(step, x, y, word, clock, events)
+    }
+    fn pending(&self) -> &[Tensor] {
+        self.inner.pending()
+    }
+    fn apply(&mut self, step: u64) -> Result<u64, TrainError> {
+        self.inner.apply(step)
+    }
+    fn after_step(&mut self, done: u64) -> Result<(), TrainError> {
+        self.inner.after_step(done)
+    }
+    fn state(&mut self, step: u64) -> Result<State, TrainError> {
+        self.inner.state(step)
+    }
+
+    /// One checkpoint of both: the chief writes the dense state, the rows' home writes
+    /// the rows, and the chief commits the manifest over every file.
+    fn checkpoint(
+        &mut self,
+        dir: &Path,
+        step: u64,
+        keep: usize,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<PathBuf, TrainError> {
+        if !self.inner.reports() {
+            return Ok(checkpoint::path_of(dir, step));
+        }
+        let t = std::time::Instant::now();
+        let replica = self.inner.replica();
+        let (describe, vars) = (replica.model.describe(), replica.variables());
+        let state = self.inner.state(step)?;
+        let written = checkpoint::begin(dir, step)
+            .map_err(TrainError::from)
+            .and_then(|tmp| {
+                let dense = checkpoint::write_file(&tmp.join(REPLICA_FILE), &state.arrays(&vars))?;
+                let mut files = vec![(REPLICA_FILE.to_string(), dense.0, dense.1)];
+                files.extend(self.rows.save(&tmp)?);
+                let meta = checkpoint::state::model_meta(&describe, &vars);
+                Ok(checkpoint::commit(dir, step, &files, meta)?)
+            });
+        let path = written.map_err(|e| checkpoint::abandoned(dir, step, e))?;
+        checkpoint::retain(dir, keep);
+        let done = Event::Checkpoint {
+            path: path.clone(),
+            step,
+        };
+        super::engine::checkpointed(step, t, &done, events);
+        Ok(path)
+    }
+
+    fn sum(&mut self, values: &mut [f64]) -> Result<(), TrainError> {
+        self.inner.sum(values)
+    }
+    fn evaluation_ranks(&self) -> (usize, usize) {
+        self.inner.evaluation_ranks()
+    }
+    fn evaluate(&mut self, data: &Dataset) -> Result<(usize, usize), TrainError> {
+        self.inner.evaluate(data)
+    }
+    fn save_params(&mut self, path: &Path, step: u64) -> Result<(), TrainError> {
+        self.inner.save_params(path, step)
+    }
+    fn window(
+        &mut self,
+        step: u64,
+        clock: &mut Clock,
+    ) -> Result<(Times, Vec<RankTimes>), TrainError> {
+        self.inner.window(step, clock)
+    }
+    fn communicates(&self) -> bool {
+        self.inner.communicates()
+    }
+    fn reported_loss(&self) -> Option<f32> {
+        self.inner.reported_loss()
+    }
+    fn end(&mut self, how: End<'_>) -> Result<(), TrainError> {
+        let rows = self.rows.end(&how);
+        let inner = self.inner.end(how);
+        inner.and(rows)
+    }
+}
+
+/// The file of a checkpoint that holds the rows of tables kept in one process.
+pub const TABLES_FILE: &str = "tables.bin";
+
+/// Tables whose rows are in this process (local training).
+pub struct LocalRows {
+    specs: Vec<TableSpec>,
+    tables: RefCell<Vec<Table>>,
+}
+
+impl LocalRows {
+    /// `specs`' tables, their rows made from `seed` and updated by `opt`.
+    pub fn new(specs: &[TableSpec], seed: u64, opt: SparseOptimizer) -> LocalRows {
+        LocalRows {
+            specs: specs.to_vec(),
+            tables: RefCell::new(
+                specs
+                    .iter()
+                    .map(|s| Table::new(s.clone(), seed, opt))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// The rows each table holds.
+    pub fn rows_held(&self) -> Vec<usize> {
+        self.tables.borrow().iter().map(Table::len).collect()
+    }
+
+    fn table_error(&self, table: usize) -> TrainError {
+        TrainError::Usage(format!(
+            "no embedding table {table} (the model has {})",
+            self.specs.len()
+        ))
+    }
+}
+
+impl RowHome for LocalRows {
+    fn specs(&self) -> &[TableSpec] {
+        &self.specs
+    }
+
+    fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        let mut tables = self.tables.borrow_mut();
+        let t = tables
+            .get_mut(table)
+            .ok_or_else(|| self.table_error(table))?;
+        t.pull_into(ids, out)
+            .map_err(|e| TrainError::Usage(e.to_string()))
+    }
+
+    fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
+        let mut tables = self.tables.borrow_mut();
+        let t = tables
+            .get_mut(table)
+            .ok_or_else(|| self.table_error(table))?;
+        t.apply(grad, scale)
+            .map_err(|e| TrainError::Usage(e.to_string()))
+    }
+
+    fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError> {
+        let Some(path) = restore else {
+            return Ok(());
+        };
+        let (_, files) = checkpoint::open(path)?;
+        let mut tables = self.tables.borrow().clone();
+        checkpoint::tables::restore_rows(&mut tables, &files, |_| true).map_err(|why| {
+            checkpoint::CheckpointError::Corrupt {
+                path: path.display().to_string(),
+                why,
+            }
+        })?;
+        *self.tables.borrow_mut() = tables;
+        Ok(())
+    }
+
+    fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError> {
+        let arrays = checkpoint::Arrays {
+            step: 0,
+            meta: serde_json::json!({}),
+            arrays: checkpoint::tables::table_arrays(&self.tables.borrow()),
+        };
+        let (bytes, sum) = checkpoint::write_file(&dir.join(TABLES_FILE), &arrays)?;
+        Ok(vec![(TABLES_FILE.to_string(), bytes, sum)])
+    }
+}
