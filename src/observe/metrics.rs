@@ -655,7 +655,7 @@ mod tests {
             "metrics file /tmp/m.txt: name it .csv or .jsonl (the extension picks the format)"
         );
         let p = Path::new("m.csv");
-        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,,,,\n");
+        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,,,,,,\n");
         let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
         assert_eq!(
             e,
@@ -663,7 +663,7 @@ mod tests {
         );
         let text = format!("{CSV_HEADER}step,1,1,,1,1,,,,,,,,,,\n");
         let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
-        assert_eq!(e, "metrics file m.csv, line 2: 16 fields, not 19");
+        assert_eq!(e, "metrics file m.csv, line 2: 16 fields, not 21");
         let e = parse(p, Format::Csv, "a,b\n").unwrap_err().to_string();
         assert!(e.starts_with("metrics file m.csv, line 1: not mpiflow's CSV header"));
         let e = parse(Path::new("m.jsonl"), Format::JsonLines, "{}\n").unwrap_err();
@@ -671,10 +671,10 @@ mod tests {
         // Values no run writes: a time before the start (a plot's axis of 1e308 either
         // way never finished drawing), a rank's negative seconds, an accuracy above 1.
         let row = |wall: &str, compute: &str| {
-            format!("step,10,{wall},1.5,1,1,,,,0,worker:0,{compute},0,0,0,10,,,\n")
+            format!("step,10,{wall},1.5,1,1,,,,0,worker:0,{compute},0,0,0,10,,,,,\n")
         };
         // A second rank's row of the same step, merged into its record.
-        let rank1 = "step,10,1,1.5,1,1,,,,1,worker:1,-2,0,0,0,10,,,\n";
+        let rank1 = "step,10,1,1.5,1,1,,,,1,worker:1,-2,0,0,0,10,,,,,\n";
         for (rows, line, why) in [
             (
                 row("-5", "0"),
@@ -697,9 +697,14 @@ mod tests {
                 "compute_s -2.0 is not a finite, non-negative number",
             ),
             (
-                "eval,10,1,,,,2,1,1,,,,,,,,,,\n".to_string(),
+                "eval,10,1,,,,2,1,1,,,,,,,,,,,,\n".to_string(),
                 2,
                 "accuracy 2.0 of 1 right in 1 is not an accuracy",
+            ),
+            (
+                "ctr,10,1,,,,,,5,,,,,,,,,,,1.5,0.5\n".to_string(),
+                2,
+                "auc 1.5 is not an AUC",
             ),
         ] {
             let e = parse(p, Format::Csv, &format!("{CSV_HEADER}{rows}"));
