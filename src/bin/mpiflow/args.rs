@@ -127,6 +127,9 @@ pub(crate) enum Mode {
     Ps,
     /// Synchronous replicas, gradients averaged by fused allreduce (under mpirun).
     Allreduce,
+    /// Embedding tables' rows on the ps tasks, dense layers by allreduce among the
+    /// workers (--model dlrm, under mpirun).
+    Hybrid,
 }
 
 /// The built-in models.
@@ -137,6 +140,34 @@ pub(crate) enum ModelChoice {
     Mlp,
     /// Two 5x5 convolution + max-pool blocks (16, 32 filters), dense 128, for images.
     Cnn,
+    /// DLRM for click-through data (--data synthetic-ctr or criteo:PATH): a bottom MLP
+    /// over the dense features, an embedding table per categorical feature, their
+    /// pairwise dot products, a top MLP.
+    Dlrm,
+}
+
+/// `--sparse-optimizer` (the library's `SparseOptimizer`, spelled for the command line).
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum SparseOptimizerArg {
+    /// Plain SGD on the rows a batch names.
+    Sgd,
+    /// Adagrad with a per-row accumulator (TensorFlow's initial 0.1).
+    #[default]
+    Adagrad,
+    /// Adam with per-row moments, updated only where a row is in a batch.
+    LazyAdam,
+}
+
+impl SparseOptimizerArg {
+    /// The update rule at learning rate `lr`.
+    pub(crate) fn with_lr(self, lr: f32) -> mpiflow::model::embedding::SparseOptimizer {
+        use mpiflow::model::embedding::SparseOptimizer;
+        match self {
+            SparseOptimizerArg::Sgd => SparseOptimizer::Sgd { lr },
+            SparseOptimizerArg::Adagrad => SparseOptimizer::adagrad(lr),
+            SparseOptimizerArg::LazyAdam => SparseOptimizer::lazy_adam(lr),
+        }
+    }
 }
 
 /// `--lr-decay` (the library's `Decay`, spelled for the command line).

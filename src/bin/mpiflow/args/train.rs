@@ -6,7 +6,7 @@ use clap::Args;
 
 use super::{
     fraction, named, positive_f32, positive_usize, ClusterArgs, DecayArg, Mode, ModelChoice,
-    ProgressArg,
+    ProgressArg, SparseOptimizerArg,
 };
 use mpiflow::pipeline::{Balance, Schedule};
 use mpiflow::topology::Policy;
@@ -106,6 +106,21 @@ pub(crate) struct TrainArgs {
     /// split), digits:PATH, fashion-mnist:DIR, synthetic, or idx:IMAGES,LABELS.
     #[arg(long, default_value = "digits")]
     pub(crate) data: String,
+    /// --model dlrm: the embedding tables' width (the bottom MLP's output).
+    #[arg(long, default_value_t = 16, value_parser = positive_usize)]
+    pub(crate) embedding_dim: usize,
+    /// --model dlrm: the bottom MLP's hidden widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "64", value_parser = positive_usize)]
+    pub(crate) bottom: Vec<usize>,
+    /// --model dlrm: the top MLP's hidden widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "64", value_parser = positive_usize)]
+    pub(crate) top: Vec<usize>,
+    /// --model dlrm: how the tables' rows are updated (sgd, adagrad, lazy-adam).
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) sparse_optimizer: SparseOptimizerArg,
+    /// --model dlrm: the rows' learning rate.
+    #[arg(long, default_value_t = 0.05, value_parser = positive_f32)]
+    pub(crate) sparse_lr: f32,
     /// Hidden layer widths of the MLP, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
     pub(crate) hidden: Vec<usize>,
@@ -214,6 +229,9 @@ impl TrainArgs {
                 .map_or_else(|| "none".into(), ToString::to_string)
         }
         let path = |p: &Option<PathBuf>| opt(&p.as_ref().map(|p| p.display().to_string()));
+        fn list(v: &[usize]) -> String {
+            v.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+        }
         let hidden: Vec<String> = self.hidden.iter().map(ToString::to_string).collect();
         [
             ("--mode", cli(&self.mode)),
@@ -241,6 +259,11 @@ impl TrainArgs {
             ("--save-params", path(&self.save_params)),
             ("--data", self.data.clone()),
             ("--hidden", hidden.join(",")),
+            ("--embedding-dim", self.embedding_dim.to_string()),
+            ("--bottom", list(&self.bottom)),
+            ("--top", list(&self.top)),
+            ("--sparse-optimizer", cli(&self.sparse_optimizer)),
+            ("--sparse-lr", self.sparse_lr.to_string()),
             ("--batch", self.batch.to_string()),
             ("--steps", self.steps.to_string()),
             ("--optimizer", named(self.optimizer)),
@@ -264,6 +287,10 @@ impl TrainArgs {
 #[derive(Clone, Copy)]
 enum UsedBy {
     Ps,
+    /// `--mode ps` or `--mode hybrid`: ps tasks.
+    PsTasks,
+    /// `--model dlrm`.
+    Dlrm,
     Allreduce,
     /// `--mode ps` or `--mode allreduce`: a cluster of tasks under mpirun.
     Cluster,
@@ -319,8 +346,21 @@ impl TrainArgs {
             (
                 "--peer-timeout",
                 self.peer_timeout != d.peer_timeout,
-                UsedBy::Ps,
+                UsedBy::PsTasks,
             ),
+            (
+                "--embedding-dim",
+                self.embedding_dim != d.embedding_dim,
+                UsedBy::Dlrm,
+            ),
+            ("--bottom", self.bottom != d.bottom, UsedBy::Dlrm),
+            ("--top", self.top != d.top, UsedBy::Dlrm),
+            (
+                "--sparse-optimizer",
+                self.sparse_optimizer != d.sparse_optimizer,
+                UsedBy::Dlrm,
+            ),
+            ("--sparse-lr", self.sparse_lr != d.sparse_lr, UsedBy::Dlrm),
             ("--overlap", self.overlap, UsedBy::Allreduce),
             (
                 "--fusion-threshold",
@@ -371,6 +411,7 @@ impl TrainArgs {
             Mode::Local => "local",
             Mode::Ps => "ps",
             Mode::Allreduce => "allreduce",
+            Mode::Hybrid => "hybrid",
         };
         // Every cluster flag describes tasks under mpirun.
         let cluster = self
@@ -384,9 +425,11 @@ impl TrainArgs {
             .map(|(flag, _, used_by)| (flag, used_by))?;
         Some(match used_by {
             UsedBy::Ps => format!("{flag} is for --mode ps, not --mode {mode}"),
+            UsedBy::PsTasks => format!("{flag} is for --mode ps or hybrid, not --mode {mode}"),
+            UsedBy::Dlrm => format!("{flag} is for --model dlrm"),
             UsedBy::Allreduce => format!("{flag} is for --mode allreduce, not --mode {mode}"),
             UsedBy::Cluster => format!(
-                "{flag} is for --mode ps or allreduce, not --mode local (one process, no cluster)"
+                "{flag} is for --mode ps, allreduce or hybrid, not --mode local (one process, no cluster)"
             ),
             UsedBy::Replicas => format!(
                 "{flag} is for --mode allreduce or --stages, not --mode {mode} without --stages"
@@ -401,7 +444,9 @@ impl TrainArgs {
                     _ => self.checkpoint_every.to_string(),
                 }
             ),
-            UsedBy::Mlp => format!("{flag} is for --model mlp (the CNN's layers are fixed)"),
+            UsedBy::Mlp => format!(
+                "{flag} is for --model mlp (the CNN's layers are fixed; DLRM's MLPs: --bottom, --top)"
+            ),
             UsedBy::EvalEvery => {
                 format!("{flag} needs --eval-every N: how often to evaluate")
             }
@@ -412,9 +457,11 @@ impl TrainArgs {
         let stages = self.cluster.stages.is_some();
         match by {
             UsedBy::Ps => self.mode == Mode::Ps,
+            UsedBy::PsTasks => matches!(self.mode, Mode::Ps | Mode::Hybrid),
+            UsedBy::Dlrm => self.model == ModelChoice::Dlrm,
             UsedBy::Allreduce => self.mode == Mode::Allreduce,
             UsedBy::Cluster => self.mode != Mode::Local,
-            UsedBy::Replicas => self.mode == Mode::Allreduce || stages,
+            UsedBy::Replicas => matches!(self.mode, Mode::Allreduce | Mode::Hybrid) || stages,
             UsedBy::Stages => stages,
             UsedBy::CheckpointDir => self.checkpoint_dir.is_some(),
             UsedBy::Mlp => self.model == ModelChoice::Mlp,

@@ -9,6 +9,7 @@ pub(crate) mod spec;
 pub(crate) mod supervise;
 pub(crate) mod topo;
 pub(crate) mod train;
+pub(crate) mod train_ctr;
 
 use std::collections::BTreeMap;
 

@@ -21,6 +21,9 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
     }
     // First: a stop asked for during setup is kept for the first step boundary.
     catch_stop_signals();
+    if args.model == ModelChoice::Dlrm || args.mode == Mode::Hybrid {
+        return super::train_ctr::run(args, env);
+    }
     if args.mode != Mode::Local {
         return cmd_train_distributed(args, env);
     }
@@ -87,7 +90,7 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
 
 /// `--save-params`'s file and `--checkpoint-dir` can be written (checked before training,
 /// not after it or at its first checkpoint).
-fn prepare_outputs(args: &TrainArgs) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
+pub(crate) fn prepare_outputs(args: &TrainArgs) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
     use mpiflow::train::checkpoint::{prepare_dir, prepare_params_file};
     if let Some(p) = &args.save_params {
         prepare_params_file(p)?;
@@ -109,6 +112,7 @@ fn refuse_with_stages(args: &TrainArgs, stages: usize) -> Result<(), Failure> {
         Mode::Ps => None,
         Mode::Allreduce if args.overlap => Some("does not overlap (--overlap): each stage's gradients are summed after its micro-batches"),
         Mode::Allreduce => None,
+        Mode::Hybrid => Some("cuts a model of dense layers; hybrid training's tables live on ps tasks: drop --stages"),
     };
     match refused {
         Some(why) => Err(Failure::local(format!("--stages {stages} {why}"))),
@@ -139,7 +143,7 @@ fn whole_model_fits(args: &TrainArgs, model: &mpiflow::model::Sequential) -> Res
 /// every mode: the ranks agree on the boundary (allreduce: in the gradient reduction; ps:
 /// the ps tasks announce it in their replies). A failure to catch them (not seen in practice) leaves their default action, with a
 /// warning: it must not stop one rank while the others train on.
-fn catch_stop_signals() {
+pub(crate) fn catch_stop_signals() {
     if let Err(e) = mpiflow::signals::catch(&mpiflow::signals::STOP, false) {
         say!("mpiflow: warning: signals end training without a checkpoint here: {e}");
     }
@@ -147,7 +151,7 @@ fn catch_stop_signals() {
 
 /// Pins this rank and sizes its BLAS pool (`--blas-threads` overrides the plan). A pool
 /// OpenBLAS cut, or one larger than the rank's CPUs, is a warning beside the binding's.
-fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::Pinning {
+pub(crate) fn pin_rank(args: &TrainArgs, local: usize, count: usize) -> mpiflow::topology::Pinning {
     let mut pin = mpiflow::topology::pin(local, count, args.bind);
     // Towers are the rank's threads: each calls BLAS alone.
     let towers = (args.towers > 1).then_some(1);
@@ -213,6 +217,9 @@ pub(crate) fn model_for(
                 ))
             }
         },
+        ModelChoice::Dlrm => {
+            return Err("--model dlrm trains on click data (mpiflow train --model dlrm)".into())
+        }
     };
     built.map_err(|e| e.to_string())
 }

@@ -529,9 +529,12 @@ impl<'a, C: Comm> Server<'a, C> {
 
     /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
     fn restore(&mut self, dir: &Path, all: &[Shard]) -> Result<(), String> {
-        let (params, slots, step) =
-            shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
-                .map_err(|e| e.to_string())?;
+        // Hybrid training's ps tasks hold rows alone: no variables to read.
+        let (params, slots, step) = match all.is_empty() {
+            true => (Vec::new(), Vec::new(), checkpoint::verify(dir).map_err(|e| e.to_string())?.step),
+            false => shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
+                .map_err(|e| e.to_string())?,
+        };
         let mut tables = self.tables.clone();
         if !tables.is_empty() {
             let (_, files) = checkpoint::open(dir).map_err(|e| e.to_string())?;
