@@ -230,7 +230,10 @@ impl TrainArgs {
         }
         let path = |p: &Option<PathBuf>| opt(&p.as_ref().map(|p| p.display().to_string()));
         fn list(v: &[usize]) -> String {
-            v.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+            v.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         }
         let hidden: Vec<String> = self.hidden.iter().map(ToString::to_string).collect();
         [

@@ -90,7 +90,9 @@ pub(crate) fn run(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<()
 
 /// `--save-params`'s file and `--checkpoint-dir` can be written (checked before training,
 /// not after it or at its first checkpoint).
-pub(crate) fn prepare_outputs(args: &TrainArgs) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
+pub(crate) fn prepare_outputs(
+    args: &TrainArgs,
+) -> Result<(), mpiflow::train::checkpoint::CheckpointError> {
     use mpiflow::train::checkpoint::{prepare_dir, prepare_params_file};
     if let Some(p) = &args.save_params {
         prepare_params_file(p)?;

@@ -99,7 +99,13 @@ fn model(args: &TrainArgs, data: &dyn CtrData) -> Result<Dlrm, String> {
 }
 
 /// The run's header: the data, the model, the updates.
-fn header(args: &TrainArgs, mode: &str, train: &dyn CtrData, test: &dyn CtrData, m: &Dlrm) -> String {
+fn header(
+    args: &TrainArgs,
+    mode: &str,
+    train: &dyn CtrData,
+    test: &dyn CtrData,
+    m: &Dlrm,
+) -> String {
     format!(
         "# mpiflow train --mode {mode}: {} train / {} held-out samples, {}, {}, rows by {} lr {}, batch {}\n",
         train.len(),
@@ -169,7 +175,11 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     drop(resolved.port_guard);
     let layout = &resolved.layout;
     let agree = |r: Result<(), String>| ctx.agree(r).map_err(|e| Failure::agreed(e, &ctx));
-    agree(mpiflow::train::ps::Roles::new(layout).map(drop).map_err(|e| e.to_string()))?;
+    agree(
+        mpiflow::train::ps::Roles::new(layout)
+            .map(drop)
+            .map_err(|e| e.to_string()),
+    )?;
     agree(prepare_outputs(args).map_err(|e| e.to_string()))?;
     let (local, count) = ctx.machine_local();
     let pin = pin_rank(args, local, count);
@@ -185,8 +195,8 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     let m = ctx
         .agree(model(args, &train))
         .map_err(|e| Failure::agreed(e, &ctx))?;
-    let chief_rank = (0..layout.ranks.len())
-        .find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0));
+    let chief_rank =
+        (0..layout.ranks.len()).find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0));
     let chief = chief_rank == Some(ctx.rank());
     let writer = chief.then_some(report::Writer::Chief);
     let metrics = ctx

@@ -531,7 +531,11 @@ impl<'a, C: Comm> Server<'a, C> {
     fn restore(&mut self, dir: &Path, all: &[Shard]) -> Result<(), String> {
         // Hybrid training's ps tasks hold rows alone: no variables to read.
         let (params, slots, step) = match all.is_empty() {
-            true => (Vec::new(), Vec::new(), checkpoint::verify(dir).map_err(|e| e.to_string())?.step),
+            true => (
+                Vec::new(),
+                Vec::new(),
+                checkpoint::verify(dir).map_err(|e| e.to_string())?.step,
+            ),
             false => shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
                 .map_err(|e| e.to_string())?,
         };

@@ -1,0 +1,154 @@
+//! A recommendation model (DLRM) under real `mpirun`: its embedding tables' rows on the
+//! ps tasks, its dense layers by allreduce among the workers (`--mode hybrid`) or on the
+//! ps tasks too (`--mode ps`), trained to the held-out AUC of local training; a ps killed
+//! mid-run costs only the steps since the last checkpoint, whose rows come back.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use common::{mpiflow, mpiflow_alone, mpirun, signal, tmpdir, with_rank_when};
+use mpiflow::observe::metrics::{read, Record};
+
+/// The model and data of every run here: 8 features of 2000 rows, 400000 samples.
+const RUN: &[&str] = &[
+    "train",
+    "--model",
+    "dlrm",
+    "--data",
+    "synthetic-ctr:samples=400000,features=8,rows=2000,seed=4",
+    "--batch",
+    "256",
+    "--lr",
+    "0.003",
+    "--sparse-lr",
+    "0.2",
+    "--embedding-dim",
+    "8",
+    "--bottom",
+    "32",
+    "--top",
+    "32",
+    "--log-every",
+    "200",
+    "--progress",
+    "lines",
+];
+
+/// The last held-out AUC in metrics file `path`.
+fn last_auc(path: &Path) -> f64 {
+    let records = read(path).unwrap();
+    records
+        .iter()
+        .rev()
+        .find_map(|r| match r {
+            Record::Ctr { auc, total, .. } => {
+                assert_eq!(*total, 20_000, "held-out samples");
+                Some(*auc)
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no AUC in {}: {records:?}", path.display()))
+}
+
+/// `mpirun -np N mpiflow RUN --steps STEPS` with `extra` flags.
+fn distributed(np: &str, steps: &str, extra: &[&str]) -> common::Run {
+    let mut args = vec!["-np", np, mpiflow()];
+    args.extend_from_slice(RUN);
+    args.extend_from_slice(&["--steps", steps]);
+    args.extend_from_slice(extra);
+    mpirun(&args)
+}
+
+#[test]
+fn dlrm_reaches_the_auc_of_local_training_in_hybrid_and_ps_mode() {
+    let dir = tmpdir("ctr-modes");
+    let metrics = |name: &str| dir.join(format!("{name}.csv"));
+    let m = |name: &str| metrics(name).to_str().unwrap().to_string();
+    let local = m("local");
+    let mut args = RUN.to_vec();
+    args.extend_from_slice(&["--steps", "1200", "--metrics", &local]);
+    let run = mpiflow_alone(&args, &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let last = run.stdout.lines().last().unwrap_or_default();
+    assert!(last.starts_with("auc 0."), "{}", run.stdout);
+    let local = last_auc(&metrics("local"));
+    assert!(local > 0.8, "local AUC {local}");
+    for (mode, np, ps) in [("hybrid", "4", "2"), ("ps", "3", "1")] {
+        let out = m(mode);
+        let run = distributed(np, "1200", &["--mode", mode, "--ps", ps, "--metrics", &out]);
+        assert_eq!(run.code, 0, "{run:?}");
+        let auc = last_auc(&metrics(mode));
+        assert!(
+            (auc - local).abs() < 0.01,
+            "{mode}: AUC {auc}, local {local}"
+        );
+    }
+}
+
+/// Every row id of every table in checkpoint `path`.
+fn row_ids(path: &Path) -> BTreeSet<(String, u64)> {
+    let (_, files) = mpiflow::train::checkpoint::open(path).unwrap();
+    let mut ids = BTreeSet::new();
+    for f in &files {
+        for (name, values) in &f.arrays {
+            let Some(table) = name
+                .strip_prefix("table:")
+                .and_then(|n| n.strip_suffix(":ids"))
+            else {
+                continue;
+            };
+            for pair in values.chunks_exact(2) {
+                let id = u64::from(pair[0].to_bits()) | (u64::from(pair[1].to_bits()) << 32);
+                ids.insert((table.to_string(), id));
+            }
+        }
+    }
+    ids
+}
+
+#[test]
+fn a_ps_killed_mid_run_costs_only_the_steps_since_the_checkpoint_and_its_rows_come_back() {
+    let dir = tmpdir("ctr-kill");
+    let ckpt = dir.join("ckpt");
+    let (c, metrics) = (ckpt.to_str().unwrap(), dir.join("resumed.csv"));
+    let mut args = vec!["-np", "4", mpiflow()];
+    args.extend_from_slice(RUN);
+    let flags = ["--mode", "hybrid", "--ps", "2"];
+    args.extend_from_slice(&flags);
+    args.extend_from_slice(&["--steps", "3000"]);
+    args.extend_from_slice(&["--checkpoint-dir", c, "--checkpoint-every", "200"]);
+    // ps:0 is rank 0; killed once a checkpoint is written.
+    let (text, code) = with_rank_when(
+        &args,
+        Some(0),
+        |out| out.contains("# checkpoint"),
+        |pid, _| signal(pid, "-KILL"),
+    );
+    assert_ne!(code, Some(0), "{text}");
+    let listed = mpiflow::train::checkpoint::listed(&ckpt);
+    let (saved, path) = listed.first().cloned().expect("a checkpoint");
+    assert!(saved > 0 && saved < 3000, "{listed:?}");
+    let before = row_ids(&path);
+    assert!(before.len() > 1000, "{} rows", before.len());
+
+    let m = metrics.to_str().unwrap();
+    let mut extra = flags.to_vec();
+    extra.extend_from_slice(&["--checkpoint-dir", c, "--metrics", m]);
+    let run = distributed("4", "3000", &extra);
+    assert_eq!(run.code, 0, "{run:?}");
+    let restored = format!("ckpt-{saved} (global step {saved})");
+    assert!(run.stdout.contains(&restored), "{}", run.stdout);
+    // Only the steps since the checkpoint were trained again.
+    let steps: Vec<u64> = (read(&metrics).unwrap().iter())
+        .filter_map(|r| match r {
+            Record::Step { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    assert!(steps.first().is_some_and(|s| *s > saved), "{steps:?}");
+    let after = row_ids(&ckpt.join("ckpt-3000"));
+    assert!(before.is_subset(&after), "rows lost in the restore");
+    assert!(last_auc(&metrics) > 0.8);
+}
