@@ -94,7 +94,12 @@ impl<C: Comm> RowHome for PsRows<'_, C> {
 
     fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
         let dim = self.dim(table)?;
-        Ok(self.client.pull_rows(table, dim, ids, out)?)
+        Ok(self.client.pull_rows(table, dim, ids, out, true)?)
+    }
+
+    fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        let dim = self.dim(table)?;
+        Ok(self.client.pull_rows(table, dim, ids, out, false)?)
     }
 
     fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {

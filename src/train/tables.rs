@@ -31,6 +31,10 @@ pub trait Tables {
     /// rows not yet touched are made from the initialiser.
     fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
 
+    /// [`Tables::pull_rows`] without making rows: one not yet touched comes as its
+    /// initial values (an evaluation's read, which must not grow the tables).
+    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+
     /// Applies table `table`'s sparse gradient `grad` scaled by `scale` to its rows.
     fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError>;
 
@@ -46,6 +50,9 @@ pub trait RowHome {
 
     /// [`Tables::pull_rows`].
     fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+
+    /// [`Tables::read_rows`].
+    fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
 
     /// [`Tables::push_rows`].
     fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError>;
@@ -93,6 +100,10 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
 
     fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
         self.rows.pull(table, ids, out)
+    }
+
+    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        self.rows.read(table, ids, out)
     }
 
     fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
@@ -292,6 +303,13 @@ impl RowHome for LocalRows {
             .get_mut(table)
             .ok_or_else(|| self.table_error(table))?;
         t.pull_into(ids, out)
+            .map_err(|e| TrainError::Usage(e.to_string()))
+    }
+
+    fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        let tables = self.tables.borrow();
+        let t = tables.get(table).ok_or_else(|| self.table_error(table))?;
+        t.read_into(ids, out)
             .map_err(|e| TrainError::Usage(e.to_string()))
     }
 

@@ -174,6 +174,25 @@ impl Table {
         Ok(())
     }
 
+    /// The rows of `ids` into `out` as [`Table::pull_into`] gives them, without making
+    /// any: a row that does not exist is its initial values (an evaluation's read, which
+    /// must not grow the table).
+    pub fn read_into(&self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
+        let d = self.spec.dim;
+        out.clear();
+        out.resize(ids.len() * d, 0.0);
+        for (id, row) in ids.iter().zip(out.chunks_exact_mut(d.max(1))) {
+            match self.row(*id) {
+                Some(r) => row.copy_from_slice(r),
+                None => {
+                    self.spec.check(*id)?;
+                    self.spec.init.fill(self.seed, &self.spec, *id, row);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Row `id`, if it exists.
     pub fn row(&self, id: u64) -> Option<&[f32]> {
         let d = self.spec.dim;
@@ -284,6 +303,16 @@ mod tests {
         let mut out_c = Vec::new();
         c.pull_into(&[3], &mut out_c).unwrap();
         assert_ne!(out_c, out[4..8].to_vec());
+        // A read gives what a pull would, and makes nothing.
+        let (fresh, mut read) = (
+            Table::new(spec.clone(), 9, SparseOptimizer::Sgd { lr: 0.0 }),
+            Vec::new(),
+        );
+        fresh
+            .read_into(&[999_999_999_999, 3, 3], &mut read)
+            .unwrap();
+        assert_eq!((read, fresh.len()), (out.clone(), 0));
+        assert!(fresh.read_into(&[spec.rows], &mut Vec::new()).is_err());
         assert_eq!(
             a.pull_into(&[spec.rows], &mut out).unwrap_err().to_string(),
             "table big: id 1000000000000 is no row of its 1000000000000"

@@ -164,7 +164,7 @@ pub fn evaluate<'m, S: Strategy<'m> + Tables>(
         test.batch_into(part, &mut batch);
         model.lookups_into(&batch, &mut lookups)?;
         for (t, l) in lookups.iter_mut().enumerate() {
-            sess.strategy().pull_rows(t, &l.unique.ids, &mut l.rows)?;
+            sess.strategy().read_rows(t, &l.unique.ids, &mut l.rows)?;
         }
         let logits = model.logits(&sess.replica().params, &batch, &lookups, &mut ws)?;
         counts.add(&logits, &batch.labels);

@@ -119,6 +119,9 @@ pub enum Request {
         scale: f32,
         values: usize,
     },
+    /// [`Request::PullRows`] without making rows: one that does not exist is answered
+    /// with its initial values (an evaluation's read).
+    ReadRows { table: usize, ids: Vec<u64> },
 }
 
 /// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the

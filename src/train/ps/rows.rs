@@ -22,13 +22,15 @@ fn by_owner(ids: &[u64], nps: usize) -> (Vec<Vec<u64>>, Vec<Vec<usize>>) {
 
 impl<C: Comm> Client<'_, C> {
     /// Rows `ids` of table `table` (`dim` values each) into `out`, in the order of `ids`;
-    /// rows not yet touched are made by their ps.
+    /// rows not yet touched are made by their ps (`make`), or read as their initial
+    /// values.
     pub fn pull_rows(
         &self,
         table: usize,
         dim: usize,
         ids: &[u64],
         out: &mut Vec<f32>,
+        make: bool,
     ) -> Result<(), PsError> {
         let nps = self.roles.ps.len();
         let (owned, places) = by_owner(ids, nps);
@@ -66,9 +68,15 @@ impl<C: Comm> Client<'_, C> {
                 ))),
             }
         };
-        let request = |k: usize| Request::PullRows {
-            table,
-            ids: owned[k].clone(),
+        let request = |k: usize| match make {
+            true => Request::PullRows {
+                table,
+                ids: owned[k].clone(),
+            },
+            false => Request::ReadRows {
+                table,
+                ids: owned[k].clone(),
+            },
         };
         if let Err(e) = self.round_then(request, |_| Vec::new(), take) {
             // Receives into the rows may still be in flight after an error.

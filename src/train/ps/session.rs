@@ -161,7 +161,14 @@ impl<'s, C: Comm> Ps<'s, C> {
     /// order of `ids`, each from the ps that holds it.
     pub fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), PsError> {
         let dim = self.table(table)?.dim;
-        self.client.pull_rows(table, dim, ids, out)
+        self.client.pull_rows(table, dim, ids, out, true)
+    }
+
+    /// [`Ps::pull_rows`] without making rows: one that does not exist comes as its
+    /// initial values (an evaluation's read).
+    pub fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), PsError> {
+        let dim = self.table(table)?.dim;
+        self.client.pull_rows(table, dim, ids, out, false)
     }
 
     /// Pushes table `table`'s sparse gradient `grad` scaled by `scale` (`-1 / workers`
@@ -479,6 +486,10 @@ impl<C: Comm> crate::train::tables::Tables for Ps<'_, C> {
 
     fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
         Ok(Ps::pull_rows(self, table, ids, out)?)
+    }
+
+    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        Ok(Ps::read_rows(self, table, ids, out)?)
     }
 
     fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {

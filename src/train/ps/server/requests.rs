@@ -81,7 +81,8 @@ impl<C: Comm> Server<'_, C> {
                 self.answer_pending()
             }
             request @ Request::Push { .. } => self.push(from, w, request, &lens, inline_bytes),
-            Request::PullRows { table, ids } => self.pull_rows(from, table, &ids),
+            Request::PullRows { table, ids } => self.pull_rows(from, table, &ids, true),
+            Request::ReadRows { table, ids } => self.pull_rows(from, table, &ids, false),
             Request::PushRows {
                 table, ids, scale, ..
             } => self.push_rows(from, table, &ids, scale, &lens, inline_bytes),

@@ -48,17 +48,23 @@ impl<C: Comm> Server<'_, C> {
         }
     }
 
-    /// Worker rank `from`'s pull of rows `ids` of table `table`: a [`Reply::Rows`] with
-    /// their values (in the header's message if small, else as pieces after it).
+    /// Worker rank `from`'s pull of rows `ids` of table `table` (`make`: rows that do not
+    /// exist are made, else read as their initial values): a [`Reply::Rows`] with their
+    /// values (in the header's message if small, else as pieces after it).
     pub(super) fn pull_rows(
         &mut self,
         from: usize,
         table: usize,
         ids: &[u64],
+        make: bool,
     ) -> Result<(), PsError> {
         let pulled = self.check_rows(table, ids).and_then(|()| {
             let mut rows = std::mem::take(&mut self.rows);
-            let r = self.tables[table].pull_into(ids, &mut rows);
+            let t = &mut self.tables[table];
+            let r = match make {
+                true => t.pull_into(ids, &mut rows),
+                false => t.read_into(ids, &mut rows),
+            };
             self.rows = rows;
             r.map_err(|e| e.to_string())
         });
