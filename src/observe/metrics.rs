@@ -58,6 +58,21 @@ pub enum Record {
         logloss: f64,
         total: usize,
     },
+    /// A task's rows of one embedding table when training ended: how many exist and
+    /// their bytes, the requests served, the hottest rows (id and pulls).
+    Rows {
+        step: u64,
+        wall_s: f64,
+        task: String,
+        table: String,
+        rows: u64,
+        bytes: u64,
+        pulls: u64,
+        rows_pulled: u64,
+        pushes: u64,
+        rows_pushed: u64,
+        hot: Vec<(u64, u32)>,
+    },
     /// A stall report ([`super::stall`]): the longest wait, of `waited_s` seconds in `op`
     /// at `step`, the tasks that wait and those that have not arrived; `cleared`: the
     /// stall ended (then `waited_s` is its length and the lists are empty).
@@ -131,6 +146,7 @@ impl Record {
                     false => Err(format!("auc {auc:?} is not an AUC")),
                 }
             }
+            Record::Rows { wall_s, .. } => fine("wall_s", *wall_s),
             Record::Stall {
                 wall_s, waited_s, ..
             } => {
@@ -146,6 +162,7 @@ impl Record {
             Record::Step { step, .. }
             | Record::Eval { step, .. }
             | Record::Ctr { step, .. }
+            | Record::Rows { step, .. }
             | Record::Stall { step, .. } => *step,
         }
     }
@@ -156,6 +173,7 @@ impl Record {
             Record::Step { wall_s, .. }
             | Record::Eval { wall_s, .. }
             | Record::Ctr { wall_s, .. }
+            | Record::Rows { wall_s, .. }
             | Record::Stall { wall_s, .. } => *wall_s,
         }
     }
@@ -220,7 +238,7 @@ pub enum MetricsError {
     },
 }
 
-const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps,op,waiting,missing,auc,logloss\n";
+const CSV_HEADER: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps,op,waiting,missing,auc,logloss,table,rows_held,bytes,pulls,rows_pulled,pushes,rows_pushed,hot\n";
 
 /// The header before click models' evaluations (read, never written): its rows lack the
 /// last two columns.
@@ -231,7 +249,7 @@ const CSV_HEADER_V2: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec
 const CSV_HEADER_V1: &str = "kind,step,wall_s,loss,steps_per_sec,samples_per_sec,accuracy,correct,total,rank,task,compute_s,comm_s,wait_s,other_s,rank_steps\n";
 
 /// The columns of a row of [`CSV_HEADER`].
-const CSV_COLUMNS: usize = 21;
+const CSV_COLUMNS: usize = 29;
 
 /// A metrics file being written.
 #[derive(Debug)]
@@ -311,14 +329,14 @@ fn csv_rows(r: &Record) -> String {
                 opt(*loss)
             );
             if ranks.is_empty() {
-                return format!("{head},,,,,,,,,,,,,,\n");
+                return format!("{head},,,,,,,,,,,,,,,,,,,,,,\n");
             }
             ranks
                 .iter()
                 .map(|rt| {
                     let t = &rt.times;
                     format!(
-                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{},,,,,\n",
+                        "{head},,,{},{},{:.6},{:.6},{:.6},{:.6},{},,,,,,,,,,,,,\n",
                         rt.rank,
                         csv_field(&rt.task),
                         t.compute,
@@ -336,14 +354,37 @@ fn csv_rows(r: &Record) -> String {
             accuracy,
             correct,
             total,
-        } => format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,,,,,,\n"),
+        } => {
+            format!("eval,{step},{wall_s:.6},,,,{accuracy},{correct},{total},,,,,,,,,,,,,,,,,,,,\n")
+        }
         Record::Ctr {
             step,
             wall_s,
             auc,
             logloss,
             total,
-        } => format!("ctr,{step},{wall_s:.6},,,,,,{total},,,,,,,,,,,{auc},{logloss}\n"),
+        } => format!("ctr,{step},{wall_s:.6},,,,,,{total},,,,,,,,,,,{auc},{logloss},,,,,,,,\n"),
+        Record::Rows {
+            step,
+            wall_s,
+            task,
+            table,
+            rows,
+            bytes,
+            pulls,
+            rows_pulled,
+            pushes,
+            rows_pushed,
+            hot,
+        } => {
+            let hot: Vec<String> = hot.iter().map(|(id, n)| format!("{id}:{n}")).collect();
+            format!(
+                "rows,{step},{wall_s:.6},,,,,,,,{},,,,,,,,,,,{},{rows},{bytes},{pulls},{rows_pulled},{pushes},{rows_pushed},{}\n",
+                csv_field(task),
+                csv_field(table),
+                hot.join(";")
+            )
+        }
         Record::Stall {
             step,
             wall_s,
@@ -353,7 +394,7 @@ fn csv_rows(r: &Record) -> String {
             missing,
             cleared,
         } => format!(
-            "{},{step},{wall_s:.6},,,,,,,,,,,{waited_s:.3},,,{},{},{},,\n",
+            "{},{step},{wall_s:.6},,,,,,,,,,,{waited_s:.3},,,{},{},{},,,,,,,,,,\n",
             if *cleared { "stall_cleared" } else { "stall" },
             csv_field(op),
             csv_field(&waiting.join(";")),
@@ -470,6 +511,33 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
                 logloss: need(20, "logloss")?,
                 total: count(8, "total")?,
             }),
+            "rows" => {
+                let big = |i: usize, what: &str| {
+                    f[i].parse::<u64>()
+                        .map_err(|_| bad(n, format!("{what} {:?} is not a count", f[i])))
+                };
+                let hot = (f[28].split(';').filter(|h| !h.is_empty()))
+                    .map(|h| {
+                        let pair = h.split_once(':');
+                        let parsed =
+                            pair.and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+                        parsed.ok_or_else(|| bad(n, format!("hot row {h:?} is not id:pulls")))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                out.push(Record::Rows {
+                    step,
+                    wall_s,
+                    task: f[10].clone(),
+                    table: f[21].clone(),
+                    rows: big(22, "rows_held")?,
+                    bytes: big(23, "bytes")?,
+                    pulls: big(24, "pulls")?,
+                    rows_pulled: big(25, "rows_pulled")?,
+                    pushes: big(26, "pushes")?,
+                    rows_pushed: big(27, "rows_pushed")?,
+                    hot,
+                })
+            }
             "step" => {
                 let rank = match f[9].as_str() {
                     "" => None,
@@ -530,7 +598,7 @@ pub fn parse(path: &Path, format: Format, text: &str) -> Result<Vec<Record>, Met
             k => {
                 return Err(bad(
                     n,
-                    format!("kind {k:?} is not step, eval, ctr or stall"),
+                    format!("kind {k:?} is not step, eval, ctr, rows or stall"),
                 ))
             }
         }
@@ -598,6 +666,19 @@ mod tests {
                 logloss: 0.4375,
                 total: 20000,
             },
+            Record::Rows {
+                step: 500,
+                wall_s: 1.75,
+                task: "ps:1 (rank 1)".into(),
+                table: "emb0".into(),
+                rows: 1200,
+                bytes: 182400,
+                pulls: 500,
+                rows_pulled: 64000,
+                pushes: 500,
+                rows_pushed: 64000,
+                hot: vec![(7, 480), (3, 300)],
+            },
             Record::Stall {
                 step: 612,
                 wall_s: 63.5,
@@ -655,7 +736,7 @@ mod tests {
             "metrics file /tmp/m.txt: name it .csv or .jsonl (the extension picks the format)"
         );
         let p = Path::new("m.csv");
-        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,,,,,,\n");
+        let text = format!("{CSV_HEADER}step,x,1,,1,1,,,,,,,,,,,,,,,,,,,,,,,\n");
         let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
         assert_eq!(
             e,
@@ -663,7 +744,7 @@ mod tests {
         );
         let text = format!("{CSV_HEADER}step,1,1,,1,1,,,,,,,,,,\n");
         let e = parse(p, Format::Csv, &text).unwrap_err().to_string();
-        assert_eq!(e, "metrics file m.csv, line 2: 16 fields, not 21");
+        assert_eq!(e, "metrics file m.csv, line 2: 16 fields, not 29");
         let e = parse(p, Format::Csv, "a,b\n").unwrap_err().to_string();
         assert!(e.starts_with("metrics file m.csv, line 1: not mpiflow's CSV header"));
         let e = parse(Path::new("m.jsonl"), Format::JsonLines, "{}\n").unwrap_err();
@@ -671,10 +752,10 @@ mod tests {
         // Values no run writes: a time before the start (a plot's axis of 1e308 either
         // way never finished drawing), a rank's negative seconds, an accuracy above 1.
         let row = |wall: &str, compute: &str| {
-            format!("step,10,{wall},1.5,1,1,,,,0,worker:0,{compute},0,0,0,10,,,,,\n")
+            format!("step,10,{wall},1.5,1,1,,,,0,worker:0,{compute},0,0,0,10,,,,,,,,,,,,,\n")
         };
         // A second rank's row of the same step, merged into its record.
-        let rank1 = "step,10,1,1.5,1,1,,,,1,worker:1,-2,0,0,0,10,,,,,\n";
+        let rank1 = "step,10,1,1.5,1,1,,,,1,worker:1,-2,0,0,0,10,,,,,,,,,,,,,\n";
         for (rows, line, why) in [
             (
                 row("-5", "0"),
@@ -697,12 +778,12 @@ mod tests {
                 "compute_s -2.0 is not a finite, non-negative number",
             ),
             (
-                "eval,10,1,,,,2,1,1,,,,,,,,,,,,\n".to_string(),
+                "eval,10,1,,,,2,1,1,,,,,,,,,,,,,,,,,,,,\n".to_string(),
                 2,
                 "accuracy 2.0 of 1 right in 1 is not an accuracy",
             ),
             (
-                "ctr,10,1,,,,,,5,,,,,,,,,,,1.5,0.5\n".to_string(),
+                "ctr,10,1,,,,,,5,,,,,,,,,,,1.5,0.5,,,,,,,,\n".to_string(),
                 2,
                 "auc 1.5 is not an AUC",
             ),

@@ -276,7 +276,8 @@ pub fn scope<C: Comm, R>(
             .iter()
             .filter_map(|(c, r)| r.as_ref().map(|r| (c, r)))
             .collect();
-        let served = crate::train::ps::server::serve_many(&jobs, me.task.index, ps.peer_timeout);
+        let served =
+            crate::train::ps::server::serve_many(&jobs, me.task.index, ps.peer_timeout, None);
         return served.map(|()| None).map_err(PipelineError::from);
     }
     let dir = cfg.train.checkpoint_dir.as_deref();

@@ -40,6 +40,11 @@ pub enum Event {
         total: usize,
         step: u64,
     },
+    /// Each task's rows of the embedding tables when training ended at `step`.
+    Rows {
+        step: u64,
+        reports: Vec<crate::train::tables::RowsReport>,
+    },
     /// Something worth a look that does not stop training.
     Warning(String),
     /// Any other note (a comment line).
@@ -84,6 +89,10 @@ impl fmt::Display for Event {
                 f,
                 "auc {auc:.4} (log loss {logloss:.4}, {total} held-out samples) at global step {step}"
             ),
+            Event::Rows { reports, .. } => {
+                let lines: Vec<String> = reports.iter().map(rows_line).collect();
+                write!(f, "{}", lines.join("\n"))
+            }
             Event::Warning(w) => write!(f, "# warning: {w}"),
             Event::Note(n) if n.starts_with('#') => write!(f, "{n}"),
             Event::Note(n) => write!(f, "# {n}"),
@@ -91,10 +100,64 @@ impl fmt::Display for Event {
     }
 }
 
+/// `# rows on ps:0 (rank 0): 5051 rows (464.6 KB) of 8 tables, 19200 pulls / 773511 rows,
+/// 19200 pushes / 773511 rows; hottest emb1:1424 (2400 pulls), emb2:1892 (2400), ...`: a
+/// task's tables in one line (each table's own in the metrics file).
+fn rows_line(r: &crate::train::tables::RowsReport) -> String {
+    let t = &r.tables;
+    let sum = |f: fn(&crate::train::tables::TableReport) -> u64| t.iter().map(f).sum::<u64>();
+    let mut hot: Vec<(u32, &str, u64)> = (t.iter())
+        .flat_map(|t| t.hot.iter().map(move |(id, n)| (*n, t.table.as_str(), *id)))
+        .collect();
+    hot.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)).then(a.2.cmp(&b.2)));
+    let hot: Vec<String> = (hot.iter().take(crate::train::tables::HOT_ROWS).enumerate())
+        .map(|(i, (n, table, id))| match i {
+            0 => format!("{table}:{id} ({n} pulls)"),
+            _ => format!("{table}:{id} ({n})"),
+        })
+        .collect();
+    format!(
+        "# rows on {}: {} rows ({}) of {} tables, {} pulls / {} rows, {} pushes / {} rows; hottest {}",
+        r.task,
+        sum(|t| t.rows),
+        crate::observe::bytes(sum(|t| t.bytes)),
+        t.len(),
+        sum(|t| t.pulls),
+        sum(|t| t.rows_pulled),
+        sum(|t| t.pushes),
+        sum(|t| t.rows_pushed),
+        hot.join(", ")
+    )
+}
+
 impl Event {
-    /// The event as a metrics record (a logged step, an evaluation), `wall_s` seconds
-    /// into the run; `None` for the others.
-    pub fn record(&self, wall_s: f64) -> Option<Record> {
+    /// The event as metrics records (a logged step, an evaluation, the tables' rows),
+    /// `wall_s` seconds into the run; none for the others.
+    pub fn records(&self, wall_s: f64) -> Vec<Record> {
+        if let Event::Rows { step, reports } = self {
+            let mut out = Vec::new();
+            for r in reports {
+                out.extend(r.tables.iter().map(|t| Record::Rows {
+                    step: *step,
+                    wall_s,
+                    task: r.task.clone(),
+                    table: t.table.clone(),
+                    rows: t.rows,
+                    bytes: t.bytes,
+                    pulls: t.pulls,
+                    rows_pulled: t.rows_pulled,
+                    pushes: t.pushes,
+                    rows_pushed: t.rows_pushed,
+                    hot: t.hot.clone(),
+                }));
+            }
+            return out;
+        }
+        self.record(wall_s).into_iter().collect()
+    }
+
+    /// The one metrics record of an event that has one.
+    fn record(&self, wall_s: f64) -> Option<Record> {
         match self {
             Event::Step(s) => Some(Record::Step {
                 step: s.step,

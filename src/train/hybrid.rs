@@ -19,7 +19,7 @@ use super::engine::{End, TrainError};
 use super::ps::protocol::Setup;
 use super::ps::worker::{abort_agreed, Client};
 use super::ps::{PsError, Roles};
-use super::tables::{RowHome, Sparse};
+use super::tables::{RowHome, RowsReport, Sparse};
 use crate::cluster::Layout;
 use crate::model::embedding::{SparseGrad, SparseOptimizer, TableSpec};
 use crate::model::Model;
@@ -113,6 +113,10 @@ impl<C: Comm> RowHome for PsRows<'_, C> {
             None => self.client.init(&self.setup, &mut Vec::new())?,
         }
         Ok(())
+    }
+
+    fn report(&self) -> Result<Vec<RowsReport>, TrainError> {
+        Ok(self.client.stats()?)
     }
 
     fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError> {

@@ -21,6 +21,7 @@ use crate::model::{Replica, Targets};
 use crate::observe::phases::{Clock, RankTimes, Times};
 use crate::tensor::Tensor;
 use crate::train::data::Dataset;
+use crate::train::resources::Share;
 
 /// A strategy whose model has embedding tables: what a step does with their rows.
 pub trait Tables {
@@ -41,6 +42,80 @@ pub trait Tables {
     /// The scale of this rank's sparse gradients (the mean over its share of the global
     /// batch) in the update: `1 / replicas` where the replicas' updates make one step.
     fn push_scale(&self) -> f32;
+
+    /// The chief: each task's report of the rows it holds and the requests it served.
+    fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError>;
+}
+
+/// What one table's rows are in one process (a ps task, or the local one): how many
+/// exist and their bytes, the requests served, and the hottest rows.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TableReport {
+    pub table: String,
+    /// Rows that exist here.
+    pub rows: u64,
+    /// Their bytes, with their optimizer state and index.
+    pub bytes: u64,
+    /// Pull requests served, and the rows they named.
+    pub pulls: u64,
+    pub rows_pulled: u64,
+    /// Push requests applied, and the rows they named.
+    pub pushes: u64,
+    pub rows_pushed: u64,
+    /// The rows pulled most often, with their pulls, most first.
+    pub hot: Vec<(u64, u32)>,
+}
+
+/// The hottest rows a report names per table.
+pub const HOT_ROWS: usize = 5;
+
+/// A task's tables' reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowsReport {
+    /// `ps:0 (rank 0)`, or `local`.
+    pub task: String,
+    pub tables: Vec<TableReport>,
+}
+
+/// The requests a table served.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Served {
+    pub pulls: u64,
+    pub rows_pulled: u64,
+    pub pushes: u64,
+    pub rows_pushed: u64,
+}
+
+impl Served {
+    /// `table`'s report with these counts.
+    pub fn report(&self, table: &Table) -> TableReport {
+        TableReport {
+            table: table.spec().name.clone(),
+            rows: table.len() as u64,
+            bytes: table.bytes() as u64,
+            pulls: self.pulls,
+            rows_pulled: self.rows_pulled,
+            pushes: self.pushes,
+            rows_pushed: self.rows_pushed,
+            hot: table.hottest(HOT_ROWS),
+        }
+    }
+}
+
+/// Why rows no longer fit where `who` holds them (`held` bytes in all, against `share`),
+/// if they do not: one line naming `table`, whose request grew them.
+pub fn outgrew(who: &str, table: &Table, held: u64, share: Option<&Share>) -> Result<(), String> {
+    let Some(share) = share.filter(|s| held > s.bytes) else {
+        return Ok(());
+    };
+    Err(format!(
+        "table {}: {who}'s rows ({} of this table's, {} with the other tables' and the variables) outgrew the task's share of {} ({}): more ps tasks, or nodes with more memory, would hold them",
+        table.spec().name,
+        table.len(),
+        crate::observe::bytes(held),
+        crate::observe::bytes(share.bytes),
+        share.why
+    ))
 }
 
 /// Where a [`Sparse`] strategy's rows live.
@@ -64,6 +139,9 @@ pub trait RowHome {
     /// The chief: writes the rows into checkpoint staging directory `dir`; the files'
     /// names, bytes and checksums for the manifest.
     fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError>;
+
+    /// The chief: each task's report of its rows.
+    fn report(&self) -> Result<Vec<RowsReport>, TrainError>;
 
     /// Training ended on this rank.
     fn end(&mut self, how: &End<'_>) -> Result<(), TrainError> {
@@ -112,6 +190,10 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
 
     fn push_scale(&self) -> f32 {
         self.scale
+    }
+
+    fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
+        self.rows.report()
     }
 }
 
@@ -263,6 +345,9 @@ pub const TABLES_FILE: &str = "tables.bin";
 pub struct LocalRows {
     specs: Vec<TableSpec>,
     tables: RefCell<Vec<Table>>,
+    served: RefCell<Vec<Served>>,
+    /// The memory this process may use (rows beyond it fail the step that made them).
+    memory: Option<Share>,
 }
 
 impl LocalRows {
@@ -276,7 +361,26 @@ impl LocalRows {
                     .map(|s| Table::new(s.clone(), seed, opt))
                     .collect(),
             ),
+            served: RefCell::new(vec![Served::default(); specs.len()]),
+            memory: None,
         }
+    }
+
+    /// These tables within `memory` (with the dense state's `dense` bytes): a step whose
+    /// rows outgrow it fails, naming the table.
+    pub fn within(mut self, memory: Option<Share>, dense: u64) -> LocalRows {
+        self.memory = memory.map(|m| Share {
+            bytes: m.bytes.saturating_sub(dense),
+            why: m.why,
+        });
+        self
+    }
+
+    /// Why the rows outgrew the memory, table `table`'s request having grown them.
+    fn room(&self, tables: &[Table], table: usize) -> Result<(), TrainError> {
+        let held = tables.iter().map(|t| t.bytes() as u64).sum();
+        outgrew("this process", &tables[table], held, self.memory.as_ref())
+            .map_err(TrainError::Usage)
     }
 
     /// The rows each table holds.
@@ -303,7 +407,11 @@ impl RowHome for LocalRows {
             .get_mut(table)
             .ok_or_else(|| self.table_error(table))?;
         t.pull_into(ids, out)
-            .map_err(|e| TrainError::Usage(e.to_string()))
+            .map_err(|e| TrainError::Usage(e.to_string()))?;
+        let served = &mut self.served.borrow_mut()[table];
+        served.pulls += 1;
+        served.rows_pulled += ids.len() as u64;
+        self.room(&tables, table)
     }
 
     fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
@@ -319,7 +427,11 @@ impl RowHome for LocalRows {
             .get_mut(table)
             .ok_or_else(|| self.table_error(table))?;
         t.apply(grad, scale)
-            .map_err(|e| TrainError::Usage(e.to_string()))
+            .map_err(|e| TrainError::Usage(e.to_string()))?;
+        let served = &mut self.served.borrow_mut()[table];
+        served.pushes += 1;
+        served.rows_pushed += grad.ids.len() as u64;
+        Ok(())
     }
 
     fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError> {
@@ -336,6 +448,18 @@ impl RowHome for LocalRows {
         })?;
         *self.tables.borrow_mut() = tables;
         Ok(())
+    }
+
+    fn report(&self) -> Result<Vec<RowsReport>, TrainError> {
+        let (tables, served) = (self.tables.borrow(), self.served.borrow());
+        Ok(vec![RowsReport {
+            task: "local".into(),
+            tables: served
+                .iter()
+                .zip(tables.iter())
+                .map(|(s, t)| s.report(t))
+                .collect(),
+        }])
     }
 
     fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError> {

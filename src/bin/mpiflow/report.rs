@@ -65,18 +65,19 @@ impl Reporter {
     /// Records an event in the metrics file (if it is a step or an evaluation) without
     /// printing it (what the command prints its own way).
     pub(crate) fn record(&mut self, e: &Event) {
-        self.write(|wall_s| e.record(wall_s));
+        self.write(|wall_s| e.records(wall_s));
     }
 
-    fn write(&mut self, record: impl FnOnce(f64) -> Option<Record>) {
+    fn write(&mut self, records: impl FnOnce(f64) -> Vec<Record>) {
         let Some(m) = &mut self.metrics else {
             return;
         };
-        if let Some(r) = record(m.wall_s()) {
+        for r in records(m.wall_s()) {
             if let Err(err) = m.write(&r) {
                 // A full disk must not end a long run: say so once, train on.
                 say!("mpiflow: warning: {err}; no more metrics are written");
                 self.metrics = None;
+                return;
             }
         }
     }
@@ -84,7 +85,7 @@ impl Reporter {
     /// A stall watch's notice: a warning line (every rank prints warnings), a metrics
     /// record, and on the timeline the stall's span once it cleared.
     pub(crate) fn stall(&mut self, n: &Notice) {
-        self.write(|wall_s| n.record(wall_s));
+        self.write(|wall_s| n.record(wall_s).into_iter().collect());
         if let Notice::Cleared {
             step,
             secs,

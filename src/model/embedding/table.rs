@@ -106,6 +106,8 @@ pub struct Table {
     ids: Vec<u64>,
     values: Vec<f32>,
     state: Vec<f32>,
+    /// Each slot's pulls: how hot its row is.
+    hits: Vec<u32>,
 }
 
 impl Table {
@@ -120,6 +122,7 @@ impl Table {
             ids: Vec::new(),
             values: Vec::new(),
             state: Vec::new(),
+            hits: Vec::new(),
         }
     }
 
@@ -138,8 +141,32 @@ impl Table {
 
     /// The bytes the existing rows take with their state and index.
     pub fn bytes(&self) -> usize {
-        let per_row = 4 * (self.spec.dim + self.opt.state_len(self.spec.dim)) + 8 + 16;
-        self.len() * per_row
+        self.len() * Table::row_bytes(&self.spec, &self.opt)
+    }
+
+    /// The bytes one row of `spec` takes here, updated by `opt`: values, optimizer state,
+    /// its id, its pulls and its place in the index.
+    pub fn row_bytes(spec: &TableSpec, opt: &SparseOptimizer) -> usize {
+        4 * (spec.dim + opt.state_len(spec.dim)) + 8 + 4 + 16
+    }
+
+    /// The `n` rows pulled most often, with their pulls, most first (ties by id).
+    pub fn hottest(&self, n: usize) -> Vec<(u64, u32)> {
+        let mut all: Vec<(u64, u32)> = self
+            .ids
+            .iter()
+            .copied()
+            .zip(self.hits.iter().copied())
+            .collect();
+        let n = n.min(all.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        let by_heat = |a: &(u64, u32), b: &(u64, u32)| b.1.cmp(&a.1).then(a.0.cmp(&b.0));
+        all.select_nth_unstable_by(n - 1, by_heat);
+        all.truncate(n);
+        all.sort_unstable_by(by_heat);
+        all
     }
 
     /// Row `id`'s slot, made from the initialiser if the row does not exist.
@@ -151,6 +178,7 @@ impl Table {
         let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
         let s = self.ids.len();
         self.ids.push(id);
+        self.hits.push(0);
         self.values.resize((s + 1) * d, 0.0);
         self.spec
             .init
@@ -169,6 +197,7 @@ impl Table {
         out.reserve(ids.len() * d);
         for id in ids {
             let s = self.slot_of(*id)?;
+            self.hits[s] = self.hits[s].saturating_add(1);
             out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
         }
         Ok(())
@@ -303,6 +332,7 @@ mod tests {
         let mut out_c = Vec::new();
         c.pull_into(&[3], &mut out_c).unwrap();
         assert_ne!(out_c, out[4..8].to_vec());
+        assert_eq!(a.hottest(5), vec![(3, 2), (999_999_999_999, 1)]);
         // A read gives what a pull would, and makes nothing.
         let (fresh, mut read) = (
             Table::new(spec.clone(), 9, SparseOptimizer::Sgd { lr: 0.0 }),

@@ -98,6 +98,11 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
     if sess.evaluates() && last.is_none_or(|e| e.step != sess.global_step()) {
         last = Some(evaluate(sess, run.model, test)?);
     }
+    if sess.is_chief() {
+        let reports = sess.strategy().rows_report()?;
+        let step = sess.global_step();
+        sess.report(&Event::Rows { step, reports });
+    }
     Ok(last.filter(|_| sess.evaluates()))
 }
 

@@ -10,6 +10,7 @@ use crate::train::engine::{Local, Session, Strategy, TrainError, Trained};
 use crate::train::events::Event;
 use crate::train::hybrid::{self, HybridConfig};
 use crate::train::ps::{server, Ps, PsConfig, Roles};
+use crate::train::resources::Share;
 use crate::train::tables::{LocalRows, Sparse, Tables};
 use crate::train::TrainConfig;
 use crate::transport::Comm;
@@ -36,6 +37,9 @@ pub struct CtrRun<'d> {
     pub cfg: &'d TrainConfig,
     /// How the tables' rows are updated.
     pub sparse: SparseOptimizer,
+    /// This rank's share of its node's memory: a ps task whose rows outgrow it fails the
+    /// request that grew them, naming the table (`None`: unchecked).
+    pub memory: Option<Share>,
 }
 
 impl CtrRun<'_> {
@@ -59,7 +63,9 @@ impl CtrRun<'_> {
     /// Local training: the tables in this process.
     pub fn local(&self, events: &mut dyn FnMut(&Event)) -> Result<CtrReport, TrainError> {
         let dense = self.model.dense_model(self.cfg.seed)?;
-        let rows = LocalRows::new(self.model.tables(), self.cfg.seed, self.sparse);
+        let values: usize = dense.variables().iter().map(|v| v.numel()).sum();
+        let rows = LocalRows::new(self.model.tables(), self.cfg.seed, self.sparse)
+            .within(self.memory.clone(), values as u64 * 4 * 4);
         let strategy = Sparse::new(Local::new(&dense, self.cfg)?, rows, 1.0);
         let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
         self.fit(sess, &dense)
@@ -78,7 +84,7 @@ impl CtrRun<'_> {
         let roles = Roles::new(layout)?;
         let workers = hybrid::split_workers(comm, &roles)?;
         if let Some(k) = roles.ps_index(comm.rank()) {
-            server::serve(comm, &roles, k, cfg.peer_timeout)?;
+            server::serve_within(comm, &roles, k, cfg.peer_timeout, self.memory.clone())?;
             return Ok(None);
         }
         let Some(workers) = workers else {
@@ -108,7 +114,7 @@ impl CtrRun<'_> {
         let roles = Roles::new(layout)?;
         crate::train::ps::check_config(cfg, layout)?;
         if let Some(k) = roles.ps_index(comm.rank()) {
-            server::serve(comm, &roles, k, cfg.peer_timeout)?;
+            server::serve_within(comm, &roles, k, cfg.peer_timeout, self.memory.clone())?;
             return Ok(None);
         }
         if roles.worker_index(comm.rank()).is_none() {

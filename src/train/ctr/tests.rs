@@ -47,6 +47,7 @@ fn hybrid_and_ps_training_reach_the_auc_of_local_training() {
         test: &test,
         cfg: &cfg,
         sparse: SparseOptimizer::adagrad(0.2),
+        memory: None,
     };
     let local = run
         .local(&mut |_| {})
@@ -75,6 +76,49 @@ fn hybrid_and_ps_training_reach_the_auc_of_local_training() {
         assert!(
             (auc - local).abs() < 0.01,
             "{mode} AUC {auc}, local {local}"
+        );
+    }
+}
+
+/// Rows that outgrow a ps task's memory share stop training on every rank within the
+/// step, with one line naming the table and the share.
+#[test]
+fn rows_outgrowing_a_ps_tasks_share_stop_every_rank_naming_the_table() {
+    let data = SyntheticCtr::parse("samples=100000,features=8,rows=2000,seed=4").unwrap();
+    let (train, test) = Part::split(&data, 2000);
+    let m = model(&data);
+    let cfg = cfg(400);
+    let share = crate::train::resources::Share {
+        bytes: 200_000,
+        why: "the test's limit".into(),
+    };
+    let run = CtrRun {
+        model: &m,
+        train: &train,
+        test: &test,
+        cfg: &cfg,
+        sparse: SparseOptimizer::adagrad(0.2),
+        memory: Some(share),
+    };
+    let l = layout(3, 1);
+    let t = std::time::Instant::now();
+    let out = LocalComm::run(3, |comm| {
+        run.hybrid(&comm, &l, &HybridConfig::default(), &mut |_| {})
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        t.elapsed()
+    );
+    for (rank, r) in out.iter().enumerate() {
+        let e = r.as_ref().expect_err("a rank trained on");
+        assert!(
+            e.contains("table emb")
+                && e.contains("ps:0's rows")
+                && e.contains("200.0 KB (the test's limit)"),
+            "rank {rank}: {e}"
         );
     }
 }

@@ -122,6 +122,8 @@ pub enum Request {
     /// [`Request::PullRows`] without making rows: one that does not exist is answered
     /// with its initial values (an evaluation's read).
     ReadRows { table: usize, ids: Vec<u64> },
+    /// The chief: a [`Reply::Stats`] of this ps's tables.
+    Stats,
 }
 
 /// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the
@@ -169,6 +171,10 @@ pub enum Reply {
     NotApplied { why: NonFinite },
     /// The rows a [`Request::PullRows`] asked for (the payload).
     Rows { table: usize },
+    /// This ps's report of each table's rows (see [`Request::Stats`]).
+    Stats {
+        tables: Vec<crate::train::tables::TableReport>,
+    },
 }
 
 /// [`RankTimes`] on the wire: `(rank, task, times)` (the metrics file's flattened form

@@ -7,6 +7,7 @@ use super::wire::{receive_all_within, Received};
 use super::worker::Client;
 use super::PsError;
 use crate::model::embedding::SparseGrad;
+use crate::train::tables::RowsReport;
 use crate::transport::comm::Comm;
 
 /// `ids` split by the ps that holds each: per ps, its ids and their places in `ids`.
@@ -91,6 +92,23 @@ impl<C: Comm> Client<'_, C> {
             }
         }
         Ok(())
+    }
+
+    /// The chief: every ps's report of its tables' rows and the requests they served.
+    pub fn stats(&self) -> Result<Vec<RowsReport>, PsError> {
+        let replies = self.round(|_| Request::Stats, |_| Vec::new())?;
+        (replies.into_iter().zip(&self.roles.ps))
+            .map(|(reply, rank)| match reply {
+                Reply::Stats { tables } => Ok(RowsReport {
+                    task: self.roles.task(*rank),
+                    tables,
+                }),
+                other => Err(PsError::Remote {
+                    task: self.me(),
+                    message: format!("a ps answered a report of its rows with {other:?}"),
+                }),
+            })
+            .collect()
     }
 
     /// Pushes table `table`'s sparse gradient `grad` (`dim` values a row) scaled by

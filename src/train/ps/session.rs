@@ -496,6 +496,10 @@ impl<C: Comm> crate::train::tables::Tables for Ps<'_, C> {
         Ok(Ps::push_rows(self, table, grad, scale)?)
     }
 
+    fn rows_report(&self) -> Result<Vec<crate::train::tables::RowsReport>, TrainError> {
+        Ok(self.client.stats()?)
+    }
+
     fn push_scale(&self) -> f32 {
         match self.cfg.sync_replicas(self.workers.0) {
             Some(s) => 1.0 / s.replicas_to_aggregate as f32,

@@ -139,7 +139,7 @@ impl<'a, C: Comm> Client<'a, C> {
     /// from where the floats are) and waits for every reply; a ps's error reply stops with
     /// its message. Returns the replies, one per ps. After an error, MPI may still read the
     /// payload: the caller gives up its memory.
-    fn round<'p>(
+    pub(super) fn round<'p>(
         &self,
         request: impl Fn(usize) -> Request,
         payload: impl Fn(usize) -> Vec<&'p [f32]>,

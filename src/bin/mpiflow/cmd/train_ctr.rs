@@ -10,6 +10,7 @@ use mpiflow::train::ctr::{Criteo, CtrData, CtrReport, CtrRun, Part, SyntheticCtr
 use mpiflow::train::engine::TrainError;
 use mpiflow::train::events::Event;
 use mpiflow::train::ps::PsError;
+use mpiflow::train::resources;
 
 use super::resolve_with;
 use super::train::{pin_rank, prepare_outputs};
@@ -98,6 +99,45 @@ fn model(args: &TrainArgs, data: &dyn CtrData) -> Result<Dlrm, String> {
     Dlrm::new(data.dense(), tables, &args.bottom, &args.top).map_err(|e| e.to_string())
 }
 
+/// What this rank holds before any row is made (rows are checked as they are made, on
+/// the task that holds them): the dense parameters as the mode keeps them, and a worker's
+/// batch of rows and their gradients.
+fn rank_need(
+    args: &TrainArgs,
+    layout: &mpiflow::cluster::Layout,
+    task: &mpiflow::cluster::TaskId,
+    m: &Dlrm,
+) -> Result<resources::Need, String> {
+    let dense = m.dense_model(args.seed).map_err(|e| e.to_string())?;
+    let spec = &layout.spec;
+    let per_worker = (args.batch as usize).div_ceil(spec.num_workers().max(1));
+    let opt = args.train_config().optimizer;
+    let features = m.tables().len() as u64;
+    let dim = m.tables().first().map_or(0, |t| t.dim) as u64;
+    let rows = (
+        "batch rows".to_string(),
+        per_worker as u64 * features * dim * 4 * 3,
+    );
+    Ok(match (args.mode, spec.worker_id(task)) {
+        (Mode::Ps, Some(_)) => {
+            let mut need = resources::worker_need(&dense, per_worker);
+            need.parts.push(rows);
+            need
+        }
+        (_, Some(_)) => {
+            let mut need = resources::replica_need(&dense, per_worker, &opt);
+            need.parts.push(rows);
+            need
+        }
+        (Mode::Ps, None) if task.job == "ps" => {
+            let ps = spec.num_tasks("ps").unwrap_or(1);
+            let staged = if args.async_ { 1 } else { spec.num_workers() };
+            resources::ps_need(&dense, &opt, ps, staged)
+        }
+        _ => resources::Need { parts: Vec::new() },
+    })
+}
+
 /// The run's header: the data, the model, the updates.
 fn header(
     args: &TrainArgs,
@@ -151,6 +191,7 @@ fn local(args: &TrainArgs) -> Result<(), Failure> {
         test: &test,
         cfg: &cfg,
         sparse: args.sparse_optimizer.with_lr(args.sparse_lr),
+        memory: resources::share(1),
     };
     let report = match run.local(&mut |e| reporter.event(e)) {
         Err(TrainError::Stopped(s)) => {
@@ -195,6 +236,12 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     let m = ctx
         .agree(model(args, &train))
         .map_err(|e| Failure::agreed(e, &ctx))?;
+    let me = &layout.ranks[ctx.rank()].task;
+    let share = resources::share(count);
+    let fits = rank_need(args, layout, me, &m).and_then(|need| {
+        resources::check(&me.to_string(), &need, share.as_ref()).map_err(|e| e.to_string())
+    });
+    agree(fits)?;
     let chief_rank =
         (0..layout.ranks.len()).find(|r| layout.spec.worker_id(&layout.ranks[*r].task) == Some(0));
     let chief = chief_rank == Some(ctx.rank());
@@ -220,6 +267,7 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
         test: &test,
         cfg: &cfg,
         sparse: args.sparse_optimizer.with_lr(args.sparse_lr),
+        memory: share,
     };
     let mut log = |e: &Event| report::event(&reporter, e);
     let timeout = std::time::Duration::from_secs(args.peer_timeout);

@@ -53,6 +53,8 @@ use crate::observe::timeline::{self, Detail};
 use crate::train::checkpoint;
 use crate::train::guard::NonFinite;
 use crate::train::optim::{Optimizer, OptimizerKind, Slots};
+use crate::train::resources::Share;
+use crate::train::tables::Served;
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
 mod payload;
@@ -62,7 +64,19 @@ mod rows;
 /// Serves ps task `k` (this rank) until every worker is done. The error names the lost
 /// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
 pub fn serve<C: Comm>(comm: &C, roles: &Roles, k: usize, timeout: Duration) -> Result<(), PsError> {
-    serve_many(&[(comm, roles)], k, timeout)
+    serve_many(&[(comm, roles)], k, timeout, None)
+}
+
+/// [`serve`] within `memory`, this task's share of its node: a request that makes the
+/// tables' rows grow past it fails, naming the table, and so does training.
+pub fn serve_within<C: Comm>(
+    comm: &C,
+    roles: &Roles,
+    k: usize,
+    timeout: Duration,
+    memory: Option<Share>,
+) -> Result<(), PsError> {
+    serve_many(&[(comm, roles)], k, timeout, memory)
 }
 
 /// Serves ps task `k` of several jobs at once, from this thread: each a communicator with
@@ -72,11 +86,15 @@ pub fn serve_many<C: Comm>(
     jobs: &[(&C, &Roles)],
     k: usize,
     timeout: Duration,
+    memory: Option<Share>,
 ) -> Result<(), PsError> {
     let mut servers: Vec<Server<'_, C>> = jobs
         .iter()
         .map(|(comm, roles)| Server::new(*comm, roles, k, timeout))
         .collect();
+    for s in &mut servers {
+        s.memory.clone_from(&memory);
+    }
     let mut backoff = Backoff::new(Duration::from_micros(200));
     let mut idle_since = vec![None; servers.len()];
     while !servers.iter().all(Server::finished) {
@@ -151,6 +169,10 @@ struct Server<'a, C: Comm> {
     inbox: Vec<u8>,
     /// This ps's rows of the embedding tables (see [`Setup::tables`]).
     tables: Vec<Table>,
+    /// The requests each table served.
+    served: Vec<Served>,
+    /// The memory this task may use: rows beyond it fail the request that made them.
+    memory: Option<Share>,
     /// Rows pulled or a sparse gradient pushed, reused from one request to the next.
     rows: Vec<f32>,
     last_loss: f32,
@@ -214,6 +236,8 @@ impl<'a, C: Comm> Server<'a, C> {
             sum: Vec::new(),
             inbox: Vec::new(),
             tables: Vec::new(),
+            served: Vec::new(),
+            memory: None,
             rows: Vec::new(),
             last_loss: f32::NAN,
             stop: None,
@@ -336,6 +360,7 @@ impl<'a, C: Comm> Server<'a, C> {
             }
         }
         self.tables = rows::tables(setup)?;
+        self.served = vec![Served::default(); self.tables.len()];
         self.opt = setup.optimizer;
         self.stage = setup.stage;
         self.sync = setup.sync.map(|s| s.replicas_to_aggregate);
@@ -548,6 +573,9 @@ impl<'a, C: Comm> Server<'a, C> {
         }
         // All or nothing: only now replace the live state.
         self.tables = tables;
+        self.served = vec![Served::default(); self.tables.len()];
+        let largest = (0..self.tables.len()).max_by_key(|t| self.tables[*t].bytes());
+        largest.map_or(Ok(()), |t| self.row_room(t))?;
         for (i, p) in params.iter().enumerate() {
             let r = self.store.range(i);
             self.store.all_mut()[r].copy_from_slice(p);

@@ -83,6 +83,12 @@ impl<C: Comm> Server<'_, C> {
             request @ Request::Push { .. } => self.push(from, w, request, &lens, inline_bytes),
             Request::PullRows { table, ids } => self.pull_rows(from, table, &ids, true),
             Request::ReadRows { table, ids } => self.pull_rows(from, table, &ids, false),
+            Request::Stats => {
+                let tables = (self.served.iter().zip(&self.tables))
+                    .map(|(s, t)| s.report(t))
+                    .collect();
+                self.reply(from, &Reply::Stats { tables })
+            }
             Request::PushRows {
                 table, ids, scale, ..
             } => self.push_rows(from, table, &ids, scale, &lens, inline_bytes),

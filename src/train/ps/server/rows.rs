@@ -11,6 +11,7 @@ use super::super::PsError;
 use super::requests::Dest;
 use super::Server;
 use crate::model::embedding::Table;
+use crate::train::tables::outgrew;
 use crate::transport::comm::Comm;
 
 /// The tables of `setup`, with no rows yet.
@@ -27,6 +28,21 @@ pub(super) fn tables(setup: &Setup) -> Result<Vec<Table>, String> {
 }
 
 impl<C: Comm> Server<'_, C> {
+    /// Why this ps's rows, grown by a request of table `table`, no longer fit its memory
+    /// share, if they do not.
+    pub(super) fn row_room(&self, table: usize) -> Result<(), String> {
+        let dense = self.store.len()
+            + self
+                .slots
+                .iter()
+                .map(|s| s.m.len() + s.v.len())
+                .sum::<usize>();
+        let rows: usize = self.tables.iter().map(Table::bytes).sum();
+        let held = (4 * dense + rows) as u64;
+        let who = format!("ps:{}", self.k);
+        outgrew(&who, &self.tables[table], held, self.memory.as_ref())
+    }
+
     /// Why rows `ids` of table `table` are not this ps's to serve.
     fn check_rows(&self, table: usize, ids: &[u64]) -> Result<(), String> {
         let Some(t) = self.tables.get(table) else {
@@ -65,8 +81,14 @@ impl<C: Comm> Server<'_, C> {
                 true => t.pull_into(ids, &mut rows),
                 false => t.read_into(ids, &mut rows),
             };
+            if make && r.is_ok() {
+                let served = &mut self.served[table];
+                served.pulls += 1;
+                served.rows_pulled += ids.len() as u64;
+            }
             self.rows = rows;
-            r.map_err(|e| e.to_string())
+            r.map_err(|e| e.to_string())?;
+            self.row_room(table)
         });
         if let Err(e) = pulled {
             return self.error(from, e);
@@ -118,7 +140,11 @@ impl<C: Comm> Server<'_, C> {
         let applied = checked.and(taken).and_then(|()| {
             self.tables[table]
                 .apply_rows(ids, &self.rows, scale)
-                .map_err(|e| e.to_string())
+                .map_err(|e| e.to_string())?;
+            let served = &mut self.served[table];
+            served.pushes += 1;
+            served.rows_pushed += ids.len() as u64;
+            self.row_room(table)
         });
         match applied {
             Ok(()) => self.ok(from),
