@@ -75,6 +75,7 @@ impl<'s, C: Comm> PsRows<'s, C> {
         }
     }
 
+    /// The width of table `table`'s rows.
     fn dim(&self, table: usize) -> Result<usize, TrainError> {
         let t = self.setup.tables.get(table).ok_or_else(|| {
             PsError::Setup(format!(
@@ -92,19 +93,23 @@ impl<C: Comm> RowHome for PsRows<'_, C> {
         &self.setup.tables
     }
 
-    fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        let dim = self.dim(table)?;
-        Ok(self.client.pull_rows(table, dim, ids, out, true)?)
+    fn pull(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError> {
+        let want = (want.iter())
+            .map(|(t, ids)| Ok((*t, self.dim(*t)?, *ids)))
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        Ok(self.client.pull_rows(&want, out, make)?)
     }
 
-    fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        let dim = self.dim(table)?;
-        Ok(self.client.pull_rows(table, dim, ids, out, false)?)
-    }
-
-    fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
-        let dim = self.dim(table)?;
-        Ok(self.client.push_rows(table, dim, grad, scale)?)
+    fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
+        let grads = (grads.iter())
+            .map(|(t, g)| Ok((*t, self.dim(*t)?, *g)))
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        Ok(self.client.push_rows(&grads, scale)?)
     }
 
     fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError> {

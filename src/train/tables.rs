@@ -28,16 +28,35 @@ pub trait Tables {
     /// The tables, in the order the calls name them by index.
     fn table_specs(&self) -> &[TableSpec];
 
-    /// Rows `ids` of table `table` into `out` (`dim` values each, in the order of `ids`);
-    /// rows not yet touched are made from the initialiser.
-    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+    /// The rows of several tables at once, every row's home asked once for them all:
+    /// `want[i]`'s rows (a table and ids) into `out[i]` (`dim` values each, in the order
+    /// of the ids). Rows not yet touched are made from the initialiser (`make`), or read
+    /// as their initial values (an evaluation's read, which must not grow the tables).
+    fn pull_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError>;
 
-    /// [`Tables::pull_rows`] without making rows: one not yet touched comes as its
-    /// initial values (an evaluation's read, which must not grow the tables).
-    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+    /// Applies sparse gradients of several tables (each a table and its gradient) scaled
+    /// by `scale`, every row's home sent its part of them all at once.
+    fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError>;
+
+    /// Rows `ids` of table `table` into `out` ([`Tables::pull_tables`] of one table).
+    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        self.pull_tables(&[(table, ids)], std::slice::from_mut(out), true)
+    }
+
+    /// [`Tables::pull_rows`] without making rows.
+    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+        self.pull_tables(&[(table, ids)], std::slice::from_mut(out), false)
+    }
 
     /// Applies table `table`'s sparse gradient `grad` scaled by `scale` to its rows.
-    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError>;
+    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
+        self.push_tables(&[(table, grad)], scale)
+    }
 
     /// The scale of this rank's sparse gradients (the mean over its share of the global
     /// batch) in the update: `1 / replicas` where the replicas' updates make one step.
@@ -45,6 +64,12 @@ pub trait Tables {
 
     /// The chief: each task's report of the rows it holds and the requests it served.
     fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError>;
+
+    /// True where rows travel to and from other tasks (pulls and pushes are
+    /// communication); false where they are in this process.
+    fn remote(&self) -> bool {
+        true
+    }
 }
 
 /// What one table's rows are in one process (a ps task, or the local one): how many
@@ -123,14 +148,16 @@ pub trait RowHome {
     /// The tables.
     fn specs(&self) -> &[TableSpec];
 
-    /// [`Tables::pull_rows`].
-    fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
+    /// [`Tables::pull_tables`].
+    fn pull(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError>;
 
-    /// [`Tables::read_rows`].
-    fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError>;
-
-    /// [`Tables::push_rows`].
-    fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError>;
+    /// [`Tables::push_tables`].
+    fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError>;
 
     /// The rows' start (the chief's call; the others wait for it in the mode's own start,
     /// which follows): fresh tables, or the rows of the checkpoint at `restore`.
@@ -142,6 +169,11 @@ pub trait RowHome {
 
     /// The chief: each task's report of its rows.
     fn report(&self) -> Result<Vec<RowsReport>, TrainError>;
+
+    /// [`Tables::remote`].
+    fn remote(&self) -> bool {
+        true
+    }
 
     /// Training ended on this rank.
     fn end(&mut self, how: &End<'_>) -> Result<(), TrainError> {
@@ -176,16 +208,17 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
         self.rows.specs()
     }
 
-    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        self.rows.pull(table, ids, out)
+    fn pull_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError> {
+        self.rows.pull(want, out, make)
     }
 
-    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        self.rows.read(table, ids, out)
-    }
-
-    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
-        self.rows.push(table, grad, scale)
+    fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
+        self.rows.push(grads, scale)
     }
 
     fn push_scale(&self) -> f32 {
@@ -194,6 +227,10 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
 
     fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
         self.rows.report()
+    }
+
+    fn remote(&self) -> bool {
+        self.rows.remote()
     }
 }
 
@@ -401,36 +438,44 @@ impl RowHome for LocalRows {
         &self.specs
     }
 
-    fn pull(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
+    fn pull(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError> {
         let mut tables = self.tables.borrow_mut();
-        let t = tables
-            .get_mut(table)
-            .ok_or_else(|| self.table_error(table))?;
-        t.pull_into(ids, out)
-            .map_err(|e| TrainError::Usage(e.to_string()))?;
-        let served = &mut self.served.borrow_mut()[table];
-        served.pulls += 1;
-        served.rows_pulled += ids.len() as u64;
-        self.room(&tables, table)
+        for ((table, ids), out) in want.iter().zip(out.iter_mut()) {
+            let t = tables
+                .get_mut(*table)
+                .ok_or_else(|| self.table_error(*table))?;
+            let done = match make {
+                true => t.pull_into(ids, out),
+                false => t.read_into(ids, out),
+            };
+            done.map_err(|e| TrainError::Usage(e.to_string()))?;
+            if make {
+                let served = &mut self.served.borrow_mut()[*table];
+                served.pulls += 1;
+                served.rows_pulled += ids.len() as u64;
+                self.room(&tables, *table)?;
+            }
+        }
+        Ok(())
     }
 
-    fn read(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        let tables = self.tables.borrow();
-        let t = tables.get(table).ok_or_else(|| self.table_error(table))?;
-        t.read_into(ids, out)
-            .map_err(|e| TrainError::Usage(e.to_string()))
-    }
-
-    fn push(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
+    fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
         let mut tables = self.tables.borrow_mut();
-        let t = tables
-            .get_mut(table)
-            .ok_or_else(|| self.table_error(table))?;
-        t.apply(grad, scale)
-            .map_err(|e| TrainError::Usage(e.to_string()))?;
-        let served = &mut self.served.borrow_mut()[table];
-        served.pushes += 1;
-        served.rows_pushed += grad.ids.len() as u64;
+        for (table, grad) in grads {
+            let t = tables
+                .get_mut(*table)
+                .ok_or_else(|| self.table_error(*table))?;
+            t.apply(grad, scale)
+                .map_err(|e| TrainError::Usage(e.to_string()))?;
+            let served = &mut self.served.borrow_mut()[*table];
+            served.pushes += 1;
+            served.rows_pushed += grad.ids.len() as u64;
+        }
         Ok(())
     }
 
@@ -448,6 +493,10 @@ impl RowHome for LocalRows {
         })?;
         *self.tables.borrow_mut() = tables;
         Ok(())
+    }
+
+    fn remote(&self) -> bool {
+        false
     }
 
     fn report(&self) -> Result<Vec<RowsReport>, TrainError> {

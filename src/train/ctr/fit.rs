@@ -8,11 +8,14 @@
 //! state and the rows, signals). A step that cannot be made on one rank (a bad id, a ps
 //! gone) fails on every rank, through the session.
 
+use std::time::Instant;
+
 use super::metrics::ScoreCounts;
 use super::{CtrBatch, CtrData};
 use crate::model::dlrm::{Dlrm, DlrmScratch, Lookup};
 use crate::model::embedding::SparseGrad;
 use crate::model::External;
+use crate::observe::phases::Phase;
 use crate::tensor::Tensor;
 use crate::train::data::{self, Batches};
 use crate::train::engine::{Session, Strategy, TrainError};
@@ -81,10 +84,18 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
         // This rank's share of the update: its samples over the global batch's.
         let share = (mine.len() * n) as f32 / global.len().max(1) as f32;
         train.batch_into(mine, &mut work.batch);
-        let loss = match step(sess, run.model, share, &mut work) {
-            Ok(loss) => loss,
+        let (loss, times) = match step(sess, run.model, share, &mut work) {
+            Ok(done) => done,
             Err(why) => return Err(run.dense.refuse(sess, why)),
         };
+        let now = Instant::now();
+        let rows = match sess.strategy().remote() {
+            true => Phase::Comm,
+            false => Phase::Compute,
+        };
+        sess.charge(rows, times[0], times[1], "pull rows");
+        sess.charge(Phase::Compute, times[1], times[2], "gradients");
+        sess.charge(rows, times[2], now, "push rows");
         let grads = (work.grads.iter())
             .map(Tensor::as_slice::<f32>)
             .collect::<Result<Vec<_>, _>>()?;
@@ -106,24 +117,26 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
     Ok(last.filter(|_| sess.evaluates()))
 }
 
+/// The phases of a step before the dense update: when the pull, the gradients and the
+/// push began (each ends where the next begins, the push now).
+type Began = [Instant; 3];
+
 /// This rank's part of a step up to the dense update: rows pulled, gradients computed,
-/// the sparse ones pushed (scaled by the rank's `share`); the loss, or why the step
-/// cannot be made here.
+/// the sparse ones pushed (scaled by the rank's `share`); the loss and when each part
+/// began, or why the step cannot be made here.
 fn step<'m, S: Strategy<'m> + Tables>(
     sess: &Session<'m, '_, S>,
     model: &Dlrm,
     share: f32,
     w: &mut Work,
-) -> Result<f32, String> {
+) -> Result<(f32, Began), String> {
     let tables = sess.strategy();
+    let pulled = Instant::now();
     model
         .lookups_into(&w.batch, &mut w.lookups)
         .map_err(|e| e.to_string())?;
-    for (t, l) in w.lookups.iter_mut().enumerate() {
-        tables
-            .pull_rows(t, &l.unique.ids, &mut l.rows)
-            .map_err(|e| e.to_string())?;
-    }
+    pull_lookups(tables, &mut w.lookups, true).map_err(|e| e.to_string())?;
+    let computed = Instant::now();
     let params = &sess.replica().params;
     let loss = model
         .loss_and_gradients(
@@ -137,18 +150,41 @@ fn step<'m, S: Strategy<'m> + Tables>(
         .map_err(|e| e.to_string())?;
     // A row gradient that is not finite is never pushed; the dense step's guard sees the
     // loss (a finite loss with such gradients is this rank's own failure).
+    let pushed = Instant::now();
+    let began = [pulled, computed, pushed];
     let spec = tables.table_specs();
     if let Some(t) = (w.sparse.iter()).position(|g| g.values.iter().any(|v| !v.is_finite())) {
         if loss.is_finite() {
             return Err(format!("table {}'s gradient is not finite", spec[t].name));
         }
-        return Ok(loss);
+        return Ok((loss, began));
     }
     let scale = tables.push_scale() * share;
-    for (t, g) in w.sparse.iter().enumerate() {
-        tables.push_rows(t, g, scale).map_err(|e| e.to_string())?;
+    let grads: Vec<(usize, &SparseGrad)> = w.sparse.iter().enumerate().collect();
+    tables
+        .push_tables(&grads, scale)
+        .map_err(|e| e.to_string())?;
+    Ok((loss, began))
+}
+
+/// Every lookup's rows, from one pull of all the tables (`make`: rows made where new).
+fn pull_lookups<T: Tables>(
+    tables: &T,
+    lookups: &mut [Lookup],
+    make: bool,
+) -> Result<(), TrainError> {
+    let mut rows: Vec<Vec<f32>> = (lookups.iter_mut())
+        .map(|l| std::mem::take(&mut l.rows))
+        .collect();
+    let want: Vec<(usize, &[u64])> = (lookups.iter().enumerate())
+        .map(|(t, l)| (t, &l.unique.ids[..]))
+        .collect();
+    let pulled = tables.pull_tables(&want, &mut rows, make);
+    drop(want);
+    for (l, r) in lookups.iter_mut().zip(rows) {
+        l.rows = r;
     }
-    Ok(loss)
+    pulled
 }
 
 /// Evaluates the current parameters and rows on `test` (each rank that evaluates its
@@ -168,9 +204,7 @@ pub fn evaluate<'m, S: Strategy<'m> + Tables>(
     for part in idx.chunks(EVAL_BATCH) {
         test.batch_into(part, &mut batch);
         model.lookups_into(&batch, &mut lookups)?;
-        for (t, l) in lookups.iter_mut().enumerate() {
-            sess.strategy().read_rows(t, &l.unique.ids, &mut l.rows)?;
-        }
+        pull_lookups(sess.strategy(), &mut lookups, false)?;
         let logits = model.logits(&sess.replica().params, &batch, &lookups, &mut ws)?;
         counts.add(&logits, &batch.labels);
     }

@@ -263,6 +263,17 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         self.strategy_mut().sum(values)
     }
 
+    /// Charges `from..to` to `phase` of this step (`name` on the timeline): a program's
+    /// own work for the step outside [`Session::run`] (gradients computed by itself, rows
+    /// pulled and pushed) counted in the log's phases.
+    pub fn charge(&mut self, phase: Phase, from: Instant, to: Instant, name: &'static str) {
+        self.window
+            .clock
+            .charge(phase, to.saturating_duration_since(from));
+        let category = timeline::category(phase);
+        timeline::span(name, category, from, to, Detail::at(self.step));
+    }
+
     /// The newest evaluation, if any.
     pub fn evaluation(&self) -> Option<Evaluation> {
         self.evaluation

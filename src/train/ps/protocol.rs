@@ -108,22 +108,30 @@ pub enum Request {
     /// This worker is done; `stop`: because of this stop signal (its job ends with
     /// [`crate::train::Stopped`]).
     Done { stop: Option<i32> },
-    /// Rows `ids` of table `table` (each this ps's: [`row_owner`]), made if new: a
-    /// [`Reply::Rows`] whose payload is their values in this order.
-    PullRows { table: usize, ids: Vec<u64> },
-    /// A sparse gradient of table `table` scaled by `scale`, applied at once to the rows
-    /// `ids` (each this ps's); the payload is `values` floats, a row's gradient per id.
+    /// The rows `parts` name (each this ps's: [`row_owner`]), made if new: a
+    /// [`Reply::Rows`] whose payload is their values, part by part, in this order. One
+    /// request for every table a batch names.
+    PullRows { parts: Vec<RowsPart> },
+    /// Sparse gradients of the rows `parts` name (each this ps's), scaled by `scale` and
+    /// applied at once; the payload is `values` floats, a row's gradient per id, part by
+    /// part.
     PushRows {
-        table: usize,
-        ids: Vec<u64>,
+        parts: Vec<RowsPart>,
         scale: f32,
         values: usize,
     },
     /// [`Request::PullRows`] without making rows: one that does not exist is answered
     /// with its initial values (an evaluation's read).
-    ReadRows { table: usize, ids: Vec<u64> },
+    ReadRows { parts: Vec<RowsPart> },
     /// The chief: a [`Reply::Stats`] of this ps's tables.
     Stats,
+}
+
+/// Rows of one table in a request: the table's index and the rows' ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowsPart {
+    pub table: usize,
+    pub ids: Vec<u64>,
 }
 
 /// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the
@@ -170,7 +178,7 @@ pub enum Reply {
     /// (`why` counts them, ` on 2 of 3 workers`). Every worker and ps task ends with it.
     NotApplied { why: NonFinite },
     /// The rows a [`Request::PullRows`] asked for (the payload).
-    Rows { table: usize },
+    Rows { values: usize },
     /// This ps's report of each table's rows (see [`Request::Stats`]).
     Stats {
         tables: Vec<crate::train::tables::TableReport>,
@@ -503,8 +511,10 @@ mod tests {
         };
         assert!(Request::Init { setup }.payload(0).is_empty());
         let rows = Request::PushRows {
-            table: 0,
-            ids: vec![3, 9],
+            parts: vec![RowsPart {
+                table: 0,
+                ids: vec![3, 9],
+            }],
             scale: 1.0,
             values: 8,
         };

@@ -2,7 +2,9 @@
 //! gradients pushed, each id to the ps that holds its row ([`row_owner`]), every ps asked
 //! in one round (see [`Client::round_then`]).
 
-use super::protocol::{f32_bytes_mut, inline, payload_tag, read_inline, row_owner, Reply, Request};
+use super::protocol::{
+    f32_bytes_mut, inline, payload_tag, read_inline, row_owner, Reply, Request, RowsPart,
+};
 use super::wire::{receive_all_within, Received};
 use super::worker::Client;
 use super::PsError;
@@ -21,21 +23,61 @@ fn by_owner(ids: &[u64], nps: usize) -> (Vec<Vec<u64>>, Vec<Vec<usize>>) {
     (owned, places)
 }
 
+/// One table's part of a pull or push: its index, its rows' width, and per ps the ids it
+/// holds and their places in the caller's list.
+struct Split {
+    table: usize,
+    dim: usize,
+    owned: Vec<Vec<u64>>,
+    places: Vec<Vec<usize>>,
+}
+
+impl Split {
+    fn of(table: usize, dim: usize, ids: &[u64], nps: usize) -> Split {
+        let (owned, places) = by_owner(ids, nps);
+        Split {
+            table,
+            dim,
+            owned,
+            places,
+        }
+    }
+
+    /// Ps `k`'s part of this table.
+    fn part(&self, k: usize) -> RowsPart {
+        RowsPart {
+            table: self.table,
+            ids: self.owned[k].clone(),
+        }
+    }
+
+    /// The floats of ps `k`'s rows of this table.
+    fn values(&self, k: usize) -> usize {
+        self.owned[k].len() * self.dim
+    }
+}
+
+/// A table's rows a caller asks for: the table, its rows' width, the ids.
+pub type Wanted<'a> = (usize, usize, &'a [u64]);
+
 impl<C: Comm> Client<'_, C> {
-    /// Rows `ids` of table `table` (`dim` values each) into `out`, in the order of `ids`;
-    /// rows not yet touched are made by their ps (`make`), or read as their initial
-    /// values.
+    /// The rows `want` names (each table's into its `out`, `ids.len() x dim` in the order
+    /// of its ids), every ps asked once for all the tables; rows not yet touched are made
+    /// by their ps (`make`), or read as their initial values.
     pub fn pull_rows(
         &self,
-        table: usize,
-        dim: usize,
-        ids: &[u64],
-        out: &mut Vec<f32>,
+        want: &[Wanted<'_>],
+        out: &mut [Vec<f32>],
         make: bool,
     ) -> Result<(), PsError> {
         let nps = self.roles.ps.len();
-        let (owned, places) = by_owner(ids, nps);
-        let mut got: Vec<Vec<f32>> = owned.iter().map(|o| vec![0.0; o.len() * dim]).collect();
+        let split: Vec<Split> = (want.iter())
+            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
+            .collect();
+        let lens: Vec<usize> = (0..nps)
+            .map(|k| split.iter().map(|s| s.values(k)).sum())
+            .collect();
+        let mut got: Vec<Vec<f32>> = lens.iter().map(|n| vec![0.0; *n]).collect();
         let data = payload_tag(self.comm);
         let take = |k: usize, reply: &Reply, inline_bytes: &[u8]| -> Result<(), PsError> {
             let task = || self.roles.task(self.roles.ps[k]);
@@ -43,17 +85,18 @@ impl<C: Comm> Client<'_, C> {
                 task: task(),
                 message: what,
             };
-            if *reply != (Reply::Rows { table }) {
-                return Err(wrong(format!("answered a pull of rows with {reply:?}")));
-            }
             let want = got[k].len();
+            if *reply != (Reply::Rows { values: want }) {
+                return Err(wrong(format!(
+                    "answered a pull of {want} values of rows with {reply:?}"
+                )));
+            }
             if inline([want]) {
                 return match read_inline(inline_bytes, [&mut got[k][..]]) {
                     true => Ok(()),
                     false => Err(wrong(format!(
-                        "sent {} values for {} rows of {dim}",
-                        inline_bytes.len() / 4,
-                        owned[k].len()
+                        "sent {} values for rows of {want}",
+                        inline_bytes.len() / 4
                     ))),
                 };
             }
@@ -69,29 +112,79 @@ impl<C: Comm> Client<'_, C> {
                 ))),
             }
         };
-        let request = |k: usize| match make {
-            true => Request::PullRows {
-                table,
-                ids: owned[k].clone(),
-            },
-            false => Request::ReadRows {
-                table,
-                ids: owned[k].clone(),
-            },
+        let request = |k: usize| {
+            let parts = split.iter().map(|s| s.part(k)).collect();
+            match make {
+                true => Request::PullRows { parts },
+                false => Request::ReadRows { parts },
+            }
         };
         if let Err(e) = self.round_then(request, |_| Vec::new(), take) {
             // Receives into the rows may still be in flight after an error.
             std::mem::forget(got);
             return Err(e);
         }
-        out.clear();
-        out.resize(ids.len() * dim, 0.0);
-        for (k, rows) in got.iter().enumerate() {
-            for (row, i) in rows.chunks_exact(dim.max(1)).zip(&places[k]) {
-                out[i * dim..(i + 1) * dim].copy_from_slice(row);
+        for (s, out) in split.iter().zip(out.iter_mut()) {
+            out.clear();
+            out.resize(s.places.iter().map(Vec::len).sum::<usize>() * s.dim, 0.0);
+        }
+        let mut at = vec![0usize; nps];
+        for (s, out) in split.iter().zip(out.iter_mut()) {
+            let d = s.dim;
+            for (k, places) in s.places.iter().enumerate() {
+                let rows = &got[k][at[k]..at[k] + places.len() * d];
+                at[k] += places.len() * d;
+                for (row, i) in rows.chunks_exact(d.max(1)).zip(places) {
+                    out[i * d..(i + 1) * d].copy_from_slice(row);
+                }
             }
         }
         Ok(())
+    }
+
+    /// Pushes the sparse gradients `grads` (each of table `table`, `dim` values a row)
+    /// scaled by `scale`, every ps sent its rows of all of them at once: each applies its
+    /// rows' part as it arrives.
+    pub fn push_rows(
+        &self,
+        grads: &[(usize, usize, &SparseGrad)],
+        scale: f32,
+    ) -> Result<(), PsError> {
+        let nps = self.roles.ps.len();
+        let split: Vec<Split> = (grads.iter())
+            .map(|(t, dim, g)| Split::of(*t, *dim, &g.ids, nps))
+            .collect();
+        let payload: Vec<Vec<f32>> = (0..nps)
+            .map(|k| {
+                let mut v = Vec::with_capacity(split.iter().map(|s| s.values(k)).sum());
+                for (s, (_, dim, g)) in split.iter().zip(grads) {
+                    s.places[k]
+                        .iter()
+                        .for_each(|i| v.extend_from_slice(g.row(*i, *dim)));
+                }
+                v
+            })
+            .collect();
+        let request = |k: usize| Request::PushRows {
+            parts: split.iter().map(|s| s.part(k)).collect(),
+            scale,
+            values: payload[k].len(),
+        };
+        let replies = self.round_then(request, |k| vec![&payload[k][..]], |_, _, _| Ok(()));
+        match replies {
+            Ok((replies, _)) => match replies.iter().find(|r| !matches!(r, Reply::Ok { .. })) {
+                None => Ok(()),
+                Some(other) => Err(PsError::Remote {
+                    task: self.me(),
+                    message: format!("a ps answered a push of rows with {other:?}"),
+                }),
+            },
+            Err(e) => {
+                // MPI may still read the payload after an error.
+                std::mem::forget(payload);
+                Err(e)
+            }
+        }
     }
 
     /// The chief: every ps's report of its tables' rows and the requests they served.
@@ -109,48 +202,6 @@ impl<C: Comm> Client<'_, C> {
                 }),
             })
             .collect()
-    }
-
-    /// Pushes table `table`'s sparse gradient `grad` (`dim` values a row) scaled by
-    /// `scale`: each ps applies its rows' part at once.
-    pub fn push_rows(
-        &self,
-        table: usize,
-        dim: usize,
-        grad: &SparseGrad,
-        scale: f32,
-    ) -> Result<(), PsError> {
-        let nps = self.roles.ps.len();
-        let (owned, places) = by_owner(&grad.ids, nps);
-        let parts: Vec<Vec<f32>> = places
-            .iter()
-            .map(|p| {
-                p.iter()
-                    .flat_map(|i| grad.row(*i, dim).iter().copied())
-                    .collect()
-            })
-            .collect();
-        let request = |k: usize| Request::PushRows {
-            table,
-            ids: owned[k].clone(),
-            scale,
-            values: parts[k].len(),
-        };
-        let replies = self.round_then(request, |k| vec![&parts[k][..]], |_, _, _| Ok(()));
-        match replies {
-            Ok((replies, _)) => match replies.iter().find(|r| !matches!(r, Reply::Ok { .. })) {
-                None => Ok(()),
-                Some(other) => Err(PsError::Remote {
-                    task: self.me(),
-                    message: format!("a ps answered a push of rows with {other:?}"),
-                }),
-            },
-            Err(e) => {
-                // MPI may still read the parts after an error.
-                std::mem::forget(parts);
-                Err(e)
-            }
-        }
     }
 }
 

@@ -160,23 +160,42 @@ impl<'s, C: Comm> Ps<'s, C> {
     /// Rows `ids` of embedding table `table` (of [`PsConfig::tables`]) into `out`, in the
     /// order of `ids`, each from the ps that holds it.
     pub fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), PsError> {
-        let dim = self.table(table)?.dim;
-        self.client.pull_rows(table, dim, ids, out, true)
+        self.pull_tables(&[(table, ids)], std::slice::from_mut(out), true)
     }
 
     /// [`Ps::pull_rows`] without making rows: one that does not exist comes as its
     /// initial values (an evaluation's read).
     pub fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), PsError> {
-        let dim = self.table(table)?.dim;
-        self.client.pull_rows(table, dim, ids, out, false)
+        self.pull_tables(&[(table, ids)], std::slice::from_mut(out), false)
     }
 
-    /// Pushes table `table`'s sparse gradient `grad` scaled by `scale` (`-1 / workers`
+    /// Pushes table `table`'s sparse gradient `grad` scaled by `scale` (`1 / workers`
     /// for the mean of the workers' gradients, say): each ps applies its rows' part at
     /// once with [`PsConfig::sparse`].
     pub fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), PsError> {
-        let dim = self.table(table)?.dim;
-        self.client.push_rows(table, dim, grad, scale)
+        self.push_tables(&[(table, grad)], scale)
+    }
+
+    /// The rows of several tables, each ps asked once (see
+    /// [`crate::train::tables::Tables::pull_tables`]).
+    pub fn pull_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), PsError> {
+        let want = (want.iter())
+            .map(|(t, ids)| Ok((*t, self.table(*t)?.dim, *ids)))
+            .collect::<Result<Vec<_>, PsError>>()?;
+        self.client.pull_rows(&want, out, make)
+    }
+
+    /// Sparse gradients of several tables, each ps sent its part of them all at once.
+    pub fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), PsError> {
+        let grads = (grads.iter())
+            .map(|(t, g)| Ok((*t, self.table(*t)?.dim, *g)))
+            .collect::<Result<Vec<_>, PsError>>()?;
+        self.client.push_rows(&grads, scale)
     }
 
     fn table(&self, table: usize) -> Result<&TableSpec, PsError> {
@@ -484,16 +503,17 @@ impl<C: Comm> crate::train::tables::Tables for Ps<'_, C> {
         &self.cfg.tables
     }
 
-    fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        Ok(Ps::pull_rows(self, table, ids, out)?)
+    fn pull_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError> {
+        Ok(Ps::pull_tables(self, want, out, make)?)
     }
 
-    fn read_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
-        Ok(Ps::read_rows(self, table, ids, out)?)
-    }
-
-    fn push_rows(&self, table: usize, grad: &SparseGrad, scale: f32) -> Result<(), TrainError> {
-        Ok(Ps::push_rows(self, table, grad, scale)?)
+    fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
+        Ok(Ps::push_tables(self, grads, scale)?)
     }
 
     fn rows_report(&self) -> Result<Vec<crate::train::tables::RowsReport>, TrainError> {

@@ -81,17 +81,17 @@ impl<C: Comm> Server<'_, C> {
                 self.answer_pending()
             }
             request @ Request::Push { .. } => self.push(from, w, request, &lens, inline_bytes),
-            Request::PullRows { table, ids } => self.pull_rows(from, table, &ids, true),
-            Request::ReadRows { table, ids } => self.pull_rows(from, table, &ids, false),
+            Request::PullRows { parts } => self.pull_rows(from, &parts, true),
+            Request::ReadRows { parts } => self.pull_rows(from, &parts, false),
             Request::Stats => {
                 let tables = (self.served.iter().zip(&self.tables))
                     .map(|(s, t)| s.report(t))
                     .collect();
                 self.reply(from, &Reply::Stats { tables })
             }
-            Request::PushRows {
-                table, ids, scale, ..
-            } => self.push_rows(from, table, &ids, scale, &lens, inline_bytes),
+            Request::PushRows { parts, scale, .. } => {
+                self.push_rows(from, &parts, scale, &lens, inline_bytes)
+            }
             Request::Save { dir } => {
                 let file = shards::file_of(self.k, self.stage);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {

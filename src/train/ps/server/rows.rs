@@ -3,8 +3,8 @@
 //! its first touch (see [`crate::model::embedding`]).
 
 use super::super::protocol::{
-    encode, encode_with, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, Setup,
-    PIECE_FLOATS,
+    encode, encode_with, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart,
+    Setup, PIECE_FLOATS,
 };
 use super::super::wire::{send_all_within, Sent};
 use super::super::PsError;
@@ -64,36 +64,68 @@ impl<C: Comm> Server<'_, C> {
         }
     }
 
-    /// Worker rank `from`'s pull of rows `ids` of table `table` (`make`: rows that do not
-    /// exist are made, else read as their initial values): a [`Reply::Rows`] with their
-    /// values (in the header's message if small, else as pieces after it).
+    /// Why the rows `parts` name are not this ps's to serve, if one is not.
+    fn check_parts(&self, parts: &[RowsPart]) -> Result<(), String> {
+        parts
+            .iter()
+            .try_for_each(|p| self.check_rows(p.table, &p.ids))
+    }
+
+    /// The largest table among `parts`', where rows that outgrew the memory are named.
+    fn row_room_of(&self, parts: &[RowsPart]) -> Result<(), String> {
+        let largest = parts
+            .iter()
+            .map(|p| p.table)
+            .max_by_key(|t| self.tables[*t].len());
+        largest.map_or(Ok(()), |t| self.row_room(t))
+    }
+
+    /// The rows `parts` name into `self.rows`, part by part (`make`: rows that do not
+    /// exist are made and the pulls counted, else read as their initial values).
+    fn gather_rows(&mut self, parts: &[RowsPart], make: bool) -> Result<(), String> {
+        self.check_parts(parts)?;
+        let (mut rows, mut part) = (std::mem::take(&mut self.rows), Vec::new());
+        rows.clear();
+        let mut r = Ok(());
+        for p in parts {
+            let t = &mut self.tables[p.table];
+            r = match make {
+                true => t.pull_into(&p.ids, &mut part),
+                false => t.read_into(&p.ids, &mut part),
+            };
+            if r.is_err() {
+                break;
+            }
+            rows.extend_from_slice(&part);
+            if make {
+                let served = &mut self.served[p.table];
+                served.pulls += 1;
+                served.rows_pulled += p.ids.len() as u64;
+            }
+        }
+        self.rows = rows;
+        r.map_err(|e| e.to_string())?;
+        match make {
+            true => self.row_room_of(parts),
+            false => Ok(()),
+        }
+    }
+
+    /// Worker rank `from`'s pull of the rows `parts` name (`make`: rows that do not exist
+    /// are made, else read as their initial values): a [`Reply::Rows`] with their values
+    /// (in the header's message if small, else as pieces after it).
     pub(super) fn pull_rows(
         &mut self,
         from: usize,
-        table: usize,
-        ids: &[u64],
+        parts: &[RowsPart],
         make: bool,
     ) -> Result<(), PsError> {
-        let pulled = self.check_rows(table, ids).and_then(|()| {
-            let mut rows = std::mem::take(&mut self.rows);
-            let t = &mut self.tables[table];
-            let r = match make {
-                true => t.pull_into(ids, &mut rows),
-                false => t.read_into(ids, &mut rows),
-            };
-            if make && r.is_ok() {
-                let served = &mut self.served[table];
-                served.pulls += 1;
-                served.rows_pulled += ids.len() as u64;
-            }
-            self.rows = rows;
-            r.map_err(|e| e.to_string())?;
-            self.row_room(table)
-        });
-        if let Err(e) = pulled {
+        if let Err(e) = self.gather_rows(parts, make) {
             return self.error(from, e);
         }
-        let reply = Reply::Rows { table };
+        let reply = Reply::Rows {
+            values: self.rows.len(),
+        };
         let small = inline([self.rows.len()]);
         let header = match small {
             true => encode_with(&reply, &[&self.rows]),
@@ -120,35 +152,53 @@ impl<C: Comm> Server<'_, C> {
         Err(self.lose(from))
     }
 
-    /// Worker rank `from`'s sparse gradient of table `table` for rows `ids`, scaled by
-    /// `scale`: its payload taken, then applied to those rows at once; `Ok` to the worker.
+    /// Worker rank `from`'s sparse gradients of the rows `parts` name, scaled by `scale`:
+    /// its payload taken, then applied to those rows at once; `Ok` to the worker.
     pub(super) fn push_rows(
         &mut self,
         from: usize,
-        table: usize,
-        ids: &[u64],
+        parts: &[RowsPart],
         scale: f32,
         lens: &[usize],
         inline_bytes: &[u8],
     ) -> Result<(), PsError> {
-        let checked = self.check_rows(table, ids);
+        let checked = self.check_parts(parts);
         let into = match checked {
             Ok(()) => Dest::Rows,
             Err(_) => Dest::Drop,
         };
         let taken = self.take_payload(from, lens, inline_bytes, into)?;
-        let applied = checked.and(taken).and_then(|()| {
-            self.tables[table]
-                .apply_rows(ids, &self.rows, scale)
-                .map_err(|e| e.to_string())?;
-            let served = &mut self.served[table];
-            served.pushes += 1;
-            served.rows_pushed += ids.len() as u64;
-            self.row_room(table)
-        });
+        let applied = checked
+            .and(taken)
+            .and_then(|()| self.apply_parts(parts, scale));
         match applied {
             Ok(()) => self.ok(from),
             Err(e) => self.error(from, e),
         }
+    }
+
+    /// Applies the gradient rows in `self.rows` to the rows `parts` name, part by part.
+    fn apply_parts(&mut self, parts: &[RowsPart], scale: f32) -> Result<(), String> {
+        let want: usize = (parts.iter())
+            .map(|p| p.ids.len() * self.tables[p.table].spec().dim)
+            .sum();
+        if want != self.rows.len() {
+            return Err(format!(
+                "a push of {} gradient values for rows of {want}",
+                self.rows.len()
+            ));
+        }
+        let mut at = 0;
+        for p in parts {
+            let n = p.ids.len() * self.tables[p.table].spec().dim;
+            let t = &mut self.tables[p.table];
+            t.apply_rows(&p.ids, &self.rows[at..at + n], scale)
+                .map_err(|e| e.to_string())?;
+            at += n;
+            let served = &mut self.served[p.table];
+            served.pushes += 1;
+            served.rows_pushed += p.ids.len() as u64;
+        }
+        self.row_room_of(parts)
     }
 }
