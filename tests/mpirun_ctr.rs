@@ -213,3 +213,43 @@ fn tables_of_a_hundred_million_rows_train_on_four_ps_tasks_holding_only_touched_
     let auc = last_auc(&metrics);
     assert!(auc > 0.7, "AUC {auc}");
 }
+
+/// Requests and replies larger than MPI sends eagerly (a batch of 1024 over 8 tables of
+/// 10^5 rows: each ps's share of the ids and of the rows is tens of KB) between 2 ps tasks
+/// and 2 workers: each ps takes requests while its replies are in flight, so a worker's
+/// request never waits on a ps that waits on another worker (which deadlocked both modes).
+#[test]
+fn large_row_requests_between_two_ps_tasks_and_two_workers_never_deadlock() {
+    for mode in ["hybrid", "ps"] {
+        let run = mpirun(&[
+            "-np",
+            "4",
+            mpiflow(),
+            "train",
+            "--mode",
+            mode,
+            "--ps",
+            "2",
+            "--model",
+            "dlrm",
+            "--data",
+            "synthetic-ctr:samples=300000,features=8,rows=100000",
+            "--batch",
+            "1024",
+            "--steps",
+            "120",
+            "--peer-timeout",
+            "10",
+        ]);
+        assert_eq!(run.code, 0, "{mode}: {run:?}");
+        assert!(
+            run.stdout
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .starts_with("auc "),
+            "{}",
+            run.stdout
+        );
+    }
+}

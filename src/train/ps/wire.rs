@@ -1,10 +1,11 @@
 //! Bounded sends and receives: every wait of the ps protocol has a deadline, and yields
 //! the CPU while it waits (busy waiting starves oversubscribed ranks).
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::protocol::{decode_with, reply_tag, Reply};
-use crate::transport::comm::{Backoff, Comm, TransportError};
+use super::protocol::{decode_with, reply_tag, request_tag, Reply};
+use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
 /// Waits for a message from `src` (or any source) on `tag`, at most `deadline`.
 pub fn receive_within<C: Comm>(
@@ -69,6 +70,49 @@ pub fn send_all_within<C: Comm>(
     watch: &[usize],
     early: &mut [Option<Vec<u8>>],
 ) -> Result<Sent, TransportError> {
+    send_all_then(c, out, deadline, || {
+        for (w, seen) in watch.iter().zip(early.iter_mut()) {
+            if seen.is_some() {
+                continue;
+            }
+            if let Some((_, m)) = c.try_receive(*w, reply_tag(c), deadline)? {
+                if let Some(message) = error_of(&m) {
+                    return Ok(Some(Sent::Interrupted(message)));
+                }
+                *seen = Some(m);
+            }
+        }
+        Ok(None)
+    })
+}
+
+/// [`send_all_within`] for a ps's replies: meanwhile every request that arrives (from any
+/// worker) is taken into `backlog`, in order, for the ps to serve next. A request larger
+/// than MPI sends eagerly completes only once taken: a worker whose request waits on this
+/// ps while this ps waits on another worker, who waits on a ps that waits on the first,
+/// would be a cycle.
+pub fn send_all_taking<C: Comm>(
+    c: &C,
+    out: &[Outgoing<'_>],
+    deadline: Duration,
+    backlog: &mut VecDeque<(usize, Vec<u8>)>,
+) -> Result<Sent, TransportError> {
+    send_all_then(c, out, deadline, || {
+        while let Some(got) = c.try_receive(ANY_SOURCE, request_tag(c), deadline)? {
+            backlog.push_back(got);
+        }
+        Ok(None)
+    })
+}
+
+/// Starts every message of `out` and waits at most `deadline` for all, calling
+/// `meanwhile` while any is pending (its `Some` ends the wait with that outcome).
+fn send_all_then<C: Comm>(
+    c: &C,
+    out: &[Outgoing<'_>],
+    deadline: Duration,
+    mut meanwhile: impl FnMut() -> Result<Option<Sent>, TransportError>,
+) -> Result<Sent, TransportError> {
     let mut reqs = Vec::with_capacity(out.len());
     let in_flight = |reqs: Vec<Option<(C::Request, usize)>>| std::mem::forget(reqs);
     for &(bytes, to, tag) in out {
@@ -100,23 +144,15 @@ pub fn send_all_within<C: Comm>(
         let Some(to) = pending else {
             return Ok(Sent::Done);
         };
-        for (w, seen) in watch.iter().zip(early.iter_mut()) {
-            if seen.is_some() {
-                continue;
+        match meanwhile() {
+            Ok(None) => {}
+            Ok(Some(outcome)) => {
+                in_flight(reqs);
+                return Ok(outcome);
             }
-            match c.try_receive(*w, reply_tag(c), deadline) {
-                Ok(None) => {}
-                Ok(Some((_, m))) => {
-                    if let Some(message) = error_of(&m) {
-                        in_flight(reqs);
-                        return Ok(Sent::Interrupted(message));
-                    }
-                    *seen = Some(m);
-                }
-                Err(e) => {
-                    in_flight(reqs);
-                    return Err(e);
-                }
+            Err(e) => {
+                in_flight(reqs);
+                return Err(e);
             }
         }
         if start.elapsed() > deadline {

@@ -33,7 +33,8 @@
 //! **Agreed errors**: an abort marked agreed (every worker stops with it and prints it, a
 //! pipeline's replica tasks) only marks its worker done; the ps ends with it, quietly.
 
-use std::collections::BTreeMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -44,7 +45,7 @@ use super::protocol::{
 };
 use super::roles::Roles;
 use super::store::Store;
-use super::wire::{notify, send_all_within, send_within, Sent};
+use super::wire::{notify, send_all_taking, Outgoing, Sent};
 use super::{shards, PsError};
 use crate::model::embedding::Table;
 use crate::observe::phases::{Clock, Phase, RankTimes, Times};
@@ -167,6 +168,9 @@ struct Server<'a, C: Comm> {
     sum: Vec<f32>,
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
+    /// Requests taken while this ps's replies were being sent, served before any new one
+    /// (see [`send_all_taking`]).
+    backlog: RefCell<VecDeque<(usize, Vec<u8>)>>,
     /// This ps's rows of the embedding tables (see [`Setup::tables`]).
     tables: Vec<Table>,
     /// The requests each table served.
@@ -235,6 +239,7 @@ impl<'a, C: Comm> Server<'a, C> {
             piece: Vec::new(),
             sum: Vec::new(),
             inbox: Vec::new(),
+            backlog: RefCell::new(VecDeque::new()),
             tables: Vec::new(),
             served: Vec::new(),
             memory: None,
@@ -269,11 +274,18 @@ impl<'a, C: Comm> Server<'a, C> {
     /// bytes alive.
     fn send_bytes(&self, to: usize, message: &[u8]) -> Result<(), PsError> {
         let tag = reply_tag(self.comm);
-        match send_within(self.comm, message, to, tag, self.timeout)? {
+        match self.send_all(&[(message, to, tag)])? {
             Sent::Done => Ok(()),
             // Not taken within the timeout (no peer is watched: nothing interrupts).
             Sent::TimedOut { .. } | Sent::Interrupted(_) => Err(self.lose(to)),
         }
+    }
+
+    /// Sends `out` within the timeout, taking the requests that arrive meanwhile into the
+    /// backlog ([`send_all_taking`]).
+    fn send_all(&self, out: &[Outgoing<'_>]) -> Result<Sent, TransportError> {
+        let mut backlog = self.backlog.borrow_mut();
+        send_all_taking(self.comm, out, self.timeout, &mut backlog)
     }
 
     /// Tells every worker but `except` (and those done) that training stops, and why.
@@ -461,7 +473,7 @@ impl<'a, C: Comm> Server<'a, C> {
             ),
             bytes: shards.iter().map(|s| 4 * s.len() as u64).sum(),
         });
-        let sent = send_all_within(self.comm, &out, self.timeout, &[], &mut []);
+        let sent = self.send_all(&out);
         drop(waiting);
         if matches!(sent, Ok(Sent::Done)) {
             return Ok(());
@@ -645,14 +657,21 @@ impl<'a, C: Comm> Server<'a, C> {
         }
         let mut inbox = std::mem::take(&mut self.inbox);
         let t = Instant::now();
-        let got = match self.comm.try_receive_into(
-            ANY_SOURCE,
-            request_tag(self.comm),
-            self.timeout,
-            &mut inbox,
-        ) {
-            Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
-            other => other?,
+        let backlogged = self.backlog.borrow_mut().pop_front();
+        let got = match backlogged {
+            Some((from, bytes)) => {
+                inbox = bytes;
+                Some(from)
+            }
+            None => match self.comm.try_receive_into(
+                ANY_SOURCE,
+                request_tag(self.comm),
+                self.timeout,
+                &mut inbox,
+            ) {
+                Err(TransportError::Timeout { peer, .. }) => return Err(self.lose(peer)),
+                other => other?,
+            },
         };
         // Handling a request is communication but for the updates it makes (compute,
         // charged where they are made); polling for one is waiting.

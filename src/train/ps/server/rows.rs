@@ -6,7 +6,7 @@ use super::super::protocol::{
     encode, encode_with, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart,
     Setup, PIECE_FLOATS,
 };
-use super::super::wire::{send_all_within, Sent};
+use super::super::wire::Sent;
 use super::super::PsError;
 use super::requests::Dest;
 use super::Server;
@@ -140,7 +140,7 @@ impl<C: Comm> Server<'_, C> {
                     .map(|p| (f32_bytes(p), from, data)),
             );
         }
-        let sent = send_all_within(self.comm, &out, self.timeout, &[], &mut []);
+        let sent = self.send_all(&out);
         if matches!(sent, Ok(Sent::Done)) {
             return Ok(());
         }
