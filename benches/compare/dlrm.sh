@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# DLRM's training speed: mpiflow's hybrid mode (rows on the ps tasks, dense layers by
+# allreduce) and ps mode beside PyTorch's DistributedDataParallel with
+# EmbeddingBag(sparse=True) (benches/compare/dlrm_torch.py, gloo), on the same model and
+# table sizes: 13 dense features, FEATURES tables of ROWS rows x DIM, bottom and top MLPs
+# of 64, global batch BATCH, Adam 0.003 on the dense layers and Adagrad on the rows, one
+# BLAS/intra-op thread per process, 4 processes per job.
+#
+#   benches/compare/dlrm.sh                      # PyTorch from benches/python/torch-venv.sh
+#   ROUNDS=5 ROWS=1000000 benches/compare/dlrm.sh
+#
+# Each round runs, one job after another: mpiflow hybrid with 1 ps + 3 workers and with
+# 2 ps + 2 workers, mpiflow ps (sync) with 1 ps + 3 workers, then PyTorch DDP on 4, 3 and
+# 2 ranks. mpiflow's rate is its last logged window's samples/s (the first holds the
+# start-up; its samples are made as it trains, inside the time); PyTorch's the global
+# batch over the wall time of the steps after its warm-up (its batches made before). Prints
+# each path's best and worst of ROUNDS and the best's ratio to PyTorch's best at 4 ranks.
+# Not part of the tests.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${MPIFLOW_TORCH_PYTHON:-$HOME/.cache/mpiflow/torch-venv/bin/python}
+ROUNDS=${ROUNDS:-3}
+FEATURES=${FEATURES:-8}
+ROWS=${ROWS:-100000}
+DIM=${DIM:-16}
+BATCH=${BATCH:-1024}
+STEPS=${STEPS:-400}
+TORCH_STEPS=${TORCH_STEPS:-150}
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "no torch for $PYTHON: run benches/python/torch-venv.sh (or set MPIFLOW_TORCH_PYTHON)" >&2
+  exit 1
+fi
+source scripts/env.sh
+cargo build --release --quiet --bin mpiflow
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+# mpiflow's samples/s: MODE PS, 4 processes.
+ours() {
+  timeout 600 mpirun --oversubscribe -np 4 target/release/mpiflow train --mode "$1" --ps "$2" \
+    --model dlrm --data "synthetic-ctr:samples=2000000,features=$FEATURES,rows=$ROWS" \
+    --embedding-dim "$DIM" --bottom 64 --top 64 --batch "$BATCH" --steps "$STEPS" \
+    --blas-threads 1 --log-every $((STEPS / 4)) --progress lines >"$log" 2>&1 ||
+    { tail -5 "$log" >&2; exit 1; }
+  awk '/^step/ { v = $8 } END { if (v == "") exit 1; print v }' "$log"
+}
+
+# PyTorch's samples/s on N ranks.
+theirs() {
+  timeout 900 mpirun --oversubscribe -np "$1" "$PYTHON" benches/compare/dlrm_torch.py \
+    --features "$FEATURES" --rows "$ROWS" --dim "$DIM" --batch "$BATCH" \
+    --steps "$TORCH_STEPS" >"$log" 2>&1 || { tail -5 "$log" >&2; exit 1; }
+  awk '/^torch samples/ { print $3 }' "$log"
+}
+
+paths=("hybrid 1ps+3w" "hybrid 2ps+2w" "ps-sync 1ps+3w" "torch-ddp 4" "torch-ddp 3" "torch-ddp 2")
+declare -A all
+for round in $(seq "$ROUNDS"); do
+  all["hybrid 1ps+3w"]+=" $(ours hybrid 1)"
+  all["hybrid 2ps+2w"]+=" $(ours hybrid 2)"
+  all["ps-sync 1ps+3w"]+=" $(ours ps 1)"
+  for n in 4 3 2; do all["torch-ddp $n"]+=" $(theirs "$n")"; done
+  echo "round $round done" >&2
+done
+best() { tr ' ' '\n' <<<"$1" | grep . | sort -g | tail -1; }
+worst() { tr ' ' '\n' <<<"$1" | grep . | sort -g | head -1; }
+ref=$(best "${all["torch-ddp 4"]}")
+echo "# DLRM: $FEATURES tables of $ROWS x $DIM, batch $BATCH, best/worst of $ROUNDS rounds (samples/s)"
+printf '%-16s %10s %10s %8s\n' path best worst "x torch4"
+for p in "${paths[@]}"; do
+  b=$(best "${all[$p]}")
+  printf '%-16s %10.0f %10.0f %8.2f\n' "$p" "$b" "$(worst "${all[$p]}")" "$(echo "$b / $ref" | bc -l)"
+done
