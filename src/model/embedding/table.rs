@@ -150,13 +150,15 @@ impl Table {
         4 * (spec.dim + opt.state_len(spec.dim)) + 8 + 4 + 16
     }
 
-    /// The `n` rows pulled most often, with their pulls, most first (ties by id).
+    /// The `n` rows pulled most often (in this process's life: a restore starts them at
+    /// none), with their pulls, most first (ties by id).
     pub fn hottest(&self, n: usize) -> Vec<(u64, u32)> {
         let mut all: Vec<(u64, u32)> = self
             .ids
             .iter()
             .copied()
             .zip(self.hits.iter().copied())
+            .filter(|(_, hits)| *hits > 0)
             .collect();
         let n = n.min(all.len());
         if n == 0 {

@@ -80,6 +80,42 @@ fn hybrid_and_ps_training_reach_the_auc_of_local_training() {
     }
 }
 
+/// Local training stopped at a checkpoint and resumed from it ends where one
+/// uninterrupted run ends: the dense state and every row with its Adagrad state come back
+/// (the same evaluation to the last bit).
+#[test]
+fn local_training_resumed_from_its_checkpoint_equals_one_run() {
+    let data = SyntheticCtr::parse("samples=120000,features=8,rows=2000,seed=4").unwrap();
+    let (train, test) = Part::split(&data, 5000);
+    let m = model(&data);
+    let dir = std::env::temp_dir().join(format!("mpiflow-ctr-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let run = |steps: u64, dir: Option<&std::path::Path>| {
+        let cfg = TrainConfig {
+            checkpoint_dir: dir.map(|d| d.to_path_buf()),
+            ..cfg(steps)
+        };
+        let run = CtrRun {
+            model: &m,
+            train: &train,
+            test: &test,
+            cfg: &cfg,
+            sparse: SparseOptimizer::adagrad(0.2),
+            memory: None,
+        };
+        run.local(&mut |_| {}).unwrap().evaluation.unwrap()
+    };
+    let straight = run(400, None);
+    let first = run(200, Some(&dir));
+    assert_eq!(first.step, 200);
+    let resumed = run(400, Some(&dir));
+    assert_eq!(
+        (resumed.step, resumed.auc, resumed.logloss),
+        (400, straight.auc, straight.logloss)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Rows that outgrow a ps task's memory share stop training on every rank within the
 /// step, with one line naming the table and the share.
 #[test]
