@@ -42,7 +42,30 @@ pub struct CtrRun<'d> {
     pub memory: Option<Share>,
 }
 
-impl CtrRun<'_> {
+impl<'d> CtrRun<'d> {
+    /// `model` trained on `train` and evaluated on `test` (`data`) as `cfg` says, its rows
+    /// updated by `sparse`, memory unchecked.
+    pub fn new(
+        model: &'d Dlrm,
+        (train, test): (&'d dyn CtrData, &'d dyn CtrData),
+        cfg: &'d TrainConfig,
+        sparse: SparseOptimizer,
+    ) -> CtrRun<'d> {
+        CtrRun {
+            model,
+            train,
+            test,
+            cfg,
+            sparse,
+            memory: None,
+        }
+    }
+
+    /// The run with rows checked against `memory`, this rank's share of its node.
+    pub fn within(self, memory: Option<Share>) -> CtrRun<'d> {
+        CtrRun { memory, ..self }
+    }
+
     /// Trains in `sess` to the end; what it reached.
     fn fit<'m, S: Strategy<'m> + Tables>(
         &self,

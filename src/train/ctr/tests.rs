@@ -41,14 +41,7 @@ fn hybrid_and_ps_training_reach_the_auc_of_local_training() {
     let (train, test) = Part::split(&data, 20_000);
     let m = model(&data);
     let cfg = cfg(1200);
-    let run = CtrRun {
-        model: &m,
-        train: &train,
-        test: &test,
-        cfg: &cfg,
-        sparse: SparseOptimizer::adagrad(0.2),
-        memory: None,
-    };
+    let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2));
     let local = run
         .local(&mut |_| {})
         .unwrap()
@@ -95,14 +88,7 @@ fn local_training_resumed_from_its_checkpoint_equals_one_run() {
             checkpoint_dir: dir.map(|d| d.to_path_buf()),
             ..cfg(steps)
         };
-        let run = CtrRun {
-            model: &m,
-            train: &train,
-            test: &test,
-            cfg: &cfg,
-            sparse: SparseOptimizer::adagrad(0.2),
-            memory: None,
-        };
+        let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2));
         run.local(&mut |_| {}).unwrap().evaluation.unwrap()
     };
     let straight = run(400, None);
@@ -128,14 +114,8 @@ fn rows_outgrowing_a_ps_tasks_share_stop_every_rank_naming_the_table() {
         bytes: 200_000,
         why: "the test's limit".into(),
     };
-    let run = CtrRun {
-        model: &m,
-        train: &train,
-        test: &test,
-        cfg: &cfg,
-        sparse: SparseOptimizer::adagrad(0.2),
-        memory: Some(share),
-    };
+    let run =
+        CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2)).within(Some(share));
     let l = layout(3, 1);
     let t = std::time::Instant::now();
     let out = LocalComm::run(3, |comm| {

@@ -185,14 +185,8 @@ fn local(args: &TrainArgs) -> Result<(), Failure> {
     emit(&header(args, "local", &train, &test, &m));
     let mut reporter = Reporter::new(args.steps, args.progress, metrics, true);
     let cfg = args.train_config();
-    let run = CtrRun {
-        model: &m,
-        train: &train,
-        test: &test,
-        cfg: &cfg,
-        sparse: args.sparse_optimizer.with_lr(args.sparse_lr),
-        memory: resources::share(1),
-    };
+    let sparse = args.sparse_optimizer.with_lr(args.sparse_lr);
+    let run = CtrRun::new(&m, (&train, &test), &cfg, sparse).within(resources::share(1));
     let report = match run.local(&mut |e| reporter.event(e)) {
         Err(TrainError::Stopped(s)) => {
             drop(reporter);
@@ -261,14 +255,8 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
     let cfg = args.train_config();
-    let run = CtrRun {
-        model: &m,
-        train: &train,
-        test: &test,
-        cfg: &cfg,
-        sparse: args.sparse_optimizer.with_lr(args.sparse_lr),
-        memory: share,
-    };
+    let sparse = args.sparse_optimizer.with_lr(args.sparse_lr);
+    let run = CtrRun::new(&m, (&train, &test), &cfg, sparse).within(share);
     let mut log = |e: &Event| report::event(&reporter, e);
     let timeout = std::time::Duration::from_secs(args.peer_timeout);
     let ran = match args.mode {
