@@ -575,10 +575,10 @@ fn flags_of_another_mode_are_one_line_errors() {
         format!("{flag} is for --mode {wanted}, not --mode {mode}")
     };
     let replicas = |flag: &str, mode: &str| {
-        format!("{flag} is for --mode allreduce or --stages, not --mode {mode} without --stages")
+        format!("{flag} is for --mode allreduce or hybrid, or --stages, not --mode {mode} without --stages")
     };
     let cluster = |flag: &str| {
-        format!("{flag} is for --mode ps or allreduce, not --mode local (one process, no cluster)")
+        format!("{flag} is for --mode ps, allreduce or hybrid, not --mode local (one process, no cluster)")
     };
     let stages = |flag: &str| {
         format!("{flag} is for --stages (a model cut into stages); without it each task holds the whole model")
@@ -608,12 +608,12 @@ fn flags_of_another_mode_are_one_line_errors() {
         (
             "allreduce",
             "--peer-timeout 3",
-            other_mode("--peer-timeout", "ps", "allreduce"),
+            other_mode("--peer-timeout", "ps or hybrid", "allreduce"),
         ),
         (
             "allreduce",
             "--stages 2 --peer-timeout 3",
-            other_mode("--peer-timeout", "ps", "allreduce"),
+            other_mode("--peer-timeout", "ps or hybrid", "allreduce"),
         ),
         (
             "ps",
@@ -655,7 +655,24 @@ fn flags_of_another_mode_are_one_line_errors() {
         (
             "local",
             "--model cnn --data fashion-mnist --hidden 64",
-            "--hidden is for --model mlp (the CNN's layers are fixed)".into(),
+            "--hidden is for --model mlp (the CNN's layers are fixed; DLRM's MLPs: --bottom, --top)".into(),
+        ),
+        ("local", "--embedding-dim 8", "--embedding-dim is for --model dlrm".into()),
+        ("ps", "--sparse-lr 0.1", "--sparse-lr is for --model dlrm".into()),
+        (
+            "hybrid",
+            "--model mlp",
+            "--mode hybrid trains models with embedding tables: --model dlrm".into(),
+        ),
+        (
+            "allreduce",
+            "--model dlrm",
+            "--model dlrm trains in --mode local, ps or hybrid (its tables live in one process or on ps tasks)".into(),
+        ),
+        (
+            "local",
+            "--model dlrm --data digits:/nonexistent --steps 5",
+            "--model dlrm takes click data".into(),
         ),
     ] {
         let mut args = vec!["train", "--mode", mode];

@@ -190,6 +190,40 @@ pub struct Sparse<S, R> {
     scale: f32,
 }
 
+impl<'m, S: Strategy<'m>, R: RowHome> Sparse<S, R> {
+    /// The chief's checkpoint of `step`: the dense state's file, the rows' files, the
+    /// manifest over them.
+    fn write_checkpoint(
+        &mut self,
+        dir: &Path,
+        step: u64,
+        keep: usize,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<PathBuf, TrainError> {
+        let t = std::time::Instant::now();
+        let replica = self.inner.replica();
+        let (describe, vars) = (replica.model.describe(), replica.variables());
+        let state = self.inner.state(step)?;
+        let written = checkpoint::begin(dir, step)
+            .map_err(TrainError::from)
+            .and_then(|tmp| {
+                let dense = checkpoint::write_file(&tmp.join(REPLICA_FILE), &state.arrays(&vars))?;
+                let mut files = vec![(REPLICA_FILE.to_string(), dense.0, dense.1)];
+                files.extend(self.rows.save(&tmp)?);
+                let meta = checkpoint::state::model_meta(&describe, &vars);
+                Ok(checkpoint::commit(dir, step, &files, meta)?)
+            });
+        let path = written.map_err(|e| checkpoint::abandoned(dir, step, e))?;
+        checkpoint::retain(dir, keep);
+        let done = Event::Checkpoint {
+            path: path.clone(),
+            step,
+        };
+        super::engine::checkpointed(step, t, &done, events);
+        Ok(path)
+    }
+}
+
 impl<S, R: RowHome> Sparse<S, R> {
     /// `inner`'s mode with tables in `rows`, each rank's sparse gradient scaled by
     /// `scale`.
@@ -309,7 +343,9 @@ impl<'m, S: Strategy<'m>, R: RowHome> Strategy<'m> for Sparse<S, R> {
     }
 
     /// One checkpoint of both: the chief writes the dense state, the rows' home writes
-    /// the rows, and the chief commits the manifest over every file.
+    /// the rows, and the chief commits the manifest over every file. The other ranks wait
+    /// for it (no rank pushes the next step's rows into the checkpoint meanwhile) and learn
+    /// whether it failed.
     fn checkpoint(
         &mut self,
         dir: &Path,
@@ -317,30 +353,19 @@ impl<'m, S: Strategy<'m>, R: RowHome> Strategy<'m> for Sparse<S, R> {
         keep: usize,
         events: &mut dyn FnMut(&Event),
     ) -> Result<PathBuf, TrainError> {
-        if !self.inner.reports() {
-            return Ok(checkpoint::path_of(dir, step));
-        }
-        let t = std::time::Instant::now();
-        let replica = self.inner.replica();
-        let (describe, vars) = (replica.model.describe(), replica.variables());
-        let state = self.inner.state(step)?;
-        let written = checkpoint::begin(dir, step)
-            .map_err(TrainError::from)
-            .and_then(|tmp| {
-                let dense = checkpoint::write_file(&tmp.join(REPLICA_FILE), &state.arrays(&vars))?;
-                let mut files = vec![(REPLICA_FILE.to_string(), dense.0, dense.1)];
-                files.extend(self.rows.save(&tmp)?);
-                let meta = checkpoint::state::model_meta(&describe, &vars);
-                Ok(checkpoint::commit(dir, step, &files, meta)?)
-            });
-        let path = written.map_err(|e| checkpoint::abandoned(dir, step, e))?;
-        checkpoint::retain(dir, keep);
-        let done = Event::Checkpoint {
-            path: path.clone(),
-            step,
+        let written = match self.inner.reports() {
+            true => self.write_checkpoint(dir, step, keep, events),
+            false => Ok(checkpoint::path_of(dir, step)),
         };
-        super::engine::checkpointed(step, t, &done, events);
-        Ok(path)
+        let mut failed = [f64::from(u8::from(written.is_err()))];
+        self.inner.sum(&mut failed)?;
+        match written {
+            Ok(_) if failed[0] > 0.0 => Err(TrainError::Agreed(format!(
+                "the chief's checkpoint of step {step} in {} failed",
+                dir.display()
+            ))),
+            written => written,
+        }
     }
 
     fn sum(&mut self, values: &mut [f64]) -> Result<(), TrainError> {

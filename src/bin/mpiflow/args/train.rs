@@ -103,7 +103,8 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     pub(crate) save_params: Option<PathBuf>,
     /// digits (the shipped UCI set), fashion-mnist (Debian's dataset-fashion-mnist, official
-    /// split), digits:PATH, fashion-mnist:DIR, synthetic, or idx:IMAGES,LABELS.
+    /// split), digits:PATH, fashion-mnist:DIR, synthetic, or idx:IMAGES,LABELS; with
+    /// --model dlrm, synthetic-ctr[:OPTIONS] (the default there) or criteo:PATH.
     #[arg(long, default_value = "digits")]
     pub(crate) data: String,
     /// --model dlrm: the embedding tables' width (the bottom MLP's output).
@@ -435,7 +436,7 @@ impl TrainArgs {
                 "{flag} is for --mode ps, allreduce or hybrid, not --mode local (one process, no cluster)"
             ),
             UsedBy::Replicas => format!(
-                "{flag} is for --mode allreduce or --stages, not --mode {mode} without --stages"
+                "{flag} is for --mode allreduce or hybrid, or --stages, not --mode {mode} without --stages"
             ),
             UsedBy::Stages => format!(
                 "{flag} is for --stages (a model cut into stages); without it each task holds the whole model"

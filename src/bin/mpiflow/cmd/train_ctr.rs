@@ -63,9 +63,13 @@ fn refuse(args: &TrainArgs) -> Result<(), String> {
 /// The click data `--data` names (synthetic-ctr when it names none of its own).
 fn clicks(spec: &str) -> Result<Clicks, String> {
     let err = |e: mpiflow::train::ctr::CtrError| e.to_string();
-    let (kind, rest) = spec.split_once(':').unwrap_or((spec, ""));
+    // `--data`'s default (digits) names no click data: the generator's defaults then.
+    let (kind, rest) = match spec {
+        "digits" => ("synthetic-ctr", ""),
+        s => s.split_once(':').unwrap_or((s, "")),
+    };
     match kind {
-        "synthetic-ctr" | "digits" => {
+        "synthetic-ctr" => {
             let mut data = SyntheticCtr::parse(rest).map_err(err)?;
             let held_out = (data.samples / 10).clamp(1, HELD_OUT);
             data.samples += held_out;
