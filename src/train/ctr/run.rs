@@ -95,7 +95,8 @@ impl<'d> CtrRun<'d> {
     }
 
     /// Hybrid training on this rank of `comm` (`layout`'s cluster): a ps task serves the
-    /// rows, a worker trains (`cfg`'s allreduce and timeout; the tables are the model's).
+    /// rows, a worker trains (`cfg`'s allreduce settings and timeout; the training
+    /// settings are the run's, the tables the model's).
     /// `None` on a ps task.
     pub fn hybrid<C: Comm + Send + 'static>(
         &self,
@@ -114,7 +115,13 @@ impl<'d> CtrRun<'d> {
             return Ok(None); // an evaluator: no part in hybrid training
         };
         let dense = self.model.dense_model(self.cfg.seed)?;
+        // The run's training settings, whatever `cfg.allreduce.train` says: the session,
+        // the dense update and the rows' seed take one.
         let cfg = HybridConfig {
+            allreduce: crate::train::allreduce::AllreduceConfig {
+                train: self.cfg.clone(),
+                ..cfg.allreduce.clone()
+            },
             tables: self.model.tables().to_vec(),
             sparse: self.sparse,
             ..cfg.clone()
