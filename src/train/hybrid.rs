@@ -18,8 +18,8 @@ use super::allreduce::{Allreduce, AllreduceConfig};
 use super::engine::{End, TrainError};
 use super::ps::protocol::Setup;
 use super::ps::worker::{abort_agreed, Client};
-use super::ps::{PsError, Roles};
-use super::tables::{RowHome, RowsReport, Sparse};
+use super::ps::Roles;
+use super::tables::{RowHome, RowsReport, Sparse, Tables};
 use crate::cluster::Layout;
 use crate::model::embedding::{SparseGrad, SparseOptimizer, TableSpec};
 use crate::model::Model;
@@ -56,12 +56,16 @@ pub type Hybrid<'s, C> = Sparse<Allreduce<'s, C>, PsRows<'s, C>>;
 pub struct PsRows<'s, C: Comm> {
     client: Client<'s, C>,
     setup: Setup,
+    /// A worker's share of each step's sparse update ([`Tables::push_scale`]).
+    scale: f32,
 }
 
 impl<'s, C: Comm> PsRows<'s, C> {
-    /// This worker's way to the rows of `cfg`'s tables on `roles`' ps tasks.
-    pub fn new(comm: &'s C, roles: &'s Roles, cfg: &HybridConfig) -> PsRows<'s, C> {
+    /// This worker's way to the rows of `cfg`'s tables on `roles`' ps tasks, its sparse
+    /// gradients a `1 / workers` share of each step's update.
+    pub fn new(comm: &'s C, roles: &'s Roles, cfg: &HybridConfig, workers: usize) -> PsRows<'s, C> {
         PsRows {
+            scale: 1.0 / workers.max(1) as f32,
             client: Client::new(comm, roles, Vec::new(), cfg.peer_timeout),
             setup: Setup {
                 shards: Vec::new(),
@@ -74,54 +78,43 @@ impl<'s, C: Comm> PsRows<'s, C> {
             },
         }
     }
-
-    /// The width of table `table`'s rows.
-    fn dim(&self, table: usize) -> Result<usize, TrainError> {
-        let t = self.setup.tables.get(table).ok_or_else(|| {
-            PsError::Setup(format!(
-                "{}: no embedding table {table} (the session has {})",
-                self.client.me(),
-                self.setup.tables.len()
-            ))
-        })?;
-        Ok(t.dim)
-    }
 }
 
-impl<C: Comm> RowHome for PsRows<'_, C> {
-    fn specs(&self) -> &[TableSpec] {
+impl<C: Comm> Tables for PsRows<'_, C> {
+    fn table_specs(&self) -> &[TableSpec] {
         &self.setup.tables
     }
 
-    fn pull(
+    fn pull_tables(
         &self,
         want: &[(usize, &[u64])],
         out: &mut [Vec<f32>],
         make: bool,
     ) -> Result<(), TrainError> {
-        let want = (want.iter())
-            .map(|(t, ids)| Ok((*t, self.dim(*t)?, *ids)))
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        Ok(self.client.pull_rows(&want, out, make)?)
+        let specs = &self.setup.tables;
+        Ok(self.client.pull_tables(specs, want, out, make)?)
     }
 
-    fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
-        let grads = (grads.iter())
-            .map(|(t, g)| Ok((*t, self.dim(*t)?, *g)))
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        Ok(self.client.push_rows(&grads, scale)?)
+    fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
+        Ok(self.client.push_tables(&self.setup.tables, grads, scale)?)
     }
 
+    fn push_scale(&self) -> f32 {
+        self.scale
+    }
+
+    fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
+        Ok(self.client.stats()?)
+    }
+}
+
+impl<C: Comm> RowHome for PsRows<'_, C> {
     fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError> {
         match restore {
             Some(path) => self.client.restore(&self.setup, path)?,
             None => self.client.init(&self.setup, &mut Vec::new())?,
         }
         Ok(())
-    }
-
-    fn report(&self) -> Result<Vec<RowsReport>, TrainError> {
-        Ok(self.client.stats()?)
     }
 
     fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError> {
@@ -171,13 +164,9 @@ pub fn strategy<'s, C: Comm + Send + 'static>(
             "hybrid training needs embedding tables for the ps tasks to hold".into(),
         ));
     }
-    let n = workers.size();
+    let rows = PsRows::new(comm, roles, cfg, workers.size());
     let dense = Allreduce::new(workers, layout, comm.rank(), model, &cfg.allreduce)?;
-    Ok(Sparse::new(
-        dense,
-        PsRows::new(comm, roles, cfg),
-        1.0 / n as f32,
-    ))
+    Ok(Sparse::new(dense, rows))
 }
 
 /// The workers' communicator of `roles` (worker index order), made by every task of

@@ -143,22 +143,9 @@ pub fn outgrew(who: &str, table: &Table, held: u64, share: Option<&Share>) -> Re
     ))
 }
 
-/// Where a [`Sparse`] strategy's rows live.
-pub trait RowHome {
-    /// The tables.
-    fn specs(&self) -> &[TableSpec];
-
-    /// [`Tables::pull_tables`].
-    fn pull(
-        &self,
-        want: &[(usize, &[u64])],
-        out: &mut [Vec<f32>],
-        make: bool,
-    ) -> Result<(), TrainError>;
-
-    /// [`Tables::push_tables`].
-    fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError>;
-
+/// Where a [`Sparse`] strategy's rows live: the [`Tables`] a step uses, and what the
+/// strategy's start, checkpoints and end ask of them.
+pub trait RowHome: Tables {
     /// The rows' start (the chief's call; the others wait for it in the mode's own start,
     /// which follows): fresh tables, or the rows of the checkpoint at `restore`.
     fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError>;
@@ -166,14 +153,6 @@ pub trait RowHome {
     /// The chief: writes the rows into checkpoint staging directory `dir`; the files'
     /// names, bytes and checksums for the manifest.
     fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError>;
-
-    /// The chief: each task's report of its rows.
-    fn report(&self) -> Result<Vec<RowsReport>, TrainError>;
-
-    /// [`Tables::remote`].
-    fn remote(&self) -> bool {
-        true
-    }
 
     /// Training ended on this rank.
     fn end(&mut self, how: &End<'_>) -> Result<(), TrainError> {
@@ -186,8 +165,6 @@ pub trait RowHome {
 pub struct Sparse<S, R> {
     inner: S,
     rows: R,
-    /// The scale of a rank's sparse gradient ([`Tables::push_scale`]).
-    scale: f32,
 }
 
 impl<'m, S: Strategy<'m>, R: RowHome> Sparse<S, R> {
@@ -225,10 +202,9 @@ impl<'m, S: Strategy<'m>, R: RowHome> Sparse<S, R> {
 }
 
 impl<S, R: RowHome> Sparse<S, R> {
-    /// `inner`'s mode with tables in `rows`, each rank's sparse gradient scaled by
-    /// `scale`.
-    pub fn new(inner: S, rows: R, scale: f32) -> Sparse<S, R> {
-        Sparse { inner, rows, scale }
+    /// `inner`'s mode with tables in `rows`.
+    pub fn new(inner: S, rows: R) -> Sparse<S, R> {
+        Sparse { inner, rows }
     }
 
     /// The mode's strategy.
@@ -239,7 +215,7 @@ impl<S, R: RowHome> Sparse<S, R> {
 
 impl<S, R: RowHome> Tables for Sparse<S, R> {
     fn table_specs(&self) -> &[TableSpec] {
-        self.rows.specs()
+        self.rows.table_specs()
     }
 
     fn pull_tables(
@@ -248,19 +224,19 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
         out: &mut [Vec<f32>],
         make: bool,
     ) -> Result<(), TrainError> {
-        self.rows.pull(want, out, make)
+        self.rows.pull_tables(want, out, make)
     }
 
     fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
-        self.rows.push(grads, scale)
+        self.rows.push_tables(grads, scale)
     }
 
     fn push_scale(&self) -> f32 {
-        self.scale
+        self.rows.push_scale()
     }
 
     fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
-        self.rows.report()
+        self.rows.rows_report()
     }
 
     fn remote(&self) -> bool {
@@ -458,12 +434,13 @@ impl LocalRows {
     }
 }
 
-impl RowHome for LocalRows {
-    fn specs(&self) -> &[TableSpec] {
+/// Rows in this process: each rank's gradient applied whole.
+impl Tables for LocalRows {
+    fn table_specs(&self) -> &[TableSpec] {
         &self.specs
     }
 
-    fn pull(
+    fn pull_tables(
         &self,
         want: &[(usize, &[u64])],
         out: &mut [Vec<f32>],
@@ -489,7 +466,7 @@ impl RowHome for LocalRows {
         Ok(())
     }
 
-    fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
+    fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
         let mut tables = self.tables.borrow_mut();
         for (table, grad) in grads {
             let t = tables
@@ -504,6 +481,28 @@ impl RowHome for LocalRows {
         Ok(())
     }
 
+    fn remote(&self) -> bool {
+        false
+    }
+
+    fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
+        let (tables, served) = (self.tables.borrow(), self.served.borrow());
+        Ok(vec![RowsReport {
+            task: "local".into(),
+            tables: served
+                .iter()
+                .zip(tables.iter())
+                .map(|(s, t)| s.report(t))
+                .collect(),
+        }])
+    }
+
+    fn push_scale(&self) -> f32 {
+        1.0
+    }
+}
+
+impl RowHome for LocalRows {
     fn start(&mut self, restore: Option<&Path>) -> Result<(), TrainError> {
         let Some(path) = restore else {
             return Ok(());
@@ -518,22 +517,6 @@ impl RowHome for LocalRows {
         })?;
         *self.tables.borrow_mut() = tables;
         Ok(())
-    }
-
-    fn remote(&self) -> bool {
-        false
-    }
-
-    fn report(&self) -> Result<Vec<RowsReport>, TrainError> {
-        let (tables, served) = (self.tables.borrow(), self.served.borrow());
-        Ok(vec![RowsReport {
-            task: "local".into(),
-            tables: served
-                .iter()
-                .zip(tables.iter())
-                .map(|(s, t)| s.report(t))
-                .collect(),
-        }])
     }
 
     fn save(&mut self, dir: &Path) -> Result<Vec<(String, u64, u64)>, TrainError> {

@@ -89,7 +89,7 @@ impl<'d> CtrRun<'d> {
         let values: usize = dense.variables().iter().map(|v| v.numel()).sum();
         let rows = LocalRows::new(self.model.tables(), self.cfg.seed, self.sparse)
             .within(self.memory.clone(), values as u64 * 4 * 4);
-        let strategy = Sparse::new(Local::new(&dense, self.cfg)?, rows, 1.0);
+        let strategy = Sparse::new(Local::new(&dense, self.cfg)?, rows);
         let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
         self.fit(sess, &dense)
     }

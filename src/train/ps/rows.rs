@@ -8,7 +8,7 @@ use super::protocol::{
 use super::wire::{receive_all_within, Received};
 use super::worker::Client;
 use super::PsError;
-use crate::model::embedding::SparseGrad;
+use crate::model::embedding::{SparseGrad, TableSpec};
 use crate::train::tables::RowsReport;
 use crate::transport::comm::Comm;
 
@@ -61,6 +61,46 @@ impl Split {
 pub type Wanted<'a> = (usize, usize, &'a [u64]);
 
 impl<C: Comm> Client<'_, C> {
+    /// `want`'s tables (each a table's index and what goes with it) with their rows'
+    /// widths among `specs`; an error naming this worker and a table it does not have.
+    fn widths<T: Copy>(
+        &self,
+        specs: &[TableSpec],
+        want: &[(usize, T)],
+    ) -> Result<Vec<(usize, usize, T)>, PsError> {
+        (want.iter())
+            .map(|(t, x)| match specs.get(*t) {
+                Some(spec) => Ok((*t, spec.dim, *x)),
+                None => Err(PsError::Setup(format!(
+                    "{}: no embedding table {t} (the session has {})",
+                    self.me(),
+                    specs.len()
+                ))),
+            })
+            .collect()
+    }
+
+    /// [`Client::pull_rows`] of tables among `specs` (each a table and its ids).
+    pub fn pull_tables(
+        &self,
+        specs: &[TableSpec],
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), PsError> {
+        self.pull_rows(&self.widths(specs, want)?, out, make)
+    }
+
+    /// [`Client::push_rows`] of tables among `specs` (each a table and its gradient).
+    pub fn push_tables(
+        &self,
+        specs: &[TableSpec],
+        grads: &[(usize, &SparseGrad)],
+        scale: f32,
+    ) -> Result<(), PsError> {
+        self.push_rows(&self.widths(specs, grads)?, scale)
+    }
+
     /// The rows `want` names (each table's into its `out`, `ids.len() x dim` in the order
     /// of its ids), every ps asked once for all the tables; rows not yet touched are made
     /// by their ps (`make`), or read as their initial values.

@@ -184,28 +184,12 @@ impl<'s, C: Comm> Ps<'s, C> {
         out: &mut [Vec<f32>],
         make: bool,
     ) -> Result<(), PsError> {
-        let want = (want.iter())
-            .map(|(t, ids)| Ok((*t, self.table(*t)?.dim, *ids)))
-            .collect::<Result<Vec<_>, PsError>>()?;
-        self.client.pull_rows(&want, out, make)
+        self.client.pull_tables(&self.cfg.tables, want, out, make)
     }
 
     /// Sparse gradients of several tables, each ps sent its part of them all at once.
     pub fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), PsError> {
-        let grads = (grads.iter())
-            .map(|(t, g)| Ok((*t, self.table(*t)?.dim, *g)))
-            .collect::<Result<Vec<_>, PsError>>()?;
-        self.client.push_rows(&grads, scale)
-    }
-
-    fn table(&self, table: usize) -> Result<&TableSpec, PsError> {
-        self.cfg.tables.get(table).ok_or_else(|| {
-            PsError::Setup(format!(
-                "{}: no embedding table {table} (the session has {})",
-                self.client.me(),
-                self.cfg.tables.len()
-            ))
-        })
+        self.client.push_tables(&self.cfg.tables, grads, scale)
     }
 
     /// The chief: the ps tasks restore the newest valid checkpoint in `dir`, or take the
