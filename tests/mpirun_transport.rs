@@ -354,6 +354,43 @@ fn benchmarks_print_osu_tables_for_every_path() {
 }
 
 #[test]
+fn rows_moves_embedding_rows_through_the_ps_beside_plain_messages() {
+    let run = mpirun(&[
+        "-np",
+        "4",
+        mpiflow(),
+        "bench",
+        "rows",
+        "--ps",
+        "2",
+        "-m",
+        "64:16384",
+        "-i",
+        "5",
+        "-x",
+        "1",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let t = osu_tables(&run.stdout, "# Size              Rows/s (M)");
+    assert_eq!(t.len(), 2, "{}", run.stdout);
+    for rows in &t {
+        let sizes: Vec<usize> = rows.iter().map(|r| r.0).collect();
+        assert_eq!(sizes, [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]);
+        assert!(rows.iter().all(|r| r.1 > 0.0), "{}", run.stdout);
+    }
+    assert!(
+        run.stdout.contains("# ratio mpiflow/mpi "),
+        "{}",
+        run.stdout
+    );
+    mpirun(&["-np", "2", mpiflow(), "bench", "rows", "--ps", "2"]).assert_one_line_error(
+        "all ranks: benchmark rows needs more than --ps 2 ranks, the job has 2",
+    );
+}
+
+#[test]
 fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
     let run = mpirun(&[
         "-np",
@@ -409,7 +446,7 @@ fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
 fn bad_benchmark_requests_are_one_line_errors() {
     common::mpiflow_alone(&["bench", "pingpong"], &[]).assert_one_line_error(
         "invalid value 'pingpong' for '<NAME>' [possible values: latency, bw, bibw, allreduce, \
-         bcast, allreduce-fused, pushpull, put_latency, get_latency, acc_latency, get_bw]",
+         bcast, allreduce-fused, pushpull, rows, put_latency, get_latency, acc_latency, get_bw]",
     );
     mpirun(&["-np", "1", mpiflow(), "bench", "latency"]).assert_one_line_error(
         "all ranks: benchmark latency needs at least 2 ranks, the job has 1",

@@ -20,6 +20,7 @@ pub mod osu;
 pub mod p2p;
 pub mod pushpull;
 pub mod rma;
+pub mod rows;
 mod verify;
 
 use std::time::Instant;
@@ -59,7 +60,7 @@ pub enum BenchError {
 }
 
 /// The benchmarks `run` knows.
-pub const NAMES: [&str; 11] = [
+pub const NAMES: [&str; 12] = [
     "latency",
     "bw",
     "bibw",
@@ -67,6 +68,7 @@ pub const NAMES: [&str; 11] = [
     "bcast",
     "allreduce-fused",
     "pushpull",
+    "rows",
     "put_latency",
     "get_latency",
     "acc_latency",
@@ -255,7 +257,7 @@ impl Rounds {
 
 /// Checks a benchmark name and its options against the job size (before anything is sent).
 pub fn validate(name: &str, ranks: usize, opts: &BenchOptions) -> Result<(), BenchError> {
-    if name == "pushpull" && ranks <= opts.ps.max(1) {
+    if matches!(name, "pushpull" | "rows") && ranks <= opts.ps.max(1) {
         return Err(BenchError::Ranks {
             name: name.into(),
             need: format!("more than --ps {}", opts.ps.max(1)),
@@ -367,7 +369,12 @@ fn unused_option(name: &str, opts: &BenchOptions) -> Result<(), BenchError> {
             name == "allreduce-fused",
             "allreduce-fused",
         ),
-        ("--ps", opts.ps != d.ps, name == "pushpull", "pushpull"),
+        (
+            "--ps",
+            opts.ps != d.ps,
+            matches!(name, "pushpull" | "rows"),
+            "pushpull and rows",
+        ),
         (
             "--transport",
             opts.transport != d.transport,
@@ -431,6 +438,7 @@ pub fn run(comm: &MpiComm, name: &str, opts: &BenchOptions) -> Result<(), BenchE
     let out = match name {
         "latency" | "bw" | "bibw" => p2p::run(comm, name, opts)?,
         "pushpull" => pushpull::run(comm, &coll, opts)?,
+        "rows" => rows::run(comm, &coll, opts)?,
         n if rma::NAMES.contains(&n) => rma::run(comm, n, opts)?,
         "allreduce" | "bcast" | "allreduce-fused" => collective::run(&coll, name, opts)?,
         other => return Err(BenchError::Unknown(other.into())),

@@ -30,6 +30,21 @@ use crate::transport::{Algorithm, Collectives, Comm, ReduceOp};
 
 const TAG: i32 = 7;
 
+/// A ps rank of `layout` serves until the workers are done and returns `None`; a worker
+/// gets the roles and its index among the workers.
+pub(super) fn serve_or_work<C: Comm>(
+    comm: &C,
+    layout: &Layout,
+    timeout: Duration,
+) -> Result<Option<(Roles, usize)>, PsError> {
+    let roles = Roles::new(layout)?;
+    let me = comm.rank();
+    if let Some(k) = roles.ps_index(me) {
+        return ps::server::serve(comm, &roles, k, timeout).map(|_| None);
+    }
+    Ok(roles.worker_index(me).map(|w| (roles, w)))
+}
+
 /// The mpiflow path over messages: ps ranks serve, workers run `warmup + rounds` rounds of
 /// one push and the pull after it of `floats` floats, sliced evenly over the ps tasks,
 /// through the real protocol (async, SGD). Workers return the mean seconds of a
@@ -41,13 +56,8 @@ fn p2p_rounds<C: Comm>(
     rounds: usize,
     warmup: usize,
 ) -> Result<Option<f64>, PsError> {
-    let roles = Roles::new(layout)?;
     let timeout = Duration::from_secs(60);
-    let me = comm.rank();
-    if let Some(k) = roles.ps_index(me) {
-        return ps::server::serve(comm, &roles, k, timeout).map(|_| None);
-    }
-    let Some(w) = roles.worker_index(me) else {
+    let Some((roles, w)) = serve_or_work(comm, layout, timeout)? else {
         return Ok(None);
     };
     let vars = vec![("model".to_string(), floats)];
@@ -221,7 +231,10 @@ fn raw_sgd_ps(comm: &MpiComm, workers: usize, floats: usize) {
 }
 
 /// Mean over workers of their round time (collective).
-fn mean_over_workers(coll: &Collectives<MpiComm>, mine: Option<f64>) -> Result<f64, BenchError> {
+pub(super) fn mean_over_workers(
+    coll: &Collectives<MpiComm>,
+    mine: Option<f64>,
+) -> Result<f64, BenchError> {
     let mut buf = crate::tensor::AlignedBuf::zeroed(16);
     let (t, w) = (mine.unwrap_or(0.0), if mine.is_some() { 1.0 } else { 0.0 });
     buf.as_mut_slice()[..8].copy_from_slice(&t.to_le_bytes());
@@ -237,22 +250,28 @@ fn mean_over_workers(coll: &Collectives<MpiComm>, mine: Option<f64>) -> Result<f
     Ok(total / workers.max(1.0))
 }
 
+/// The job as `--ps` ps tasks (the first ranks) and workers on one host: the layout, the
+/// ps tasks and the workers.
+pub(super) fn ps_layout(
+    comm: &MpiComm,
+    opts: &BenchOptions,
+) -> Result<(Layout, usize, usize), BenchError> {
+    let (n, ps) = (comm.size(), opts.ps.max(1));
+    let options = MappingOptions {
+        ps,
+        ..Default::default()
+    };
+    let layout =
+        Layout::single_host(n, &options).map_err(|e| BenchError::Validation(e.to_string()))?;
+    Ok((layout, ps, n - ps))
+}
+
 pub fn run(
     comm: &MpiComm,
     coll: &Collectives<MpiComm>,
     opts: &BenchOptions,
 ) -> Result<String, BenchError> {
-    let n = comm.size();
-    let ps = opts.ps.max(1);
-    let workers = n - ps;
-    let l = Layout::single_host(
-        n,
-        &MappingOptions {
-            ps,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| BenchError::Validation(e.to_string()))?;
+    let (l, ps, workers) = ps_layout(comm, opts)?;
     let (min, max) = opts.sizes.unwrap_or((4096, 16 << 20));
     let (mut paths, rounds) = opts.plan();
     if opts.path == Path::Both {

@@ -99,6 +99,19 @@ impl<C: Comm> Tables for PsRows<'_, C> {
         Ok(self.client.push_tables(&self.setup.tables, grads, scale)?)
     }
 
+    fn push_pull_tables(
+        &self,
+        grads: &[(usize, &SparseGrad)],
+        scale: f32,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        let specs = &self.setup.tables;
+        Ok(self
+            .client
+            .push_pull_tables(specs, (grads, scale), want, out)?)
+    }
+
     fn push_scale(&self) -> f32 {
         self.scale
     }

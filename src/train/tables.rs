@@ -43,6 +43,20 @@ pub trait Tables {
     /// by `scale`, every row's home sent its part of them all at once.
     fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError>;
 
+    /// [`Tables::push_tables`], then [`Tables::pull_tables`] of `want` (making rows): the
+    /// next step's rows, pulled after this step's push is applied, each row's home asked
+    /// once for both where rows travel.
+    fn push_pull_tables(
+        &self,
+        grads: &[(usize, &SparseGrad)],
+        scale: f32,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        self.push_tables(grads, scale)?;
+        self.pull_tables(want, out, true)
+    }
+
     /// Rows `ids` of table `table` into `out` ([`Tables::pull_tables`] of one table).
     fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
         self.pull_tables(&[(table, ids)], std::slice::from_mut(out), true)

@@ -197,7 +197,8 @@ pub(crate) enum ProgressArg {
 pub(crate) struct BenchArgs {
     /// The benchmark: OSU's point-to-point (latency, bw, bibw), collectives (allreduce,
     /// bcast) and one-sided ones (put_latency, get_latency, acc_latency, get_bw), fused
-    /// allreduces of many tensors (allreduce-fused), or ps push and pull (pushpull).
+    /// allreduces of many tensors (allreduce-fused), ps push and pull (pushpull), or
+    /// embedding rows pulled and pushed (rows).
     #[arg(value_parser = clap::builder::PossibleValuesParser::new(mpiflow::bench::NAMES))]
     pub(crate) name: String,
     /// Message sizes in bytes, `[MIN:]MAX`, doubling from MIN.
@@ -246,7 +247,7 @@ pub(crate) struct BenchArgs {
     /// Tensors per round in allreduce-fused.
     #[arg(long, default_value_t = 100, value_parser = positive_usize)]
     count: usize,
-    /// Parameter-server tasks in pushpull (the first ranks).
+    /// Parameter-server tasks in pushpull and rows (the first ranks).
     #[arg(long, default_value_t = 1, value_parser = positive_usize)]
     ps: usize,
     /// How pushpull's mpiflow path reaches the ps: messages, or one-sided windows.

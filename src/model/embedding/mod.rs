@@ -16,6 +16,7 @@
 //! - [`table`]: a table's rows and their optimizer state in one process.
 
 pub mod bag;
+mod index;
 pub mod table;
 
 use serde::{Deserialize, Serialize};

@@ -2,10 +2,9 @@
 //! their first touch, updated only where a sparse gradient names them, each with its own
 //! optimizer state.
 
-use std::collections::HashMap;
-
 use serde::{Deserialize, Serialize};
 
+use super::index::{self, RowIndex};
 use super::{EmbeddingError, SparseGrad, TableSpec};
 
 /// How a sparse gradient updates its rows; the state is per row and changes only when
@@ -101,7 +100,7 @@ pub struct Table {
     seed: u64,
     opt: SparseOptimizer,
     /// Each existing row's slot.
-    slot: HashMap<u64, u32>,
+    slot: RowIndex,
     /// Each slot's row.
     ids: Vec<u64>,
     values: Vec<f32>,
@@ -111,6 +110,9 @@ pub struct Table {
 }
 
 impl Table {
+    /// How far ahead of its lookup a batch's id's bucket is prefetched.
+    const AHEAD: usize = 16;
+
     /// A table with no rows yet; a row is made on its first touch from `spec.init` and
     /// `seed`.
     pub fn new(spec: TableSpec, seed: u64, opt: SparseOptimizer) -> Table {
@@ -118,7 +120,7 @@ impl Table {
             spec,
             seed,
             opt,
-            slot: HashMap::new(),
+            slot: RowIndex::default(),
             ids: Vec::new(),
             values: Vec::new(),
             state: Vec::new(),
@@ -147,7 +149,7 @@ impl Table {
     /// The bytes one row of `spec` takes here, updated by `opt`: values, optimizer state,
     /// its id, its pulls and its place in the index.
     pub fn row_bytes(spec: &TableSpec, opt: &SparseOptimizer) -> usize {
-        4 * (spec.dim + opt.state_len(spec.dim)) + 8 + 4 + 16
+        4 * (spec.dim + opt.state_len(spec.dim)) + 8 + 4 + RowIndex::BYTES_PER_ROW
     }
 
     /// The `n` rows pulled most often (in this process's life: a restore starts them at
@@ -173,8 +175,8 @@ impl Table {
 
     /// Row `id`'s slot, made from the initialiser if the row does not exist.
     fn slot_of(&mut self, id: u64) -> Result<usize, EmbeddingError> {
-        if let Some(s) = self.slot.get(&id) {
-            return Ok(*s as usize);
+        if let Some(s) = self.slot.get(id) {
+            return Ok(s as usize);
         }
         self.spec.check(id)?;
         let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
@@ -191,13 +193,35 @@ impl Table {
         Ok(s)
     }
 
+    /// Before the `i`th of a batch's `ids` is served: starts loading the bucket of the id
+    /// [`Self::AHEAD`] places on, and the row and state of the one half as far (whose
+    /// bucket was started before), so that the misses of a batch's lookups overlap.
+    #[inline]
+    fn prefetch(&self, ids: &[u64], i: usize) {
+        if let Some(id) = ids.get(i + Self::AHEAD) {
+            self.slot.prefetch(*id);
+        }
+        let Some(s) = ids
+            .get(i + Self::AHEAD / 2)
+            .and_then(|id| self.slot.get(*id))
+        else {
+            return;
+        };
+        let (d, k, s) = (self.spec.dim, self.opt.state_len(self.spec.dim), s as usize);
+        index::prefetch_values(&self.values[s * d..(s + 1) * d]);
+        if k > 0 {
+            index::prefetch_values(&self.state[s * k..(s + 1) * k]);
+        }
+    }
+
     /// The rows of `ids` into `out` (`ids.len() x dim`, in that order), each made if it
     /// does not exist.
     pub fn pull_into(&mut self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
         let d = self.spec.dim;
         out.clear();
         out.reserve(ids.len() * d);
-        for id in ids {
+        for (i, id) in ids.iter().enumerate() {
+            self.prefetch(ids, i);
             let s = self.slot_of(*id)?;
             self.hits[s] = self.hits[s].saturating_add(1);
             out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
@@ -212,7 +236,8 @@ impl Table {
         let d = self.spec.dim;
         out.clear();
         out.resize(ids.len() * d, 0.0);
-        for (id, row) in ids.iter().zip(out.chunks_exact_mut(d.max(1))) {
+        for (i, (id, row)) in ids.iter().zip(out.chunks_exact_mut(d.max(1))).enumerate() {
+            self.prefetch(ids, i);
             match self.row(*id) {
                 Some(r) => row.copy_from_slice(r),
                 None => {
@@ -227,7 +252,7 @@ impl Table {
     /// Row `id`, if it exists.
     pub fn row(&self, id: u64) -> Option<&[f32]> {
         let d = self.spec.dim;
-        let s = *self.slot.get(&id)? as usize;
+        let s = self.slot.get(id)? as usize;
         Some(&self.values[s * d..(s + 1) * d])
     }
 
@@ -257,7 +282,8 @@ impl Table {
             });
         }
         let mut g = vec![0f32; d];
-        for (id, row) in ids.iter().zip(values.chunks_exact(d.max(1))) {
+        for (i, (id, row)) in ids.iter().zip(values.chunks_exact(d.max(1))).enumerate() {
+            self.prefetch(ids, i);
             let s = self.slot_of(*id)?;
             g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
             let (w, st) = (

@@ -2,7 +2,8 @@
 //! ([`Tables`]: the ps mode, hybrid, local with [`crate::train::tables::LocalRows`]).
 //!
 //! Each step takes this rank's share of the global batch, pulls the rows it names (each
-//! id once), computes the loss and both gradients, pushes the rows' sparse gradient and
+//! id once; with the last step's push where it can, see [`fit`]), computes the loss and
+//! both gradients, pushes the rows' sparse gradient and
 //! hands the dense gradients to the session ([`External::run`]): the step loop does the
 //! rest as for any model (the mode's update, the guard, logs, checkpoints of the dense
 //! state and the rows, signals). A step that cannot be made on one rank (a bad id, a ps
@@ -59,11 +60,21 @@ struct Work {
     grads: Vec<Tensor>,
     sparse: Vec<SparseGrad>,
     ws: DlrmScratch,
+    /// The next step's batch and its rows, pulled with this step's push.
+    next: CtrBatch,
+    next_lookups: Vec<Lookup>,
+    /// The global step whose batch and rows `next` holds, if any.
+    ahead: Option<u64>,
 }
 
 /// Trains in `sess` on `train` until the session stops, evaluating on `test` as `run`
 /// says and at the end (after the last checkpoint, so that it is what was evaluated).
 /// Returns the last evaluation where this rank evaluates.
+///
+/// Where the global step goes one by one (every mode but the asynchronous ps with other
+/// workers), a step's push of its rows' gradient also pulls the next step's rows (one
+/// round trip to each ps per step, not two): those rows hold every update their ps had
+/// applied by then, this rank's own included.
 pub fn fit<'m, S: Strategy<'m> + Tables>(
     sess: &mut Session<'m, '_, S>,
     run: &CtrFit<'_>,
@@ -75,16 +86,27 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
         grads: crate::model::zeros_like(&sess.replica().params),
         ..Work::default()
     };
-    let mut last = None;
+    let (mut last, mut steady) = (None, true);
     while !sess.should_stop() {
         let prev = sess.global_step();
-        let global = batches.global(prev);
         let (n, i) = sess.data_shard();
+        let global = batches.global(prev);
         let mine = data::shard(global, i, n);
         // This rank's share of the update: its samples over the global batch's.
         let share = (mine.len() * n) as f32 / global.len().max(1) as f32;
-        train.batch_into(mine, &mut work.batch);
-        let (loss, times) = match step(sess, run.model, share, &mut work) {
+        let ready = work.ahead == Some(prev);
+        if ready {
+            std::mem::swap(&mut work.batch, &mut work.next);
+            std::mem::swap(&mut work.lookups, &mut work.next_lookups);
+        } else {
+            train.batch_into(mine, &mut work.batch);
+        }
+        // The step after this one, if it can be told now.
+        let next = steady.then_some(prev + 1);
+        if let Some(s) = next {
+            train.batch_into(data::shard(batches.global(s), i, n), &mut work.next);
+        }
+        let (loss, times, pulled) = match step(sess, run.model, (share, ready, next), &mut work) {
             Ok(done) => done,
             Err(why) => return Err(run.dense.refuse(sess, why)),
         };
@@ -100,6 +122,8 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
             .map(Tensor::as_slice::<f32>)
             .collect::<Result<Vec<_>, _>>()?;
         run.dense.run(sess, &grads, loss, work.batch.len())?;
+        steady = sess.global_step() == prev + 1;
+        work.ahead = next.filter(|s| pulled && *s == sess.global_step());
         let every = run.eval_every;
         if every > 0 && sess.global_step() / every > prev / every && sess.evaluates() {
             last = Some(evaluate(sess, run.model, test)?);
@@ -121,21 +145,25 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
 /// push began (each ends where the next begins, the push now).
 type Began = [Instant; 3];
 
-/// This rank's part of a step up to the dense update: rows pulled, gradients computed,
-/// the sparse ones pushed (scaled by the rank's `share`); the loss and when each part
-/// began, or why the step cannot be made here.
+/// This rank's part of a step up to the dense update: rows pulled (unless `ready`: pulled
+/// with the last step's push), gradients computed, the sparse ones pushed (scaled by the
+/// rank's `share`), with the rows of `w.next`'s batch if there is a `next` step; the loss,
+/// when each part began and whether the next step's rows were pulled, or why the step
+/// cannot be made here.
 fn step<'m, S: Strategy<'m> + Tables>(
     sess: &Session<'m, '_, S>,
     model: &Dlrm,
-    share: f32,
+    (share, ready, next): (f32, bool, Option<u64>),
     w: &mut Work,
-) -> Result<(f32, Began), String> {
+) -> Result<(f32, Began, bool), String> {
     let tables = sess.strategy();
     let pulled = Instant::now();
-    model
-        .lookups_into(&w.batch, &mut w.lookups)
-        .map_err(|e| e.to_string())?;
-    pull_lookups(tables, &mut w.lookups, true).map_err(|e| e.to_string())?;
+    if !ready {
+        model
+            .lookups_into(&w.batch, &mut w.lookups)
+            .map_err(|e| e.to_string())?;
+        pull_lookups(tables, &mut w.lookups, true).map_err(|e| e.to_string())?;
+    }
     let computed = Instant::now();
     let params = &sess.replica().params;
     let loss = model
@@ -157,14 +185,44 @@ fn step<'m, S: Strategy<'m> + Tables>(
         if loss.is_finite() {
             return Err(format!("table {}'s gradient is not finite", spec[t].name));
         }
-        return Ok((loss, began));
+        return Ok((loss, began, false));
     }
     let scale = tables.push_scale() * share;
     let grads: Vec<(usize, &SparseGrad)> = w.sparse.iter().enumerate().collect();
-    tables
-        .push_tables(&grads, scale)
+    if next.is_none() {
+        tables
+            .push_tables(&grads, scale)
+            .map_err(|e| e.to_string())?;
+        return Ok((loss, began, false));
+    }
+    model
+        .lookups_into(&w.next, &mut w.next_lookups)
         .map_err(|e| e.to_string())?;
-    Ok((loss, began))
+    with_rows(&mut w.next_lookups, |want, rows| {
+        tables.push_pull_tables(&grads, scale, want, rows)
+    })
+    .map_err(|e| e.to_string())?;
+    Ok((loss, began, true))
+}
+
+/// `fetch(want, rows)` of every lookup's rows (`want`: each table and its unique ids),
+/// into the lookups.
+fn with_rows(
+    lookups: &mut [Lookup],
+    fetch: impl FnOnce(&[(usize, &[u64])], &mut [Vec<f32>]) -> Result<(), TrainError>,
+) -> Result<(), TrainError> {
+    let mut rows: Vec<Vec<f32>> = (lookups.iter_mut())
+        .map(|l| std::mem::take(&mut l.rows))
+        .collect();
+    let want: Vec<(usize, &[u64])> = (lookups.iter().enumerate())
+        .map(|(t, l)| (t, &l.unique.ids[..]))
+        .collect();
+    let fetched = fetch(&want, &mut rows);
+    drop(want);
+    for (l, r) in lookups.iter_mut().zip(rows) {
+        l.rows = r;
+    }
+    fetched
 }
 
 /// Every lookup's rows, from one pull of all the tables (`make`: rows made where new).
@@ -173,18 +231,7 @@ fn pull_lookups<T: Tables>(
     lookups: &mut [Lookup],
     make: bool,
 ) -> Result<(), TrainError> {
-    let mut rows: Vec<Vec<f32>> = (lookups.iter_mut())
-        .map(|l| std::mem::take(&mut l.rows))
-        .collect();
-    let want: Vec<(usize, &[u64])> = (lookups.iter().enumerate())
-        .map(|(t, l)| (t, &l.unique.ids[..]))
-        .collect();
-    let pulled = tables.pull_tables(&want, &mut rows, make);
-    drop(want);
-    for (l, r) in lookups.iter_mut().zip(rows) {
-        l.rows = r;
-    }
-    pulled
+    with_rows(lookups, |want, rows| tables.pull_tables(want, rows, make))
 }
 
 /// Evaluates the current parameters and rows on `test` (each rank that evaluates its

@@ -114,11 +114,13 @@ pub enum Request {
     PullRows { parts: Vec<RowsPart> },
     /// Sparse gradients of the rows `parts` name (each this ps's), scaled by `scale` and
     /// applied at once; the payload is `values` floats, a row's gradient per id, part by
-    /// part.
+    /// part. Then, if `pull` names rows, a [`Request::PullRows`] of them (the next step's
+    /// rows in the same round trip), else [`Reply::Ok`].
     PushRows {
         parts: Vec<RowsPart>,
         scale: f32,
         values: usize,
+        pull: Vec<RowsPart>,
     },
     /// [`Request::PullRows`] without making rows: one that does not exist is answered
     /// with its initial values (an evaluation's read).
@@ -517,6 +519,7 @@ mod tests {
             }],
             scale: 1.0,
             values: 8,
+            pull: Vec::new(),
         };
         assert_eq!(rows.payload(0), vec![8]);
         assert!(Request::Done { stop: None }.payload(0).is_empty());

@@ -60,6 +60,97 @@ impl Split {
 /// A table's rows a caller asks for: the table, its rows' width, the ids.
 pub type Wanted<'a> = (usize, usize, &'a [u64]);
 
+/// Rows on their way from the ps tasks: what each ps was asked for, and its rows as they
+/// arrive (all tables' rows of a ps in one reply, part by part).
+struct Pulling {
+    split: Vec<Split>,
+    got: Vec<Vec<f32>>,
+}
+
+impl Pulling {
+    fn new(want: &[Wanted<'_>], nps: usize) -> Pulling {
+        let split: Vec<Split> = (want.iter())
+            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
+            .collect();
+        let got = (0..nps)
+            .map(|k| vec![0.0; split.iter().map(|s| s.values(k)).sum()])
+            .collect();
+        Pulling { split, got }
+    }
+
+    /// Ps `k`'s parts of the request, of the tables `split`.
+    fn parts(split: &[Split], k: usize) -> Vec<RowsPart> {
+        split.iter().map(|s| s.part(k)).collect()
+    }
+
+    /// Ps `k`'s reply and its rows into `got` (inline in the reply's message, or the pieces
+    /// after it).
+    fn take<C: Comm>(
+        client: &Client<'_, C>,
+        k: usize,
+        got: &mut [f32],
+        reply: &Reply,
+        inline_bytes: &[u8],
+    ) -> Result<(), PsError> {
+        let roles = client.roles;
+        let wrong = |what: String| PsError::Remote {
+            task: roles.task(roles.ps[k]),
+            message: what,
+        };
+        let want = got.len();
+        if *reply != (Reply::Rows { values: want }) {
+            return Err(wrong(format!(
+                "answered a pull of {want} values of rows with {reply:?}"
+            )));
+        }
+        if inline([want]) {
+            return match read_inline(inline_bytes, [&mut got[..]]) {
+                true => Ok(()),
+                false => Err(wrong(format!(
+                    "sent {} values for rows of {want}",
+                    inline_bytes.len() / 4
+                ))),
+            };
+        }
+        let (r, data) = (roles.ps[k], payload_tag(client.comm));
+        let mut into: Vec<_> = (got.chunks_mut(super::protocol::PIECE_FLOATS))
+            .map(|piece| (f32_bytes_mut(piece), r, data))
+            .collect();
+        match receive_all_within(client.comm, &mut into, client.timeout * 2)? {
+            Received::Done => Ok(()),
+            Received::TimedOut { from } => Err(client.lost(from)),
+            Received::Length { want, .. } => Err(wrong(format!(
+                "sent a piece of rows of another length than {want} bytes"
+            ))),
+        }
+    }
+
+    /// The rows of a round that ended `taken` into each table's `out` (`ids.len() x dim`
+    /// in the order of its ids); after an error the rows' memory is given up (receives
+    /// into it may still be in flight).
+    fn finish(self, taken: Result<(), PsError>, out: &mut [Vec<f32>]) -> Result<(), PsError> {
+        if let Err(e) = taken {
+            std::mem::forget(self.got);
+            return Err(e);
+        }
+        let (split, got) = (self.split, self.got);
+        let mut at = vec![0usize; got.len()];
+        for (s, out) in split.iter().zip(out.iter_mut()) {
+            let d = s.dim;
+            out.clear();
+            out.resize(s.places.iter().map(Vec::len).sum::<usize>() * d, 0.0);
+            for (k, places) in s.places.iter().enumerate() {
+                let rows = &got[k][at[k]..at[k] + places.len() * d];
+                at[k] += places.len() * d;
+                for (row, i) in rows.chunks_exact(d.max(1)).zip(places) {
+                    out[i * d..(i + 1) * d].copy_from_slice(row);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<C: Comm> Client<'_, C> {
     /// `want`'s tables (each a table's index and what goes with it) with their rows'
     /// widths among `specs`; an error naming this worker and a table it does not have.
@@ -101,6 +192,18 @@ impl<C: Comm> Client<'_, C> {
         self.push_rows(&self.widths(specs, grads)?, scale)
     }
 
+    /// [`Client::push_pull_rows`] of tables among `specs`.
+    pub fn push_pull_tables(
+        &self,
+        specs: &[TableSpec],
+        (grads, scale): (&[(usize, &SparseGrad)], f32),
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), PsError> {
+        let (grads, want) = (self.widths(specs, grads)?, self.widths(specs, want)?);
+        self.push_pull_rows(&grads, scale, &want, out)
+    }
+
     /// The rows `want` names (each table's into its `out`, `ids.len() x dim` in the order
     /// of its ids), every ps asked once for all the tables; rows not yet touched are made
     /// by their ps (`make`), or read as their initial values.
@@ -110,76 +213,22 @@ impl<C: Comm> Client<'_, C> {
         out: &mut [Vec<f32>],
         make: bool,
     ) -> Result<(), PsError> {
-        let nps = self.roles.ps.len();
-        let split: Vec<Split> = (want.iter())
-            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
-            .collect();
-        let lens: Vec<usize> = (0..nps)
-            .map(|k| split.iter().map(|s| s.values(k)).sum())
-            .collect();
-        let mut got: Vec<Vec<f32>> = lens.iter().map(|n| vec![0.0; *n]).collect();
-        let data = payload_tag(self.comm);
-        let take = |k: usize, reply: &Reply, inline_bytes: &[u8]| -> Result<(), PsError> {
-            let task = || self.roles.task(self.roles.ps[k]);
-            let wrong = |what: String| PsError::Remote {
-                task: task(),
-                message: what,
-            };
-            let want = got[k].len();
-            if *reply != (Reply::Rows { values: want }) {
-                return Err(wrong(format!(
-                    "answered a pull of {want} values of rows with {reply:?}"
-                )));
-            }
-            if inline([want]) {
-                return match read_inline(inline_bytes, [&mut got[k][..]]) {
-                    true => Ok(()),
-                    false => Err(wrong(format!(
-                        "sent {} values for rows of {want}",
-                        inline_bytes.len() / 4
-                    ))),
-                };
-            }
-            let r = self.roles.ps[k];
-            let mut into: Vec<_> = (got[k].chunks_mut(super::protocol::PIECE_FLOATS))
-                .map(|piece| (f32_bytes_mut(piece), r, data))
-                .collect();
-            match receive_all_within(self.comm, &mut into, self.timeout * 2)? {
-                Received::Done => Ok(()),
-                Received::TimedOut { from } => Err(self.lost(from)),
-                Received::Length { want, .. } => Err(wrong(format!(
-                    "sent a piece of rows of another length than {want} bytes"
-                ))),
-            }
-        };
+        let mut pulling = Pulling::new(want, self.roles.ps.len());
+        let split = &pulling.split;
         let request = |k: usize| {
-            let parts = split.iter().map(|s| s.part(k)).collect();
+            let parts = Pulling::parts(split, k);
             match make {
                 true => Request::PullRows { parts },
                 false => Request::ReadRows { parts },
             }
         };
-        if let Err(e) = self.round_then(request, |_| Vec::new(), take) {
-            // Receives into the rows may still be in flight after an error.
-            std::mem::forget(got);
-            return Err(e);
-        }
-        for (s, out) in split.iter().zip(out.iter_mut()) {
-            out.clear();
-            out.resize(s.places.iter().map(Vec::len).sum::<usize>() * s.dim, 0.0);
-        }
-        let mut at = vec![0usize; nps];
-        for (s, out) in split.iter().zip(out.iter_mut()) {
-            let d = s.dim;
-            for (k, places) in s.places.iter().enumerate() {
-                let rows = &got[k][at[k]..at[k] + places.len() * d];
-                at[k] += places.len() * d;
-                for (row, i) in rows.chunks_exact(d.max(1)).zip(places) {
-                    out[i * d..(i + 1) * d].copy_from_slice(row);
-                }
-            }
-        }
-        Ok(())
+        let got = &mut pulling.got;
+        let taken = self.round_then(
+            request,
+            |_| Vec::new(),
+            |k, reply, bytes| Pulling::take(self, k, &mut got[k], reply, bytes),
+        );
+        pulling.finish(taken.map(drop), out)
     }
 
     /// Pushes the sparse gradients `grads` (each of table `table`, `dim` values a row)
@@ -190,7 +239,27 @@ impl<C: Comm> Client<'_, C> {
         grads: &[(usize, usize, &SparseGrad)],
         scale: f32,
     ) -> Result<(), PsError> {
+        self.push_pull_rows(grads, scale, &[], &mut [])
+    }
+
+    /// [`Client::push_rows`] whose requests also ask for the rows `want` names after the
+    /// push is applied, as [`Client::pull_rows`] would (made where new) in a second round:
+    /// one round trip per ps for a step's push and the next step's pull, where that is
+    /// safe (as [`Client::fused`] says of parameters: one ps task, or every ps's rows in
+    /// its reply's message); else the two rounds.
+    pub fn push_pull_rows(
+        &self,
+        grads: &[(usize, usize, &SparseGrad)],
+        scale: f32,
+        want: &[Wanted<'_>],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), PsError> {
         let nps = self.roles.ps.len();
+        let ahead = Pulling::new(want, nps);
+        if nps > 1 && !ahead.got.iter().all(|g| inline([g.len()])) {
+            self.push_pull_rows(grads, scale, &[], &mut [])?;
+            return self.pull_rows(want, out, true);
+        }
         let split: Vec<Split> = (grads.iter())
             .map(|(t, dim, g)| Split::of(*t, *dim, &g.ids, nps))
             .collect();
@@ -205,26 +274,32 @@ impl<C: Comm> Client<'_, C> {
                 v
             })
             .collect();
+        let mut pulling = ahead;
+        let pull = &pulling.split;
         let request = |k: usize| Request::PushRows {
-            parts: split.iter().map(|s| s.part(k)).collect(),
+            parts: Pulling::parts(&split, k),
             scale,
             values: payload[k].len(),
+            pull: Pulling::parts(pull, k),
         };
-        let replies = self.round_then(request, |k| vec![&payload[k][..]], |_, _, _| Ok(()));
-        match replies {
-            Ok((replies, _)) => match replies.iter().find(|r| !matches!(r, Reply::Ok { .. })) {
-                None => Ok(()),
-                Some(other) => Err(PsError::Remote {
+        let (pulls, got) = (!want.is_empty(), &mut pulling.got);
+        let taken = self.round_then(
+            request,
+            |k| vec![&payload[k][..]],
+            |k, reply, bytes| match (pulls, reply) {
+                (true, _) => Pulling::take(self, k, &mut got[k], reply, bytes),
+                (false, Reply::Ok { .. }) => Ok(()),
+                (false, other) => Err(PsError::Remote {
                     task: self.me(),
                     message: format!("a ps answered a push of rows with {other:?}"),
                 }),
             },
-            Err(e) => {
-                // MPI may still read the payload after an error.
-                std::mem::forget(payload);
-                Err(e)
-            }
+        );
+        if taken.is_err() {
+            // MPI may still read the payload after an error.
+            std::mem::forget(payload);
         }
+        pulling.finish(taken.map(drop), out)
     }
 
     /// The chief: every ps's report of its tables' rows and the requests they served.
@@ -329,6 +404,53 @@ mod tests {
                 bad.ends_with("no embedding table 1 (the session has 1)"),
                 "{bad}"
             );
+        }
+    }
+
+    /// A push that carries the next pull gives the rows a local table has after the push,
+    /// on one ps task and on two, for rows in the reply's message and rows as pieces (two
+    /// rounds on two ps tasks, where one would risk a cycle).
+    #[test]
+    fn a_push_carrying_the_next_pull_gives_the_rows_after_the_push() {
+        use crate::train::tables::Tables;
+        let spec = TableSpec::new("emb", 1 << 30, 3);
+        let few: Vec<u64> = (0..5u64).map(|i| i * 101).collect();
+        let many: Vec<u64> = (0..12_000u64).map(|i| i * 7919).collect();
+        for ps in [1, 2] {
+            for ids in [&few, &many] {
+                let mut c = cfg(3, true);
+                c.tables = vec![spec.clone()];
+                c.sparse = SparseOptimizer::adagrad(0.5);
+                let grad = SparseGrad {
+                    ids: ids.clone(),
+                    values: (0..ids.len() * 3).map(|i| (i % 5) as f32 - 2.0).collect(),
+                };
+                let next: Vec<u64> = ids.iter().map(|i| i + 1).chain([ids[0]]).collect();
+                let mut local = Table::new(spec.clone(), c.train.seed, c.sparse);
+                let mut want = Vec::new();
+                local.pull_into(ids, &mut want).unwrap();
+                local.apply(&grad, 0.25).unwrap();
+                local.pull_into(&next, &mut want).unwrap();
+                let l = layout(ps + 1, ps);
+                let model = crate::model::mlp(4, &[3], 2).unwrap();
+                let out = LocalComm::run(ps + 1, |comm| {
+                    let roles = Roles::new(&l).unwrap();
+                    if let Some(k) = roles.ps_index(comm.rank()) {
+                        server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
+                        return None;
+                    }
+                    let sess = Session::for_worker(&comm, &roles, &model, &c).unwrap();
+                    let ps = sess.strategy();
+                    ps.pull_rows(0, ids, &mut Vec::new()).unwrap();
+                    let mut got = vec![Vec::new()];
+                    ps.push_pull_tables(&[(0, &grad)], 0.25, &[(0, &next)], &mut got)
+                        .unwrap();
+                    sess.close().unwrap();
+                    got.pop()
+                });
+                let got = out.into_iter().flatten().next().unwrap();
+                assert_eq!(got, want, "{ps} ps, {} ids", ids.len());
+            }
         }
     }
 }

@@ -500,6 +500,19 @@ impl<C: Comm> crate::train::tables::Tables for Ps<'_, C> {
         Ok(Ps::push_tables(self, grads, scale)?)
     }
 
+    fn push_pull_tables(
+        &self,
+        grads: &[(usize, &SparseGrad)],
+        scale: f32,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        let specs = &self.cfg.tables;
+        Ok(self
+            .client
+            .push_pull_tables(specs, (grads, scale), want, out)?)
+    }
+
     fn rows_report(&self) -> Result<Vec<crate::train::tables::RowsReport>, TrainError> {
         Ok(self.client.stats()?)
     }

@@ -89,9 +89,9 @@ impl<C: Comm> Server<'_, C> {
                     .collect();
                 self.reply(from, &Reply::Stats { tables })
             }
-            Request::PushRows { parts, scale, .. } => {
-                self.push_rows(from, &parts, scale, &lens, inline_bytes)
-            }
+            Request::PushRows {
+                parts, scale, pull, ..
+            } => self.push_rows(from, (&parts, scale, &pull), &lens, inline_bytes),
             Request::Save { dir } => {
                 let file = shards::file_of(self.k, self.stage);
                 match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {

@@ -152,13 +152,13 @@ impl<C: Comm> Server<'_, C> {
         Err(self.lose(from))
     }
 
-    /// Worker rank `from`'s sparse gradients of the rows `parts` name, scaled by `scale`:
-    /// its payload taken, then applied to those rows at once; `Ok` to the worker.
+    /// Worker rank `from`'s sparse gradients of the rows `parts` name, scaled by `scale`
+    /// (`push`): its payload taken, then applied to those rows at once; then the rows
+    /// `pull` names to the worker as [`Self::pull_rows`] sends them, or `Ok` if none.
     pub(super) fn push_rows(
         &mut self,
         from: usize,
-        parts: &[RowsPart],
-        scale: f32,
+        (parts, scale, pull): (&[RowsPart], f32, &[RowsPart]),
         lens: &[usize],
         inline_bytes: &[u8],
     ) -> Result<(), PsError> {
@@ -172,7 +172,8 @@ impl<C: Comm> Server<'_, C> {
             .and(taken)
             .and_then(|()| self.apply_parts(parts, scale));
         match applied {
-            Ok(()) => self.ok(from),
+            Ok(()) if pull.is_empty() => self.ok(from),
+            Ok(()) => self.pull_rows(from, pull, true),
             Err(e) => self.error(from, e),
         }
     }
