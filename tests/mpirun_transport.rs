@@ -353,6 +353,9 @@ fn benchmarks_print_osu_tables_for_every_path() {
     );
 }
 
+/// To 1 MiB of rows per worker: each round's push carries the next pull, and both ps
+/// tasks reply to both workers with pieces after their replies (with the workers taking
+/// no reply before their sends completed, 2 of 3 such jobs deadlocked).
 #[test]
 fn rows_moves_embedding_rows_through_the_ps_beside_plain_messages() {
     let run = mpirun(&[
@@ -364,7 +367,7 @@ fn rows_moves_embedding_rows_through_the_ps_beside_plain_messages() {
         "--ps",
         "2",
         "-m",
-        "64:16384",
+        "64:1048576",
         "-i",
         "5",
         "-x",
@@ -377,7 +380,8 @@ fn rows_moves_embedding_rows_through_the_ps_beside_plain_messages() {
     assert_eq!(t.len(), 2, "{}", run.stdout);
     for rows in &t {
         let sizes: Vec<usize> = rows.iter().map(|r| r.0).collect();
-        assert_eq!(sizes, [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]);
+        let doubling: Vec<usize> = (6..=20).map(|k| 1 << k).collect();
+        assert_eq!(sizes, doubling);
         assert!(rows.iter().all(|r| r.1 > 0.0), "{}", run.stdout);
     }
     assert!(
@@ -390,6 +394,9 @@ fn rows_moves_embedding_rows_through_the_ps_beside_plain_messages() {
     );
 }
 
+/// To 1 MiB: each of the 2 ps tasks replies to each of the 2 workers' fused push and pull
+/// with pieces after its reply (a cycle if a worker took no reply before its sends to both
+/// ps tasks completed).
 #[test]
 fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
     let run = mpirun(&[
@@ -401,7 +408,7 @@ fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
         "--ps",
         "2",
         "-m",
-        "4096:65536",
+        "4096:1048576",
         "-i",
         "5",
         "-x",
@@ -430,7 +437,7 @@ fn pushpull_runs_the_ps_protocol_beside_plain_messages() {
     for rows in &t {
         assert_eq!(
             rows.iter().map(|r| r.0).collect::<Vec<_>>(),
-            [4096, 8192, 16384, 32768, 65536]
+            [4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576]
         );
         assert!(rows.iter().all(|r| r.1 > 0.0));
     }

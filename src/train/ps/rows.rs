@@ -244,9 +244,7 @@ impl<C: Comm> Client<'_, C> {
 
     /// [`Client::push_rows`] whose requests also ask for the rows `want` names after the
     /// push is applied, as [`Client::pull_rows`] would (made where new) in a second round:
-    /// one round trip per ps for a step's push and the next step's pull, where that is
-    /// safe (as [`Client::fused`] says of parameters: one ps task, or every ps's rows in
-    /// its reply's message); else the two rounds.
+    /// one round trip per ps for a step's push and the next step's pull.
     pub fn push_pull_rows(
         &self,
         grads: &[(usize, usize, &SparseGrad)],
@@ -255,11 +253,6 @@ impl<C: Comm> Client<'_, C> {
         out: &mut [Vec<f32>],
     ) -> Result<(), PsError> {
         let nps = self.roles.ps.len();
-        let ahead = Pulling::new(want, nps);
-        if nps > 1 && !ahead.got.iter().all(|g| inline([g.len()])) {
-            self.push_pull_rows(grads, scale, &[], &mut [])?;
-            return self.pull_rows(want, out, true);
-        }
         let split: Vec<Split> = (grads.iter())
             .map(|(t, dim, g)| Split::of(*t, *dim, &g.ids, nps))
             .collect();
@@ -274,7 +267,7 @@ impl<C: Comm> Client<'_, C> {
                 v
             })
             .collect();
-        let mut pulling = ahead;
+        let mut pulling = Pulling::new(want, nps);
         let pull = &pulling.split;
         let request = |k: usize| Request::PushRows {
             parts: Pulling::parts(&split, k),

@@ -106,8 +106,9 @@ pub fn send_all_taking<C: Comm>(
 }
 
 /// Starts every message of `out` and waits at most `deadline` for all, calling
-/// `meanwhile` while any is pending (its `Some` ends the wait with that outcome).
-fn send_all_then<C: Comm>(
+/// `meanwhile` while any is pending (its `Some` ends the wait with that outcome). After
+/// anything but [`Sent::Done`], sends may still be in flight (see [`send_all_within`]).
+pub fn send_all_then<C: Comm>(
     c: &C,
     out: &[Outgoing<'_>],
     deadline: Duration,

@@ -13,7 +13,7 @@ use super::protocol::{
 };
 use super::roles::Roles;
 use super::wire::{
-    notify, receive_all_within, receive_within, reply_of, send_all_within, Incoming, Outgoing,
+    notify, receive_all_within, receive_within, reply_of, send_all_then, Incoming, Outgoing,
     Received, Sent,
 };
 use super::PsError;
@@ -149,11 +149,12 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     /// [`Client::round`] that takes what follows each ps's reply (`then(k, reply, inline
-    /// payload)`) as soon as that reply is in, ps by ps in their order, before awaiting the
-    /// next ps's reply; returns the replies and when the request's sends completed.
-    /// The order matters: a ps waits for its reply's payload to be taken before it serves
-    /// anyone else, so a worker that awaited every reply first could wait on a ps that
-    /// waits on another worker that waits on this worker's first ps.
+    /// payload)`) as soon as that reply is in, while this worker's own sends are still in
+    /// flight too; returns the replies and when the request's sends completed.
+    /// Taking each reply whole as it comes is what keeps a round from a cycle: a ps waits
+    /// for its reply's pieces to be taken before it serves anyone else, so a worker that
+    /// took no reply before its sends to every ps completed could wait on a second ps that
+    /// replies to another worker, itself sending to the first ps, which waits on this one.
     pub(super) fn round_then<'p>(
         &self,
         request: impl Fn(usize) -> Request,
@@ -181,46 +182,78 @@ impl<'a, C: Comm> Client<'a, C> {
                 out.push((f32_bytes(piece), *r, data));
             }
         }
-        let mut early = vec![None; self.roles.ps.len()];
-        let sent = send_all_within(self.comm, &out, deadline, &self.roles.ps, &mut early);
-        match sent {
-            Ok(Sent::Done) => {}
-            other => {
-                std::mem::forget(headers);
-                return Err(match other? {
-                    Sent::TimedOut { to } => self.lost(to),
-                    Sent::Interrupted(message) => self.remote(message),
-                    Sent::Done => unreachable!("matched above"),
-                });
+        let mut taken: Vec<Option<Reply>> = self.roles.ps.iter().map(|_| None).collect();
+        let mut failed = None;
+        let rtag = reply_tag(self.comm);
+        let sent = send_all_then(self.comm, &out, deadline, || {
+            for (k, r) in self.roles.ps.iter().enumerate() {
+                if taken[k].is_some() {
+                    continue;
+                }
+                let Some((_, m)) = self.comm.try_receive(*r, rtag, deadline)? else {
+                    continue;
+                };
+                match self.take_reply(k, &m, &mut then) {
+                    Ok(reply) => taken[k] = Some(reply),
+                    Err(e) => {
+                        failed = Some(e);
+                        return Ok(Some(Sent::Interrupted(String::new())));
+                    }
+                }
             }
+            Ok(None)
+        });
+        if !matches!(sent, Ok(Sent::Done)) {
+            std::mem::forget(headers);
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            return Err(match sent? {
+                Sent::TimedOut { to } => self.lost(to),
+                Sent::Interrupted(message) => self.remote(message),
+                Sent::Done => unreachable!("matched above"),
+            });
         }
         let sent = Instant::now();
-        let mut replies = Vec::with_capacity(early.len());
-        // A step the ps tasks did not apply: every ps's reply is taken, then the verdict.
-        let mut not_applied = None;
-        for (k, (seen, r)) in early.into_iter().zip(&self.roles.ps).enumerate() {
-            let m = match seen {
-                Some(m) => m,
-                None => match receive_within(self.comm, *r, reply_tag(self.comm), deadline) {
-                    Ok(Some((_, m))) => m,
-                    Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
-                    Err(e) => return Err(e.into()),
-                },
+        for (k, r) in self.roles.ps.iter().enumerate() {
+            if taken[k].is_some() {
+                continue;
+            }
+            let m = match receive_within(self.comm, *r, rtag, deadline) {
+                Ok(Some((_, m))) => m,
+                Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
+                Err(e) => return Err(e.into()),
             };
-            // The ps already names itself and the lost task.
-            let (reply, inline) = reply_of(&m).map_err(|message| self.remote(message))?;
+            taken[k] = Some(self.take_reply(k, &m, &mut then)?);
+        }
+        // A step the ps tasks did not apply: every ps's reply is taken, then the verdict.
+        let mut replies = Vec::with_capacity(taken.len());
+        let mut not_applied = None;
+        for reply in taken.into_iter().flatten() {
             match reply {
                 Reply::NotApplied { why } => not_applied = not_applied.or(Some(why)),
-                reply => {
-                    then(k, &reply, inline)?;
-                    replies.push(reply);
-                }
+                reply => replies.push(reply),
             }
         }
         match not_applied {
             Some(why) => Err(PsError::NotApplied(why)),
             None => Ok((replies, sent)),
         }
+    }
+
+    /// Ps `k`'s reply in message `m`, what follows it taken by `then` (unless the ps did
+    /// not apply the step); an error reply is the ps's error (it names itself).
+    fn take_reply(
+        &self,
+        k: usize,
+        m: &[u8],
+        then: &mut impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
+    ) -> Result<Reply, PsError> {
+        let (reply, inline) = reply_of(m).map_err(|message| self.remote(message))?;
+        if !matches!(reply, Reply::NotApplied { .. }) {
+            then(k, &reply, inline)?;
+        }
+        Ok(reply)
     }
 
     /// The chief: hands every ps its setup and initial values `init` (per variable). On an
@@ -271,10 +304,9 @@ impl<'a, C: Comm> Client<'a, C> {
 
     /// A push of gradients `grads` (per variable) and the pull that follows it (the
     /// parameters once the global step is at least `then.step`, into `params` in place):
-    /// as [`Client::push`], then [`Client::pull`], but in one request to each ps where it
-    /// is safe, [`Client::fused`]. Returns what the pull brought and when the push's
-    /// sends completed. On an error `grads` and `params` are given up (MPI may still read
-    /// or write them) and left empty.
+    /// as [`Client::push`], then [`Client::pull`], but in one request to each ps. Returns
+    /// what the pull brought and when the push's sends completed. On an error `grads` and
+    /// `params` are given up (MPI may still read or write them) and left empty.
     pub fn push_pull(
         &self,
         push: Gradients,
@@ -282,28 +314,12 @@ impl<'a, C: Comm> Client<'a, C> {
         then: Then,
         params: &mut Vec<Tensor>,
     ) -> Result<(Pulled, Instant), PsError> {
-        if !self.fused() {
-            let pushed = self.push(push.step, push.samples, push.loss, grads, push.note);
-            let sent = Instant::now();
-            pushed.inspect_err(|_| give_up(params))?;
-            return Ok((self.pull(then.step, then.report, params)?, sent));
-        }
         let request = |k: usize| self.push_request(&push, k, Some(then));
         let r = self.exchange(request, |k| self.gather(k, grads), params);
         r.inspect_err(|_| {
             give_up(grads);
             give_up(params);
         })
-    }
-
-    /// Whether a push and its pull may go in one request to each ps: with one ps task, or
-    /// parameters that ride in every ps's reply header. A reply's separate pieces go out
-    /// in sends the ps waits on; with several ps tasks, one replying so to this worker
-    /// while it still sends to a second, itself replying to a worker that waits on the
-    /// first, would wait for good.
-    pub fn fused(&self) -> bool {
-        let ps = self.roles.ps.len();
-        ps == 1 || (0..ps).all(|k| inline(self.mine(k).map(|s| s.len)))
     }
 
     /// A pull that brought parameters of other lengths than this worker's model holds:
