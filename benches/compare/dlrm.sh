@@ -15,7 +15,8 @@
 # 2 ps + 2 workers, mpiflow ps (sync) with 1 ps + 3 workers, then PyTorch DDP on 4, 3 and
 # 2 ranks, then TensorFlow with 1 ps + 3 workers and 2 ps + 2 workers (and its chief, the
 # coordinator that dispatches the steps: 5 processes) where $MPIFLOW_TF_VENV (default
-# ../venv-tf) has tensorflow. mpiflow's rate is its last logged window's samples/s (the first holds the
+# ../venv-tf) has tensorflow; then the baselines, one process each without a cluster:
+# mpiflow local, PyTorch on 1 rank, TensorFlow without its strategy. mpiflow's rate is its last logged window's samples/s (the first holds the
 # start-up; its samples are made as it trains, inside the time); PyTorch's the global
 # batch over the wall time of the steps after its warm-up (its batches made before);
 # TensorFlow's the samples of the steps scheduled after its warm-up over their wall time. Prints
@@ -43,9 +44,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
-# mpiflow's samples/s: MODE PS, 4 processes.
+# mpiflow's samples/s: MODE PS, 4 processes (local: one).
 ours() {
-  timeout 600 mpirun --oversubscribe -np 4 target/release/mpiflow train --mode "$1" --ps "$2" \
+  local launch=(mpirun --oversubscribe -np 4)
+  [[ $1 == local ]] && launch=()
+  timeout 600 "${launch[@]}" target/release/mpiflow train --mode "$1" --ps "$2" \
     --model dlrm --data "synthetic-ctr:samples=2000000,features=$FEATURES,rows=$ROWS" \
     --embedding-dim "$DIM" --bottom 64 --top 64 --batch "$BATCH" --steps "$STEPS" \
     --blas-threads 1 --log-every $((STEPS / 4)) --progress lines >"$log" 2>&1 ||
@@ -74,11 +77,20 @@ tensorflow() {
   awk '/^tf samples/ { print $3 }' "$log"
 }
 
-paths=("hybrid 1ps+3w" "hybrid 2ps+2w" "ps-sync 1ps+3w" "torch-ddp 4" "torch-ddp 3" "torch-ddp 2")
+# TensorFlow's samples/s in one process, without the strategy (the baseline).
+tensorflow_local() {
+  TF_CPP_MIN_LOG_LEVEL=2 timeout 900 "$TF_VENV/bin/python" -W ignore benches/compare/dlrm_tf.py \
+    --local --features "$FEATURES" --rows "$ROWS" --dim "$DIM" --batch "$BATCH" \
+    --steps "$TF_STEPS" >"$log" 2>&1 || { grep -v '^WARNING' "$log" | tail -5 >&2; exit 1; }
+  awk '/^tf samples/ { print $3 }' "$log"
+}
+
+paths=("hybrid 1ps+3w" "hybrid 2ps+2w" "ps-sync 1ps+3w" "torch-ddp 4" "torch-ddp 3" "torch-ddp 2"
+  "mpiflow local 1" "torch 1")
 tf=false
 if "$TF_VENV/bin/python" -c "import tensorflow" 2>/dev/null; then
   tf=true
-  paths+=("tf-ps 1ps+3w" "tf-ps 2ps+2w")
+  paths+=("tf-ps 1ps+3w" "tf-ps 2ps+2w" "tf local 1")
 else
   echo "no tensorflow in $TF_VENV: TensorFlow's columns left out (benches/compare/tf.sh --install)" >&2
 fi
@@ -88,9 +100,12 @@ for round in $(seq "$ROUNDS"); do
   all["hybrid 2ps+2w"]+=" $(ours hybrid 2)"
   all["ps-sync 1ps+3w"]+=" $(ours ps 1)"
   for n in 4 3 2; do all["torch-ddp $n"]+=" $(theirs "$n")"; done
+  all["mpiflow local 1"]+=" $(ours local 0)"
+  all["torch 1"]+=" $(theirs 1)"
   if $tf; then
     all["tf-ps 1ps+3w"]+=" $(tensorflow 1 3)"
     all["tf-ps 2ps+2w"]+=" $(tensorflow 2 2)"
+    all["tf local 1"]+=" $(tensorflow_local)"
   fi
   echo "round $round done" >&2
 done

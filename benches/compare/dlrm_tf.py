@@ -20,6 +20,9 @@ the coordinator's round trips. `--batch` is the global batch: each step of a wor
 ids folded into each table, standard-normal dense features, random labels, 32 batches
 per worker made before the clock starts, cycled. One intra-op thread per task.
 
+`--local`: the same steps in one process without the strategy or a cluster, the baseline
+beside mpiflow's and PyTorch's single-process rates.
+
 Workers and ps tasks serve until the chief writes `--done-file` (TensorFlow's servers
 `join()` forever). The chief prints `tf samples/s X steps N`: the samples of the steps
 scheduled after the warm-up over their wall time.
@@ -43,12 +46,19 @@ p.add_argument("--steps", type=int, default=300, help="worker steps in all")
 p.add_argument("--warmup", type=int, default=30)
 p.add_argument("--steps-per-call", type=int, default=10)
 p.add_argument("--sparse-lr", type=float, default=0.05)
-p.add_argument("--done-file", required=True)
+p.add_argument("--done-file")
+p.add_argument("--local", action="store_true",
+               help="one process, no cluster: the same steps without the strategy (a baseline)")
 args = p.parse_args()
 DENSE = 13
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+if args.local:
+    os.environ.pop("TF_CONFIG", None)
 resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+if not args.local and args.done_file is None:
+    sys.exit("--done-file is needed in a cluster")
 if resolver.task_type in ("worker", "ps"):
     server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
                                   task_index=resolver.task_id, protocol="grpc", start=True)
@@ -56,13 +66,15 @@ if resolver.task_type in ("worker", "ps"):
         time.sleep(0.2)
     sys.exit(0)
 
-num_ps = resolver.cluster_spec().num_tasks("ps")
-workers = resolver.cluster_spec().num_tasks("worker")
-strategy = tf.distribute.ParameterServerStrategy(
-    resolver,
-    variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=256 << 10, max_shards=num_ps))
-coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+if args.local:
+    workers, strategy = 1, tf.distribute.get_strategy()
+else:
+    num_ps = resolver.cluster_spec().num_tasks("ps")
+    workers = resolver.cluster_spec().num_tasks("worker")
+    strategy = tf.distribute.ParameterServerStrategy(
+        resolver,
+        variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=256 << 10, max_shards=num_ps))
 share = args.batch // workers
 
 
@@ -159,6 +171,20 @@ def train(iterator):
     return loss
 
 
+if args.local:
+    it = iter(dataset_fn())
+    calls = max(1, args.steps // args.steps_per_call)
+    for _ in range(max(1, args.warmup // args.steps_per_call)):
+        train(it)
+    start = time.perf_counter()
+    for _ in range(calls):
+        last = train(it)
+    secs = time.perf_counter() - start
+    steps = calls * args.steps_per_call
+    print(f"tf samples/s {share * steps / secs:.0f} steps {steps} loss {float(last):.4f}",
+          flush=True)
+    sys.exit(0)
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
 per_worker = coordinator.create_per_worker_dataset(dataset_fn)
 it = iter(per_worker)
 calls = max(1, args.steps // args.steps_per_call)
