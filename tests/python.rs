@@ -262,7 +262,14 @@ fn a_python_session_trains_as_local_training_in_every_mode_and_resumes() {
                 (false, "rma") => {
                     assert!(line.contains("worker:1 (rank 2) ended at step 3"), "{l}")
                 }
-                (false, _) => assert!(line.contains("step 3 failed on 1 of 2 replicas"), "{l}"),
+                // Allreduce: the step's agreement carries the failing replica's reason.
+                (false, _) => {
+                    assert!(
+                        line.contains("step 3 failed on 1 of 2 replicas; replica 1: "),
+                        "{l}"
+                    );
+                    assert!(line.ends_with(why), "{l}");
+                }
             }
         }
     }

@@ -18,7 +18,8 @@ scheduled function runs `--steps-per-call` steps (Keras' `steps_per_execution`) 
 the coordinator's round trips. `--batch` is the global batch: each step of a worker takes
 `batch / workers` samples, so `workers` steps make one of mpiflow's. The data: Zipf(1.05)
 ids folded into each table, standard-normal dense features, random labels, 32 batches
-per worker made before the clock starts, cycled. One intra-op thread per task.
+per worker made before the clock starts, cycled. One intra-op thread per task (and one
+inter-op thread with `--local`).
 
 `--local`: the same steps in one process without the strategy or a cluster, the baseline
 beside mpiflow's and PyTorch's single-process rates.
@@ -53,8 +54,11 @@ args = p.parse_args()
 DENSE = 13
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
 if args.local:
+    # One thread in all, as the other single-process baselines have. In a cluster
+    # TensorFlow keeps its default inter-op threads, its faster setting there
+    # (benches/results/2026-11-29-dlrm-tf-rows.md).
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     os.environ.pop("TF_CONFIG", None)
 resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
 if not args.local and args.done_file is None:

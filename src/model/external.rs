@@ -464,7 +464,8 @@ mod tests {
             };
             ext.run(&mut sess, &[g], 0.5, 2).map_err(|e| e.to_string())
         });
-        let others = "step 1 failed on 1 of 3 replicas (their errors say why)";
+        // The others learn which replica failed and why.
+        let others = "step 1 failed on 1 of 3 replicas; replica 1: model external v: the gradient of 'v' f32[2] has 1 values, not 2";
         assert_eq!(out[0], Err(others.to_string()));
         assert_eq!(out[2], Err(others.to_string()));
         let own = out[1].as_ref().unwrap_err();

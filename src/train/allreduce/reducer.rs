@@ -140,14 +140,10 @@ impl Reducer {
                 let _wait = stall::wait(waiting(bytes));
                 let stats = fusion.allreduce(coll, &mut refs, ReduceOp::Sum)?;
                 *word = StepWord::from_tensor(&said);
-                computed?;
                 if word.failed() > 0 {
-                    return Err(TrainError::Agreed(format!(
-                        "step {step} failed on {} of {} replicas (their errors say why)",
-                        word.failed(),
-                        coll.size()
-                    )));
+                    return Err(failed_step(coll, step, word, computed.map_err(Into::into)));
                 }
+                computed?;
                 let end = Instant::now();
                 if timeline::enabled() {
                     let moved = Detail::moved(step, stats.bytes, &replicas());
@@ -200,6 +196,34 @@ impl Reducer {
                 }
                 Ok(((end - t).as_secs_f64(), stats))
             }
+        }
+    }
+}
+
+/// The error of a step that failed on `word.failed()` replicas, this one's outcome
+/// `computed`: its own error where it failed; elsewhere the agreed line with the first
+/// failing replica's reason, which every replica learns here (collective: every replica
+/// calls it, as they all read the same word).
+fn failed_step<C: Comm>(
+    coll: &Collectives<C>,
+    step: u64,
+    word: &StepWord,
+    computed: Result<f32, TrainError>,
+) -> TrainError {
+    let mine = computed.as_ref().err().map(ToString::to_string);
+    let all = coll.allgather_varlen(mine.as_deref().unwrap_or("").as_bytes());
+    let (failed, size) = (word.failed(), coll.size());
+    match (computed, all) {
+        (Err(e), _) => e,
+        (Ok(_), Err(e)) => e.into(),
+        (Ok(_), Ok(all)) => {
+            let first = all.iter().enumerate().find(|(_, m)| !m.is_empty());
+            let why = first.map_or(String::new(), |(r, m)| {
+                format!("; replica {r}: {}", String::from_utf8_lossy(m))
+            });
+            TrainError::Agreed(format!(
+                "step {step} failed on {failed} of {size} replicas{why}"
+            ))
         }
     }
 }

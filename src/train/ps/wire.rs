@@ -87,7 +87,8 @@ pub fn send_all_within<C: Comm>(
 }
 
 /// [`send_all_within`] for a ps's replies: meanwhile every request that arrives (from any
-/// worker) is taken into `backlog`, in order, for the ps to serve next. A request larger
+/// worker) is taken into `backlog`, in order, for the ps to serve next; one whose sender
+/// stops halfway ends the wait as [`Sent::TimedOut`] naming that sender. A request larger
 /// than MPI sends eagerly completes only once taken: a worker whose request waits on this
 /// ps while this ps waits on another worker, who waits on a ps that waits on the first,
 /// would be a cycle.
@@ -97,11 +98,16 @@ pub fn send_all_taking<C: Comm>(
     deadline: Duration,
     backlog: &mut VecDeque<(usize, Vec<u8>)>,
 ) -> Result<Sent, TransportError> {
-    send_all_then(c, out, deadline, || {
-        while let Some(got) = c.try_receive(ANY_SOURCE, request_tag(c), deadline)? {
-            backlog.push_back(got);
+    send_all_then(c, out, deadline, || loop {
+        match c.try_receive(ANY_SOURCE, request_tag(c), deadline) {
+            Ok(Some(got)) => backlog.push_back(got),
+            Ok(None) => return Ok(None),
+            // A request that began to arrive and never ended: its sender is gone.
+            Err(TransportError::Timeout { peer, .. }) => {
+                return Ok(Some(Sent::TimedOut { to: peer }))
+            }
+            Err(e) => return Err(e),
         }
-        Ok(None)
     })
 }
 

@@ -276,8 +276,10 @@ impl<'a, C: Comm> Server<'a, C> {
         let tag = reply_tag(self.comm);
         match self.send_all(&[(message, to, tag)])? {
             Sent::Done => Ok(()),
-            // Not taken within the timeout (no peer is watched: nothing interrupts).
-            Sent::TimedOut { .. } | Sent::Interrupted(_) => Err(self.lose(to)),
+            // Not taken within the timeout, or a request meanwhile from a worker that
+            // stopped halfway (no peer is watched: nothing interrupts).
+            Sent::TimedOut { to: gone } => Err(self.lose(gone)),
+            Sent::Interrupted(_) => Err(self.lose(to)),
         }
     }
 

@@ -148,8 +148,10 @@ impl<C: Comm> Server<'_, C> {
         drop(out);
         std::mem::forget(header);
         std::mem::forget(std::mem::take(&mut self.rows));
-        sent?;
-        Err(self.lose(from))
+        match sent? {
+            Sent::TimedOut { to } => Err(self.lose(to)),
+            Sent::Done | Sent::Interrupted(_) => Err(self.lose(from)),
+        }
     }
 
     /// Worker rank `from`'s sparse gradients of the rows `parts` name, scaled by `scale`
