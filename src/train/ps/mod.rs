@@ -654,7 +654,7 @@ mod tests {
                     let (_, r) = wire::receive_within(&comm, 0, reply, Duration::from_secs(10))
                         .unwrap()
                         .unwrap();
-                    wire::error_of(&r).unwrap()
+                    wire::reply_of(&r).unwrap_err()
                 };
                 let e1 = bad(vec![("nope@0".into(), 3)], 3);
                 let e2 = bad(vec![("layer0/w@0".into(), 5)], 5);

@@ -2,11 +2,8 @@
 //! gradients pushed, each id to the ps that holds its row ([`row_owner`]), every ps asked
 //! in one round (see [`Client::round_then`]).
 
-use super::protocol::{
-    f32_bytes_mut, inline, payload_tag, read_inline, row_owner, Reply, Request, RowsPart,
-};
-use super::wire::{receive_all_within, Received};
-use super::worker::Client;
+use super::protocol::{row_owner, Reply, Request, RowsPart};
+use super::worker::{Client, Misfit};
 use super::PsError;
 use crate::model::embedding::{SparseGrad, TableSpec};
 use crate::train::tables::RowsReport;
@@ -103,23 +100,12 @@ impl Pulling {
                 "answered a pull of {want} values of rows with {reply:?}"
             )));
         }
-        if inline([want]) {
-            return match read_inline(inline_bytes, [&mut got[..]]) {
-                true => Ok(()),
-                false => Err(wrong(format!(
-                    "sent {} values for rows of {want}",
-                    inline_bytes.len() / 4
-                ))),
-            };
-        }
-        let (r, data) = (roles.ps[k], payload_tag(client.comm));
-        let mut into: Vec<_> = (got.chunks_mut(super::protocol::PIECE_FLOATS))
-            .map(|piece| (f32_bytes_mut(piece), r, data))
-            .collect();
-        match receive_all_within(client.comm, &mut into, client.timeout * 2)? {
-            Received::Done => Ok(()),
-            Received::TimedOut { from } => Err(client.lost(from)),
-            Received::Length { want, .. } => Err(wrong(format!(
+        match client.take_floats(k, &mut [got], inline_bytes)? {
+            None => Ok(()),
+            Some(Misfit::Inline { sent }) => {
+                Err(wrong(format!("sent {sent} values for rows of {want}")))
+            }
+            Some(Misfit::Piece { want }) => Err(wrong(format!(
                 "sent a piece of rows of another length than {want} bytes"
             ))),
         }

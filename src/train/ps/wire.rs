@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::protocol::{decode_with, reply_tag, request_tag, Reply};
+use super::protocol::{decode_with, request_tag, Reply};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
 /// Waits for a message from `src` (or any source) on `tag`, at most `deadline`.
@@ -48,45 +48,10 @@ pub fn reply_of(m: &[u8]) -> Result<(Reply, &[u8]), String> {
     }
 }
 
-/// The message of an error reply (or of a message that is no reply at all).
-pub fn error_of(m: &[u8]) -> Option<String> {
-    reply_of(m).err()
-}
-
 /// One message to send: its bytes, its destination, its tag.
 pub type Outgoing<'b> = (&'b [u8], usize, i32);
 
-/// Starts every message of `out` at once and waits at most `deadline` for all of them;
-/// meanwhile takes the reply of each peer of `watch` that answers early (its reply can
-/// arrive before the completion of the sends is visible here; a ps that aborts while this
-/// worker is still sending to it) into the same position of `early`. After anything but
-/// [`Sent::Done`] or an error, sends may still be in flight: the caller must keep every
-/// buffer of `out` alive for as long as MPI may read it (leak it: the process is about to
-/// stop anyway).
-pub fn send_all_within<C: Comm>(
-    c: &C,
-    out: &[Outgoing<'_>],
-    deadline: Duration,
-    watch: &[usize],
-    early: &mut [Option<Vec<u8>>],
-) -> Result<Sent, TransportError> {
-    send_all_then(c, out, deadline, || {
-        for (w, seen) in watch.iter().zip(early.iter_mut()) {
-            if seen.is_some() {
-                continue;
-            }
-            if let Some((_, m)) = c.try_receive(*w, reply_tag(c), deadline)? {
-                if let Some(message) = error_of(&m) {
-                    return Ok(Some(Sent::Interrupted(message)));
-                }
-                *seen = Some(m);
-            }
-        }
-        Ok(None)
-    })
-}
-
-/// [`send_all_within`] for a ps's replies: meanwhile every request that arrives (from any
+/// [`send_all_then`] for a ps's replies: meanwhile every request that arrives (from any
 /// worker) is taken into `backlog`, in order, for the ps to serve next; one whose sender
 /// stops halfway ends the wait as [`Sent::TimedOut`] naming that sender. A request larger
 /// than MPI sends eagerly completes only once taken: a worker whose request waits on this
@@ -111,9 +76,11 @@ pub fn send_all_taking<C: Comm>(
     })
 }
 
-/// Starts every message of `out` and waits at most `deadline` for all, calling
+/// Starts every message of `out` at once and waits at most `deadline` for all, calling
 /// `meanwhile` while any is pending (its `Some` ends the wait with that outcome). After
-/// anything but [`Sent::Done`], sends may still be in flight (see [`send_all_within`]).
+/// anything but [`Sent::Done`] or an error, sends may still be in flight: the caller must
+/// keep every buffer of `out` alive for as long as MPI may read it (leak it: the process
+/// is about to stop anyway).
 pub fn send_all_then<C: Comm>(
     c: &C,
     out: &[Outgoing<'_>],
@@ -171,7 +138,7 @@ pub fn send_all_then<C: Comm>(
 }
 
 /// Sends `bytes` to `to`, waiting at most `deadline` for completion (see
-/// [`send_all_within`]: after anything but [`Sent::Done`] the caller keeps `bytes` alive).
+/// [`send_all_then`]: after anything but [`Sent::Done`] the caller keeps `bytes` alive).
 pub fn send_within<C: Comm>(
     c: &C,
     bytes: &[u8],
@@ -179,7 +146,7 @@ pub fn send_within<C: Comm>(
     tag: i32,
     deadline: Duration,
 ) -> Result<Sent, TransportError> {
-    send_all_within(c, &[(bytes, to, tag)], deadline, &[], &mut [])
+    send_all_then(c, &[(bytes, to, tag)], deadline, || Ok(None))
 }
 
 /// [`send_within`] of a message it owns: leaked if the send may still be in flight.

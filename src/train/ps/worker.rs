@@ -36,6 +36,14 @@ pub struct Client<'a, C: Comm> {
     peer: Arc<str>,
 }
 
+/// Floats after a ps's reply that did not fit what this worker awaited
+/// ([`Client::take_floats`]).
+pub(super) enum Misfit {
+    /// The reply's message held `sent` floats.
+    Inline { sent: usize },
+    /// A piece was not of the `want` bytes due.
+    Piece { want: usize },
+}
 impl<'a, C: Comm> Client<'a, C> {
     /// A connection of rank `comm.rank()` to the ps tasks of `roles`, with `shards` placed.
     pub fn new(comm: &'a C, roles: &'a Roles, shards: Vec<Shard>, timeout: Duration) -> Self {
@@ -346,6 +354,32 @@ impl<'a, C: Comm> Client<'a, C> {
         }
     }
 
+    /// Ps `k`'s floats after its reply into `places`, whose lengths say how many are due:
+    /// out of the reply's message (`inline_bytes`) where they ride in it, else the pieces
+    /// that follow it. `Some`: what came did not fit (the caller names it).
+    pub(super) fn take_floats(
+        &self,
+        k: usize,
+        places: &mut [&mut [f32]],
+        inline_bytes: &[u8],
+    ) -> Result<Option<Misfit>, PsError> {
+        if inline(places.iter().map(|p| p.len())) {
+            let fits = read_inline(inline_bytes, places.iter_mut().map(|p| &mut **p));
+            let sent = inline_bytes.len() / 4;
+            return Ok((!fits).then_some(Misfit::Inline { sent }));
+        }
+        let (r, data) = (self.roles.ps[k], payload_tag(self.comm));
+        let mut into: Vec<Incoming<'_>> = (places.iter_mut())
+            .flat_map(|p| p.chunks_mut(PIECE_FLOATS))
+            .map(|piece| (f32_bytes_mut(piece), r, data))
+            .collect();
+        match receive_all_within(self.comm, &mut into, self.timeout * 2)? {
+            Received::Done => Ok(None),
+            Received::TimedOut { from } => Err(self.lost(from)),
+            Received::Length { want, .. } => Ok(Some(Misfit::Piece { want })),
+        }
+    }
+
     /// One round whose replies are `Params`, each ps's received into its places in
     /// `params`; returns what the pull brought and when the request's sends completed.
     fn exchange<'p>(
@@ -355,7 +389,6 @@ impl<'a, C: Comm> Client<'a, C> {
         params: &mut [Tensor],
     ) -> Result<(Pulled, Instant), PsError> {
         let mut places = self.places(params);
-        let data = payload_tag(self.comm);
         // Each ps's payload, its shards, comes with its reply or follows it in pieces: into
         // place.
         let take = |k: usize, reply: &Reply, inline_bytes: &[u8]| -> Result<(), PsError> {
@@ -366,27 +399,14 @@ impl<'a, C: Comm> Client<'a, C> {
                     message: format!("answered a pull with {reply:?}"),
                 });
             }
-            if inline(places[k].iter().map(|p| p.len())) {
-                let want: usize = places[k].iter().map(|p| p.len()).sum();
-                if read_inline(inline_bytes, places[k].iter_mut().map(|p| &mut **p)) {
-                    return Ok(());
-                }
-                return Err(self.other_model(format!(
-                    "{} holds {} values of the variables it serves here, this model {want}",
+            let want: usize = places[k].iter().map(|p| p.len()).sum();
+            match self.take_floats(k, &mut places[k], inline_bytes)? {
+                None => Ok(()),
+                Some(Misfit::Inline { sent }) => Err(self.other_model(format!(
+                    "{} holds {sent} values of the variables it serves here, this model {want}",
                     task(),
-                    inline_bytes.len() / 4,
-                )));
-            }
-            let r = self.roles.ps[k];
-            let mut into: Vec<Incoming<'_>> = places[k]
-                .iter_mut()
-                .flat_map(|p| p.chunks_mut(PIECE_FLOATS))
-                .map(|piece| (f32_bytes_mut(piece), r, data))
-                .collect();
-            match receive_all_within(self.comm, &mut into, self.timeout * 2)? {
-                Received::Done => Ok(()),
-                Received::TimedOut { from } => Err(self.lost(from)),
-                Received::Length { want, .. } => Err(self.other_model(format!(
+                ))),
+                Some(Misfit::Piece { want }) => Err(self.other_model(format!(
                     "{} sent a piece of the parameters it serves here of another length than this model's {want} bytes",
                     task()
                 ))),
