@@ -116,17 +116,23 @@ fn rows_line(r: &crate::train::tables::RowsReport) -> String {
             _ => format!("{table}:{id} ({n})"),
         })
         .collect();
+    // Over one-sided windows a ps sees no pull: reads are gets it takes no part in.
+    let pulls = match (sum(|t| t.pulls), sum(|t| t.pushes)) {
+        (0, p) if p > 0 => "pulls unseen (one-sided gets)".to_string(),
+        (n, _) => format!("{n} pulls / {} rows", sum(|t| t.rows_pulled)),
+    };
+    let hot = match hot.is_empty() {
+        true => String::new(),
+        false => format!("; hottest {}", hot.join(", ")),
+    };
     format!(
-        "# rows on {}: {} rows ({}) of {} tables, {} pulls / {} rows, {} pushes / {} rows; hottest {}",
+        "# rows on {}: {} rows ({}) of {} tables, {pulls}, {} pushes / {} rows{hot}",
         r.task,
         sum(|t| t.rows),
         crate::observe::bytes(sum(|t| t.bytes)),
         t.len(),
-        sum(|t| t.pulls),
-        sum(|t| t.rows_pulled),
         sum(|t| t.pushes),
         sum(|t| t.rows_pushed),
-        hot.join(", ")
     )
 }
 

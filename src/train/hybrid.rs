@@ -18,7 +18,7 @@ use super::allreduce::{Allreduce, AllreduceConfig};
 use super::engine::{End, TrainError};
 use super::ps::protocol::Setup;
 use super::ps::worker::{abort_agreed, Client};
-use super::ps::Roles;
+use super::ps::{PsTransport, Roles};
 use super::tables::{RowHome, RowsReport, Sparse, Tables};
 use crate::cluster::Layout;
 use crate::model::embedding::{SparseGrad, SparseOptimizer, TableSpec};
@@ -36,6 +36,13 @@ pub struct HybridConfig {
     pub sparse: SparseOptimizer,
     /// How long a ps waits for a worker (and a worker for a ps) before calling it lost.
     pub peer_timeout: Duration,
+    /// How the rows travel: messages the ps tasks serve as they come (applied as they
+    /// arrive), or one-sided windows (every worker's step summed and applied once,
+    /// [`crate::train::ps::rma::rows`]).
+    pub transport: PsTransport,
+    /// Over windows: rows of one table one ps task may hold, at most (its window is
+    /// sized for them).
+    pub window_rows: u64,
 }
 
 impl Default for HybridConfig {
@@ -45,6 +52,8 @@ impl Default for HybridConfig {
             tables: Vec::new(),
             sparse: SparseOptimizer::adagrad(0.05),
             peer_timeout: Duration::from_secs(60),
+            transport: PsTransport::P2p,
+            window_rows: 1 << 21,
         }
     }
 }

@@ -633,6 +633,39 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
     }
 }
 
+impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
+    /// Starts `MPI_Compare_and_swap`: if the element at `offset` equals `compare`, it
+    /// becomes `swap`; `old` receives the element before (when the batch ends).
+    pub fn compare_and_swap_into(
+        &self,
+        target: usize,
+        offset: usize,
+        (compare, swap): (&'s T, &'s T),
+        old: &'s mut T,
+    ) -> Result<(), RmaError> {
+        let (t, disp, _) = self
+            .epoch
+            .range("MPI_Compare_and_swap", target, offset, 1)?;
+        // SAFETY: the three buffers hold one T each and stay borrowed for the whole batch,
+        // which flushes before it ends; the displacement was checked against the target's
+        // window.
+        let rc = unsafe {
+            ffi::MPI_Compare_and_swap(
+                (swap as *const T).cast::<c_void>(),
+                (compare as *const T).cast::<c_void>(),
+                (old as *mut T).cast::<c_void>(),
+                T::datatype(),
+                t,
+                disp,
+                self.epoch.win.win,
+            )
+        };
+        check("MPI_Compare_and_swap", self.epoch.win.rank, rc)?;
+        self.started(target);
+        Ok(())
+    }
+}
+
 /// The operations a batch or a blocking call starts.
 #[derive(Clone, Copy)]
 enum Op {

@@ -67,6 +67,33 @@ pub trait Access<T: RmaType> {
         value: T,
     ) -> Result<T, RmaError>;
 
+    /// Several compare-and-swaps started together: `ops[i]` (a target and an offset)
+    /// becomes `swap[i]` where it equals `compare[i]`; `old[i]` receives it before. Each
+    /// is atomic; they complete in no particular order.
+    fn compare_and_swaps(
+        &self,
+        ops: &[(usize, usize)],
+        compare: &[T],
+        swap: &[T],
+        old: &mut [T],
+    ) -> Result<(), RmaError> {
+        for (i, (target, offset)) in ops.iter().enumerate() {
+            old[i] = self.compare_and_swap(*target, *offset, compare[i], swap[i])?;
+        }
+        Ok(())
+    }
+
+    /// Several puts, `(target, offset, values)`, started together.
+    fn puts<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b [T])>,
+    ) -> Result<(), RmaError> {
+        for (target, offset, values) in ops {
+            self.put(target, offset, values)?;
+        }
+        Ok(())
+    }
+
     /// Runs `f` with this rank's window memory, between the memory model's syncs.
     ///
     /// # Safety
@@ -148,6 +175,34 @@ impl<T: RmaType> Access<T> for Opened<'_, T> {
 
     fn put(&self, target: usize, offset: usize, buf: &[T]) -> Result<(), RmaError> {
         self.epoch.put(target, offset, buf)
+    }
+
+    fn compare_and_swaps(
+        &self,
+        ops: &[(usize, usize)],
+        compare: &[T],
+        swap: &[T],
+        old: &mut [T],
+    ) -> Result<(), RmaError> {
+        assert!(compare.len() == ops.len() && swap.len() == ops.len() && old.len() == ops.len());
+        self.epoch.batch(|b| -> Result<(), RmaError> {
+            for (((target, offset), cs), o) in ops.iter().zip(compare.iter().zip(swap)).zip(old) {
+                b.compare_and_swap_into(*target, *offset, cs, o)?;
+            }
+            Ok(())
+        })?
+    }
+
+    fn puts<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, usize, &'b [T])>,
+    ) -> Result<(), RmaError> {
+        self.epoch.batch(|b| -> Result<(), RmaError> {
+            for (target, offset, values) in ops {
+                b.put(target, offset, values)?;
+            }
+            Ok(())
+        })?
     }
 
     fn fetch_and_add(&self, target: usize, offset: usize, value: T) -> Result<T, RmaError> {

@@ -22,7 +22,7 @@ const VACANT: Bucket = Bucket { id: EMPTY, slot: 0 };
 
 /// Row ids to slots. Rows are only ever added (a table never forgets a row).
 #[derive(Debug, Clone, Default)]
-pub(super) struct RowIndex {
+pub(crate) struct RowIndex {
     buckets: Vec<Bucket>,
     /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
     shift: u32,
@@ -40,7 +40,7 @@ impl RowIndex {
 
     /// Row `id`'s slot, if the row exists.
     #[inline]
-    pub(super) fn get(&self, id: u64) -> Option<u32> {
+    pub(crate) fn get(&self, id: u64) -> Option<u32> {
         if self.len == 0 {
             return None;
         }
@@ -61,7 +61,7 @@ impl RowIndex {
     /// Starts loading the bucket row `id` is looked up in (a hint: nothing if the target
     /// has no prefetch instruction).
     #[inline]
-    pub(super) fn prefetch(&self, id: u64) {
+    pub(crate) fn prefetch(&self, id: u64) {
         if self.len == 0 {
             return;
         }
@@ -70,7 +70,7 @@ impl RowIndex {
     }
 
     /// Adds row `id` at `slot`; the row must not be in the index.
-    pub(super) fn insert(&mut self, id: u64, slot: u32) {
+    pub(crate) fn insert(&mut self, id: u64, slot: u32) {
         debug_assert!(id != EMPTY && self.get(id).is_none());
         if 2 * (self.len + 1) > self.buckets.len() {
             self.grow();

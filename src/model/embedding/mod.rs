@@ -17,6 +17,7 @@
 
 pub mod bag;
 mod index;
+pub(crate) use index::RowIndex;
 pub mod table;
 
 use serde::{Deserialize, Serialize};

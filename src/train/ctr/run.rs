@@ -6,10 +6,12 @@ use super::CtrData;
 use crate::cluster::Layout;
 use crate::model::dlrm::Dlrm;
 use crate::model::embedding::SparseOptimizer;
+use crate::train::allreduce::Allreduce;
 use crate::train::engine::{Local, Session, Strategy, TrainError, Trained};
 use crate::train::events::Event;
 use crate::train::hybrid::{self, HybridConfig};
-use crate::train::ps::{server, Ps, PsConfig, Roles};
+use crate::train::ps::rma::rows::{self as rma_rows, RowsConfig};
+use crate::train::ps::{server, Ps, PsConfig, PsTransport, Roles};
 use crate::train::resources::Share;
 use crate::train::tables::{LocalRows, Sparse, Tables};
 use crate::train::TrainConfig;
@@ -104,17 +106,13 @@ impl<'d> CtrRun<'d> {
         layout: &Layout,
         cfg: &HybridConfig,
         events: &mut dyn FnMut(&Event),
-    ) -> Result<Option<CtrReport>, TrainError> {
+    ) -> Result<Option<CtrReport>, TrainError>
+    where
+        C::Window<f32>: 'static,
+        C::Window<i64>: 'static,
+    {
         let roles = Roles::new(layout)?;
         let workers = hybrid::split_workers(comm, &roles)?;
-        if let Some(k) = roles.ps_index(comm.rank()) {
-            server::serve_within(comm, &roles, k, cfg.peer_timeout, self.memory.clone())?;
-            return Ok(None);
-        }
-        let Some(workers) = workers else {
-            return Ok(None); // an evaluator: no part in hybrid training
-        };
-        let dense = self.model.dense_model(self.cfg.seed)?;
         // The run's training settings, whatever `cfg.allreduce.train` says: the session,
         // the dense update and the rows' seed take one.
         let cfg = HybridConfig {
@@ -126,9 +124,57 @@ impl<'d> CtrRun<'d> {
             sparse: self.sparse,
             ..cfg.clone()
         };
+        if cfg.transport == PsTransport::Rma {
+            return self.hybrid_over_windows(comm, (layout, &roles), workers, &cfg, events);
+        }
+        if let Some(k) = roles.ps_index(comm.rank()) {
+            server::serve_within(comm, &roles, k, cfg.peer_timeout, self.memory.clone())?;
+            return Ok(None);
+        }
+        let Some(workers) = workers else {
+            return Ok(None); // an evaluator: no part in hybrid training
+        };
+        let dense = self.model.dense_model(self.cfg.seed)?;
         let strategy = hybrid::strategy(comm, workers, &roles, layout, &dense, &cfg)?;
         let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
         self.fit(sess, &dense).map(Some)
+    }
+
+    /// [`CtrRun::hybrid`] with the rows over one-sided windows (every rank allocates
+    /// them: a collective).
+    fn hybrid_over_windows<C: Comm + Send + 'static>(
+        &self,
+        comm: &C,
+        (layout, roles): (&Layout, &Roles),
+        workers: Option<C>,
+        cfg: &HybridConfig,
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Option<CtrReport>, TrainError>
+    where
+        C::Window<f32>: 'static,
+        C::Window<i64>: 'static,
+    {
+        let nw = roles.workers.len().max(1);
+        let rows = RowsConfig {
+            tables: cfg.tables.clone(),
+            sparse: self.sparse,
+            seed: self.cfg.seed,
+            rows_per_table: cfg.window_rows,
+            // A worker's share of the global batch, one id per sample and table.
+            rows_per_push: self.cfg.batch.div_ceil(nw),
+            peer_timeout: cfg.peer_timeout,
+            checkpoint_dir: self.cfg.checkpoint_dir.clone(),
+            memory: self.memory.clone(),
+        };
+        let ran = rma_rows::scope(comm, roles, &rows, |rows| {
+            let workers = workers.expect("a worker has the workers' communicator");
+            let dense = self.model.dense_model(self.cfg.seed)?;
+            let allreduce = Allreduce::new(workers, layout, comm.rank(), &dense, &cfg.allreduce)?;
+            let strategy = Sparse::new(allreduce, rows);
+            let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
+            self.fit(sess, &dense)
+        });
+        Ok(ran?)
     }
 
     /// Ps training on this rank of `comm`: the dense variables and the rows on the ps

@@ -122,6 +122,10 @@ pub(crate) struct TrainArgs {
     /// --model dlrm: the rows' learning rate.
     #[arg(long, default_value_t = 0.05, value_parser = positive_f32)]
     pub(crate) sparse_lr: f32,
+    /// --mode hybrid --transport rma: rows of one table one ps task may hold, at most (its
+    /// window is sized for twice as many buckets).
+    #[arg(long, default_value_t = 1 << 21, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) window_rows: u64,
     /// Hidden layer widths of the MLP, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
     pub(crate) hidden: Vec<usize>,
@@ -268,6 +272,7 @@ impl TrainArgs {
             ("--top", list(&self.top)),
             ("--sparse-optimizer", cli(&self.sparse_optimizer)),
             ("--sparse-lr", self.sparse_lr.to_string()),
+            ("--window-rows", self.window_rows.to_string()),
             ("--batch", self.batch.to_string()),
             ("--steps", self.steps.to_string()),
             ("--optimizer", named(self.optimizer)),
@@ -305,6 +310,8 @@ enum UsedBy {
     Mlp,
     /// `--eval-every`.
     EvalEvery,
+    /// `--mode hybrid --transport rma`: the rows over one-sided windows.
+    RowsOverWindows,
 }
 
 impl TrainArgs {
@@ -330,7 +337,12 @@ impl TrainArgs {
             (
                 "--transport rma",
                 self.transport == PsTransport::Rma,
-                UsedBy::Ps,
+                UsedBy::PsTasks,
+            ),
+            (
+                "--window-rows",
+                self.window_rows != d.window_rows,
+                UsedBy::RowsOverWindows,
             ),
             (
                 "--replicas-to-aggregate",
@@ -454,6 +466,13 @@ impl TrainArgs {
             UsedBy::EvalEvery => {
                 format!("{flag} needs --eval-every N: how often to evaluate")
             }
+            UsedBy::RowsOverWindows => format!(
+                "{flag} sizes the rows' windows of --mode hybrid --transport rma, not --mode {mode}{}",
+                match self.transport {
+                    PsTransport::Rma => " --transport rma",
+                    PsTransport::P2p => " over messages",
+                }
+            ),
         })
     }
 
@@ -463,6 +482,9 @@ impl TrainArgs {
             UsedBy::Ps => self.mode == Mode::Ps,
             UsedBy::PsTasks => matches!(self.mode, Mode::Ps | Mode::Hybrid),
             UsedBy::Dlrm => self.model == ModelChoice::Dlrm,
+            UsedBy::RowsOverWindows => {
+                self.mode == Mode::Hybrid && self.transport == PsTransport::Rma
+            }
             UsedBy::Allreduce => self.mode == Mode::Allreduce,
             UsedBy::Cluster => self.mode != Mode::Local,
             UsedBy::Replicas => matches!(self.mode, Mode::Allreduce | Mode::Hybrid) || stages,

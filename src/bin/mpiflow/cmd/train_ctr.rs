@@ -48,8 +48,8 @@ fn refuse(args: &TrainArgs) -> Result<(), String> {
             "--model dlrm trains in --mode local, ps or hybrid (its tables live in one process or on ps tasks)"
         }
         _ if args.towers > 1 => "--towers is for dense models, not --model dlrm",
-        _ if args.transport == mpiflow::train::ps::PsTransport::Rma => {
-            "--model dlrm reaches the ps tasks by messages: drop --transport rma"
+        (Mode::Ps, _) if args.transport == mpiflow::train::ps::PsTransport::Rma => {
+            "--model dlrm in --mode ps reaches the ps tasks by messages: drop --transport rma (--mode hybrid takes it: rows over one-sided windows)"
         }
         _ if args.timeline.is_some() => "--timeline is not written for --model dlrm",
         _ if args.target_accuracy.is_some() => {
@@ -250,6 +250,9 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     let reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
     let reporter: report::Shared = std::sync::Arc::new(std::sync::Mutex::new(reporter));
     let mode = match args.mode {
+        Mode::Hybrid if args.transport == mpiflow::train::ps::PsTransport::Rma => {
+            "hybrid, rows over one-sided windows"
+        }
         Mode::Hybrid => "hybrid",
         _ if args.async_ => "ps, async",
         _ => "ps, sync",
@@ -276,6 +279,8 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
                     ..Default::default()
                 },
                 peer_timeout: timeout,
+                transport: args.transport,
+                window_rows: args.window_rows,
                 ..Default::default()
             };
             run.hybrid(&comm, layout, &cfg, &mut log)

@@ -58,6 +58,7 @@
 //! the job with it; a later finder waits for the job to end on that one line.
 
 mod bench;
+pub mod rows;
 mod serve;
 mod worker;
 
