@@ -1,7 +1,8 @@
 //! A recommendation model (DLRM) under real `mpirun`: its embedding tables' rows on the
 //! ps tasks, its dense layers by allreduce among the workers (`--mode hybrid`) or on the
 //! ps tasks too (`--mode ps`), trained to the held-out AUC of local training; a ps killed
-//! mid-run costs only the steps since the last checkpoint, whose rows come back.
+//! mid-run costs only the steps since the last checkpoint, whose rows come back. Hybrid's
+//! rows go over messages and over one-sided windows (`--transport rma`).
 
 mod common;
 
@@ -75,15 +76,34 @@ fn dlrm_reaches_the_auc_of_local_training_in_hybrid_and_ps_mode() {
     assert!(last.starts_with("auc 0."), "{}", run.stdout);
     let local = last_auc(&metrics("local"));
     assert!(local > 0.8, "local AUC {local}");
-    for (mode, np, ps) in [("hybrid", "4", "2"), ("ps", "3", "1")] {
-        let out = m(mode);
-        let run = distributed(np, "1200", &["--mode", mode, "--ps", ps, "--metrics", &out]);
+    for (mode, np, ps, transport) in [
+        ("hybrid", "4", "2", "p2p"),
+        ("hybrid", "4", "2", "rma"),
+        ("ps", "3", "1", "p2p"),
+    ] {
+        let name = format!("{mode}-{transport}");
+        let out = m(&name);
+        let flags = ["--mode", mode, "--ps", ps, "--transport", transport];
+        let run = distributed(np, "1200", &[&flags[..], &["--metrics", &out]].concat());
         assert_eq!(run.code, 0, "{run:?}");
-        let auc = last_auc(&metrics(mode));
+        let auc = last_auc(&metrics(&name));
         assert!(
             (auc - local).abs() < 0.01,
-            "{mode}: AUC {auc}, local {local}"
+            "{name}: AUC {auc}, local {local}"
         );
+        if transport == "rma" {
+            // Each step's rows applied once, summed over the workers: local training's
+            // update, so its AUC to rounding.
+            assert!(
+                (auc - local).abs() < 1e-3,
+                "{name}: AUC {auc}, local {local}"
+            );
+            assert!(
+                run.stdout.contains("pulls unseen (one-sided gets)"),
+                "{}",
+                run.stdout
+            );
+        }
     }
 }
 

@@ -634,6 +634,78 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
 }
 
 impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
+    /// Starts one `MPI_Get` of the `block` elements at each of `offsets` in `target`'s
+    /// window into `into`, back to back (an indexed datatype at the target: one operation
+    /// for scattered rows, not one per row).
+    pub fn get_blocks_into(
+        &self,
+        target: usize,
+        offsets: &[usize],
+        block: usize,
+        into: &'s mut [T],
+    ) -> Result<(), RmaError> {
+        const CALL: &str = "MPI_Get";
+        assert_eq!(into.len(), offsets.len() * block, "a block per offset");
+        if offsets.is_empty() || block == 0 {
+            return Ok(());
+        }
+        let size = std::mem::size_of::<T>();
+        let mut displs = Vec::with_capacity(offsets.len());
+        for o in offsets {
+            let (_, disp, _) = self.epoch.range(CALL, target, *o, block)?;
+            displs.push(disp * size as ffi::MPI_Aint);
+        }
+        let too_many = || RmaError::OutOfRange {
+            call: CALL,
+            rank: self.epoch.win.rank,
+            target,
+            offset: 0,
+            end: into.len(),
+            len: into.len(),
+        };
+        let count = c_int::try_from(offsets.len()).map_err(|_| too_many())?;
+        let len = c_int::try_from(into.len()).map_err(|_| too_many())?;
+        let block = c_int::try_from(block).map_err(|_| too_many())?;
+        let rank = self.epoch.win.rank;
+        // SAFETY: an out-parameter filled by MPI.
+        let mut dtype: ffi::MPI_Datatype = unsafe { std::mem::zeroed() };
+        // SAFETY: `displs` holds `count` displacements; `dtype` receives the new type.
+        let rc = unsafe {
+            ffi::MPI_Type_create_hindexed_block(
+                count,
+                block,
+                displs.as_ptr(),
+                T::datatype(),
+                &mut dtype,
+            )
+        };
+        check("MPI_Type_create_hindexed_block", rank, rc)?;
+        // SAFETY: a type just created.
+        let rc = unsafe { ffi::MPI_Type_commit(&mut dtype) };
+        check("MPI_Type_commit", rank, rc)?;
+        // SAFETY: `into` holds `len` elements and stays borrowed for the whole batch, which
+        // flushes before it ends; every block was checked against the target's window.
+        let rc = unsafe {
+            ffi::MPI_Get(
+                into.as_mut_ptr().cast(),
+                len,
+                T::datatype(),
+                target as c_int,
+                0,
+                1,
+                dtype,
+                self.epoch.win.win,
+            )
+        };
+        // Freeing a type an operation in flight uses is allowed: MPI keeps it until done.
+        // SAFETY: the type is ours, committed above.
+        let freed = unsafe { ffi::MPI_Type_free(&mut dtype) };
+        check(CALL, rank, rc)?;
+        check("MPI_Type_free", rank, freed)?;
+        self.started(target);
+        Ok(())
+    }
+
     /// Starts `MPI_Compare_and_swap`: if the element at `offset` equals `compare`, it
     /// becomes `swap`; `old` receives the element before (when the batch ends).
     pub fn compare_and_swap_into(

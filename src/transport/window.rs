@@ -67,6 +67,21 @@ pub trait Access<T: RmaType> {
         value: T,
     ) -> Result<T, RmaError>;
 
+    /// Several gathers started together, `(target, offsets, block, into)`: `into` gets the
+    /// `block` elements at each of `offsets` in `target`'s window, back to back (one
+    /// operation each where the transport has indexed datatypes).
+    fn gathers<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, &'b [usize], usize, &'b mut [T])>,
+    ) -> Result<(), RmaError> {
+        for (target, offsets, block, into) in ops {
+            for (o, row) in offsets.iter().zip(into.chunks_exact_mut(block.max(1))) {
+                self.get_into(target, *o, row)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Several compare-and-swaps started together: `ops[i]` (a target and an offset)
     /// becomes `swap[i]` where it equals `compare[i]`; `old[i]` receives it before. Each
     /// is atomic; they complete in no particular order.
@@ -188,6 +203,18 @@ impl<T: RmaType> Access<T> for Opened<'_, T> {
         self.epoch.batch(|b| -> Result<(), RmaError> {
             for (((target, offset), cs), o) in ops.iter().zip(compare.iter().zip(swap)).zip(old) {
                 b.compare_and_swap_into(*target, *offset, cs, o)?;
+            }
+            Ok(())
+        })?
+    }
+
+    fn gathers<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, &'b [usize], usize, &'b mut [T])>,
+    ) -> Result<(), RmaError> {
+        self.epoch.batch(|b| -> Result<(), RmaError> {
+            for (target, offsets, block, into) in ops {
+                b.get_blocks_into(target, offsets, block, into)?;
             }
             Ok(())
         })?

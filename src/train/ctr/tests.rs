@@ -140,3 +140,125 @@ fn rows_outgrowing_a_ps_tasks_share_stop_every_rank_naming_the_table() {
         );
     }
 }
+
+/// Hybrid settings with the rows over one-sided windows.
+fn over_windows() -> HybridConfig {
+    HybridConfig {
+        transport: crate::train::ps::PsTransport::Rma,
+        ..HybridConfig::default()
+    }
+}
+
+/// Over windows each ps applies a step once every worker pushed it, the sum of their
+/// shares: the update of local training on the global batch, so hybrid training ends
+/// where local training does (to rounding), on 1 ps and on 2, with every optimizer.
+#[test]
+fn hybrid_over_windows_trains_as_local_training_does() {
+    let data = SyntheticCtr::parse("samples=64000,features=4,rows=500,seed=7").unwrap();
+    let (train, test) = Part::split(&data, 4000);
+    let m = model(&data);
+    let cfg = cfg(150);
+    for sparse in [
+        SparseOptimizer::adagrad(0.2),
+        SparseOptimizer::Sgd { lr: 0.5 },
+        SparseOptimizer::lazy_adam(0.01),
+    ] {
+        let run = CtrRun::new(&m, (&train, &test), &cfg, sparse);
+        let local = run.local(&mut |_| {}).unwrap().evaluation.unwrap();
+        for (np, ps) in [(3, 1), (4, 2)] {
+            let l = layout(np, ps);
+            let out = LocalComm::run(np, |comm| {
+                run.hybrid(&comm, &l, &over_windows(), &mut |_| {}).unwrap()
+            });
+            let evals: Vec<CtrEvaluation> = (out.into_iter().flatten())
+                .filter_map(|r| r.evaluation)
+                .collect();
+            assert_eq!(evals.len(), 2, "{sparse:?}: both workers evaluate");
+            for e in evals {
+                assert_eq!((e.step, e.total), (local.step, local.total));
+                let (auc, want) = (e.auc.unwrap(), local.auc.unwrap());
+                assert!(
+                    (auc - want).abs() < 1e-3 && (e.logloss - local.logloss).abs() < 1e-3,
+                    "{sparse:?} on {ps} ps: AUC {auc} log loss {}, local {want} {}",
+                    e.logloss,
+                    local.logloss
+                );
+            }
+        }
+    }
+}
+
+/// Hybrid training over windows stopped at a checkpoint and resumed from it ends where
+/// one uninterrupted run ends: the ps tasks wrote their rows with their optimizer state
+/// and put them back into their windows.
+#[test]
+fn hybrid_over_windows_resumed_from_its_checkpoint_equals_one_run() {
+    let data = SyntheticCtr::parse("samples=64000,features=4,rows=500,seed=7").unwrap();
+    let (train, test) = Part::split(&data, 4000);
+    let m = model(&data);
+    let dir = std::env::temp_dir().join(format!("mpiflow-ctr-rma-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let l = layout(4, 2);
+    let run = |steps: u64, dir: Option<&std::path::Path>| {
+        let cfg = TrainConfig {
+            checkpoint_dir: dir.map(|d| d.to_path_buf()),
+            ..cfg(steps)
+        };
+        let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2));
+        let out = LocalComm::run(4, |comm| {
+            let mut restored = Vec::new();
+            let mut seen = |e: &crate::train::events::Event| {
+                if let crate::train::events::Event::Restored { step, .. } = e {
+                    restored.push(*step);
+                }
+            };
+            let report = run.hybrid(&comm, &l, &over_windows(), &mut seen).unwrap();
+            (report, restored)
+        });
+        let restored: Vec<u64> = out.iter().flat_map(|(_, r)| r.clone()).collect();
+        let eval = (out.into_iter().filter_map(|(r, _)| r))
+            .find_map(|r| r.evaluation)
+            .unwrap();
+        (eval, restored)
+    };
+    let (straight, _) = run(200, None);
+    assert_eq!(run(100, Some(&dir)).0.step, 100);
+    let (resumed, restored) = run(200, Some(&dir));
+    assert!(restored.contains(&100), "{restored:?}");
+    assert_eq!(
+        (resumed.step, resumed.auc, resumed.logloss),
+        (200, straight.auc, straight.logloss)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Windows larger than a ps task's memory share stop every rank before training, the ps
+/// naming the table.
+#[test]
+fn rows_windows_beyond_a_ps_tasks_share_stop_every_rank_at_the_start() {
+    let data = SyntheticCtr::parse("samples=20000,features=4,rows=2000,seed=7").unwrap();
+    let (train, test) = Part::split(&data, 1000);
+    let m = model(&data);
+    let cfg = cfg(50);
+    let share = crate::train::resources::Share {
+        bytes: 100_000,
+        why: "the test's limit".into(),
+    };
+    let run =
+        CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2)).within(Some(share));
+    let l = layout(3, 1);
+    let out = LocalComm::run(3, |comm| {
+        run.hybrid(&comm, &l, &over_windows(), &mut |_| {})
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    let ps = out[0].as_ref().expect_err("the ps refused its windows");
+    assert!(
+        ps.contains("table emb") && ps.contains("100.0 KB (the test's limit)"),
+        "{ps}"
+    );
+    for r in &out[1..] {
+        let e = r.as_ref().expect_err("a worker trained on");
+        assert!(e.contains("could not set up the rows' windows"), "{e}");
+    }
+}

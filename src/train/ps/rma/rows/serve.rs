@@ -2,7 +2,6 @@
 //! step's staged gradients summed and applied once every worker pushed (see the module's
 //! protocol).
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use super::worker::AGREED;
@@ -18,6 +17,8 @@ pub(super) struct Serving {
     k: usize,
     tables: Vec<Table>,
     written: Vec<Vec<bool>>,
+    /// Per table and bucket: its row's place among a step's rows, while one is applied.
+    place: Vec<Vec<u32>>,
     step: u64,
     saved: u64,
     /// Per table: pushes with its rows, and the rows they named (after combining).
@@ -50,6 +51,9 @@ impl Serving {
             k,
             written: (0..lay.tables())
                 .map(|t| vec![false; lay.buckets[t][k]])
+                .collect(),
+            place: (0..lay.tables())
+                .map(|t| vec![u32::MAX; lay.buckets[t][k]])
                 .collect(),
             tables,
             step: start,
@@ -291,8 +295,9 @@ impl Serving {
     ) -> Result<usize, String> {
         let (k, nt, dim) = (self.k, lay.tables(), lay.dims[t]);
         let nb = lay.buckets[t][k];
-        let mut place: HashMap<usize, usize> = HashMap::new();
-        let (mut ids, mut buckets, mut sum) = (Vec::new(), Vec::new(), Vec::<f32>::new());
+        // Each bucket's place among the step's rows (`u32::MAX`: none yet), reset below.
+        let place = &mut self.place[t];
+        let (mut ids, mut buckets, mut sum) = (Vec::new(), Vec::<usize>::new(), Vec::<f32>::new());
         for w in 0..lay.nw {
             let words = &staged[w * nt + t];
             let at = lay.staged_values(k, w, t);
@@ -305,18 +310,20 @@ impl Serving {
                     ));
                 }
                 let g = &mem[at + r * dim..at + (r + 1) * dim];
-                let n = *place.entry(b).or_insert_with(|| {
+                if place[b] == u32::MAX {
+                    place[b] = ids.len() as u32;
                     ids.push(id);
                     buckets.push(b);
                     sum.resize(sum.len() + dim, 0.0);
-                    ids.len() - 1
-                });
+                }
+                let n = place[b] as usize;
                 sum[n * dim..(n + 1) * dim]
                     .iter_mut()
                     .zip(g)
                     .for_each(|(s, g)| *s += g);
             }
         }
+        buckets.iter().for_each(|b| place[*b] = u32::MAX);
         let table = &mut self.tables[t];
         table
             .apply_rows(&ids, &sum, 1.0)

@@ -286,6 +286,14 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
             self.ctl.fetch_and_add(rank, ARRIVALS, 1)?;
         }
         self.pushes.set(self.pushes.get() + 1);
+        // Every row pushed is written by the time this worker reads again (reads wait for
+        // the step): its bucket is known from now on.
+        let mut known = self.known.borrow_mut();
+        for (l, f) in looks.iter().zip(&found) {
+            if let (Some((b, _)), None) = (f, known[l.t].get(l.id)) {
+                known[l.t].insert(l.id, *b as u32);
+            }
+        }
         self.fresh.borrow_mut().iter_mut().for_each(HashMap::clear);
         Ok(())
     }
@@ -304,25 +312,41 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
             o.clear();
             o.resize(ids.len() * self.lay.dims[*t], 0.0);
         }
-        // Rows the ps wrote are read from its window; the others are their initial values.
-        let mut rows: Vec<Vec<&mut [f32]>> = (out.iter_mut().zip(want))
-            .map(|(o, (t, _))| o.chunks_exact_mut(self.lay.dims[*t].max(1)).collect())
-            .collect();
-        let mut gets = Vec::new();
+        // Rows the ps wrote are read from its window, one gather per ps and table; the
+        // others are their initial values.
+        let (nt, dims) = (self.lay.tables(), &self.lay.dims);
+        let mut offsets = vec![Vec::<usize>::new(); self.lay.nps * nt];
+        let mut places = vec![Vec::<(usize, usize)>::new(); self.lay.nps * nt];
         for (l, f) in looks.iter().zip(&found) {
-            let row = std::mem::take(&mut rows[l.i][l.j]);
+            let dim = dims[l.t];
             match f {
                 Some((b, true)) => {
-                    let at = self.lay.values_at[l.t][l.k] + b * self.lay.dims[l.t];
-                    gets.push((self.roles.ps[l.k], at, row));
+                    let g = l.k * nt + l.t;
+                    offsets[g].push(self.lay.values_at[l.t][l.k] + b * dim);
+                    places[g].push((l.i, l.j));
                 }
                 _ => {
                     let spec = &self.cfg.tables[l.t];
+                    let row = &mut out[l.i][l.j * dim..(l.j + 1) * dim];
                     spec.init.fill(self.cfg.seed, spec, l.id, row);
                 }
             }
         }
-        self.data.gets(gets)?;
+        let mut bufs: Vec<Vec<f32>> = (offsets.iter().enumerate())
+            .map(|(g, o)| vec![0.0; o.len() * dims[g % nt]])
+            .collect();
+        let gathers = bufs.iter_mut().enumerate().map(|(g, buf)| {
+            let target = self.roles.ps[g / nt];
+            (target, &offsets[g][..], dims[g % nt], &mut buf[..])
+        });
+        self.data
+            .gathers(gathers.filter(|(_, o, _, _)| !o.is_empty()))?;
+        for (g, (places, buf)) in places.iter().zip(&bufs).enumerate() {
+            let dim = dims[g % nt];
+            for ((i, j), row) in places.iter().zip(buf.chunks_exact(dim.max(1))) {
+                out[*i][j * dim..(j + 1) * dim].copy_from_slice(row);
+            }
+        }
         Ok(())
     }
 
