@@ -8,7 +8,7 @@
 //! **Where a row is**: ps `k` holds the rows [`row_owner`](crate::train::ps::protocol::row_owner)
 //! gives it, in an open-addressing table of `buckets` (a power of two, at least twice the
 //! rows it may hold, [`RowsConfig::rows_per_table`]) in its `ctl` window. A bucket's word is
-//! 0 while empty, else `id + 1`, with [`APPLIED`] once the ps wrote the row's values. A
+//! 0 while empty, else `id + 1`, marked applied once the ps wrote the row's values. A
 //! worker finds row `id` by `MPI_Compare_and_swap` of 0 for `id + 1` at its home bucket
 //! (Fibonacci hashing), then the next: the first swap claims a bucket for a new row, a
 //! word of `id` finds it, another id sends it on. Every lookup of a batch is started
@@ -23,8 +23,8 @@
 //! a bucket, its id and `dim` values, scaled by the worker's share of the step) into its own
 //! staging area, their count per table, then adds one to `ARRIVALS`. When every worker
 //! has, the ps sums the gradients of each row, applies them to its own tables (a
-//! [`Table`] per table: the rows' optimizer state and the checkpoint's rows), writes the
-//! rows' new values into the window, marks their buckets [`APPLIED`] and publishes the
+//! [`Table`](crate::model::embedding::Table) per table: the rows' optimizer state and the checkpoint's rows), writes the
+//! rows' new values into the window, marks their buckets applied and publishes the
 //! step in `STEP`. A worker reads rows only once every ps published the steps it pushed,
 //! so a pull holds every update of the steps before it (the same update as local training
 //! on the global batch), and no ps writes a row while a worker reads it.
