@@ -588,7 +588,12 @@ fn flags_of_another_mode_are_one_line_errors() {
         (
             "allreduce",
             "--transport rma",
-            other_mode("--transport rma", "ps", "allreduce"),
+            other_mode("--transport rma", "ps or hybrid", "allreduce"),
+        ),
+        (
+            "ps",
+            "--window-rows 64",
+            "--window-rows sizes the embedding rows' windows of --model dlrm --transport rma, not --mode ps over messages".to_string(),
         ),
         (
             "allreduce",

@@ -80,6 +80,7 @@ fn dlrm_reaches_the_auc_of_local_training_in_hybrid_and_ps_mode() {
         ("hybrid", "4", "2", "p2p"),
         ("hybrid", "4", "2", "rma"),
         ("ps", "3", "1", "p2p"),
+        ("ps", "3", "1", "rma"),
     ] {
         let name = format!("{mode}-{transport}");
         let out = m(&name);

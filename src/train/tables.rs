@@ -84,6 +84,12 @@ pub trait Tables {
     fn remote(&self) -> bool {
         true
     }
+
+    /// True where every worker must push every step (the rows' home applies a step once
+    /// all pushed): a step whose gradient is not pushed pushes none instead.
+    fn pushes_every_step(&self) -> bool {
+        false
+    }
 }
 
 /// What one table's rows are in one process (a ps task, or the local one): how many
@@ -255,6 +261,10 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
 
     fn remote(&self) -> bool {
         self.rows.remote()
+    }
+
+    fn pushes_every_step(&self) -> bool {
+        self.rows.pushes_every_step()
     }
 }
 

@@ -185,6 +185,11 @@ fn step<'m, S: Strategy<'m> + Tables>(
         if loss.is_finite() {
             return Err(format!("table {}'s gradient is not finite", spec[t].name));
         }
+        if tables.pushes_every_step() {
+            // The others' step is applied without this one's rows; the guard then stops
+            // every rank on the loss.
+            tables.push_tables(&[], 0.0).map_err(|e| e.to_string())?;
+        }
         return Ok((loss, began, false));
     }
     let scale = tables.push_scale() * share;

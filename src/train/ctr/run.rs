@@ -10,6 +10,7 @@ use crate::train::allreduce::Allreduce;
 use crate::train::engine::{Local, Session, Strategy, TrainError, Trained};
 use crate::train::events::Event;
 use crate::train::hybrid::{self, HybridConfig};
+use crate::train::ps::rma;
 use crate::train::ps::rma::rows::{self as rma_rows, RowsConfig};
 use crate::train::ps::{server, Ps, PsConfig, PsTransport, Roles};
 use crate::train::resources::Share;
@@ -206,6 +207,47 @@ impl<'d> CtrRun<'d> {
         let strategy = Ps::new(comm, &roles, &dense, &cfg)?;
         let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
         self.fit(sess, &dense).map(Some)
+    }
+
+    /// Ps training over one-sided windows (`--mode ps --transport rma`, synchronous) on
+    /// this rank of `comm`: the dense variables' shards and the tables' rows (at most
+    /// `window_rows` of a table per ps task) in the ps tasks' windows, each step applied
+    /// once every worker pushed it. Every rank calls it (the windows are allocated by all
+    /// at once). `None` on a ps task.
+    pub fn ps_over_windows<C: Comm>(
+        &self,
+        comm: &C,
+        layout: &Layout,
+        (cfg, window_rows): (&PsConfig, u64),
+        events: &mut dyn FnMut(&Event),
+    ) -> Result<Option<CtrReport>, TrainError>
+    where
+        C::Window<f32>: 'static,
+        C::Window<i64>: 'static,
+    {
+        let dense = self.model.dense_model(self.cfg.seed)?;
+        let cfg = PsConfig {
+            train: self.cfg.clone(),
+            tables: self.model.tables().to_vec(),
+            sparse: self.sparse,
+            ..cfg.clone()
+        };
+        let rows = RowsConfig {
+            rows_per_table: window_rows,
+            memory: self.memory.clone(),
+            ..RowsConfig::of(&cfg, layout)
+        };
+        // No side-car evaluation: the workers evaluate the click model.
+        let none = crate::train::data::Dataset {
+            x: Vec::new(),
+            y: Vec::new(),
+            features: 0,
+            classes: 0,
+            shape: Vec::new(),
+        };
+        let job = (layout, &dense as &dyn crate::model::Model, &cfg, Some(rows));
+        let ran = rma::scope_with_rows(comm, job, &none, events, |sess| self.fit(sess, &dense));
+        Ok(ran?)
     }
 }
 

@@ -142,7 +142,7 @@ fn rows_outgrowing_a_ps_tasks_share_stop_every_rank_naming_the_table() {
 }
 
 /// Hybrid settings with the rows over one-sided windows.
-fn over_windows() -> HybridConfig {
+fn hybrid_over_windows() -> HybridConfig {
     HybridConfig {
         transport: crate::train::ps::PsTransport::Rma,
         ..HybridConfig::default()
@@ -150,10 +150,11 @@ fn over_windows() -> HybridConfig {
 }
 
 /// Over windows each ps applies a step once every worker pushed it, the sum of their
-/// shares: the update of local training on the global batch, so hybrid training ends
-/// where local training does (to rounding), on 1 ps and on 2, with every optimizer.
+/// shares: the update of local training on the global batch, so hybrid and ps training
+/// over windows end where local training does (to rounding), on 1 ps and on 2, with every
+/// sparse optimizer.
 #[test]
-fn hybrid_over_windows_trains_as_local_training_does() {
+fn rows_over_windows_train_as_local_training_does() {
     let data = SyntheticCtr::parse("samples=64000,features=4,rows=500,seed=7").unwrap();
     let (train, test) = Part::split(&data, 4000);
     let m = model(&data);
@@ -165,21 +166,26 @@ fn hybrid_over_windows_trains_as_local_training_does() {
     ] {
         let run = CtrRun::new(&m, (&train, &test), &cfg, sparse);
         let local = run.local(&mut |_| {}).unwrap().evaluation.unwrap();
-        for (np, ps) in [(3, 1), (4, 2)] {
+        for (mode, np, ps) in [
+            ("hybrid", 3, 1),
+            ("hybrid", 4, 2),
+            ("ps", 3, 1),
+            ("ps", 4, 2),
+        ] {
             let l = layout(np, ps);
-            let out = LocalComm::run(np, |comm| {
-                run.hybrid(&comm, &l, &over_windows(), &mut |_| {}).unwrap()
-            });
+            let out = LocalComm::run(np, |comm| over_windows(&run, mode, &comm, &l, &mut |_| {}));
             let evals: Vec<CtrEvaluation> = (out.into_iter().flatten())
                 .filter_map(|r| r.evaluation)
                 .collect();
-            assert_eq!(evals.len(), 2, "{sparse:?}: both workers evaluate");
+            // Hybrid's workers evaluate their shares (summed); the ps mode's chief alone.
+            let evaluating = if mode == "hybrid" { 2 } else { 1 };
+            assert_eq!(evals.len(), evaluating, "{mode} {sparse:?}");
             for e in evals {
                 assert_eq!((e.step, e.total), (local.step, local.total));
                 let (auc, want) = (e.auc.unwrap(), local.auc.unwrap());
                 assert!(
                     (auc - want).abs() < 1e-3 && (e.logloss - local.logloss).abs() < 1e-3,
-                    "{sparse:?} on {ps} ps: AUC {auc} log loss {}, local {want} {}",
+                    "{mode} {sparse:?} on {ps} ps: AUC {auc} log loss {}, local {want} {}",
                     e.logloss,
                     local.logloss
                 );
@@ -188,15 +194,36 @@ fn hybrid_over_windows_trains_as_local_training_does() {
     }
 }
 
-/// Hybrid training over windows stopped at a checkpoint and resumed from it ends where
-/// one uninterrupted run ends: the ps tasks wrote their rows with their optimizer state
-/// and put them back into their windows.
+/// `run` in `mode` (hybrid, or ps) with the rows over windows, on this rank of `comm`.
+fn over_windows(
+    run: &CtrRun<'_>,
+    mode: &str,
+    comm: &LocalComm,
+    l: &crate::cluster::Layout,
+    events: &mut dyn FnMut(&crate::train::events::Event),
+) -> Option<CtrReport> {
+    let ran = match mode {
+        "hybrid" => run.hybrid(comm, l, &hybrid_over_windows(), events),
+        _ => run.ps_over_windows(comm, l, (&PsConfig::default(), 1 << 21), events),
+    };
+    ran.unwrap()
+}
+
+/// Hybrid and ps training over windows stopped at a checkpoint and resumed from it end
+/// where one uninterrupted run ends: the ps tasks wrote their rows with their optimizer
+/// state (in ps mode beside their dense shards) and put them back into their windows.
 #[test]
-fn hybrid_over_windows_resumed_from_its_checkpoint_equals_one_run() {
+fn rows_over_windows_resumed_from_a_checkpoint_equal_one_run() {
+    for mode in ["hybrid", "ps"] {
+        resumed_over_windows_equals_one_run(mode);
+    }
+}
+
+fn resumed_over_windows_equals_one_run(mode: &str) {
     let data = SyntheticCtr::parse("samples=64000,features=4,rows=500,seed=7").unwrap();
     let (train, test) = Part::split(&data, 4000);
     let m = model(&data);
-    let dir = std::env::temp_dir().join(format!("mpiflow-ctr-rma-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("mpiflow-ctr-rma-{mode}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let l = layout(4, 2);
     let run = |steps: u64, dir: Option<&std::path::Path>| {
@@ -212,7 +239,7 @@ fn hybrid_over_windows_resumed_from_its_checkpoint_equals_one_run() {
                     restored.push(*step);
                 }
             };
-            let report = run.hybrid(&comm, &l, &over_windows(), &mut seen).unwrap();
+            let report = over_windows(&run, mode, &comm, &l, &mut seen);
             (report, restored)
         });
         let restored: Vec<u64> = out.iter().flat_map(|(_, r)| r.clone()).collect();
@@ -224,10 +251,11 @@ fn hybrid_over_windows_resumed_from_its_checkpoint_equals_one_run() {
     let (straight, _) = run(200, None);
     assert_eq!(run(100, Some(&dir)).0.step, 100);
     let (resumed, restored) = run(200, Some(&dir));
-    assert!(restored.contains(&100), "{restored:?}");
+    assert!(restored.contains(&100), "{mode}: {restored:?}");
     assert_eq!(
         (resumed.step, resumed.auc, resumed.logloss),
-        (200, straight.auc, straight.logloss)
+        (200, straight.auc, straight.logloss),
+        "{mode}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -248,7 +276,7 @@ fn rows_windows_beyond_a_ps_tasks_share_stop_every_rank_at_the_start() {
         CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2)).within(Some(share));
     let l = layout(3, 1);
     let out = LocalComm::run(3, |comm| {
-        run.hybrid(&comm, &l, &over_windows(), &mut |_| {})
+        run.hybrid(&comm, &l, &hybrid_over_windows(), &mut |_| {})
             .map(drop)
             .map_err(|e| e.to_string())
     });
@@ -259,6 +287,6 @@ fn rows_windows_beyond_a_ps_tasks_share_stop_every_rank_at_the_start() {
     );
     for r in &out[1..] {
         let e = r.as_ref().expect_err("a worker trained on");
-        assert!(e.contains("could not set up the rows' windows"), "{e}");
+        assert!(e.contains("could not set up one-sided training"), "{e}");
     }
 }

@@ -122,7 +122,7 @@ pub(crate) struct TrainArgs {
     /// --model dlrm: the rows' learning rate.
     #[arg(long, default_value_t = 0.05, value_parser = positive_f32)]
     pub(crate) sparse_lr: f32,
-    /// --mode hybrid --transport rma: rows of one table one ps task may hold, at most (its
+    /// --model dlrm --transport rma: rows of one table one ps task may hold, at most (its
     /// window is sized for twice as many buckets).
     #[arg(long, default_value_t = 1 << 21, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) window_rows: u64,
@@ -467,7 +467,7 @@ impl TrainArgs {
                 format!("{flag} needs --eval-every N: how often to evaluate")
             }
             UsedBy::RowsOverWindows => format!(
-                "{flag} sizes the rows' windows of --mode hybrid --transport rma, not --mode {mode}{}",
+                "{flag} sizes the embedding rows' windows of --model dlrm --transport rma, not --mode {mode}{}",
                 match self.transport {
                     PsTransport::Rma => " --transport rma",
                     PsTransport::P2p => " over messages",
@@ -483,7 +483,9 @@ impl TrainArgs {
             UsedBy::PsTasks => matches!(self.mode, Mode::Ps | Mode::Hybrid),
             UsedBy::Dlrm => self.model == ModelChoice::Dlrm,
             UsedBy::RowsOverWindows => {
-                self.mode == Mode::Hybrid && self.transport == PsTransport::Rma
+                matches!(self.mode, Mode::Hybrid | Mode::Ps)
+                    && self.transport == PsTransport::Rma
+                    && self.model == ModelChoice::Dlrm
             }
             UsedBy::Allreduce => self.mode == Mode::Allreduce,
             UsedBy::Cluster => self.mode != Mode::Local,

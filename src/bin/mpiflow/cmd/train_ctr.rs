@@ -9,7 +9,7 @@ use mpiflow::model::embedding::TableSpec;
 use mpiflow::train::ctr::{Criteo, CtrData, CtrReport, CtrRun, Part, SyntheticCtr};
 use mpiflow::train::engine::TrainError;
 use mpiflow::train::events::Event;
-use mpiflow::train::ps::PsError;
+use mpiflow::train::ps::{PsError, PsTransport};
 use mpiflow::train::resources;
 
 use super::resolve_with;
@@ -48,9 +48,6 @@ fn refuse(args: &TrainArgs) -> Result<(), String> {
             "--model dlrm trains in --mode local, ps or hybrid (its tables live in one process or on ps tasks)"
         }
         _ if args.towers > 1 => "--towers is for dense models, not --model dlrm",
-        (Mode::Ps, _) if args.transport == mpiflow::train::ps::PsTransport::Rma => {
-            "--model dlrm in --mode ps reaches the ps tasks by messages: drop --transport rma (--mode hybrid takes it: rows over one-sided windows)"
-        }
         _ if args.timeline.is_some() => "--timeline is not written for --model dlrm",
         _ if args.target_accuracy.is_some() => {
             "--target-accuracy is for classifiers; --model dlrm reports AUC"
@@ -250,11 +247,10 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     let reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
     let reporter: report::Shared = std::sync::Arc::new(std::sync::Mutex::new(reporter));
     let mode = match args.mode {
-        Mode::Hybrid if args.transport == mpiflow::train::ps::PsTransport::Rma => {
-            "hybrid, rows over one-sided windows"
-        }
+        Mode::Hybrid if args.transport == PsTransport::Rma => "hybrid, rows over one-sided windows",
         Mode::Hybrid => "hybrid",
         _ if args.async_ => "ps, async",
+        _ if args.transport == PsTransport::Rma => "ps, sync, one-sided windows",
         _ => "ps, sync",
     };
     if ctx.rank() == 0 {
@@ -295,7 +291,12 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
                 peer_timeout: timeout,
                 ..Default::default()
             };
-            run.ps(&comm, layout, &cfg, &mut log)
+            match args.transport {
+                PsTransport::Rma => {
+                    run.ps_over_windows(&comm, layout, (&cfg, args.window_rows), &mut log)
+                }
+                PsTransport::P2p => run.ps(&comm, layout, &cfg, &mut log),
+            }
         }
     };
     drop(reporter);

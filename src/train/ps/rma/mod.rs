@@ -242,6 +242,11 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
             "--transport rma --async applies plain SGD with MPI_Accumulate: use --optimizer sgd, or --sync".into(),
         ));
     }
+    if !cfg.tables.is_empty() && !cfg.sync {
+        return Err(PsError::Setup(
+            "--transport rma applies a step's embedding rows once every worker pushed them: use --sync, or --transport p2p".into(),
+        ));
+    }
     if cfg.train.checkpoint_dir.is_some() && !cfg.sync {
         return Err(PsError::Setup(
             "--transport rma --async does not write checkpoints: use --sync, or --transport p2p"
@@ -304,6 +309,24 @@ where
     C::Window<f32>: 'static,
     C::Window<i64>: 'static,
 {
+    let rows = (!cfg.tables.is_empty()).then(|| rows::RowsConfig::of(cfg, layout));
+    scope_with_rows(comm, (layout, model, cfg, rows), test, events, drive)
+}
+
+/// [`scope`] with the model's embedding rows (`rows`: their tables and windows) served by
+/// the ps tasks beside the dense shards: a worker's session is also its way to them
+/// ([`Tables`](crate::train::tables::Tables)).
+pub fn scope_with_rows<C: Comm, R>(
+    comm: &C,
+    (layout, model, cfg, rows): (&Layout, &dyn Model, &PsConfig, Option<rows::RowsConfig>),
+    test: &Dataset,
+    events: &mut dyn FnMut(&Event),
+    drive: impl for<'a, 'w> FnOnce(OneSidedSession<'a, 'w, C>) -> Result<R, TrainError>,
+) -> Result<Option<R>, PsError>
+where
+    C::Window<f32>: 'static,
+    C::Window<i64>: 'static,
+{
     check_config(cfg, layout)?;
     let roles = Roles::new(layout)?;
     // Every rank places the variables from its own model: one of another model would put
@@ -318,17 +341,23 @@ where
     let (restored, warnings) =
         crate::train::ps::shards::newest(cfg.train.checkpoint_dir.as_deref(), &vars)?;
     let mut windows = Windows::open(comm, &roles, &pieces)?;
-    // A ps that cannot restore must not leave the others in the barrier below: every
-    // rank learns whether all are ready (MPI_Allreduce of a flag) before it.
-    let prepared = windows.prepare(&replica, &shards, &pieces, restored.as_ref(), cfg);
-    let failed = everyone.allgather_varlen(&[u8::from(prepared.is_err())])?;
-    let state = prepared?;
-    if failed.iter().any(|f| f[0] != 0) {
-        return Err(PsError::Setup(
-            "another rank could not set up one-sided training (its error says why)".into(),
-        ));
-    }
-    everyone.barrier()?;
+    let mut rows = rows
+        .map(|r| rows::Job::<C>::open(comm, &roles, r))
+        .transpose()?;
+    // A ps that cannot restore must not leave the others in the barrier: every rank
+    // learns whether all are ready before it.
+    let prepared = windows
+        .prepare(&replica, &shards, &pieces, restored.as_ref(), cfg)
+        .and_then(|state| {
+            let rows = match (&mut rows, windows.ps) {
+                (Some(job), Some(k)) => Some(job.prepare(k, restored.as_ref())?),
+                _ => None,
+            };
+            Ok((state, rows))
+        });
+    let ready = rows::ready_everywhere(&everyone, prepared.is_ok());
+    let (state, serving) = prepared?;
+    ready?;
     let ctx = Rma {
         roles: &roles,
         cfg,
@@ -353,22 +382,40 @@ where
     let result = {
         let mut d = windows.data.open()?;
         let c = windows.ctl.open()?;
+        let mut rows_open = rows.as_mut().map(|job| job.open_windows()).transpose()?;
         let dir = cfg.train.checkpoint_dir.as_deref();
         match (state, roles.worker_index(comm.rank())) {
-            (Some(state), _) if cfg.sync => ctx.serve_sync(&mut d, &c, state).map(|()| None),
+            (Some(state), _) if cfg.sync => {
+                let mut beside =
+                    (rows_open.as_mut().zip(serving)).map(|(o, s)| o.beside(s, &roles));
+                let beside = beside.as_mut().map(|b| b as &mut dyn rows::RowsOnPs);
+                ctx.serve_sync(&mut d, &c, state, beside).map(|()| None)
+            }
             (Some(state), _) => ctx.serve_async(state.k, &c).map(|()| None),
             (None, Some(w)) => {
                 // Dropped with the strategy on every way out of training, before the
                 // windows are freed: the evaluators then end (and come to the free).
                 let evaluators = crate::train::sidecar::evaluators(layout);
                 let end = crate::train::sidecar::EndNotice::by(w == 0, comm, evaluators, dir);
-                let restored = restored.map(|f| f.step);
-                let worker = OneSided::new(&ctx, w, replica, (&d, &c), notes, restored, end);
+                let mut worker = OneSided::new(
+                    &ctx,
+                    w,
+                    replica,
+                    (&d, &c),
+                    notes,
+                    restored.as_ref().map(|f| f.step),
+                    end,
+                );
+                if let Some(open) = &rows_open {
+                    worker = worker.with_rows(open.worker(&roles, w, restored.as_ref()));
+                }
                 Session::with_events(worker, &cfg.train, &mut *events)
                     .and_then(drive)
                     .map(Some)
                     .map_err(PsError::from)
             }
+            // A model with tables is evaluated by its workers.
+            (None, None) if rows_open.is_some() => Ok(None),
             (None, None) => {
                 let evaluator = crate::train::sidecar::take_part;
                 let taken = evaluator(comm, layout, model, test, dir, events);
@@ -386,6 +433,9 @@ where
     // the collective frees cannot wait on a failure.
     windows.data.free()?;
     windows.ctl.free()?;
+    if let Some(job) = rows {
+        job.free()?;
+    }
     result
 }
 

@@ -2,6 +2,7 @@
 //! every worker pushed it, and writes its checkpoint shard when the chief asks; an async
 //! ps only waits.
 
+use super::rows::RowsOnPs;
 use super::*;
 
 /// How long a sync ps gathering pushes waits for the next before it looks for the chief's
@@ -9,29 +10,32 @@ use super::*;
 const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// A sync ps at work: the step its window's parameters are at, their optimizer state,
-/// the newest step whose shard it wrote.
-struct Serving {
+/// the newest step whose shard it wrote; the embedding rows it serves beside them.
+struct Serving<'r> {
     state: ShardState,
     step: u64,
     saved: u64,
     clock: Clock,
+    rows: Option<&'r mut dyn RowsOnPs>,
 }
 
 impl Rma<'_> {
     /// The sync ps: applies each step's summed gradient once every worker pushed it,
     /// until the last step or a stop, then serves checkpoint requests until every worker
-    /// ended.
+    /// ended; `rows` (a model's embedding rows) served meanwhile.
     pub(super) fn serve_sync(
         &self,
         data: &mut impl Access<f32>,
         ctl: &impl Access<i64>,
         state: ShardState,
+        rows: Option<&mut dyn RowsOnPs>,
     ) -> Result<(), PsError> {
         let mut ps = Serving {
             step: state.start,
             saved: state.start,
             state,
             clock: Clock::new(),
+            rows,
         };
         while ps.step < self.cfg.train.steps {
             if !self.gather(&mut ps, data, ctl)? || self.update(&mut ps, data, ctl)? {
@@ -61,19 +65,22 @@ impl Rma<'_> {
             peer: None,
             bytes: 0,
         });
-        let (state, saved) = (&ps.state, &mut ps.saved);
+        let (state, saved, rows) = (&ps.state, &mut ps.saved, &mut ps.rows);
         let (mut last, mut since) = (-1, Instant::now());
         let arrived = wait_until(
             ctl,
             self.cfg.peer_timeout,
             || {
+                if let Some(r) = rows.as_deref_mut() {
+                    r.poll()?;
+                }
                 let a = ctl.fetch_and_add(me, ARRIVALS, 0)?;
                 // Asked only once no push came for a while: the chief asks, then waits,
                 // pushing nothing until the shard is written.
                 if a != last {
                     (last, since) = (a, Instant::now());
                 } else if since.elapsed() >= SAVE_POLL {
-                    self.save_on_request(data, ctl, state, step, saved)?;
+                    self.save_on_request(data, ctl, (state, step, saved), rows)?;
                 }
                 Ok(a)
             },
@@ -188,16 +195,27 @@ impl Rma<'_> {
         let nw = self.roles.workers.len() as i64;
         stall::Board::global().idle();
         let (state, saved, step) = (&ps.state, &mut ps.saved, ps.step);
+        let rows = &mut ps.rows;
         wait_until(
             ctl,
             self.cfg.peer_timeout * 2,
             || {
-                self.save_on_request(data, ctl, state, step, saved)?;
+                if let Some(r) = rows.as_deref_mut() {
+                    r.poll()?;
+                }
+                self.save_on_request(data, ctl, (state, step, saved), rows)?;
                 Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?)
             },
             |a| a / MARK >= nw,
             || self.lost(self.roles.task(me), "a worker (not ended)".into()),
         )?;
+        // The rows end as the shards do; the shards' verdict (a stop's checkpoint) is said.
+        if let Some(r) = rows.as_deref_mut() {
+            match r.finish() {
+                Ok(()) | Err(PsError::Stopped(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
         match ctl.fetch_and_add(me, STOPPED_BY, 0)? {
             0 => Ok(()),
             signal => Err(self.stopped(signal as i32, step)),
@@ -210,9 +228,8 @@ impl Rma<'_> {
         &self,
         data: &impl Access<f32>,
         ctl: &impl Access<i64>,
-        state: &ShardState,
-        step: u64,
-        saved: &mut u64,
+        (state, step, saved): (&ShardState, u64, &mut u64),
+        rows: &mut Option<&mut dyn RowsOnPs>,
     ) -> Result<(), PsError> {
         let k = state.k;
         if *saved == step || ctl.fetch_and_add(self.roles.ps[k], SAVE_AT, 0)? != step as i64 {
@@ -222,12 +239,18 @@ impl Rma<'_> {
         // SAFETY: the parameters (the window's first `held[k]` elements) change only in
         // this ps's update, after every worker pushed the step; meanwhile workers read
         // them and accumulate into the gradient sums past them.
-        let arrays = unsafe {
+        let mut arrays = unsafe {
             data.with_local_prefix(self.held[k], |params| {
                 let views: Vec<&[f32]> = mine.map(|p| &params[p.at..p.at + p.len]).collect();
                 crate::train::ps::shards::arrays(k, &state.shards, &views, &state.slots, step)
             })
         }?;
+        // The rows of the same step beside the shards (every worker pushed them before
+        // it pushed this step's gradients).
+        if let Some(r) = rows.as_deref_mut() {
+            r.reach(step)?;
+            arrays.arrays.extend(r.arrays());
+        }
         self.save_shard(k, ctl, step, &arrays)?;
         *saved = step;
         Ok(())

@@ -5,11 +5,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::rows::RmaRows;
 use super::*;
+use crate::model::embedding::{SparseGrad, TableSpec};
 use crate::model::Targets;
 use crate::train::checkpoint::{self, State};
 use crate::train::engine::{self, End, Started, StepWord, Strategy, TrainError};
 use crate::train::sidecar::EndNotice;
+use crate::train::tables::{RowHome, RowsReport, Tables};
 
 /// A worker of one-sided ps training: the ps tasks' windows hold the parameters (and,
 /// synchronous, apply the update); this worker gets them, computes its gradient and
@@ -40,6 +43,8 @@ pub struct OneSided<'a, C: Comm, D: Access<f32>, K: Access<i64>> {
     moved: (usize, Arc<str>),
     /// The chief's notice to side-car evaluators, sent when the strategy is dropped.
     _end: Option<EndNotice<'a, C>>,
+    /// The model's embedding rows, in the ps tasks' windows beside the shards.
+    rows: Option<RmaRows<'a, D, K>>,
 }
 
 impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
@@ -72,7 +77,23 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
             seen: vec![[0; TIME_FIELDS]; if chief { rma.ranks } else { 0 }],
             moved: rma.moved(),
             _end: end,
+            rows: None,
         }
+    }
+
+    /// This worker with the model's embedding rows reached through `rows`.
+    pub(super) fn with_rows(self, rows: RmaRows<'a, D, K>) -> Self {
+        OneSided {
+            rows: Some(rows),
+            ..self
+        }
+    }
+
+    /// The rows, or why there are none.
+    fn rows(&self) -> Result<&RmaRows<'a, D, K>, TrainError> {
+        self.rows.as_ref().ok_or_else(|| {
+            TrainError::Setup("this one-sided ps training holds no embedding tables".into())
+        })
     }
 
     fn me(&self) -> String {
@@ -469,6 +490,9 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
     /// Tells the ps tasks this worker ended: synchronous, with the signal that stopped
     /// it, if one did (they end when every worker has); asynchronous, counted done.
     fn end(&mut self, how: End<'_>) -> Result<(), TrainError> {
+        if let Some(rows) = &mut self.rows {
+            RowHome::end(rows, &how)?;
+        }
         if !self.rma.cfg.sync {
             return Ok(self.tell_done()?);
         }
@@ -480,6 +504,39 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
             self.ctl.fetch_and_add(*r, ARRIVALS, MARK)?;
         }
         Ok(())
+    }
+}
+
+/// The model's embedding tables, in the ps tasks' windows (synchronous: each step's rows
+/// applied once every worker pushed them).
+impl<C: Comm, D: Access<f32>, K: Access<i64>> Tables for OneSided<'_, C, D, K> {
+    fn table_specs(&self) -> &[TableSpec] {
+        self.rows.as_ref().map_or(&[], |r| r.table_specs())
+    }
+
+    fn pull_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+        make: bool,
+    ) -> Result<(), TrainError> {
+        self.rows()?.pull_tables(want, out, make)
+    }
+
+    fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
+        self.rows()?.push_tables(grads, scale)
+    }
+
+    fn push_scale(&self) -> f32 {
+        self.rows.as_ref().map_or(1.0, |r| r.push_scale())
+    }
+
+    fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
+        self.rows()?.rows_report()
+    }
+
+    fn pushes_every_step(&self) -> bool {
+        self.rows.is_some()
     }
 }
 

@@ -55,6 +55,7 @@ use crate::train::ps::{PsError, Roles};
 use crate::train::resources::Share;
 use crate::transport::rma::AllocateError;
 use crate::transport::Comm;
+use serve::{Beside, Serving};
 pub use worker::RmaRows;
 
 const STEP: usize = 0;
@@ -107,6 +108,25 @@ pub struct RowsConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// A ps task's share of its node's memory (`None`: unchecked).
     pub memory: Option<Share>,
+}
+
+impl RowsConfig {
+    /// The rows of ps training's tables (`cfg.tables`): windows of the default size (2^21
+    /// rows of a table per ps task; per push, a worker's share of the global batch, one id
+    /// per sample and table), memory unchecked.
+    pub fn of(cfg: &crate::train::ps::PsConfig, layout: &crate::cluster::Layout) -> RowsConfig {
+        let nw = Roles::new(layout).map_or(1, |r| r.workers.len().max(1));
+        RowsConfig {
+            tables: cfg.tables.clone(),
+            sparse: cfg.sparse,
+            seed: cfg.train.seed,
+            rows_per_table: 1 << 21,
+            rows_per_push: cfg.train.batch.div_ceil(nw),
+            peer_timeout: cfg.peer_timeout,
+            checkpoint_dir: cfg.train.checkpoint_dir.clone(),
+            memory: None,
+        }
+    }
 }
 
 /// Where everything is in every ps's windows: computed alike on every rank.
@@ -253,6 +273,112 @@ pub type Open<'a, C, T> = <<C as Comm>::Window<T> as RmaWindow<T>>::Open<'a>;
 /// A worker's rows over this job's windows (lives inside [`scope`]).
 pub type Rows<'a, 'w, C> = RmaRows<'a, Open<'w, C, f32>, Open<'w, C, i64>>;
 
+/// The rows' windows of a job (allocated on every rank, empty but on ps tasks) with their
+/// settings and layout.
+pub(in crate::train::ps::rma) struct Job<C: Comm> {
+    cfg: RowsConfig,
+    lay: Layout,
+    windows: Windows<C>,
+}
+
+impl<C: Comm> Job<C> {
+    /// Allocates the windows for `cfg`'s tables (a collective over `comm`).
+    pub(in crate::train::ps::rma) fn open(
+        comm: &C,
+        roles: &Roles,
+        cfg: RowsConfig,
+    ) -> Result<Job<C>, PsError> {
+        let lay = Layout::new(&cfg, roles.ps.len(), roles.workers.len()).map_err(PsError::Setup)?;
+        let windows = Windows::open(comm, roles, &lay)?;
+        Ok(Job { cfg, lay, windows })
+    }
+
+    /// Ps `k`'s rows, restored from checkpoint `restored` into its windows (before any
+    /// rank opens them).
+    pub(in crate::train::ps::rma) fn prepare(
+        &mut self,
+        k: usize,
+        restored: Option<&checkpoint::Found>,
+    ) -> Result<Serving, PsError> {
+        Serving::prepare(k, &self.lay, &self.cfg, restored, &mut self.windows)
+    }
+
+    /// The windows open for one-sided operations.
+    pub(in crate::train::ps::rma) fn open_windows(&mut self) -> Result<Opened<'_, C>, PsError>
+    where
+        C::Window<f32>: 'static,
+        C::Window<i64>: 'static,
+    {
+        Ok(Opened {
+            data: self.windows.data.open()?,
+            ctl: self.windows.ctl.open()?,
+            cfg: &self.cfg,
+            lay: &self.lay,
+        })
+    }
+
+    /// Frees the windows (a collective: every rank must be past its last operation).
+    pub(in crate::train::ps::rma) fn free(self) -> Result<(), PsError> {
+        self.windows.data.free()?;
+        self.windows.ctl.free()?;
+        Ok(())
+    }
+}
+
+/// A job's rows' windows, open.
+pub(in crate::train::ps::rma) struct Opened<'w, C: Comm>
+where
+    C::Window<f32>: 'w,
+    C::Window<i64>: 'w,
+{
+    data: Open<'w, C, f32>,
+    ctl: Open<'w, C, i64>,
+    cfg: &'w RowsConfig,
+    lay: &'w Layout,
+}
+
+impl<'w, C: Comm> Opened<'w, C>
+where
+    C::Window<f32>: 'w,
+    C::Window<i64>: 'w,
+{
+    /// A ps task's rows, served from these windows.
+    pub(in crate::train::ps::rma) fn beside<'a>(
+        &'a mut self,
+        ps: Serving,
+        roles: &'a Roles,
+    ) -> Beside<'a, Open<'w, C, f32>, Open<'w, C, i64>> {
+        Beside {
+            ps,
+            roles,
+            cfg: self.cfg,
+            lay: self.lay,
+            data: &mut self.data,
+            ctl: &self.ctl,
+        }
+    }
+
+    /// Worker `w`'s way to the rows, which start at checkpoint `restored` (its step and
+    /// path) or step 0.
+    pub(in crate::train::ps::rma) fn worker<'a>(
+        &'a self,
+        roles: &'a Roles,
+        w: usize,
+        restored: Option<&checkpoint::Found>,
+    ) -> Rows<'a, 'w, C> {
+        let start = restored.map_or(0, |f| f.step);
+        let found = restored.map(|f| (f.step, f.path.clone()));
+        RmaRows::new(
+            roles,
+            w,
+            self.cfg,
+            self.lay,
+            (&self.data, &self.ctl),
+            (start, found),
+        )
+    }
+}
+
 /// Rows over windows on every rank of `comm` (a collective: every rank allocates the
 /// windows): a ps task restores its rows and serves the workers until they end (`None`);
 /// a worker hands its rows to `drive`, whose result it returns; another task (an
@@ -268,8 +394,6 @@ where
     C::Window<f32>: 'static,
     C::Window<i64>: 'static,
 {
-    let (nps, nw) = (roles.ps.len(), roles.workers.len());
-    let lay = Layout::new(cfg, nps, nw).map_err(PsError::Setup)?;
     let me = comm.rank();
     // Every rank finds the same one: the directory does not change before training.
     let restored = match cfg.checkpoint_dir.as_deref() {
@@ -279,50 +403,76 @@ where
         }
         None => None,
     };
-    let mut windows = Windows::<C>::open(comm, roles, &lay)?;
+    let mut job = Job::<C>::open(comm, roles, cfg.clone())?;
     // A ps that cannot set up must not leave the others waiting: every rank learns
     // whether all are ready before any opens the windows.
-    let prepared = match roles.ps_index(me) {
-        Some(k) => serve::Serving::prepare(k, &lay, cfg, restored.as_ref(), &mut windows).map(Some),
-        None => Ok(None),
-    };
+    let prepared = roles
+        .ps_index(me)
+        .map(|k| job.prepare(k, restored.as_ref()))
+        .transpose();
     let everyone = crate::transport::Collectives::new(comm.split(0, me)?);
-    let failed = everyone.allgather_varlen(&[u8::from(prepared.is_err())])?;
+    let ready = ready_everywhere(&everyone, prepared.is_ok());
     let serving = prepared?;
-    if failed.iter().any(|f| f[0] != 0) {
-        return Err(PsError::Setup(
-            "another rank could not set up the rows' windows (its error says why)".into(),
-        ));
-    }
-    everyone.barrier()?;
-    let start = restored.as_ref().map_or(0, |f| f.step);
+    ready?;
     let result = {
-        let mut d = windows.data.open()?;
-        let c = windows.ctl.open()?;
+        let mut open = job.open_windows()?;
         match (serving, roles.worker_index(me)) {
-            (Some(ps), _) => ps.serve(roles, cfg, &lay, &mut d, &c).map(|()| None),
-            (None, Some(w)) => {
-                let found = restored.map(|f| (f.step, f.path));
-                let rows = RmaRows::new(roles, w, cfg, &lay, (&d, &c), (start, found));
-                drive(rows).map(Some).map_err(PsError::from)
-            }
+            (Some(ps), _) => open.beside(ps, roles).serve().map(|()| None),
+            (None, Some(w)) => drive(open.worker(roles, w, restored.as_ref()))
+                .map(Some)
+                .map_err(PsError::from),
             (None, None) => Ok(None),
         }
     };
-    let ended = match &result {
+    if ended(&result) {
+        // Everyone is past its last operation: the collective frees cannot wait on a
+        // failure.
+        job.free()?;
+    }
+    result
+}
+
+/// Whether every rank of `everyone` set up (`ok` on this one), then a barrier before any
+/// opens the windows; where one did not, an error on every rank and no barrier (the rank
+/// that failed says its own error instead).
+pub(in crate::train::ps::rma) fn ready_everywhere<C: Comm>(
+    everyone: &crate::transport::Collectives<C>,
+    ok: bool,
+) -> Result<(), PsError> {
+    let failed = everyone.allgather_varlen(&[u8::from(!ok)])?;
+    if failed.iter().any(|f| f[0] != 0) {
+        return Err(PsError::Setup(
+            "another rank could not set up one-sided training (its error says why)".into(),
+        ));
+    }
+    everyone.barrier()?;
+    Ok(())
+}
+
+/// Whether a rank's run ended so that every rank reaches the windows' release: done, or
+/// an end every rank shares.
+pub(in crate::train::ps::rma) fn ended<R>(result: &Result<R, PsError>) -> bool {
+    match result {
         Ok(_) => true,
         Err(e) => matches!(
             e,
             PsError::Stopped(_) | PsError::NotApplied(_) | PsError::Ended(_)
         ),
-    };
-    if ended {
-        // Everyone is past its last operation: the collective frees cannot wait on a
-        // failure.
-        windows.data.free()?;
-        windows.ctl.free()?;
     }
-    result
+}
+
+/// A ps task's rows served beside its dense shards (`--mode ps --transport rma` with
+/// tables): the dense ps polls them while it waits, brings them to a step before it
+/// writes that step's checkpoint, and puts their arrays into its shard file.
+pub(in crate::train::ps::rma) trait RowsOnPs {
+    /// Serves what has come (a step every worker pushed is applied).
+    fn poll(&mut self) -> Result<(), PsError>;
+    /// Serves until the rows hold step `step`'s update (every worker pushed it).
+    fn reach(&mut self, step: u64) -> Result<(), PsError>;
+    /// The rows' arrays for a checkpoint's shard file.
+    fn arrays(&self) -> Vec<(String, Vec<f32>)>;
+    /// Serves until every worker ended; how they ended.
+    fn finish(&mut self) -> Result<(), PsError>;
 }
 
 /// The line a worker gives for a ps's `ABORT` word `word` (ps task `ps`).

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::worker::AGREED;
+use super::RowsOnPs;
 use super::*;
 use crate::model::embedding::Table;
 use crate::train::checkpoint::Found;
@@ -13,7 +14,7 @@ use crate::transport::window::Access;
 
 /// A ps's rows: its tables (values, optimizer state: what checkpoints hold), which of
 /// its buckets hold written rows, the step its window is at, the newest step it saved.
-pub(super) struct Serving {
+pub(in crate::train::ps::rma) struct Serving {
     k: usize,
     tables: Vec<Table>,
     written: Vec<Vec<bool>>,
@@ -23,6 +24,9 @@ pub(super) struct Serving {
     saved: u64,
     /// Per table: pushes with its rows, and the rows they named (after combining).
     served: Vec<(u64, u64)>,
+    /// The `ENDED` word last read, and the words last read with when they changed.
+    ended: i64,
+    last: ([i64; 8], Instant),
     /// The bytes the windows take (beside the tables).
     window_bytes: u64,
 }
@@ -59,6 +63,8 @@ impl Serving {
             step: start,
             saved: start,
             served: vec![(0, 0); lay.tables()],
+            ended: 0,
+            last: ([0; 8], Instant::now()),
             window_bytes: lay.bytes(k),
         };
         ps.fits(cfg, None).map_err(|(_, e)| PsError::Setup(e))?;
@@ -109,69 +115,6 @@ impl Serving {
         let who = format!("ps:{}", self.k);
         let held = rows + self.window_bytes;
         crate::train::tables::outgrew(&who, table, held, cfg.memory.as_ref()).map_err(|e| (t, e))
-    }
-
-    /// Serves the workers until every one ended: each step applied once all pushed it,
-    /// checkpoints written as the chief asks.
-    pub(super) fn serve(
-        mut self,
-        roles: &Roles,
-        cfg: &RowsConfig,
-        lay: &Layout,
-        data: &mut impl Access<f32>,
-        ctl: &impl Access<i64>,
-    ) -> Result<(), PsError> {
-        let me = roles.ps[self.k];
-        let nw = lay.nw as i64;
-        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
-        let (mut last, mut since) = ([0i64; 8], Instant::now());
-        loop {
-            ctl.poke()?;
-            let mut words = [0i64; 8];
-            ctl.read_atomic(me, STEP, &mut words)?;
-            let (arrived, ended) = (
-                words[ARRIVALS],
-                words[ENDED] % AGREED + words[ENDED] / AGREED,
-            );
-            if ended >= nw {
-                return self.finish(roles, ctl, words[ENDED]);
-            }
-            if arrived >= nw {
-                self.apply(roles, cfg, lay, data, ctl)?;
-                backoff.reset();
-                continue;
-            }
-            if arrived > 0 && arrived + ended >= nw {
-                // Some pushed this step, another ended: that one failed (it says why).
-                let late = self.late(lay, ctl, me, ABORT_ENDED)?;
-                return Err(PsError::Aborted {
-                    task: roles.task(me),
-                    message: format!(
-                        "{} ended at step {}, which the others pushed",
-                        roles.task(roles.workers[late]),
-                        self.step
-                    ),
-                });
-            }
-            if words[SAVE_AT] as u64 == self.step && self.saved < self.step {
-                self.save(cfg, ctl, me)?;
-            }
-            if words != last {
-                (last, since) = (words, Instant::now());
-            } else if arrived > 0 && since.elapsed() > cfg.peer_timeout {
-                let late = self.late(lay, ctl, me, ABORT_LOST)?;
-                return Err(PsError::Lost {
-                    task: roles.task(me),
-                    lost: format!(
-                        "{} (no push of step {})",
-                        roles.task(roles.workers[late]),
-                        self.step
-                    ),
-                    secs: cfg.peer_timeout.as_secs(),
-                });
-            }
-            backoff.idle();
-        }
     }
 
     /// The first worker whose pushes are behind this step, left in `ABORT` with `kind`
@@ -409,4 +352,143 @@ fn place_rows(
         }
     }
     Ok(())
+}
+
+/// What a poll of a ps's rows found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Polled {
+    /// Nothing to do.
+    Idle,
+    /// A step applied, or a checkpoint written.
+    Worked,
+    /// Every worker ended ([`Beside::verdict`] says how).
+    Ended,
+}
+
+/// A ps's rows with what serving them takes: its windows, the job's roles and layout.
+pub(in crate::train::ps::rma) struct Beside<'a, D: Access<f32>, K: Access<i64>> {
+    pub(super) ps: Serving,
+    pub(super) roles: &'a Roles,
+    pub(super) cfg: &'a RowsConfig,
+    pub(super) lay: &'a Layout,
+    pub(super) data: &'a mut D,
+    pub(super) ctl: &'a K,
+}
+
+impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
+    /// Serves what has come: a step every worker pushed is applied, a checkpoint the
+    /// chief asked for written; a worker that ended while the others pushed, or that
+    /// pushed nothing within the timeout of a step the others pushed, ends this ps.
+    pub(super) fn poll(&mut self) -> Result<Polled, PsError> {
+        let (roles, cfg, lay, ctl) = (self.roles, self.cfg, self.lay, self.ctl);
+        let ps = &mut self.ps;
+        let me = roles.ps[ps.k];
+        let nw = lay.nw as i64;
+        ctl.poke()?;
+        let mut words = [0i64; 8];
+        ctl.read_atomic(me, STEP, &mut words)?;
+        let (arrived, ended) = (
+            words[ARRIVALS],
+            words[ENDED] % AGREED + words[ENDED] / AGREED,
+        );
+        ps.ended = words[ENDED];
+        if ended >= nw {
+            return Ok(Polled::Ended);
+        }
+        if arrived >= nw {
+            ps.apply(roles, cfg, lay, self.data, ctl)?;
+            return Ok(Polled::Worked);
+        }
+        if arrived > 0 && arrived + ended >= nw {
+            // Some pushed this step, another ended: that one failed (it says why).
+            let late = ps.late(lay, ctl, me, ABORT_ENDED)?;
+            return Err(PsError::Aborted {
+                task: roles.task(me),
+                message: format!(
+                    "{} ended at step {}, which the others pushed",
+                    roles.task(roles.workers[late]),
+                    ps.step
+                ),
+            });
+        }
+        if words[SAVE_AT] as u64 == ps.step && ps.saved < ps.step {
+            ps.save(cfg, ctl, me)?;
+            return Ok(Polled::Worked);
+        }
+        if words != ps.last.0 {
+            ps.last = (words, Instant::now());
+        } else if arrived > 0 && ps.last.1.elapsed() > cfg.peer_timeout {
+            let late = ps.late(lay, ctl, me, ABORT_LOST)?;
+            return Err(PsError::Lost {
+                task: roles.task(me),
+                lost: format!(
+                    "{} (no push of step {})",
+                    roles.task(roles.workers[late]),
+                    ps.step
+                ),
+                secs: cfg.peer_timeout.as_secs(),
+            });
+        }
+        Ok(Polled::Idle)
+    }
+
+    /// Serves the workers until every one ended; how they ended.
+    pub(super) fn serve(mut self) -> Result<(), PsError> {
+        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
+        loop {
+            match self.poll()? {
+                Polled::Ended => return self.verdict(),
+                Polled::Worked => backoff.reset(),
+                Polled::Idle => backoff.idle(),
+            }
+        }
+    }
+
+    /// Every worker ended: a failure one had alone, the stop they had, or done.
+    fn verdict(&self) -> Result<(), PsError> {
+        self.ps.finish(self.roles, self.ctl, self.ps.ended)
+    }
+}
+
+impl<D: Access<f32>, K: Access<i64>> RowsOnPs for Beside<'_, D, K> {
+    fn poll(&mut self) -> Result<(), PsError> {
+        Beside::poll(self).map(drop)
+    }
+
+    fn reach(&mut self, step: u64) -> Result<(), PsError> {
+        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
+        let since = Instant::now();
+        while self.ps.step < step {
+            if Beside::poll(self)? == Polled::Ended || since.elapsed() > self.cfg.peer_timeout {
+                return Err(PsError::Setup(format!(
+                    "{}: the rows of step {step} were not pushed by every worker",
+                    self.roles.task(self.roles.ps[self.ps.k])
+                )));
+            }
+            backoff.idle();
+        }
+        Ok(())
+    }
+
+    fn arrays(&self) -> Vec<(String, Vec<f32>)> {
+        checkpoint::tables::table_arrays(&self.ps.tables)
+    }
+
+    fn finish(&mut self) -> Result<(), PsError> {
+        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
+        let since = Instant::now();
+        loop {
+            match Beside::poll(self)? {
+                Polled::Ended => return self.verdict(),
+                _ if since.elapsed() > 2 * self.cfg.peer_timeout => {
+                    return Err(PsError::Lost {
+                        task: self.roles.task(self.roles.ps[self.ps.k]),
+                        lost: "a worker (its rows not ended)".into(),
+                        secs: self.cfg.peer_timeout.as_secs(),
+                    })
+                }
+                _ => backoff.idle(),
+            }
+        }
+    }
 }

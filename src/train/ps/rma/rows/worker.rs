@@ -477,6 +477,11 @@ impl<D: Access<f32>, K: Access<i64>> Tables for RmaRows<'_, D, K> {
     fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {
         Ok(self.report()?)
     }
+
+    /// Each ps applies a step once every worker pushed it.
+    fn pushes_every_step(&self) -> bool {
+        true
+    }
 }
 
 impl<D: Access<f32>, K: Access<i64>> RowHome for RmaRows<'_, D, K> {
