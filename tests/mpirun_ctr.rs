@@ -131,12 +131,20 @@ fn row_ids(path: &Path) -> BTreeSet<(String, u64)> {
 
 #[test]
 fn a_ps_killed_mid_run_costs_only_the_steps_since_the_checkpoint_and_its_rows_come_back() {
-    let dir = tmpdir("ctr-kill");
+    for transport in ["p2p", "rma"] {
+        killed_ps_resumes(transport);
+    }
+}
+
+/// Hybrid training with its rows over `transport`, ps:0 SIGKILLed once a checkpoint is
+/// written, then run again.
+fn killed_ps_resumes(transport: &str) {
+    let dir = tmpdir(&format!("ctr-kill-{transport}"));
     let ckpt = dir.join("ckpt");
     let (c, metrics) = (ckpt.to_str().unwrap(), dir.join("resumed.csv"));
     let mut args = vec!["-np", "4", mpiflow()];
     args.extend_from_slice(RUN);
-    let flags = ["--mode", "hybrid", "--ps", "2"];
+    let flags = ["--mode", "hybrid", "--ps", "2", "--transport", transport];
     args.extend_from_slice(&flags);
     args.extend_from_slice(&["--steps", "3000"]);
     args.extend_from_slice(&["--checkpoint-dir", c, "--checkpoint-every", "200"]);
@@ -170,7 +178,10 @@ fn a_ps_killed_mid_run_costs_only_the_steps_since_the_checkpoint_and_its_rows_co
         .collect();
     assert!(steps.first().is_some_and(|s| *s > saved), "{steps:?}");
     let after = row_ids(&ckpt.join("ckpt-3000"));
-    assert!(before.is_subset(&after), "rows lost in the restore");
+    assert!(
+        before.is_subset(&after),
+        "{transport}: rows lost in the restore"
+    );
     assert!(last_auc(&metrics) > 0.8);
 }
 
