@@ -107,6 +107,8 @@ pub struct Table {
     state: Vec<f32>,
     /// Each slot's pulls: how hot its row is.
     hits: Vec<u32>,
+    /// A request's slots, kept from one request to the next.
+    scratch: Vec<u32>,
 }
 
 impl Table {
@@ -125,6 +127,7 @@ impl Table {
             values: Vec::new(),
             state: Vec::new(),
             hits: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -214,29 +217,77 @@ impl Table {
         }
     }
 
+    /// The slots of `ids` into `slots`, each row made if it does not exist: one lookup per
+    /// id, the bucket of the id [`Self::AHEAD`] places on loaded meanwhile (a batch's
+    /// misses overlap instead of following one another).
+    fn slots_into(&mut self, ids: &[u64], slots: &mut Vec<u32>) -> Result<(), EmbeddingError> {
+        slots.clear();
+        slots.reserve(ids.len());
+        for (i, id) in ids.iter().enumerate() {
+            if let Some(next) = ids.get(i + Self::AHEAD) {
+                self.slot.prefetch(*next);
+            }
+            slots.push(self.slot_of(*id)? as u32);
+        }
+        Ok(())
+    }
+
+    /// Starts loading the row and optimizer state of slot `slots[i + AHEAD / 2]`, if any.
+    #[inline]
+    fn prefetch_slot(&self, slots: &[u32], i: usize) {
+        let Some(s) = slots.get(i + Self::AHEAD / 2) else {
+            return;
+        };
+        let (d, k, s) = (
+            self.spec.dim,
+            self.opt.state_len(self.spec.dim),
+            *s as usize,
+        );
+        index::prefetch_values(&self.values[s * d..(s + 1) * d]);
+        if k > 0 {
+            index::prefetch_values(&self.state[s * k..(s + 1) * k]);
+        }
+    }
+
     /// The rows of `ids` into `out` (`ids.len() x dim`, in that order), each made if it
     /// does not exist.
     pub fn pull_into(&mut self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
-        let d = self.spec.dim;
         out.clear();
+        self.pull_extend(ids, out)
+    }
+
+    /// [`Table::pull_into`], the rows appended to what `out` holds.
+    pub fn pull_extend(&mut self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
+        let d = self.spec.dim;
+        let mut slots = std::mem::take(&mut self.scratch);
+        let found = self.slots_into(ids, &mut slots);
         out.reserve(ids.len() * d);
-        for (i, id) in ids.iter().enumerate() {
-            self.prefetch(ids, i);
-            let s = self.slot_of(*id)?;
-            self.hits[s] = self.hits[s].saturating_add(1);
-            out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
+        if found.is_ok() {
+            for (i, s) in slots.iter().enumerate() {
+                self.prefetch_slot(&slots, i);
+                let s = *s as usize;
+                self.hits[s] = self.hits[s].saturating_add(1);
+                out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
+            }
         }
-        Ok(())
+        self.scratch = slots;
+        found
     }
 
     /// The rows of `ids` into `out` as [`Table::pull_into`] gives them, without making
     /// any: a row that does not exist is its initial values (an evaluation's read, which
     /// must not grow the table).
     pub fn read_into(&self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
-        let d = self.spec.dim;
         out.clear();
-        out.resize(ids.len() * d, 0.0);
-        for (i, (id, row)) in ids.iter().zip(out.chunks_exact_mut(d.max(1))).enumerate() {
+        self.read_extend(ids, out)
+    }
+
+    /// [`Table::read_into`], the rows appended to what `out` holds.
+    pub fn read_extend(&self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
+        let (d, at) = (self.spec.dim, out.len());
+        out.resize(at + ids.len() * d, 0.0);
+        let rows = out[at..].chunks_exact_mut(d.max(1));
+        for (i, (id, row)) in ids.iter().zip(rows).enumerate() {
             self.prefetch(ids, i);
             match self.row(*id) {
                 Some(r) => row.copy_from_slice(r),
@@ -281,18 +332,23 @@ impl Table {
                 ),
             });
         }
-        let mut g = vec![0f32; d];
-        for (i, (id, row)) in ids.iter().zip(values.chunks_exact(d.max(1))).enumerate() {
-            self.prefetch(ids, i);
-            let s = self.slot_of(*id)?;
-            g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
-            let (w, st) = (
-                &mut self.values[s * d..(s + 1) * d],
-                &mut self.state[s * k..(s + 1) * k],
-            );
-            self.opt.apply(w, st, &g);
+        let mut slots = std::mem::take(&mut self.scratch);
+        let found = self.slots_into(ids, &mut slots);
+        if found.is_ok() {
+            let mut g = vec![0f32; d];
+            for (i, (s, row)) in slots.iter().zip(values.chunks_exact(d.max(1))).enumerate() {
+                self.prefetch_slot(&slots, i);
+                let s = *s as usize;
+                g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
+                let (w, st) = (
+                    &mut self.values[s * d..(s + 1) * d],
+                    &mut self.state[s * k..(s + 1) * k],
+                );
+                self.opt.apply(w, st, &g);
+            }
         }
-        Ok(())
+        self.scratch = slots;
+        found
     }
 
     /// Every existing row with its state, in the order rows were made: what a checkpoint

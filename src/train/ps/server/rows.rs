@@ -84,19 +84,18 @@ impl<C: Comm> Server<'_, C> {
     /// exist are made and the pulls counted, else read as their initial values).
     fn gather_rows(&mut self, parts: &[RowsPart], make: bool) -> Result<(), String> {
         self.check_parts(parts)?;
-        let (mut rows, mut part) = (std::mem::take(&mut self.rows), Vec::new());
+        let mut rows = std::mem::take(&mut self.rows);
         rows.clear();
         let mut r = Ok(());
         for p in parts {
             let t = &mut self.tables[p.table];
             r = match make {
-                true => t.pull_into(&p.ids, &mut part),
-                false => t.read_into(&p.ids, &mut part),
+                true => t.pull_extend(&p.ids, &mut rows),
+                false => t.read_extend(&p.ids, &mut rows),
             };
             if r.is_err() {
                 break;
             }
-            rows.extend_from_slice(&part);
             if make {
                 let served = &mut self.served[p.table];
                 served.pulls += 1;
