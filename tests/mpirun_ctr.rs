@@ -285,3 +285,69 @@ fn large_row_requests_between_two_ps_tasks_and_two_workers_never_deadlock() {
         );
     }
 }
+
+/// A hybrid worker (rank 3) stopped (SIGSTOP) for 4 s: the chief names it in stall reports, with
+/// the step and what the others wait in (the dense layers' allreduce, or the rows), until
+/// it continues; SIGUSR1 then stops the job (exit 75).
+#[test]
+fn a_stopped_hybrid_worker_is_named_in_a_stall_report() {
+    let dir = tmpdir("ctr-stall");
+    let metrics = dir.join("stall.csv");
+    let mut args = vec!["-np", "4", mpiflow()];
+    args.extend_from_slice(RUN);
+    args.extend_from_slice(&["--mode", "hybrid", "--ps", "1", "--steps", "100000000"]);
+    args.extend_from_slice(&[
+        "--stall-warning",
+        "1",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    let start = std::time::Instant::now();
+    let ready =
+        |out: &str| start.elapsed() > std::time::Duration::from_secs(1) && out.contains("\nstep ");
+    let (text, code) = with_rank_when(&args, Some(3), ready, |pid, mpirun| {
+        signal(pid, "-STOP");
+        std::thread::sleep(std::time::Duration::from_secs(4));
+        signal(pid, "-CONT");
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        signal(mpirun, "-USR1");
+    });
+    assert_eq!(code, Some(75), "{text}");
+    // Ranks 1-3 are the workers after ps:0 (rank 0).
+    let victim = "worker:2";
+    let reports: Vec<&str> = (text.lines())
+        .filter(|l| l.starts_with("# warning: stall at step ") && !l.contains("cleared"))
+        .collect();
+    assert!(reports.len() >= 2, "{text}");
+    for r in &reports {
+        assert!(
+            r.ends_with(&format!("; not arrived: {victim} (no answer)")),
+            "{r}"
+        );
+        let ops = ["allreduce", "rows push and pull", "rows pull", "allgather"];
+        assert!(ops.iter().any(|op| r.contains(&format!(" in {op}"))), "{r}");
+    }
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("# warning: stall at step ") && l.contains("cleared"))
+            .count(),
+        1,
+        "{text}"
+    );
+    let records = read(&metrics).unwrap();
+    // The reports name the worker; the last record says the stall cleared.
+    let stalls: Vec<(&Vec<String>, bool)> = (records.iter())
+        .filter_map(|r| match r {
+            Record::Stall {
+                missing, cleared, ..
+            } => Some((missing, *cleared)),
+            _ => None,
+        })
+        .collect();
+    let (cleared, reported) = stalls.split_last().expect("stall records");
+    assert!(cleared.1 && reported.len() >= 2, "{stalls:?}");
+    assert!(
+        reported.iter().all(|(m, c)| m.as_slice() == [victim] && !c),
+        "{stalls:?}"
+    );
+}

@@ -17,6 +17,7 @@ use crate::model::dlrm::{Dlrm, DlrmScratch, Lookup};
 use crate::model::embedding::SparseGrad;
 use crate::model::External;
 use crate::observe::phases::Phase;
+use crate::observe::stall::{self, Wait, Waiting};
 use crate::tensor::Tensor;
 use crate::train::data::{self, Batches};
 use crate::train::engine::{Session, Strategy, TrainError};
@@ -158,10 +159,12 @@ fn step<'m, S: Strategy<'m> + Tables>(
 ) -> Result<(f32, Began, bool), String> {
     let tables = sess.strategy();
     let pulled = Instant::now();
+    let step = sess.global_step();
     if !ready {
         model
             .lookups_into(&w.batch, &mut w.lookups)
             .map_err(|e| e.to_string())?;
+        let _wait = rows_wait(tables, "rows pull", step);
         pull_lookups(tables, &mut w.lookups, true).map_err(|e| e.to_string())?;
     }
     let computed = Instant::now();
@@ -195,6 +198,7 @@ fn step<'m, S: Strategy<'m> + Tables>(
     let scale = tables.push_scale() * share;
     let grads: Vec<(usize, &SparseGrad)> = w.sparse.iter().enumerate().collect();
     if next.is_none() {
+        let _wait = rows_wait(tables, "rows push", step);
         tables
             .push_tables(&grads, scale)
             .map_err(|e| e.to_string())?;
@@ -203,11 +207,26 @@ fn step<'m, S: Strategy<'m> + Tables>(
     model
         .lookups_into(&w.next, &mut w.next_lookups)
         .map_err(|e| e.to_string())?;
+    let _wait = rows_wait(tables, "rows push and pull", step);
     with_rows(&mut w.next_lookups, |want, rows| {
         tables.push_pull_tables(&grads, scale, want, rows)
     })
     .map_err(|e| e.to_string())?;
     Ok((loss, began, true))
+}
+
+/// Marks a wait of `op` on the rows' homes at global step `step`, where they are other
+/// tasks (for stall reports).
+fn rows_wait<T: Tables>(tables: &T, op: &'static str, step: u64) -> Option<Waiting<'static>> {
+    tables.remote().then(|| {
+        stall::wait(|| Wait {
+            op,
+            step,
+            what: None,
+            peer: None,
+            bytes: 0,
+        })
+    })
 }
 
 /// `fetch(want, rows)` of every lookup's rows (`want`: each table and its unique ids),

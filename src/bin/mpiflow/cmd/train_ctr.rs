@@ -11,6 +11,7 @@ use mpiflow::train::engine::TrainError;
 use mpiflow::train::events::Event;
 use mpiflow::train::ps::{PsError, PsTransport};
 use mpiflow::train::resources;
+use mpiflow::transport::threads;
 
 use super::resolve_with;
 use super::train::{pin_rank, prepare_outputs};
@@ -202,12 +203,27 @@ fn local(args: &TrainArgs) -> Result<(), Failure> {
 
 /// `--mode ps` or `--mode hybrid` on this rank.
 fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), Failure> {
-    let (resolved, ctx, _) = resolve_with(&args.cluster, args.agreed(), env, false, true)?;
+    // The stall watch asks the others from a thread of its own (MPI_THREAD_MULTIPLE),
+    // which one-sided windows may refuse.
+    let refused = match args.transport {
+        PsTransport::Rma => threads::windows_refuse_threads(&threads::library(), env),
+        PsTransport::P2p => None,
+    };
+    let watching = args.stall_warning > 0 && refused.is_none();
+    let (resolved, ctx, multiple) =
+        resolve_with(&args.cluster, args.agreed(), env, watching, true)?;
     let Some(ctx) = ctx else {
         return Err(Failure::local(
             "distributed training runs under mpirun (or srun --mpi=pmix)",
         ));
     };
+    if ctx.rank() == 0 && args.stall_warning > 0 {
+        match refused {
+            Some(why) => say!("mpiflow: warning: {why}; no stall reports (--stall-warning)"),
+            None if !multiple => say!("mpiflow: warning: MPI did not grant MPI_THREAD_MULTIPLE; no stall reports (--stall-warning)"),
+            None => {}
+        }
+    }
     drop(resolved.port_guard);
     let layout = &resolved.layout;
     let agree = |r: Result<(), String>| ctx.agree(r).map_err(|e| Failure::agreed(e, &ctx));
@@ -257,6 +273,9 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
         emit(&header(args, mode, &train, &test, &m));
     }
     let comm = mpiflow::transport::mpi::MpiComm::new(ctx.world());
+    let secs = if multiple { args.stall_warning } else { 0 };
+    let watch = report::start_watch(secs, &comm, layout, chief_rank.unwrap_or(0), &reporter)
+        .map_err(Failure::local)?;
     let cfg = args.train_config();
     let sparse = args.sparse_optimizer.with_lr(args.sparse_lr);
     let run = CtrRun::new(&m, (&train, &test), &cfg, sparse).within(share);
@@ -299,6 +318,7 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
             }
         }
     };
+    drop(watch);
     drop(reporter);
     match ran {
         Ok(Some(r)) if chief => {
