@@ -434,12 +434,31 @@ impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
 
     /// Serves the workers until every one ended; how they ended.
     pub(super) fn serve(mut self) -> Result<(), PsError> {
+        let ended = |b: &Self, p: Polled| (p == Polled::Ended).then(|| b.verdict());
+        self.serve_until(None, ended, |_| unreachable!("no deadline"))
+    }
+
+    /// Polls until `done` says how serving ends, or `deadline` passes (then `late` says
+    /// why).
+    fn serve_until(
+        &mut self,
+        deadline: Option<std::time::Duration>,
+        mut done: impl FnMut(&Self, Polled) -> Option<Result<(), PsError>>,
+        late: impl Fn(&Self) -> PsError,
+    ) -> Result<(), PsError> {
         let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
+        let since = Instant::now();
         loop {
-            match self.poll()? {
-                Polled::Ended => return self.verdict(),
+            let polled = self.poll()?;
+            if let Some(end) = done(self, polled) {
+                return end;
+            }
+            if deadline.is_some_and(|d| since.elapsed() > d) {
+                return Err(late(self));
+            }
+            match polled {
                 Polled::Worked => backoff.reset(),
-                Polled::Idle => backoff.idle(),
+                _ => backoff.idle(),
             }
         }
     }
@@ -456,18 +475,19 @@ impl<D: Access<f32>, K: Access<i64>> RowsOnPs for Beside<'_, D, K> {
     }
 
     fn reach(&mut self, step: u64) -> Result<(), PsError> {
-        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
-        let since = Instant::now();
-        while self.ps.step < step {
-            if Beside::poll(self)? == Polled::Ended || since.elapsed() > self.cfg.peer_timeout {
-                return Err(PsError::Setup(format!(
-                    "{}: the rows of step {step} were not pushed by every worker",
-                    self.roles.task(self.roles.ps[self.ps.k])
-                )));
-            }
-            backoff.idle();
-        }
-        Ok(())
+        let not_pushed = |b: &Self| {
+            PsError::Setup(format!(
+                "{}: the rows of step {step} were not pushed by every worker",
+                b.roles.task(b.roles.ps[b.ps.k])
+            ))
+        };
+        let reached = |b: &Self, p: Polled| match (b.ps.step >= step, p) {
+            (true, _) => Some(Ok(())),
+            (false, Polled::Ended) => Some(Err(not_pushed(b))),
+            _ => None,
+        };
+        let timeout = self.cfg.peer_timeout;
+        self.serve_until(Some(timeout), reached, not_pushed)
     }
 
     fn arrays(&self) -> Vec<(String, Vec<f32>)> {
@@ -475,20 +495,13 @@ impl<D: Access<f32>, K: Access<i64>> RowsOnPs for Beside<'_, D, K> {
     }
 
     fn finish(&mut self) -> Result<(), PsError> {
-        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
-        let since = Instant::now();
-        loop {
-            match Beside::poll(self)? {
-                Polled::Ended => return self.verdict(),
-                _ if since.elapsed() > 2 * self.cfg.peer_timeout => {
-                    return Err(PsError::Lost {
-                        task: self.roles.task(self.roles.ps[self.ps.k]),
-                        lost: "a worker (its rows not ended)".into(),
-                        secs: self.cfg.peer_timeout.as_secs(),
-                    })
-                }
-                _ => backoff.idle(),
-            }
-        }
+        let ended = |b: &Self, p: Polled| (p == Polled::Ended).then(|| b.verdict());
+        let lost = |b: &Self| PsError::Lost {
+            task: b.roles.task(b.roles.ps[b.ps.k]),
+            lost: "a worker (its rows not ended)".into(),
+            secs: b.cfg.peer_timeout.as_secs(),
+        };
+        let timeout = 2 * self.cfg.peer_timeout;
+        self.serve_until(Some(timeout), ended, lost)
     }
 }

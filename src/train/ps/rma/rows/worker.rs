@@ -136,7 +136,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
             for (n, l) in looks.iter_mut().enumerate() {
                 self.cfg.tables[l.t]
                     .check(l.id)
-                    .map_err(|e| PsError::Setup(e.to_string()))?;
+                    .map_err(|e| PsError::Setup(format!("{}: {e}", self.me())))?;
                 if let Some(b) = known[l.t].get(l.id) {
                     found[n] = Some((b as usize, true));
                 } else if let Some(b) = fresh[l.t].get(&l.id) {
@@ -201,7 +201,8 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
 
     fn full(&self, l: &Look) -> PsError {
         PsError::Setup(format!(
-            "table {}: its window on {} is full ({} buckets for at most {} rows): a larger --window-rows, or more ps tasks",
+            "{}: table {}: its window on {} is full ({} buckets for at most {} rows): a larger --window-rows, or more ps tasks",
+            self.me(),
             self.cfg.tables[l.t].name,
             self.ps_task(l.k),
             self.lay.buckets[l.t][l.k],
@@ -260,7 +261,8 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
                 let n = ids[k][t].len() / 2;
                 if n > self.lay.per_push {
                     return Err(PsError::Setup(format!(
-                        "table {}: a push of {n} rows to {} is more than its staging area holds ({}): a larger batch share needs a larger --rows-per-push",
+                        "{}: table {}: a push of {n} rows to {} is more than its staging area holds ({}): RowsConfig::rows_per_push sizes it (the command line sizes it for one id per sample and table)",
+                        self.me(),
                         self.cfg.tables[t].name,
                         self.ps_task(k),
                         self.lay.per_push
