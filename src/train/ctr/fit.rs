@@ -109,7 +109,14 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
         }
         let (loss, times, pulled) = match step(sess, run.model, (share, ready, next), &mut work) {
             Ok(done) => done,
-            Err(why) => return Err(run.dense.refuse(sess, why)),
+            Err(Unmade { why, pushed }) => {
+                if !pushed && sess.strategy().pushes_every_step() {
+                    // The others' rows step must not wait for this rank's push: an empty
+                    // one, then the step fails on every rank through the session.
+                    let _ = sess.strategy().push_tables(&[], 0.0);
+                }
+                return Err(run.dense.refuse(sess, why));
+            }
         };
         let now = Instant::now();
         let rows = match sess.strategy().remote() {
@@ -146,6 +153,28 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
 /// push began (each ends where the next begins, the push now).
 type Began = [Instant; 3];
 
+/// Why a step cannot be made on this rank, and whether its push was made (or tried).
+struct Unmade {
+    why: String,
+    pushed: bool,
+}
+
+/// An error before this rank's push.
+fn before_push(e: impl std::fmt::Display) -> Unmade {
+    Unmade {
+        why: e.to_string(),
+        pushed: false,
+    }
+}
+
+/// An error of this rank's push.
+fn of_push(e: impl std::fmt::Display) -> Unmade {
+    Unmade {
+        why: e.to_string(),
+        pushed: true,
+    }
+}
+
 /// This rank's part of a step up to the dense update: rows pulled (unless `ready`: pulled
 /// with the last step's push), gradients computed, the sparse ones pushed (scaled by the
 /// rank's `share`), with the rows of `w.next`'s batch if there is a `next` step; the loss,
@@ -156,16 +185,16 @@ fn step<'m, S: Strategy<'m> + Tables>(
     model: &Dlrm,
     (share, ready, next): (f32, bool, Option<u64>),
     w: &mut Work,
-) -> Result<(f32, Began, bool), String> {
+) -> Result<(f32, Began, bool), Unmade> {
     let tables = sess.strategy();
     let pulled = Instant::now();
     let step = sess.global_step();
     if !ready {
         model
             .lookups_into(&w.batch, &mut w.lookups)
-            .map_err(|e| e.to_string())?;
+            .map_err(before_push)?;
         let _wait = rows_wait(tables, "rows pull", step);
-        pull_lookups(tables, &mut w.lookups, true).map_err(|e| e.to_string())?;
+        pull_lookups(tables, &mut w.lookups, true).map_err(before_push)?;
     }
     let computed = Instant::now();
     let params = &sess.replica().params;
@@ -178,7 +207,7 @@ fn step<'m, S: Strategy<'m> + Tables>(
             &mut w.sparse,
             &mut w.ws,
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(before_push)?;
     // A row gradient that is not finite is never pushed; the dense step's guard sees the
     // loss (a finite loss with such gradients is this rank's own failure).
     let pushed = Instant::now();
@@ -186,12 +215,13 @@ fn step<'m, S: Strategy<'m> + Tables>(
     let spec = tables.table_specs();
     if let Some(t) = (w.sparse.iter()).position(|g| g.values.iter().any(|v| !v.is_finite())) {
         if loss.is_finite() {
-            return Err(format!("table {}'s gradient is not finite", spec[t].name));
+            let why = format!("table {}'s gradient is not finite", spec[t].name);
+            return Err(before_push(why));
         }
         if tables.pushes_every_step() {
             // The others' step is applied without this one's rows; the guard then stops
             // every rank on the loss.
-            tables.push_tables(&[], 0.0).map_err(|e| e.to_string())?;
+            tables.push_tables(&[], 0.0).map_err(of_push)?;
         }
         return Ok((loss, began, false));
     }
@@ -199,19 +229,17 @@ fn step<'m, S: Strategy<'m> + Tables>(
     let grads: Vec<(usize, &SparseGrad)> = w.sparse.iter().enumerate().collect();
     if next.is_none() {
         let _wait = rows_wait(tables, "rows push", step);
-        tables
-            .push_tables(&grads, scale)
-            .map_err(|e| e.to_string())?;
+        tables.push_tables(&grads, scale).map_err(of_push)?;
         return Ok((loss, began, false));
     }
     model
         .lookups_into(&w.next, &mut w.next_lookups)
-        .map_err(|e| e.to_string())?;
+        .map_err(before_push)?;
     let _wait = rows_wait(tables, "rows push and pull", step);
     with_rows(&mut w.next_lookups, |want, rows| {
         tables.push_pull_tables(&grads, scale, want, rows)
     })
-    .map_err(|e| e.to_string())?;
+    .map_err(of_push)?;
     Ok((loss, began, true))
 }
 

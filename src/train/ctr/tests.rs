@@ -290,3 +290,69 @@ fn rows_windows_beyond_a_ps_tasks_share_stop_every_rank_at_the_start() {
         assert!(e.contains("could not set up one-sided training"), "{e}");
     }
 }
+
+/// `inner`'s samples, sample `bad`'s first id beyond its table.
+struct OneBadId<'a> {
+    inner: &'a dyn CtrData,
+    bad: usize,
+}
+
+impl CtrData for OneBadId<'_> {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn dense(&self) -> usize {
+        self.inner.dense()
+    }
+    fn tables(&self) -> &[u64] {
+        self.inner.tables()
+    }
+    fn push(&self, i: usize, batch: &mut CtrBatch) {
+        self.inner.push(i, batch);
+        if i == self.bad {
+            let at = batch.ids.len() - batch.features;
+            batch.ids[at] = self.inner.tables()[0];
+        }
+    }
+}
+
+/// A sample naming a row beyond its table, in one worker's share of step 3: over windows
+/// the other worker's rows step must not wait for it; every rank stops within the step,
+/// the worker that found it naming the row, in hybrid and in ps mode.
+#[test]
+fn a_bad_id_on_one_worker_stops_every_rank_over_windows() {
+    let data = SyntheticCtr::parse("samples=24000,features=4,rows=500,seed=7").unwrap();
+    let (train, test) = Part::split(&data, 4000);
+    let m = model(&data);
+    let cfg = cfg(50);
+    let mut batches = crate::train::data::Batches::new(train.len(), cfg.batch, cfg.seed);
+    let bad = crate::train::data::shard(batches.global(3), 1, 2)[0];
+    let bad = OneBadId { inner: &train, bad };
+    let run = CtrRun::new(&m, (&bad, &test), &cfg, SparseOptimizer::adagrad(0.2));
+    for (mode, np, ps) in [("hybrid", 4, 2), ("ps", 3, 1)] {
+        let l = layout(np, ps);
+        let t = std::time::Instant::now();
+        let out = LocalComm::run(np, |comm| {
+            let ran = match mode {
+                "hybrid" => run.hybrid(&comm, &l, &hybrid_over_windows(), &mut |_| {}),
+                _ => run.ps_over_windows(&comm, &l, (&PsConfig::default(), 1 << 21), &mut |_| {}),
+            };
+            ran.map(drop).map_err(|e| e.to_string())
+        });
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "{mode}: {:?}",
+            t.elapsed()
+        );
+        // The worker that found it names the row; the other says so too (hybrid: the
+        // step's agreement carries the line) or names that worker (ps: its ps does).
+        let errors: Vec<String> = (out[ps..].iter())
+            .map(|r| r.clone().expect_err("a worker trained on"))
+            .collect();
+        assert!(errors[1].contains("id 500 is no row"), "{mode}: {errors:?}");
+        assert!(
+            errors[0].contains("id 500 is no row") || errors[0].contains("worker:1 (rank"),
+            "{mode}: {errors:?}"
+        );
+    }
+}
