@@ -35,7 +35,7 @@
 //! pushes the next before the chief), writes its rows into the staging directory, then
 //! their size, checksum and the step.
 //!
-//! **Ends**: a worker that ends adds one to `ENDED` (and its signal to `STOPPED_BY`, or
+//! **Ends**: a worker that ends marks its pushes ended and adds one to `ENDED` (and its signal to `STOPPED_BY`, or
 //! `WORKER_FAILED` its number where it failed alone); a ps ends once every worker has. A
 //! ps that fails (rows beyond its memory, a worker lost) leaves why in `ABORT` and the
 //! workers waiting on it stop with it; every wait has the `--peer-timeout` deadline.
@@ -72,6 +72,10 @@ const WORKER_FAILED: usize = 9;
 /// each table's report ([`STATS`] words).
 const HEAD: usize = 10;
 const STATS: usize = 3;
+
+/// What a worker that ended adds to its pushes' word, so a ps tells a worker that ended
+/// without pushing a step from one that pushed it first.
+const PUSHES_ENDED: i64 = 1 << 40;
 
 /// A bucket's mark once the ps wrote its row's values.
 const APPLIED: i64 = 1 << 62;

@@ -117,24 +117,23 @@ impl Serving {
         crate::train::tables::outgrew(&who, table, held, cfg.memory.as_ref()).map_err(|e| (t, e))
     }
 
-    /// The first worker whose pushes are behind this step, left in `ABORT` with `kind`
-    /// for the workers waiting on this ps.
+    /// The first worker whose pushes are behind this step (`ended`: only one that ended),
+    /// left in `ABORT` with `kind` for the workers waiting on this ps.
     fn late(
         &self,
         lay: &Layout,
         ctl: &impl Access<i64>,
         me: usize,
-        kind: i64,
-    ) -> Result<usize, PsError> {
-        let mut late = 0;
+        (kind, ended): (i64, bool),
+    ) -> Result<Option<usize>, PsError> {
         for w in 0..lay.nw {
-            if ctl.fetch_and_add(me, lay.pushed(w), 0)? <= self.step as i64 {
-                late = w;
-                break;
+            let word = ctl.fetch_and_add(me, lay.pushed(w), 0)?;
+            if word % PUSHES_ENDED <= self.step as i64 && (!ended || word >= PUSHES_ENDED) {
+                ctl.compare_and_swap(me, ABORT, 0, kind | w as i64)?;
+                return Ok(Some(w));
             }
         }
-        ctl.compare_and_swap(me, ABORT, 0, kind | late as i64)?;
-        Ok(late)
+        Ok(None)
     }
 
     /// Every worker ended (`ended`: their `ENDED` word): a failure one had alone, the
@@ -400,16 +399,18 @@ impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
             return Ok(Polled::Worked);
         }
         if arrived > 0 && arrived + ended >= nw {
-            // Some pushed this step, another ended: that one failed (it says why).
-            let late = ps.late(lay, ctl, me, ABORT_ENDED)?;
-            return Err(PsError::Aborted {
-                task: roles.task(me),
-                message: format!(
-                    "{} ended at step {}, which the others pushed",
-                    roles.task(roles.workers[late]),
-                    ps.step
-                ),
-            });
+            // Some pushed this step and one ended: if it ended without pushing the step,
+            // it failed (it says why); one that pushed it first is waited for no longer.
+            if let Some(late) = ps.late(lay, ctl, me, (ABORT_ENDED, true))? {
+                return Err(PsError::Aborted {
+                    task: roles.task(me),
+                    message: format!(
+                        "{} ended at step {}, which the others pushed",
+                        roles.task(roles.workers[late]),
+                        ps.step
+                    ),
+                });
+            }
         }
         if words[SAVE_AT] as u64 == ps.step && ps.saved < ps.step {
             ps.save(cfg, ctl, me)?;
@@ -418,7 +419,7 @@ impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
         if words != ps.last.0 {
             ps.last = (words, Instant::now());
         } else if arrived > 0 && ps.last.1.elapsed() > cfg.peer_timeout {
-            let late = ps.late(lay, ctl, me, ABORT_LOST)?;
+            let late = ps.late(lay, ctl, me, (ABORT_LOST, false))?.unwrap_or(0);
             return Err(PsError::Lost {
                 task: roles.task(me),
                 lost: format!(

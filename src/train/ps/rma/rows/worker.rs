@@ -427,7 +427,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         Ok(files)
     }
 
-    /// Tells every ps this worker ended: adds to `ENDED` (`failed_alone`: its number in
+    /// Tells every ps this worker ended: marks its pushes ended, adds to `ENDED` (`failed_alone`: its number in
     /// `WORKER_FAILED` first; an agreed failure counts [`AGREED`]), its signal in
     /// `STOPPED_BY`.
     fn ended(&self, signal: Option<i32>, failed_alone: bool, agreed: bool) -> Result<(), PsError> {
@@ -441,6 +441,8 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
                 self.ctl
                     .compare_and_swap(rank, WORKER_FAILED, 0, self.w as i64 + 1)?;
             }
+            self.ctl
+                .fetch_and_add(rank, self.lay.pushed(self.w), PUSHES_ENDED)?;
             let add = if agreed { AGREED } else { 1 };
             self.ctl.fetch_and_add(rank, ENDED, add)?;
         }
