@@ -149,7 +149,12 @@ impl Served {
 
 /// Why rows no longer fit where `who` holds them (`held` bytes in all, against `share`),
 /// if they do not: one line naming `table`, whose request grew them.
-pub fn outgrew(who: &str, table: &Table, held: u64, share: Option<&Share>) -> Result<(), String> {
+pub fn outgrew(
+    who: &dyn std::fmt::Display,
+    table: &Table,
+    held: u64,
+    share: Option<&Share>,
+) -> Result<(), String> {
     let Some(share) = share.filter(|s| held > s.bytes) else {
         return Ok(());
     };
@@ -441,7 +446,7 @@ impl LocalRows {
     /// Why the rows outgrew the memory, table `table`'s request having grown them.
     fn room(&self, tables: &[Table], table: usize) -> Result<(), TrainError> {
         let held = tables.iter().map(|t| t.bytes() as u64).sum();
-        outgrew("this process", &tables[table], held, self.memory.as_ref())
+        outgrew(&"this process", &tables[table], held, self.memory.as_ref())
             .map_err(TrainError::Usage)
     }
 

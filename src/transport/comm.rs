@@ -488,6 +488,11 @@ pub struct Backoff {
     max_sleep: std::time::Duration,
     since: Option<std::time::Instant>,
     spin: bool,
+    /// Idle calls since the clock was last read, and how long the wait had lasted then:
+    /// the clock is read every [`Backoff::CLOCK_EVERY`] calls only (a poll of a message
+    /// takes less than reading it twice).
+    unread: u32,
+    waited: std::time::Duration,
 }
 
 impl Backoff {
@@ -496,19 +501,29 @@ impl Backoff {
     /// How long a wait yields before it sleeps.
     pub const SPIN: std::time::Duration = std::time::Duration::from_millis(1);
 
+    /// Idle calls between two readings of the clock.
+    const CLOCK_EVERY: u32 = 8;
+
     pub fn new(max_sleep: std::time::Duration) -> Backoff {
         Backoff {
             polls: 0,
             max_sleep,
             since: None,
             spin: spins_while_waiting(),
+            unread: 0,
+            waited: std::time::Duration::ZERO,
         }
     }
 
     /// After a poll that found nothing.
     pub fn idle(&mut self) {
         let since = *self.since.get_or_insert_with(std::time::Instant::now);
-        let waited = since.elapsed();
+        self.unread += 1;
+        if self.unread >= Self::CLOCK_EVERY {
+            self.unread = 0;
+            self.waited = since.elapsed();
+        }
+        let waited = self.waited;
         if self.spin && waited < Self::BUSY {
             std::hint::spin_loop();
             return;
@@ -526,5 +541,7 @@ impl Backoff {
     pub fn reset(&mut self) {
         self.polls = 0;
         self.since = None;
+        self.unread = 0;
+        self.waited = std::time::Duration::ZERO;
     }
 }

@@ -631,7 +631,8 @@ mod tests {
                 let req = protocol::request_tag(&comm);
                 crate::transport::comm::send(&comm, &pull, 0, req).unwrap();
                 let reply = protocol::reply_tag(&comm);
-                wire::receive_within(&comm, 0, reply, Duration::from_secs(10))
+                let mut inbox = Vec::new();
+                wire::receive_within_into(&comm, 0, reply, Duration::from_secs(10), &mut inbox)
                     .unwrap()
                     .unwrap();
 
@@ -651,7 +652,8 @@ mod tests {
                     let req = protocol::request_tag(&comm);
                     crate::transport::comm::send(&comm, &m, 0, req).unwrap();
                     let reply = protocol::reply_tag(&comm);
-                    let (_, r) = wire::receive_within(&comm, 0, reply, Duration::from_secs(10))
+                    let mut r = Vec::new();
+                    wire::receive_within_into(&comm, 0, reply, Duration::from_secs(10), &mut r)
                         .unwrap()
                         .unwrap();
                     wire::reply_of(&r).unwrap_err()

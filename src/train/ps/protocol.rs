@@ -136,11 +136,54 @@ pub enum Request {
     Stats,
 }
 
-/// Rows of one table in a request: the table's index and the rows' ids.
+/// Rows of one table in a request: the table's index and the rows' ids (on the wire as
+/// one string of bytes, 8 a row: a request of thousands of ids is written and read as a
+/// copy, not id by id).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RowsPart {
     pub table: usize,
+    #[serde(with = "raw_ids")]
     pub ids: Vec<u64>,
+}
+
+/// Row ids as one byte string of little-endian `u64`s.
+mod raw_ids {
+    use serde::de::{Error, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(ids: &[u64], s: S) -> Result<S::Ok, S::Error> {
+        #[cfg(not(target_endian = "little"))]
+        compile_error!("the ps wire format assumes a little-endian machine");
+        // SAFETY: any u64 slice is a valid byte slice of 8x its length (u8 has alignment 1).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(ids.as_ptr().cast::<u8>(), std::mem::size_of_val(ids))
+        };
+        s.serialize_bytes(bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+        d.deserialize_bytes(Ids)
+    }
+
+    struct Ids;
+
+    impl Visitor<'_> for Ids {
+        type Value = Vec<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("row ids, 8 bytes each")
+        }
+
+        fn visit_bytes<E: Error>(self, bytes: &[u8]) -> Result<Vec<u64>, E> {
+            if !bytes.len().is_multiple_of(8) {
+                return Err(E::custom(format!("{} bytes of row ids", bytes.len())));
+            }
+            Ok(bytes
+                .chunks_exact(8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect())
+        }
+    }
 }
 
 /// A pull, alone ([`Request::Pull`]) or after a push ([`Request::Push`]'s `pull`): the
@@ -315,19 +358,30 @@ fn wire(limit: usize) -> impl bincode::Options {
 /// binary encoding) padded with zeros to a multiple of 4 bytes; the payload is the parts
 /// of an [`inline`] one, or nothing.
 pub fn encode_with<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode_into(&mut out, header, parts);
+    out
+}
+
+/// [`encode_with`] into `out` (emptied first; its allocation reused: a client that
+/// sends a request of the same size every step allocates, and faults pages in, once).
+pub fn encode_into<H: Serialize>(out: &mut Vec<u8>, header: &H, parts: &[&[f32]]) {
     use bincode::Options;
-    let mut h = wire(usize::MAX)
-        .serialize(header)
-        .expect("protocol headers serialise");
-    h.resize(h.len().next_multiple_of(4), 0);
+    let n = wire(usize::MAX)
+        .serialized_size(header)
+        .expect("protocol headers serialise") as usize;
+    let padded = n.next_multiple_of(4);
     let floats: usize = parts.iter().map(|p| p.len()).sum();
-    let mut out = Vec::with_capacity(4 + h.len() + 4 * floats);
-    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
-    out.extend_from_slice(&h);
+    out.clear();
+    out.reserve(4 + padded + 4 * floats);
+    out.extend_from_slice(&(padded as u32).to_le_bytes());
+    wire(usize::MAX)
+        .serialize_into(&mut *out, header)
+        .expect("protocol headers serialise");
+    out.resize(4 + padded, 0);
     for p in parts {
         out.extend_from_slice(f32_bytes(p));
     }
-    out
 }
 
 /// A header message without a payload.
@@ -354,17 +408,17 @@ pub fn decode<H: DeserializeOwned>(bytes: &[u8]) -> Option<H> {
 /// Copies the floats of an inline payload into `parts` in order; false if their lengths
 /// do not add up to the payload's.
 pub fn read_inline<'d>(bytes: &[u8], parts: impl IntoIterator<Item = &'d mut [f32]>) -> bool {
-    let parts: Vec<&mut [f32]> = parts.into_iter().collect();
+    let mut parts: Vec<&mut [f32]> = parts.into_iter().collect();
     let total: usize = parts.iter().map(|p| p.len()).sum();
     // Fewer floats than places would leave the last places as they were, unsaid.
     if total.checked_mul(4) != Some(bytes.len()) {
         return false;
     }
-    let mut floats = bytes.chunks_exact(4);
-    for part in parts {
-        for (x, b) in part.iter_mut().zip(floats.by_ref()) {
-            *x = f32::from_le_bytes(b.try_into().expect("4 bytes"));
-        }
+    let mut rest = bytes;
+    for part in &mut parts {
+        let (these, after) = rest.split_at(4 * part.len());
+        f32_bytes_mut(part).copy_from_slice(these);
+        rest = after;
     }
     true
 }
@@ -530,5 +584,37 @@ mod tests {
         };
         assert_eq!(rows.payload(0), vec![8]);
         assert!(Request::Done { stop: None }.payload(0).is_empty());
+    }
+
+    /// Row ids travel as bytes, 8 an id, every bit kept; a string of bytes that is not a
+    /// whole number of ids is no request.
+    #[test]
+    fn row_ids_round_trip_as_bytes_and_a_broken_id_is_refused() {
+        let ids = vec![0, 1, 255, 1 << 40, u64::MAX - 1, u64::MAX];
+        let r = Request::PullRows {
+            parts: vec![
+                RowsPart {
+                    table: 2,
+                    ids: ids.clone(),
+                },
+                RowsPart {
+                    table: 0,
+                    ids: Vec::new(),
+                },
+            ],
+        };
+        let m = encode_with(&r, &[&[1.5, -2.0]]);
+        let (back, floats) = decode_with::<Request>(&m).expect("a request");
+        assert_eq!(back, r);
+        assert_eq!(floats.len(), 8);
+        // The ids' bytes are the message's: 8 per id, little-endian.
+        let raw: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        assert!(m.windows(raw.len()).any(|w| w == raw));
+        // One byte fewer in the first part's length: 47 bytes are no ids.
+        let at = m.windows(raw.len()).position(|w| w == raw).unwrap();
+        let mut broken = m.clone();
+        assert_eq!(broken[at - 1], 48, "the length before the ids");
+        broken[at - 1] = 47;
+        assert!(decode_with::<Request>(&broken).is_none());
     }
 }

@@ -7,18 +7,20 @@ use std::time::{Duration, Instant};
 use super::protocol::{decode_with, request_tag, Reply};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 
-/// Waits for a message from `src` (or any source) on `tag`, at most `deadline`.
-pub fn receive_within<C: Comm>(
+/// Waits for a message from `src` (or any source) on `tag`, at most `deadline`, into `buf`
+/// (its allocation reused); the sender.
+pub fn receive_within_into<C: Comm>(
     c: &C,
     src: usize,
     tag: i32,
     deadline: Duration,
-) -> Result<Option<(usize, Vec<u8>)>, TransportError> {
+    buf: &mut Vec<u8>,
+) -> Result<Option<usize>, TransportError> {
     let start = Instant::now();
     let mut backoff = Backoff::new(Duration::from_micros(50));
     loop {
-        if let Some(message) = c.try_receive(src, tag, deadline)? {
-            return Ok(Some(message));
+        if let Some(from) = c.try_receive_into(src, tag, deadline, buf)? {
+            return Ok(Some(from));
         }
         if start.elapsed() > deadline {
             return Ok(None);
@@ -100,7 +102,8 @@ pub fn send_all_then<C: Comm>(
             }
         }
     }
-    let start = Instant::now();
+    // Sends that complete at once (small ones do) read no clock.
+    let mut start = None;
     let mut backoff = Backoff::new(Duration::from_micros(50));
     loop {
         let mut pending = None;
@@ -129,7 +132,7 @@ pub fn send_all_then<C: Comm>(
                 return Err(e);
             }
         }
-        if start.elapsed() > deadline {
+        if start.get_or_insert_with(Instant::now).elapsed() > deadline {
             in_flight(reqs);
             return Ok(Sent::TimedOut { to });
         }

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 
 use super::placement::Shard;
 use super::protocol::{
-    encode, encode_with, f32_bytes, f32_bytes_mut, finite, inline, payload_tag, read_inline,
+    encode, encode_into, f32_bytes, f32_bytes_mut, finite, inline, payload_tag, read_inline,
     reply_tag, request_tag, Reply, Request, Setup, Then, PIECE_FLOATS,
 };
 use super::roles::Roles;
 use super::wire::{
-    notify, receive_all_within, receive_within, reply_of, send_all_then, Incoming, Outgoing,
+    notify, receive_all_within, receive_within_into, reply_of, send_all_then, Incoming, Outgoing,
     Received, Sent,
 };
 use super::PsError;
@@ -34,6 +34,15 @@ pub struct Client<'a, C: Comm> {
     /// What a stall report calls the variables and the ps tasks.
     what: Arc<str>,
     peer: Arc<str>,
+    buffers: Buffers,
+}
+
+/// A client's message buffers, reused from one round to the next: its requests' header
+/// messages (one per ps) and the replies' inbox.
+#[derive(Default)]
+struct Buffers {
+    headers: std::cell::Cell<Vec<Vec<u8>>>,
+    inbox: std::cell::Cell<Vec<u8>>,
 }
 
 /// Floats after a ps's reply that did not fit what this worker awaited
@@ -61,6 +70,7 @@ impl<'a, C: Comm> Client<'a, C> {
             timeout,
             what,
             peer,
+            buffers: Buffers::default(),
         }
     }
 
@@ -171,14 +181,15 @@ impl<'a, C: Comm> Client<'a, C> {
     ) -> Result<(Vec<Reply>, Instant), PsError> {
         // Twice the ps's own deadline: a ps that lost another task says so first.
         let deadline = self.timeout * 2;
-        let payloads: Vec<Vec<&[f32]>> = (0..self.roles.ps.len()).map(payload).collect();
+        let nps = self.roles.ps.len();
+        let payloads: Vec<Vec<&[f32]>> = (0..nps).map(payload).collect();
         let small = |k: usize| inline(payloads[k].iter().map(|p| p.len()));
-        let headers: Vec<Vec<u8>> = (0..self.roles.ps.len())
-            .map(|k| match small(k) {
-                true => encode_with(&request(k), &payloads[k]),
-                false => encode(&request(k)),
-            })
-            .collect();
+        let (mut headers, mut inbox) = (self.buffers.headers.take(), self.buffers.inbox.take());
+        headers.resize_with(nps, Vec::new);
+        for (k, h) in headers.iter_mut().enumerate() {
+            let parts: &[&[f32]] = if small(k) { &payloads[k] } else { &[] };
+            encode_into(h, &request(k), parts);
+        }
         let (req, data) = (request_tag(self.comm), payload_tag(self.comm));
         let mut out: Vec<Outgoing<'_>> = Vec::new();
         for (k, r) in self.roles.ps.iter().enumerate() {
@@ -198,10 +209,10 @@ impl<'a, C: Comm> Client<'a, C> {
                 if taken[k].is_some() {
                     continue;
                 }
-                let Some((_, m)) = self.comm.try_receive(*r, rtag, deadline)? else {
+                if (self.comm.try_receive_into(*r, rtag, deadline, &mut inbox)?).is_none() {
                     continue;
-                };
-                match self.take_reply(k, &m, &mut then) {
+                }
+                match self.take_reply(k, &inbox, &mut then) {
                     Ok(reply) => taken[k] = Some(reply),
                     Err(e) => {
                         failed = Some(e);
@@ -222,18 +233,21 @@ impl<'a, C: Comm> Client<'a, C> {
                 Sent::Done => unreachable!("matched above"),
             });
         }
+        drop(out);
+        self.buffers.headers.replace(headers);
         let sent = Instant::now();
         for (k, r) in self.roles.ps.iter().enumerate() {
             if taken[k].is_some() {
                 continue;
             }
-            let m = match receive_within(self.comm, *r, rtag, deadline) {
-                Ok(Some((_, m))) => m,
+            match receive_within_into(self.comm, *r, rtag, deadline, &mut inbox) {
+                Ok(Some(_)) => {}
                 Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
                 Err(e) => return Err(e.into()),
             };
-            taken[k] = Some(self.take_reply(k, &m, &mut then)?);
+            taken[k] = Some(self.take_reply(k, &inbox, &mut then)?);
         }
+        self.buffers.inbox.replace(inbox);
         // A step the ps tasks did not apply: every ps's reply is taken, then the verdict.
         let mut replies = Vec::with_capacity(taken.len());
         let mut not_applied = None;

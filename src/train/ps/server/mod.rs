@@ -168,6 +168,8 @@ struct Server<'a, C: Comm> {
     sum: Vec<f32>,
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
+    /// A reply of rows, its message reused from one to the next.
+    outbox: Vec<u8>,
     /// Requests taken while this ps's replies were being sent, served before any new one
     /// (see [`send_all_taking`]).
     backlog: RefCell<VecDeque<(usize, Vec<u8>)>>,
@@ -239,6 +241,7 @@ impl<'a, C: Comm> Server<'a, C> {
             piece: Vec::new(),
             sum: Vec::new(),
             inbox: Vec::new(),
+            outbox: Vec::new(),
             backlog: RefCell::new(VecDeque::new()),
             tables: Vec::new(),
             served: Vec::new(),

@@ -3,8 +3,8 @@
 //! its first touch (see [`crate::model::embedding`]).
 
 use super::super::protocol::{
-    encode, encode_with, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart,
-    Setup, PIECE_FLOATS,
+    encode_into, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart, Setup,
+    PIECE_FLOATS,
 };
 use super::super::wire::Sent;
 use super::super::PsError;
@@ -39,7 +39,7 @@ impl<C: Comm> Server<'_, C> {
                 .sum::<usize>();
         let rows: usize = self.tables.iter().map(Table::bytes).sum();
         let held = (4 * dense + rows) as u64;
-        let who = format!("ps:{}", self.k);
+        let who = format_args!("ps:{}", self.k);
         outgrew(&who, &self.tables[table], held, self.memory.as_ref())
     }
 
@@ -126,10 +126,9 @@ impl<C: Comm> Server<'_, C> {
             values: self.rows.len(),
         };
         let small = inline([self.rows.len()]);
-        let header = match small {
-            true => encode_with(&reply, &[&self.rows]),
-            false => encode(&reply),
-        };
+        let mut header = std::mem::take(&mut self.outbox);
+        let inline_rows: &[&[f32]] = if small { &[&self.rows] } else { &[] };
+        encode_into(&mut header, &reply, inline_rows);
         let mut out = vec![(&header[..], from, reply_tag(self.comm))];
         if !small {
             let data = payload_tag(self.comm);
@@ -141,6 +140,8 @@ impl<C: Comm> Server<'_, C> {
         }
         let sent = self.send_all(&out);
         if matches!(sent, Ok(Sent::Done)) {
+            drop(out);
+            self.outbox = header;
             return Ok(());
         }
         // Sends may still be in flight: MPI may read these for as long as the process lives.

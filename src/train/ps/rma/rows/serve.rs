@@ -112,7 +112,7 @@ impl Serving {
         let Some(table) = self.tables.get(t) else {
             return Ok(());
         };
-        let who = format!("ps:{}", self.k);
+        let who = format_args!("ps:{}", self.k);
         let held = rows + self.window_bytes;
         crate::train::tables::outgrew(&who, table, held, cfg.memory.as_ref()).map_err(|e| (t, e))
     }
