@@ -466,6 +466,16 @@ pub fn spin_while_waiting(on: bool) {
     SPIN_FIRST.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// MPI's own progress yields the CPU when a poll finds nothing (Open MPI's
+/// `mpi_yield_when_idle`, which its launcher sets on an oversubscribed host): a wait whose
+/// poll is an MPI call (a probe, a test) has yielded in it already.
+static MPI_YIELDS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says whether MPI's progress yields when idle (see [`Backoff::polling_mpi`]).
+pub fn mpi_yields_while_polling(on: bool) {
+    MPI_YIELDS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether waits spin first (see [`spin_while_waiting`]).
 pub fn spins_while_waiting() -> bool {
     SPIN_FIRST.load(std::sync::atomic::Ordering::Relaxed)
@@ -493,6 +503,9 @@ pub struct Backoff {
     /// takes less than reading it twice).
     unread: u32,
     waited: std::time::Duration,
+    /// Each poll is an MPI call that yielded the CPU itself when it found nothing: this
+    /// backoff does not yield a second time.
+    yielded: bool,
 }
 
 impl Backoff {
@@ -512,6 +525,19 @@ impl Backoff {
             spin: spins_while_waiting(),
             unread: 0,
             waited: std::time::Duration::ZERO,
+            yielded: false,
+        }
+    }
+
+    /// A backoff for polls that are MPI calls (a probe, a test). Where MPI's progress
+    /// yields the CPU when it finds nothing ([`mpi_yields_while_polling`]), such a poll
+    /// yielded already: yielding again would switch away twice per poll (both ranks of a
+    /// round trip twice as often as MPI's own waits), so the backoff only counts the
+    /// poll until it is time to sleep.
+    pub fn polling_mpi(max_sleep: std::time::Duration) -> Backoff {
+        Backoff {
+            yielded: MPI_YIELDS.load(std::sync::atomic::Ordering::Relaxed),
+            ..Backoff::new(max_sleep)
         }
     }
 
@@ -530,7 +556,10 @@ impl Backoff {
         }
         self.polls = self.polls.saturating_add(1);
         if self.polls < 64 || waited < Self::SPIN {
-            std::thread::yield_now();
+            match self.yielded {
+                true => std::hint::spin_loop(),
+                false => std::thread::yield_now(),
+            }
         } else {
             let us = std::time::Duration::from_micros(u64::from(self.polls));
             std::thread::sleep(us.min(self.max_sleep));

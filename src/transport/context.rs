@@ -217,6 +217,7 @@ impl Context {
         }
         let own_cpu = colocated::cpu_each(&seats, self.rank());
         super::comm::spin_while_waiting(own_cpu && !super::mpi::idle::yields());
+        super::comm::mpi_yields_while_polling(super::mpi::idle::yields());
     }
 
     /// This rank's host name: `MPIFLOW_HOST`, a test-only setting for fake nodes that

@@ -17,7 +17,7 @@ pub fn receive_within_into<C: Comm>(
     buf: &mut Vec<u8>,
 ) -> Result<Option<usize>, TransportError> {
     let start = Instant::now();
-    let mut backoff = Backoff::new(Duration::from_micros(50));
+    let mut backoff = Backoff::polling_mpi(Duration::from_micros(50));
     loop {
         if let Some(from) = c.try_receive_into(src, tag, deadline, buf)? {
             return Ok(Some(from));
@@ -104,7 +104,7 @@ pub fn send_all_then<C: Comm>(
     }
     // Sends that complete at once (small ones do) read no clock.
     let mut start = None;
-    let mut backoff = Backoff::new(Duration::from_micros(50));
+    let mut backoff = Backoff::polling_mpi(Duration::from_micros(50));
     loop {
         let mut pending = None;
         for slot in &mut reqs {
@@ -204,7 +204,7 @@ pub fn receive_all_within<C: Comm>(
         }
     }
     let start = Instant::now();
-    let mut backoff = Backoff::new(Duration::from_micros(50));
+    let mut backoff = Backoff::polling_mpi(Duration::from_micros(50));
     let mut wrong = None;
     loop {
         let mut pending = None;

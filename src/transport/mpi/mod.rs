@@ -470,7 +470,7 @@ impl Comm for MpiComm {
         // A message that arrived whole (most do) completes at the first test: the clock
         // is read only for one that is still arriving.
         let mut start = None;
-        let mut backoff = Backoff::new(std::time::Duration::from_micros(50));
+        let mut backoff = Backoff::polling_mpi(std::time::Duration::from_micros(50));
         loop {
             if self.test(&mut req)?.is_some() {
                 // SAFETY: the completed receive wrote all `len` bytes of the allocation.

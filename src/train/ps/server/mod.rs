@@ -96,7 +96,7 @@ pub fn serve_many<C: Comm>(
     for s in &mut servers {
         s.memory.clone_from(&memory);
     }
-    let mut backoff = Backoff::new(Duration::from_micros(200));
+    let mut backoff = Backoff::polling_mpi(Duration::from_micros(200));
     let mut idle_since = vec![None; servers.len()];
     while !servers.iter().all(Server::finished) {
         let mut handled = false;
