@@ -389,6 +389,26 @@ pub fn encode<H: Serialize>(header: &H) -> Vec<u8> {
     encode_with(header, &[])
 }
 
+/// [`encode`] into the first words of `out` (emptied first), for a payload of floats to
+/// be appended in place after it (a reply gathered straight into its message); the
+/// header's words.
+pub fn encode_words<H: Serialize>(out: &mut Vec<f32>, header: &H) -> usize {
+    use bincode::Options;
+    let n = wire(usize::MAX)
+        .serialized_size(header)
+        .expect("protocol headers serialise") as usize;
+    let padded = n.next_multiple_of(4);
+    let words = 1 + padded / 4;
+    out.clear();
+    out.resize(words, 0.0);
+    let bytes = f32_bytes_mut(out);
+    bytes[..4].copy_from_slice(&(padded as u32).to_le_bytes());
+    wire(usize::MAX)
+        .serialize_into(&mut bytes[4..4 + n], header)
+        .expect("protocol headers serialise");
+    words
+}
+
 /// The header a message holds and the bytes of its inline payload (a multiple of 4), or
 /// `None` if it is not a message of `H`.
 pub fn decode_with<H: DeserializeOwned>(bytes: &[u8]) -> Option<(H, &[u8])> {
@@ -584,6 +604,19 @@ mod tests {
         };
         assert_eq!(rows.payload(0), vec![8]);
         assert!(Request::Done { stop: None }.payload(0).is_empty());
+    }
+
+    /// A header written as words, floats appended after it, is the message
+    /// `encode_with` makes of the same header and floats.
+    #[test]
+    fn a_header_in_words_with_floats_after_it_is_the_same_message() {
+        let reply = Reply::Rows { values: 3 };
+        let floats = [1.5f32, f32::from_bits(0x7fc0_0001), -0.0];
+        let mut words = vec![9.0; 40];
+        let head = encode_words(&mut words, &reply);
+        words.extend_from_slice(&floats);
+        assert_eq!(f32_bytes(&words), &encode_with(&reply, &[&floats])[..]);
+        assert_eq!(words.len(), head + 3);
     }
 
     /// Row ids travel as bytes, 8 an id, every bit kept; a string of bytes that is not a

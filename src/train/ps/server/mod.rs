@@ -168,8 +168,9 @@ struct Server<'a, C: Comm> {
     sum: Vec<f32>,
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
-    /// A reply of rows, its message reused from one to the next.
-    outbox: Vec<u8>,
+    /// A reply of rows (its header's words, then the rows gathered in place), its
+    /// message reused from one to the next.
+    outbox: Vec<f32>,
     /// Requests taken while this ps's replies were being sent, served before any new one
     /// (see [`send_all_taking`]).
     backlog: RefCell<VecDeque<(usize, Vec<u8>)>>,

@@ -3,7 +3,7 @@
 //! its first touch (see [`crate::model::embedding`]).
 
 use super::super::protocol::{
-    encode_into, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart, Setup,
+    encode_words, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart, Setup,
     PIECE_FLOATS,
 };
 use super::super::wire::Sent;
@@ -80,30 +80,28 @@ impl<C: Comm> Server<'_, C> {
         largest.map_or(Ok(()), |t| self.row_room(t))
     }
 
-    /// The rows `parts` name into `self.rows`, part by part (`make`: rows that do not
-    /// exist are made and the pulls counted, else read as their initial values).
-    fn gather_rows(&mut self, parts: &[RowsPart], make: bool) -> Result<(), String> {
-        self.check_parts(parts)?;
-        let mut rows = std::mem::take(&mut self.rows);
-        rows.clear();
-        let mut r = Ok(());
+    /// The rows `parts` name (checked to be this ps's) appended to `rows`, part by part
+    /// (`make`: rows that do not exist are made and the pulls counted, else read as their
+    /// initial values).
+    fn gather_rows(
+        &mut self,
+        parts: &[RowsPart],
+        make: bool,
+        rows: &mut Vec<f32>,
+    ) -> Result<(), String> {
         for p in parts {
             let t = &mut self.tables[p.table];
-            r = match make {
-                true => t.pull_extend(&p.ids, &mut rows),
-                false => t.read_extend(&p.ids, &mut rows),
-            };
-            if r.is_err() {
-                break;
+            match make {
+                true => t.pull_extend(&p.ids, rows),
+                false => t.read_extend(&p.ids, rows),
             }
+            .map_err(|e| e.to_string())?;
             if make {
                 let served = &mut self.served[p.table];
                 served.pulls += 1;
                 served.rows_pulled += p.ids.len() as u64;
             }
         }
-        self.rows = rows;
-        r.map_err(|e| e.to_string())?;
         match make {
             true => self.row_room_of(parts),
             false => Ok(()),
@@ -111,43 +109,49 @@ impl<C: Comm> Server<'_, C> {
     }
 
     /// Worker rank `from`'s pull of the rows `parts` name (`make`: rows that do not exist
-    /// are made, else read as their initial values): a [`Reply::Rows`] with their values
-    /// (in the header's message if small, else as pieces after it).
+    /// are made, else read as their initial values): a [`Reply::Rows`] with their values,
+    /// gathered straight into the reply's message after its header (sent whole if small,
+    /// else the header alone and the rows as pieces after it).
     pub(super) fn pull_rows(
         &mut self,
         from: usize,
         parts: &[RowsPart],
         make: bool,
     ) -> Result<(), PsError> {
-        if let Err(e) = self.gather_rows(parts, make) {
+        if let Err(e) = self.check_parts(parts) {
             return self.error(from, e);
         }
-        let reply = Reply::Rows {
-            values: self.rows.len(),
-        };
-        let small = inline([self.rows.len()]);
-        let mut header = std::mem::take(&mut self.outbox);
-        let inline_rows: &[&[f32]] = if small { &[&self.rows] } else { &[] };
-        encode_into(&mut header, &reply, inline_rows);
-        let mut out = vec![(&header[..], from, reply_tag(self.comm))];
-        if !small {
+        let values = (parts.iter())
+            .map(|p| p.ids.len() * self.tables[p.table].spec().dim)
+            .sum();
+        let mut message = std::mem::take(&mut self.outbox);
+        let head = encode_words(&mut message, &Reply::Rows { values });
+        if let Err(e) = self.gather_rows(parts, make, &mut message) {
+            self.outbox = message;
+            return self.error(from, e);
+        }
+        let rtag = reply_tag(self.comm);
+        let mut out = Vec::new();
+        if inline([values]) {
+            out.push((f32_bytes(&message), from, rtag));
+        } else {
+            let (header, rows) = message.split_at(head);
             let data = payload_tag(self.comm);
+            out.push((f32_bytes(header), from, rtag));
             out.extend(
-                self.rows
-                    .chunks(PIECE_FLOATS)
+                rows.chunks(PIECE_FLOATS)
                     .map(|p| (f32_bytes(p), from, data)),
             );
         }
         let sent = self.send_all(&out);
+        drop(out);
         if matches!(sent, Ok(Sent::Done)) {
-            drop(out);
-            self.outbox = header;
+            self.outbox = message;
             return Ok(());
         }
-        // Sends may still be in flight: MPI may read these for as long as the process lives.
-        drop(out);
-        std::mem::forget(header);
-        std::mem::forget(std::mem::take(&mut self.rows));
+        // Sends may still be in flight: MPI may read the message for as long as the
+        // process lives.
+        std::mem::forget(message);
         match sent? {
             Sent::TimedOut { to } => Err(self.lose(to)),
             Sent::Done | Sent::Interrupted(_) => Err(self.lose(from)),
