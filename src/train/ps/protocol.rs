@@ -327,6 +327,15 @@ pub fn f32_bytes(x: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
+/// The floats `bytes` hold, read where they are, if they lie at a float's alignment
+/// (a payload inside a received message: `None` where it does not, to be copied instead).
+pub fn as_floats(bytes: &[u8]) -> Option<&[f32]> {
+    // SAFETY: every bit pattern of 4 bytes is an f32; `align_to` puts in the middle only
+    // what is aligned for f32.
+    let (before, floats, after) = unsafe { bytes.align_to::<f32>() };
+    (before.is_empty() && after.is_empty()).then_some(floats)
+}
+
 /// [`f32_bytes`], writable (what a piece is received into).
 pub fn f32_bytes_mut(x: &mut [f32]) -> &mut [u8] {
     let len = std::mem::size_of_val(x);

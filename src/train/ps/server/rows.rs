@@ -3,8 +3,8 @@
 //! its first touch (see [`crate::model::embedding`]).
 
 use super::super::protocol::{
-    encode_words, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart, Setup,
-    PIECE_FLOATS,
+    as_floats, encode_words, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart,
+    Setup, PIECE_FLOATS,
 };
 use super::super::wire::Sent;
 use super::super::PsError;
@@ -159,8 +159,9 @@ impl<C: Comm> Server<'_, C> {
     }
 
     /// Worker rank `from`'s sparse gradients of the rows `parts` name, scaled by `scale`
-    /// (`push`): its payload taken, then applied to those rows at once; then the rows
-    /// `pull` names to the worker as [`Self::pull_rows`] sends them, or `Ok` if none.
+    /// (`push`): applied to those rows at once, where they arrived when they came in the
+    /// request's message, else once received into `self.rows`; then the rows `pull` names
+    /// to the worker as [`Self::pull_rows`] sends them, or `Ok` if none.
     pub(super) fn push_rows(
         &mut self,
         from: usize,
@@ -169,14 +170,28 @@ impl<C: Comm> Server<'_, C> {
         inline_bytes: &[u8],
     ) -> Result<(), PsError> {
         let checked = self.check_parts(parts);
-        let into = match checked {
-            Ok(()) => Dest::Rows,
-            Err(_) => Dest::Drop,
+        let in_message = match inline(lens.iter().copied()) {
+            true => as_floats(inline_bytes),
+            false => None,
         };
-        let taken = self.take_payload(from, lens, inline_bytes, into)?;
-        let applied = checked
-            .and(taken)
-            .and_then(|()| self.apply_parts(parts, scale));
+        let applied = match (checked, in_message) {
+            (Ok(()), Some(values)) if values.len() == lens.iter().sum::<usize>() => {
+                self.apply_parts(parts, scale, values)
+            }
+            (Ok(()), _) => {
+                let taken = self.take_payload(from, lens, inline_bytes, Dest::Rows)?;
+                let rows = std::mem::take(&mut self.rows);
+                let applied = taken.and_then(|()| self.apply_parts(parts, scale, &rows));
+                self.rows = rows;
+                applied
+            }
+            (Err(e), _) => {
+                // Taken only so the next request starts clean: the ownership error is
+                // what the worker hears.
+                let _ = self.take_payload(from, lens, inline_bytes, Dest::Drop)?;
+                Err(e)
+            }
+        };
         match applied {
             Ok(()) if pull.is_empty() => self.ok(from),
             Ok(()) => self.pull_rows(from, pull, true),
@@ -184,22 +199,27 @@ impl<C: Comm> Server<'_, C> {
         }
     }
 
-    /// Applies the gradient rows in `self.rows` to the rows `parts` name, part by part.
-    fn apply_parts(&mut self, parts: &[RowsPart], scale: f32) -> Result<(), String> {
+    /// Applies the gradient rows `values` to the rows `parts` name, part by part.
+    fn apply_parts(
+        &mut self,
+        parts: &[RowsPart],
+        scale: f32,
+        values: &[f32],
+    ) -> Result<(), String> {
         let want: usize = (parts.iter())
             .map(|p| p.ids.len() * self.tables[p.table].spec().dim)
             .sum();
-        if want != self.rows.len() {
+        if want != values.len() {
             return Err(format!(
                 "a push of {} gradient values for rows of {want}",
-                self.rows.len()
+                values.len()
             ));
         }
         let mut at = 0;
         for p in parts {
             let n = p.ids.len() * self.tables[p.table].spec().dim;
             let t = &mut self.tables[p.table];
-            t.apply_rows(&p.ids, &self.rows[at..at + n], scale)
+            t.apply_rows(&p.ids, &values[at..at + n], scale)
                 .map_err(|e| e.to_string())?;
             at += n;
             let served = &mut self.served[p.table];
