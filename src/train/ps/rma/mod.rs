@@ -204,7 +204,8 @@ fn slices<'a>(tensors: &'a [Tensor], pieces: &'a [Piece]) -> Vec<(&'a Piece, &'a
 
 /// Polls `read` until `done` holds; `stalled` names the culprit when the value has not
 /// changed for `timeout`. Each poll first lets the operations other ranks aim at this one
-/// progress (`ctl`'s [`Access::poke`]: MPI's progress engine).
+/// progress (`ctl`'s [`Access::poke`]: MPI's progress engine, which yields the CPU itself
+/// where MPI yields when idle: [`Backoff::polling_mpi`]).
 fn wait_until(
     ctl: &impl Access<i64>,
     timeout: Duration,
@@ -212,7 +213,7 @@ fn wait_until(
     done: impl Fn(i64) -> bool,
     stalled: impl FnOnce() -> PsError,
 ) -> Result<i64, PsError> {
-    let mut backoff = Backoff::new(Duration::from_micros(200));
+    let mut backoff = Backoff::polling_mpi(Duration::from_micros(200));
     let (mut last, mut since) = (i64::MIN, Instant::now());
     loop {
         ctl.poke()?;

@@ -400,7 +400,8 @@ impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
         }
         if arrived > 0 && arrived + ended >= nw {
             // Some pushed this step and one ended: if it ended without pushing the step,
-            // it failed (it says why); one that pushed it first is waited for no longer.
+            // it failed (it says why); if every one that ended pushed it first, the step
+            // waits for the others' pushes as any step does.
             if let Some(late) = ps.late(lay, ctl, me, (ABORT_ENDED, true))? {
                 return Err(PsError::Aborted {
                     task: roles.task(me),
@@ -447,7 +448,7 @@ impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
         mut done: impl FnMut(&Self, Polled) -> Option<Result<(), PsError>>,
         late: impl Fn(&Self) -> PsError,
     ) -> Result<(), PsError> {
-        let mut backoff = Backoff::new(std::time::Duration::from_micros(200));
+        let mut backoff = Backoff::polling_mpi(std::time::Duration::from_micros(200));
         let since = Instant::now();
         loop {
             let polled = self.poll()?;
