@@ -110,10 +110,10 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
         let (loss, times, pulled) = match step(sess, run.model, (share, ready, next), &mut work) {
             Ok(done) => done,
             Err(Unmade { why, pushed }) => {
-                if !pushed && sess.strategy().pushes_every_step() {
+                if !pushed {
                     // The others' rows step must not wait for this rank's push: an empty
                     // one, then the step fails on every rank through the session.
-                    let _ = sess.strategy().push_tables(&[], 0.0);
+                    let _ = push_nothing(sess.strategy());
                 }
                 return Err(run.dense.refuse(sess, why));
             }
@@ -157,6 +157,15 @@ type Began = [Instant; 3];
 struct Unmade {
     why: String,
     pushed: bool,
+}
+
+/// Where a step's rows wait for every rank's push ([`Tables::pushes_every_step`]), an
+/// empty push from this rank: the others' step goes on without its rows.
+fn push_nothing<T: Tables + ?Sized>(tables: &T) -> Result<(), TrainError> {
+    match tables.pushes_every_step() {
+        true => tables.push_tables(&[], 0.0),
+        false => Ok(()),
+    }
 }
 
 /// An error before this rank's push.
@@ -218,11 +227,9 @@ fn step<'m, S: Strategy<'m> + Tables>(
             let why = format!("table {}'s gradient is not finite", spec[t].name);
             return Err(before_push(why));
         }
-        if tables.pushes_every_step() {
-            // The others' step is applied without this one's rows; the guard then stops
-            // every rank on the loss.
-            tables.push_tables(&[], 0.0).map_err(of_push)?;
-        }
+        // The others' step is applied without this one's rows; the guard then stops
+        // every rank on the loss.
+        push_nothing(tables).map_err(of_push)?;
         return Ok((loss, began, false));
     }
     let scale = tables.push_scale() * share;

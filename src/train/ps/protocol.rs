@@ -375,22 +375,36 @@ pub fn encode_with<H: Serialize>(header: &H, parts: &[&[f32]]) -> Vec<u8> {
 /// [`encode_with`] into `out` (emptied first; its allocation reused: a client that
 /// sends a request of the same size every step allocates, and faults pages in, once).
 pub fn encode_into<H: Serialize>(out: &mut Vec<u8>, header: &H, parts: &[&[f32]]) {
+    let (n, framed) = frame_len(header);
+    let floats: usize = parts.iter().map(|p| p.len()).sum();
+    out.clear();
+    out.reserve(framed + 4 * floats);
+    out.resize(framed, 0);
+    write_frame(out, header, n);
+    for p in parts {
+        out.extend_from_slice(f32_bytes(p));
+    }
+}
+
+/// The length of `header` encoded, and of it framed as a message begins: its length as a
+/// `u32`, then the header padded with zeros to a multiple of 4 bytes.
+fn frame_len<H: Serialize>(header: &H) -> (usize, usize) {
     use bincode::Options;
     let n = wire(usize::MAX)
         .serialized_size(header)
         .expect("protocol headers serialise") as usize;
-    let padded = n.next_multiple_of(4);
-    let floats: usize = parts.iter().map(|p| p.len()).sum();
-    out.clear();
-    out.reserve(4 + padded + 4 * floats);
-    out.extend_from_slice(&(padded as u32).to_le_bytes());
+    (n, 4 + n.next_multiple_of(4))
+}
+
+/// Writes `header` (`n` bytes encoded) framed into `at`, zeroed bytes of its framed
+/// length ([`frame_len`]).
+fn write_frame<H: Serialize>(at: &mut [u8], header: &H, n: usize) {
+    use bincode::Options;
+    let padded = at.len() - 4;
+    at[..4].copy_from_slice(&(padded as u32).to_le_bytes());
     wire(usize::MAX)
-        .serialize_into(&mut *out, header)
+        .serialize_into(&mut at[4..4 + n], header)
         .expect("protocol headers serialise");
-    out.resize(4 + padded, 0);
-    for p in parts {
-        out.extend_from_slice(f32_bytes(p));
-    }
 }
 
 /// A header message without a payload.
@@ -402,20 +416,11 @@ pub fn encode<H: Serialize>(header: &H) -> Vec<u8> {
 /// be appended in place after it (a reply gathered straight into its message); the
 /// header's words.
 pub fn encode_words<H: Serialize>(out: &mut Vec<f32>, header: &H) -> usize {
-    use bincode::Options;
-    let n = wire(usize::MAX)
-        .serialized_size(header)
-        .expect("protocol headers serialise") as usize;
-    let padded = n.next_multiple_of(4);
-    let words = 1 + padded / 4;
+    let (n, framed) = frame_len(header);
     out.clear();
-    out.resize(words, 0.0);
-    let bytes = f32_bytes_mut(out);
-    bytes[..4].copy_from_slice(&(padded as u32).to_le_bytes());
-    wire(usize::MAX)
-        .serialize_into(&mut bytes[4..4 + n], header)
-        .expect("protocol headers serialise");
-    words
+    out.resize(framed / 4, 0.0);
+    write_frame(f32_bytes_mut(out), header, n);
+    framed / 4
 }
 
 /// The header a message holds and the bytes of its inline payload (a multiple of 4), or

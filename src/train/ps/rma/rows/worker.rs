@@ -427,9 +427,9 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         Ok(files)
     }
 
-    /// Tells every ps this worker ended: marks its pushes ended, adds to `ENDED` (`failed_alone`: its number in
-    /// `WORKER_FAILED` first; an agreed failure counts [`AGREED`]), its signal in
-    /// `STOPPED_BY`.
+    /// Tells every ps this worker ended: marks its pushes ended, adds to `ENDED`
+    /// (`failed_alone`: its number in `WORKER_FAILED` first; an agreed failure counts
+    /// [`AGREED`]), its signal in `STOPPED_BY`.
     fn ended(&self, signal: Option<i32>, failed_alone: bool, agreed: bool) -> Result<(), PsError> {
         for k in 0..self.lay.nps {
             let rank = self.roles.ps[k];
