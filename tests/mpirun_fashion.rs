@@ -1,11 +1,11 @@
 //! Fashion-MNIST (Debian's `dataset-fashion-mnist`, the official 60,000 / 10,000 split):
 //! the accuracy targets on the 10,000 test images. The convolutional network reaches 90%
-//! at 4 ranks by allreduce (the README's command) and at 5 by the ps over messages with
-//! its replicas split into 2 stages (1F1B); the MLP reaches 87% at 4 ranks by the
-//! asynchronous ps. The other synchronous modes (local with towers, the ps over one-sided
-//! windows, allreduce over stages) train the same parameters as local training, checked
-//! step by step in `tests/mpirun_models.rs` and `tests/mpirun_pipeline.rs`, so they reach
-//! what these runs reach; running each to 90% here took the suite 3 minutes more.
+//! at 4 ranks by allreduce (the README's command, and `examples/fashion.rs`); the MLP
+//! reaches 87% at 4 ranks by the asynchronous ps. The synchronous modes (local with
+//! towers, the ps over messages and over one-sided windows, stages under allreduce and
+//! under a ps) train the same parameters as local training, checked step by step in
+//! `tests/mpirun_models.rs` and `tests/mpirun_pipeline.rs`, so they reach what these runs
+//! reach; running each to 90% here took the suite 4 minutes more.
 //!
 //! The runs are 2,000 steps of 64 (2.1 epochs) with the learning rate on a cosine decay,
 //! which gets there in two thirds of the constant rate's steps (measured locally: 0.9101
@@ -55,20 +55,10 @@ fn assert_reaches(run: &Run, target: f64, what: &str) {
 }
 
 #[test]
-fn the_cnn_reaches_90_percent_by_allreduce_and_by_the_ps_over_stages() {
-    for (np, mode) in [
-        (Some("4"), &["--mode", "allreduce"][..]),
-        (
-            Some("5"),
-            &["--mode", "ps", "--ps", "1", "--stages", "2"][..],
-        ),
-    ] {
-        let mut args = CNN.to_vec();
-        args.push("1");
-        args.extend_from_slice(mode);
-        let out = run(np, &args);
-        assert_reaches(&out, 0.90, &format!("{mode:?}"));
-    }
+fn the_cnn_reaches_90_percent_by_allreduce() {
+    let mut args = CNN.to_vec();
+    args.extend_from_slice(&["1", "--mode", "allreduce"]);
+    assert_reaches(&run(Some("4"), &args), 0.90, "cnn, allreduce");
 }
 
 #[test]

@@ -9,6 +9,8 @@
 //! - `links`: each communicator's memory of what each (peer, tag) last carried.
 //! - [`p2p`]: tensors between ranks or tasks, one message each, straight from their memory;
 //!   windows of them completed together.
+//! - `messages`: messages of any length to a peer, from a peer or from any (a server's
+//!   requests and replies), through the links' rings on one node, else MPI.
 //! - [`channel`]: persistent channels: one tensor again and again, header checked once.
 //! - [`inbox`]: a channel's receives posted ahead, each message moved into place uncopied.
 //! - `ring`: a channel's small messages through memory its two ranks share, on one node.
@@ -35,6 +37,7 @@ pub mod inbox;
 pub(crate) mod links;
 pub mod local;
 pub(crate) mod local_window;
+pub(crate) mod messages;
 pub mod mpi;
 pub mod p2p;
 pub(crate) mod progress;

@@ -629,7 +629,7 @@ mod tests {
                     report: false,
                 }));
                 let req = protocol::request_tag(&comm);
-                crate::transport::comm::send(&comm, &pull, 0, req).unwrap();
+                crate::transport::messages::send(&comm, &pull, 0, req).unwrap();
                 let reply = protocol::reply_tag(&comm);
                 let mut inbox = Vec::new();
                 wire::receive_within_into(&comm, 0, reply, Duration::from_secs(10), &mut inbox)
@@ -650,7 +650,7 @@ mod tests {
                     // A small payload rides in the header's message.
                     let m = protocol::encode_with(&push, &[&vec![0.0; n]]);
                     let req = protocol::request_tag(&comm);
-                    crate::transport::comm::send(&comm, &m, 0, req).unwrap();
+                    crate::transport::messages::send(&comm, &m, 0, req).unwrap();
                     let reply = protocol::reply_tag(&comm);
                     let mut r = Vec::new();
                     wire::receive_within_into(&comm, 0, reply, Duration::from_secs(10), &mut r)

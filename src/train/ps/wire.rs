@@ -1,14 +1,19 @@
 //! Bounded sends and receives: every wait of the ps protocol has a deadline, and yields
 //! the CPU while it waits (busy waiting starves oversubscribed ranks).
+//!
+//! Requests and replies (their headers, with small payloads inline) are messages of
+//! [`crate::transport::messages`]: through a ring between ranks of one node, else MPI. A
+//! payload's pieces, received where they go, are MPI's messages on their own tag.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::protocol::{decode_with, request_tag, Reply};
+use super::protocol::{decode_with, payload_tag, request_tag, Reply};
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
+use crate::transport::messages;
 
-/// Waits for a message from `src` (or any source) on `tag`, at most `deadline`, into `buf`
-/// (its allocation reused); the sender.
+/// Waits for a request or reply from `src` (or any source) on `tag`, at most `deadline`,
+/// into `buf` (its allocation reused); the sender.
 pub fn receive_within_into<C: Comm>(
     c: &C,
     src: usize,
@@ -19,7 +24,7 @@ pub fn receive_within_into<C: Comm>(
     let start = Instant::now();
     let mut backoff = Backoff::polling_mpi(Duration::from_micros(50));
     loop {
-        if let Some(from) = c.try_receive_into(src, tag, deadline, buf)? {
+        if let Some(from) = messages::try_receive_into(c, src, tag, deadline, buf)? {
             return Ok(Some(from));
         }
         if start.elapsed() > deadline {
@@ -66,7 +71,7 @@ pub fn send_all_taking<C: Comm>(
     backlog: &mut VecDeque<(usize, Vec<u8>)>,
 ) -> Result<Sent, TransportError> {
     send_all_then(c, out, deadline, || loop {
-        match c.try_receive(ANY_SOURCE, request_tag(c), deadline) {
+        match messages::try_receive(c, ANY_SOURCE, request_tag(c), deadline) {
             Ok(Some(got)) => backlog.push_back(got),
             Ok(None) => return Ok(None),
             // A request that began to arrive and never ended: its sender is gone.
@@ -91,7 +96,17 @@ pub fn send_all_then<C: Comm>(
 ) -> Result<Sent, TransportError> {
     let mut reqs = Vec::with_capacity(out.len());
     let in_flight = |reqs: Vec<Option<(C::Request, usize)>>| std::mem::forget(reqs);
+    let pieces = payload_tag(c);
     for &(bytes, to, tag) in out {
+        // A request's or a reply's header: through the ring where it can.
+        match (tag != pieces).then(|| messages::put(c, bytes, to, tag)) {
+            Some(Ok(true)) => continue,
+            Some(Err(e)) => {
+                in_flight(reqs);
+                return Err(e);
+            }
+            Some(Ok(false)) | None => {}
+        }
         // SAFETY: `bytes` stay alive until the request completes; if it does not complete
         // here, the caller keeps them alive (see above).
         match unsafe { c.isend(bytes.as_ptr(), bytes.len(), to, tag) } {

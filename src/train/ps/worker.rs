@@ -22,6 +22,7 @@ use crate::observe::stall::{self, Wait};
 use crate::tensor::Tensor;
 use crate::train::guard::NonFinite;
 use crate::transport::comm::{Comm, TransportError};
+use crate::transport::messages;
 
 /// A worker's connection to the ps tasks: the placement tells which slices of which
 /// variable each ps holds.
@@ -209,7 +210,9 @@ impl<'a, C: Comm> Client<'a, C> {
                 if taken[k].is_some() {
                     continue;
                 }
-                if (self.comm.try_receive_into(*r, rtag, deadline, &mut inbox)?).is_none() {
+                if (messages::try_receive_into(self.comm, *r, rtag, deadline, &mut inbox)?)
+                    .is_none()
+                {
                     continue;
                 }
                 match self.take_reply(k, &inbox, &mut then) {
@@ -514,7 +517,7 @@ impl<'a, C: Comm> Client<'a, C> {
     pub fn done(&self, stop: Option<i32>) -> Result<(), PsError> {
         let m = encode(&Request::Done { stop });
         for r in &self.roles.ps {
-            crate::transport::comm::send(self.comm, &m, *r, request_tag(self.comm))?;
+            messages::send(self.comm, &m, *r, request_tag(self.comm))?;
         }
         Ok(())
     }

@@ -36,6 +36,8 @@ use crate::transport::comm::{Comm, Completion, TransportError};
 use crate::transport::links::{link_key, KeyMap};
 use crate::transport::tags::Reserved;
 
+mod messages;
+
 /// Whether a receive into a region of `region` bytes may be of a message longer than a
 /// slot of `geo` (which its sender may send by MPI's rendezvous: an `immediate_` receive of
 /// it is posted at once). A receive's region holds the message it expects and
@@ -108,6 +110,9 @@ struct Receiving {
     /// MPI receives posted at once under a detach ([`Start::Detached`]) and not yet
     /// completed: the sender is let back onto the ring only when none is left.
     detached: usize,
+    /// Messages of any length ([`messages`]): those that came by MPI before the ring's
+    /// messages that precede them were taken, in order.
+    stash: VecDeque<Vec<u8>>,
 }
 
 impl Receiving {
@@ -165,6 +170,7 @@ impl Receiving {
             done: KeyMap::default(),
             next_ticket: 0,
             detached: 0,
+            stash: VecDeque::new(),
         }
     }
 }
@@ -187,6 +193,9 @@ pub(crate) struct LinkRings {
     receiving: RefCell<KeyMap<Receiving>>,
     /// Offers read before their link's first receive, by link.
     offers: RefCell<KeyMap<Option<Offered>>>,
+    /// Messages of any length ([`messages`]): by tag, the senders whose rings a receive
+    /// from any source polls, and where the next such receive starts among them.
+    message_rings: RefCell<KeyMap<messages::Turn>>,
 }
 
 // SAFETY: the rings' mappings and queued receive pointers are plain memory, valid in any
@@ -206,6 +215,20 @@ impl LinkRings {
         dst: usize,
         tag: i32,
     ) -> Result<bool, TransportError> {
+        self.put_first(c, bytes, dst, tag, bytes.len())
+    }
+
+    /// [`LinkRings::put`], where a link's first message is taken to be of `first` bytes:
+    /// the ring is made if such a message pays for one.
+    #[inline]
+    fn put_first<C: Comm>(
+        &self,
+        c: &C,
+        bytes: &[u8],
+        dst: usize,
+        tag: i32,
+        first: usize,
+    ) -> Result<bool, TransportError> {
         if !c.same_node(dst) {
             return Ok(false);
         }
@@ -213,7 +236,7 @@ impl LinkRings {
         if let Some(s) = self.sending.borrow().get(&key) {
             return Ok(s.put(bytes));
         }
-        self.first_send(c, bytes.len(), dst, tag)?;
+        self.first_send(c, first, dst, tag)?;
         Ok(self
             .sending
             .borrow()
@@ -454,11 +477,23 @@ impl LinkRings {
     /// Reads the link's offer if it has not been read (waiting for it: its sender sends it
     /// before the link's first message) and maps the ring it offers.
     fn resolve<C: Comm>(&self, c: &C, src: usize, tag: i32) -> Result<(), TransportError> {
+        self.resolve_within(c, src, tag, None)
+    }
+
+    /// [`LinkRings::resolve`] waiting at most `within` for the offer (a timeout naming
+    /// `src` after it), or as long as an MPI receive would (`None`).
+    fn resolve_within<C: Comm>(
+        &self,
+        c: &C,
+        src: usize,
+        tag: i32,
+        within: Option<std::time::Duration>,
+    ) -> Result<(), TransportError> {
         let key = link_key(src, tag);
         if !matches!(self.receiving.borrow()[&key].state, State::Unknown) {
             return Ok(());
         }
-        let offered = self.offer(c, src, tag)?;
+        let offered = self.offer(c, src, tag, within)?;
         let state = match offered.filter(|_| enabled()) {
             Some(o) => match shm::open(&o.name, Geometry::of(o.nbytes)) {
                 Ok(map) => {
@@ -486,12 +521,22 @@ impl LinkRings {
         c: &C,
         src: usize,
         tag: i32,
+        within: Option<std::time::Duration>,
     ) -> Result<Option<Offered>, TransportError> {
         let key = link_key(src, tag);
         let offers_tag = c.tags().reserved(Reserved::LinkRing);
         let mut buf = Vec::new();
         let mut waiting = Waiting::new();
+        let since = std::time::Instant::now();
         loop {
+            if let Some(limit) = within.filter(|l| since.elapsed() > *l) {
+                return Err(TransportError::Timeout {
+                    rank: c.rank(),
+                    peer: src,
+                    tag,
+                    secs: limit.as_secs(),
+                });
+            }
             if let Some(o) = self.offers.borrow_mut().remove(&key) {
                 return Ok(o);
             }

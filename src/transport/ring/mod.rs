@@ -1,6 +1,6 @@
 //! Rings in memory that two ranks share when they run on one node: the small messages of
-//! a [`super::channel::Channel`] and of a [`super::p2p`] link (peer and tag) move without
-//! MPI.
+//! a [`super::channel::Channel`], of a [`super::p2p`] link (peer and tag) and of
+//! [`super::messages`] (a link's, received from one peer or any) move without MPI.
 //!
 //! Under Open MPI's `ob1` a small message costs its match, its request and, when it
 //! arrives before its receive, a copy through the unexpected-message queue. A
@@ -423,6 +423,32 @@ impl Inbound {
         self.expect.set(k + 1);
         self.map.word(CONSUMED).store(pos, Ordering::Release);
         (len.min(out.len()), len > out.len())
+    }
+
+    /// The length of the message [`Inbound::poll`] found in the ring once all of it is
+    /// there (a message of several slots is published slot by slot, as its sender copies
+    /// it in); `None` until then. A receiver that must not wait for a sender that may have
+    /// died halfway polls this before [`Inbound::take`].
+    #[inline]
+    fn whole(&self) -> Option<usize> {
+        let at = self.at.get();
+        // Stored before the sequence word's release, which poll acquired.
+        let len = self.map.word(at + 8).load(Ordering::Relaxed) as usize;
+        if len <= self.geo.nbytes {
+            return Some(len);
+        }
+        let k = self.expect.get();
+        let n = len
+            .min(LINK_CHUNKS * self.geo.nbytes)
+            .div_ceil(self.geo.nbytes);
+        let mut slot = at;
+        for _ in 1..n {
+            slot = self.geo.after(slot);
+            if self.map.word(slot).load(Ordering::Acquire) != k + 1 {
+                return None;
+            }
+        }
+        Some(len.min(LINK_CHUNKS * self.geo.nbytes))
     }
 
     /// Counts the next message (which [`Inbound::poll`] found sent by MPI) as received:

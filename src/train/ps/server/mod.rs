@@ -57,6 +57,7 @@ use crate::train::optim::{Optimizer, OptimizerKind, Slots};
 use crate::train::resources::Share;
 use crate::train::tables::Served;
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
+use crate::transport::messages;
 
 mod payload;
 mod requests;
@@ -669,7 +670,8 @@ impl<'a, C: Comm> Server<'a, C> {
                 inbox = bytes;
                 Some(from)
             }
-            None => match self.comm.try_receive_into(
+            None => match messages::try_receive_into(
+                self.comm,
                 ANY_SOURCE,
                 request_tag(self.comm),
                 self.timeout,
