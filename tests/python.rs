@@ -133,45 +133,70 @@ fn init_takes_an_mpi4py_communicator_whose_ranks_are_the_job() {
     }
 }
 
-/// Embedding tables on two ps tasks from a Python session: a table of 2^40 rows, rows
-/// pulled by both workers alike (ids on both ps, a repeated one), both workers' sparse
-/// gradients applied by the ps tasks (SGD) within rounding; an unknown table, a gradient
-/// of the wrong shape and an id beyond the table raise on their worker, which then closes
-/// its session normally.
+/// Embedding tables on two ps tasks from a Python session, with the variables on the ps
+/// tasks too (mode "ps") and by allreduce among the workers (mode "hybrid"): a table of
+/// 2^40 rows, rows pulled by both workers alike (ids on both ps, a repeated one), both
+/// workers' sparse gradients applied by the ps tasks (SGD) within rounding, the variables
+/// the same on both workers after two steps of SGD; an unknown table, a gradient of the
+/// wrong shape and an id beyond the table raise on their worker, which then closes its
+/// session normally. A second job restores the first's last checkpoint: the step, the
+/// variables and the rows where the first left them.
 #[test]
 fn a_python_session_pulls_and_pushes_embedding_rows_on_the_ps_tasks() {
-    let Some(lines) = ranks_of("rows.py", 4, &[]) else {
-        return;
-    };
-    let workers: Vec<&Value> = lines.iter().filter(|l| l.get("worst").is_some()).collect();
-    assert_eq!(workers.len(), 2, "{lines:?}");
-    for l in &workers {
-        assert_eq!(l["shape"], serde_json::json!([5, 3]), "{l}");
-        assert_eq!(l["repeated"], true, "{l}");
-        assert_eq!(l["before"], workers[0]["before"], "{l}");
-        assert!(l["worst"].as_f64().unwrap() < 1e-5, "{l}");
-        assert!(l["moved"].as_f64().unwrap() > 1.0, "{l}");
-        assert_eq!(l["step"].as_u64(), Some(2), "{l}");
-        let e = &l["errors"];
-        assert!(
-            e["table"]
-                .as_str()
-                .unwrap()
-                .contains("no embedding table 'nope'"),
-            "{l}"
-        );
-        assert!(
-            e["shape"].as_str().unwrap().starts_with("ValueError"),
-            "{l}"
-        );
-        assert!(
-            e["row"]
-                .as_str()
-                .unwrap()
-                .ends_with("pull_rows: table emb: id 1099511627776 is no row of its 1099511627776"),
-            "{l}"
-        );
+    let tmp = common::tmpdir("py-rows");
+    for mode in ["ps", "hybrid"] {
+        let dir = tmp.join(mode);
+        let d = dir.to_str().unwrap();
+        let Some(lines) = ranks_of("rows.py", 4, &[mode, d]) else {
+            return;
+        };
+        let workers: Vec<&Value> = lines.iter().filter(|l| l.get("worst").is_some()).collect();
+        assert_eq!(workers.len(), 2, "{mode}: {lines:?}");
+        for l in &workers {
+            assert_rows_session(l, workers[0]);
+            // Two steps of SGD at 0.01 with a gradient of ones on each worker.
+            for w in l["w"].as_array().unwrap() {
+                assert!((w.as_f64().unwrap() + 0.02).abs() < 1e-6, "{mode}: {l}");
+            }
+        }
+        let resumed = ranks_of("rows.py", 4, &[mode, d, "resume"]).unwrap();
+        let resumed: Vec<&Value> = resumed.iter().filter(|l| l.get("rows").is_some()).collect();
+        assert_eq!(resumed.len(), 2, "{mode}: {resumed:?}");
+        for l in resumed {
+            assert_eq!(l["first_step"].as_u64(), Some(2), "{mode}: {l}");
+            assert_eq!(l["rows"], workers[0]["after"], "{mode}: {l}");
+            assert_eq!(l["w"], workers[0]["w"], "{mode}: {l}");
+        }
     }
+}
+
+/// One worker's line of `rows.py` (`first`: the first worker's).
+fn assert_rows_session(l: &Value, first: &Value) {
+    assert_eq!(l["shape"], serde_json::json!([5, 3]), "{l}");
+    assert_eq!(l["repeated"], true, "{l}");
+    assert_eq!(l["before"], first["before"], "{l}");
+    assert!(l["worst"].as_f64().unwrap() < 1e-5, "{l}");
+    assert!(l["moved"].as_f64().unwrap() > 1.0, "{l}");
+    assert_eq!(l["step"].as_u64(), Some(2), "{l}");
+    let e = &l["errors"];
+    assert!(
+        e["table"]
+            .as_str()
+            .unwrap()
+            .contains("no embedding table 'nope'"),
+        "{l}"
+    );
+    assert!(
+        e["shape"].as_str().unwrap().starts_with("ValueError"),
+        "{l}"
+    );
+    assert!(
+        e["row"]
+            .as_str()
+            .unwrap()
+            .ends_with("pull_rows: table emb: id 1099511627776 is no row of its 1099511627776"),
+        "{l}"
+    );
 }
 
 /// A training session from Python over the ps tasks (1 ps, 2 workers; by messages and over

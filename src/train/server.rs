@@ -44,6 +44,7 @@ use super::allreduce::{Allreduce, AllreduceConfig};
 use super::data::Dataset;
 use super::engine::{Session, TrainError};
 use super::events::Event;
+use super::hybrid::{self, Hybrid, HybridConfig};
 use super::ps::rma::{self, OneSidedSession};
 use super::ps::MonitoredSession;
 use super::ps::PsConfig;
@@ -276,6 +277,29 @@ impl Server {
         let replicas = workers.split(0, workers.rank()).map_err(TrainError::from)?;
         let strategy = Allreduce::new(replicas, &self.layout, self.rank, model, cfg)?;
         Ok(Session::new(strategy, &cfg.train)?)
+    }
+
+    /// A worker's hybrid training session of `model` (`--mode hybrid`): `cfg.tables`'
+    /// rows on the ps tasks (which `join`), pulled and pushed by the workers as their
+    /// batches name them ([`crate::train::tables::Tables`] on the session's strategy),
+    /// and the model's variables replicated on the workers, summed by allreduce among them
+    /// every step. Every worker task opens one.
+    pub fn hybrid_session<'s>(
+        &'s self,
+        model: &'s dyn Model,
+        cfg: &HybridConfig,
+    ) -> Result<Session<'s, 's, Hybrid<'s, MpiComm>>, ServerError> {
+        let roles = self
+            .roles
+            .as_ref()
+            .ok_or_else(|| self.role_error("a hybrid session needs a ps job for its tables"))?;
+        let workers = self
+            .workers
+            .as_ref()
+            .ok_or_else(|| self.role_error("a hybrid session is for the chief and worker tasks"))?;
+        let replicas = workers.split(0, workers.rank()).map_err(TrainError::from)?;
+        let strategy = hybrid::strategy(&self.comm, replicas, roles, &self.layout, model, cfg)?;
+        Ok(Session::new(strategy, &cfg.allreduce.train)?)
     }
 
     /// One-sided ps training (`--transport rma`): the ps tasks' variables in MPI windows

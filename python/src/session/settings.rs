@@ -52,8 +52,15 @@ impl Settings {
             "allreduce" => Ok(Mode::Allreduce),
             "ps" if self.transport == "rma" => Ok(Mode::PsRma),
             "ps" => Ok(Mode::Ps),
+            "hybrid" if self.transport == "rma" => Err(PyValueError::new_err(
+                "mpiflow: Session: mode \"hybrid\" takes transport \"p2p\" (its rows on the ps tasks over messages)",
+            )),
+            "hybrid" if self.tables.is_empty() => Err(PyValueError::new_err(
+                "mpiflow: Session: mode \"hybrid\" needs embedding tables (tables={name: (rows, width)}) for the ps tasks to hold",
+            )),
+            "hybrid" => Ok(Mode::Hybrid),
             m => Err(PyValueError::new_err(format!(
-                "mpiflow: Session: mode {m:?} is none of ps, allreduce, local"
+                "mpiflow: Session: mode {m:?} is none of ps, hybrid, allreduce, local"
             ))),
         }
     }
@@ -99,11 +106,12 @@ impl Settings {
         })
     }
 
-    /// The tables, on the ps tasks of the ps over messages only.
+    /// The tables, on the ps tasks of the ps over messages only (modes ps and hybrid).
     fn tables(&self) -> PyResult<Vec<TableSpec>> {
-        if !self.tables.is_empty() && (self.mode != "ps" || self.transport != "p2p") {
+        let on_ps = matches!(self.mode.as_str(), "ps" | "hybrid") && self.transport == "p2p";
+        if !self.tables.is_empty() && !on_ps {
             return Err(PyValueError::new_err(
-                "mpiflow: Session: embedding tables need mode=\"ps\" (transport \"p2p\")",
+                "mpiflow: Session: embedding tables need mode=\"ps\" or \"hybrid\" (transport \"p2p\")",
             ));
         }
         (self.tables.iter())

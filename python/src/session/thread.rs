@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use mpiflow::model::embedding::SparseGrad;
-use mpiflow::train::ps::Ps;
-use mpiflow::transport::mpi::MpiComm;
+use mpiflow::train::hybrid::HybridConfig;
+use mpiflow::train::tables::Tables;
 use mpiflow::{
     AllreduceConfig, Dataset, External, Local, PsConfig, PsError, Session, StepInfo, Strategy,
     TrainError,
@@ -53,20 +53,20 @@ pub(super) enum Rows {
 /// Answers a [`Rows`] request in a session whose strategy has no tables.
 fn no_rows<S>(_: &S, _: Rows) -> Result<Reply, TrainError> {
     Err(TrainError::Usage(
-        "embedding tables need mode=\"ps\" (transport \"p2p\")".into(),
+        "embedding tables need mode=\"ps\" or \"hybrid\" (transport \"p2p\")".into(),
     ))
 }
 
-/// Answers a [`Rows`] request from the ps tasks.
-fn ps_rows(ps: &Ps<'_, MpiComm>, r: Rows) -> Result<Reply, TrainError> {
+/// Answers a [`Rows`] request from the tables' home (the ps tasks).
+fn table_rows<T: Tables>(tables: &T, r: Rows) -> Result<Reply, TrainError> {
     match r {
         Rows::Pull { table, ids } => {
             let mut out = Vec::new();
-            ps.pull_rows(table, &ids, &mut out)?;
+            tables.pull_rows(table, &ids, &mut out)?;
             Ok(Reply::Rows(out))
         }
         Rows::Push { table, grad, scale } => {
-            ps.push_rows(table, &grad, scale)?;
+            tables.push_rows(table, &grad, scale)?;
             Ok(Reply::Rows(Vec::new()))
         }
     }
@@ -163,6 +163,8 @@ pub(super) enum Mode {
     /// The ps over one-sided windows: every task opens the session (the windows are
     /// allocated by all together); a ps task serves in it until the workers end.
     PsRma,
+    /// Embedding tables on the ps tasks, the variables by allreduce among the workers.
+    Hybrid,
 }
 
 /// What a session thread is started with.
@@ -219,7 +221,21 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
         }
         Mode::Ps => {
             let opened = server.session(&model, &ps).map_err(|e| e.to_string());
-            let _ = io.drive(opened, ps_rows);
+            let _ = io.drive(opened, table_rows);
+        }
+        Mode::Hybrid => {
+            let cfg = HybridConfig {
+                allreduce: AllreduceConfig {
+                    train: ps.train.clone(),
+                    ..AllreduceConfig::default()
+                },
+                tables: ps.tables.clone(),
+                sparse: ps.sparse,
+                peer_timeout: ps.peer_timeout,
+                ..HybridConfig::default()
+            };
+            let opened = server.hybrid_session(&model, &cfg);
+            let _ = io.drive(opened.map_err(|e| e.to_string()), table_rows);
         }
         Mode::PsRma => {
             let is_worker = server.worker().is_some();

@@ -192,20 +192,25 @@ impl<'m, C: Comm> Strategy<'m> for Allreduce<'m, C> {
         let restored = super::engine::restore(dir, chief, &self.replica, events)?;
         let on_disk = restored.as_ref().map(|s| s.step);
         let vars = self.replica.variables();
+        // The state, after a byte that says whether it is a checkpoint's: every replica's
+        // session then counts the restored step as written, as the chief's does (one
+        // verdict on whether to checkpoint it again at close).
         let mut start_bytes = Vec::new();
         if chief {
             let start =
                 restored.unwrap_or_else(|| State::of_replica(&self.replica, &self.slots, 0));
-            start_bytes = checkpoint::encode(&start.arrays(&vars));
+            start_bytes.push(u8::from(on_disk.is_some()));
+            start_bytes.extend(checkpoint::encode(&start.arrays(&vars)));
         }
         let start = self.coll.bcast_varlen(start_bytes, 0)?;
         let at = std::path::Path::new("<broadcast>");
-        let arrays = checkpoint::parse(at, &start, None)?;
+        let (from_disk, start) = start.split_first().unwrap_or((&0, &[]));
+        let arrays = checkpoint::parse(at, start, None)?;
         let state = State::assemble(at, &[arrays], &vars)?;
         state.apply_to(&mut self.replica, &mut self.slots, &self.opt);
         Ok(Started {
             step: state.step,
-            restored: on_disk,
+            restored: (*from_disk == 1).then_some(state.step),
         })
     }
 
@@ -480,6 +485,51 @@ mod tests {
             }
             std::fs::remove_file(&out).unwrap();
         }
+    }
+
+    /// A session that restores step N and closes at it, no step taken (a program's
+    /// second job that only reads its state): every replica counts step N as written,
+    /// so none checkpoints it again alone (the chief did not, and the others waited in
+    /// the checkpoint's agreement of a strategy with tables for ever).
+    #[test]
+    fn a_restored_session_closed_at_its_step_ends_on_every_replica() {
+        let dir = std::env::temp_dir().join(format!("mpiflow-ar-reclose-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let layout = Layout::single_host(2, &MappingOptions::default()).unwrap();
+        let mlp = crate::model::mlp(4, &[3], 2).unwrap();
+        let cfg = AllreduceConfig {
+            train: TrainConfig {
+                steps: 2,
+                log_every: 0,
+                checkpoint_dir: Some(dir.clone()),
+                ..TrainConfig::default()
+            },
+            ..AllreduceConfig::default()
+        };
+        let (x, y) = (vec![0.5f32; 4], vec![1u8]);
+        let specs = [crate::model::embedding::TableSpec::new("t", 10, 2)];
+        let sgd = crate::model::embedding::SparseOptimizer::Sgd { lr: 0.1 };
+        for job in 0..2 {
+            let out = LocalComm::run(2, |c| {
+                let rank = c.rank();
+                let dense = Allreduce::new(c, &layout, rank, &mlp, &cfg)?;
+                // With tables (rows of their own here): its checkpoint agrees on the
+                // chief's outcome, which every replica must then reach.
+                let rows = crate::train::tables::LocalRows::new(&specs, 1, sgd);
+                let strategy = crate::train::tables::Sparse::new(dense, rows);
+                let mut sess = Session::new(strategy, &cfg.train)?;
+                while job == 0 && !sess.should_stop() {
+                    sess.run(&x, &y)?;
+                }
+                let closed = sess.close()?;
+                Ok::<_, TrainError>((closed.first_step, closed.step))
+            });
+            let want = if job == 0 { (0, 2) } else { (2, 2) };
+            for o in out {
+                assert_eq!(o.map_err(|e| e.to_string()), Ok(want), "job {job}");
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

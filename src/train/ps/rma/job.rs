@@ -112,19 +112,8 @@ where
         held: windows.held.clone(),
         model_meta: crate::train::checkpoint::state::model_meta(&model.describe(), &vars),
     };
-    let mut notes: Vec<Event> = warnings.into_iter().map(Event::Warning).collect();
-    if let Some(f) = &restored {
-        notes.push(Event::Restored {
-            path: f.path.clone(),
-            step: f.step,
-        });
-    }
-    notes.push(Event::Placement(placement::report(
-        &shards,
-        &vars,
-        roles.ps.len(),
-    )));
-    notes.extend(path_notes(layout));
+    let placed = placement::report(&shards, &vars, roles.ps.len());
+    let notes = start_notes(warnings, restored.as_ref(), placed, layout);
     let result = {
         let mut d = windows.data.open()?;
         let c = windows.ctl.open()?;
@@ -183,6 +172,26 @@ where
         job.free()?;
     }
     result
+}
+
+/// What the chief says as training starts: the checkpoint's warnings and what it
+/// restored, where the variables went, and the one-sided path ([`path_notes`]).
+fn start_notes(
+    warnings: Vec<String>,
+    restored: Option<&crate::train::checkpoint::Found>,
+    placed: String,
+    layout: &Layout,
+) -> Vec<Event> {
+    let mut notes: Vec<Event> = warnings.into_iter().map(Event::Warning).collect();
+    if let Some(f) = restored {
+        notes.push(Event::Restored {
+            path: f.path.clone(),
+            step: f.step,
+        });
+    }
+    notes.push(Event::Placement(placed));
+    notes.extend(path_notes(layout));
+    notes
 }
 
 /// The chief's notes on the one-sided path (and its cost between hosts without RDMA).
