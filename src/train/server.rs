@@ -271,10 +271,7 @@ impl Server {
         model: &'s dyn Model,
         cfg: &AllreduceConfig,
     ) -> Result<Session<'s, 's, Allreduce<'s, MpiComm>>, ServerError> {
-        let workers = self.workers.as_ref().ok_or_else(|| {
-            self.role_error("an allreduce session is for the chief and worker tasks")
-        })?;
-        let replicas = workers.split(0, workers.rank()).map_err(TrainError::from)?;
+        let replicas = self.replicas("an allreduce session")?;
         let strategy = Allreduce::new(replicas, &self.layout, self.rank, model, cfg)?;
         Ok(Session::new(strategy, &cfg.train)?)
     }
@@ -293,13 +290,17 @@ impl Server {
             .roles
             .as_ref()
             .ok_or_else(|| self.role_error("a hybrid session needs a ps job for its tables"))?;
-        let workers = self
-            .workers
-            .as_ref()
-            .ok_or_else(|| self.role_error("a hybrid session is for the chief and worker tasks"))?;
-        let replicas = workers.split(0, workers.rank()).map_err(TrainError::from)?;
+        let replicas = self.replicas("a hybrid session")?;
         let strategy = hybrid::strategy(&self.comm, replicas, roles, &self.layout, model, cfg)?;
         Ok(Session::new(strategy, &cfg.allreduce.train)?)
+    }
+
+    /// A communicator of the worker tasks (worker index order) for a session of `what`
+    /// whose replicas reduce among them; an error on any other task.
+    fn replicas(&self, what: &str) -> Result<MpiComm, ServerError> {
+        let workers = (self.workers.as_ref())
+            .ok_or_else(|| self.role_error(&format!("{what} is for the chief and worker tasks")))?;
+        Ok(workers.split(0, workers.rank()).map_err(TrainError::from)?)
     }
 
     /// One-sided ps training (`--transport rma`): the ps tasks' variables in MPI windows

@@ -130,15 +130,20 @@ impl LinkRings {
         }
         let key = link_key(from, tag);
         self.entry(key);
-        if matches!(self.receiving.borrow()[&key].state, State::Unknown) {
+        let first = matches!(self.receiving.borrow()[&key].state, State::Unknown);
+        if first {
             self.resolve_within(c, from, tag, Some(within))?;
-            if self.receives_by_ring(from, tag) {
-                let mut turns = self.message_rings.borrow_mut();
-                let turn = turns.entry(u64::from(tag as u32)).or_default();
-                turn.peers.push(from);
-            }
         }
-        if !self.receives_by_ring(from, tag) {
+        let ring = self.receives_by_ring(from, tag);
+        if first && ring {
+            let mut turns = self.message_rings.borrow_mut();
+            turns
+                .entry(u64::from(tag as u32))
+                .or_default()
+                .peers
+                .push(from);
+        }
+        if !ring {
             return Ok(Some(from));
         }
         self.with(from, tag, |r| r.stash.push_back(std::mem::take(buf)));
