@@ -44,11 +44,8 @@ def allreduce_many_async(arrays, op="sum", inplace=False):
     return _native.allreduce_many_(_outs(arrays, inplace), op)
 
 
-def allreduce_many(arrays, op="sum", inplace=False):
-    """`allreduce` of every array of the list, fused: one message per dtype (the arrays
-    of a dtype back to back), as mpiflow reduces a model's gradients. In place if
-    `inplace` (each array C-contiguous and writeable), else into new arrays; the list."""
-    return _native.allreduce_many_(_outs(arrays, inplace), op, blocking=True)
+# `allreduce_many(arrays, op="sum", inplace=False)`: made in Rust (see its docstring).
+allreduce_many = _native.allreduce_many
 
 
 def broadcast_async(array, root=0):

@@ -10,14 +10,17 @@
 //! that differs, instead of a hang or wrong sums. The arrays are checked here, with the
 //! GIL; what this rank refuses is raised by `wait()` after the agreement.
 
+mod memo;
+
 use std::fmt::Display;
+use std::sync::Arc;
 
 use mpiflow::tensor::DType;
 use mpiflow::transport::ReduceOp;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList};
 
 pub(crate) use super::described::dtype_name;
 use super::described::Described;
@@ -133,13 +136,14 @@ fn allreduce_(
         let what = Described::new(call.name, format!("op={op}"), false).array(array, why_not);
         let run = dt.and_then(|dt| {
             Ok(Op::Allreduce(
-                vec![(dt, vec![span_of(array)])],
+                Arc::from([(dt, vec![span_of(array)])]),
                 reduce_op(op, &call)?,
             ))
         });
         let a: Py<PyAny> = array.clone().into_any().unbind();
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
-        s.submit(py, job, vec![a.clone_ref(py)], a, blocking)
+        let kept = a.clone_ref(py);
+        s.submit(py, job, move || vec![kept], a, blocking)
     })
 }
 
@@ -164,7 +168,8 @@ fn broadcast_(
         });
         let a: Py<PyAny> = array.clone().into_any().unbind();
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
-        s.submit(py, job, vec![a.clone_ref(py)], a, blocking)
+        let kept = a.clone_ref(py);
+        s.submit(py, job, move || vec![kept], a, blocking)
     })
 }
 
@@ -200,7 +205,8 @@ fn allgather_(
             out.clone().into_any().unbind(),
         );
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
-        s.submit(py, job, vec![a, o.clone_ref(py)], o, blocking)
+        let kept = o.clone_ref(py);
+        s.submit(py, job, move || vec![a, kept], o, blocking)
     })
 }
 
@@ -221,10 +227,51 @@ fn allreduce_many_(
     let list = items.clone().into_any().unbind();
     let items: Vec<Bound<'_, PyAny>> = items.iter().collect();
     with_call("allreduce_many", |s, call| {
-        let job = many_job(py, call, &items, op);
-        let keep: Vec<Py<PyAny>> = items.iter().map(|i| i.clone().unbind()).collect();
+        let job = memo::job(&items, op, || many_job(py, call, &items, op));
+        let keep = || items.iter().map(|i| i.clone().unbind()).collect();
         s.submit(py, job, keep, list, blocking)
     })
+}
+
+/// The reduction of every array of `arrays` over every rank by `op`, fused: one message
+/// per dtype (the arrays of a dtype back to back), as mpiflow reduces a model's
+/// gradients. In place if `inplace` (each array C-contiguous and writeable), else into new
+/// arrays; returns the list. A call on the arrays of an earlier call, unchanged, reuses
+/// that call's checks. (The package's `mpiflow.allreduce_many`: made here rather than in
+/// Python, whose function call would cost a small list's call a tenth of its time.)
+#[pyfunction]
+#[pyo3(signature = (arrays, op = "sum", inplace = false))]
+fn allreduce_many(
+    py: Python<'_>,
+    arrays: &Bound<'_, PyAny>,
+    op: &str,
+    inplace: bool,
+) -> PyResult<Py<PyAny>> {
+    let items = match arrays.cast::<PyList>() {
+        // In place, a list is used as it is: the call is over before the caller can
+        // change it.
+        Ok(list) if inplace => list.clone(),
+        _ => outs(py, arrays, inplace)?,
+    };
+    allreduce_many_(py, &items, op, true)
+}
+
+/// The list a call on `arrays` reduces: its arrays (`inplace`), or C-ordered copies.
+fn outs<'py>(
+    py: Python<'py>,
+    arrays: &Bound<'py, PyAny>,
+    inplace: bool,
+) -> PyResult<Bound<'py, PyList>> {
+    let items = arrays.try_iter()?;
+    if inplace {
+        return PyList::new(py, items.collect::<PyResult<Vec<_>>>()?);
+    }
+    let array = py.import("numpy")?.getattr("array")?;
+    let options = PyDict::new(py);
+    options.set_item("copy", true)?;
+    options.set_item("order", "C")?;
+    let copies = items.map(|a| array.call((a?,), Some(&options)));
+    PyList::new(py, copies.collect::<PyResult<Vec<_>>>()?)
 }
 
 /// Benchmarks: `allreduce_many_(items, op)`'s call (its agreement and fused reduction)
@@ -298,7 +345,7 @@ fn fused(
             "mpiflow: {call}: an array is in the list twice (or two share memory)"
         )));
     }
-    Ok(Op::Allreduce(groups, reduce))
+    Ok(Op::Allreduce(groups.into(), reduce))
 }
 
 /// The `TypeError` of list item `i`, which is no NumPy array.
@@ -319,7 +366,7 @@ fn barrier_(py: Python<'_>, blocking: bool) -> PyResult<Py<PyAny>> {
             call,
             Ok(Op::Barrier),
         );
-        s.submit(py, job, Vec::new(), py.None(), blocking)
+        s.submit(py, job, Vec::new, py.None(), blocking)
     })
 }
 
@@ -327,6 +374,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<super::executor::Handle>()?;
     m.add_function(wrap_pyfunction!(allreduce_, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_many_, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_many, m)?)?;
     m.add_function(wrap_pyfunction!(broadcast_, m)?)?;
     m.add_function(wrap_pyfunction!(allgather_, m)?)?;
     m.add_function(wrap_pyfunction!(barrier_, m)?)?;

@@ -63,8 +63,9 @@ pub(crate) type Failure = (Kind, String);
 /// An operation on the collectives' communicator.
 #[derive(Clone)]
 pub(crate) enum Op {
-    /// The arrays of each dtype reduced as one message, in place.
-    Allreduce(Vec<(DType, Vec<Span>)>, ReduceOp),
+    /// The arrays of each dtype reduced as one message, in place (shared: a list's job is
+    /// reused by its next call on the same arrays, see `collectives::Memo`).
+    Allreduce(Arc<[(DType, Vec<Span>)]>, ReduceOp),
     Broadcast(Span, usize),
     /// This rank's bytes, and every rank's, in rank order.
     Allgather(Span, Span),
@@ -90,18 +91,25 @@ impl std::fmt::Display for Call {
     }
 }
 
-/// One call: its description for the agreement, its name for errors, what it does (or why
-/// this rank refuses it, said after the agreement so that no rank waits for it).
+/// One call: its description for the agreement and the description's hash (what the
+/// ranks compare), its name for errors, what it does (or why this rank refuses it, said
+/// after the agreement so that no rank waits for it). A clone shares the description.
 #[derive(Clone)]
 pub(crate) struct Job {
-    pub(crate) what: Described,
+    what: Arc<Described>,
+    hash: u64,
     pub(crate) call: Call,
     pub(crate) op: Result<Op, Failure>,
 }
 
 impl Job {
     pub(crate) fn new(what: Described, call: Call, op: Result<Op, Failure>) -> Job {
-        Job { what, call, op }
+        Job {
+            hash: what.hash(),
+            what: Arc::new(what),
+            call,
+            op,
+        }
     }
 }
 
@@ -208,14 +216,15 @@ impl Executor {
 
 impl Port {
     /// Queues `job` (or, `blocking` with nothing queued, runs it now without the GIL);
-    /// `keep` (the call's arrays) stays with the handle until the job is done, `result`
-    /// is what its `wait()` returns. The handle; with `blocking`, what its `wait()` returns
-    /// (no handle is made).
+    /// `keep` (the call's arrays, taken only if the job is queued: a call run at once has
+    /// its caller's) stays with the handle until the job is done, `result` is what its
+    /// `wait()` returns. The handle; with `blocking`, what its `wait()` returns (no handle
+    /// is made).
     pub(crate) fn submit(
         &self,
         py: Python<'_>,
         job: Job,
-        keep: Vec<Py<PyAny>>,
+        keep: impl FnOnce() -> Vec<Py<PyAny>>,
         result: Py<PyAny>,
         blocking: bool,
     ) -> PyResult<Py<PyAny>> {
@@ -246,7 +255,7 @@ impl Port {
             Ok(done) => {
                 let mut handle = Handle {
                     done,
-                    keep,
+                    keep: keep(),
                     result: Some(result),
                 };
                 match blocking {
@@ -257,8 +266,9 @@ impl Port {
         }
     }
 
-    /// Benchmarks: `job`'s call run `reps` times from Rust (each with its agreement, as
-    /// from Python), without the GIL, when nothing is queued; the seconds per call.
+    /// Benchmarks: `job`'s call run `reps` times from Rust, without the GIL, when nothing
+    /// is queued; the seconds per call. Each call describes its list anew and agrees on
+    /// it, as a Rust program's fused allreduce does (`fusion::Fusion::allreduce`).
     pub(crate) fn time_from_rust(
         &self,
         py: Python<'_>,
@@ -275,10 +285,8 @@ impl Port {
             let op = job.op?;
             let t = std::time::Instant::now();
             for _ in 0..reps {
-                run(
-                    &coll.0,
-                    Job::new(job.what.clone(), job.call, Ok(op.clone())),
-                )?;
+                let what = Described::clone(&job.what);
+                run(&coll.0, Job::new(what, job.call, Ok(op.clone())))?;
             }
             Ok(t.elapsed().as_secs_f64() / reps.max(1) as f64)
         })
@@ -308,17 +316,17 @@ unsafe impl Send for Owned {}
 
 /// Runs one job: the agreement, then this rank's refusal or the operation.
 fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
-    agree(coll, &job.what)?;
+    agree(coll, job.hash, &job.what)?;
     let mpi = |e: TransportError| (Kind::Mpi, format!("mpiflow: {}: {e}", job.call));
     // SAFETY (each `bytes`): the job's handle keeps its arrays alive until `done` is set,
-    // after this returns; each span is reached by this call alone (the same array twice
+    // after this returns (a call run at once: its caller, until this returns); each span is reached by this call alone (the same array twice
     // in one list was refused when the job was made).
     match job.op? {
         Op::Allreduce(groups, reduce) => {
-            for (dt, spans) in groups {
+            for (dt, spans) in groups.iter() {
                 let mut parts: Vec<&mut [u8]> =
-                    spans.into_iter().map(|s| unsafe { s.bytes() }).collect();
-                coll.allreduce_parts(&mut parts, dt, reduce, Algorithm::Auto)
+                    spans.iter().map(|s| unsafe { s.bytes() }).collect();
+                coll.allreduce_parts(&mut parts, *dt, reduce, Algorithm::Auto)
                     .map_err(mpi)?;
             }
             Ok(())
@@ -332,13 +340,13 @@ fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
     }
 }
 
-/// Agrees with every rank on `what` (this rank's call): mpiflow's negotiation of fused
-/// lists ([`fusion::negotiate`]: one small allreduce of the description's hash, the
-/// descriptions gathered only on a mismatch). An error naming the first rank whose call
+/// Agrees with every rank on `what` (this rank's call, whose hash is `hash`): mpiflow's
+/// negotiation of fused lists ([`fusion::negotiate`]: one small allreduce of the hash,
+/// the descriptions gathered only on a mismatch). An error naming the first rank whose call
 /// differs from this rank's: rank 0 where this rank's differs from rank 0's, else the
 /// first that differs from rank 0's.
-fn agree(coll: &Collectives<MpiComm>, what: &Described) -> Result<(), Failure> {
-    match fusion::negotiate(coll, what.hash(), || vec![what.text()]) {
+fn agree(coll: &Collectives<MpiComm>, hash: u64, what: &Described) -> Result<(), Failure> {
+    match fusion::negotiate(coll, hash, || vec![what.text()]) {
         Ok(()) => Ok(()),
         Err(FusionError::Mismatch {
             rank, theirs, ours, ..

@@ -82,6 +82,23 @@ check(all(b is i for b, i in zip(back, inplace)), "fused in place: the same arra
 check(all(np.allclose(i, one) for i, one in zip(inplace, mpiflow.allreduce_many(arrays))),
       "fused in place: values")
 
+# A list called on again is found by its arrays' memory and layout (its checks reused):
+# new views of the same memory are found too; a change the call depends on is seen.
+again = [np.full(6, rank + 1, np.float32), np.full((2, 2), rank + 1, np.int64)]
+for k in range(3):
+    for a in again:
+        a.fill(rank + 1)
+    mpiflow.allreduce_many([a.view() for a in again] if k == 2 else again, inplace=True)
+    check(all(np.all(a == size * (size + 1) // 2) for a in again), f"fused again {k}")
+again[0].shape = (2, 3)  # in place: the same memory, another shape
+again[0].fill(1.0)
+mpiflow.allreduce_many(again, inplace=True)
+check(again[0].shape == (2, 3) and np.all(again[0] == size), "fused again, reshaped")
+again[1].dtype = np.float64  # the same bytes read as float64
+again[1].fill(0.5)
+mpiflow.allreduce_many(again, inplace=True)
+check(np.all(again[1] == 0.5 * size), "fused again, another dtype")
+
 # Broadcast from the last rank.
 b = np.full(11, rank, dtype=np.int64)
 mpiflow.broadcast(b, root=size - 1)
@@ -131,6 +148,23 @@ def read_only():
     return a
 
 
+def reshaped_on(r):
+    """A list called on once; then, on rank `r` only, its first array reshaped in place."""
+    xs = [np.ones(4, np.float32), np.ones(3, np.float64)]
+    mpiflow.allreduce_many(xs, inplace=True)
+    if rank == r:
+        xs[0].shape = (2, 2)
+    return xs
+
+
+def frozen():
+    """A list called on once; then its first array made read-only."""
+    xs = [np.ones(4, np.float32), np.ones(3, np.float64)]
+    mpiflow.allreduce_many(xs, inplace=True)
+    xs[0].flags.writeable = False
+    return xs
+
+
 mine_only = np.ones(4, np.float16 if rank == size - 1 else np.float32)
 errors = {
     "dtype": raises(TypeError, "float16", lambda: mpiflow.allreduce(np.ones(4, np.float16))),
@@ -151,6 +185,14 @@ errors = {
     ),
     "fused list": raises(
         mpiflow.Error, "but rank", lambda: mpiflow.allreduce_many([np.ones(3)] * (1 + (rank == 0)))
+    ),
+    # A list remembered from its last call, changed on one rank (its shape, its
+    # flags) since: every rank hears of it; the read-only array is not written.
+    "fused again, one reshaped": raises(
+        mpiflow.Error, "but rank", lambda: mpiflow.allreduce_many(reshaped_on(0), inplace=True)
+    ),
+    "fused again, read-only": raises(
+        ValueError, "read-only", lambda: mpiflow.allreduce_many(frozen(), inplace=True)
     ),
     "fused twice": raises(
         ValueError, "twice", lambda: (lambda x: mpiflow.allreduce_many([x, x], inplace=True))(np.ones(3))
