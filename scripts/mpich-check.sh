@@ -18,7 +18,11 @@ if [[ ! -d $CARGO_TARGET_DIR/release && -d target/release/deps ]]; then
   cp -a target/release "$CARGO_TARGET_DIR/release"
   cargo clean --release --quiet -p mpi-sys
 fi
-cargo build --release --quiet --bin mpiflow
+# Resolved as the tests' build is (scripts/test.sh: with the Python package), so that the
+# copy's dependencies are used as they are; mpiflow's own crate at opt-level 1: this build
+# runs beside the Slurm tests, and a smoke run needs correct code, not the fastest.
+cargo build --release --quiet -p mpiflow -p mpiflow-python --features pyo3/extension-module \
+  --bin mpiflow --config 'profile.release.package.mpiflow.opt-level=1'
 if ! ldd "$CARGO_TARGET_DIR/release/mpiflow" | grep libmpich >/dev/null; then
   echo "MPICH check failed: $CARGO_TARGET_DIR/release/mpiflow is not linked to MPICH"; exit 1
 fi

@@ -43,15 +43,19 @@ phase "cargo doc (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
 
 phase "cargo test (OpenMPI)"
+# The tests' build selects the Python package too, with maturin's feature: it then resolves
+# every shared dependency as the package's build (venv.sh, above) did and reuses what that
+# compiled, mpiflow's library included, instead of compiling them all a second time.
+packages=(-p mpiflow -p mpiflow-python --features pyo3/extension-module)
 log=$(mktemp) mpich_log=$(mktemp)
 # The MPICH build runs in its own session, so that an early exit stops all of it.
 trap 'rm -f "$log" "$mpich_log"; [[ -n ${mpich_pid:-} ]] && kill -- "-$mpich_pid" 2>/dev/null || true' EXIT
 # One test thread: the mpirun tests must not run at once on 2 cores. A failure ends the
 # script with cargo's status (set -e, pipefail).
 run_tests() {
-  timeout 1500 cargo test --release "$@" -- --test-threads=1 2>&1 | tee -a "$log"
+  timeout 1500 cargo test --release "${packages[@]}" "$@" -- --test-threads=1 2>&1 | tee -a "$log"
 }
-cargo test --release --no-run --quiet
+cargo test --release "${packages[@]}" --no-run --quiet
 # The Slurm tests first, with the MPICH build (its own target directory) beside them at
 # the lowest priority: they wait on Slurm's scheduler and time limits for most of their
 # two minutes, which the build fills. (Beside the CPU-bound tests it cost them more than

@@ -6,7 +6,8 @@
 #   benches/compare/train_builds.sh /tmp/mpiflow-before target/release/mpiflow 5
 #
 # A job's rate: local mode, the samples/s of its closing line; the distributed modes, the
-# median of the chief's logged windows' samples/s after the first (warm-up). Prints, per
+# median of the chief's logged windows' samples/s after the first (warm-up). The two
+# binaries' jobs alternate, in the other order every second round. Prints, per
 # mode and binary, the best job (the VM's slow phases only slow a job) and the spread
 # (worst/best), and the after/before ratio of the bests. MODES picks modes by name (default
 # all). Not part of the tests.
@@ -46,7 +47,12 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for mode in ${MODES:-${order[*]}}; do
   for i in $(seq "$jobs"); do
-    for side in before after; do
+    # The order alternates (before-after, then after-before), so that neither binary
+    # always holds the same place in its pair (a place's effect on the rate:
+    # benches/results/2026-11-29-ps-rings.md).
+    sides=(before after)
+    ((i % 2 == 0)) && sides=(after before)
+    for side in "${sides[@]}"; do
       bin=$before
       [[ $side == after ]] && bin=$after
       # shellcheck disable=SC2086 # the command is a list of words
