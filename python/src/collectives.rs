@@ -256,22 +256,28 @@ fn allreduce_many(
     allreduce_many_(py, &items, op, true)
 }
 
-/// The list a call on `arrays` reduces: its arrays (`inplace`), or C-ordered copies.
+/// The list a call on `arrays` reduces: its arrays (`inplace`), or C-ordered copies. What
+/// cannot be listed or copied stays as it is, to be refused after the ranks agreed (an
+/// error here, on one rank alone, would leave the others waiting in the agreement): a
+/// non-iterable `arrays` is a list of itself.
 fn outs<'py>(
     py: Python<'py>,
     arrays: &Bound<'py, PyAny>,
     inplace: bool,
 ) -> PyResult<Bound<'py, PyList>> {
-    let items = arrays.try_iter()?;
+    let items: Vec<Bound<'py, PyAny>> = match arrays.try_iter() {
+        Ok(items) => items.collect::<PyResult<_>>()?,
+        Err(_) => return PyList::new(py, [arrays]),
+    };
     if inplace {
-        return PyList::new(py, items.collect::<PyResult<Vec<_>>>()?);
+        return PyList::new(py, items);
     }
     let array = py.import("numpy")?.getattr("array")?;
     let options = PyDict::new(py);
     options.set_item("copy", true)?;
     options.set_item("order", "C")?;
-    let copies = items.map(|a| array.call((a?,), Some(&options)));
-    PyList::new(py, copies.collect::<PyResult<Vec<_>>>()?)
+    let copy = |a: Bound<'py, PyAny>| array.call((&a,), Some(&options)).unwrap_or(a);
+    PyList::new(py, items.into_iter().map(copy))
 }
 
 /// Benchmarks: `allreduce_many_(items, op)`'s call (its agreement and fused reduction)

@@ -64,7 +64,7 @@ pub(crate) type Failure = (Kind, String);
 #[derive(Clone)]
 pub(crate) enum Op {
     /// The arrays of each dtype reduced as one message, in place (shared: a list's job is
-    /// reused by its next call on the same arrays, see `collectives::Memo`).
+    /// reused by its next call on the same arrays: `collectives::memo`).
     Allreduce(Arc<[(DType, Vec<Span>)]>, ReduceOp),
     Broadcast(Span, usize),
     /// This rank's bytes, and every rank's, in rank order.
@@ -319,8 +319,10 @@ fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
     agree(coll, job.hash, &job.what)?;
     let mpi = |e: TransportError| (Kind::Mpi, format!("mpiflow: {}: {e}", job.call));
     // SAFETY (each `bytes`): the job's handle keeps its arrays alive until `done` is set,
-    // after this returns (a call run at once: its caller, until this returns); each span is reached by this call alone (the same array twice
-    // in one list was refused when the job was made).
+    // after this returns (a call run at once: its caller, until this returns); each span
+    // is reached by this call alone (the same array twice in one list was refused when
+    // the job was made, and a remembered job is reused only for arrays where its spans
+    // are: `collectives::memo`).
     match job.op? {
         Op::Allreduce(groups, reduce) => {
             for (dt, spans) in groups.iter() {

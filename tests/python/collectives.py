@@ -197,6 +197,9 @@ errors = {
     "fused twice": raises(
         ValueError, "twice", lambda: (lambda x: mpiflow.allreduce_many([x, x], inplace=True))(np.ones(3))
     ),
+    "fused not a list": raises(
+        TypeError, "not a NumPy array", lambda: mpiflow.allreduce_many(3.5)
+    ),
     "fused item": raises(
         TypeError, "not a NumPy array", lambda: mpiflow.allreduce_many([np.ones(2), [1.0]], inplace=True)
     ),
