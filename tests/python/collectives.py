@@ -157,12 +157,15 @@ def reshaped_on(r):
     return xs
 
 
+frozen_list = [np.ones(4, np.float32), np.ones(3, np.float64)]
+
+
 def frozen():
-    """A list called on once; then its first array made read-only."""
-    xs = [np.ones(4, np.float32), np.ones(3, np.float64)]
-    mpiflow.allreduce_many(xs, inplace=True)
-    xs[0].flags.writeable = False
-    return xs
+    """`frozen_list` called on once (its values then `size`); then its first array made
+    read-only."""
+    mpiflow.allreduce_many(frozen_list, inplace=True)
+    frozen_list[0].flags.writeable = False
+    return frozen_list
 
 
 mine_only = np.ones(4, np.float16 if rank == size - 1 else np.float32)
@@ -216,6 +219,7 @@ errors = {
         lambda: mpiflow.barrier() if rank == 0 else mpiflow.allreduce(np.ones(2, np.float64)),
     ),
 }
+check(np.all(frozen_list[0] == size) and np.all(frozen_list[1] == size), "read-only list not written")
 # Still usable after every error.
 check(np.all(mpiflow.allreduce(np.ones(3, np.float64)) == size), "usable after errors")
 # One write: the ranks' lines reach mpirun's output whole.
