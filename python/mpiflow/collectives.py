@@ -35,13 +35,9 @@ def allreduce(array, op="sum", out=None):
     return _native.allreduce_(_out(array, out), op, blocking=True)
 
 
-def _outs(arrays, inplace):
-    return list(arrays) if inplace else [_np.array(a, copy=True, order="C") for a in arrays]
-
-
 def allreduce_many_async(arrays, op="sum", inplace=False):
     """`allreduce_many`, not waiting: its Handle (`wait()` returns the list)."""
-    return _native.allreduce_many_(_outs(arrays, inplace), op)
+    return _native.allreduce_many(arrays, op, inplace, False)
 
 
 # `allreduce_many(arrays, op="sum", inplace=False)`: made in Rust (see its docstring).

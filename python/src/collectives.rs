@@ -236,24 +236,26 @@ fn allreduce_many_(
 /// The reduction of every array of `arrays` over every rank by `op`, fused: one message
 /// per dtype (the arrays of a dtype back to back), as mpiflow reduces a model's
 /// gradients. In place if `inplace` (each array C-contiguous and writeable), else into new
-/// arrays; returns the list. A call on the arrays of an earlier call, unchanged, reuses
-/// that call's checks. (The package's `mpiflow.allreduce_many`: made here rather than in
-/// Python, whose function call would cost a small list's call a tenth of its time.)
+/// arrays; returns the list (not `blocking`: the call's handle, whose `wait()` returns
+/// it). A call on the arrays of an earlier call, unchanged, reuses that call's checks.
+/// (The package's `mpiflow.allreduce_many` and `allreduce_many_async`: made here rather
+/// than in Python, whose own function call would add to every small list's call.)
 #[pyfunction]
-#[pyo3(signature = (arrays, op = "sum", inplace = false))]
+#[pyo3(signature = (arrays, op = "sum", inplace = false, blocking = true))]
 fn allreduce_many(
     py: Python<'_>,
     arrays: &Bound<'_, PyAny>,
     op: &str,
     inplace: bool,
+    blocking: bool,
 ) -> PyResult<Py<PyAny>> {
     let items = match arrays.cast::<PyList>() {
-        // In place, a list is used as it is: the call is over before the caller can
-        // change it.
-        Ok(list) if inplace => list.clone(),
+        // A blocking call in place uses a list as it is: the call is over before the
+        // caller can change it (a call in flight gets a list of its own).
+        Ok(list) if inplace && blocking => list.clone(),
         _ => outs(py, arrays, inplace)?,
     };
-    allreduce_many_(py, &items, op, true)
+    allreduce_many_(py, &items, op, blocking)
 }
 
 /// The list a call on `arrays` reduces: its arrays (`inplace`), or C-ordered copies. What
