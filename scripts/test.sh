@@ -47,39 +47,65 @@ phase "cargo test (OpenMPI)"
 # every shared dependency as the package's build (venv.sh, above) did and reuses what that
 # compiled, mpiflow's library included, instead of compiling them all a second time.
 packages=(-p mpiflow -p mpiflow-python --features pyo3/extension-module)
-log=$(mktemp) mpich_log=$(mktemp)
-# The MPICH build runs in its own session, so that an early exit stops all of it.
-trap 'rm -f "$log" "$mpich_log"; [[ -n ${mpich_pid:-} ]] && kill -- "-$mpich_pid" 2>/dev/null || true' EXIT
-# One test thread: the mpirun tests must not run at once on 2 cores. A failure ends the
-# script with cargo's status (set -e, pipefail).
-run_tests() {
-  timeout 1500 cargo test --release "${packages[@]}" "$@" -- --test-threads=1 2>&1 | tee -a "$log"
-}
-cargo test --release "${packages[@]}" --no-run --quiet
-# The Slurm tests first, with the MPICH build (its own target directory) beside them at
-# the lowest priority: they wait on Slurm's scheduler and time limits for most of their
-# two minutes, which the build fills. (Beside the CPU-bound tests it cost them more than
-# it saved, when its group below was at nice 0: ranks that yield the CPU while they wait
-# gave it to the build.) Its own session is its own scheduling group where the kernel
-# groups by session (autogroup): that group's nice is what ranks it against the tests'
-# jobs (Slurm's steps run in other sessions), so it is set too.
-setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null
-  exec nice -n 19 bash scripts/mpich-check.sh build' >"$mpich_log" 2>&1 &
-mpich_pid=$!
-run_tests --test slurm
-if ! wait "$mpich_pid"; then
-  mpich_pid=
-  echo "MPICH build failed:"; cat "$mpich_log"; exit 1
-fi
-mpich_pid=
-# Then everything else: the unit tests, every other integration test, the doctests.
-others=(--lib --bins)
+log=$(mktemp) later_log=$(mktemp) targets=$(mktemp)
+# The background builds run in their own session, so that an early exit stops all of it.
+trap 'rm -f "$log" "$later_log" "$targets" "$targets.lib"; [[ -n ${later_pid:-} ]] && kill -- "-$later_pid" 2>/dev/null || true' EXIT
+# The examples some tests run, every integration test (the Slurm ones first) and the binary. The
+# library's own unit tests are built later, beside the integration tests: their build is
+# the longest (the whole library again, with its tests), and those tests need it last.
+tests=(--test slurm)
 for f in tests/*.rs; do
   name=$(basename "$f" .rs)
-  if [[ $name != slurm ]]; then others+=(--test "$name"); fi
+  if [[ $name != slurm ]]; then tests+=(--test "$name"); fi
 done
-run_tests "${others[@]}"
-run_tests --doc
+# Each test target's executable, from cargo's messages: the tests run straight from it,
+# so that cargo's lock on the build directory, held by the build beside them, is not
+# waited for.
+executables() {
+  python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["profile"]["test"] and m.get("executable"):
+        print(m["target"]["kind"][0], m["target"]["name"], m["executable"])'
+}
+cargo build --release "${packages[@]}" --quiet --examples
+cargo test --release "${packages[@]}" --no-run --quiet --bins "${tests[@]}" \
+  --message-format=json-render-diagnostics | executables >"$targets"
+# The unit tests' build, then the MPICH build (its own target directory, a copy of this
+# one), at the lowest priority beside the tests: they take the CPU the tests leave idle
+# (waits on Slurm's scheduler, time limits, timeouts). Their session is their own
+# scheduling group where the kernel groups by session (autogroup): that group's nice is
+# what ranks it against the tests' jobs, so it is set too. (At nice 0 a build beside the
+# tests cost them more than it saved: ranks that yield the CPU while they wait gave it to
+# the build.)
+setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; out=$1; shift
+  nice -n 19 cargo test --release "$@" --no-run --quiet --lib \
+    --message-format=json-render-diagnostics >"$out" &&
+  exec nice -n 19 bash scripts/mpich-check.sh build' _ "$targets.lib" "${packages[@]}" \
+  >"$later_log" 2>&1 &
+later_pid=$!
+# One test thread: the mpirun tests must not run at once on 2 cores. A failure ends the
+# script with the test's status (set -e, pipefail).
+run_test() {
+  echo "     Running $1 ($2)" | tee -a "$log"
+  timeout 1500 "$2" --test-threads=1 2>&1 | tee -a "$log"
+}
+# The Slurm tests first (the builds beside them fill their waits on Slurm's scheduler and
+# time limits), then every other integration test, then the binary's unit tests.
+for name in "${tests[@]}"; do
+  if [[ $name != --test ]]; then
+    run_test "tests/$name.rs" "$(awk -v n="$name" '$1 == "test" && $2 == n {print $3}' "$targets")"
+  fi
+done
+run_test "the binary's unit tests" "$(awk '$1 == "bin" {print $3}' "$targets")"
+if ! wait "$later_pid"; then
+  later_pid=
+  echo "The unit tests' or the MPICH build failed:"; cat "$later_log"; exit 1
+fi
+later_pid=
+run_test "the library's unit tests" "$(executables <"$targets.lib" | awk '$1 == "lib" {print $3}')"
+rm -f "$targets.lib"
+timeout 1500 cargo test --release "${packages[@]}" --doc -- --test-threads=1 2>&1 | tee -a "$log"
 
 phase "MPICH smoke run"
 bash scripts/mpich-check.sh | tee -a "$log"

@@ -568,14 +568,22 @@ fn a_stopped_srun_job_requeues_itself_and_resumes_from_its_checkpoint() {
     // operator could, lets it start sooner.
     slurm.wait_state(&id, &out, 90, |s| s == "PENDING");
     assert_eq!(slurm.job_field(&id, "Restarts"), "1");
-    // 20 s, not at once: the slurmd daemons clean up the first run's step (the same
-    // job and step id) for a few seconds after the job is requeued; a start within ~3 s
-    // of it failed to launch its tasks here.
+    // Once the first run's step daemons are gone: a start while they still clean up
+    // its steps (the same job and step ids) fails to launch its tasks.
+    let steps = format!("^slurmstepd: \\[{id}\\.");
+    let t = Instant::now();
+    while common::run_bounded(10, &["pgrep", "-f", &steps], &[]).code == 0 {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "job {id}'s step daemons live on"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     slurm.client(&[
         "scontrol",
         "update",
         &format!("JobId={id}"),
-        "StartTime=now+20",
+        "StartTime=now",
     ]);
     let job = slurm.wait_end(&id, &out, 120);
     job.assert_completed();
