@@ -32,7 +32,17 @@ if cargo fmt --version >/dev/null 2>&1; then
   phase "cargo fmt --check"
   cargo fmt --all -- --check
 fi
-phase "cargo test (OpenMPI; clippy, doc and the MPICH build beside)"
+if cargo clippy --version >/dev/null 2>&1; then
+  phase "cargo clippy"
+  cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+fi
+
+phase "cargo doc (no warnings)"
+# --release: the dependencies' metadata is clippy's, just built (in the dev profile
+# rustdoc would check every dependency again, about a minute here).
+RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
+
+phase "cargo test (OpenMPI)"
 # The tests' build selects the Python package too, with maturin's feature: it then resolves
 # every shared dependency as the package's build (venv.sh, above) did and reuses what that
 # compiled, mpiflow's library included, instead of compiling them all a second time.
@@ -40,8 +50,9 @@ packages=(-p mpiflow -p mpiflow-python --features pyo3/extension-module)
 log=$(mktemp) later_log=$(mktemp) targets=$(mktemp)
 # The background builds run in their own session, so that an early exit stops all of it.
 trap 'rm -f "$log" "$later_log" "$targets" "$targets.lib"; [[ -n ${later_pid:-} ]] && kill -- "-$later_pid" 2>/dev/null || true' EXIT
-# Built first: the examples some tests run, every integration test (the Slurm ones first)
-# and the binary; the rest is built beside the tests (below).
+# The examples some tests run, every integration test (the Slurm ones first) and the binary. The
+# library's own unit tests are built later, beside the integration tests: their build is
+# the longest (the whole library again, with its tests), and those tests need it last.
 tests=(--test slurm)
 for f in tests/*.rs; do
   name=$(basename "$f" .rs)
@@ -60,29 +71,17 @@ for line in sys.stdin:
 cargo build --release "${packages[@]}" --quiet --examples
 cargo test --release "${packages[@]}" --no-run --quiet --bins "${tests[@]}" \
   --message-format=json-render-diagnostics | executables >"$targets"
-# What the tests need only at their end, and the lints, built beside them at the lowest
-# priority, where they take the CPU the tests leave idle (waits on Slurm's scheduler, time
-# limits, timeouts): the library's unit tests (their build is the longest, the whole
-# library again with its tests), the MPICH build (its own target directory, a copy of this
-# one), clippy and the documentation (--release: the dependencies' metadata is clippy's,
-# just built; in the dev profile rustdoc would check every dependency again). Their session
-# is their own scheduling group where the kernel groups by session (autogroup): that
-# group's nice is what ranks it against the tests' jobs, so it is set too. (At nice 0 a
-# build beside the tests cost them more than it saved: ranks that yield the CPU while they
-# wait gave it to the build.)
-later_builds() {
-  set -euo pipefail
-  cargo test --release $packages_words --no-run --quiet --lib \
-    --message-format=json-render-diagnostics >"$targets.lib"
-  bash scripts/mpich-check.sh build
-  if cargo clippy --version >/dev/null 2>&1; then
-    cargo clippy --release --workspace --all-targets --quiet -- -D warnings
-  fi
-  RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --quiet
-}
-export -f later_builds
-export targets packages_words="${packages[*]}"
-setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 bash -c later_builds' \
+# The unit tests' build, then the MPICH build (its own target directory, a copy of this
+# one), at the lowest priority beside the tests: they take the CPU the tests leave idle
+# (waits on Slurm's scheduler, time limits, timeouts). Their session is their own
+# scheduling group where the kernel groups by session (autogroup): that group's nice is
+# what ranks it against the tests' jobs, so it is set too. (At nice 0 a build beside the
+# tests cost them more than it saved: ranks that yield the CPU while they wait gave it to
+# the build.)
+setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; out=$1; shift
+  nice -n 19 cargo test --release "$@" --no-run --quiet --lib \
+    --message-format=json-render-diagnostics >"$out" &&
+  exec nice -n 19 bash scripts/mpich-check.sh build' _ "$targets.lib" "${packages[@]}" \
   >"$later_log" 2>&1 &
 later_pid=$!
 # One test thread: the mpirun tests must not run at once on 2 cores. A failure ends the
@@ -101,7 +100,7 @@ done
 run_test "the binary's unit tests" "$(awk '$1 == "bin" {print $3}' "$targets")"
 if ! wait "$later_pid"; then
   later_pid=
-  echo "The builds beside the tests (unit tests, MPICH, clippy, doc) failed:"; cat "$later_log"; exit 1
+  echo "The unit tests' or the MPICH build failed:"; cat "$later_log"; exit 1
 fi
 later_pid=
 run_test "the library's unit tests" "$(executables <"$targets.lib" | awk '$1 == "lib" {print $3}')"
