@@ -71,17 +71,18 @@ for line in sys.stdin:
 cargo build --release "${packages[@]}" --quiet --examples
 cargo test --release "${packages[@]}" --no-run --quiet --bins "${tests[@]}" \
   --message-format=json-render-diagnostics | executables >"$targets"
-# The unit tests' build, then the MPICH build (its own target directory, a copy of this
-# one), at the lowest priority beside the tests: they take the CPU the tests leave idle
+# The MPICH build (its own target directory, a copy of this one), then the unit tests'
+# build, at the lowest priority beside the tests: they take the CPU the tests leave idle
 # (waits on Slurm's scheduler, time limits, timeouts). Their session is their own
 # scheduling group where the kernel groups by session (autogroup): that group's nice is
 # what ranks it against the tests' jobs, so it is set too. (At nice 0 a build beside the
 # tests cost them more than it saved: ranks that yield the CPU while they wait gave it to
-# the build.)
+# the build.) The MPICH build's copy (nearly a gigabyte written) comes first, beside the
+# Slurm tests, as before the unit tests' build joined it.
 setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; out=$1; shift
-  nice -n 19 cargo test --release "$@" --no-run --quiet --lib \
-    --message-format=json-render-diagnostics >"$out" &&
-  exec nice -n 19 bash scripts/mpich-check.sh build' _ "$targets.lib" "${packages[@]}" \
+  nice -n 19 bash scripts/mpich-check.sh build &&
+  exec nice -n 19 cargo test --release "$@" --no-run --quiet --lib \
+    --message-format=json-render-diagnostics >"$out"' _ "$targets.lib" "${packages[@]}" \
   >"$later_log" 2>&1 &
 later_pid=$!
 # One test thread: the mpirun tests must not run at once on 2 cores. A failure ends the
