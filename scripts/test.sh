@@ -50,9 +50,9 @@ packages=(-p mpiflow -p mpiflow-python --features pyo3/extension-module)
 log=$(mktemp) later_log=$(mktemp) targets=$(mktemp)
 # The background builds run in their own session, so that an early exit stops all of it.
 trap 'rm -f "$log" "$later_log" "$targets" "$targets.lib"; [[ -n ${later_pid:-} ]] && kill -- "-$later_pid" 2>/dev/null || true' EXIT
-# The examples some tests run, every integration test (the Slurm ones first) and the binary. The
-# library's own unit tests are built later, beside the integration tests: their build is
-# the longest (the whole library again, with its tests), and those tests need it last.
+# Built first: the examples some tests run, every integration test (the Slurm ones first)
+# and the binary. The library's unit tests are built later, beside the integration tests:
+# their build is the longest (the whole library again, with its tests), and they run last.
 tests=(--test slurm)
 for f in tests/*.rs; do
   name=$(basename "$f" .rs)
