@@ -53,10 +53,10 @@ trap 'rm -f "$log" "$later_log" "$targets" "$targets.lib"; [[ -n ${later_pid:-} 
 # Built first: the examples some tests run, every integration test (the Slurm ones first)
 # and the binary. The library's unit tests are built later, beside the integration tests:
 # their build is the longest (the whole library again, with its tests), and they run last.
-tests=(--test slurm)
+tests=(slurm)
 for f in tests/*.rs; do
   name=$(basename "$f" .rs)
-  if [[ $name != slurm ]]; then tests+=(--test "$name"); fi
+  if [[ $name != slurm ]]; then tests+=("$name"); fi
 done
 # Each test target's executable, from cargo's messages: the tests run straight from it,
 # so that cargo's lock on the build directory, held by the build beside them, is not
@@ -69,7 +69,7 @@ for line in sys.stdin:
         print(m["target"]["kind"][0], m["target"]["name"], m["executable"])'
 }
 cargo build --release "${packages[@]}" --quiet --examples
-cargo test --release "${packages[@]}" --no-run --quiet --bins "${tests[@]}" \
+cargo test --release "${packages[@]}" --no-run --quiet --bins "${tests[@]/#/--test=}" \
   --message-format=json-render-diagnostics | executables >"$targets"
 # The MPICH build (its own target directory, a copy of this one), then the unit tests'
 # build, at the lowest priority beside the tests: they take the CPU the tests leave idle
@@ -77,8 +77,8 @@ cargo test --release "${packages[@]}" --no-run --quiet --bins "${tests[@]}" \
 # scheduling group where the kernel groups by session (autogroup): that group's nice is
 # what ranks it against the tests' jobs, so it is set too. (At nice 0 a build beside the
 # tests cost them more than it saved: ranks that yield the CPU while they wait gave it to
-# the build.) The MPICH build's copy (nearly a gigabyte written) comes first, beside the
-# Slurm tests, as before the unit tests' build joined it.
+# the build.) The MPICH build, whose copy writes the whole target directory, comes first,
+# beside the Slurm tests, as before the unit tests' build joined it.
 setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; out=$1; shift
   nice -n 19 bash scripts/mpich-check.sh build &&
   exec nice -n 19 cargo test --release "$@" --no-run --quiet --lib \
@@ -94,9 +94,7 @@ run_test() {
 # The Slurm tests first (the builds beside them fill their waits on Slurm's scheduler and
 # time limits), then every other integration test, then the binary's unit tests.
 for name in "${tests[@]}"; do
-  if [[ $name != --test ]]; then
-    run_test "tests/$name.rs" "$(awk -v n="$name" '$1 == "test" && $2 == n {print $3}' "$targets")"
-  fi
+  run_test "tests/$name.rs" "$(awk -v n="$name" '$1 == "test" && $2 == n {print $3}' "$targets")"
 done
 run_test "the binary's unit tests" "$(awk '$1 == "bin" {print $3}' "$targets")"
 if ! wait "$later_pid"; then
