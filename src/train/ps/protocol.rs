@@ -235,6 +235,11 @@ pub enum Reply {
     Stats {
         tables: Vec<crate::train::tables::TableReport>,
     },
+    /// Not an answer: the request is still being worked on (a checkpoint being written, a
+    /// pull waiting for its step), and this ps is alive. Sent every third of the peer
+    /// timeout while a request waits, so a worker's deadline measures a ps that stopped
+    /// answering, not a long write; the answer follows.
+    Alive,
 }
 
 /// [`RankTimes`] on the wire: `(rank, task, times)` (the metrics file's flattened form

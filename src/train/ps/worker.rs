@@ -216,7 +216,7 @@ impl<'a, C: Comm> Client<'a, C> {
                     continue;
                 }
                 match self.take_reply(k, &inbox, &mut then) {
-                    Ok(reply) => taken[k] = Some(reply),
+                    Ok(reply) => taken[k] = reply,
                     Err(e) => {
                         failed = Some(e);
                         return Ok(Some(Sent::Interrupted(String::new())));
@@ -243,12 +243,15 @@ impl<'a, C: Comm> Client<'a, C> {
             if taken[k].is_some() {
                 continue;
             }
-            match receive_within_into(self.comm, *r, rtag, deadline, &mut inbox) {
-                Ok(Some(_)) => {}
-                Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
-                Err(e) => return Err(e.into()),
-            };
-            taken[k] = Some(self.take_reply(k, &inbox, &mut then)?);
+            // Each wait has the whole deadline: a ps still working says so within it.
+            while taken[k].is_none() {
+                match receive_within_into(self.comm, *r, rtag, deadline, &mut inbox) {
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
+                    Err(e) => return Err(e.into()),
+                };
+                taken[k] = self.take_reply(k, &inbox, &mut then)?;
+            }
         }
         self.buffers.inbox.replace(inbox);
         // A step the ps tasks did not apply: every ps's reply is taken, then the verdict.
@@ -267,18 +270,21 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     /// Ps `k`'s reply in message `m`, what follows it taken by `then` (unless the ps did
-    /// not apply the step); an error reply is the ps's error (it names itself).
+    /// not apply the step); an error reply is the ps's error (it names itself); `None`:
+    /// the ps is still working on the request ([`Reply::Alive`]).
     fn take_reply(
         &self,
         k: usize,
         m: &[u8],
         then: &mut impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
-    ) -> Result<Reply, PsError> {
+    ) -> Result<Option<Reply>, PsError> {
         let (reply, inline) = reply_of(m).map_err(|message| self.remote(message))?;
-        if !matches!(reply, Reply::NotApplied { .. }) {
-            then(k, &reply, inline)?;
+        match reply {
+            Reply::Alive => return Ok(None),
+            Reply::NotApplied { .. } => {}
+            _ => then(k, &reply, inline)?,
         }
-        Ok(reply)
+        Ok(Some(reply))
     }
 
     /// The chief: hands every ps its setup and initial values `init` (per variable). On an

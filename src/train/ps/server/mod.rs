@@ -62,6 +62,7 @@ use crate::transport::messages;
 mod payload;
 mod requests;
 mod rows;
+mod save;
 
 /// Serves ps task `k` (this rank) until every worker is done. The error names the lost
 /// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
@@ -191,6 +192,10 @@ struct Server<'a, C: Comm> {
     done: Vec<bool>,
     heard: Vec<Instant>,
     timeout: Duration,
+    /// This ps's shard being written for a checkpoint.
+    saving: Option<save::Saving>,
+    /// The worker whose latest request was a save: not waited on (see [`save`]).
+    saver: Option<usize>,
     /// This ps's own phase times since the chief last asked.
     clock: Clock,
     /// The workers' phase times reported to this ps since the chief last asked, by rank.
@@ -203,6 +208,8 @@ struct Parked {
     from: usize,
     step: u64,
     since: Instant,
+    /// When its worker was last told this ps is alive (see [`save`]).
+    told: Instant,
     /// The chief asks for the phase times gathered here.
     report: bool,
 }
@@ -210,10 +217,12 @@ struct Parked {
 impl Parked {
     /// Worker rank `from`'s pull `then`, parked now.
     fn new(from: usize, then: Then) -> Parked {
+        let since = Instant::now();
         Parked {
             from,
             step: then.step,
-            since: Instant::now(),
+            since,
+            told: since,
             report: then.report,
         }
     }
@@ -255,6 +264,8 @@ impl<'a, C: Comm> Server<'a, C> {
             done: vec![false; nw],
             heard: vec![Instant::now(); nw],
             timeout,
+            saving: None,
+            saver: None,
             clock: Clock::new(),
             reports: BTreeMap::new(),
         }
@@ -419,6 +430,11 @@ impl<'a, C: Comm> Server<'a, C> {
         self.pending = waiting;
         if ready.is_empty() {
             return Ok(());
+        }
+        // A worker can send nothing while its pull waits: its silence counts from now.
+        let now = Instant::now();
+        for w in ready.iter().filter_map(|p| self.roles.worker_index(p.from)) {
+            self.heard[w] = now;
         }
         if let Some(why) = self.refused.clone() {
             // No parameters after a step not applied: the verdict, to every pull.
@@ -609,7 +625,15 @@ impl<'a, C: Comm> Server<'a, C> {
     /// is idle.
     fn mark_board(&self) {
         let board = stall::Board::global();
-        if self.sync.is_some() && (!self.accum.is_empty() || !self.pending.is_empty()) {
+        if self.saving.is_some() {
+            board.serving(|| stall::Wait {
+                op: "checkpoint write",
+                step: self.global_step,
+                what: None,
+                peer: None,
+                bytes: 0,
+            });
+        } else if self.sync.is_some() && (!self.accum.is_empty() || !self.pending.is_empty()) {
             board.serving(|| stall::Wait {
                 op: "gather of pushes",
                 step: self.global_step,
@@ -625,7 +649,7 @@ impl<'a, C: Comm> Server<'a, C> {
     /// A worker this ps waits on and has not heard from within the timeout, at `now`.
     fn lost(&self, now: Instant) -> Option<usize> {
         let waiting_on = |w: usize| -> bool {
-            if self.done[w] {
+            if self.done[w] || self.saver == Some(w) {
                 return false;
             }
             if !self.initialized {
@@ -662,6 +686,7 @@ impl<'a, C: Comm> Server<'a, C> {
         if let Some(signal) = crate::signals::stop_requested() {
             self.note_stop(signal);
         }
+        self.tend()?;
         let mut inbox = std::mem::take(&mut self.inbox);
         let t = Instant::now();
         let backlogged = self.backlog.borrow_mut().pop_front();

@@ -4,9 +4,8 @@
 use std::time::Instant;
 
 use super::super::protocol::{decode_with, Reply, Request};
-use super::super::{shards, PsError};
+use super::super::PsError;
 use super::{Parked, Server};
-use crate::train::checkpoint;
 use crate::transport::comm::Comm;
 
 /// What becomes of a push, judged on its header.
@@ -43,6 +42,9 @@ impl<C: Comm> Server<'_, C> {
             return Ok(()); // not a worker: ignore
         };
         self.heard[w] = Instant::now();
+        if self.saver == Some(w) {
+            self.saver = None; // waited on again (see `super::save`)
+        }
         let Some((request, inline_bytes)) = decode_with::<Request>(inbox) else {
             return self.error(from, "malformed request".into());
         };
@@ -92,20 +94,7 @@ impl<C: Comm> Server<'_, C> {
             Request::PushRows {
                 parts, scale, pull, ..
             } => self.push_rows(from, (&parts, scale, &pull), &lens, inline_bytes),
-            Request::Save { dir } => {
-                let file = shards::file_of(self.k, self.stage);
-                match checkpoint::write_file(&dir.join(&file), &self.snapshot()) {
-                    Ok((bytes, checksum)) => self.reply(
-                        from,
-                        &Reply::Saved {
-                            file,
-                            bytes,
-                            checksum,
-                        },
-                    ),
-                    Err(e) => self.error(from, e.to_string()),
-                }
-            }
+            Request::Save { dir } => self.start_save(from, w, &dir),
             Request::Abort {
                 message,
                 agreed: true,
