@@ -114,6 +114,45 @@ pub fn write_file(path: &Path, a: &Arrays) -> Result<(u64, u64), CheckpointError
     Ok((bytes.len() as u64, sum))
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How much longer than the write itself a checkpoint file written for this thread by
+    /// a writer of its own takes: a slow file system, in tests.
+    pub(crate) static SLOW_DISK: std::cell::Cell<std::time::Duration> =
+        const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// [`write_file`] on a thread of its own while this one calls `beat` every `every`: a
+/// task that writes a large file (or to a slow file system) stays alive to its peers, which
+/// count `beat`'s marks as a sign of life, not as silence.
+pub fn write_file_beating<E>(
+    path: &Path,
+    a: &Arrays,
+    every: std::time::Duration,
+    mut beat: impl FnMut() -> Result<(), E>,
+) -> Result<Result<(u64, u64), CheckpointError>, E> {
+    #[cfg(test)]
+    let slow = SLOW_DISK.get();
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            #[cfg(test)]
+            std::thread::sleep(slow);
+            write_file(path, a)
+        });
+        let mut last = std::time::Instant::now();
+        while !writer.is_finished() {
+            std::thread::sleep(every.min(std::time::Duration::from_millis(1)));
+            if last.elapsed() >= every {
+                beat()?;
+                last = std::time::Instant::now();
+            }
+        }
+        Ok(writer
+            .join()
+            .expect("writing a checkpoint file does not panic"))
+    })
+}
+
 /// Why a directory cannot take new files: it could not be created, or a file could not be
 /// written into it.
 enum Unwritable {

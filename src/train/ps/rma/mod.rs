@@ -213,21 +213,53 @@ fn wait_until(
     done: impl Fn(i64) -> bool,
     stalled: impl FnOnce() -> PsError,
 ) -> Result<i64, PsError> {
+    wait_alive(ctl, timeout, || Ok((read()?, 0)), done, stalled)
+}
+
+/// [`wait_until`] whose `read` also gives a sign of life of the peer waited on: a change
+/// of either value is progress. A ps writing a checkpoint counts its `SAVED` word down
+/// while it writes ([`write_saving`]): work, not silence.
+fn wait_alive(
+    ctl: &impl Access<i64>,
+    timeout: Duration,
+    mut read: impl FnMut() -> Result<(i64, i64), PsError>,
+    done: impl Fn(i64) -> bool,
+    stalled: impl FnOnce() -> PsError,
+) -> Result<i64, PsError> {
     let mut backoff = Backoff::polling_mpi(Duration::from_micros(200));
-    let (mut last, mut since) = (i64::MIN, Instant::now());
+    let (mut last, mut since) = ((i64::MIN, i64::MIN), Instant::now());
     loop {
         ctl.poke()?;
-        let v = read()?;
+        let (v, alive) = read()?;
         if done(v) {
             return Ok(v);
         }
-        if v != last {
-            (last, since) = (v, Instant::now());
+        if (v, alive) != last {
+            (last, since) = ((v, alive), Instant::now());
         } else if since.elapsed() > timeout {
             return Err(stalled());
         }
         backoff.idle();
     }
+}
+
+/// Writes ps rank `me`'s checkpoint file while marking its `SAVED` word (index `saved`)
+/// every third of `timeout`, one down each time (below any step it will report): what
+/// the chief and the workers waiting on this ps read as a sign of life.
+fn write_saving(
+    ctl: &impl Access<i64>,
+    (me, saved): (usize, usize),
+    timeout: Duration,
+    path: &std::path::Path,
+    arrays: &crate::train::checkpoint::Arrays,
+) -> Result<Result<(u64, u64), String>, PsError> {
+    let beat = || {
+        ctl.fetch_and_add(me, saved, -1)
+            .map(drop)
+            .map_err(PsError::from)
+    };
+    let written = crate::train::checkpoint::write_file_beating(path, arrays, timeout / 3, beat)?;
+    Ok(written.map_err(|e| e.to_string()))
 }
 
 /// Refuses settings the one-sided ps does not implement (the same verdict on every rank,

@@ -67,7 +67,8 @@ impl Rma<'_> {
         });
         let (state, saved, rows) = (&ps.state, &mut ps.saved, &mut ps.rows);
         let (mut last, mut since) = (-1, Instant::now());
-        let arrived = wait_until(
+        // A checkpoint written meanwhile is this ps's work, not the workers' silence.
+        let arrived = wait_alive(
             ctl,
             self.cfg.peer_timeout,
             || {
@@ -82,7 +83,7 @@ impl Rma<'_> {
                 } else if since.elapsed() >= SAVE_POLL {
                     self.save_on_request(data, ctl, (state, step, saved), rows)?;
                 }
-                Ok(a)
+                Ok((a, *saved as i64))
             },
             // Every worker pushed this step or ended (one that ends before the others
             // push is waited out: they push, then learn it failed).
@@ -196,7 +197,7 @@ impl Rma<'_> {
         stall::Board::global().idle();
         let (state, saved, step) = (&ps.state, &mut ps.saved, ps.step);
         let rows = &mut ps.rows;
-        wait_until(
+        wait_alive(
             ctl,
             self.cfg.peer_timeout * 2,
             || {
@@ -204,7 +205,7 @@ impl Rma<'_> {
                     r.poll()?;
                 }
                 self.save_on_request(data, ctl, (state, step, saved), rows)?;
-                Ok(ctl.fetch_and_add(me, ARRIVALS, 0)?)
+                Ok((ctl.fetch_and_add(me, ARRIVALS, 0)?, *saved as i64))
             },
             |a| a / MARK >= nw,
             || self.lost(self.roles.task(me), "a worker (not ended)".into()),
@@ -265,18 +266,16 @@ impl Rma<'_> {
         step: u64,
         arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
-        let dir = self.checkpoint_dir();
+        let (dir, me) = (self.checkpoint_dir(), self.roles.ps[k]);
         let stage = crate::train::checkpoint::staging_dir(dir, step);
-        let written = std::fs::create_dir_all(&stage)
-            .map_err(|e| format!("{}: {e}", stage.display()))
-            .and_then(|()| {
-                let file = stage.join(crate::train::ps::shards::file(k));
-                crate::train::checkpoint::write_file(&file, arrays).map_err(|e| e.to_string())
-            });
+        let file = stage.join(crate::train::ps::shards::file(k));
+        let written = match std::fs::create_dir_all(&stage) {
+            Ok(()) => write_saving(ctl, (me, SAVED), self.cfg.peer_timeout, &file, arrays)?,
+            Err(e) => Err(format!("{}: {e}", stage.display())),
+        };
         // This ps stops; the chief, waiting for its shard, is ended with the job.
         let (bytes, sum) =
             written.map_err(|e| crate::train::checkpoint::abandoned(dir, step, e))?;
-        let me = self.roles.ps[k];
         ctl.put(me, SAVED_BYTES, &[bytes as i64, sum as i64])?;
         let before = ctl.fetch_and_add(me, SAVED, 0)?;
         ctl.fetch_and_add(me, SAVED, step as i64 - before)?;

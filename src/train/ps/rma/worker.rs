@@ -177,14 +177,15 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
             };
             // The update of the step before (the one whose pushes ps k gathers).
             let _wait = rma.waiting("pull", step - 1, k);
-            let v = wait_until(
+            let v = wait_alive(
                 ctl,
                 rma.cfg.peer_timeout * 2,
                 || {
-                    // STEP and ABORT (and what lies between) in one atomic read.
-                    let mut v = [0i64; ABORT + 1];
+                    // STEP, ABORT and SAVED (a ps writing a checkpoint counts it down: a
+                    // sign of life) in one atomic read.
+                    let mut v = [0i64; SAVED + 1];
                     ctl.read_atomic(*r, STEP, &mut v)?;
-                    verdict(v[STEP], v[ABORT])
+                    Ok((verdict(v[STEP], v[ABORT])?, v[SAVED]))
                 },
                 |v| v % MARK >= step as i64,
                 || rma.lost(me.clone(), rma.ps_task(k)),

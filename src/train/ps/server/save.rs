@@ -44,7 +44,7 @@ impl<C: Comm> Server<'_, C> {
         let (path, arrays) = (dir.join(&file), self.snapshot());
         let (done, written) = mpsc::channel();
         #[cfg(test)]
-        let slow = tests::SLOW_DISK.get();
+        let slow = checkpoint::SLOW_DISK.get();
         let writer = move || {
             #[cfg(test)]
             std::thread::sleep(slow);
@@ -117,48 +117,60 @@ impl<C: Comm> Server<'_, C> {
 
 #[cfg(test)]
 mod tests {
-    use std::cell::Cell;
     use std::time::Duration;
 
-    use crate::train::checkpoint;
+    use crate::train::checkpoint::{self, SLOW_DISK};
     use crate::train::data::Dataset;
     use crate::train::ps::test_support::{cfg, layout};
+    use crate::train::ps::{rma, PsConfig};
     use crate::transport::comm::Comm;
     use crate::transport::local::LocalComm;
 
-    thread_local! {
-        /// How long a ps server started on this thread takes to write a checkpoint file
-        /// beyond the write itself: a slow file system.
-        pub(super) static SLOW_DISK: Cell<Duration> = const { Cell::new(Duration::ZERO) };
-    }
-
     /// A ps whose checkpoint files take two and a half peer timeouts to write (workers
-    /// wait two before they call a ps lost): training goes on to its end, no rank lost, and every
-    /// checkpoint is whole. Synchronous with two workers, so the second worker's pull
-    /// waits on the chief while the chief waits on the save.
+    /// wait two before they call a ps lost), over messages and over windows: training
+    /// goes on to its end, no rank lost, and every checkpoint is whole. Synchronous with
+    /// two workers, so the second worker's pull waits on the chief while the chief waits
+    /// on the save.
     #[test]
     fn a_checkpoint_slower_to_write_than_the_peer_timeout_loses_no_task() {
         let data = Dataset::synthetic(200, 8, 3, 1);
         let (train, test) = data.split_holdout(1);
         let mlp = crate::model::mlp(8, &[4], 3).unwrap();
-        let dir = std::env::temp_dir().join(format!("mpiflow-ps-slow-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let mut c = cfg(6, true);
-        c.peer_timeout = Duration::from_secs(1);
-        c.train.checkpoint_every = 3;
-        c.train.checkpoint_dir = Some(dir.clone());
         let l = layout(3, 1);
-        let out = LocalComm::run(3, |comm| {
-            if comm.rank() == 0 {
-                SLOW_DISK.set(c.peer_timeout * 5 / 2);
-            }
-            crate::train::ps::run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {})
-                .map_err(|e| e.to_string())
-        });
-        assert_eq!(out, vec![Ok(()), Ok(()), Ok(())]);
-        let (found, _) = checkpoint::latest(&dir);
-        let steps = found.map(|f| checkpoint::verify(&f.path).map(|v| v.step));
-        assert_eq!(steps, Some(Ok(6)));
-        let _ = std::fs::remove_dir_all(&dir);
+        type Run = fn(
+            &LocalComm,
+            &crate::cluster::Layout,
+            &dyn crate::model::Model,
+            &PsConfig,
+            &Dataset,
+            &Dataset,
+            &mut dyn FnMut(&crate::train::Event),
+        ) -> Result<(), crate::train::ps::PsError>;
+        let transports: [(&str, Run); 2] = [
+            ("messages", crate::train::ps::run::<LocalComm>),
+            ("windows", rma::run::<LocalComm>),
+        ];
+        for (transport, run) in transports {
+            let dir = std::env::temp_dir().join(format!(
+                "mpiflow-ps-slow-{transport}-{}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            let mut c = cfg(6, true);
+            c.peer_timeout = Duration::from_secs(1);
+            c.train.checkpoint_every = 3;
+            c.train.checkpoint_dir = Some(dir.clone());
+            let out = LocalComm::run(3, |comm| {
+                if comm.rank() == 0 {
+                    SLOW_DISK.set(c.peer_timeout * 5 / 2);
+                }
+                run(&comm, &l, &mlp, &c, &train, &test, &mut |_| {}).map_err(|e| e.to_string())
+            });
+            assert_eq!(out, vec![Ok(()), Ok(()), Ok(())], "{transport}");
+            let (found, _) = checkpoint::latest(&dir);
+            let steps = found.map(|f| checkpoint::verify(&f.path).map(|v| v.step));
+            assert_eq!(steps, Some(Ok(6)), "{transport}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 }

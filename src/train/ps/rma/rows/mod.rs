@@ -48,7 +48,7 @@ mod worker;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{wait_until, RmaWindow};
+use super::{wait_alive, wait_until, write_saving, RmaWindow};
 use crate::model::embedding::{SparseOptimizer, TableSpec};
 use crate::train::checkpoint;
 use crate::train::ps::{PsError, Roles};

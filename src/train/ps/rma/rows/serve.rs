@@ -301,12 +301,11 @@ impl Serving {
             .arrays
             .extend(checkpoint::tables::table_arrays(&self.tables));
         let stage = checkpoint::staging_dir(dir, step);
-        let written = std::fs::create_dir_all(&stage)
-            .map_err(|e| format!("{}: {e}", stage.display()))
-            .and_then(|()| {
-                let file = stage.join(crate::train::ps::shards::file(self.k));
-                checkpoint::write_file(&file, &arrays).map_err(|e| e.to_string())
-            });
+        let file = stage.join(crate::train::ps::shards::file(self.k));
+        let written = match std::fs::create_dir_all(&stage) {
+            Ok(()) => write_saving(ctl, (me, SAVED), cfg.peer_timeout, &file, &arrays)?,
+            Err(e) => Err(format!("{}: {e}", stage.display())),
+        };
         let (bytes, sum) = match written {
             Ok(w) => w,
             Err(e) => {

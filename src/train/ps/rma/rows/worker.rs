@@ -101,15 +101,18 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         let due = self.due() as i64;
         for k in 0..self.lay.nps {
             let rank = self.roles.ps[k];
-            let mut words = [0i64; 4];
+            // STEP, ABORT and SAVED (a ps writing a checkpoint counts it down: a sign of
+            // life) in one atomic read.
+            let mut words = [0i64; SAVED + 1];
             let mut abort = 0;
-            wait_until(
+            wait_alive(
                 self.ctl,
                 self.cfg.peer_timeout,
                 || {
                     self.ctl.read_atomic(rank, STEP, &mut words)?;
                     abort = words[ABORT];
-                    Ok(if abort != 0 { i64::MAX } else { words[STEP] })
+                    let step = if abort != 0 { i64::MAX } else { words[STEP] };
+                    Ok((step, words[SAVED]))
                 },
                 |step| step >= due,
                 || self.lost(k, &format!("step {due}'s rows not published")),
