@@ -35,7 +35,6 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::placement::Shard;
@@ -59,10 +58,10 @@ use crate::train::tables::Served;
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 use crate::transport::messages;
 
+mod files;
 mod payload;
 mod requests;
 mod rows;
-mod save;
 
 /// Serves ps task `k` (this rank) until every worker is done. The error names the lost
 /// or aborting task, or is [`PsError::Stopped`] when the workers stopped for a signal.
@@ -192,10 +191,11 @@ struct Server<'a, C: Comm> {
     done: Vec<bool>,
     heard: Vec<Instant>,
     timeout: Duration,
-    /// This ps's shard being written for a checkpoint.
-    saving: Option<save::Saving>,
-    /// The worker whose latest request was a save: not waited on (see [`save`]).
-    saver: Option<usize>,
+    /// A save's or a restore's file work under way (see [`files`]).
+    background: Option<files::Background>,
+    /// The worker whose latest request was a save or a restore: it waits on this ps's
+    /// work, then writes its own files, so it is not waited on (see [`files`]).
+    excused: Option<usize>,
     /// This ps's own phase times since the chief last asked.
     clock: Clock,
     /// The workers' phase times reported to this ps since the chief last asked, by rank.
@@ -208,7 +208,7 @@ struct Parked {
     from: usize,
     step: u64,
     since: Instant,
-    /// When its worker was last told this ps is alive (see [`save`]).
+    /// When its worker was last told this ps is alive (see [`files`]).
     told: Instant,
     /// The chief asks for the phase times gathered here.
     report: bool,
@@ -264,8 +264,8 @@ impl<'a, C: Comm> Server<'a, C> {
             done: vec![false; nw],
             heard: vec![Instant::now(); nw],
             timeout,
-            saving: None,
-            saver: None,
+            background: None,
+            excused: None,
             clock: Clock::new(),
             reports: BTreeMap::new(),
         }
@@ -587,47 +587,13 @@ impl<'a, C: Comm> Server<'a, C> {
         a
     }
 
-    /// Loads this ps's shards of checkpoint `dir`, of the variables `all` cut.
-    fn restore(&mut self, dir: &Path, all: &[Shard]) -> Result<(), String> {
-        // Hybrid training's ps tasks hold rows alone: no variables to read.
-        let (params, slots, step) = match all.is_empty() {
-            true => (
-                Vec::new(),
-                Vec::new(),
-                checkpoint::verify(dir).map_err(|e| e.to_string())?.step,
-            ),
-            false => shards::read(dir, &self.shards, all, &self.opt, self.stage.is_some())
-                .map_err(|e| e.to_string())?,
-        };
-        let mut tables = self.tables.clone();
-        if !tables.is_empty() {
-            let (_, files) = checkpoint::open(dir).map_err(|e| e.to_string())?;
-            let (k, nps) = (self.k, self.roles.ps.len());
-            let mine = |id| super::protocol::row_owner(id, nps) == k;
-            checkpoint::tables::restore_rows(&mut tables, &files, mine)?;
-        }
-        // All or nothing: only now replace the live state.
-        self.tables = tables;
-        self.served = vec![Served::default(); self.tables.len()];
-        let largest = (0..self.tables.len()).max_by_key(|t| self.tables[*t].bytes());
-        largest.map_or(Ok(()), |t| self.row_room(t))?;
-        for (i, p) in params.iter().enumerate() {
-            let r = self.store.range(i);
-            self.store.all_mut()[r].copy_from_slice(p);
-        }
-        self.slots = slots;
-        self.global_step = step;
-        self.initialized = true;
-        Ok(())
-    }
-
     /// Tells a stall watch whether this ps waits on a step's pushes (then since when) or
     /// is idle.
     fn mark_board(&self) {
         let board = stall::Board::global();
-        if self.saving.is_some() {
+        if self.background.is_some() {
             board.serving(|| stall::Wait {
-                op: "checkpoint write",
+                op: "checkpoint file",
                 step: self.global_step,
                 what: None,
                 peer: None,
@@ -649,7 +615,7 @@ impl<'a, C: Comm> Server<'a, C> {
     /// A worker this ps waits on and has not heard from within the timeout, at `now`.
     fn lost(&self, now: Instant) -> Option<usize> {
         let waiting_on = |w: usize| -> bool {
-            if self.done[w] || self.saver == Some(w) {
+            if self.done[w] || self.excused == Some(w) {
                 return false;
             }
             if !self.initialized {

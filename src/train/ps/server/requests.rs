@@ -42,8 +42,8 @@ impl<C: Comm> Server<'_, C> {
             return Ok(()); // not a worker: ignore
         };
         self.heard[w] = Instant::now();
-        if self.saver == Some(w) {
-            self.saver = None; // waited on again (see `super::save`)
+        if self.excused == Some(w) {
+            self.excused = None; // waited on again (see `super::files`)
         }
         let Some((request, inline_bytes)) = decode_with::<Request>(inbox) else {
             return self.error(from, "malformed request".into());
@@ -66,18 +66,7 @@ impl<C: Comm> Server<'_, C> {
                 self.ok(from)?;
                 self.answer_pending()
             }
-            Request::Restore { setup, path } => {
-                let restored = self
-                    .configure(&setup)
-                    .and_then(|()| self.restore(&path, &setup.shards));
-                match restored {
-                    Ok(()) => {
-                        self.ok(from)?;
-                        self.answer_pending()
-                    }
-                    Err(e) => self.error(from, e),
-                }
-            }
+            Request::Restore { setup, path } => self.start_restore((from, w), &setup, &path),
             Request::Pull(then) => {
                 self.pending.push(Parked::new(from, then));
                 self.answer_pending()
