@@ -356,3 +356,49 @@ fn a_bad_id_on_one_worker_stops_every_rank_over_windows() {
         );
     }
 }
+
+/// Hybrid training whose ps task takes two and a half peer timeouts to write or read its
+/// rows' file (a test-only slow disk): the other worker, waiting on the chief in the
+/// allreduce meanwhile, is not taken for lost, and a rerun resumes from the checkpoint.
+#[test]
+fn a_hybrid_checkpoint_slower_than_the_peer_timeout_loses_no_worker() {
+    let data = SyntheticCtr::parse("samples=20000,features=4,rows=500,seed=4").unwrap();
+    let (train, test) = Part::split(&data, 2000);
+    let m = model(&data);
+    let dir = std::env::temp_dir().join(format!("mpiflow-ctr-slow-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let hybrid = HybridConfig {
+        peer_timeout: std::time::Duration::from_secs(1),
+        ..HybridConfig::default()
+    };
+    let l = layout(3, 1);
+    // Every rank's outcome (the workers' final steps) and the chief's restored step.
+    let job = |steps: u64| {
+        let cfg = TrainConfig {
+            checkpoint_dir: Some(dir.clone()),
+            checkpoint_every: 3,
+            ..cfg(steps)
+        };
+        let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2));
+        LocalComm::run(3, |comm| {
+            if crate::transport::comm::Comm::rank(&comm) == 0 {
+                crate::train::checkpoint::SLOW_DISK.set(hybrid.peer_timeout * 5 / 2);
+            }
+            let mut restored = None;
+            let events = &mut |e: &crate::train::Event| {
+                if let crate::train::Event::Restored { step, .. } = e {
+                    restored = Some(*step);
+                }
+            };
+            let out = run.hybrid(&comm, &l, &hybrid, events);
+            let out = out.map(|r| r.map(|r| r.steps)).map_err(|e| e.to_string());
+            (out, restored)
+        })
+    };
+    let first = job(4);
+    assert!(first.iter().all(|r| r.0.is_ok()), "{first:?}");
+    let resumed = job(5);
+    assert!(resumed.iter().all(|r| r.0.is_ok()), "{resumed:?}");
+    assert_eq!(resumed[1].1, Some(4), "{resumed:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -5,9 +5,11 @@
 //! A file may take longer than the peer timeout (a large shard, a parallel file system
 //! under load), and so may a pull parked on a step some worker is slow to push. Neither is
 //! a lost ps: while such a request waits, its worker is told every third of the timeout
-//! that this ps is alive ([`Reply::Alive`]), and its deadline starts again. Nor is the
-//! chief lost while it waits for the other ps tasks' files or writes its own: the worker
-//! whose latest request was a save or a restore is not waited on until its next request.
+//! that this ps is alive ([`Reply::Alive`]), and its deadline starts again. Nor is a
+//! worker lost for its silence during a checkpoint: the chief waits for every ps task's
+//! file and writes its own, and the other workers may all wait on it (hybrid training's
+//! allreduce, a pipeline's stages), so from the chief's save or restore request to its
+//! next request no worker is waited on, and every worker's silence counts from then.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, TryRecvError};

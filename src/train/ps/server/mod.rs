@@ -193,8 +193,8 @@ struct Server<'a, C: Comm> {
     timeout: Duration,
     /// A save's or a restore's file work under way (see [`files`]).
     background: Option<files::Background>,
-    /// The worker whose latest request was a save or a restore: it waits on this ps's
-    /// work, then writes its own files, so it is not waited on (see [`files`]).
+    /// The worker whose latest request was a save or a restore: the checkpoint is under
+    /// way until its next request, and no worker is waited on meanwhile (see [`files`]).
     excused: Option<usize>,
     /// This ps's own phase times since the chief last asked.
     clock: Clock,
@@ -612,10 +612,14 @@ impl<'a, C: Comm> Server<'a, C> {
         }
     }
 
-    /// A worker this ps waits on and has not heard from within the timeout, at `now`.
+    /// A worker this ps waits on and has not heard from within the timeout, at `now`;
+    /// none while a checkpoint is under way (see [`files`]).
     fn lost(&self, now: Instant) -> Option<usize> {
+        if self.background.is_some() || self.excused.is_some() {
+            return None;
+        }
         let waiting_on = |w: usize| -> bool {
-            if self.done[w] || self.excused == Some(w) {
+            if self.done[w] {
                 return false;
             }
             if !self.initialized {

@@ -43,7 +43,10 @@ impl<C: Comm> Server<'_, C> {
         };
         self.heard[w] = Instant::now();
         if self.excused == Some(w) {
-            self.excused = None; // waited on again (see `super::files`)
+            // The checkpoint is over: every worker's silence counts from now.
+            self.excused = None;
+            let now = self.heard[w];
+            self.heard.iter_mut().for_each(|h| *h = now);
         }
         let Some((request, inline_bytes)) = decode_with::<Request>(inbox) else {
             return self.error(from, "malformed request".into());
