@@ -102,12 +102,16 @@ impl<C: Comm> Server<'_, C> {
     /// Starts writing this ps's shard into staging directory `dir` for worker rank `from`
     /// (index `w`); answered by [`Server::tend`] once written.
     pub(super) fn start_save(&mut self, from: usize, w: usize, dir: &Path) -> Result<(), PsError> {
+        if self.busy(from, w)? {
+            return Ok(());
+        }
         let file = shards::file_of(self.k, self.stage);
         let (path, arrays) = (dir.join(&file), self.snapshot());
         let write = move || checkpoint::write_file(&path, &arrays).map_err(|e| e.to_string());
-        let spawned = self.spawn(from, w, write)?;
-        let job = spawned.map(|written| Job::Save { file, written });
-        self.background = job.map(|job| Background::new(from, job));
+        let spawned = self.spawn(from, write)?;
+        if let Some(written) = spawned {
+            self.background = Some(Background::new(from, Job::Save { file, written }));
+        }
         Ok(())
     }
 
@@ -119,6 +123,9 @@ impl<C: Comm> Server<'_, C> {
         setup: &Setup,
         dir: &Path,
     ) -> Result<(), PsError> {
+        if self.busy(from, w)? {
+            return Ok(());
+        }
         if let Err(e) = self.configure(setup) {
             return self.error(from, e);
         }
@@ -132,25 +139,31 @@ impl<C: Comm> Server<'_, C> {
             k: self.k,
             nps: self.roles.ps.len(),
         };
-        let spawned = self.spawn(from, w, move || to_read.read())?;
-        let job = spawned.map(|read| Job::Restore { read });
-        self.background = job.map(|job| Background::new(from, job));
+        let spawned = self.spawn(from, move || to_read.read())?;
+        if let Some(read) = spawned {
+            self.background = Some(Background::new(from, Job::Restore { read }));
+        }
         Ok(())
     }
 
-    /// Runs `work` on a thread of its own for worker rank `from` (index `w`, excused from
-    /// then on); `None`: it could not start, and the worker was told why.
+    /// Marks the checkpoint worker rank `from` (index `w`) asked for as under way; true
+    /// if this ps still works on another's file (the worker told so, nothing started).
+    fn busy(&mut self, from: usize, w: usize) -> Result<bool, PsError> {
+        self.excused = Some(w);
+        if self.background.is_none() {
+            return Ok(false);
+        }
+        let why = "a checkpoint was asked for while this ps still reads or writes another";
+        self.error(from, why.into()).map(|()| true)
+    }
+
+    /// Runs `work` on a thread of its own for worker rank `from`; `None`: it could not
+    /// start, and the worker was told why.
     fn spawn<T: Send + 'static>(
         &mut self,
         from: usize,
-        w: usize,
         work: impl FnOnce() -> Result<T, String> + Send + 'static,
     ) -> Result<Option<Receiver<Result<T, String>>>, PsError> {
-        self.excused = Some(w);
-        if self.background.is_some() {
-            let why = "a checkpoint was asked for while this ps still reads or writes another";
-            return self.error(from, why.into()).map(|()| None);
-        }
         let (done, outcome) = mpsc::channel();
         #[cfg(test)]
         let slow = checkpoint::SLOW_DISK.get();
