@@ -243,22 +243,29 @@ fn wait_alive(
     }
 }
 
-/// Writes ps rank `me`'s checkpoint file while marking its `SAVED` word (index `saved`)
-/// every third of `timeout`, one down each time (below any step it will report): what
-/// the chief and the workers waiting on this ps read as a sign of life.
+/// Writes ps `k`'s (rank `me`'s) shard file of checkpoint `step` into its staging
+/// directory under `dir`, marking its `SAVED` word (index `saved`) every third of
+/// `timeout` meanwhile, one down each time (below any step it will report): what the
+/// chief and the workers waiting on this ps read as a sign of life. The file's bytes and
+/// checksum, or why it could not be written.
 fn write_saving(
     ctl: &impl Access<i64>,
     (me, saved): (usize, usize),
     timeout: Duration,
-    path: &std::path::Path,
+    (dir, step, k): (&std::path::Path, u64, usize),
     arrays: &crate::train::checkpoint::Arrays,
 ) -> Result<Result<(u64, u64), String>, PsError> {
+    let stage = crate::train::checkpoint::staging_dir(dir, step);
+    if let Err(e) = std::fs::create_dir_all(&stage) {
+        return Ok(Err(format!("{}: {e}", stage.display())));
+    }
+    let path = stage.join(super::shards::file(k));
     let beat = || {
         ctl.fetch_and_add(me, saved, -1)
             .map(drop)
             .map_err(PsError::from)
     };
-    let written = crate::train::checkpoint::write_file_beating(path, arrays, timeout / 3, beat)?;
+    let written = crate::train::checkpoint::write_file_beating(&path, arrays, timeout / 3, beat)?;
     Ok(written.map_err(|e| e.to_string()))
 }
 

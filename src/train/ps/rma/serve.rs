@@ -267,12 +267,8 @@ impl Rma<'_> {
         arrays: &crate::train::checkpoint::Arrays,
     ) -> Result<(), PsError> {
         let (dir, me) = (self.checkpoint_dir(), self.roles.ps[k]);
-        let stage = crate::train::checkpoint::staging_dir(dir, step);
-        let file = stage.join(crate::train::ps::shards::file(k));
-        let written = match std::fs::create_dir_all(&stage) {
-            Ok(()) => write_saving(ctl, (me, SAVED), self.cfg.peer_timeout, &file, arrays)?,
-            Err(e) => Err(format!("{}: {e}", stage.display())),
-        };
+        let timeout = self.cfg.peer_timeout;
+        let written = write_saving(ctl, (me, SAVED), timeout, (dir, step, k), arrays)?;
         // This ps stops; the chief, waiting for its shard, is ended with the job.
         let (bytes, sum) =
             written.map_err(|e| crate::train::checkpoint::abandoned(dir, step, e))?;

@@ -300,12 +300,8 @@ impl Serving {
         arrays
             .arrays
             .extend(checkpoint::tables::table_arrays(&self.tables));
-        let stage = checkpoint::staging_dir(dir, step);
-        let file = stage.join(crate::train::ps::shards::file(self.k));
-        let written = match std::fs::create_dir_all(&stage) {
-            Ok(()) => write_saving(ctl, (me, SAVED), cfg.peer_timeout, &file, &arrays)?,
-            Err(e) => Err(format!("{}: {e}", stage.display())),
-        };
+        let at = (dir, step, self.k);
+        let written = write_saving(ctl, (me, SAVED), cfg.peer_timeout, at, &arrays)?;
         let (bytes, sum) = match written {
             Ok(w) => w,
             Err(e) => {
