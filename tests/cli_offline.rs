@@ -584,7 +584,12 @@ fn flags_of_another_mode_are_one_line_errors() {
         format!("{flag} is for --stages (a model cut into stages); without it each task holds the whole model")
     };
     for (mode, flags, error) in [
-        ("local", "--async", other_mode("--async", "ps", "local")),
+        ("local", "--async", other_mode("--async", "ps or hybrid", "local")),
+        (
+            "allreduce",
+            "--async",
+            other_mode("--async", "ps or hybrid", "allreduce"),
+        ),
         (
             "allreduce",
             "--transport rma",

@@ -108,6 +108,52 @@ fn dlrm_reaches_the_auc_of_local_training_in_hybrid_and_ps_mode() {
     }
 }
 
+/// Hybrid training with asynchronous rows over windows (each push added into the rows by
+/// `MPI_Accumulate` as it arrives, plain SGD) reaches the AUC of local training with the
+/// same sparse SGD; another sparse optimizer is refused at the start in one line.
+#[test]
+fn asynchronous_rows_over_windows_reach_the_auc_of_local_training() {
+    let dir = tmpdir("ctr-async-rma");
+    let metrics = |name: &str| dir.join(format!("{name}.csv"));
+    let m = |name: &str| metrics(name).to_str().unwrap().to_string();
+    let sgd = ["--sparse-optimizer", "sgd"];
+    let local = m("local");
+    let mut args = RUN.to_vec();
+    args.extend_from_slice(&["--steps", "1200", "--metrics", &local]);
+    args.extend_from_slice(&sgd);
+    let run = mpiflow_alone(&args, &[]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let local = last_auc(&metrics("local"));
+    assert!(local > 0.8, "local AUC {local}");
+    let out = m("hybrid");
+    let flags = [
+        "--mode",
+        "hybrid",
+        "--ps",
+        "2",
+        "--transport",
+        "rma",
+        "--async",
+    ];
+    let run = distributed(
+        "4",
+        "1200",
+        &[&flags[..], &sgd, &["--metrics", &out]].concat(),
+    );
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run
+        .stdout
+        .contains("hybrid, rows over one-sided windows, async"));
+    let auc = last_auc(&metrics("hybrid"));
+    assert!((auc - local).abs() < 0.01, "AUC {auc}, local {local}");
+
+    let run = distributed("4", "10", &flags);
+    assert_ne!(run.code, 0, "{run:?}");
+    let line = "mpiflow: error: --transport rma --async adds each push into the rows with MPI_Accumulate, plain SGD: use --sparse-optimizer sgd, or --sync (not adagrad)";
+    assert!(run.stderr.lines().any(|l| l == line), "{}", run.stderr);
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+}
+
 /// Every row id of every table in checkpoint `path`.
 fn row_ids(path: &Path) -> BTreeSet<(String, u64)> {
     let (_, files) = mpiflow::train::checkpoint::open(path).unwrap();
@@ -131,20 +177,25 @@ fn row_ids(path: &Path) -> BTreeSet<(String, u64)> {
 
 #[test]
 fn a_ps_killed_mid_run_costs_only_the_steps_since_the_checkpoint_and_its_rows_come_back() {
-    for transport in ["p2p", "rma"] {
+    for transport in ["p2p", "rma", "rma --async"] {
         killed_ps_resumes(transport);
     }
 }
 
-/// Hybrid training with its rows over `transport`, ps:0 SIGKILLed once a checkpoint is
-/// written, then run again.
+/// Hybrid training with its rows over `transport` (asynchronous rows over windows: `rma
+/// --async`, with sparse SGD), ps:0 SIGKILLed once a checkpoint is written, then run
+/// again.
 fn killed_ps_resumes(transport: &str) {
-    let dir = tmpdir(&format!("ctr-kill-{transport}"));
+    let dir = tmpdir(&format!("ctr-kill-{}", transport.replace(" --", "-")));
     let ckpt = dir.join("ckpt");
     let (c, metrics) = (ckpt.to_str().unwrap(), dir.join("resumed.csv"));
     let mut args = vec!["-np", "4", mpiflow()];
     args.extend_from_slice(RUN);
-    let flags = ["--mode", "hybrid", "--ps", "2", "--transport", transport];
+    let mut flags = vec!["--mode", "hybrid", "--ps", "2", "--transport"];
+    flags.extend(transport.split(' '));
+    if transport.ends_with("--async") {
+        flags.extend(["--sparse-optimizer", "sgd"]);
+    }
     args.extend_from_slice(&flags);
     args.extend_from_slice(&["--steps", "3000"]);
     args.extend_from_slice(&["--checkpoint-dir", c, "--checkpoint-every", "200"]);

@@ -37,12 +37,17 @@ pub struct HybridConfig {
     /// How long a ps waits for a worker (and a worker for a ps) before calling it lost.
     pub peer_timeout: Duration,
     /// How the rows travel: messages the ps tasks serve as they come (applied as they
-    /// arrive), or one-sided windows (every worker's step summed and applied once,
+    /// arrive), or one-sided windows (every worker's step summed and applied once, or
+    /// each push as it arrives: [`HybridConfig::asynchronous`];
     /// [`crate::train::ps::rma::rows`]).
     pub transport: PsTransport,
     /// Over windows: rows of one table one ps task may hold, at most (its window is
     /// sized for them).
     pub window_rows: u64,
+    /// Over windows: each worker's rows applied as its push arrives (plain SGD added by
+    /// `MPI_Accumulate`) instead of every worker's step summed and applied once. Over
+    /// messages the rows are always applied as they arrive.
+    pub asynchronous: bool,
 }
 
 impl Default for HybridConfig {
@@ -54,6 +59,7 @@ impl Default for HybridConfig {
             peer_timeout: Duration::from_secs(60),
             transport: PsTransport::P2p,
             window_rows: 1 << 21,
+            asynchronous: false,
         }
     }
 }

@@ -43,6 +43,15 @@ impl SparseOptimizer {
         }
     }
 
+    /// Its name on the command line (`--sparse-optimizer`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            SparseOptimizer::Sgd { .. } => "sgd",
+            SparseOptimizer::Adagrad { .. } => "adagrad",
+            SparseOptimizer::LazyAdam { .. } => "lazy-adam",
+        }
+    }
+
     /// State values per row of `dim` values.
     pub fn state_len(&self, dim: usize) -> usize {
         match self {

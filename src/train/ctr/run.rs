@@ -166,6 +166,7 @@ impl<'d> CtrRun<'d> {
             peer_timeout: cfg.peer_timeout,
             checkpoint_dir: self.cfg.checkpoint_dir.clone(),
             memory: self.memory.clone(),
+            asynchronous: cfg.asynchronous,
         };
         let ran = rma_rows::scope(comm, roles, &rows, |rows| {
             let workers = workers.expect("a worker has the workers' communicator");

@@ -202,19 +202,78 @@ fn over_windows(
     l: &crate::cluster::Layout,
     events: &mut dyn FnMut(&crate::train::events::Event),
 ) -> Option<CtrReport> {
+    let asynchronous = HybridConfig {
+        asynchronous: true,
+        ..hybrid_over_windows()
+    };
     let ran = match mode {
         "hybrid" => run.hybrid(comm, l, &hybrid_over_windows(), events),
+        "hybrid-async" => run.hybrid(comm, l, &asynchronous, events),
         _ => run.ps_over_windows(comm, l, (&PsConfig::default(), 1 << 21), events),
     };
     ran.unwrap()
 }
 
+/// Asynchronous rows over windows: each worker's push is added into the rows as it
+/// arrives. With one worker that is local training's SGD (to rounding), on 1 ps and on
+/// 2; with two, whose reads may miss the other's last push, within 0.01 of local
+/// training's AUC; every ps's report counts the rows the workers made and pushed.
+#[test]
+fn asynchronous_rows_over_windows_train_as_local_training_does() {
+    let data = SyntheticCtr::parse("samples=64000,features=4,rows=500,seed=7").unwrap();
+    let (train, test) = Part::split(&data, 4000);
+    let m = model(&data);
+    let cfg = cfg(150);
+    let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::Sgd { lr: 0.5 });
+    let local = run.local(&mut |_| {}).unwrap().evaluation.unwrap();
+    let (want, want_loss) = (local.auc.unwrap(), local.logloss);
+    for (np, ps, within) in [(2, 1, 1e-3), (3, 2, 1e-3), (3, 1, 0.01), (4, 2, 0.01)] {
+        let l = layout(np, ps);
+        let out = LocalComm::run(np, |comm| {
+            let mut reports = Vec::new();
+            let mut seen = |e: &crate::train::events::Event| {
+                if let crate::train::events::Event::Rows { reports: r, .. } = e {
+                    reports.extend(r.iter().cloned());
+                }
+            };
+            (
+                over_windows(&run, "hybrid-async", &comm, &l, &mut seen),
+                reports,
+            )
+        });
+        let reports: Vec<_> = out.iter().flat_map(|(_, r)| r.clone()).collect();
+        let evals: Vec<CtrEvaluation> = (out.into_iter().filter_map(|(r, _)| r))
+            .filter_map(|r| r.evaluation)
+            .collect();
+        assert_eq!(evals.len(), np - ps, "{np} ranks, {ps} ps");
+        for e in evals {
+            let auc = e.auc.unwrap();
+            assert_eq!((e.step, e.total), (local.step, local.total));
+            assert!(
+                (auc - want).abs() < within && (e.logloss - want_loss).abs() < 10.0 * within,
+                "{np} ranks, {ps} ps: AUC {auc} log loss {}, local {want} {want_loss}",
+                e.logloss
+            );
+        }
+        // Each ps's rows: those of its share that the steps touched, each pushed.
+        assert_eq!(reports.len(), ps, "{reports:?}");
+        for r in &reports {
+            for t in &r.tables {
+                assert!(t.rows > 0 && t.rows <= 500, "{r:?}");
+                assert!(t.pushes >= 150 && t.rows_pushed >= t.rows, "{r:?}");
+            }
+        }
+    }
+}
+
 /// Hybrid and ps training over windows stopped at a checkpoint and resumed from it end
 /// where one uninterrupted run ends: the ps tasks wrote their rows with their optimizer
 /// state (in ps mode beside their dense shards) and put them back into their windows.
+/// Asynchronous (one worker, so that one run is one order of pushes), the rows the ps
+/// tasks read from their windows.
 #[test]
 fn rows_over_windows_resumed_from_a_checkpoint_equal_one_run() {
-    for mode in ["hybrid", "ps"] {
+    for mode in ["hybrid", "ps", "hybrid-async"] {
         resumed_over_windows_equals_one_run(mode);
     }
 }
@@ -225,14 +284,18 @@ fn resumed_over_windows_equals_one_run(mode: &str) {
     let m = model(&data);
     let dir = std::env::temp_dir().join(format!("mpiflow-ctr-rma-{mode}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let l = layout(4, 2);
+    let (l, sparse) = match mode {
+        "hybrid-async" => (layout(3, 2), SparseOptimizer::Sgd { lr: 0.5 }),
+        _ => (layout(4, 2), SparseOptimizer::adagrad(0.2)),
+    };
+    let np = l.ranks.len();
     let run = |steps: u64, dir: Option<&std::path::Path>| {
         let cfg = TrainConfig {
             checkpoint_dir: dir.map(|d| d.to_path_buf()),
             ..cfg(steps)
         };
-        let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::adagrad(0.2));
-        let out = LocalComm::run(4, |comm| {
+        let run = CtrRun::new(&m, (&train, &test), &cfg, sparse);
+        let out = LocalComm::run(np, |comm| {
             let mut restored = Vec::new();
             let mut seen = |e: &crate::train::events::Event| {
                 if let crate::train::events::Event::Restored { step, .. } = e {

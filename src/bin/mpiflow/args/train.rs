@@ -30,7 +30,9 @@ pub(crate) struct TrainArgs {
     /// Synchronous replicas (the default in ps mode).
     #[arg(long, conflicts_with = "async_")]
     pub(crate) sync: bool,
-    /// Asynchronous updates: each push is applied as it arrives.
+    /// Asynchronous updates: each push is applied as it arrives (--mode ps; --mode hybrid
+    /// --transport rma: the embedding rows, plain SGD added by MPI_Accumulate; over
+    /// messages hybrid's rows always are).
     #[arg(long = "async")]
     pub(crate) async_: bool,
     /// How ps-mode workers reach the ps: messages (p2p), or one-sided MPI windows (rma:
@@ -333,7 +335,7 @@ impl TrainArgs {
         use mpiflow::train::ps::PsTransport;
         let d = Self::defaults();
         let own = [
-            ("--async", self.async_, UsedBy::Ps),
+            ("--async", self.async_, UsedBy::PsTasks),
             (
                 "--transport rma",
                 self.transport == PsTransport::Rma,

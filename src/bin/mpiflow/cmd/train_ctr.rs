@@ -263,6 +263,9 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
     let reporter = Reporter::new(args.steps, args.progress, metrics, chief || args.verbose);
     let reporter: report::Shared = std::sync::Arc::new(std::sync::Mutex::new(reporter));
     let mode = match args.mode {
+        Mode::Hybrid if args.transport == PsTransport::Rma && args.async_ => {
+            "hybrid, rows over one-sided windows, async"
+        }
         Mode::Hybrid if args.transport == PsTransport::Rma => "hybrid, rows over one-sided windows",
         Mode::Hybrid => "hybrid",
         _ if args.async_ => "ps, async",
@@ -296,6 +299,7 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
                 peer_timeout: timeout,
                 transport: args.transport,
                 window_rows: args.window_rows,
+                asynchronous: args.async_,
                 ..Default::default()
             };
             run.hybrid(&comm, layout, &cfg, &mut log)

@@ -29,6 +29,18 @@
 //! so a pull holds every update of the steps before it (the same update as local training
 //! on the global batch), and no ps writes a row while a worker reads it.
 //!
+//! **Asynchronous** ([`RowsConfig::asynchronous`]): no step gathers the workers' rows. A
+//! worker that claims a bucket puts the row's initial values into the ps's window, then
+//! marks the bucket applied (a compare-and-swap); a worker that finds a bucket claimed but
+//! not marked waits for the mark (a claim in flight, microseconds). Every row a worker
+//! reads is then in the window, read by gets without waiting for any step, and its push
+//! adds `-lr x gradient` at the rows' places by `MPI_Accumulate` (plain SGD, applied as it
+//! arrives, like the dense one-sided `--async`), counting its push and the rows' report
+//! words on the ps. The ps's CPU works only for a checkpoint: asked for step `s`, it waits
+//! until every worker counted `s` pushes (in hybrid training the others then wait for the
+//! chief's checkpoint), reads its marked buckets and their rows from its own window and
+//! writes them as synchronous rows are written (no optimizer state: SGD has none).
+//!
 //! **Checkpoints**: every rank finds the newest valid checkpoint before the windows open;
 //! each ps restores its rows from it (its buckets filled, marked applied). The chief asks
 //! ps `k` for step `s` by writing `s` into `SAVE_AT`; the ps, holding step `s` (no worker
@@ -112,6 +124,10 @@ pub struct RowsConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// A ps task's share of its node's memory (`None`: unchecked).
     pub memory: Option<Share>,
+    /// Each worker's rows applied as its push arrives, plain SGD added into the ps's
+    /// window by `MPI_Accumulate`, instead of every worker's step summed and applied once
+    /// by the ps with the sparse optimizer (see the module's protocol).
+    pub asynchronous: bool,
 }
 
 impl RowsConfig {
@@ -129,6 +145,19 @@ impl RowsConfig {
             peer_timeout: cfg.peer_timeout,
             checkpoint_dir: cfg.train.checkpoint_dir.clone(),
             memory: None,
+            asynchronous: !cfg.sync,
+        }
+    }
+
+    /// Asynchronous rows' step size (plain SGD: one `MPI_Accumulate` applies it), or why
+    /// these rows cannot be asynchronous.
+    fn async_lr(&self) -> Result<f32, String> {
+        match self.sparse {
+            SparseOptimizer::Sgd { lr } => Ok(lr),
+            other => Err(format!(
+                "--transport rma --async adds each push into the rows with MPI_Accumulate, plain SGD: use --sparse-optimizer sgd, or --sync (not {})",
+                other.name()
+            )),
         }
     }
 }
@@ -399,6 +428,10 @@ where
     C::Window<i64>: 'static,
 {
     let me = comm.rank();
+    if cfg.asynchronous {
+        // The same verdict on every rank, before any collective.
+        cfg.async_lr().map_err(PsError::Setup)?;
+    }
     // Every rank finds the same one: the directory does not change before training.
     let restored = match cfg.checkpoint_dir.as_deref() {
         Some(dir) => {

@@ -29,6 +29,9 @@ pub(in crate::train::ps::rma) struct Serving {
     last: ([i64; 8], Instant),
     /// The bytes the windows take (beside the tables).
     window_bytes: u64,
+    /// Asynchronous: the checkpoint step asked for that not every worker has pushed yet,
+    /// and since when.
+    asked: Option<(u64, Instant)>,
 }
 
 impl Serving {
@@ -42,9 +45,7 @@ impl Serving {
         restored: Option<&Found>,
         windows: &mut Windows<C>,
     ) -> Result<Serving, PsError> {
-        let mut tables: Vec<Table> = (cfg.tables.iter())
-            .map(|s| Table::new(s.clone(), cfg.seed, cfg.sparse))
-            .collect();
+        let mut tables = fresh_tables(cfg);
         let start = restored.map_or(0, |f| f.step);
         if let Some(found) = restored {
             let (_, files) = checkpoint::open(&found.path)?;
@@ -66,6 +67,7 @@ impl Serving {
             ended: 0,
             last: ([0; 8], Instant::now()),
             window_bytes: lay.bytes(k),
+            asked: None,
         };
         ps.fits(cfg, None).map_err(|(_, e)| PsError::Setup(e))?;
         let mut placed = Ok(());
@@ -79,6 +81,9 @@ impl Serving {
                 ctl[SAVE_AT] = start as i64;
                 for w in 0..lay.nw {
                     ctl[lay.pushed(w)] = start as i64;
+                }
+                for (t, table) in tables.iter().enumerate() {
+                    ctl[lay.stats(t)] = table.len() as i64;
                 }
                 placed = place_rows(lay, k, tables, ctl, &mut buckets);
             })
@@ -97,6 +102,10 @@ impl Serving {
                 }
             })
         };
+        if cfg.asynchronous {
+            // The window holds the rows from now on; the tables are made from it to save.
+            ps.tables = fresh_tables(cfg);
+        }
         Ok(ps)
     }
 
@@ -282,6 +291,84 @@ impl Serving {
         Ok(ids.len())
     }
 
+    /// Asynchronous: checkpoint `asked` (the chief's `SAVE_AT`) written once every worker
+    /// counted that many pushes (the chief's own are in; in hybrid training the others
+    /// then wait for its checkpoint); a worker that has not within the peer timeout of
+    /// the ask is lost.
+    fn save_when_pushed(
+        &mut self,
+        (roles, cfg, lay): (&Roles, &RowsConfig, &Layout),
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
+        asked: u64,
+    ) -> Result<Polled, PsError> {
+        if asked <= self.saved {
+            return Ok(Polled::Idle);
+        }
+        let me = roles.ps[self.k];
+        let mut pushed = vec![0i64; lay.nw];
+        for (w, chunk) in pushed.chunks_mut(8).enumerate() {
+            ctl.read_atomic(me, lay.pushed(8 * w), chunk)?;
+        }
+        let Some(late) = pushed.iter().position(|p| p % PUSHES_ENDED < asked as i64) else {
+            self.asked = None;
+            self.step = asked;
+            self.read_window((cfg, lay, me), data, ctl)?;
+            self.save(cfg, ctl, me)?;
+            self.tables = fresh_tables(cfg);
+            return Ok(Polled::Worked);
+        };
+        let since = match self.asked {
+            Some((step, t)) if step == asked => t,
+            _ => self.asked.insert((asked, Instant::now())).1,
+        };
+        if since.elapsed() <= cfg.peer_timeout {
+            return Ok(Polled::Idle);
+        }
+        ctl.compare_and_swap(me, ABORT, 0, ABORT_LOST | late as i64)?;
+        Err(PsError::Lost {
+            task: roles.task(me),
+            lost: format!(
+                "{} (its push of step {asked}, which checkpoint {asked} waits for)",
+                roles.task(roles.workers[late])
+            ),
+            secs: cfg.peer_timeout.as_secs(),
+        })
+    }
+
+    /// Asynchronous: this ps's tables made anew from its window, every marked bucket's
+    /// row (no optimizer state: plain SGD has none). A bucket marked while it is read was
+    /// written before its mark.
+    fn read_window(
+        &mut self,
+        (cfg, lay, me): (&RowsConfig, &Layout, usize),
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
+    ) -> Result<(), PsError> {
+        let k = self.k;
+        for (t, spec) in cfg.tables.iter().enumerate() {
+            let dim = lay.dims[t];
+            let mut words = vec![0i64; lay.buckets[t][k]];
+            ctl.get_into(me, lay.bucket_at[t][k], &mut words)?;
+            let (mut ids, mut offsets) = (Vec::new(), Vec::new());
+            for (b, word) in words.iter().enumerate() {
+                if word & APPLIED != 0 {
+                    ids.push(((word & ID_BITS) - 1) as u64);
+                    offsets.push(lay.values_at[t][k] + b * dim);
+                }
+            }
+            let mut values = vec![0.0f32; ids.len() * dim];
+            let gather = (me, &offsets[..], dim, &mut values[..]);
+            data.gathers(std::iter::once(gather).filter(|g| !g.1.is_empty()))?;
+            let mut table = Table::new(spec.clone(), cfg.seed, cfg.sparse);
+            for (id, row) in ids.iter().zip(values.chunks_exact(dim.max(1))) {
+                (table.insert(*id, row, &[])).map_err(|e| PsError::Setup(e.to_string()))?;
+            }
+            self.tables[t] = table;
+        }
+        Ok(())
+    }
+
     /// Each table's report words: rows held, pushes with rows of it, rows pushed.
     fn stats_words(&self) -> Vec<i64> {
         (self.tables.iter().zip(&self.served))
@@ -315,6 +402,13 @@ impl Serving {
         self.saved = step;
         Ok(())
     }
+}
+
+/// `cfg`'s tables, empty.
+fn fresh_tables(cfg: &RowsConfig) -> Vec<Table> {
+    (cfg.tables.iter())
+        .map(|s| Table::new(s.clone(), cfg.seed, cfg.sparse))
+        .collect()
 }
 
 /// Puts `tables`' rows (restored) into ps `k`'s buckets in `ctl`, marked written; each
@@ -388,6 +482,10 @@ impl<D: Access<f32>, K: Access<i64>> Beside<'_, D, K> {
         ps.ended = words[ENDED];
         if ended >= nw {
             return Ok(Polled::Ended);
+        }
+        if cfg.asynchronous {
+            let asked = words[SAVE_AT] as u64;
+            return ps.save_when_pushed((roles, cfg, lay), self.data, ctl, asked);
         }
         if arrived >= nw {
             ps.apply(roles, cfg, lay, self.data, ctl)?;

@@ -16,6 +16,7 @@ fn config(tables: &[(u64, usize)], rows_per_table: u64, per_push: usize) -> Rows
         peer_timeout: Duration::from_secs(1),
         checkpoint_dir: None,
         memory: None,
+        asynchronous: false,
     }
 }
 

@@ -95,10 +95,14 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         self.start + self.pushes.get()
     }
 
-    /// Waits until every ps published the steps this worker pushed; a ps's `ABORT` ends
-    /// the wait with its reason.
+    /// Waits until every ps published the steps this worker pushed (asynchronous: no ps
+    /// publishes steps, every push is in when it returns); a ps's `ABORT` ends the wait
+    /// with its reason.
     fn wait_published(&self) -> Result<(), PsError> {
-        let due = self.due() as i64;
+        let due = match self.cfg.asynchronous {
+            true => i64::MIN,
+            false => self.due() as i64,
+        };
         for k in 0..self.lay.nps {
             let rank = self.roles.ps[k];
             // STEP, ABORT and SAVED (a ps writing a checkpoint counts it down: a sign of
@@ -130,8 +134,20 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
 
     /// Where each of `looks`' rows is: known and fresh rows at once, the others by
     /// rounds of compare-and-swaps (`make`: an empty bucket is claimed for the row).
+    /// Asynchronous, where `make`: every row found is written (see [`RmaRows::settle`]).
     fn find(&self, looks: &mut [Look], make: bool) -> Result<Vec<Found>, PsError> {
-        let mut found = vec![None; looks.len()];
+        let (mut found, claimed) = self.probe(looks, make)?;
+        if self.cfg.asynchronous && make {
+            self.settle(looks, &mut found, &claimed)?;
+        }
+        self.remember(looks, &found);
+        Ok(found)
+    }
+
+    /// [`RmaRows::find`]'s rounds of compare-and-swaps; with what they found, the looks
+    /// whose rows this worker claimed.
+    fn probe(&self, looks: &mut [Look], make: bool) -> Result<(Vec<Found>, Vec<usize>), PsError> {
+        let (mut found, mut claimed) = (vec![None; looks.len()], Vec::new());
         let mut pending = Vec::new();
         {
             let known = self.known.borrow();
@@ -168,6 +184,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
                 let l = &mut looks[*n];
                 if *was == 0 {
                     found[*n] = make.then_some((l.bucket, false));
+                    claimed.extend(make.then_some(*n));
                 } else if was & ID_BITS == l.id as i64 + 1 {
                     found[*n] = Some((l.bucket, was & APPLIED != 0));
                 } else {
@@ -181,8 +198,121 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
             }
             pending = next;
         }
-        self.remember(looks, &found);
-        Ok(found)
+        Ok((found, claimed))
+    }
+
+    /// Asynchronous: the rows this worker `claimed` get their initial values in their ps's
+    /// window, then their buckets' marks, so that every push lands on a written row; rows
+    /// another worker claimed and has not marked yet are waited for. Every row of `found`
+    /// is written after it.
+    fn settle(
+        &self,
+        looks: &[Look],
+        found: &mut [Found],
+        claimed: &[usize],
+    ) -> Result<(), PsError> {
+        let (dims, nt) = (&self.lay.dims, self.lay.tables());
+        if !claimed.is_empty() {
+            let rows: Vec<Vec<f32>> = (claimed.iter().map(|n| &looks[*n]))
+                .map(|l| {
+                    let spec = &self.cfg.tables[l.t];
+                    let mut row = vec![0.0; dims[l.t]];
+                    spec.init.fill(self.cfg.seed, spec, l.id, &mut row);
+                    row
+                })
+                .collect();
+            // A claimed row's bucket is the one its look probed.
+            let at = |l: &Look| self.lay.values_at[l.t][l.k] + l.bucket * dims[l.t];
+            let puts = (claimed.iter().zip(&rows))
+                .map(|(n, row)| (self.roles.ps[looks[*n].k], at(&looks[*n]), &row[..]));
+            // Flushed before the marks: a row is written before any worker finds it so.
+            self.data.puts(puts)?;
+            let mine = claimed.iter().map(|n| (&looks[*n], looks[*n].bucket));
+            let (ops, cmp, swap) = self.marks(mine, true);
+            self.ctl
+                .compare_and_swaps(&ops, &cmp, &swap, &mut vec![0; ops.len()])?;
+            // Each ps's report: the rows it holds.
+            let mut held = vec![0i64; self.lay.nps * nt];
+            claimed
+                .iter()
+                .for_each(|n| held[looks[*n].k * nt + looks[*n].t] += 1);
+            self.add_stats(|k, t| [held[k * nt + t], 0, 0])?;
+        }
+        for n in claimed {
+            found[*n] = Some((looks[*n].bucket, true));
+        }
+        self.await_marks(looks, found)
+    }
+
+    /// The words of rows' buckets (each a look and its bucket), with the word before and
+    /// after the mark where `applied` (else 0 and 0: a read): `(target, offset)`, compare,
+    /// swap.
+    #[allow(clippy::type_complexity)]
+    fn marks<'l>(
+        &self,
+        rows: impl Iterator<Item = (&'l Look, usize)>,
+        applied: bool,
+    ) -> (Vec<(usize, usize)>, Vec<i64>, Vec<i64>) {
+        let (mut ops, mut cmp, mut swap) = (Vec::new(), Vec::new(), Vec::new());
+        for (l, bucket) in rows {
+            let word = l.id as i64 + 1;
+            ops.push((self.roles.ps[l.k], self.lay.bucket_at[l.t][l.k] + bucket));
+            cmp.push(if applied { word } else { 0 });
+            swap.push(if applied { word | APPLIED } else { 0 });
+        }
+        (ops, cmp, swap)
+    }
+
+    /// Asynchronous: waits until every row of `found` that another worker claimed is
+    /// marked written (its claim in flight); the deadline is the peer timeout.
+    fn await_marks(&self, looks: &[Look], found: &mut [Found]) -> Result<(), PsError> {
+        let mut backoff =
+            crate::transport::comm::Backoff::new(std::time::Duration::from_micros(50));
+        let since = std::time::Instant::now();
+        loop {
+            let waiting: Vec<(usize, usize)> = (found.iter().enumerate())
+                .filter_map(|(n, f)| match f {
+                    Some((b, false)) => Some((n, *b)),
+                    _ => None,
+                })
+                .collect();
+            let Some(first) = waiting.first().map(|(n, _)| &looks[*n]) else {
+                return Ok(());
+            };
+            if since.elapsed() > self.cfg.peer_timeout {
+                return Err(self.lost(
+                    first.k,
+                    &format!(
+                        "row {} of table {} claimed by a worker that never wrote it",
+                        first.id, self.cfg.tables[first.t].name
+                    ),
+                ));
+            }
+            // A compare-and-swap of 0 with 0 reads each word atomically.
+            let rows = waiting.iter().map(|(n, b)| (&looks[*n], *b));
+            let (ops, cmp, swap) = self.marks(rows, false);
+            let mut words = vec![0; ops.len()];
+            self.ctl.compare_and_swaps(&ops, &cmp, &swap, &mut words)?;
+            for ((n, b), word) in waiting.iter().zip(&words) {
+                if word & APPLIED != 0 {
+                    found[*n] = Some((*b, true));
+                }
+            }
+            backoff.idle();
+        }
+    }
+
+    /// Adds `words(k, t)` (rows held, pushes, rows pushed) to every ps's report words of
+    /// every table.
+    fn add_stats(&self, words: impl Fn(usize, usize) -> [i64; STATS]) -> Result<(), PsError> {
+        let nt = self.lay.tables();
+        let stats: Vec<Vec<i64>> = (0..self.lay.nps)
+            .map(|k| (0..nt).flat_map(|t| words(k, t)).collect())
+            .collect();
+        let adds = (stats.iter().enumerate())
+            .filter(|(_, s)| s.iter().any(|v| *v != 0))
+            .map(|(k, s)| (self.roles.ps[k], self.lay.stats(0), &s[..]));
+        Ok(self.ctl.accumulates(adds)?)
     }
 
     /// The buckets `found` for `looks`, kept: written rows for good, the others until
@@ -242,8 +372,45 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         }
     }
 
+    /// Asynchronous: adds `-lr x scale x` each row's gradient of `grads` into its ps's
+    /// window, then counts the push and its rows on every ps.
+    fn push_async(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), PsError> {
+        let by = -self.cfg.async_lr().map_err(PsError::Setup)? * scale;
+        let (nps, nt, dims) = (self.lay.nps, self.lay.tables(), &self.lay.dims);
+        let want: Vec<(usize, &[u64])> = grads.iter().map(|(t, g)| (*t, &g.ids[..])).collect();
+        let mut looks = self.looks(&want);
+        let found = self.find(&mut looks, true)?;
+        let mut values = Vec::new();
+        let mut rows = vec![0i64; nps * nt];
+        for l in &looks {
+            let dim = dims[l.t];
+            let g = &grads[l.i].1.values[l.j * dim..(l.j + 1) * dim];
+            values.extend(g.iter().map(|v| v * by));
+            rows[l.k * nt + l.t] += 1;
+        }
+        let mut at = 0;
+        let adds = looks.iter().zip(&found).map(|(l, f)| {
+            let (b, _) = f.expect("a push makes its rows");
+            let dim = dims[l.t];
+            at += dim;
+            let place = self.lay.values_at[l.t][l.k] + b * dim;
+            (self.roles.ps[l.k], place, &values[at - dim..at])
+        });
+        self.data.accumulates(adds)?;
+        self.add_stats(|k, t| [0, i64::from(rows[k * nt + t] > 0), rows[k * nt + t]])?;
+        for k in 0..nps {
+            (self.ctl).fetch_and_add(self.roles.ps[k], self.lay.pushed(self.w), 1)?;
+        }
+        self.pushes.set(self.pushes.get() + 1);
+        self.fresh.borrow_mut().iter_mut().for_each(HashMap::clear);
+        Ok(())
+    }
+
     /// Puts this worker's staged rows of `grads` on every ps and counts its push there.
     fn push(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), PsError> {
+        if self.cfg.asynchronous {
+            return self.push_async(grads, scale);
+        }
         let (nps, nt, w) = (self.lay.nps, self.lay.tables(), self.w);
         let want: Vec<(usize, &[u64])> = grads.iter().map(|(t, g)| (*t, &g.ids[..])).collect();
         let mut looks = self.looks(&want);
