@@ -310,7 +310,8 @@ pub fn run<C: Comm>(
 }
 
 /// One-sided checks (MPI only): windows of different length on every rank, `get` of
-/// every rank's window, `put` to the right neighbour, `accumulate` from every rank,
+/// every rank's window, `put` to the right neighbour, `accumulate` from every rank (whole
+/// and in scattered blocks),
 /// atomic `fetch_and_add` (every returned ticket is unique), `compare_and_swap` (exactly
 /// one winner), a batch of gets, and out-of-range and unknown-rank errors.
 pub fn run_rma(comm: &crate::transport::mpi::MpiComm, rep: &mut Report) -> Result<(), String> {
@@ -388,16 +389,27 @@ pub fn run_rma(comm: &crate::transport::mpi::MpiComm, rep: &mut Report) -> Resul
     }
     {
         let mut ep = sums.lock_all().map_err(|x| e(&x))?;
+        // Then scattered blocks (one indexed accumulate a target): rows 3 and 1 of 2.
+        let (a, b) = ((r + 1) as f64, 10.0 * (r + 1) as f64);
+        let blocks = [a, a, b, b];
         for t in 0..n {
             ep.accumulate_sum(t, 0, &[(r + 1) as f64; 8])
                 .map_err(|x| e(&x))?;
         }
+        ep.batch(|bt| -> Result<(), String> {
+            for t in 0..n {
+                (bt.accumulate_blocks_sum(t, &[6, 2], 2, &blocks)).map_err(|x| e(&x))?;
+            }
+            Ok(())
+        })
+        .map_err(|x| e(&x))??;
         world.barrier();
         // SAFETY: all accumulates were flushed before the barrier; none follow.
         let mine = unsafe { ep.with_local(|m| m.to_vec()) }.map_err(|x| e(&x))?;
-        let want = (n * (n + 1) / 2) as f64;
-        rep.expect(mine == vec![want; 8], || {
-            format!("rma accumulate: {mine:?}, want {want}")
+        let s = (n * (n + 1) / 2) as f64;
+        let want = [s, s, 11.0 * s, 11.0 * s, s, s, 2.0 * s, 2.0 * s];
+        rep.expect(mine == want, || {
+            format!("rma accumulate and indexed accumulate: {mine:?}, want {want:?}")
         });
         drop(ep);
         world.barrier();

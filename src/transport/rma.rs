@@ -644,27 +644,87 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
         block: usize,
         into: &'s mut [T],
     ) -> Result<(), RmaError> {
-        const CALL: &str = "MPI_Get";
-        assert_eq!(into.len(), offsets.len() * block, "a block per offset");
+        let win = self.epoch.win.win;
+        let buf = into.as_mut_ptr();
+        // SAFETY: `into` holds `len` elements and stays borrowed for the whole batch,
+        // which flushes before it ends; `blocks` checked every block against the target's
+        // window and made `dtype` over them.
+        self.blocks(
+            "MPI_Get",
+            target,
+            (offsets, block, into.len()),
+            |len, dtype| unsafe {
+                ffi::MPI_Get(
+                    buf.cast(),
+                    len,
+                    T::datatype(),
+                    target as c_int,
+                    0,
+                    1,
+                    dtype,
+                    win,
+                )
+            },
+        )
+    }
+
+    /// Starts one `MPI_Accumulate` with `MPI_SUM` of `from` into the `block` elements at
+    /// each of `offsets` in `target`'s window (`from` holds them back to back; an indexed
+    /// datatype at the target: one operation, and one lock of the target, for scattered
+    /// rows). The offsets must not overlap.
+    pub fn accumulate_blocks_sum(
+        &self,
+        target: usize,
+        offsets: &[usize],
+        block: usize,
+        from: &'s [T],
+    ) -> Result<(), RmaError> {
+        let win = self.epoch.win.win;
+        let buf = from.as_ptr().cast_mut();
+        let (t, dt) = (target as c_int, T::datatype());
+        // SAFETY: `from` holds `len` elements and stays borrowed (MPI only reads it) until
+        // the batch's flush; `blocks` checked every block against the target's window.
+        self.blocks(
+            "MPI_Accumulate",
+            target,
+            (offsets, block, from.len()),
+            |len, dtype| unsafe {
+                ffi::MPI_Accumulate(buf.cast(), len, dt, t, 0, 1, dtype, ffi::RSMPI_SUM, win)
+            },
+        )
+    }
+
+    /// Runs `op` (an MPI call on `len` elements at the origin and one `dtype` at the
+    /// target, returning its code) with `dtype` the hindexed-block type of the `block`
+    /// elements at each of `offsets` in `target`'s window, each checked against it; `len`
+    /// (the origin's elements) must be a block per offset.
+    fn blocks(
+        &self,
+        call: &'static str,
+        target: usize,
+        (offsets, block, len): (&[usize], usize, usize),
+        op: impl FnOnce(c_int, ffi::MPI_Datatype) -> c_int,
+    ) -> Result<(), RmaError> {
+        assert_eq!(len, offsets.len() * block, "a block per offset");
         if offsets.is_empty() || block == 0 {
             return Ok(());
         }
         let size = std::mem::size_of::<T>();
         let mut displs = Vec::with_capacity(offsets.len());
         for o in offsets {
-            let (_, disp, _) = self.epoch.range(CALL, target, *o, block)?;
+            let (_, disp, _) = self.epoch.range(call, target, *o, block)?;
             displs.push(disp * size as ffi::MPI_Aint);
         }
         let too_many = || RmaError::OutOfRange {
-            call: CALL,
+            call,
             rank: self.epoch.win.rank,
             target,
             offset: 0,
-            end: into.len(),
-            len: into.len(),
+            end: len,
+            len,
         };
         let count = c_int::try_from(offsets.len()).map_err(|_| too_many())?;
-        let len = c_int::try_from(into.len()).map_err(|_| too_many())?;
+        let len = c_int::try_from(len).map_err(|_| too_many())?;
         let block = c_int::try_from(block).map_err(|_| too_many())?;
         let rank = self.epoch.win.rank;
         // SAFETY: an out-parameter filled by MPI.
@@ -683,24 +743,11 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
         // SAFETY: a type just created.
         let rc = unsafe { ffi::MPI_Type_commit(&mut dtype) };
         check("MPI_Type_commit", rank, rc)?;
-        // SAFETY: `into` holds `len` elements and stays borrowed for the whole batch, which
-        // flushes before it ends; every block was checked against the target's window.
-        let rc = unsafe {
-            ffi::MPI_Get(
-                into.as_mut_ptr().cast(),
-                len,
-                T::datatype(),
-                target as c_int,
-                0,
-                1,
-                dtype,
-                self.epoch.win.win,
-            )
-        };
+        let rc = op(len, dtype);
         // Freeing a type an operation in flight uses is allowed: MPI keeps it until done.
         // SAFETY: the type is ours, committed above.
         let freed = unsafe { ffi::MPI_Type_free(&mut dtype) };
-        check(CALL, rank, rc)?;
+        check(call, rank, rc)?;
         check("MPI_Type_free", rank, freed)?;
         self.started(target);
         Ok(())

@@ -82,6 +82,26 @@ pub trait Access<T: RmaType> {
         Ok(())
     }
 
+    /// Several scattered accumulates (`MPI_SUM`) started together, `(target, offsets,
+    /// block, values)`: `values` holds a block for each of `offsets` back to back, added
+    /// to the `block` elements there (one operation each where the transport has indexed
+    /// datatypes). A call's offsets must not overlap.
+    fn accumulate_blocks<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, &'b [usize], usize, &'b [T])>,
+    ) -> Result<(), RmaError> {
+        self.accumulates(
+            ops.into_iter()
+                .flat_map(|(target, offsets, block, values)| {
+                    let rows = values.chunks_exact(block.max(1));
+                    offsets
+                        .iter()
+                        .zip(rows)
+                        .map(move |(o, row)| (target, *o, row))
+                }),
+        )
+    }
+
     /// Several compare-and-swaps started together: `ops[i]` (a target and an offset)
     /// becomes `swap[i]` where it equals `compare[i]`; `old[i]` receives it before. Each
     /// is atomic; they complete in no particular order.
@@ -215,6 +235,18 @@ impl<T: RmaType> Access<T> for Opened<'_, T> {
         self.epoch.batch(|b| -> Result<(), RmaError> {
             for (target, offsets, block, into) in ops {
                 b.get_blocks_into(target, offsets, block, into)?;
+            }
+            Ok(())
+        })?
+    }
+
+    fn accumulate_blocks<'b>(
+        &self,
+        ops: impl IntoIterator<Item = (usize, &'b [usize], usize, &'b [T])>,
+    ) -> Result<(), RmaError> {
+        self.epoch.batch(|b| -> Result<(), RmaError> {
+            for (target, offsets, block, values) in ops {
+                b.accumulate_blocks_sum(target, offsets, block, values)?;
             }
             Ok(())
         })?

@@ -380,23 +380,20 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         let want: Vec<(usize, &[u64])> = grads.iter().map(|(t, g)| (*t, &g.ids[..])).collect();
         let mut looks = self.looks(&want);
         let found = self.find(&mut looks, true)?;
-        let mut values = Vec::new();
-        let mut rows = vec![0i64; nps * nt];
-        for l in &looks {
-            let dim = dims[l.t];
-            let g = &grads[l.i].1.values[l.j * dim..(l.j + 1) * dim];
-            values.extend(g.iter().map(|v| v * by));
-            rows[l.k * nt + l.t] += 1;
+        // Per ps and table: the rows' places and their scaled gradients, one accumulate.
+        let mut offsets = vec![Vec::<usize>::new(); nps * nt];
+        let mut values = vec![Vec::<f32>::new(); nps * nt];
+        for (l, f) in looks.iter().zip(&found) {
+            let ((b, _), dim, g) = (f.expect("a push makes its rows"), dims[l.t], l.k * nt + l.t);
+            offsets[g].push(self.lay.values_at[l.t][l.k] + b * dim);
+            let row = &grads[l.i].1.values[l.j * dim..(l.j + 1) * dim];
+            values[g].extend(row.iter().map(|v| v * by));
         }
-        let mut at = 0;
-        let adds = looks.iter().zip(&found).map(|(l, f)| {
-            let (b, _) = f.expect("a push makes its rows");
-            let dim = dims[l.t];
-            at += dim;
-            let place = self.lay.values_at[l.t][l.k] + b * dim;
-            (self.roles.ps[l.k], place, &values[at - dim..at])
-        });
-        self.data.accumulates(adds)?;
+        let adds = (offsets.iter().zip(&values).enumerate())
+            .filter(|(_, (o, _))| !o.is_empty())
+            .map(|(g, (o, v))| (self.roles.ps[g / nt], &o[..], dims[g % nt], &v[..]));
+        self.data.accumulate_blocks(adds)?;
+        let rows: Vec<i64> = offsets.iter().map(|o| o.len() as i64).collect();
         self.add_stats(|k, t| [0, i64::from(rows[k * nt + t] > 0), rows[k * nt + t]])?;
         for k in 0..nps {
             (self.ctl).fetch_and_add(self.roles.ps[k], self.lay.pushed(self.w), 1)?;
