@@ -210,11 +210,12 @@ impl<'d> CtrRun<'d> {
         self.fit(sess, &dense).map(Some)
     }
 
-    /// Ps training over one-sided windows (`--mode ps --transport rma`, synchronous) on
-    /// this rank of `comm`: the dense variables' shards and the tables' rows (at most
-    /// `window_rows` of a table per ps task) in the ps tasks' windows, each step applied
-    /// once every worker pushed it. Every rank calls it (the windows are allocated by all
-    /// at once). `None` on a ps task.
+    /// Ps training over one-sided windows (`--mode ps --transport rma`) on this rank of
+    /// `comm`: the dense variables' shards and the tables' rows (at most `window_rows` of a
+    /// table per ps task) in the ps tasks' windows; synchronous, each step applied once
+    /// every worker pushed it; asynchronous (plain SGD on both), each worker's push added
+    /// as it arrives. Every rank calls it (the windows are allocated by all at once).
+    /// `None` on a ps task.
     pub fn ps_over_windows<C: Comm>(
         &self,
         comm: &C,

@@ -206,9 +206,14 @@ fn over_windows(
         asynchronous: true,
         ..hybrid_over_windows()
     };
+    let ps_async = PsConfig {
+        sync: false,
+        ..PsConfig::default()
+    };
     let ran = match mode {
         "hybrid" => run.hybrid(comm, l, &hybrid_over_windows(), events),
         "hybrid-async" => run.hybrid(comm, l, &asynchronous, events),
+        "ps-async" => run.ps_over_windows(comm, l, (&ps_async, 1 << 21), events),
         _ => run.ps_over_windows(comm, l, (&PsConfig::default(), 1 << 21), events),
     };
     ran.unwrap()
@@ -217,51 +222,72 @@ fn over_windows(
 /// Asynchronous rows over windows: each worker's push is added into the rows as it
 /// arrives. With one worker that is local training's SGD (to rounding), on 1 ps and on
 /// 2; with two, whose reads may miss the other's last push, within 0.01 of local
-/// training's AUC; every ps's report counts the rows the workers made and pushed.
+/// training's AUC; every ps's report counts the rows the workers made and pushed. In
+/// hybrid training (the dense layers by allreduce) and in ps training (the dense
+/// variables asynchronous on the ps tasks too, plain SGD).
 #[test]
 fn asynchronous_rows_over_windows_train_as_local_training_does() {
     let data = SyntheticCtr::parse("samples=64000,features=4,rows=500,seed=7").unwrap();
     let (train, test) = Part::split(&data, 4000);
     let m = model(&data);
-    let cfg = cfg(150);
-    let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::Sgd { lr: 0.5 });
-    let local = run.local(&mut |_| {}).unwrap().evaluation.unwrap();
-    let (want, want_loss) = (local.auc.unwrap(), local.logloss);
-    for (np, ps, within) in [(2, 1, 1e-3), (3, 2, 1e-3), (3, 1, 0.01), (4, 2, 0.01)] {
-        let l = layout(np, ps);
-        let out = LocalComm::run(np, |comm| {
-            let mut reports = Vec::new();
-            let mut seen = |e: &crate::train::events::Event| {
-                if let crate::train::events::Event::Rows { reports: r, .. } = e {
-                    reports.extend(r.iter().cloned());
-                }
-            };
-            (
-                over_windows(&run, "hybrid-async", &comm, &l, &mut seen),
-                reports,
-            )
-        });
-        let reports: Vec<_> = out.iter().flat_map(|(_, r)| r.clone()).collect();
-        let evals: Vec<CtrEvaluation> = (out.into_iter().filter_map(|(r, _)| r))
-            .filter_map(|r| r.evaluation)
-            .collect();
-        assert_eq!(evals.len(), np - ps, "{np} ranks, {ps} ps");
-        for e in evals {
-            let auc = e.auc.unwrap();
-            assert_eq!((e.step, e.total), (local.step, local.total));
-            assert!(
-                (auc - want).abs() < within && (e.logloss - want_loss).abs() < 10.0 * within,
-                "{np} ranks, {ps} ps: AUC {auc} log loss {}, local {want} {want_loss}",
-                e.logloss
-            );
+    let sgd = TrainConfig {
+        optimizer: Optimizer::new(OptimizerKind::Sgd, 0.1),
+        ..cfg(150)
+    };
+    for (mode, cfg) in [("hybrid-async", cfg(150)), ("ps-async", sgd)] {
+        let run = CtrRun::new(&m, (&train, &test), &cfg, SparseOptimizer::Sgd { lr: 0.5 });
+        let local = run.local(&mut |_| {}).unwrap().evaluation.unwrap();
+        for (np, ps, within) in [(2, 1, 1e-3), (3, 2, 1e-3), (3, 1, 0.01), (4, 2, 0.01)] {
+            trains_as_local_training_does(&run, mode, layout(np, ps), (&local, within));
         }
-        // Each ps's rows: those of its share that the steps touched, each pushed.
-        assert_eq!(reports.len(), ps, "{reports:?}");
-        for r in &reports {
-            for t in &r.tables {
-                assert!(t.rows > 0 && t.rows <= 500, "{r:?}");
-                assert!(t.pushes >= 150 && t.rows_pushed >= t.rows, "{r:?}");
+    }
+}
+
+/// `run` in `mode` on `l` ends within `within` of `local`'s AUC (ten times that of its log
+/// loss), and the chief's report of the rows counts what the workers made and pushed.
+fn trains_as_local_training_does(
+    run: &CtrRun<'_>,
+    mode: &str,
+    l: crate::cluster::Layout,
+    (local, within): (&CtrEvaluation, f64),
+) {
+    let (np, ps) = (l.ranks.len(), l.spec.num_tasks("ps").unwrap());
+    let out = LocalComm::run(np, |comm| {
+        let mut reports = Vec::new();
+        let mut seen = |e: &crate::train::events::Event| {
+            if let crate::train::events::Event::Rows { reports: r, .. } = e {
+                reports.extend(r.iter().cloned());
             }
+        };
+        (over_windows(run, mode, &comm, &l, &mut seen), reports)
+    });
+    let reports: Vec<_> = out.iter().flat_map(|(_, r)| r.clone()).collect();
+    let evals: Vec<CtrEvaluation> = (out.into_iter().filter_map(|(r, _)| r))
+        .filter_map(|r| r.evaluation)
+        .collect();
+    // Hybrid's workers evaluate their shares (summed); the ps mode's chief alone.
+    let evaluating = if mode.starts_with("hybrid") {
+        np - ps
+    } else {
+        1
+    };
+    assert_eq!(evals.len(), evaluating, "{mode}: {np} ranks, {ps} ps");
+    let (want, want_loss) = (local.auc.unwrap(), local.logloss);
+    for e in evals {
+        let auc = e.auc.unwrap();
+        assert_eq!((e.step, e.total), (local.step, local.total));
+        assert!(
+            (auc - want).abs() < within && (e.logloss - want_loss).abs() < 10.0 * within,
+            "{mode}: {np} ranks, {ps} ps: AUC {auc} log loss {}, local {want} {want_loss}",
+            e.logloss
+        );
+    }
+    // Each ps's rows: those of its share that the steps touched, each pushed.
+    assert_eq!(reports.len(), ps, "{reports:?}");
+    for r in &reports {
+        for t in &r.tables {
+            assert!(t.rows > 0 && t.rows <= 500, "{mode}: {r:?}");
+            assert!(t.pushes >= 150 && t.rows_pushed >= t.rows, "{mode}: {r:?}");
         }
     }
 }

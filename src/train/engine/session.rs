@@ -339,7 +339,11 @@ impl<'m, 'e, S: Strategy<'m>> Session<'m, 'e, S> {
         let clock = &mut self.window.clock;
         clock.since_as(Phase::Compute, t, "update", Detail::at(step));
         self.step = next;
-        self.loss = agreed.loss();
+        // A step that trained no sample (an asynchronous worker's claim past the last
+        // step) has no loss to report: the last one stands.
+        if agreed.samples > 0.0 || self.loss.is_nan() {
+            self.loss = agreed.loss();
+        }
         self.window.steps += next.saturating_sub(step);
         self.window.samples += f64::from(agreed.samples);
         self.samples += f64::from(agreed.samples);

@@ -31,8 +31,8 @@ pub(crate) struct TrainArgs {
     #[arg(long, conflicts_with = "async_")]
     pub(crate) sync: bool,
     /// Asynchronous updates: each push is applied as it arrives (--mode ps; --mode hybrid
-    /// --transport rma: the embedding rows, plain SGD added by MPI_Accumulate; over
-    /// messages hybrid's rows always are).
+    /// --transport rma: the embedding rows; over windows, plain SGD added by
+    /// MPI_Accumulate; over messages hybrid's rows always are).
     #[arg(long = "async")]
     pub(crate) async_: bool,
     /// How ps-mode workers reach the ps: messages (p2p), or one-sided MPI windows (rma:

@@ -126,7 +126,15 @@ where
                 let beside = beside.as_mut().map(|b| b as &mut dyn rows::RowsOnPs);
                 ctx.serve_sync(&mut d, &c, state, beside).map(|()| None)
             }
-            (Some(state), _) => ctx.serve_async(state.k, &c).map(|()| None),
+            (Some(state), _) => {
+                ctx.serve_async(state.k, &c)?;
+                // The rows (asynchronous: added by the workers) end as the workers do.
+                let beside = (rows_open.as_mut().zip(serving)).map(|(o, s)| o.beside(s, &roles));
+                match beside {
+                    Some(mut rows) => rows::RowsOnPs::finish(&mut rows).map(|()| None),
+                    None => Ok(None),
+                }
+            }
             (None, Some(w)) => {
                 // Dropped with the strategy on every way out of training, before the
                 // windows are freed: the evaluators then end (and come to the free).

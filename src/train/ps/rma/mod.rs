@@ -285,9 +285,7 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
         ));
     }
     if !cfg.tables.is_empty() && !cfg.sync {
-        return Err(PsError::Setup(
-            "--transport rma applies a step's embedding rows once every worker pushed them: use --sync, or --transport p2p".into(),
-        ));
+        rows::async_lr(&cfg.sparse).map_err(PsError::Setup)?;
     }
     if cfg.train.checkpoint_dir.is_some() && !cfg.sync {
         return Err(PsError::Setup(

@@ -71,12 +71,23 @@ fn async_training_in_process_learns() {
     let mlp = crate::model::mlp(64, &[32], 10).unwrap();
     let mut c = cfg(600, false);
     c.train.optimizer = Optimizer::new(OptimizerKind::Sgd, 0.1);
+    c.train.log_every = 100;
     let events = run_all(3, &layout(3, 1), &mlp, &c);
     let accuracy = events.iter().find_map(|e| match e {
         Event::Accuracy { accuracy, .. } => Some(*accuracy),
         _ => None,
     });
     assert!(accuracy.unwrap() > 0.85, "{events:?}");
+    // Every logged loss is a trained step's: the chief's claim past the last step (the
+    // other worker took it), which trains nothing, does not log a loss of 0.
+    let losses: Vec<f32> = (events.iter())
+        .filter_map(|e| match e {
+            Event::Step(l) => Some(l.loss),
+            _ => None,
+        })
+        .collect();
+    assert!(!losses.is_empty(), "{events:?}");
+    assert!(losses.iter().all(|l| *l > 0.0), "{losses:?}");
 }
 
 #[test]

@@ -528,8 +528,13 @@ impl<C: Comm, D: Access<f32>, K: Access<i64>> Tables for OneSided<'_, C, D, K> {
         self.rows()?.push_tables(grads, scale)
     }
 
+    /// Synchronous: the rows' (every worker's share of the step); asynchronous: each
+    /// worker's push is an update of its own, as its dense gradient is.
     fn push_scale(&self) -> f32 {
-        self.rows.as_ref().map_or(1.0, |r| r.push_scale())
+        match self.rma.cfg.sync {
+            true => self.rows.as_ref().map_or(1.0, |r| r.push_scale()),
+            false => 1.0,
+        }
     }
 
     fn rows_report(&self) -> Result<Vec<RowsReport>, TrainError> {

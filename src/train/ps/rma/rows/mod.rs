@@ -152,13 +152,19 @@ impl RowsConfig {
     /// Asynchronous rows' step size (plain SGD: one `MPI_Accumulate` applies it), or why
     /// these rows cannot be asynchronous.
     fn async_lr(&self) -> Result<f32, String> {
-        match self.sparse {
-            SparseOptimizer::Sgd { lr } => Ok(lr),
-            other => Err(format!(
-                "--transport rma --async adds each push into the rows with MPI_Accumulate, plain SGD: use --sparse-optimizer sgd, or --sync (not {})",
-                other.name()
-            )),
-        }
+        async_lr(&self.sparse)
+    }
+}
+
+/// The step size of asynchronous rows updated by `sparse` (plain SGD: one
+/// `MPI_Accumulate` applies it), or why they cannot be asynchronous.
+pub(in crate::train::ps::rma) fn async_lr(sparse: &SparseOptimizer) -> Result<f32, String> {
+    match sparse {
+        SparseOptimizer::Sgd { lr } => Ok(*lr),
+        other => Err(format!(
+            "--transport rma --async adds each push into the rows with MPI_Accumulate, plain SGD: use --sparse-optimizer sgd, or --sync (not {})",
+            other.name()
+        )),
     }
 }
 
