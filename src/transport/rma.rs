@@ -644,26 +644,16 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
         block: usize,
         into: &'s mut [T],
     ) -> Result<(), RmaError> {
-        let win = self.epoch.win.win;
-        let buf = into.as_mut_ptr();
-        // SAFETY: `into` holds `len` elements and stays borrowed for the whole batch,
-        // which flushes before it ends; `blocks` checked every block against the target's
-        // window and made `dtype` over them.
+        let (win, buf, t) = (self.epoch.win.win, into.as_mut_ptr(), target as c_int);
         self.blocks(
             "MPI_Get",
             target,
             (offsets, block, into.len()),
-            |len, dtype| unsafe {
-                ffi::MPI_Get(
-                    buf.cast(),
-                    len,
-                    T::datatype(),
-                    target as c_int,
-                    0,
-                    1,
-                    dtype,
-                    win,
-                )
+            |len, dtype| {
+                // SAFETY: `into` holds `len` elements and stays borrowed for the whole batch,
+                // which flushes before it ends; `blocks` checked every block against the
+                // target's window and made `dtype` over them.
+                unsafe { ffi::MPI_Get(buf.cast(), len, T::datatype(), t, 0, 1, dtype, win) }
             },
         )
     }
@@ -679,17 +669,23 @@ impl<'s, T: RmaType> Batch<'s, '_, '_, T> {
         block: usize,
         from: &'s [T],
     ) -> Result<(), RmaError> {
-        let win = self.epoch.win.win;
-        let buf = from.as_ptr().cast_mut();
-        let (t, dt) = (target as c_int, T::datatype());
-        // SAFETY: `from` holds `len` elements and stays borrowed (MPI only reads it) until
-        // the batch's flush; `blocks` checked every block against the target's window.
+        let (win, buf, t) = (
+            self.epoch.win.win,
+            from.as_ptr().cast_mut(),
+            target as c_int,
+        );
+        let dt = T::datatype();
         self.blocks(
             "MPI_Accumulate",
             target,
             (offsets, block, from.len()),
-            |len, dtype| unsafe {
-                ffi::MPI_Accumulate(buf.cast(), len, dt, t, 0, 1, dtype, ffi::RSMPI_SUM, win)
+            |len, dtype| {
+                // SAFETY: `from` holds `len` elements and stays borrowed (MPI only reads it)
+                // until the batch's flush; `blocks` checked every block against the target's
+                // window and made `dtype` over them.
+                unsafe {
+                    ffi::MPI_Accumulate(buf.cast(), len, dt, t, 0, 1, dtype, ffi::RSMPI_SUM, win)
+                }
             },
         )
     }
