@@ -365,10 +365,19 @@ pub fn with_rank_when(
     let so_far = || String::from_utf8_lossy(&stdout.lock().unwrap()).into_owned();
     let waiting = std::time::Instant::now();
     while !ready(&so_far()) {
-        assert!(
-            waiting.elapsed() < std::time::Duration::from_secs(60),
-            "the job never got ready to be killed"
-        );
+        if waiting.elapsed() > std::time::Duration::from_secs(60) {
+            // What the job said so far: where it was when it should have been ready.
+            let tail = |text: String| {
+                let skip = text.chars().count().saturating_sub(3000);
+                text.chars().skip(skip).collect::<String>()
+            };
+            let err = String::from_utf8_lossy(&stderr.lock().unwrap()).into_owned();
+            panic!(
+                "the job never got ready to be killed within 60 s\n--- stdout\n{}\n--- stderr\n{}",
+                tail(so_far()),
+                tail(err)
+            );
+        }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let children = |pid: &str| -> Vec<u32> {

@@ -268,6 +268,7 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
         }
         Mode::Hybrid if args.transport == PsTransport::Rma => "hybrid, rows over one-sided windows",
         Mode::Hybrid => "hybrid",
+        _ if args.async_ && args.transport == PsTransport::Rma => "ps, async, one-sided windows",
         _ if args.async_ => "ps, async",
         _ if args.transport == PsTransport::Rma => "ps, sync, one-sided windows",
         _ => "ps, sync",
