@@ -148,12 +148,6 @@ impl RowsConfig {
             asynchronous: !cfg.sync,
         }
     }
-
-    /// Asynchronous rows' step size (plain SGD: one `MPI_Accumulate` applies it), or why
-    /// these rows cannot be asynchronous.
-    fn async_lr(&self) -> Result<f32, String> {
-        async_lr(&self.sparse)
-    }
 }
 
 /// The step size of asynchronous rows updated by `sparse` (plain SGD: one
@@ -436,7 +430,7 @@ where
     let me = comm.rank();
     if cfg.asynchronous {
         // The same verdict on every rank, before any collective.
-        cfg.async_lr().map_err(PsError::Setup)?;
+        async_lr(&cfg.sparse).map_err(PsError::Setup)?;
     }
     // Every rank finds the same one: the directory does not change before training.
     let restored = match cfg.checkpoint_dir.as_deref() {

@@ -135,14 +135,11 @@ impl Serving {
         me: usize,
         (kind, ended): (i64, bool),
     ) -> Result<Option<usize>, PsError> {
-        for w in 0..lay.nw {
-            let word = ctl.fetch_and_add(me, lay.pushed(w), 0)?;
-            if word % PUSHES_ENDED <= self.step as i64 && (!ended || word >= PUSHES_ENDED) {
-                ctl.compare_and_swap(me, ABORT, 0, kind | w as i64)?;
-                return Ok(Some(w));
-            }
+        let late = behind(lay, ctl, me, self.step, ended)?;
+        if let Some(w) = late {
+            ctl.compare_and_swap(me, ABORT, 0, kind | w as i64)?;
         }
-        Ok(None)
+        Ok(late)
     }
 
     /// Every worker ended (`ended`: their `ENDED` word): a failure one had alone, the
@@ -306,11 +303,7 @@ impl Serving {
             return Ok(Polled::Idle);
         }
         let me = roles.ps[self.k];
-        let mut pushed = vec![0i64; lay.nw];
-        for (w, chunk) in pushed.chunks_mut(8).enumerate() {
-            ctl.read_atomic(me, lay.pushed(8 * w), chunk)?;
-        }
-        let Some(late) = pushed.iter().position(|p| p % PUSHES_ENDED < asked as i64) else {
+        let Some(late) = behind(lay, ctl, me, asked - 1, false)? else {
             self.asked = None;
             self.step = asked;
             self.read_window((cfg, lay, me), data, ctl)?;
@@ -402,6 +395,24 @@ impl Serving {
         self.saved = step;
         Ok(())
     }
+}
+
+/// The first worker whose pushes on ps rank `me` have not reached step `step` (counted
+/// `step` or fewer; `ended`: only one that ended).
+fn behind(
+    lay: &Layout,
+    ctl: &impl Access<i64>,
+    me: usize,
+    step: u64,
+    ended: bool,
+) -> Result<Option<usize>, PsError> {
+    for w in 0..lay.nw {
+        let word = ctl.fetch_and_add(me, lay.pushed(w), 0)?;
+        if word % PUSHES_ENDED <= step as i64 && (!ended || word >= PUSHES_ENDED) {
+            return Ok(Some(w));
+        }
+    }
+    Ok(None)
 }
 
 /// `cfg`'s tables, empty.

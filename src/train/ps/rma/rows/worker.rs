@@ -375,7 +375,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
     /// Asynchronous: adds `-lr x scale x` each row's gradient of `grads` into its ps's
     /// window, then counts the push and its rows on every ps.
     fn push_async(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), PsError> {
-        let by = -self.cfg.async_lr().map_err(PsError::Setup)? * scale;
+        let by = -async_lr(&self.cfg.sparse).map_err(PsError::Setup)? * scale;
         let (nps, nt, dims) = (self.lay.nps, self.lay.tables(), &self.lay.dims);
         let want: Vec<(usize, &[u64])> = grads.iter().map(|(t, g)| (*t, &g.ids[..])).collect();
         let mut looks = self.looks(&want);
