@@ -53,6 +53,14 @@ fn last_auc(path: &Path) -> f64 {
         .unwrap_or_else(|| panic!("no AUC in {}: {records:?}", path.display()))
 }
 
+/// RUN with plain SGD's learning rate for the dense layers: SGD takes a larger step than
+/// RUN's Adam.
+fn sgd_run() -> Vec<&'static str> {
+    (RUN.iter().zip([""].iter().chain(RUN)))
+        .map(|(a, before)| if *before == "--lr" { "0.1" } else { *a })
+        .collect()
+}
+
 /// `mpirun -np N mpiflow RUN --steps STEPS` with `extra` flags.
 fn distributed(np: &str, steps: &str, extra: &[&str]) -> common::Run {
     distributed_from(RUN, np, steps, extra)
@@ -135,10 +143,7 @@ fn asynchronous_rows_over_windows_reach_the_auc_of_local_training() {
     let ps = ["--mode", "ps", "--ps", "1", "--transport", "rma", "--async"];
     let sgd = ["--sparse-optimizer", "sgd"];
     let dense_sgd = ["--sparse-optimizer", "sgd", "--optimizer", "sgd"];
-    // Plain SGD on the dense layers takes a larger step than RUN's Adam.
-    let sgd_run: Vec<&str> = (RUN.iter().zip([""].iter().chain(RUN)))
-        .map(|(a, before)| if *before == "--lr" { "0.1" } else { *a })
-        .collect();
+    let sgd_run = sgd_run();
     for (name, np, flags, optimizers, base) in [
         ("hybrid", "4", &hybrid[..], &sgd[..], RUN),
         ("ps", "3", &ps[..], &dense_sgd[..], &sgd_run[..]),
@@ -192,24 +197,37 @@ fn row_ids(path: &Path) -> BTreeSet<(String, u64)> {
 
 #[test]
 fn a_ps_killed_mid_run_costs_only_the_steps_since_the_checkpoint_and_its_rows_come_back() {
-    for transport in ["p2p", "rma", "rma --async"] {
-        killed_ps_resumes(transport);
+    for (mode, transport) in [
+        ("hybrid", "p2p"),
+        ("hybrid", "rma"),
+        ("hybrid", "rma --async"),
+        ("ps", "rma --async"),
+    ] {
+        killed_ps_resumes(mode, transport);
     }
 }
 
-/// Hybrid training with its rows over `transport` (asynchronous rows over windows: `rma
-/// --async`, with sparse SGD), ps:0 SIGKILLed once a checkpoint is written, then run
-/// again.
-fn killed_ps_resumes(transport: &str) {
-    let dir = tmpdir(&format!("ctr-kill-{}", transport.replace(" --", "-")));
+/// Training in `mode` (hybrid, or ps) with its rows over `transport` (asynchronous rows
+/// over windows: `rma --async`, with sparse SGD; in ps mode the dense variables too),
+/// ps:0 SIGKILLed once a checkpoint is written, then run again.
+fn killed_ps_resumes(mode: &str, transport: &str) {
+    let name = format!("ctr-kill-{mode}-{}", transport.replace(" --", "-"));
+    let dir = tmpdir(&name);
     let ckpt = dir.join("ckpt");
     let (c, metrics) = (ckpt.to_str().unwrap(), dir.join("resumed.csv"));
+    let base = match mode {
+        "ps" => sgd_run(),
+        _ => RUN.to_vec(),
+    };
     let mut args = vec!["-np", "4", mpiflow()];
-    args.extend_from_slice(RUN);
-    let mut flags = vec!["--mode", "hybrid", "--ps", "2", "--transport"];
+    args.extend_from_slice(&base);
+    let mut flags = vec!["--mode", mode, "--ps", "2", "--transport"];
     flags.extend(transport.split(' '));
     if transport.ends_with("--async") {
         flags.extend(["--sparse-optimizer", "sgd"]);
+    }
+    if mode == "ps" {
+        flags.extend(["--optimizer", "sgd"]);
     }
     args.extend_from_slice(&flags);
     args.extend_from_slice(&["--steps", "3000"]);
@@ -231,7 +249,7 @@ fn killed_ps_resumes(transport: &str) {
     let m = metrics.to_str().unwrap();
     let mut extra = flags.to_vec();
     extra.extend_from_slice(&["--checkpoint-dir", c, "--metrics", m]);
-    let run = distributed("4", "3000", &extra);
+    let run = distributed_from(&base, "4", "3000", &extra);
     assert_eq!(run.code, 0, "{run:?}");
     let restored = format!("ckpt-{saved} (global step {saved})");
     assert!(run.stdout.contains(&restored), "{}", run.stdout);
@@ -246,7 +264,7 @@ fn killed_ps_resumes(transport: &str) {
     let after = row_ids(&ckpt.join("ckpt-3000"));
     assert!(
         before.is_subset(&after),
-        "{transport}: rows lost in the restore"
+        "{mode} {transport}: rows lost in the restore"
     );
     assert!(last_auc(&metrics) > 0.8);
 }

@@ -109,16 +109,6 @@ fn rma_refuses_what_it_does_not_implement_with_one_line() {
             &["--replicas-to-aggregate", "2"][..],
             "--replicas-to-aggregate must be 3",
         ),
-        (
-            &[
-                "--async",
-                "--optimizer",
-                "sgd",
-                "--checkpoint-dir",
-                "/tmp/x",
-            ][..],
-            "--transport rma --async does not write checkpoints",
-        ),
     ] {
         let mut args = vec!["--ps", "1"];
         args.extend_from_slice(extra);

@@ -40,6 +40,9 @@ use super::mpi::{error_string, MpiComm};
 /// `OMPI_MCA_osc` to this before `MPI_Init` unless the user set it.
 pub const OSC_WITHOUT_RDMA: &str = "sm,pt2pt";
 
+/// The most elements [`Epoch::read_atomic`] reads in one `MPI_Get_accumulate`.
+pub const ATOMIC_CHUNK: usize = 1 << 16;
+
 /// The RDMA devices of this machine (`/sys/class/infiniband`: InfiniBand, RoCE, iWARP).
 pub fn rdma_devices() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
@@ -428,32 +431,36 @@ impl<'w, T: RmaType> Epoch<'w, T> {
         Ok(old)
     }
 
-    /// `MPI_Get_accumulate` of zeros with `MPI_SUM`: reads `out.len()` (at most 8)
-    /// elements of `target`'s window at `offset`, each atomically (as `fetch_and_add` of 0
-    /// would, in one operation).
+    /// `MPI_Get_accumulate` of zeros with `MPI_SUM`: reads `out.len()` elements of
+    /// `target`'s window at `offset`, each atomically with respect to accumulates landing
+    /// meanwhile (as `fetch_and_add` of 0 would); up to [`ATOMIC_CHUNK`] elements in one
+    /// operation, more in several.
     pub fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError> {
-        let zeros = [T::default(); 8];
-        assert!(out.len() <= zeros.len(), "at most 8 elements read at once");
-        let (t, disp, n) = self.range("MPI_Get_accumulate", target, offset, out.len())?;
-        // SAFETY: `zeros` and `out` hold at least `n` elements and live until the flush
-        // below completes the operation; the range was checked against the target's window.
-        let rc = unsafe {
-            ffi::MPI_Get_accumulate(
-                zeros.as_ptr().cast::<c_void>(),
-                n,
-                T::datatype(),
-                out.as_mut_ptr().cast::<c_void>(),
-                n,
-                T::datatype(),
-                t,
-                disp,
-                n,
-                T::datatype(),
-                ffi::RSMPI_SUM,
-                self.win.win,
-            )
-        };
-        check("MPI_Get_accumulate", self.win.rank, rc)?;
+        let zeros = vec![T::default(); out.len().min(ATOMIC_CHUNK)];
+        for (i, chunk) in out.chunks_mut(ATOMIC_CHUNK).enumerate() {
+            let at = offset + i * ATOMIC_CHUNK;
+            let (t, at, n) = self.range("MPI_Get_accumulate", target, at, chunk.len())?;
+            // SAFETY: `zeros` and `chunk` hold at least `n` elements and live until the
+            // flush below completes the operation; the range was checked against the
+            // target's window.
+            let rc = unsafe {
+                ffi::MPI_Get_accumulate(
+                    zeros.as_ptr().cast::<c_void>(),
+                    n,
+                    T::datatype(),
+                    chunk.as_mut_ptr().cast::<c_void>(),
+                    n,
+                    T::datatype(),
+                    t,
+                    at,
+                    n,
+                    T::datatype(),
+                    ffi::RSMPI_SUM,
+                    self.win.win,
+                )
+            };
+            check("MPI_Get_accumulate", self.win.rank, rc)?;
+        }
         self.flush(target)
     }
 

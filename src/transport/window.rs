@@ -55,7 +55,9 @@ pub trait Access<T: RmaType> {
     /// Adds `value` to one element; returns the element before.
     fn fetch_and_add(&self, target: usize, offset: usize, value: T) -> Result<T, RmaError>;
 
-    /// Reads `out.len()` (at most 8) elements, each atomically, in one operation.
+    /// Reads `out.len()` elements, each atomically with respect to the accumulates and
+    /// atomics landing meanwhile (a few in one operation: a snapshot of words, or of
+    /// parameters others add into).
     fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError>;
 
     /// Replaces one element by `value` if it equals `compare`; returns the element before.

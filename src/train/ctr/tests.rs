@@ -295,11 +295,11 @@ fn trains_as_local_training_does(
 /// Hybrid and ps training over windows stopped at a checkpoint and resumed from it end
 /// where one uninterrupted run ends: the ps tasks wrote their rows with their optimizer
 /// state (in ps mode beside their dense shards) and put them back into their windows.
-/// Asynchronous (one worker, so that one run is one order of pushes), the rows the ps
-/// tasks read from their windows.
+/// Asynchronous (one worker, so that one run is one order of pushes), the rows (and in
+/// ps mode the dense shards) the ps tasks read from their windows.
 #[test]
 fn rows_over_windows_resumed_from_a_checkpoint_equal_one_run() {
-    for mode in ["hybrid", "ps", "hybrid-async"] {
+    for mode in ["hybrid", "ps", "hybrid-async", "ps-async"] {
         resumed_over_windows_equals_one_run(mode);
     }
 }
@@ -311,15 +311,19 @@ fn resumed_over_windows_equals_one_run(mode: &str) {
     let dir = std::env::temp_dir().join(format!("mpiflow-ctr-rma-{mode}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let (l, sparse) = match mode {
-        "hybrid-async" => (layout(3, 2), SparseOptimizer::Sgd { lr: 0.5 }),
+        "hybrid-async" | "ps-async" => (layout(3, 2), SparseOptimizer::Sgd { lr: 0.5 }),
         _ => (layout(4, 2), SparseOptimizer::adagrad(0.2)),
     };
     let np = l.ranks.len();
     let run = |steps: u64, dir: Option<&std::path::Path>| {
-        let cfg = TrainConfig {
+        let mut cfg = TrainConfig {
             checkpoint_dir: dir.map(|d| d.to_path_buf()),
             ..cfg(steps)
         };
+        if mode == "ps-async" {
+            // The dense variables asynchronous on the ps tasks too: plain SGD.
+            cfg.optimizer = Optimizer::new(OptimizerKind::Sgd, 0.1);
+        }
         let run = CtrRun::new(&m, (&train, &test), &cfg, sparse);
         let out = LocalComm::run(np, |comm| {
             let mut restored = Vec::new();

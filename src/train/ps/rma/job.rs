@@ -127,9 +127,11 @@ where
                 ctx.serve_sync(&mut d, &c, state, beside).map(|()| None)
             }
             (Some(state), _) => {
-                ctx.serve_async(state.k, &c)?;
+                let mut beside =
+                    (rows_open.as_mut().zip(serving)).map(|(o, s)| o.beside(s, &roles));
+                let rows = beside.as_mut().map(|b| b as &mut dyn rows::RowsOnPs);
+                ctx.serve_async(&d, &c, &state, rows)?;
                 // The rows (asynchronous: added by the workers) end as the workers do.
-                let beside = (rows_open.as_mut().zip(serving)).map(|(o, s)| o.beside(s, &roles));
                 match beside {
                     Some(mut rows) => rows::RowsOnPs::finish(&mut rows).map(|()| None),
                     None => Ok(None),

@@ -24,7 +24,9 @@
 //!
 //! `--async`: workers claim steps with `fetch_and_add` on ps 0's `STEP`, get the latest
 //! parameters and accumulate `-lr x gradient` into them (plain SGD applied by
-//! `MPI_Accumulate`, element-wise atomic); ps processes only wait for `DONE`.
+//! `MPI_Accumulate`, element-wise atomic); a worker done with the last step adds one to
+//! ps 0's `DONE` (the chief then pulls the final parameters), one that ended to its
+//! `ARRIVALS`. A ps's CPU works only for checkpoints, until every worker ended.
 //!
 //! The workers train in the step loop ([`crate::train::engine::Session`]) over the
 //! `OneSided` strategy (`worker.rs`). Synchronous, a stop rides with the steps: a
@@ -36,13 +38,18 @@
 //! step or end: where some pushed and another ended, that one failed, and the ps tells
 //! the others (`ABORT`: its number, plus `ENDED` where it ended rather than went silent).
 //!
-//! Checkpoints (`--sync`): every ps restores its shard from the newest valid checkpoint
+//! Checkpoints: every ps restores its shard from the newest valid checkpoint
 //! before the windows open. The chief asks for checkpoint `s` (its session's schedule: by
 //! steps or seconds, at a stop and at the end) by writing `s` into every ps's `SAVE_AT`;
 //! each ps, which holds step `s`'s parameters until every worker pushed step `s`, writes
 //! its shard file (parameters and optimizer state, the two-sided ps's format) into the
 //! checkpoint's staging directory while it waits, then its size and checksum and the step
 //! in `ctl`; the chief commits the manifest when every ps has saved that step.
+//! Asynchronous, the chief asks the same way at its own step `s` (a global step: the steps
+//! claimed so far), and each ps writes a snapshot of its window read with atomic gets as
+//! the pushes go on landing (no optimizer state: plain SGD has none). Resumed, the
+//! workers claim from `s`: updates in flight at the snapshot may be in it or done again,
+//! as in any asynchronous ps's checkpoint.
 //!
 //! Every wait has a deadline (`--peer-timeout`): a ps that stops receiving pushes names
 //! the worker that did not push, and leaves its number in `ABORT` so that the workers
@@ -287,12 +294,6 @@ pub fn check_config(cfg: &PsConfig, layout: &Layout) -> Result<(), PsError> {
     if !cfg.tables.is_empty() && !cfg.sync {
         rows::async_lr(&cfg.sparse).map_err(PsError::Setup)?;
     }
-    if cfg.train.checkpoint_dir.is_some() && !cfg.sync {
-        return Err(PsError::Setup(
-            "--transport rma --async does not write checkpoints: use --sync, or --transport p2p"
-                .into(),
-        ));
-    }
     Ok(())
 }
 
@@ -370,9 +371,7 @@ impl Rma<'_> {
         PsError::Stopped(crate::train::Stopped {
             signal: crate::signals::name(signal),
             step,
-            checkpoint: dir
-                .filter(|_| self.cfg.sync)
-                .map(|d| crate::train::checkpoint::path_of(d, step)),
+            checkpoint: dir.map(|d| crate::train::checkpoint::path_of(d, step)),
         })
     }
 

@@ -278,39 +278,80 @@ impl Rma<'_> {
         Ok(())
     }
 
-    /// The async ps: nothing to do per request; wait until every worker is done. A stop
-    /// signal this process gets is announced in ps 0's step counter (every worker's next
-    /// claim sees it).
-    pub(super) fn serve_async(&self, k: usize, ctl: &impl Access<i64>) -> Result<(), PsError> {
-        let ps0 = self.roles.ps[0];
-        let nw = self.roles.workers.len() as i64;
-        let mut announced = false;
-        // Progress is any claimed step or finished worker; done is every worker finished.
+    /// The async ps: nothing to do per request; writes a snapshot of its window for the
+    /// checkpoint the chief asks for, until every worker ended. A stop signal this
+    /// process gets is announced in ps 0's step counter (every worker's next claim sees
+    /// it).
+    pub(super) fn serve_async(
+        &self,
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
+        state: &ShardState,
+        mut rows: Option<&mut dyn RowsOnPs>,
+    ) -> Result<(), PsError> {
+        let (ps0, nw) = (self.roles.ps[0], self.roles.workers.len() as i64);
+        let (mut announced, mut saved) = (false, state.start);
+        // Progress is a claimed step, an ended worker or a checkpoint written; done is
+        // every worker ended (past its last checkpoint and evaluation: twice the timeout,
+        // as a sync ps's ending waits).
         stall::Board::global().idle();
-        let last = wait_until(
+        let last = wait_alive(
             ctl,
-            self.cfg.peer_timeout,
+            self.cfg.peer_timeout * 2,
             || {
                 if let (Some(signal), false) = (crate::signals::stop_requested(), announced) {
                     announce_async_stop(ctl, ps0, signal)?;
                     announced = true;
                 }
-                let step = ctl.fetch_and_add(ps0, STEP, 0)?;
-                Ok((ctl.fetch_and_add(ps0, DONE, 0)? << 48) + (step & ((1 << 48) - 1)))
+                self.snapshot_on_request(data, ctl, state, &mut saved, &mut rows)?;
+                let mut words = [0i64; ARRIVALS + 1];
+                ctl.read_atomic(ps0, STEP, &mut words)?;
+                let step = words[STEP] & ((1 << 48) - 1);
+                Ok(((words[ARRIVALS] << 48) + step, saved as i64))
             },
             |v| v >> 48 >= nw,
             || {
                 self.lost(
-                    self.ps_task(k),
-                    "a worker (no step claimed, none finished)".into(),
+                    self.ps_task(state.k),
+                    "a worker (no step claimed, none ended)".into(),
                 )
             },
         )?;
-        let step = last & ((1 << 48) - 1);
-        if step >= MARK {
+        if last & ((1 << 48) - 1) >= MARK {
             let signal = ctl.fetch_and_add(ps0, STOP, 0)? as i32;
-            return Err(self.stopped(signal, (step % MARK) as u64));
+            return Err(self.stopped(signal, saved));
         }
+        Ok(())
+    }
+
+    /// The async ps: writes its shard of the checkpoint the chief asked for (`SAVE_AT`,
+    /// past `saved`), a snapshot of its window's parameters (and rows) read atomically
+    /// while the workers' pushes go on landing: each element is before or after each push,
+    /// as an asynchronous ps's variables are when TensorFlow saves them.
+    fn snapshot_on_request(
+        &self,
+        data: &impl Access<f32>,
+        ctl: &impl Access<i64>,
+        state: &ShardState,
+        saved: &mut u64,
+        rows: &mut Option<&mut dyn RowsOnPs>,
+    ) -> Result<(), PsError> {
+        let (k, me) = (state.k, self.roles.ps[state.k]);
+        let asked = ctl.fetch_and_add(me, SAVE_AT, 0)? as u64;
+        if asked <= *saved {
+            return Ok(());
+        }
+        let mut params = vec![0.0f32; self.held[k]];
+        data.read_atomic(me, 0, &mut params)?;
+        let mine = self.pieces.iter().filter(|p| p.ps == k);
+        let views: Vec<&[f32]> = mine.map(|p| &params[p.at..p.at + p.len]).collect();
+        let shards = crate::train::ps::shards::arrays;
+        let mut arrays = shards(k, &state.shards, &views, &state.slots, asked);
+        if let Some(r) = rows.as_deref_mut() {
+            arrays.arrays.extend(r.snapshot()?);
+        }
+        self.save_shard(k, ctl, asked, &arrays)?;
+        *saved = asked;
         Ok(())
     }
 }

@@ -91,6 +91,74 @@ fn async_training_in_process_learns() {
 }
 
 #[test]
+fn async_training_checkpoints_snapshots_and_resumes_from_them() {
+    let mlp = crate::model::mlp(64, &[32], 10).unwrap();
+    let dir = std::env::temp_dir().join(format!("mpiflow-rma-async-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // 2 ps tasks, one worker (every global step the chief's: checkpoints on schedule);
+    // variables cut into slices across both.
+    let l = layout(3, 2);
+    let mut c = cfg(300, false);
+    c.train.optimizer = Optimizer::new(OptimizerKind::Sgd, 0.1);
+    c.train.checkpoint_dir = Some(dir.join("ckpt"));
+    c.train.checkpoint_every = 100;
+    c.strategy = placement::Strategy::Partition;
+    c.partition_bytes = 4096;
+    c.train.save_params = Some(dir.join("trained.bin"));
+    run_all(3, &l, &mlp, &c);
+    // A checkpoint every hundred steps, the last written once every worker was done
+    // (the trained parameters).
+    let mut steps: Vec<u64> = (std::fs::read_dir(dir.join("ckpt")).unwrap())
+        .filter_map(|e| {
+            e.unwrap()
+                .file_name()
+                .to_str()?
+                .strip_prefix("ckpt-")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    steps.sort();
+    assert_eq!(steps, [100, 200, 300]);
+    for step in &steps {
+        let found = crate::train::checkpoint::verify(&dir.join(format!("ckpt/ckpt-{step}")));
+        assert_eq!(found.unwrap().step, *step);
+    }
+    // Restored with nothing left to train: the parameters are the trained ones, exactly.
+    c.train.save_params = Some(dir.join("restored.bin"));
+    let events = run_all(3, &l, &mlp, &c);
+    assert!(
+        (events.iter()).any(|e| matches!(e, Event::Restored { step: 300, .. })),
+        "{events:?}"
+    );
+    let read = |f: &str| crate::train::checkpoint::read_file(&dir.join(f), None).unwrap();
+    let (trained, restored) = (read("trained.bin"), read("restored.bin"));
+    for p in Replica::new(&mlp, 0).params {
+        assert_eq!(
+            trained.get(p.name()),
+            restored.get(p.name()),
+            "{}",
+            p.name()
+        );
+    }
+    // Resumed by two workers, training goes on from the global step restored and learns.
+    c.train.steps = 600;
+    let events = run_all(4, &layout(4, 2), &mlp, &c);
+    assert!(
+        (events.iter()).any(|e| matches!(e, Event::Restored { step: 300, .. })),
+        "{events:?}"
+    );
+    let accuracy = events.iter().find_map(|e| match e {
+        Event::Accuracy { accuracy, step, .. } => Some((*accuracy, *step)),
+        _ => None,
+    });
+    let (accuracy, step) = accuracy.unwrap();
+    assert_eq!(step, 600);
+    assert!(accuracy > 0.85, "{accuracy}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn pieces_number_each_ps_from_zero_and_slices_cover_the_tensors() {
     let shards = placement::place(
         &[("a".into(), 10), ("b".into(), 6)],

@@ -262,8 +262,8 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
     }
 
     /// Asynchronous: claims the next global step on ps 0 and, unless the last step is
-    /// passed or a stop announced, gets the newest parameters and accumulates
-    /// `-lr x gradient` into them (plain SGD applied by `MPI_Accumulate`).
+    /// passed or a stop announced, accumulates `-lr x gradient` into the parameters (plain
+    /// SGD applied by `MPI_Accumulate`), then gets the newest for the next step.
     fn async_step(
         &mut self,
         step: u64,
@@ -284,9 +284,9 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
         if self.claimed.1 {
             return Ok(StepWord::asking(signal, false));
         }
-        self.pull()?;
         let (bytes, peer) = self.moved.clone();
-        let t = clock.since_as(Phase::Comm, t, "pull", Detail::moved(s, bytes, &peer));
+        // On the parameters pulled after this worker's last push (or at the start): an
+        // external model's gradients were computed on them before this step began.
         let loss = self.compute(x, y)?;
         let found = crate::train::guard::check_step(s, loss, &self.grads);
         if found.is_err() {
@@ -301,7 +301,10 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> OneSided<'a, C, D, K> {
             // Every worker's next claim sees it (this one's too).
             super::serve::announce_async_stop(ctl, ps0, signal)?;
         }
-        clock.since_as(Phase::Comm, t, "push", Detail::moved(s, bytes, &peer));
+        let t = clock.since_as(Phase::Comm, t, "push", Detail::moved(s, bytes, &peer));
+        // The newest parameters, this push's included, for the next step.
+        self.pull()?;
+        clock.since_as(Phase::Comm, t, "pull", Detail::moved(s, bytes, &peer));
         // At the first step claimed past a logged one.
         let every = rma.cfg.train.log_every;
         if every > 0 && s / every > self.reported / every {
@@ -378,9 +381,10 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
         for e in std::mem::take(&mut self.notes) {
             events(&e);
         }
+        // Asynchronous, another worker may have claimed steps already: the restored one.
         let step = match self.rma.cfg.sync {
             true => (self.ctl.fetch_and_add(self.ps0(), STEP, 0)? % MARK) as u64,
-            false => 0,
+            false => self.restored.unwrap_or(0),
         };
         self.pull()?;
         Ok(Started {
@@ -448,8 +452,9 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
         ))
     }
 
-    /// The chief asks every ps for its shard of `step` (written from its window while the
-    /// workers' pushes of the step gather) and commits the manifest.
+    /// The chief asks every ps for its shard of `step` (synchronous: written from its
+    /// window while the workers' pushes of the step gather; asynchronous: a snapshot of
+    /// its window as pushes land) and commits the manifest.
     fn checkpoint(
         &mut self,
         dir: &Path,
@@ -495,7 +500,11 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
             RowHome::end(rows, &how)?;
         }
         if !self.rma.cfg.sync {
-            return Ok(self.tell_done()?);
+            // Done pushing, then ended: ps 0's `ARRIVALS` counts the workers that ended
+            // (the ps tasks write the chief's checkpoints until all have).
+            self.tell_done()?;
+            self.ctl.fetch_and_add(self.ps0(), ARRIVALS, 1)?;
+            return Ok(());
         }
         for r in &self.rma.roles.ps {
             if let End::Stopped(signal) = how {

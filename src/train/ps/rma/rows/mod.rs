@@ -508,6 +508,9 @@ pub(in crate::train::ps::rma) trait RowsOnPs {
     fn reach(&mut self, step: u64) -> Result<(), PsError>;
     /// The rows' arrays for a checkpoint's shard file.
     fn arrays(&self) -> Vec<(String, Vec<f32>)>;
+    /// Asynchronous: the rows' arrays for a checkpoint's shard file, read from the window
+    /// as the pushes land (a snapshot).
+    fn snapshot(&mut self) -> Result<Vec<(String, Vec<f32>)>, PsError>;
     /// Serves until every worker ended; how they ended.
     fn finish(&mut self) -> Result<(), PsError>;
 }

@@ -330,8 +330,9 @@ impl Serving {
     }
 
     /// Asynchronous: this ps's tables made anew from its window, every marked bucket's
-    /// row (no optimizer state: plain SGD has none). A bucket marked while it is read was
-    /// written before its mark.
+    /// row (no optimizer state: plain SGD has none), read atomically while pushes may
+    /// still land (a snapshot, as an asynchronous ps's checkpoint is). A bucket marked
+    /// when its mark is read was written before its mark.
     fn read_window(
         &mut self,
         (cfg, lay, me): (&RowsConfig, &Layout, usize),
@@ -342,20 +343,24 @@ impl Serving {
         for (t, spec) in cfg.tables.iter().enumerate() {
             let dim = lay.dims[t];
             let mut words = vec![0i64; lay.buckets[t][k]];
-            ctl.get_into(me, lay.bucket_at[t][k], &mut words)?;
-            let (mut ids, mut offsets) = (Vec::new(), Vec::new());
-            for (b, word) in words.iter().enumerate() {
-                if word & APPLIED != 0 {
-                    ids.push(((word & ID_BITS) - 1) as u64);
-                    offsets.push(lay.values_at[t][k] + b * dim);
-                }
-            }
-            let mut values = vec![0.0f32; ids.len() * dim];
-            let gather = (me, &offsets[..], dim, &mut values[..]);
-            data.gathers(std::iter::once(gather).filter(|g| !g.1.is_empty()))?;
+            ctl.read_atomic(me, lay.bucket_at[t][k], &mut words)?;
             let mut table = Table::new(spec.clone(), cfg.seed, cfg.sparse);
-            for (id, row) in ids.iter().zip(values.chunks_exact(dim.max(1))) {
-                (table.insert(*id, row, &[])).map_err(|e| PsError::Setup(e.to_string()))?;
+            // A chunk of buckets at a time, skipping those with no row.
+            let per = (crate::transport::rma::ATOMIC_CHUNK / dim.max(1)).max(1);
+            let mut values = vec![0.0f32; per.min(words.len()) * dim];
+            for (c, marks) in words.chunks(per).enumerate() {
+                if marks.iter().all(|w| w & APPLIED == 0) {
+                    continue;
+                }
+                let values = &mut values[..marks.len() * dim];
+                data.read_atomic(me, lay.values_at[t][k] + c * per * dim, values)?;
+                let rows = marks.iter().zip(values.chunks_exact(dim.max(1)));
+                for (word, row) in rows.filter(|(w, _)| *w & APPLIED != 0) {
+                    let id = ((word & ID_BITS) - 1) as u64;
+                    table
+                        .insert(id, row, &[])
+                        .map_err(|e| PsError::Setup(e.to_string()))?;
+                }
             }
             self.tables[t] = table;
         }
@@ -598,6 +603,15 @@ impl<D: Access<f32>, K: Access<i64>> RowsOnPs for Beside<'_, D, K> {
 
     fn arrays(&self) -> Vec<(String, Vec<f32>)> {
         checkpoint::tables::table_arrays(&self.ps.tables)
+    }
+
+    fn snapshot(&mut self) -> Result<Vec<(String, Vec<f32>)>, PsError> {
+        let me = self.roles.ps[self.ps.k];
+        (self.ps).read_window((self.cfg, self.lay, me), self.data, self.ctl)?;
+        let arrays = self.arrays();
+        // Read anew at each checkpoint: the window holds the rows meanwhile.
+        self.ps.tables = fresh_tables(self.cfg);
+        Ok(arrays)
     }
 
     fn finish(&mut self) -> Result<(), PsError> {
