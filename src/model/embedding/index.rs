@@ -1,6 +1,8 @@
 //! Where each existing row of a [`super::Table`] is: an open-addressing map from row id to
 //! slot, built for a ps serving thousands of random ids per request from tables far
-//! larger than the caches.
+//! larger than the caches; a table of at most [`DENSE_ROWS`] rows instead indexes every id
+//! of the table in an array (8 bytes a row of the table, whether it exists or not: one
+//! load a lookup, no probe).
 //!
 //! Each id goes to its bucket by Fibonacci hashing (one multiply, the top bits), then
 //! probes linearly; a bucket holds the id beside its slot, so a hit reads one cache line.
@@ -8,17 +10,33 @@
 //! ahead of its lookup: a batch's lookups, each a cache miss in a large table, then
 //! overlap instead of following one another (see `Table::pull_into`).
 
-/// A bucket: an id and its slot; `id == EMPTY` for none. Ids are below their table's row
-/// count, so never `u64::MAX`.
+/// The most rows a table indexed by an array may have (its index then takes 8 MiB).
+pub(crate) const DENSE_ROWS: u64 = 1 << 20;
+
+/// An array index's entry of an id: its slot + 1 (0: no row), its pulls.
+#[derive(Debug, Clone, Copy, Default)]
+struct Entry {
+    slot: u32,
+    hits: u32,
+}
+
+/// A bucket: an id, its slot and its pulls (in the bucket's line, which a pull's lookup
+/// has just read, rather than a line of its own); `id == EMPTY` for none. Ids are below
+/// their table's row count, so never `u64::MAX`.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(16))]
 struct Bucket {
     id: u64,
     slot: u32,
+    hits: u32,
 }
 
 const EMPTY: u64 = u64::MAX;
-const VACANT: Bucket = Bucket { id: EMPTY, slot: 0 };
+const VACANT: Bucket = Bucket {
+    id: EMPTY,
+    slot: 0,
+    hits: 0,
+};
 
 /// Row ids to slots. Rows are only ever added (a table never forgets a row).
 #[derive(Debug, Clone, Default)]
@@ -27,12 +45,35 @@ pub(crate) struct RowIndex {
     /// `64 - log2(buckets)`: the hash's top bits pick the bucket.
     shift: u32,
     len: usize,
+    /// A small table's index: an entry per id of the table (the buckets unused).
+    dense: Vec<Entry>,
 }
 
 impl RowIndex {
-    /// The bytes the index takes per row, at most (half full after a growth, at the
-    /// least a quarter: 64 bytes of buckets per row).
+    /// The bytes the map takes per row, at most (half full after a growth, at the least
+    /// a quarter: 64 bytes of buckets per row).
     pub(super) const BYTES_PER_ROW: usize = 4 * std::mem::size_of::<Bucket>();
+
+    /// The index of a table of `rows` rows: an array of them all if they are at most
+    /// [`DENSE_ROWS`], else the map.
+    pub(crate) fn for_rows(rows: u64) -> RowIndex {
+        let dense = match rows <= DENSE_ROWS {
+            true => vec![Entry::default(); rows as usize],
+            false => Vec::new(),
+        };
+        RowIndex {
+            dense,
+            ..RowIndex::default()
+        }
+    }
+
+    /// The bytes the index takes whatever the rows (an array's), and per row made.
+    pub(crate) fn bytes(&self) -> (usize, usize) {
+        match self.dense.is_empty() {
+            true => (0, Self::BYTES_PER_ROW),
+            false => (self.dense.len() * std::mem::size_of::<Entry>(), 0),
+        }
+    }
 
     fn home(&self, id: u64) -> usize {
         (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
@@ -41,6 +82,50 @@ impl RowIndex {
     /// Row `id`'s slot, if the row exists.
     #[inline]
     pub(crate) fn get(&self, id: u64) -> Option<u32> {
+        if !self.dense.is_empty() {
+            let e = self.dense.get(id as usize)?;
+            return e.slot.checked_sub(1);
+        }
+        self.find(id).map(|b| self.buckets[b].slot)
+    }
+
+    /// Row `id`'s slot, its pull counted, if the row exists.
+    #[inline]
+    pub(crate) fn pull(&mut self, id: u64) -> Option<u32> {
+        let (slot, hits) = match self.dense.is_empty() {
+            false => {
+                let e = self.dense.get_mut(id as usize)?;
+                (e.slot.checked_sub(1)?, &mut e.hits)
+            }
+            true => {
+                let b = self.find(id)?;
+                let bucket = &mut self.buckets[b];
+                (bucket.slot, &mut bucket.hits)
+            }
+        };
+        *hits = hits.saturating_add(1);
+        Some(slot)
+    }
+
+    /// Each row's id and pulls, in no order.
+    pub(crate) fn hits(&self) -> Box<dyn Iterator<Item = (u64, u32)> + '_> {
+        match self.dense.is_empty() {
+            true => Box::new(
+                (self.buckets.iter())
+                    .filter(|b| b.id != EMPTY)
+                    .map(|b| (b.id, b.hits)),
+            ),
+            false => Box::new(
+                (self.dense.iter().enumerate())
+                    .filter(|(_, e)| e.slot > 0)
+                    .map(|(id, e)| (id as u64, e.hits)),
+            ),
+        }
+    }
+
+    /// The bucket of row `id`, if the row exists.
+    #[inline]
+    fn find(&self, id: u64) -> Option<usize> {
         if self.len == 0 {
             return None;
         }
@@ -49,7 +134,7 @@ impl RowIndex {
         loop {
             let bucket = &self.buckets[b];
             if bucket.id == id {
-                return Some(bucket.slot);
+                return Some(b);
             }
             if bucket.id == EMPTY {
                 return None;
@@ -62,30 +147,38 @@ impl RowIndex {
     /// has no prefetch instruction).
     #[inline]
     pub(crate) fn prefetch(&self, id: u64) {
-        if self.len == 0 {
+        if self.len == 0 || !self.dense.is_empty() {
             return;
         }
         let at = &self.buckets[self.home(id)];
         prefetch(std::ptr::from_ref(at).cast());
     }
 
-    /// Adds row `id` at `slot`; the row must not be in the index.
-    pub(crate) fn insert(&mut self, id: u64, slot: u32) {
+    /// Adds row `id` at `slot`, pulled `hits` times; the row must not be in the index.
+    pub(crate) fn insert(&mut self, id: u64, slot: u32, hits: u32) {
         debug_assert!(id != EMPTY && self.get(id).is_none());
+        if let Some(e) = self.dense.get_mut(id as usize) {
+            *e = Entry {
+                slot: slot + 1,
+                hits,
+            };
+            self.len += 1;
+            return;
+        }
         if 2 * (self.len + 1) > self.buckets.len() {
             self.grow();
         }
-        self.place(id, slot);
+        self.place(Bucket { id, slot, hits });
         self.len += 1;
     }
 
-    fn place(&mut self, id: u64, slot: u32) {
+    fn place(&mut self, bucket: Bucket) {
         let mask = self.buckets.len() - 1;
-        let mut b = self.home(id);
+        let mut b = self.home(bucket.id);
         while self.buckets[b].id != EMPTY {
             b = (b + 1) & mask;
         }
-        self.buckets[b] = Bucket { id, slot };
+        self.buckets[b] = bucket;
     }
 
     /// Twice the buckets (at least 16), every row placed anew.
@@ -94,7 +187,7 @@ impl RowIndex {
         let old = std::mem::replace(&mut self.buckets, vec![VACANT; n]);
         self.shift = 64 - n.trailing_zeros();
         for b in old.into_iter().filter(|b| b.id != EMPTY) {
-            self.place(b.id, b.slot);
+            self.place(b);
         }
     }
 }
@@ -140,7 +233,7 @@ mod tests {
             let slot = truth.len() as u32;
             if let std::collections::hash_map::Entry::Vacant(e) = truth.entry(id) {
                 e.insert(slot);
-                index.insert(id, slot);
+                index.insert(id, slot, 0);
             }
         }
         assert_eq!(index.len, truth.len());
@@ -152,5 +245,29 @@ mod tests {
             assert_eq!(index.get(id), truth.get(&id).copied(), "row {id}");
         }
         assert_eq!(RowIndex::default().get(5), None);
+    }
+
+    #[test]
+    fn an_array_index_finds_every_row_added_counts_pulls_and_none_other() {
+        let mut index = RowIndex::for_rows(1000);
+        assert_eq!(index.bytes(), (8000, 0));
+        for (slot, id) in [7u64, 0, 999, 500].into_iter().enumerate() {
+            assert_eq!(index.get(id), None);
+            index.insert(id, slot as u32, 1);
+        }
+        assert_eq!(
+            (index.get(7), index.get(0), index.get(999)),
+            (Some(0), Some(1), Some(2))
+        );
+        assert_eq!(
+            (index.get(1), index.get(1000), index.get(u64::MAX - 1)),
+            (None, None, None)
+        );
+        assert_eq!(index.pull(500), Some(3));
+        assert_eq!(index.pull(501), None);
+        let mut hits: Vec<_> = index.hits().collect();
+        hits.sort();
+        assert_eq!(hits, [(0, 1), (7, 1), (500, 2), (999, 1)]);
+        assert_eq!(RowIndex::for_rows(DENSE_ROWS + 1).bytes().0, 0);
     }
 }

@@ -17,6 +17,7 @@
 
 pub mod bag;
 mod index;
+mod lines;
 pub(crate) use index::RowIndex;
 pub mod table;
 

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::index::{self, RowIndex};
+use super::lines::Lines;
 use super::{EmbeddingError, SparseGrad, TableSpec};
 
 /// How a sparse gradient updates its rows; the state is per row and changes only when
@@ -112,12 +113,22 @@ pub struct Table {
     slot: RowIndex,
     /// Each slot's row.
     ids: Vec<u64>,
-    values: Vec<f32>,
-    state: Vec<f32>,
-    /// Each slot's pulls: how hot its row is.
-    hits: Vec<u32>,
+    /// Each slot's values, then its optimizer state, from the start of a cache line.
+    values: Lines,
+    state: Lines,
     /// A request's slots, kept from one request to the next.
     scratch: Vec<u32>,
+    /// Each requester's last pull ([`Table::pull_extend_by`]): a push of the same ids, as
+    /// training's push of the rows it pulled is, finds them without a lookup.
+    recent: Vec<Recent>,
+}
+
+/// A requester's last pull: its ids and their slots (valid for the table's life: rows are
+/// only ever added).
+#[derive(Debug, Clone, Default)]
+struct Recent {
+    ids: Vec<u64>,
+    slots: Vec<u32>,
 }
 
 impl Table {
@@ -128,15 +139,15 @@ impl Table {
     /// `seed`.
     pub fn new(spec: TableSpec, seed: u64, opt: SparseOptimizer) -> Table {
         Table {
+            slot: RowIndex::for_rows(spec.rows),
             spec,
             seed,
             opt,
-            slot: RowIndex::default(),
             ids: Vec::new(),
-            values: Vec::new(),
-            state: Vec::new(),
-            hits: Vec::new(),
+            values: Lines::default(),
+            state: Lines::default(),
             scratch: Vec::new(),
+            recent: Vec::new(),
         }
     }
 
@@ -153,27 +164,24 @@ impl Table {
         self.ids.is_empty()
     }
 
-    /// The bytes the existing rows take with their state and index.
+    /// The bytes the existing rows take with their state and index (a small table's
+    /// array index whatever its rows).
     pub fn bytes(&self) -> usize {
-        self.len() * Table::row_bytes(&self.spec, &self.opt)
+        let (index, per_row) = self.slot.bytes();
+        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
+        index + self.len() * (4 * (d + k) + 8 + per_row)
     }
 
-    /// The bytes one row of `spec` takes here, updated by `opt`: values, optimizer state,
-    /// its id, its pulls and its place in the index.
+    /// The bytes one row of `spec` takes here at most, updated by `opt`: values, optimizer
+    /// state, its id, its pulls and its place in the index.
     pub fn row_bytes(spec: &TableSpec, opt: &SparseOptimizer) -> usize {
-        4 * (spec.dim + opt.state_len(spec.dim)) + 8 + 4 + RowIndex::BYTES_PER_ROW
+        4 * (spec.dim + opt.state_len(spec.dim)) + 8 + RowIndex::BYTES_PER_ROW
     }
 
     /// The `n` rows pulled most often (in this process's life: a restore starts them at
     /// none), with their pulls, most first (ties by id).
     pub fn hottest(&self, n: usize) -> Vec<(u64, u32)> {
-        let mut all: Vec<(u64, u32)> = self
-            .ids
-            .iter()
-            .copied()
-            .zip(self.hits.iter().copied())
-            .filter(|(_, hits)| *hits > 0)
-            .collect();
+        let mut all: Vec<(u64, u32)> = self.slot.hits().filter(|(_, hits)| *hits > 0).collect();
         let n = n.min(all.len());
         if n == 0 {
             return Vec::new();
@@ -185,23 +193,34 @@ impl Table {
         all
     }
 
-    /// Row `id`'s slot, made from the initialiser if the row does not exist.
-    fn slot_of(&mut self, id: u64) -> Result<usize, EmbeddingError> {
-        if let Some(s) = self.slot.get(id) {
-            return Ok(s as usize);
+    /// Row `id`'s slot, made from the initialiser if the row does not exist (`pulled`: its
+    /// pull counted).
+    #[inline]
+    fn slot_of(&mut self, id: u64, pulled: bool) -> Result<usize, EmbeddingError> {
+        let found = match pulled {
+            true => self.slot.pull(id),
+            false => self.slot.get(id),
+        };
+        match found {
+            Some(s) => Ok(s as usize),
+            None => self.make(id, pulled),
         }
+    }
+
+    /// Row `id` made from the initialiser (`pulled`: its first pull counted); its slot.
+    #[cold]
+    fn make(&mut self, id: u64, pulled: bool) -> Result<usize, EmbeddingError> {
         self.spec.check(id)?;
         let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
         let s = self.ids.len();
         self.ids.push(id);
-        self.hits.push(0);
         self.values.resize((s + 1) * d, 0.0);
         self.spec
             .init
             .fill(self.seed, &self.spec, id, &mut self.values[s * d..]);
         self.state.resize((s + 1) * k, 0.0);
         self.opt.initial_state(&mut self.state[s * k..]);
-        self.slot.insert(id, s as u32);
+        self.slot.insert(id, s as u32, u32::from(pulled));
         Ok(s)
     }
 
@@ -229,33 +248,21 @@ impl Table {
     /// The slots of `ids` into `slots`, each row made if it does not exist: one lookup per
     /// id, the bucket of the id [`Self::AHEAD`] places on loaded meanwhile (a batch's
     /// misses overlap instead of following one another).
-    fn slots_into(&mut self, ids: &[u64], slots: &mut Vec<u32>) -> Result<(), EmbeddingError> {
+    fn slots_into(
+        &mut self,
+        ids: &[u64],
+        slots: &mut Vec<u32>,
+        pulled: bool,
+    ) -> Result<(), EmbeddingError> {
         slots.clear();
         slots.reserve(ids.len());
         for (i, id) in ids.iter().enumerate() {
             if let Some(next) = ids.get(i + Self::AHEAD) {
                 self.slot.prefetch(*next);
             }
-            slots.push(self.slot_of(*id)? as u32);
+            slots.push(self.slot_of(*id, pulled)? as u32);
         }
         Ok(())
-    }
-
-    /// Starts loading the row and optimizer state of slot `slots[i + AHEAD / 2]`, if any.
-    #[inline]
-    fn prefetch_slot(&self, slots: &[u32], i: usize) {
-        let Some(s) = slots.get(i + Self::AHEAD / 2) else {
-            return;
-        };
-        let (d, k, s) = (
-            self.spec.dim,
-            self.opt.state_len(self.spec.dim),
-            *s as usize,
-        );
-        index::prefetch_values(&self.values[s * d..(s + 1) * d]);
-        if k > 0 {
-            index::prefetch_values(&self.state[s * k..(s + 1) * k]);
-        }
     }
 
     /// The rows of `ids` into `out` (`ids.len() x dim`, in that order), each made if it
@@ -267,20 +274,55 @@ impl Table {
 
     /// [`Table::pull_into`], the rows appended to what `out` holds.
     pub fn pull_extend(&mut self, ids: &[u64], out: &mut Vec<f32>) -> Result<(), EmbeddingError> {
-        let d = self.spec.dim;
         let mut slots = std::mem::take(&mut self.scratch);
-        let found = self.slots_into(ids, &mut slots);
-        out.reserve(ids.len() * d);
-        if found.is_ok() {
-            for (i, s) in slots.iter().enumerate() {
-                self.prefetch_slot(&slots, i);
-                let s = *s as usize;
-                self.hits[s] = self.hits[s].saturating_add(1);
-                out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
-            }
-        }
+        let found = self.pull_slots(ids, out, &mut slots);
         self.scratch = slots;
         found
+    }
+
+    /// [`Table::pull_extend`] for requester `by` (a worker), whose next
+    /// [`Table::apply_rows_by`] of the same ids then finds their rows without a lookup.
+    pub fn pull_extend_by(
+        &mut self,
+        by: usize,
+        ids: &[u64],
+        out: &mut Vec<f32>,
+    ) -> Result<(), EmbeddingError> {
+        if self.recent.len() <= by {
+            self.recent.resize_with(by + 1, Recent::default);
+        }
+        let mut recent = std::mem::take(&mut self.recent[by]);
+        let found = self.pull_slots(ids, out, &mut recent.slots);
+        recent.ids.clear();
+        if found.is_ok() {
+            recent.ids.extend_from_slice(ids);
+        }
+        self.recent[by] = recent;
+        found
+    }
+
+    /// The rows of `ids` appended to `out` (each made if it does not exist, its pull
+    /// counted), their slots into `slots`: one pass, the bucket of the id
+    /// [`Self::AHEAD`] places on loaded meanwhile.
+    fn pull_slots(
+        &mut self,
+        ids: &[u64],
+        out: &mut Vec<f32>,
+        slots: &mut Vec<u32>,
+    ) -> Result<(), EmbeddingError> {
+        let d = self.spec.dim;
+        slots.clear();
+        slots.reserve(ids.len());
+        out.reserve(ids.len() * d);
+        for (i, id) in ids.iter().enumerate() {
+            if let Some(next) = ids.get(i + Self::AHEAD) {
+                self.slot.prefetch(*next);
+            }
+            let s = self.slot_of(*id, true)?;
+            slots.push(s as u32);
+            out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
+        }
+        Ok(())
     }
 
     /// The rows of `ids` into `out` as [`Table::pull_into`] gives them, without making
@@ -330,34 +372,79 @@ impl Table {
         values: &[f32],
         scale: f32,
     ) -> Result<(), EmbeddingError> {
-        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
-        if values.len() != ids.len() * d {
-            return Err(EmbeddingError::Shape {
-                table: self.spec.name.clone(),
-                what: format!(
-                    "a gradient of {} values for {} rows of {d}",
-                    values.len(),
-                    ids.len()
-                ),
-            });
-        }
+        self.check_gradient(ids, values)?;
         let mut slots = std::mem::take(&mut self.scratch);
-        let found = self.slots_into(ids, &mut slots);
+        let found = self.slots_into(ids, &mut slots, false);
         if found.is_ok() {
-            let mut g = vec![0f32; d];
-            for (i, (s, row)) in slots.iter().zip(values.chunks_exact(d.max(1))).enumerate() {
-                self.prefetch_slot(&slots, i);
-                let s = *s as usize;
-                g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
-                let (w, st) = (
-                    &mut self.values[s * d..(s + 1) * d],
-                    &mut self.state[s * k..(s + 1) * k],
-                );
-                self.opt.apply(w, st, &g);
-            }
+            self.apply_slots(&slots, values, scale);
         }
         self.scratch = slots;
         found
+    }
+
+    /// [`Table::apply_rows`] from requester `by`: where `ids` are those of its last pull
+    /// ([`Table::pull_extend_by`]), their rows are where that pull found them.
+    pub fn apply_rows_by(
+        &mut self,
+        by: usize,
+        ids: &[u64],
+        values: &[f32],
+        scale: f32,
+    ) -> Result<(), EmbeddingError> {
+        if self.recent.get(by).is_none_or(|r| r.ids != ids) {
+            return self.apply_rows(ids, values, scale);
+        }
+        self.check_gradient(ids, values)?;
+        let slots = std::mem::take(&mut self.recent[by].slots);
+        self.apply_slots(&slots, values, scale);
+        self.recent[by].slots = slots;
+        Ok(())
+    }
+
+    /// Why `values` is not a gradient of the rows `ids`, if it is not.
+    fn check_gradient(&self, ids: &[u64], values: &[f32]) -> Result<(), EmbeddingError> {
+        let d = self.spec.dim;
+        if values.len() == ids.len() * d {
+            return Ok(());
+        }
+        Err(EmbeddingError::Shape {
+            table: self.spec.name.clone(),
+            what: format!(
+                "a gradient of {} values for {} rows of {d}",
+                values.len(),
+                ids.len()
+            ),
+        })
+    }
+
+    /// Updates the rows at `slots` by `scale` times their gradient rows `values` (the
+    /// rows are not prefetched: their loads do not depend on one another, and the
+    /// processor overlaps them better without).
+    fn apply_slots(&mut self, slots: &[u32], values: &[f32], scale: f32) {
+        let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
+        let rows = slots.iter().zip(values.chunks_exact(d.max(1)));
+        if let SparseOptimizer::Sgd { lr } = self.opt {
+            // Plain SGD in one pass: no state, no scaled copy of the row (the same
+            // arithmetic as the optimizer's).
+            for (s, g) in rows {
+                let s = *s as usize;
+                let w = &mut self.values[s * d..(s + 1) * d];
+                w.iter_mut()
+                    .zip(g)
+                    .for_each(|(w, g)| *w -= lr * (scale * g));
+            }
+            return;
+        }
+        let mut g = vec![0f32; d];
+        for (s, row) in rows {
+            let s = *s as usize;
+            g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
+            let (w, st) = (
+                &mut self.values[s * d..(s + 1) * d],
+                &mut self.state[s * k..(s + 1) * k],
+            );
+            self.opt.apply(w, st, &g);
+        }
     }
 
     /// Every existing row with its state, in the order rows were made: what a checkpoint
@@ -386,7 +473,7 @@ impl Table {
                 ),
             });
         }
-        let s = self.slot_of(id)?;
+        let s = self.slot_of(id, false)?;
         self.values[s * d..(s + 1) * d].copy_from_slice(values);
         self.state[s * k..(s + 1) * k].copy_from_slice(state);
         Ok(())

@@ -80,19 +80,20 @@ impl<C: Comm> Server<'_, C> {
         largest.map_or(Ok(()), |t| self.row_room(t))
     }
 
-    /// The rows `parts` name (checked to be this ps's) appended to `rows`, part by part
-    /// (`make`: rows that do not exist are made and the pulls counted, else read as their
-    /// initial values).
+    /// The rows `parts` name (checked to be this ps's) appended to `rows`, part by part,
+    /// for worker rank `from` (`make`: rows that do not exist are made and the pulls
+    /// counted, and the worker's push of the same rows will find them where they are;
+    /// else read as their initial values).
     fn gather_rows(
         &mut self,
-        parts: &[RowsPart],
+        (from, parts): (usize, &[RowsPart]),
         make: bool,
         rows: &mut Vec<f32>,
     ) -> Result<(), String> {
         for p in parts {
             let t = &mut self.tables[p.table];
             match make {
-                true => t.pull_extend(&p.ids, rows),
+                true => t.pull_extend_by(from, &p.ids, rows),
                 false => t.read_extend(&p.ids, rows),
             }
             .map_err(|e| e.to_string())?;
@@ -126,7 +127,7 @@ impl<C: Comm> Server<'_, C> {
             .sum();
         let mut message = std::mem::take(&mut self.outbox);
         let head = encode_words(&mut message, &Reply::Rows { values });
-        if let Err(e) = self.gather_rows(parts, make, &mut message) {
+        if let Err(e) = self.gather_rows((from, parts), make, &mut message) {
             self.outbox = message;
             return self.error(from, e);
         }
@@ -176,12 +177,12 @@ impl<C: Comm> Server<'_, C> {
         };
         let applied = match (checked, in_message) {
             (Ok(()), Some(values)) if values.len() == lens.iter().sum::<usize>() => {
-                self.apply_parts(parts, scale, values)
+                self.apply_parts((from, parts), scale, values)
             }
             (Ok(()), _) => {
                 let taken = self.take_payload(from, lens, inline_bytes, Dest::Rows)?;
                 let rows = std::mem::take(&mut self.rows);
-                let applied = taken.and_then(|()| self.apply_parts(parts, scale, &rows));
+                let applied = taken.and_then(|()| self.apply_parts((from, parts), scale, &rows));
                 self.rows = rows;
                 applied
             }
@@ -199,10 +200,11 @@ impl<C: Comm> Server<'_, C> {
         }
     }
 
-    /// Applies the gradient rows `values` to the rows `parts` name, part by part.
+    /// Applies worker rank `from`'s gradient rows `values` to the rows `parts` name, part
+    /// by part.
     fn apply_parts(
         &mut self,
-        parts: &[RowsPart],
+        (from, parts): (usize, &[RowsPart]),
         scale: f32,
         values: &[f32],
     ) -> Result<(), String> {
@@ -219,7 +221,7 @@ impl<C: Comm> Server<'_, C> {
         for p in parts {
             let n = p.ids.len() * self.tables[p.table].spec().dim;
             let t = &mut self.tables[p.table];
-            t.apply_rows(&p.ids, &values[at..at + n], scale)
+            t.apply_rows_by(from, &p.ids, &values[at..at + n], scale)
                 .map_err(|e| e.to_string())?;
             at += n;
             let served = &mut self.served[p.table];

@@ -322,7 +322,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         for (l, f) in looks.iter().zip(found) {
             match f {
                 Some((b, true)) if known[l.t].get(l.id).is_none() => {
-                    known[l.t].insert(l.id, *b as u32);
+                    known[l.t].insert(l.id, *b as u32, 0);
                 }
                 Some((b, false)) => {
                     fresh[l.t].insert(l.id, *b);
@@ -460,7 +460,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
         let mut known = self.known.borrow_mut();
         for (l, f) in looks.iter().zip(&found) {
             if let (Some((b, _)), None) = (f, known[l.t].get(l.id)) {
-                known[l.t].insert(l.id, *b as u32);
+                known[l.t].insert(l.id, *b as u32, 0);
             }
         }
         self.fresh.borrow_mut().iter_mut().for_each(HashMap::clear);

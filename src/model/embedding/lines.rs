@@ -1,0 +1,68 @@
+//! Floats in memory aligned to cache lines: a table's rows of 16 values (64 bytes) each
+//! take one line instead of straddling two, so a row read or updated is one miss, not two.
+
+/// One cache line of floats.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+const PER_LINE: usize = 16;
+
+/// A growable run of floats whose first starts a cache line.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Lines {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl Lines {
+    /// Makes it `len` floats long, new ones `value`.
+    pub(super) fn resize(&mut self, len: usize, value: f32) {
+        let old = self.len;
+        self.lines
+            .resize(len.div_ceil(PER_LINE), Line([0.0; PER_LINE]));
+        self.len = len;
+        if len > old {
+            self[old..].fill(value);
+        }
+    }
+}
+
+impl std::ops::Deref for Lines {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `Line` is `repr(C)` over `[f32; 16]` and 64 bytes long (its alignment),
+        // so the lines are `16 x lines` contiguous, initialised floats, of which `len` are
+        // used (`len <= 16 x lines`, kept by `resize`).
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Lines {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in `deref`; the borrow of `self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), self.len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_of_sixteen_start_lines_and_values_survive_growth() {
+        let mut v = Lines::default();
+        assert!(v.is_empty());
+        for n in 1..100usize {
+            v.resize(n * 16, n as f32);
+            assert_eq!(v.len(), n * 16);
+            assert_eq!(v.as_ptr() as usize % 64, 0);
+            assert!((0..n).all(|r| v[r * 16..(r + 1) * 16].iter().all(|x| *x == (r + 1) as f32)));
+        }
+        v.resize(5, 0.0);
+        assert_eq!(&v[..], &[1.0; 5]);
+        v.resize(7, 2.0);
+        assert_eq!(&v[5..], &[2.0, 2.0]);
+    }
+}
