@@ -46,6 +46,48 @@ impl std::ops::DerefMut for Lines {
     }
 }
 
+/// Appends `row` to `out`: rows of the common widths (8, 16, 32, 64 values) copied by
+/// code of their length, not a call to `memcpy` per row.
+#[inline(always)]
+pub(super) fn append_row(out: &mut Vec<f32>, row: &[f32]) {
+    #[inline(always)]
+    fn fixed<const D: usize>(out: &mut Vec<f32>, row: &[f32]) {
+        let row: &[f32; D] = row.try_into().expect("a row of D values");
+        out.extend_from_slice(row);
+    }
+    match row.len() {
+        8 => fixed::<8>(out, row),
+        16 => fixed::<16>(out, row),
+        32 => fixed::<32>(out, row),
+        64 => fixed::<64>(out, row),
+        _ => out.extend_from_slice(row),
+    }
+}
+
+/// `w -= lr x (scale x g)`, element by element: plain SGD of one row, by code of its
+/// length for the common widths.
+#[inline(always)]
+pub(super) fn sgd_row(w: &mut [f32], g: &[f32], lr: f32, scale: f32) {
+    #[inline(always)]
+    fn fixed<const D: usize>(w: &mut [f32], g: &[f32], lr: f32, scale: f32) {
+        let w: &mut [f32; D] = w.try_into().expect("a row of D values");
+        let g: &[f32; D] = g.try_into().expect("a gradient row of D values");
+        w.iter_mut()
+            .zip(g)
+            .for_each(|(w, g)| *w -= lr * (scale * g));
+    }
+    match w.len() {
+        8 => fixed::<8>(w, g, lr, scale),
+        16 => fixed::<16>(w, g, lr, scale),
+        32 => fixed::<32>(w, g, lr, scale),
+        64 => fixed::<64>(w, g, lr, scale),
+        _ => w
+            .iter_mut()
+            .zip(g)
+            .for_each(|(w, g)| *w -= lr * (scale * g)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,5 +106,18 @@ mod tests {
         assert_eq!(&v[..], &[1.0; 5]);
         v.resize(7, 2.0);
         assert_eq!(&v[5..], &[2.0, 2.0]);
+    }
+
+    #[test]
+    fn rows_of_every_width_are_appended_and_updated_alike() {
+        for d in [1, 8, 15, 16, 32, 33, 64] {
+            let row: Vec<f32> = (0..d).map(|i| i as f32).collect();
+            let mut out = vec![-1.0];
+            append_row(&mut out, &row);
+            assert_eq!(out[1..], row[..], "{d}");
+            let mut w = row.clone();
+            sgd_row(&mut w, &row, 0.5, 2.0);
+            assert!(w.iter().all(|x| *x == 0.0), "{d}: {w:?}");
+        }
     }
 }

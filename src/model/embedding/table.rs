@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::index::{self, RowIndex};
-use super::lines::Lines;
+use super::lines::{self, Lines};
 use super::{EmbeddingError, SparseGrad, TableSpec};
 
 /// How a sparse gradient updates its rows; the state is per row and changes only when
@@ -320,7 +320,7 @@ impl Table {
             }
             let s = self.slot_of(*id, true)?;
             slots.push(s as u32);
-            out.extend_from_slice(&self.values[s * d..(s + 1) * d]);
+            lines::append_row(out, &self.values[s * d..(s + 1) * d]);
         }
         Ok(())
     }
@@ -428,10 +428,7 @@ impl Table {
             // arithmetic as the optimizer's).
             for (s, g) in rows {
                 let s = *s as usize;
-                let w = &mut self.values[s * d..(s + 1) * d];
-                w.iter_mut()
-                    .zip(g)
-                    .for_each(|(w, g)| *w -= lr * (scale * g));
+                lines::sgd_row(&mut self.values[s * d..(s + 1) * d], g, lr, scale);
             }
             return;
         }
