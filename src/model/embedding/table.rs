@@ -303,14 +303,14 @@ impl Table {
 
     /// The rows of `ids` appended to `out` (each made if it does not exist, its pull
     /// counted), their slots into `slots`: one pass, the bucket of the id
-    /// [`Self::AHEAD`] places on loaded meanwhile.
+    /// [`Self::AHEAD`] places on loaded meanwhile. `out` is as it was if a row cannot be.
     fn pull_slots(
         &mut self,
         ids: &[u64],
         out: &mut Vec<f32>,
         slots: &mut Vec<u32>,
     ) -> Result<(), EmbeddingError> {
-        let d = self.spec.dim;
+        let (d, at) = (self.spec.dim, out.len());
         slots.clear();
         slots.reserve(ids.len());
         out.reserve(ids.len() * d);
@@ -318,7 +318,13 @@ impl Table {
             if let Some(next) = ids.get(i + Self::AHEAD) {
                 self.slot.prefetch(*next);
             }
-            let s = self.slot_of(*id, true)?;
+            let s = match self.slot_of(*id, true) {
+                Ok(s) => s,
+                Err(e) => {
+                    out.truncate(at);
+                    return Err(e);
+                }
+            };
             slots.push(s as u32);
             lines::append_row(out, &self.values[s * d..(s + 1) * d]);
         }
@@ -554,6 +560,48 @@ mod tests {
             };
             let got = t.row(2).unwrap()[0];
             assert!((got - want).abs() < 1e-5, "{opt:?}: {got} vs {want}");
+        }
+    }
+
+    /// A push of the rows a requester last pulled (found where its pull found them) and
+    /// any other push (looked up) update a table as pushes to a table that never saw the
+    /// pulls do, with the map index and the array one, SGD and Adagrad; a pull that fails
+    /// leaves its output as it was, and its requester's next push is looked up.
+    #[test]
+    fn pushes_of_the_rows_a_requester_pulled_update_them_as_any_push_does() {
+        for (rows, opt) in [
+            (1000, SparseOptimizer::Sgd { lr: 0.1 }),
+            (1000, SparseOptimizer::adagrad(0.1)),
+            (1 << 30, SparseOptimizer::Sgd { lr: 0.1 }),
+            (1 << 30, SparseOptimizer::adagrad(0.1)),
+        ] {
+            let spec = TableSpec::new("t", rows, 16);
+            let (mut a, mut b) = (Table::new(spec.clone(), 7, opt), Table::new(spec, 7, opt));
+            let ids = [5u64, 999, 3, 77];
+            let (mut out, mut want) = (vec![9.0], Vec::new());
+            a.pull_extend_by(1, &ids, &mut out).unwrap();
+            b.pull_into(&ids, &mut want).unwrap();
+            assert_eq!((out[0], &out[1..]), (9.0, &want[..]));
+            let pushes = [
+                (1, &ids[..], 0.5),
+                (0, &[3, 5][..], 2.0),
+                (1, &[5, 999][..], -1.0),
+            ];
+            for (by, push, v) in pushes {
+                let g = grad(push, 16, v);
+                a.apply_rows_by(by, push, &g.values, 0.5).unwrap();
+                b.apply(&g, 0.5).unwrap();
+            }
+            let mut failed = vec![1.0];
+            assert!(a.pull_extend_by(1, &[8, rows], &mut failed).is_err());
+            assert_eq!(failed, [1.0]);
+            let g = grad(&[8, rows], 16, 1.0);
+            assert!(a.apply_rows_by(1, &[8, rows], &g.values, 1.0).is_err());
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            a.read_into(&[5, 999, 3, 77, 8], &mut got).unwrap();
+            b.read_into(&[5, 999, 3, 77, 8], &mut want).unwrap();
+            assert_eq!(got, want, "{rows} rows, {opt:?}");
+            assert_eq!(a.hottest(2), [(3, 1), (5, 1)]);
         }
     }
 
