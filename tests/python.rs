@@ -170,6 +170,51 @@ fn a_python_session_pulls_and_pushes_embedding_rows_on_the_ps_tasks() {
     }
 }
 
+/// Embedding tables over one-sided windows from a Python session (1 ps, 2 workers, mode
+/// "ps", transport "rma", asynchronous): each worker's own rows moved by exactly its push
+/// (added into the ps's window as it came); an unknown table, a gradient of the wrong
+/// shape and an id beyond the table raise on their worker, whose session goes on to the
+/// last step. A second job restores the last checkpoint and reads each worker's rows as
+/// it left them; synchronous tables over windows are one `ValueError` on every task.
+#[test]
+fn a_python_session_adds_its_rows_into_one_sided_windows_and_resumes() {
+    let tmp = common::tmpdir("py-rows-rma");
+    let d = tmp.join("ckpt");
+    let d = d.to_str().unwrap();
+    let Some(lines) = ranks_of("rows_rma.py", 3, &[d]) else {
+        return;
+    };
+    let workers: Vec<&Value> = lines.iter().filter(|l| l.get("worst").is_some()).collect();
+    assert_eq!(workers.len(), 2, "{lines:?}");
+    for l in &workers {
+        assert!(l["worst"].as_f64().unwrap() < 1e-6, "{l}");
+        assert!(l["moved"].as_f64().unwrap() > 0.1, "{l}");
+        assert_eq!(l["step"].as_u64(), Some(6), "{l}");
+        let e = &l["errors"];
+        let said = |k: &str| e[k].as_str().unwrap_or_default().to_string();
+        assert!(said("table").contains("no embedding table 'nope'"), "{l}");
+        assert!(said("shape").starts_with("ValueError"), "{l}");
+        assert!(
+            said("row").ends_with("is no row of its 1099511627776"),
+            "{l}"
+        );
+    }
+    let resumed = ranks_of("rows_rma.py", 3, &[d, "resume"]).unwrap();
+    let resumed: Vec<&Value> = resumed.iter().filter(|l| l.get("rows").is_some()).collect();
+    assert_eq!(resumed.len(), 2, "{resumed:?}");
+    for l in resumed {
+        let first = workers.iter().find(|w| w["task"] == l["task"]).unwrap();
+        assert_eq!(l["first_step"].as_u64(), Some(6), "{l}");
+        assert_eq!(l["rows"], first["after"], "{l}");
+    }
+    let sync = tmp.join("sync");
+    let refused = ranks_of("rows_rma.py", 3, &[sync.to_str().unwrap(), "sync"]).unwrap();
+    for l in refused {
+        let why = l["refused"].as_str().unwrap_or_default();
+        assert!(why.contains("they need sync=False"), "{l}");
+    }
+}
+
 /// One worker's line of `rows.py` (`first`: the first worker's).
 fn assert_rows_session(l: &Value, first: &Value) {
     assert_eq!(l["shape"], serde_json::json!([5, 3]), "{l}");

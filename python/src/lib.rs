@@ -111,6 +111,9 @@ fn init(
     let fail = |e: &dyn std::fmt::Display| Error::new_err(format!("mpiflow: {e}"));
     // MPI initialised already (mpi4py imported first): its library is used, and left to
     // it to finalise.
+    if comm.is_none() && !Context::mpi_started() {
+        one_sided_env();
+    }
     let (ctx, multiple) = match comm {
         Some(fortran) => Context::adopt_communicator(fortran),
         None => match Context::init_threaded() {
@@ -144,6 +147,24 @@ fn init(
         server: Arc::new(Shared(server)),
     });
     Ok(())
+}
+
+/// Sets what Open MPI reads in `MPI_Init` for one-sided windows, as the command line does
+/// (`mpiflow::transport::stack`): on a machine without an RDMA device its one-sided
+/// components `sm,pt2pt` (its default, `osc rdma`, crashes in `MPI_Compare_and_swap` over
+/// shared memory, which embedding rows over windows use), unless the environment chose.
+/// Called before MPI starts, by the thread that starts it.
+fn one_sided_env() {
+    use mpiflow::transport::stack::{settings, Facts, RdmaStack};
+    let env = std::env::vars().collect();
+    let Ok(chosen) = settings(RdmaStack::Auto, &Facts::detect(), &env) else {
+        return;
+    };
+    for (var, value) in chosen.vars {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, value);
+        }
+    }
 }
 
 /// Finalises MPI (the package calls it at exit); nothing before `init()` or after a first

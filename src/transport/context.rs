@@ -62,6 +62,12 @@ impl Context {
         Context::started(universe.world(), Some(universe))
     }
 
+    /// Whether MPI is initialised already (by this program or another part of it): what
+    /// is to be set before `MPI_Init` reads it must be set before then.
+    pub fn mpi_started() -> bool {
+        mpi::environment::is_initialized()
+    }
+
     /// Initialises MPI asking for `MPI_THREAD_MULTIPLE`; the flag says whether the library
     /// granted it (needed to use communicators from a second thread).
     pub fn init_threaded() -> Result<(Context, bool), InitError> {

@@ -106,12 +106,29 @@ impl Settings {
         })
     }
 
-    /// The tables, on the ps tasks of the ps over messages only (modes ps and hybrid).
+    /// The tables, on the ps tasks (modes ps and hybrid over messages; mode ps over
+    /// one-sided windows asynchronously, where each push is added into the rows as it
+    /// comes: a synchronous step of rows needs every worker's push every step).
     fn tables(&self) -> PyResult<Vec<TableSpec>> {
+        if self.tables.is_empty() {
+            return Ok(Vec::new());
+        }
+        let windows = self.mode == "ps" && self.transport == "rma";
         let on_ps = matches!(self.mode.as_str(), "ps" | "hybrid") && self.transport == "p2p";
-        if !self.tables.is_empty() && !on_ps {
+        if !on_ps && !windows {
             return Err(PyValueError::new_err(
-                "mpiflow: Session: embedding tables need mode=\"ps\" or \"hybrid\" (transport \"p2p\")",
+                "mpiflow: Session: embedding tables need mode=\"ps\" or \"hybrid\" (transport \"p2p\"), or mode=\"ps\" with transport=\"rma\" and sync=False",
+            ));
+        }
+        if windows && (self.sync || self.sparse_optimizer != "sgd") {
+            return Err(PyValueError::new_err(
+                "mpiflow: Session: embedding tables over one-sided windows (transport=\"rma\") are added into by each push as it comes: they need sync=False and sparse_optimizer=\"sgd\" (or transport \"p2p\")",
+            ));
+        }
+        let rdma = !mpiflow::transport::rma::rdma_devices().is_empty();
+        if windows && !rdma && std::env::var_os("OMPI_MCA_osc").is_none() {
+            return Err(PyValueError::new_err(
+                "mpiflow: Session: embedding tables over one-sided windows on a machine without RDMA need Open MPI's osc sm,pt2pt (its default crashes in MPI_Compare_and_swap): MPI was started before mpiflow.init() could choose it; set OMPI_MCA_osc=sm,pt2pt before MPI starts",
             ));
         }
         (self.tables.iter())

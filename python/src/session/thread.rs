@@ -53,7 +53,7 @@ pub(super) enum Rows {
 /// Answers a [`Rows`] request in a session whose strategy has no tables.
 fn no_rows<S>(_: &S, _: Rows) -> Result<Reply, TrainError> {
     Err(TrainError::Usage(
-        "embedding tables need mode=\"ps\" or \"hybrid\" (transport \"p2p\")".into(),
+        "embedding tables need mode=\"ps\" or \"hybrid\"".into(),
     ))
 }
 
@@ -248,7 +248,8 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
                 classes: 1,
                 shape: vec![0],
             };
-            let served = server.one_sided(&model, &ps, &none, |sess| io.drive(Ok(sess), no_rows));
+            let served =
+                server.one_sided(&model, &ps, &none, |sess| io.drive(Ok(sess), table_rows));
             match (served, is_worker) {
                 (Ok(None), _) => io.reply(Reply::Served),
                 // A worker's session told Python how it ended.
