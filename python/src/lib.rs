@@ -155,16 +155,27 @@ fn init(
 /// shared memory, which embedding rows over windows use), unless the environment chose.
 /// Called before MPI starts, by the thread that starts it.
 fn one_sided_env() {
-    use mpiflow::transport::stack::{settings, Facts, RdmaStack};
-    let env = std::env::vars().collect();
-    let Ok(chosen) = settings(RdmaStack::Auto, &Facts::detect(), &env) else {
-        return;
-    };
-    for (var, value) in chosen.vars {
+    for (var, value) in one_sided_vars() {
         if std::env::var_os(var).is_none() {
             std::env::set_var(var, value);
         }
     }
+}
+
+/// What [`one_sided_env`] sets on this machine (nothing with MPICH, with an RDMA device,
+/// or where the environment chose).
+fn one_sided_vars() -> Vec<(&'static str, String)> {
+    use mpiflow::transport::stack::{settings, Facts, RdmaStack};
+    let env = std::env::vars().collect();
+    settings(RdmaStack::Auto, &Facts::detect(), &env).map_or(Vec::new(), |s| s.vars)
+}
+
+/// A variable [`one_sided_env`] would set that the environment lacks (MPI started by
+/// another package before `init()`), with its value.
+pub(crate) fn one_sided_env_missing() -> Option<(&'static str, String)> {
+    one_sided_vars()
+        .into_iter()
+        .find(|(var, _)| std::env::var_os(var).is_none())
 }
 
 /// Finalises MPI (the package calls it at exit); nothing before `init()` or after a first

@@ -436,7 +436,18 @@ impl<'w, T: RmaType> Epoch<'w, T> {
     /// meanwhile (as `fetch_and_add` of 0 would); up to [`ATOMIC_CHUNK`] elements in one
     /// operation, more in several.
     pub fn read_atomic(&self, target: usize, offset: usize, out: &mut [T]) -> Result<(), RmaError> {
-        let zeros = vec![T::default(); out.len().min(ATOMIC_CHUNK)];
+        // A few words (a poll's) from the stack, more from the heap.
+        let (few, many);
+        let zeros: &[T] = match out.len() <= 8 {
+            true => {
+                few = [T::default(); 8];
+                &few
+            }
+            false => {
+                many = vec![T::default(); out.len().min(ATOMIC_CHUNK)];
+                &many
+            }
+        };
         for (i, chunk) in out.chunks_mut(ATOMIC_CHUNK).enumerate() {
             let at = offset + i * ATOMIC_CHUNK;
             let (t, at, n) = self.range("MPI_Get_accumulate", target, at, chunk.len())?;

@@ -125,11 +125,10 @@ impl Settings {
                 "mpiflow: Session: embedding tables over one-sided windows (transport=\"rma\") are added into by each push as it comes: they need sync=False and sparse_optimizer=\"sgd\" (or transport \"p2p\")",
             ));
         }
-        let rdma = !mpiflow::transport::rma::rdma_devices().is_empty();
-        if windows && !rdma && std::env::var_os("OMPI_MCA_osc").is_none() {
-            return Err(PyValueError::new_err(
-                "mpiflow: Session: embedding tables over one-sided windows on a machine without RDMA need Open MPI's osc sm,pt2pt (its default crashes in MPI_Compare_and_swap): MPI was started before mpiflow.init() could choose it; set OMPI_MCA_osc=sm,pt2pt before MPI starts",
-            ));
+        if let Some((var, value)) = windows.then(crate::one_sided_env_missing).flatten() {
+            return Err(PyValueError::new_err(format!(
+                "mpiflow: Session: embedding tables over one-sided windows need {var}={value} on this machine (Open MPI's default crashes in MPI_Compare_and_swap over shared memory): MPI was started before mpiflow.init() could set it; set it before MPI starts"
+            )));
         }
         (self.tables.iter())
             .map(|(name, rows, dim)| match *rows > 0 && *dim > 0 {
