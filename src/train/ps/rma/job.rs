@@ -120,22 +120,15 @@ where
         let mut rows_open = rows.as_mut().map(|job| job.open_windows()).transpose()?;
         let dir = cfg.train.checkpoint_dir.as_deref();
         match (state, roles.worker_index(comm.rank())) {
-            (Some(state), _) if cfg.sync => {
-                let mut beside =
-                    (rows_open.as_mut().zip(serving)).map(|(o, s)| o.beside(s, &roles));
-                let beside = beside.as_mut().map(|b| b as &mut dyn rows::RowsOnPs);
-                ctx.serve_sync(&mut d, &c, state, beside).map(|()| None)
-            }
             (Some(state), _) => {
                 let mut beside =
                     (rows_open.as_mut().zip(serving)).map(|(o, s)| o.beside(s, &roles));
-                let rows = beside.as_mut().map(|b| b as &mut dyn rows::RowsOnPs);
-                ctx.serve_async(&d, &c, &state, rows)?;
-                // The rows (asynchronous: added by the workers) end as the workers do.
-                match beside {
-                    Some(mut rows) => rows::RowsOnPs::finish(&mut rows).map(|()| None),
-                    None => Ok(None),
+                let beside = beside.as_mut().map(|b| b as &mut dyn rows::RowsOnPs);
+                match cfg.sync {
+                    true => ctx.serve_sync(&mut d, &c, state, beside),
+                    false => ctx.serve_async(&d, &c, &state, beside),
                 }
+                .map(|()| None)
             }
             (None, Some(w)) => {
                 // Dropped with the strategy on every way out of training, before the

@@ -210,13 +210,7 @@ impl Rma<'_> {
             |a| a / MARK >= nw,
             || self.lost(self.roles.task(me), "a worker (not ended)".into()),
         )?;
-        // The rows end as the shards do; the shards' verdict (a stop's checkpoint) is said.
-        if let Some(r) = rows.as_deref_mut() {
-            match r.finish() {
-                Ok(()) | Err(PsError::Stopped(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
+        finish_rows(rows.as_deref_mut())?;
         match ctl.fetch_and_add(me, STOPPED_BY, 0)? {
             0 => Ok(()),
             signal => Err(self.stopped(signal as i32, step)),
@@ -279,9 +273,9 @@ impl Rma<'_> {
     }
 
     /// The async ps: nothing to do per request; writes a snapshot of its window for the
-    /// checkpoint the chief asks for, until every worker ended. A stop signal this
-    /// process gets is announced in ps 0's step counter (every worker's next claim sees
-    /// it).
+    /// checkpoint the chief asks for, until every worker ended, then ends `rows` (added
+    /// into by the workers). A stop signal this process gets is announced in ps 0's step
+    /// counter (every worker's next claim sees it).
     pub(super) fn serve_async(
         &self,
         data: &impl Access<f32>,
@@ -317,6 +311,7 @@ impl Rma<'_> {
                 )
             },
         )?;
+        finish_rows(rows)?;
         if last & ((1 << 48) - 1) >= MARK {
             let signal = ctl.fetch_and_add(ps0, STOP, 0)? as i32;
             return Err(self.stopped(signal, saved));
@@ -353,6 +348,15 @@ impl Rma<'_> {
         self.save_shard(k, ctl, asked, &arrays)?;
         *saved = asked;
         Ok(())
+    }
+}
+
+/// The rows served beside the shards (if any) end as the shards do, once every worker
+/// ended; the shards' verdict (a stop's checkpoint) is the one said.
+fn finish_rows<'r>(rows: Option<&mut (dyn RowsOnPs + 'r)>) -> Result<(), PsError> {
+    match rows.map(|r| r.finish()) {
+        None | Some(Ok(()) | Err(PsError::Stopped(_))) => Ok(()),
+        Some(Err(e)) => Err(e),
     }
 }
 
