@@ -1,6 +1,10 @@
 //! A worker's side of the embedding tables on the ps tasks: rows pulled by id and sparse
 //! gradients pushed, each id to the ps that holds its row ([`row_owner`]), every ps asked
 //! in one round (see [`Client::round_then`]).
+//!
+//! With one ps the rows of a pull arrive straight in the caller's buffers (the ps answers
+//! in the order asked); with several each ps's rows arrive in a buffer of the client's,
+//! kept from one round to the next, and are copied to their places.
 
 use super::protocol::{row_owner, Reply, Request, RowsPart};
 use super::worker::{Client, Misfit};
@@ -9,34 +13,50 @@ use crate::model::embedding::{SparseGrad, TableSpec};
 use crate::train::tables::RowsReport;
 use crate::transport::comm::Comm;
 
-/// `ids` split by the ps that holds each: per ps, its ids and their places in `ids`.
-fn by_owner(ids: &[u64], nps: usize) -> (Vec<Vec<u64>>, Vec<Vec<usize>>) {
-    let (mut owned, mut places) = (vec![Vec::new(); nps], vec![Vec::new(); nps]);
-    for (i, id) in ids.iter().enumerate() {
-        let k = row_owner(*id, nps);
-        owned[k].push(*id);
-        places[k].push(i);
-    }
-    (owned, places)
-}
-
-/// One table's part of a pull or push: its index, its rows' width, and per ps the ids it
-/// holds and their places in the caller's list.
-struct Split {
+/// One table's part of a pull or push: its index, its rows' width, its ids in the caller's
+/// order and, where several ps tasks hold them, per ps its ids and their places in the
+/// caller's list.
+struct Split<'a> {
     table: usize,
     dim: usize,
+    ids: &'a [u64],
+    /// `None` with one ps (all its ids, in order).
+    owners: Option<Owners>,
+}
+
+/// Per ps, the ids of a table's part it holds and their places in the caller's list.
+struct Owners {
     owned: Vec<Vec<u64>>,
     places: Vec<Vec<usize>>,
 }
 
-impl Split {
-    fn of(table: usize, dim: usize, ids: &[u64], nps: usize) -> Split {
-        let (owned, places) = by_owner(ids, nps);
+impl<'a> Split<'a> {
+    fn of(table: usize, dim: usize, ids: &'a [u64], nps: usize) -> Split<'a> {
+        let owners = (nps > 1).then(|| {
+            // Each ps's share and some: one allocation per list for an even spread.
+            let cap = ids.len() / nps + ids.len() / (4 * nps) + 16;
+            let mut owned = vec![Vec::with_capacity(cap); nps];
+            let mut places = vec![Vec::with_capacity(cap); nps];
+            for (i, id) in ids.iter().enumerate() {
+                let k = row_owner(*id, nps);
+                owned[k].push(*id);
+                places[k].push(i);
+            }
+            Owners { owned, places }
+        });
         Split {
             table,
             dim,
-            owned,
-            places,
+            ids,
+            owners,
+        }
+    }
+
+    /// Ps `k`'s ids of this table.
+    fn owned(&self, k: usize) -> &[u64] {
+        match &self.owners {
+            Some(o) => &o.owned[k],
+            None => self.ids,
         }
     }
 
@@ -44,35 +64,63 @@ impl Split {
     fn part(&self, k: usize) -> RowsPart {
         RowsPart {
             table: self.table,
-            ids: self.owned[k].clone(),
+            ids: self.owned(k).to_vec(),
         }
     }
 
     /// The floats of ps `k`'s rows of this table.
     fn values(&self, k: usize) -> usize {
-        self.owned[k].len() * self.dim
+        self.owned(k).len() * self.dim
+    }
+
+    /// Ps `k`'s rows of `g` (a gradient of this table's ids) appended to `out`.
+    fn gather(&self, k: usize, g: &SparseGrad, out: &mut Vec<f32>) {
+        match &self.owners {
+            Some(o) => (o.places[k].iter()).for_each(|i| {
+                out.extend_from_slice(g.row(*i, self.dim));
+            }),
+            None => out.extend_from_slice(&g.values),
+        }
     }
 }
 
 /// A table's rows a caller asks for: the table, its rows' width, the ids.
 pub type Wanted<'a> = (usize, usize, &'a [u64]);
 
-/// Rows on their way from the ps tasks: what each ps was asked for, and its rows as they
-/// arrive (all tables' rows of a ps in one reply, part by part).
-struct Pulling {
-    split: Vec<Split>,
+/// Rows on their way from the ps tasks: what each ps was asked for, and where its rows
+/// arrive (all tables' rows of a ps in one reply, part by part): with one ps the callers'
+/// own buffers, taken from them until [`Pulling::finish`]; else one buffer per ps.
+struct Pulling<'a> {
+    split: Vec<Split<'a>>,
     got: Vec<Vec<f32>>,
+    direct: bool,
 }
 
-impl Pulling {
-    fn new(want: &[Wanted<'_>], nps: usize) -> Pulling {
+impl<'a> Pulling<'a> {
+    /// A pull of `want` into `out` (one buffer per table), each ps's rows into one of
+    /// `spare` where several ps tasks answer.
+    fn new(
+        want: &[Wanted<'a>],
+        nps: usize,
+        out: &mut [Vec<f32>],
+        mut spare: Vec<Vec<f32>>,
+    ) -> Pulling<'a> {
         let split: Vec<Split> = (want.iter())
             .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
             .collect();
-        let got = (0..nps)
-            .map(|k| vec![0.0; split.iter().map(|s| s.values(k)).sum()])
-            .collect();
-        Pulling { split, got }
+        let direct = nps == 1;
+        let got: Vec<Vec<f32>> = match direct {
+            true => (split.iter().zip(out.iter_mut()))
+                .map(|(s, out)| sized(std::mem::take(out), s.values(0)))
+                .collect(),
+            false => {
+                spare.resize_with(nps, Vec::new);
+                (spare.into_iter().enumerate())
+                    .map(|(k, got)| sized(got, split.iter().map(|s| s.values(k)).sum()))
+                    .collect()
+            }
+        };
+        Pulling { split, got, direct }
     }
 
     /// Ps `k`'s parts of the request, of the tables `split`.
@@ -80,12 +128,33 @@ impl Pulling {
         split.iter().map(|s| s.part(k)).collect()
     }
 
-    /// Ps `k`'s reply and its rows into `got` (inline in the reply's message, or the pieces
-    /// after it).
+    /// Where ps `k`'s rows of the tables `split` arrive, a place per table in the order
+    /// it sends them (it sends each table's rows in pieces of their own).
+    fn places<'g>(
+        split: &[Split],
+        got: &'g mut [Vec<f32>],
+        direct: bool,
+        k: usize,
+    ) -> Vec<&'g mut [f32]> {
+        if direct {
+            return got.iter_mut().map(|g| &mut g[..]).collect();
+        }
+        let mut rest = &mut got[k][..];
+        (split.iter())
+            .map(|s| {
+                let (part, after) = std::mem::take(&mut rest).split_at_mut(s.values(k));
+                rest = after;
+                part
+            })
+            .collect()
+    }
+
+    /// Ps `k`'s reply and its rows into `places` (inline in the reply's message, or the
+    /// pieces after it).
     fn take<C: Comm>(
         client: &Client<'_, C>,
         k: usize,
-        got: &mut [f32],
+        places: &mut [&mut [f32]],
         reply: &Reply,
         inline_bytes: &[u8],
     ) -> Result<(), PsError> {
@@ -94,13 +163,13 @@ impl Pulling {
             task: roles.task(roles.ps[k]),
             message: what,
         };
-        let want = got.len();
+        let want: usize = places.iter().map(|p| p.len()).sum();
         if *reply != (Reply::Rows { values: want }) {
             return Err(wrong(format!(
                 "answered a pull of {want} values of rows with {reply:?}"
             )));
         }
-        match client.take_floats(k, &mut [got], inline_bytes)? {
+        match client.take_floats(k, places, inline_bytes)? {
             None => Ok(()),
             Some(Misfit::Inline { sent }) => {
                 Err(wrong(format!("sent {sent} values for rows of {want}")))
@@ -112,20 +181,30 @@ impl Pulling {
     }
 
     /// The rows of a round that ended `taken` into each table's `out` (`ids.len() x dim`
-    /// in the order of its ids); after an error the rows' memory is given up (receives
-    /// into it may still be in flight).
-    fn finish(self, taken: Result<(), PsError>, out: &mut [Vec<f32>]) -> Result<(), PsError> {
+    /// in the order of its ids); the per-ps buffers back to the client. After an error the
+    /// rows' memory is given up (receives into it may still be in flight) and, with one
+    /// ps, `out` is left empty.
+    fn finish<C: Comm>(
+        self,
+        client: &Client<'_, C>,
+        taken: Result<(), PsError>,
+        out: &mut [Vec<f32>],
+    ) -> Result<(), PsError> {
         if let Err(e) = taken {
             std::mem::forget(self.got);
             return Err(e);
         }
         let (split, got) = (self.split, self.got);
+        if self.direct {
+            out.iter_mut().zip(got).for_each(|(out, got)| *out = got);
+            return Ok(());
+        }
         let mut at = vec![0usize; got.len()];
         for (s, out) in split.iter().zip(out.iter_mut()) {
-            let d = s.dim;
-            out.clear();
-            out.resize(s.places.iter().map(Vec::len).sum::<usize>() * d, 0.0);
-            for (k, places) in s.places.iter().enumerate() {
+            let (d, places) = (s.dim, &s.owners.as_ref().expect("several ps").places);
+            // Every row is written below: a buffer of the right length needs no zeroes.
+            out.resize(s.ids.len() * d, 0.0);
+            for (k, places) in places.iter().enumerate() {
                 let rows = &got[k][at[k]..at[k] + places.len() * d];
                 at[k] += places.len() * d;
                 for (row, i) in rows.chunks_exact(d.max(1)).zip(places) {
@@ -133,8 +212,15 @@ impl Pulling {
                 }
             }
         }
+        client.give_rows(got);
         Ok(())
     }
+}
+
+/// `v` made `len` long, its values whatever they were (each is written before it is read).
+fn sized(mut v: Vec<f32>, len: usize) -> Vec<f32> {
+    v.resize(len, 0.0);
+    v
 }
 
 impl<C: Comm> Client<'_, C> {
@@ -199,7 +285,8 @@ impl<C: Comm> Client<'_, C> {
         out: &mut [Vec<f32>],
         make: bool,
     ) -> Result<(), PsError> {
-        let mut pulling = Pulling::new(want, self.roles.ps.len());
+        self.check_outputs(want, out)?;
+        let mut pulling = Pulling::new(want, self.roles.ps.len(), out, self.take_rows());
         let split = &pulling.split;
         let request = |k: usize| {
             let parts = Pulling::parts(split, k);
@@ -208,13 +295,16 @@ impl<C: Comm> Client<'_, C> {
                 false => Request::ReadRows { parts },
             }
         };
-        let got = &mut pulling.got;
+        let (got, direct) = (&mut pulling.got, pulling.direct);
         let taken = self.round_then(
             request,
             |_| Vec::new(),
-            |k, reply, bytes| Pulling::take(self, k, &mut got[k], reply, bytes),
+            |k, reply, bytes| {
+                let places = &mut Pulling::places(split, got, direct, k);
+                Pulling::take(self, k, places, reply, bytes)
+            },
         );
-        pulling.finish(taken.map(drop), out)
+        pulling.finish(self, taken.map(drop), out)
     }
 
     /// Pushes the sparse gradients `grads` (each of table `table`, `dim` values a row)
@@ -238,22 +328,23 @@ impl<C: Comm> Client<'_, C> {
         want: &[Wanted<'_>],
         out: &mut [Vec<f32>],
     ) -> Result<(), PsError> {
+        self.check_gradients(grads)?;
+        self.check_outputs(want, out)?;
         let nps = self.roles.ps.len();
         let split: Vec<Split> = (grads.iter())
             .map(|(t, dim, g)| Split::of(*t, *dim, &g.ids, nps))
             .collect();
-        let payload: Vec<Vec<f32>> = (0..nps)
-            .map(|k| {
-                let mut v = Vec::with_capacity(split.iter().map(|s| s.values(k)).sum());
-                for (s, (_, dim, g)) in split.iter().zip(grads) {
-                    s.places[k]
-                        .iter()
-                        .for_each(|i| v.extend_from_slice(g.row(*i, *dim)));
-                }
-                v
-            })
-            .collect();
-        let mut pulling = Pulling::new(want, nps);
+        // The gradients' rows gathered per ps into the client's buffers (a copy, not the
+        // caller's memory: MPI may still read it after an error).
+        let mut payload = self.take_grads();
+        payload.resize_with(nps, Vec::new);
+        for (k, v) in payload.iter_mut().enumerate() {
+            v.clear();
+            for (s, (_, _, g)) in split.iter().zip(grads) {
+                s.gather(k, g, v);
+            }
+        }
+        let mut pulling = Pulling::new(want, nps, out, self.take_rows());
         let pull = &pulling.split;
         let request = |k: usize| Request::PushRows {
             parts: Pulling::parts(&split, k),
@@ -261,12 +352,15 @@ impl<C: Comm> Client<'_, C> {
             values: payload[k].len(),
             pull: Pulling::parts(pull, k),
         };
-        let (pulls, got) = (!want.is_empty(), &mut pulling.got);
+        let (pulls, got, direct) = (!want.is_empty(), &mut pulling.got, pulling.direct);
         let taken = self.round_then(
             request,
             |k| vec![&payload[k][..]],
             |k, reply, bytes| match (pulls, reply) {
-                (true, _) => Pulling::take(self, k, &mut got[k], reply, bytes),
+                (true, _) => {
+                    let places = &mut Pulling::places(pull, got, direct, k);
+                    Pulling::take(self, k, places, reply, bytes)
+                }
                 (false, Reply::Ok { .. }) => Ok(()),
                 (false, other) => Err(PsError::Remote {
                     task: self.me(),
@@ -274,11 +368,41 @@ impl<C: Comm> Client<'_, C> {
                 }),
             },
         );
-        if taken.is_err() {
+        match &taken {
+            Ok(_) => self.give_grads(payload),
             // MPI may still read the payload after an error.
-            std::mem::forget(payload);
+            Err(_) => std::mem::forget(payload),
         }
-        pulling.finish(taken.map(drop), out)
+        pulling.finish(self, taken.map(drop), out)
+    }
+
+    /// An error naming this worker where `out` has fewer buffers than `want` tables.
+    fn check_outputs(&self, want: &[Wanted<'_>], out: &[Vec<f32>]) -> Result<(), PsError> {
+        match out.len() >= want.len() {
+            true => Ok(()),
+            false => Err(PsError::Setup(format!(
+                "{}: rows of {} tables asked into {} buffers",
+                self.me(),
+                want.len(),
+                out.len()
+            ))),
+        }
+    }
+
+    /// An error naming this worker and the table where a gradient's values are not a row
+    /// per id.
+    fn check_gradients(&self, grads: &[(usize, usize, &SparseGrad)]) -> Result<(), PsError> {
+        for (t, dim, g) in grads {
+            if g.values.len() != g.ids.len() * dim {
+                return Err(PsError::Setup(format!(
+                    "{}: a gradient of embedding table {t} has {} values for {} rows of {dim}",
+                    self.me(),
+                    g.values.len(),
+                    g.ids.len()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The chief: every ps's report of its tables' rows and the requests they served.
@@ -429,6 +553,85 @@ mod tests {
                 });
                 let got = out.into_iter().flatten().next().unwrap();
                 assert_eq!(got, want, "{ps} ps, {} ids", ids.len());
+            }
+        }
+    }
+
+    /// Several tables' rows in one pull, each of its own width (one with no ids asked),
+    /// arrive each in its table's buffer equal to local tables', in the reply's message
+    /// and as pieces (a table's rows over two pieces), from one ps task (straight into
+    /// the buffers) and from two; a gradient whose values are not a row per id, or fewer
+    /// buffers than tables, is an error naming the worker, and the ps serves on.
+    #[test]
+    fn rows_of_several_tables_arrive_each_in_its_buffer_and_bad_calls_are_refused() {
+        let specs = [(3, 5_000), (16, 20_000), (5, 0), (2, 7)];
+        let tables: Vec<TableSpec> = (specs.iter().enumerate())
+            .map(|(t, (d, _))| TableSpec::new(&format!("t{t}"), 1 << 40, *d))
+            .collect();
+        let many: Vec<Vec<u64>> = (specs.iter())
+            .map(|(_, n)| (0..*n as u64).map(|i| i * 7919 + 3).collect())
+            .collect();
+        let few: Vec<Vec<u64>> = many
+            .iter()
+            .map(|ids| ids[..ids.len().min(4)].to_vec())
+            .collect();
+        for ps in [1, 2] {
+            for ids in [&few, &many] {
+                let mut c = cfg(3, true);
+                c.tables = tables.clone();
+                let want: Vec<Vec<f32>> = (tables.iter().zip(ids))
+                    .map(|(spec, ids)| {
+                        let mut rows = Vec::new();
+                        let mut local = Table::new(spec.clone(), c.train.seed, c.sparse);
+                        local.pull_into(ids, &mut rows).unwrap();
+                        rows
+                    })
+                    .collect();
+                let l = layout(ps + 1, ps);
+                let model = crate::model::mlp(4, &[3], 2).unwrap();
+                let out = LocalComm::run(ps + 1, |comm| {
+                    let roles = Roles::new(&l).unwrap();
+                    if let Some(k) = roles.ps_index(comm.rank()) {
+                        server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
+                        return None;
+                    }
+                    let sess = Session::for_worker(&comm, &roles, &model, &c).unwrap();
+                    let ps = sess.strategy();
+                    let asked: Vec<(usize, &[u64])> =
+                        ids.iter().enumerate().map(|(t, i)| (t, &i[..])).collect();
+                    // Buffers of other lengths than the rows: each made right.
+                    let mut got = vec![vec![9.0; 3], Vec::new(), vec![1.0; 100_000], Vec::new()];
+                    ps.pull_tables(&asked, &mut got, true).unwrap();
+                    let bad = SparseGrad {
+                        ids: vec![1, 2],
+                        values: vec![0.0; 5],
+                    };
+                    let refused = [
+                        ps.push_tables(&[(1, &bad)], 1.0).unwrap_err().to_string(),
+                        (ps.pull_tables(&asked, &mut got[..1], true))
+                            .unwrap_err()
+                            .to_string(),
+                    ];
+                    let mut again = vec![Vec::new(); 4];
+                    ps.pull_tables(&asked, &mut again, true).unwrap();
+                    sess.close().unwrap();
+                    Some((got, again, refused))
+                });
+                let (got, again, refused) = out.into_iter().flatten().next().unwrap();
+                let case = format!("{ps} ps, {} ids", ids[1].len());
+                assert_eq!(got, want, "{case}");
+                assert_eq!(again, want, "{case}");
+                assert!(
+                    refused[0]
+                        .ends_with("a gradient of embedding table 1 has 5 values for 2 rows of 16"),
+                    "{case}: {}",
+                    refused[0]
+                );
+                assert!(
+                    refused[1].ends_with("rows of 4 tables asked into 1 buffers"),
+                    "{case}: {}",
+                    refused[1]
+                );
             }
         }
     }

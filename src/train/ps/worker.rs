@@ -35,15 +35,18 @@ pub struct Client<'a, C: Comm> {
     /// What a stall report calls the variables and the ps tasks.
     what: Arc<str>,
     peer: Arc<str>,
-    buffers: Buffers,
+    buffers: Box<Buffers>,
 }
 
 /// A client's message buffers, reused from one round to the next: its requests' header
-/// messages (one per ps) and the replies' inbox.
+/// messages (one per ps), the replies' inbox, and per ps the rows a pull brings and the
+/// gradient rows a push sends (of the embedding tables).
 #[derive(Default)]
 struct Buffers {
     headers: std::cell::Cell<Vec<Vec<u8>>>,
     inbox: std::cell::Cell<Vec<u8>>,
+    rows: std::cell::Cell<Vec<Vec<f32>>>,
+    grads: std::cell::Cell<Vec<Vec<f32>>>,
 }
 
 /// Floats after a ps's reply that did not fit what this worker awaited
@@ -71,8 +74,29 @@ impl<'a, C: Comm> Client<'a, C> {
             timeout,
             what,
             peer,
-            buffers: Buffers::default(),
+            buffers: Box::default(),
         }
+    }
+
+    /// The per-ps buffers of pulled rows (empty ones the first time, or after an error
+    /// gave them up).
+    pub(super) fn take_rows(&self) -> Vec<Vec<f32>> {
+        self.buffers.rows.take()
+    }
+
+    /// Gives the per-ps buffers of pulled rows back for the next pull.
+    pub(super) fn give_rows(&self, rows: Vec<Vec<f32>>) {
+        self.buffers.rows.set(rows);
+    }
+
+    /// The per-ps buffers of pushed gradient rows.
+    pub(super) fn take_grads(&self) -> Vec<Vec<f32>> {
+        self.buffers.grads.take()
+    }
+
+    /// Gives the per-ps buffers of pushed gradient rows back for the next push.
+    pub(super) fn give_grads(&self, grads: Vec<Vec<f32>>) {
+        self.buffers.grads.set(grads);
     }
 
     /// Marks a wait of `op` of global step `step` with the ps tasks (for stall reports).

@@ -112,7 +112,7 @@ impl<C: Comm> Server<'_, C> {
     /// Worker rank `from`'s pull of the rows `parts` name (`make`: rows that do not exist
     /// are made, else read as their initial values): a [`Reply::Rows`] with their values,
     /// gathered straight into the reply's message after its header (sent whole if small,
-    /// else the header alone and the rows as pieces after it).
+    /// else the header alone and each part's rows as pieces after it).
     pub(super) fn pull_rows(
         &mut self,
         from: usize,
@@ -136,13 +136,19 @@ impl<C: Comm> Server<'_, C> {
         if inline([values]) {
             out.push((f32_bytes(&message), from, rtag));
         } else {
-            let (header, rows) = message.split_at(head);
+            let (header, mut rows) = message.split_at(head);
             let data = payload_tag(self.comm);
             out.push((f32_bytes(header), from, rtag));
-            out.extend(
-                rows.chunks(PIECE_FLOATS)
-                    .map(|p| (f32_bytes(p), from, data)),
-            );
+            // Each part's rows in pieces of their own: the worker may receive each table's
+            // straight into its own buffer.
+            for p in parts {
+                let (part, rest) = rows.split_at(p.ids.len() * self.tables[p.table].spec().dim);
+                rows = rest;
+                out.extend(
+                    part.chunks(PIECE_FLOATS)
+                        .map(|p| (f32_bytes(p), from, data)),
+                );
+            }
         }
         let sent = self.send_all(&out);
         drop(out);
