@@ -49,7 +49,7 @@ impl std::ops::DerefMut for Lines {
 /// Appends `row` to `out`: rows of the common widths (8, 16, 32, 64 values) copied by
 /// code of their length, not a call to `memcpy` per row.
 #[inline(always)]
-pub(super) fn append_row(out: &mut Vec<f32>, row: &[f32]) {
+pub(crate) fn append_row(out: &mut Vec<f32>, row: &[f32]) {
     #[inline(always)]
     fn fixed<const D: usize>(out: &mut Vec<f32>, row: &[f32]) {
         let row: &[f32; D] = row.try_into().expect("a row of D values");
@@ -61,6 +61,24 @@ pub(super) fn append_row(out: &mut Vec<f32>, row: &[f32]) {
         32 => fixed::<32>(out, row),
         64 => fixed::<64>(out, row),
         _ => out.extend_from_slice(row),
+    }
+}
+
+/// Copies `row` into `dst` (of its length), by code of its length for the common widths.
+#[inline(always)]
+pub(crate) fn copy_row(dst: &mut [f32], row: &[f32]) {
+    #[inline(always)]
+    fn fixed<const D: usize>(dst: &mut [f32], row: &[f32]) {
+        let dst: &mut [f32; D] = dst.try_into().expect("a row of D values");
+        let row: &[f32; D] = row.try_into().expect("a row of D values");
+        *dst = *row;
+    }
+    match (row.len(), dst.len() == row.len()) {
+        (8, true) => fixed::<8>(dst, row),
+        (16, true) => fixed::<16>(dst, row),
+        (32, true) => fixed::<32>(dst, row),
+        (64, true) => fixed::<64>(dst, row),
+        _ => dst.copy_from_slice(row),
     }
 }
 
@@ -115,6 +133,9 @@ mod tests {
             let mut out = vec![-1.0];
             append_row(&mut out, &row);
             assert_eq!(out[1..], row[..], "{d}");
+            let mut copy = vec![-1.0; d];
+            copy_row(&mut copy, &row);
+            assert_eq!(copy, row, "{d}");
             let mut w = row.clone();
             sgd_row(&mut w, &row, 0.5, 2.0);
             assert!(w.iter().all(|x| *x == 0.0), "{d}: {w:?}");

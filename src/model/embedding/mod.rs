@@ -19,6 +19,7 @@ pub mod bag;
 mod index;
 mod lines;
 pub(crate) use index::RowIndex;
+pub(crate) use lines::{append_row, copy_row};
 pub mod table;
 
 use serde::{Deserialize, Serialize};

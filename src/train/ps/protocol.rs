@@ -178,10 +178,18 @@ mod raw_ids {
             if !bytes.len().is_multiple_of(8) {
                 return Err(E::custom(format!("{} bytes of row ids", bytes.len())));
             }
-            Ok(bytes
-                .chunks_exact(8)
-                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-                .collect())
+            let mut ids = vec![0u64; bytes.len() / 8];
+            // SAFETY: `ids` holds exactly `bytes.len()` bytes (a multiple of 8, checked),
+            // freshly allocated so the two do not overlap; every bit pattern is a `u64`,
+            // and the wire's byte order is the machine's (little-endian, above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytes.as_ptr(),
+                    ids.as_mut_ptr().cast::<u8>(),
+                    bytes.len(),
+                );
+            }
+            Ok(ids)
         }
     }
 }

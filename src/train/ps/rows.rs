@@ -9,7 +9,7 @@
 use super::protocol::{row_owner, Reply, Request, RowsPart};
 use super::worker::{Client, Misfit};
 use super::PsError;
-use crate::model::embedding::{SparseGrad, TableSpec};
+use crate::model::embedding::{append_row, copy_row, SparseGrad, TableSpec};
 use crate::train::tables::RowsReport;
 use crate::transport::comm::Comm;
 
@@ -35,8 +35,8 @@ impl<'a> Split<'a> {
         let owners = (nps > 1).then(|| {
             // Each ps's share and some: one allocation per list for an even spread.
             let cap = ids.len() / nps + ids.len() / (4 * nps) + 16;
-            let mut owned = vec![Vec::with_capacity(cap); nps];
-            let mut places = vec![Vec::with_capacity(cap); nps];
+            let mut owned: Vec<Vec<u64>> = (0..nps).map(|_| Vec::with_capacity(cap)).collect();
+            let mut places: Vec<Vec<usize>> = (0..nps).map(|_| Vec::with_capacity(cap)).collect();
             for (i, id) in ids.iter().enumerate() {
                 let k = row_owner(*id, nps);
                 owned[k].push(*id);
@@ -76,9 +76,7 @@ impl<'a> Split<'a> {
     /// Ps `k`'s rows of `g` (a gradient of this table's ids) appended to `out`.
     fn gather(&self, k: usize, g: &SparseGrad, out: &mut Vec<f32>) {
         match &self.owners {
-            Some(o) => (o.places[k].iter()).for_each(|i| {
-                out.extend_from_slice(g.row(*i, self.dim));
-            }),
+            Some(o) => (o.places[k].iter()).for_each(|i| append_row(out, g.row(*i, self.dim))),
             None => out.extend_from_slice(&g.values),
         }
     }
@@ -208,7 +206,7 @@ impl<'a> Pulling<'a> {
                 let rows = &got[k][at[k]..at[k] + places.len() * d];
                 at[k] += places.len() * d;
                 for (row, i) in rows.chunks_exact(d.max(1)).zip(places) {
-                    out[i * d..(i + 1) * d].copy_from_slice(row);
+                    copy_row(&mut out[i * d..(i + 1) * d], row);
                 }
             }
         }
@@ -634,6 +632,67 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A ps asked for a row another ps holds (a worker that splits ids otherwise) answers
+    /// with one error naming the row and both ps tasks, wherever in a long list the row
+    /// is, and serves on.
+    #[test]
+    fn a_ps_asked_for_another_ps_row_names_it_and_serves_on() {
+        use super::super::protocol::{Request, RowsPart, Setup};
+        use super::super::worker::Client;
+        use crate::train::optim::{Optimizer, OptimizerKind};
+        let spec = TableSpec::new("emb", 1 << 20, 4);
+        let l = layout(3, 2); // ps:0, ps:1, worker:0
+        let out = LocalComm::run(3, |comm| {
+            let roles = Roles::new(&l).unwrap();
+            if let Some(k) = roles.ps_index(comm.rank()) {
+                server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
+                return None;
+            }
+            let client = Client::new(&comm, &roles, Vec::new(), Duration::from_secs(10));
+            let setup = Setup {
+                shards: Vec::new(),
+                optimizer: Optimizer::new(OptimizerKind::Sgd, 0.1),
+                sync: None,
+                stage: None,
+                tables: vec![spec.clone()],
+                sparse: Some(SparseOptimizer::Sgd { lr: 0.1 }),
+                seed: 0,
+            };
+            client.init(&setup, &mut Vec::new()).unwrap();
+            // Ps 1 holds the odd rows: 1000 of them, then row 6 (ps 0's) last.
+            let odd: Vec<u64> = (0..1000).map(|i| 2 * i + 1).collect();
+            let errors: Vec<String> = [vec![6], [odd.clone(), vec![6]].concat()]
+                .into_iter()
+                .map(|astray| {
+                    let ids = |k: usize| match k {
+                        0 => vec![2, 4],
+                        _ => astray.clone(),
+                    };
+                    let parts = |k| {
+                        vec![RowsPart {
+                            table: 0,
+                            ids: ids(k),
+                        }]
+                    };
+                    let request = |k| Request::PullRows { parts: parts(k) };
+                    client
+                        .round(request, |_| Vec::new())
+                        .unwrap_err()
+                        .to_string()
+                })
+                .collect();
+            let mut rows = vec![Vec::new()];
+            client.pull_rows(&[(0, 4, &odd)], &mut rows, true).unwrap();
+            client.done(None).unwrap();
+            Some((errors, rows.pop().unwrap().len()))
+        });
+        let (errors, pulled) = out.into_iter().flatten().next().unwrap();
+        for e in &errors {
+            assert!(e.contains("table emb: row 6 is ps:0's, not ps:1's"), "{e}");
+        }
+        assert_eq!(pulled, 4000);
     }
 }
 
