@@ -9,7 +9,9 @@
 //! - `mpiflow`: the parameter server's rows protocol as training drives it: a round's push
 //!   carries the next round's pull, one request per ps (`Client::push_pull_rows`);
 //!   typed headers, ownership checks, rows kept by id and made on first touch, the
-//!   per-table counters.
+//!   per-table counters. A round's ids go in the order a training batch's
+//!   [`crate::model::embedding::Unique`] gives them (each ps's one run), put so by a
+//!   pass over them as the plain path's split by ps is.
 //!
 //! Ids differ between workers and repeat every 4 rounds (the warm-up makes them), so the
 //! rounds measure a ps serving rows it holds. The rate is rows moved per second by all
@@ -66,6 +68,17 @@ fn ids(w: usize, workers: usize, rows: usize, i: usize) -> Vec<u64> {
         .collect()
 }
 
+/// `ids` into `out` with each ps's (of `ps`) one run, in the order of the ps: split by ps
+/// into `parts` (as the plain path splits them), then joined.
+fn in_runs(ids: &[u64], ps: usize, parts: &mut [Vec<u64>], out: &mut Vec<u64>) {
+    parts.iter_mut().for_each(Vec::clear);
+    for id in ids {
+        parts[row_owner(*id, ps)].push(*id);
+    }
+    out.clear();
+    parts.iter().for_each(|p| out.extend_from_slice(p));
+}
+
 /// The mpiflow path: ps ranks serve; workers run `warmup + rounds` rounds of a pull and a
 /// push of `rows` rows. Workers return the mean seconds of a timed round; ps ranks `None`.
 fn mpiflow_rounds(
@@ -102,15 +115,18 @@ fn mpiflow_rounds(
         ids: Vec::new(),
         values: vec![1.0; rows * DIM],
     };
-    client.pull_tables(&specs, &[(0, &ids(w, workers, rows, 0))], &mut out, true)?;
+    let nps = roles.ps.len();
+    let (mut parts, mut next) = (vec![Vec::new(); nps], Vec::new());
+    in_runs(&ids(w, workers, rows, 0), nps, &mut parts, &mut next);
+    client.pull_tables(&specs, &[(0, &next)], &mut out, true)?;
     let mut start = Instant::now();
     for i in 0..warmup + rounds {
         if i == warmup {
             start = Instant::now();
         }
-        grad.ids = ids(w, workers, rows, i);
-        let next = ids(w, workers, rows, i + 1);
-        client.push_pull_tables(&specs, (&[(0, &grad)], 1.0), &[(0, &next)], &mut out)?;
+        std::mem::swap(&mut grad.ids, &mut next);
+        in_runs(&ids(w, workers, rows, i + 1), nps, &mut parts, &mut next);
+        client.push_pull_tables(&specs, (&[(0, &grad)], 1.0), &[(0, &next[..])], &mut out)?;
     }
     let secs = start.elapsed().as_secs_f64() / rounds.max(1) as f64;
     client.done(None)?;

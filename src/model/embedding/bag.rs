@@ -65,25 +65,35 @@ impl<'a> Bags<'a> {
     }
 }
 
-/// A batch's ids deduplicated: the distinct ids, ascending, and for each occurrence the
-/// position of its id among them (so a row obtained once serves every occurrence).
+/// A batch's ids deduplicated: the distinct ids, and for each occurrence the position of
+/// its id among them (so a row obtained once serves every occurrence).
+///
+/// The distinct ids are in the order of their bits reversed: ids whose low bits agree lie
+/// together, so for any power of 2 of ps tasks (which hold rows by their ids' low bits,
+/// [`crate::train::ps::protocol::row_owner`]) each ps's ids are one run, whose rows come
+/// and go without being gathered or placed row by row.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Unique {
     pub ids: Vec<u64>,
     pub at: Vec<u32>,
+    /// The ids' bits reversed, ascending.
+    keys: Vec<u64>,
 }
 
 impl Unique {
     /// The distinct ids of `ids`; reuses this one's buffers.
     pub fn of(&mut self, ids: &[u64]) -> &Unique {
+        self.keys.clear();
+        self.keys.extend(ids.iter().map(|id| id.reverse_bits()));
+        self.keys.sort_unstable();
+        self.keys.dedup();
         self.ids.clear();
-        self.ids.extend_from_slice(ids);
-        self.ids.sort_unstable();
-        self.ids.dedup();
+        self.ids.extend(self.keys.iter().map(|k| k.reverse_bits()));
         self.at.clear();
-        let found = ids
-            .iter()
-            .map(|id| self.ids.binary_search(id).expect("every id is among them") as u32);
+        let found = ids.iter().map(|id| {
+            let k = id.reverse_bits();
+            self.keys.binary_search(&k).expect("every id is among them") as u32
+        });
         self.at.extend(found);
         self
     }
@@ -172,6 +182,36 @@ mod tests {
             .sum()
     }
 
+    /// A batch's distinct ids, each once, every occurrence pointing at its own; for 2, 4,
+    /// 8 and 64 ps tasks each task's ids (by their low bits) one run of them.
+    #[test]
+    fn distinct_ids_lie_in_one_run_per_ps_for_any_power_of_two() {
+        let mut r = Rng::new(7);
+        let ids: Vec<u64> = (0..5000)
+            .map(|i| match i % 3 {
+                0 => r.below(100) as u64,
+                1 => r.below(1 << 20) as u64,
+                _ => u64::MAX - r.below(1000) as u64,
+            })
+            .collect();
+        let mut unique = Unique::default();
+        unique.of(&ids);
+        let mut sorted = unique.ids.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), unique.ids.len(), "each distinct id once");
+        assert!(ids
+            .iter()
+            .zip(&unique.at)
+            .all(|(id, at)| unique.ids[*at as usize] == *id));
+        for nps in [2u64, 4, 8, 64] {
+            let owners: Vec<u64> = unique.ids.iter().map(|id| id % nps).collect();
+            let mut runs = owners.clone();
+            runs.dedup();
+            assert_eq!(runs.len() as u64, nps, "{nps} ps: one run each");
+        }
+    }
+
     /// The sparse gradient equals finite differences of the loss in every touched row's
     /// every value (sum and mean, an id repeated within a bag and across bags, an empty
     /// bag), and untouched rows get none.
@@ -187,7 +227,8 @@ mod tests {
         bags.check(&table).unwrap();
         let mut unique = Unique::default();
         unique.of(&ids);
-        assert_eq!(unique.ids, vec![5, 7, 31, 900]);
+        // Ordered by their bits reversed: the even id first, then 5 (bit 1 clear).
+        assert_eq!(unique.ids, vec![900, 5, 7, 31]);
         for pooling in [Pooling::Sum, Pooling::Mean] {
             let bag = EmbeddingBag { dim: 3, pooling };
             let mut rows = vec![0f32; unique.ids.len() * 3];

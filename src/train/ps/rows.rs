@@ -2,9 +2,13 @@
 //! gradients pushed, each id to the ps that holds its row ([`row_owner`]), every ps asked
 //! in one round (see [`Client::round_then`]).
 //!
-//! With one ps the rows of a pull arrive straight in the caller's buffers (the ps answers
-//! in the order asked); with several each ps's rows arrive in a buffer of the client's,
-//! kept from one round to the next, and are copied to their places.
+//! Where each ps's ids are one run of the caller's list (always with one ps; with a power
+//! of 2 of them for ids in [`crate::model::embedding::Unique`]'s order), a pull's rows
+//! arrive straight in the caller's buffers and a push's gradient rows go as one copy per
+//! ps; otherwise each ps's rows arrive in a buffer of the client's, kept from one round to
+//! the next, and are copied to their places.
+
+use std::ops::Range;
 
 use super::protocol::{row_owner, Reply, Request, RowsPart};
 use super::worker::{Client, Misfit};
@@ -14,49 +18,88 @@ use crate::train::tables::RowsReport;
 use crate::transport::comm::Comm;
 
 /// One table's part of a pull or push: its index, its rows' width, its ids in the caller's
-/// order and, where several ps tasks hold them, per ps its ids and their places in the
-/// caller's list.
+/// order, and which of them each ps holds.
 struct Split<'a> {
     table: usize,
     dim: usize,
     ids: &'a [u64],
-    /// `None` with one ps (all its ids, in order).
-    owners: Option<Owners>,
+    owners: Owners,
 }
 
-/// Per ps, the ids of a table's part it holds and their places in the caller's list.
-struct Owners {
-    owned: Vec<Vec<u64>>,
-    places: Vec<Vec<usize>>,
+/// Which of a table's ids each ps holds.
+enum Owners {
+    /// Each ps's ids are one run of the caller's list.
+    Runs(Vec<Range<usize>>),
+    /// Spread over the list: per ps, its ids and their places in the list.
+    Spread {
+        owned: Vec<Vec<u64>>,
+        places: Vec<Vec<usize>>,
+    },
+}
+
+impl Owners {
+    /// Each ps's run of `ids`, if each ps's ids are one run.
+    fn runs(ids: &[u64], nps: usize) -> Option<Vec<Range<usize>>> {
+        if nps == 1 {
+            return Some(std::iter::once(0..ids.len()).collect());
+        }
+        let mut runs: Vec<Option<Range<usize>>> = vec![None; nps];
+        let mut start = 0;
+        while start < ids.len() {
+            let k = row_owner(ids[start], nps);
+            let len = (ids[start..].iter())
+                .position(|id| row_owner(*id, nps) != k)
+                .unwrap_or(ids.len() - start);
+            if runs[k].is_some() {
+                return None;
+            }
+            runs[k] = Some(start..start + len);
+            start += len;
+        }
+        Some(runs.into_iter().map(|r| r.unwrap_or(0..0)).collect())
+    }
+
+    fn of(ids: &[u64], nps: usize) -> Owners {
+        if let Some(runs) = Owners::runs(ids, nps) {
+            return Owners::Runs(runs);
+        }
+        // Each ps's share and some: one allocation per list for an even spread.
+        let cap = ids.len() / nps + ids.len() / (4 * nps) + 16;
+        let mut owned: Vec<Vec<u64>> = (0..nps).map(|_| Vec::with_capacity(cap)).collect();
+        let mut places: Vec<Vec<usize>> = (0..nps).map(|_| Vec::with_capacity(cap)).collect();
+        for (i, id) in ids.iter().enumerate() {
+            let k = row_owner(*id, nps);
+            owned[k].push(*id);
+            places[k].push(i);
+        }
+        Owners::Spread { owned, places }
+    }
 }
 
 impl<'a> Split<'a> {
     fn of(table: usize, dim: usize, ids: &'a [u64], nps: usize) -> Split<'a> {
-        let owners = (nps > 1).then(|| {
-            // Each ps's share and some: one allocation per list for an even spread.
-            let cap = ids.len() / nps + ids.len() / (4 * nps) + 16;
-            let mut owned: Vec<Vec<u64>> = (0..nps).map(|_| Vec::with_capacity(cap)).collect();
-            let mut places: Vec<Vec<usize>> = (0..nps).map(|_| Vec::with_capacity(cap)).collect();
-            for (i, id) in ids.iter().enumerate() {
-                let k = row_owner(*id, nps);
-                owned[k].push(*id);
-                places[k].push(i);
-            }
-            Owners { owned, places }
-        });
         Split {
             table,
             dim,
             ids,
-            owners,
+            owners: Owners::of(ids, nps),
         }
     }
 
     /// Ps `k`'s ids of this table.
     fn owned(&self, k: usize) -> &[u64] {
         match &self.owners {
-            Some(o) => &o.owned[k],
-            None => self.ids,
+            Owners::Runs(runs) => &self.ids[runs[k].clone()],
+            Owners::Spread { owned, .. } => &owned[k],
+        }
+    }
+
+    /// Ps `k`'s run of this table's values (of rows in the caller's order), if its ids
+    /// are one run.
+    fn run(&self, k: usize) -> Option<Range<usize>> {
+        match &self.owners {
+            Owners::Runs(runs) => Some(runs[k].start * self.dim..runs[k].end * self.dim),
+            Owners::Spread { .. } => None,
         }
     }
 
@@ -76,8 +119,23 @@ impl<'a> Split<'a> {
     /// Ps `k`'s rows of `g` (a gradient of this table's ids) appended to `out`.
     fn gather(&self, k: usize, g: &SparseGrad, out: &mut Vec<f32>) {
         match &self.owners {
-            Some(o) => (o.places[k].iter()).for_each(|i| append_row(out, g.row(*i, self.dim))),
-            None => out.extend_from_slice(&g.values),
+            Owners::Runs(_) => out.extend_from_slice(&g.values[self.run(k).expect("a run")]),
+            Owners::Spread { places, .. } => {
+                (places[k].iter()).for_each(|i| append_row(out, g.row(*i, self.dim)))
+            }
+        }
+    }
+
+    /// Ps `k`'s rows `rows` (in its order) to their places in `out`.
+    fn place(&self, k: usize, rows: &[f32], out: &mut [f32]) {
+        let d = self.dim;
+        match &self.owners {
+            Owners::Runs(_) => out[self.run(k).expect("a run")].copy_from_slice(rows),
+            Owners::Spread { places, .. } => {
+                for (row, i) in rows.chunks_exact(d.max(1)).zip(&places[k]) {
+                    copy_row(&mut out[i * d..(i + 1) * d], row);
+                }
+            }
         }
     }
 }
@@ -86,8 +144,9 @@ impl<'a> Split<'a> {
 pub type Wanted<'a> = (usize, usize, &'a [u64]);
 
 /// Rows on their way from the ps tasks: what each ps was asked for, and where its rows
-/// arrive (all tables' rows of a ps in one reply, part by part): with one ps the callers'
-/// own buffers, taken from them until [`Pulling::finish`]; else one buffer per ps.
+/// arrive (all tables' rows of a ps in one reply, part by part): where every table's ids
+/// are runs, the callers' own buffers, taken from them until [`Pulling::finish`]; else one
+/// buffer per ps.
 struct Pulling<'a> {
     split: Vec<Split<'a>>,
     got: Vec<Vec<f32>>,
@@ -96,7 +155,7 @@ struct Pulling<'a> {
 
 impl<'a> Pulling<'a> {
     /// A pull of `want` into `out` (one buffer per table), each ps's rows into one of
-    /// `spare` where several ps tasks answer.
+    /// `spare` where they cannot go straight to `out`.
     fn new(
         want: &[Wanted<'a>],
         nps: usize,
@@ -106,10 +165,10 @@ impl<'a> Pulling<'a> {
         let split: Vec<Split> = (want.iter())
             .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
             .collect();
-        let direct = nps == 1;
+        let direct = (split.iter()).all(|s| matches!(s.owners, Owners::Runs(_)));
         let got: Vec<Vec<f32>> = match direct {
             true => (split.iter().zip(out.iter_mut()))
-                .map(|(s, out)| sized(std::mem::take(out), s.values(0)))
+                .map(|(s, out)| sized(std::mem::take(out), s.ids.len() * s.dim))
                 .collect(),
             false => {
                 spare.resize_with(nps, Vec::new);
@@ -135,7 +194,9 @@ impl<'a> Pulling<'a> {
         k: usize,
     ) -> Vec<&'g mut [f32]> {
         if direct {
-            return got.iter_mut().map(|g| &mut g[..]).collect();
+            return (got.iter_mut().zip(split))
+                .map(|(g, s)| &mut g[s.run(k).expect("runs")])
+                .collect();
         }
         let mut rest = &mut got[k][..];
         (split.iter())
@@ -180,8 +241,8 @@ impl<'a> Pulling<'a> {
 
     /// The rows of a round that ended `taken` into each table's `out` (`ids.len() x dim`
     /// in the order of its ids); the per-ps buffers back to the client. After an error the
-    /// rows' memory is given up (receives into it may still be in flight) and, with one
-    /// ps, `out` is left empty.
+    /// rows' memory is given up (receives into it may still be in flight) and, where the
+    /// rows were coming straight to them, the buffers of `out` are left empty.
     fn finish<C: Comm>(
         self,
         client: &Client<'_, C>,
@@ -199,15 +260,12 @@ impl<'a> Pulling<'a> {
         }
         let mut at = vec![0usize; got.len()];
         for (s, out) in split.iter().zip(out.iter_mut()) {
-            let (d, places) = (s.dim, &s.owners.as_ref().expect("several ps").places);
             // Every row is written below: a buffer of the right length needs no zeroes.
-            out.resize(s.ids.len() * d, 0.0);
-            for (k, places) in places.iter().enumerate() {
-                let rows = &got[k][at[k]..at[k] + places.len() * d];
-                at[k] += places.len() * d;
-                for (row, i) in rows.chunks_exact(d.max(1)).zip(places) {
-                    copy_row(&mut out[i * d..(i + 1) * d], row);
-                }
+            out.resize(s.ids.len() * s.dim, 0.0);
+            for (k, got) in got.iter().enumerate() {
+                let n = s.values(k);
+                s.place(k, &got[at[k]..at[k] + n], out);
+                at[k] += n;
             }
         }
         client.give_rows(got);
