@@ -492,6 +492,9 @@ mod tests {
 
     #[test]
     fn a_window_of_sends_completes_in_one_wait_and_in_order() {
+        // The receiver starts once all five are started: a receiver that took the first
+        // would map the link's ring, and the later sends would go there, not in the window.
+        let started = std::sync::Barrier::new(2);
         let out = LocalComm::run(2, |c| {
             if c.rank() == 0 {
                 let ts: Vec<Tensor> = (0..5).map(|i| u8s(3, i as u8, "w")).collect();
@@ -500,10 +503,12 @@ mod tests {
                     sends.immediate_send(t, 1, 4).unwrap();
                 }
                 assert_eq!(sends.len(), 5);
+                started.wait();
                 sends.wait_all().unwrap();
                 Sends::new(&c).wait_all().unwrap();
                 Vec::new()
             } else {
+                started.wait();
                 let mut t = u8s(3, 9, "w");
                 (0..5)
                     .map(|_| {
