@@ -90,9 +90,14 @@ pub(super) fn sgd_row(w: &mut [f32], g: &[f32], lr: f32, scale: f32) {
     fn fixed<const D: usize>(w: &mut [f32], g: &[f32], lr: f32, scale: f32) {
         let w: &mut [f32; D] = w.try_into().expect("a row of D values");
         let g: &[f32; D] = g.try_into().expect("a gradient row of D values");
-        w.iter_mut()
+        // The row into a local and back whole: vector loads and stores, so that the misses
+        // of many rows are in flight at once (element by element, the compiler kept it
+        // scalar).
+        let mut row = *w;
+        row.iter_mut()
             .zip(g)
             .for_each(|(w, g)| *w -= lr * (scale * g));
+        *w = row;
     }
     match w.len() {
         8 => fixed::<8>(w, g, lr, scale),
