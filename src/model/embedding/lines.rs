@@ -111,6 +111,38 @@ pub(super) fn sgd_row(w: &mut [f32], g: &[f32], lr: f32, scale: f32) {
     }
 }
 
+/// Adagrad of one row: `g = scale x v`, `acc += g x g`, `w -= lr x g / sqrt(acc)`, element
+/// by element; by code of its length, the row and its state loaded and stored whole, for
+/// the common widths.
+#[inline(always)]
+pub(super) fn adagrad_row(w: &mut [f32], acc: &mut [f32], v: &[f32], lr: f32, scale: f32) {
+    #[inline(always)]
+    fn step(w: &mut f32, acc: &mut f32, v: f32, lr: f32, scale: f32) {
+        let g = scale * v;
+        *acc += g * g;
+        *w -= lr * g / acc.sqrt();
+    }
+    #[inline(always)]
+    fn fixed<const D: usize>(w: &mut [f32], acc: &mut [f32], v: &[f32], lr: f32, scale: f32) {
+        let w: &mut [f32; D] = w.try_into().expect("a row of D values");
+        let acc: &mut [f32; D] = acc.try_into().expect("a state of D values");
+        let v: &[f32; D] = v.try_into().expect("a gradient row of D values");
+        let (mut row, mut sum) = (*w, *acc);
+        for i in 0..D {
+            step(&mut row[i], &mut sum[i], v[i], lr, scale);
+        }
+        (*w, *acc) = (row, sum);
+    }
+    match (w.len(), acc.len() == w.len() && v.len() == w.len()) {
+        (8, true) => fixed::<8>(w, acc, v, lr, scale),
+        (16, true) => fixed::<16>(w, acc, v, lr, scale),
+        (32, true) => fixed::<32>(w, acc, v, lr, scale),
+        (64, true) => fixed::<64>(w, acc, v, lr, scale),
+        _ => (w.iter_mut().zip(acc.iter_mut()).zip(v))
+            .for_each(|((w, acc), v)| step(w, acc, *v, lr, scale)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +176,15 @@ mod tests {
             let mut w = row.clone();
             sgd_row(&mut w, &row, 0.5, 2.0);
             assert!(w.iter().all(|x| *x == 0.0), "{d}: {w:?}");
+            // Adagrad by the row and element by element: the same bits.
+            let (mut w, mut acc) = (row.clone(), vec![0.1; d]);
+            adagrad_row(&mut w, &mut acc, &row, 0.3, 0.5);
+            for (i, v) in row.iter().enumerate() {
+                let (g, a0) = (0.5 * v, 0.1f32);
+                let a = a0 + g * g;
+                assert_eq!(acc[i].to_bits(), a.to_bits(), "{d}");
+                assert_eq!(w[i].to_bits(), (v - 0.3 * g / a.sqrt()).to_bits(), "{d}");
+            }
         }
     }
 }

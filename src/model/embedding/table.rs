@@ -76,12 +76,8 @@ impl SparseOptimizer {
         match *self {
             // `1 x g` is `g`: the same update as the table's own SGD pass.
             SparseOptimizer::Sgd { lr } => lines::sgd_row(w, g, lr, 1.0),
-            SparseOptimizer::Adagrad { lr, .. } => {
-                for ((w, acc), g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
-                    *acc += g * g;
-                    *w -= lr * g / acc.sqrt();
-                }
-            }
+            // `1 x g` is `g`: the same update as the table's own Adagrad pass.
+            SparseOptimizer::Adagrad { lr, .. } => lines::adagrad_row(w, state, g, lr, 1.0),
             SparseOptimizer::LazyAdam {
                 lr,
                 beta1,
@@ -430,14 +426,28 @@ impl Table {
     fn apply_slots(&mut self, slots: &[u32], values: &[f32], scale: f32) {
         let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
         let rows = slots.iter().zip(values.chunks_exact(d.max(1)));
-        if let SparseOptimizer::Sgd { lr } = self.opt {
-            // Plain SGD in one pass: no state, no scaled copy of the row (the same
-            // arithmetic as the optimizer's).
-            for (s, g) in rows {
-                let s = *s as usize;
-                lines::sgd_row(&mut self.values[s * d..(s + 1) * d], g, lr, scale);
+        // SGD and Adagrad in one pass by the row: no scaled copy of the gradient row (the
+        // same arithmetic as the optimizer's).
+        match self.opt {
+            SparseOptimizer::Sgd { lr } => {
+                for (s, g) in rows {
+                    let s = *s as usize;
+                    lines::sgd_row(&mut self.values[s * d..(s + 1) * d], g, lr, scale);
+                }
+                return;
             }
-            return;
+            SparseOptimizer::Adagrad { lr, .. } => {
+                for (s, g) in rows {
+                    let s = *s as usize;
+                    let (w, acc) = (
+                        &mut self.values[s * d..(s + 1) * d],
+                        &mut self.state[s * k..(s + 1) * k],
+                    );
+                    lines::adagrad_row(w, acc, g, lr, scale);
+                }
+                return;
+            }
+            SparseOptimizer::LazyAdam { .. } => {}
         }
         let mut g = vec![0f32; d];
         for (s, row) in rows {
