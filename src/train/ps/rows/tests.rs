@@ -2,11 +2,34 @@ use std::sync::Barrier;
 use std::time::Duration;
 
 use super::super::test_support::{cfg, layout};
-use super::super::{server, Roles};
+use super::super::{server, PsConfig, Roles};
 use crate::model::embedding::{SparseGrad, SparseOptimizer, Table, TableSpec};
 use crate::train::engine::Session;
 use crate::transport::comm::Comm;
 use crate::transport::local::LocalComm;
+
+/// Runs a job of `ps` ps tasks and one worker whose session of `c` does `work`: what it
+/// returned.
+fn one_worker<T: Send>(
+    ps: usize,
+    c: &PsConfig,
+    work: impl Fn(&Session<'_, '_, super::super::Ps<'_, LocalComm>>) -> T + Sync,
+) -> T {
+    let l = layout(ps + 1, ps);
+    let model = crate::model::mlp(4, &[3], 2).unwrap();
+    let out = LocalComm::run(ps + 1, |comm| {
+        let roles = Roles::new(&l).unwrap();
+        if let Some(k) = roles.ps_index(comm.rank()) {
+            server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
+            return None;
+        }
+        let sess = Session::for_worker(&comm, &roles, &model, c).unwrap();
+        let got = work(&sess);
+        sess.close().unwrap();
+        Some(got)
+    });
+    out.into_iter().flatten().next().unwrap()
+}
 
 /// Two ps tasks hold a table of 2^40 rows: two workers pull rows (ids on both ps,
 /// repeated ones too) equal to a local table's, each pushes a sparse gradient, and
@@ -107,24 +130,14 @@ fn a_push_carrying_the_next_pull_gives_the_rows_after_the_push() {
             local.pull_into(ids, &mut want).unwrap();
             local.apply(&grad, 0.25).unwrap();
             local.pull_into(&next, &mut want).unwrap();
-            let l = layout(ps + 1, ps);
-            let model = crate::model::mlp(4, &[3], 2).unwrap();
-            let out = LocalComm::run(ps + 1, |comm| {
-                let roles = Roles::new(&l).unwrap();
-                if let Some(k) = roles.ps_index(comm.rank()) {
-                    server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
-                    return None;
-                }
-                let sess = Session::for_worker(&comm, &roles, &model, &c).unwrap();
+            let got = one_worker(ps, &c, |sess| {
                 let ps = sess.strategy();
                 ps.pull_rows(0, ids, &mut Vec::new()).unwrap();
                 let mut got = vec![Vec::new()];
                 ps.push_pull_tables(&[(0, &grad)], 0.25, &[(0, &next)], &mut got)
                     .unwrap();
-                sess.close().unwrap();
-                got.pop()
+                got.pop().unwrap()
             });
-            let got = out.into_iter().flatten().next().unwrap();
             assert_eq!(got, want, "{ps} ps, {} ids", ids.len());
         }
     }
@@ -160,15 +173,7 @@ fn rows_of_several_tables_arrive_each_in_its_buffer_and_bad_calls_are_refused() 
                     rows
                 })
                 .collect();
-            let l = layout(ps + 1, ps);
-            let model = crate::model::mlp(4, &[3], 2).unwrap();
-            let out = LocalComm::run(ps + 1, |comm| {
-                let roles = Roles::new(&l).unwrap();
-                if let Some(k) = roles.ps_index(comm.rank()) {
-                    server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
-                    return None;
-                }
-                let sess = Session::for_worker(&comm, &roles, &model, &c).unwrap();
+            let (got, again, refused) = one_worker(ps, &c, |sess| {
                 let ps = sess.strategy();
                 let asked: Vec<(usize, &[u64])> =
                     ids.iter().enumerate().map(|(t, i)| (t, &i[..])).collect();
@@ -187,10 +192,8 @@ fn rows_of_several_tables_arrive_each_in_its_buffer_and_bad_calls_are_refused() 
                 ];
                 let mut again = vec![Vec::new(); 4];
                 ps.pull_tables(&asked, &mut again, true).unwrap();
-                sess.close().unwrap();
-                Some((got, again, refused))
+                (got, again, refused)
             });
-            let (got, again, refused) = out.into_iter().flatten().next().unwrap();
             let case = format!("{ps} ps, {} ids", ids[1].len());
             assert_eq!(got, want, "{case}");
             assert_eq!(again, want, "{case}");
