@@ -140,6 +140,8 @@ pub(super) struct Pulling<'a> {
     pub(super) split: Vec<Split<'a>>,
     pub(super) got: Vec<Vec<f32>>,
     pub(super) direct: bool,
+    /// The client's per-ps buffers, unused while the rows come straight to the caller's.
+    spare: Vec<Vec<f32>>,
 }
 
 impl<'a> Pulling<'a> {
@@ -161,12 +163,17 @@ impl<'a> Pulling<'a> {
                 .collect(),
             false => {
                 spare.resize_with(nps, Vec::new);
-                (spare.into_iter().enumerate())
+                (std::mem::take(&mut spare).into_iter().enumerate())
                     .map(|(k, got)| sized(got, split.iter().map(|s| s.values(k)).sum()))
                     .collect()
             }
         };
-        Pulling { split, got, direct }
+        Pulling {
+            split,
+            got,
+            direct,
+            spare,
+        }
     }
 
     /// Ps `k`'s parts of the request, of the tables `split`.
@@ -240,11 +247,13 @@ impl<'a> Pulling<'a> {
     ) -> Result<(), PsError> {
         if let Err(e) = taken {
             std::mem::forget(self.got);
+            client.give_rows(self.spare);
             return Err(e);
         }
         let (split, got) = (self.split, self.got);
         if self.direct {
             out.iter_mut().zip(got).for_each(|(out, got)| *out = got);
+            client.give_rows(self.spare);
             return Ok(());
         }
         let mut at = vec![0usize; got.len()];

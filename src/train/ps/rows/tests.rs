@@ -145,9 +145,10 @@ fn a_push_carrying_the_next_pull_gives_the_rows_after_the_push() {
 
 /// Several tables' rows in one pull, each of its own width (one with no ids asked),
 /// arrive each in its table's buffer equal to local tables', in the reply's message
-/// and as pieces (a table's rows over two pieces), from one ps task (straight into
-/// the buffers) and from two; a gradient whose values are not a row per id, or fewer
-/// buffers than tables, is an error naming the worker, and the ps serves on.
+/// and as pieces (a table's rows over two pieces), from one ps task and from two (each
+/// ps's ids one run in every table: straight into the buffers; in some or none: placed);
+/// a gradient whose values are not a row per id, or fewer buffers than tables, is an
+/// error naming the worker, and the ps serves on.
 #[test]
 fn rows_of_several_tables_arrive_each_in_its_buffer_and_bad_calls_are_refused() {
     let specs = [(3, 5_000), (16, 20_000), (5, 0), (2, 7)];
@@ -161,8 +162,18 @@ fn rows_of_several_tables_arrive_each_in_its_buffer_and_bad_calls_are_refused() 
         .iter()
         .map(|ids| ids[..ids.len().min(4)].to_vec())
         .collect();
+    // Each ps's ids one run (Unique's order), in every table or in one of them.
+    let in_runs = |ids: &Vec<u64>| {
+        let mut ids = ids.clone();
+        ids.sort_unstable_by_key(|id| id.reverse_bits());
+        ids
+    };
+    let runs: Vec<Vec<u64>> = many.iter().map(in_runs).collect();
+    let mixed: Vec<Vec<u64>> = (many.iter().enumerate())
+        .map(|(t, ids)| if t == 1 { in_runs(ids) } else { ids.clone() })
+        .collect();
     for ps in [1, 2] {
-        for ids in [&few, &many] {
+        for ids in [&few, &many, &runs, &mixed] {
             let mut c = cfg(3, true);
             c.tables = tables.clone();
             let want: Vec<Vec<f32>> = (tables.iter().zip(ids))
