@@ -74,9 +74,8 @@ impl SparseOptimizer {
     /// One row's update by its gradient `g` (already scaled).
     fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
         match *self {
-            // `1 x g` is `g`: the same update as the table's own SGD pass.
+            // The table's own passes' code, scaled by 1 (`1 x g` is `g`): the same update.
             SparseOptimizer::Sgd { lr } => lines::sgd_row(w, g, lr, 1.0),
-            // `1 x g` is `g`: the same update as the table's own Adagrad pass.
             SparseOptimizer::Adagrad { lr, .. } => lines::adagrad_row(w, state, g, lr, 1.0),
             SparseOptimizer::LazyAdam {
                 lr,
