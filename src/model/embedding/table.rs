@@ -70,32 +70,26 @@ impl SparseOptimizer {
             _ => state.fill(0.0),
         }
     }
+}
 
-    /// One row's update by its gradient `g` (already scaled).
-    fn apply(&self, w: &mut [f32], state: &mut [f32], g: &[f32]) {
-        match *self {
-            // The table's own passes' code, scaled by 1 (`1 x g` is `g`): the same update.
-            SparseOptimizer::Sgd { lr } => lines::sgd_row(w, g, lr, 1.0),
-            SparseOptimizer::Adagrad { lr, .. } => lines::adagrad_row(w, state, g, lr, 1.0),
-            SparseOptimizer::LazyAdam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
-                let d = w.len();
-                let (moments, count) = state.split_at_mut(2 * d);
-                count[0] += 1.0;
-                let t = count[0];
-                let step = lr * (1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t));
-                let (m, v) = moments.split_at_mut(d);
-                for i in 0..d {
-                    m[i] = beta1 * m[i] + (1.0 - beta1) * g[i];
-                    v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
-                    w[i] -= step * m[i] / (v[i].sqrt() + eps);
-                }
-            }
-        }
+/// Lazy Adam of one row by its gradient `g` (already scaled): its moments, then its
+/// update count (`state`), moved only when the row is.
+fn lazy_adam_row(
+    w: &mut [f32],
+    state: &mut [f32],
+    g: &[f32],
+    (lr, beta1, beta2, eps): (f32, f32, f32, f32),
+) {
+    let d = w.len();
+    let (moments, count) = state.split_at_mut(2 * d);
+    count[0] += 1.0;
+    let t = count[0];
+    let step = lr * (1.0 - beta2.powf(t)).sqrt() / (1.0 - beta1.powf(t));
+    let (m, v) = moments.split_at_mut(d);
+    for i in 0..d {
+        m[i] = beta1 * m[i] + (1.0 - beta1) * g[i];
+        v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
+        w[i] -= step * m[i] / (v[i].sqrt() + eps);
     }
 }
 
@@ -424,39 +418,39 @@ impl Table {
     /// processor overlaps them better without).
     fn apply_slots(&mut self, slots: &[u32], values: &[f32], scale: f32) {
         let (d, k) = (self.spec.dim, self.opt.state_len(self.spec.dim));
-        let rows = slots.iter().zip(values.chunks_exact(d.max(1)));
-        // SGD and Adagrad in one pass by the row: no scaled copy of the gradient row (the
-        // same arithmetic as the optimizer's).
+        let rows = (slots.iter().map(|s| *s as usize)).zip(values.chunks_exact(d.max(1)));
+        // SGD and Adagrad by the row, scaling as they go; lazy Adam on a scaled copy.
         match self.opt {
             SparseOptimizer::Sgd { lr } => {
                 for (s, g) in rows {
-                    let s = *s as usize;
                     lines::sgd_row(&mut self.values[s * d..(s + 1) * d], g, lr, scale);
                 }
-                return;
             }
             SparseOptimizer::Adagrad { lr, .. } => {
                 for (s, g) in rows {
-                    let s = *s as usize;
                     let (w, acc) = (
                         &mut self.values[s * d..(s + 1) * d],
                         &mut self.state[s * k..(s + 1) * k],
                     );
                     lines::adagrad_row(w, acc, g, lr, scale);
                 }
-                return;
             }
-            SparseOptimizer::LazyAdam { .. } => {}
-        }
-        let mut g = vec![0f32; d];
-        for (s, row) in rows {
-            let s = *s as usize;
-            g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
-            let (w, st) = (
-                &mut self.values[s * d..(s + 1) * d],
-                &mut self.state[s * k..(s + 1) * k],
-            );
-            self.opt.apply(w, st, &g);
+            SparseOptimizer::LazyAdam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                let mut g = vec![0f32; d];
+                for (s, row) in rows {
+                    g.iter_mut().zip(row).for_each(|(g, v)| *g = scale * v);
+                    let (w, st) = (
+                        &mut self.values[s * d..(s + 1) * d],
+                        &mut self.state[s * k..(s + 1) * k],
+                    );
+                    lazy_adam_row(w, st, &g, (lr, beta1, beta2, eps));
+                }
+            }
         }
     }
 
