@@ -601,6 +601,16 @@ fn flags_of_another_mode_are_one_line_errors() {
             "--window-rows sizes the embedding rows' windows of --model dlrm --transport rma, not --mode ps over messages".to_string(),
         ),
         (
+            "ps",
+            "--model dlrm --transport rma --rows-ahead on",
+            "--rows-ahead is for the embedding rows of --model dlrm on ps tasks over messages, not --mode ps --transport rma".to_string(),
+        ),
+        (
+            "local",
+            "--model dlrm --rows-ahead off",
+            "--rows-ahead is for the embedding rows of --model dlrm on ps tasks over messages, not --mode local".to_string(),
+        ),
+        (
             "allreduce",
             "--replicas-to-aggregate 2",
             other_mode("--replicas-to-aggregate", "ps", "allreduce"),

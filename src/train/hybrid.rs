@@ -127,6 +127,22 @@ impl<C: Comm> Tables for PsRows<'_, C> {
             .push_pull_tables(specs, (grads, scale), want, out)?)
     }
 
+    fn pulls_ahead(&self) -> bool {
+        true
+    }
+
+    fn pull_ahead(&self, want: &[(usize, &[u64])]) -> Result<(), TrainError> {
+        Ok(self.client.pull_tables_ahead(&self.setup.tables, want)?)
+    }
+
+    fn land_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        Ok(self.client.land_tables(&self.setup.tables, want, out)?)
+    }
+
     fn push_scale(&self) -> f32 {
         self.scale
     }

@@ -57,6 +57,33 @@ pub trait Tables {
         self.pull_tables(want, out, true)
     }
 
+    /// True where [`Tables::pull_ahead`] sends its requests ahead: rows that travel and
+    /// are updated as pushes arrive, so a step may ask for the next step's rows before
+    /// it computes.
+    fn pulls_ahead(&self) -> bool {
+        false
+    }
+
+    /// Starts pulling `want`'s rows (made where new), to arrive while this rank computes;
+    /// [`Tables::land_tables`] with the same `want` puts them into buffers. They hold the
+    /// updates their homes had applied when asked: a caller asks ahead only for rows its
+    /// own pending push does not touch. Where rows are not pulled ahead (the default),
+    /// they are pulled when landed.
+    fn pull_ahead(&self, want: &[(usize, &[u64])]) -> Result<(), TrainError> {
+        let _ = want;
+        Ok(())
+    }
+
+    /// The rows [`Tables::pull_ahead`] asked for, `want[i]`'s into `out[i]` as
+    /// [`Tables::pull_tables`] puts them.
+    fn land_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        self.pull_tables(want, out, true)
+    }
+
     /// Rows `ids` of table `table` into `out` ([`Tables::pull_tables`] of one table).
     fn pull_rows(&self, table: usize, ids: &[u64], out: &mut Vec<f32>) -> Result<(), TrainError> {
         self.pull_tables(&[(table, ids)], std::slice::from_mut(out), true)
@@ -254,6 +281,22 @@ impl<S, R: RowHome> Tables for Sparse<S, R> {
 
     fn push_tables(&self, grads: &[(usize, &SparseGrad)], scale: f32) -> Result<(), TrainError> {
         self.rows.push_tables(grads, scale)
+    }
+
+    fn pulls_ahead(&self) -> bool {
+        self.rows.pulls_ahead()
+    }
+
+    fn pull_ahead(&self, want: &[(usize, &[u64])]) -> Result<(), TrainError> {
+        self.rows.pull_ahead(want)
+    }
+
+    fn land_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        self.rows.land_tables(want, out)
     }
 
     fn push_scale(&self) -> f32 {

@@ -466,6 +466,21 @@ pub fn spin_while_waiting(on: bool) {
     SPIN_FIRST.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Every rank of this machine has a CPU of its own: set at start ([`cpu_each`]).
+static CPU_EACH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says whether every rank of this machine has a CPU of its own (set at start by the
+/// context; off until then, and for threads of one process).
+pub fn set_cpu_each(on: bool) {
+    CPU_EACH.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// True where every rank of this machine has a CPU of its own: work another rank does for
+/// this one while it computes (a ps serving rows asked for ahead) takes no CPU from it.
+pub fn cpu_each() -> bool {
+    CPU_EACH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// MPI's own progress yields the CPU when a poll finds nothing (Open MPI's
 /// `mpi_yield_when_idle`, which its launcher sets on an oversubscribed host): a wait whose
 /// poll is an MPI call (a probe, a test) has yielded in it already.

@@ -222,6 +222,7 @@ impl Context {
             }
         }
         let own_cpu = colocated::cpu_each(&seats, self.rank());
+        super::comm::set_cpu_each(own_cpu);
         super::comm::spin_while_waiting(own_cpu && !super::mpi::idle::yields());
         super::comm::mpi_yields_while_polling(super::mpi::idle::yields());
     }

@@ -2,7 +2,9 @@
 //!
 //! Messages between a pair of ranks with the same tag are received in the order they were
 //! sent (MPI's non-overtaking rule); a receive longer than its buffer is truncated and
-//! reported, as MPI does. Sends are buffered, so they complete at once. A receive that
+//! reported, as MPI does. Sends are buffered, so they complete at once (unless made with
+//! [`LocalComm::run_rendezvous`]: then those longer than a bound complete only once
+//! received, as MPI's sends beyond its eager limit do). A receive that
 //! waits longer than the hub's timeout fails instead of hanging the test. One difference:
 //! a receive is matched when it is waited on or tested, not when it is posted, so code
 //! with several receives in flight from one (source, tag) completes them in posting order
@@ -17,6 +19,7 @@
 //! ```
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -29,6 +32,18 @@ struct Message {
     src: usize,
     tag: i32,
     data: Vec<u8>,
+    /// Set when the message is received, for a send that completes only then.
+    taken: Option<Arc<AtomicBool>>,
+}
+
+impl Message {
+    /// The message, taken by its receiver.
+    fn received(self) -> Message {
+        if let Some(t) = &self.taken {
+            t.store(true, Ordering::Release);
+        }
+        self
+    }
 }
 
 #[derive(Default)]
@@ -50,6 +65,8 @@ struct Hub {
     /// The node of each rank (all 0 unless made by [`LocalComm::run_on_nodes`]): ranks of
     /// different nodes share no segments, as MPI's nodes do not.
     nodes: Vec<usize>,
+    /// Sends longer than this complete only once received (`usize::MAX`: all buffered).
+    rendezvous: usize,
 }
 
 type SharedAlloc = Arc<(Vec<AlignedBuf>, Vec<usize>)>;
@@ -63,6 +80,7 @@ impl Hub {
             segments: Mutex::new(BTreeMap::new()),
             windows: Mutex::new(BTreeMap::new()),
             nodes,
+            rendezvous: usize::MAX,
         })
     }
 }
@@ -81,6 +99,9 @@ pub struct LocalComm {
 pub enum LocalRequest {
     /// Sends are buffered: complete when started.
     Sent,
+    /// A send that completes once its message is received (see
+    /// [`LocalComm::run_rendezvous`]).
+    Held(Arc<AtomicBool>),
     Recv {
         buf: *mut u8,
         len: usize,
@@ -98,8 +119,12 @@ impl LocalComm {
     /// Communicators for one rank per entry of `nodes`, each rank on the node its entry
     /// names (what a job across hosts looks like).
     pub fn create_on_nodes(nodes: &[usize], timeout: Duration) -> Vec<LocalComm> {
-        let hub = Hub::new(nodes.to_vec(), timeout);
-        (0..nodes.len())
+        LocalComm::of_hub(Hub::new(nodes.to_vec(), timeout))
+    }
+
+    /// A communicator per rank of `hub`.
+    fn of_hub(hub: Arc<Hub>) -> Vec<LocalComm> {
+        (0..hub.boxes.len())
             .map(|rank| LocalComm {
                 rank,
                 hub: hub.clone(),
@@ -135,6 +160,19 @@ impl LocalComm {
         Self::run_comms(LocalComm::create(size, timeout), f)
     }
 
+    /// As [`LocalComm::run`], with sends longer than `eager` bytes complete only once
+    /// their message is received, as MPI's rendezvous sends do: code that waits on such a
+    /// send while its receiver waits on something else deadlocks here as it would there.
+    pub fn run_rendezvous<R: Send>(
+        size: usize,
+        eager: usize,
+        f: impl Fn(LocalComm) -> R + Sync,
+    ) -> Vec<R> {
+        let mut hub = Hub::new(vec![0; size], Duration::from_secs(30));
+        Arc::get_mut(&mut hub).expect("a new hub").rendezvous = eager;
+        Self::run_comms(LocalComm::of_hub(hub), f)
+    }
+
     fn run_comms<R: Send>(comms: Vec<LocalComm>, f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
         std::thread::scope(|s| {
             let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
@@ -143,6 +181,25 @@ impl LocalComm {
                 .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
                 .collect()
         })
+    }
+}
+
+impl LocalComm {
+    /// Waits for a held send's message to be received, at most the hub's timeout.
+    fn wait_taken(&self, taken: &AtomicBool) -> Result<Completion, TransportError> {
+        let start = std::time::Instant::now();
+        while !taken.load(Ordering::Acquire) {
+            if start.elapsed() > self.hub.timeout {
+                return Err(TransportError::Timeout {
+                    rank: self.rank,
+                    peer: ANY_SOURCE,
+                    tag: 0,
+                    secs: self.hub.timeout.as_secs(),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(Completion::new(0, false, self.rank))
     }
 }
 
@@ -184,14 +241,16 @@ impl Comm for LocalComm {
         }
         // SAFETY: the caller guarantees buf..buf+len is valid; it is copied right away.
         let data = unsafe { std::slice::from_raw_parts(buf, len) }.to_vec();
+        let taken = (len > self.hub.rendezvous).then(|| Arc::new(AtomicBool::new(false)));
         let mb = &self.hub.boxes[dst];
         mb.queue.lock().expect("mailbox lock").push_back(Message {
             src: self.rank,
             tag,
             data,
+            taken: taken.clone(),
         });
         mb.arrived.notify_all();
-        Ok(LocalRequest::Sent)
+        Ok(taken.map_or(LocalRequest::Sent, LocalRequest::Held))
     }
 
     unsafe fn irecv(
@@ -225,8 +284,10 @@ impl Comm for LocalComm {
     }
 
     fn wait(&self, req: LocalRequest) -> Result<Completion, TransportError> {
-        let LocalRequest::Recv { buf, len, src, tag } = req else {
-            return Ok(Completion::new(0, false, self.rank));
+        let (buf, len, src, tag) = match req {
+            LocalRequest::Sent => return Ok(Completion::new(0, false, self.rank)),
+            LocalRequest::Held(taken) => return self.wait_taken(&taken),
+            LocalRequest::Recv { buf, len, src, tag } => (buf, len, src, tag),
         };
         let mb = &self.hub.boxes[self.rank];
         let mut q = mb.queue.lock().expect("mailbox lock");
@@ -235,7 +296,7 @@ impl Comm for LocalComm {
                 .iter()
                 .position(|m| m.tag == tag && (src == ANY_SOURCE || m.src == src));
             if let Some(i) = found {
-                let m = q.remove(i).expect("index from position");
+                let m = q.remove(i).expect("index from position").received();
                 let count = m.data.len().min(len);
                 // SAFETY: the caller of irecv guarantees buf..buf+len is valid and unaliased
                 // until this wait returns; count <= len.
@@ -274,7 +335,7 @@ impl Comm for LocalComm {
             .iter()
             .position(|m| m.tag == tag && (src == ANY_SOURCE || m.src == src));
         Ok(found.map(|i| {
-            let m = q.remove(i).expect("index from position");
+            let m = q.remove(i).expect("index from position").received();
             *buf = m.data;
             m.src
         }))
@@ -283,6 +344,9 @@ impl Comm for LocalComm {
     fn test(&self, req: &mut LocalRequest) -> Result<Option<Completion>, TransportError> {
         match req {
             LocalRequest::Sent => Ok(Some(Completion::new(0, false, self.rank))),
+            LocalRequest::Held(taken) => Ok(taken
+                .load(Ordering::Acquire)
+                .then(|| Completion::new(0, false, self.rank))),
             LocalRequest::Recv { src, tag, .. } => {
                 let ready = self.hub.boxes[self.rank]
                     .queue
@@ -304,7 +368,7 @@ impl Comm for LocalComm {
     /// that is already there, as MPI's receive would have matched it on arrival.
     fn cancel_receive(&self, mut req: LocalRequest) -> Result<Option<Completion>, TransportError> {
         match req {
-            LocalRequest::Sent => Ok(None),
+            LocalRequest::Sent | LocalRequest::Held(_) => Ok(None),
             LocalRequest::Recv { .. } => self.test(&mut req),
         }
     }

@@ -170,6 +170,27 @@ impl SparseOptimizerArg {
     }
 }
 
+/// `--rows-ahead` (the library's `RowsAhead`, spelled for the command line).
+#[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum RowsAheadArg {
+    /// Where every rank of the machine has a CPU of its own.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl RowsAheadArg {
+    pub(crate) fn library(self) -> mpiflow::train::ctr::RowsAhead {
+        use mpiflow::train::ctr::RowsAhead;
+        match self {
+            RowsAheadArg::Auto => RowsAhead::Auto,
+            RowsAheadArg::On => RowsAhead::On,
+            RowsAheadArg::Off => RowsAhead::Off,
+        }
+    }
+}
+
 /// `--lr-decay` (the library's `Decay`, spelled for the command line).
 #[derive(Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
 pub(crate) enum DecayArg {

@@ -97,6 +97,19 @@ impl Unique {
         self.at.extend(found);
         self
     }
+
+    /// For each of these ids in order, whether `other` has it too, into `marks`: one walk
+    /// of both lists (each in the same order).
+    pub fn marks_in(&self, other: &Unique, marks: &mut Vec<bool>) {
+        marks.clear();
+        let mut j = 0;
+        for k in &self.keys {
+            while other.keys.get(j).is_some_and(|o| o < k) {
+                j += 1;
+            }
+            marks.push(other.keys.get(j) == Some(k));
+        }
+    }
 }
 
 /// A sparse gradient of a table: one row of `dim` values for each id (distinct).

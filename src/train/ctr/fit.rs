@@ -2,7 +2,8 @@
 //! ([`Tables`]: the ps mode, hybrid, local with [`crate::train::tables::LocalRows`]).
 //!
 //! Each step takes this rank's share of the global batch, pulls the rows it names (each
-//! id once; with the last step's push where it can, see [`fit`]), computes the loss and
+//! id once; with the last step's push where it can, or ahead of the last step's
+//! gradients, see [`fit`]), computes the loss and
 //! both gradients, pushes the rows' sparse gradient and
 //! hands the dense gradients to the session ([`External::run`]): the step loop does the
 //! rest as for any model (the mode's update, the guard, logs, checkpoints of the dense
@@ -14,7 +15,7 @@ use std::time::Instant;
 use super::metrics::ScoreCounts;
 use super::{CtrBatch, CtrData};
 use crate::model::dlrm::{Dlrm, DlrmScratch, Lookup};
-use crate::model::embedding::SparseGrad;
+use crate::model::embedding::{copy_row, SparseGrad, TableSpec};
 use crate::model::External;
 use crate::observe::phases::Phase;
 use crate::observe::stall::{self, Wait, Waiting};
@@ -40,6 +41,37 @@ pub struct CtrFit<'d> {
     pub seed: u64,
     /// Evaluate on the held-out samples every this many steps (0: only at the end).
     pub eval_every: u64,
+    /// Whether the next step's rows that this step's push does not touch are asked for
+    /// before the step computes, where the strategy's rows can be ([`Tables::pulls_ahead`]).
+    pub rows_ahead: RowsAhead,
+}
+
+/// Whether a step asks for the next step's rows ahead of its gradients (those its push
+/// does not touch; the others come with the push, after it): their homes serve them
+/// while the step computes. With one worker training is the same either way; with
+/// several, rows asked ahead may miss the other workers' pushes of the step, as
+/// asynchronous rows may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowsAhead {
+    /// Where every rank of the machine has a CPU of its own
+    /// ([`crate::transport::comm::cpu_each`]): a ps that serves rows while a worker
+    /// computes on a shared CPU takes the time from it, and each extra request waits for
+    /// the ps to be scheduled.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl RowsAhead {
+    /// Whether rows are asked for ahead on this rank.
+    pub fn on(self) -> bool {
+        match self {
+            RowsAhead::Auto => crate::transport::comm::cpu_each(),
+            RowsAhead::On => true,
+            RowsAhead::Off => false,
+        }
+    }
 }
 
 /// An evaluation on held-out samples, the same on every rank that evaluates.
@@ -66,6 +98,74 @@ struct Work {
     next_lookups: Vec<Lookup>,
     /// The global step whose batch and rows `next` holds, if any.
     ahead: Option<u64>,
+    /// The next step's rows in two parts (see [`NextRows`]).
+    parts: NextRows,
+}
+
+/// The next step's distinct ids of each table in two parts: those this step's batch has
+/// too (`again`, pulled with this step's push, after it) and the others (`fresh`, pulled
+/// ahead while this step computes), with their rows; `known[t][i]`: the next step's `i`th
+/// id of table `t` is among this step's.
+#[derive(Default)]
+struct NextRows {
+    known: Vec<Vec<bool>>,
+    again: Vec<Vec<u64>>,
+    fresh: Vec<Vec<u64>>,
+    again_rows: Vec<Vec<f32>>,
+    fresh_rows: Vec<Vec<f32>>,
+}
+
+impl NextRows {
+    /// The parts of `next`'s ids against `now`'s (the same tables).
+    fn split(&mut self, now: &[Lookup], next: &[Lookup]) {
+        let n = next.len();
+        for v in [&mut self.again, &mut self.fresh] {
+            v.resize_with(n, Vec::new);
+        }
+        self.known.resize_with(n, Vec::new);
+        self.again_rows.resize_with(n, Vec::new);
+        self.fresh_rows.resize_with(n, Vec::new);
+        for (t, (now, next)) in now.iter().zip(next).enumerate() {
+            next.unique.marks_in(&now.unique, &mut self.known[t]);
+            let (again, fresh) = (&mut self.again[t], &mut self.fresh[t]);
+            again.clear();
+            fresh.clear();
+            for (id, known) in next.unique.ids.iter().zip(&self.known[t]) {
+                match known {
+                    true => again.push(*id),
+                    false => fresh.push(*id),
+                }
+            }
+        }
+    }
+
+    /// Each table and its ids of one part.
+    fn want(part: &[Vec<u64>]) -> Vec<(usize, &[u64])> {
+        part.iter()
+            .enumerate()
+            .map(|(t, ids)| (t, &ids[..]))
+            .collect()
+    }
+
+    /// Both parts' rows, arrived, into each of `next`'s lookups (tables `specs`) in the
+    /// order of its ids.
+    fn join(&self, next: &mut [Lookup], specs: &[TableSpec]) {
+        for (t, (l, spec)) in next.iter_mut().zip(specs).enumerate() {
+            let dim = spec.dim.max(1);
+            l.rows.resize(l.unique.ids.len() * spec.dim, 0.0);
+            let (mut again, mut fresh) = (
+                self.again_rows[t].chunks_exact(dim),
+                self.fresh_rows[t].chunks_exact(dim),
+            );
+            for (row, known) in l.rows.chunks_exact_mut(dim).zip(&self.known[t]) {
+                let from = match known {
+                    true => again.next(),
+                    false => fresh.next(),
+                };
+                copy_row(row, from.expect("a row per id"));
+            }
+        }
+    }
 }
 
 /// Trains in `sess` on `train` until the session stops, evaluating on `test` as `run`
@@ -75,7 +175,10 @@ struct Work {
 /// Where the global step goes one by one (every mode but the asynchronous ps with other
 /// workers), a step's push of its rows' gradient also pulls the next step's rows (one
 /// round trip to each ps per step, not two): those rows hold every update their ps had
-/// applied by then, this rank's own included.
+/// applied by then, this rank's own included. Where rows are asked for ahead
+/// ([`RowsAhead`]), the push pulls only the next step's rows that this step's batch has
+/// too (those its push changes); the others are asked for before the step computes, and
+/// the ps tasks serve them meanwhile.
 pub fn fit<'m, S: Strategy<'m> + Tables>(
     sess: &mut Session<'m, '_, S>,
     run: &CtrFit<'_>,
@@ -88,6 +191,7 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
         ..Work::default()
     };
     let (mut last, mut steady) = (None, true);
+    let rows_ahead = run.rows_ahead.on();
     while !sess.should_stop() {
         let prev = sess.global_step();
         let (n, i) = sess.data_shard();
@@ -107,7 +211,9 @@ pub fn fit<'m, S: Strategy<'m> + Tables>(
         if let Some(s) = next {
             train.batch_into(data::shard(batches.global(s), i, n), &mut work.next);
         }
-        let (loss, times, pulled) = match step(sess, run.model, (share, ready, next), &mut work) {
+        let ahead = next.filter(|_| rows_ahead && sess.strategy().pulls_ahead());
+        let plan = (share, ready, next, ahead.is_some());
+        let (loss, times, pulled) = match step(sess, run.model, plan, &mut work) {
             Ok(done) => done,
             Err(Unmade { why, pushed }) => {
                 if !pushed {
@@ -186,13 +292,14 @@ fn of_push(e: impl std::fmt::Display) -> Unmade {
 
 /// This rank's part of a step up to the dense update: rows pulled (unless `ready`: pulled
 /// with the last step's push), gradients computed, the sparse ones pushed (scaled by the
-/// rank's `share`), with the rows of `w.next`'s batch if there is a `next` step; the loss,
-/// when each part began and whether the next step's rows were pulled, or why the step
-/// cannot be made here.
+/// rank's `share`), with the rows of `w.next`'s batch if there is a `next` step (those
+/// this batch does not have asked for `ahead` of the gradients, where the plan says so);
+/// the loss, when each part began and whether the next step's rows were pulled, or why the
+/// step cannot be made here.
 fn step<'m, S: Strategy<'m> + Tables>(
     sess: &Session<'m, '_, S>,
     model: &Dlrm,
-    (share, ready, next): (f32, bool, Option<u64>),
+    (share, ready, next, ahead): (f32, bool, Option<u64>, bool),
     w: &mut Work,
 ) -> Result<(f32, Began, bool), Unmade> {
     let tables = sess.strategy();
@@ -204,6 +311,14 @@ fn step<'m, S: Strategy<'m> + Tables>(
             .map_err(before_push)?;
         let _wait = rows_wait(tables, "rows pull", step);
         pull_lookups(tables, &mut w.lookups, true).map_err(before_push)?;
+    }
+    if ahead {
+        model
+            .lookups_into(&w.next, &mut w.next_lookups)
+            .map_err(before_push)?;
+        w.parts.split(&w.lookups, &w.next_lookups);
+        let _wait = rows_wait(tables, "rows pull ahead", step);
+        (tables.pull_ahead(&NextRows::want(&w.parts.fresh))).map_err(before_push)?;
     }
     let computed = Instant::now();
     let params = &sess.replica().params;
@@ -239,10 +354,18 @@ fn step<'m, S: Strategy<'m> + Tables>(
         tables.push_tables(&grads, scale).map_err(of_push)?;
         return Ok((loss, began, false));
     }
+    let _wait = rows_wait(tables, "rows push and pull", step);
+    if ahead {
+        let p = &mut w.parts;
+        (tables.land_tables(&NextRows::want(&p.fresh), &mut p.fresh_rows)).map_err(before_push)?;
+        let again = NextRows::want(&p.again);
+        (tables.push_pull_tables(&grads, scale, &again, &mut p.again_rows)).map_err(of_push)?;
+        p.join(&mut w.next_lookups, spec);
+        return Ok((loss, began, true));
+    }
     model
         .lookups_into(&w.next, &mut w.next_lookups)
         .map_err(before_push)?;
-    let _wait = rows_wait(tables, "rows push and pull", step);
     with_rows(&mut w.next_lookups, |want, rows| {
         tables.push_pull_tables(&grads, scale, want, rows)
     })

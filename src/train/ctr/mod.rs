@@ -17,7 +17,7 @@ pub mod metrics;
 mod run;
 pub mod synthetic;
 
-pub use fit::{evaluate, fit, CtrEvaluation, CtrFit};
+pub use fit::{evaluate, fit, CtrEvaluation, CtrFit, RowsAhead};
 pub use run::{CtrReport, CtrRun};
 
 pub use criteo::Criteo;

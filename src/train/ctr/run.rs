@@ -1,7 +1,7 @@
 //! A click model's run in each mode that holds tables: the session set up as the mode
 //! needs, then [`fit`]. What `mpiflow train --model dlrm` runs on each rank.
 
-use super::fit::{fit, CtrEvaluation, CtrFit};
+use super::fit::{fit, CtrEvaluation, CtrFit, RowsAhead};
 use super::CtrData;
 use crate::cluster::Layout;
 use crate::model::dlrm::Dlrm;
@@ -43,6 +43,9 @@ pub struct CtrRun<'d> {
     /// This rank's share of its node's memory: a ps task whose rows outgrow it fails the
     /// request that grew them, naming the table (`None`: unchecked).
     pub memory: Option<Share>,
+    /// Whether the next step's rows that a step's push does not touch are pulled while
+    /// the step computes, where the rows travel by messages.
+    pub rows_ahead: RowsAhead,
 }
 
 impl<'d> CtrRun<'d> {
@@ -61,12 +64,21 @@ impl<'d> CtrRun<'d> {
             cfg,
             sparse,
             memory: None,
+            rows_ahead: RowsAhead::Auto,
         }
     }
 
     /// The run with rows checked against `memory`, this rank's share of its node.
     pub fn within(self, memory: Option<Share>) -> CtrRun<'d> {
         CtrRun { memory, ..self }
+    }
+
+    /// The run with the next step's rows pulled ahead as `ahead` says.
+    pub fn rows_ahead(self, ahead: RowsAhead) -> CtrRun<'d> {
+        CtrRun {
+            rows_ahead: ahead,
+            ..self
+        }
     }
 
     /// Trains in `sess` to the end; what it reached.
@@ -81,6 +93,7 @@ impl<'d> CtrRun<'d> {
             batch: self.cfg.batch,
             seed: self.cfg.seed,
             eval_every: self.cfg.eval_every,
+            rows_ahead: self.rows_ahead,
         };
         let evaluation = fit(&mut sess, &run, self.train, self.test)?;
         Ok(report(sess.close()?, evaluation))

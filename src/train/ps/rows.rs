@@ -16,7 +16,7 @@ use super::PsError;
 use crate::model::embedding::{SparseGrad, TableSpec};
 use crate::train::tables::RowsReport;
 use crate::transport::comm::Comm;
-use split::{Pulling, Split};
+use split::{place_all, Pulling, Split};
 
 /// A table's rows a caller asks for: the table, its rows' width, the ids.
 pub type Wanted<'a> = (usize, usize, &'a [u64]);
@@ -62,6 +62,25 @@ impl<C: Comm> Client<'_, C> {
         self.push_rows(&self.widths(specs, grads)?, scale)
     }
 
+    /// [`Client::pull_ahead`] of tables among `specs` (each a table and its ids).
+    pub fn pull_tables_ahead(
+        &self,
+        specs: &[TableSpec],
+        want: &[(usize, &[u64])],
+    ) -> Result<(), PsError> {
+        self.pull_ahead(&self.widths(specs, want)?)
+    }
+
+    /// [`Client::land_rows`] of tables among `specs`.
+    pub fn land_tables(
+        &self,
+        specs: &[TableSpec],
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), PsError> {
+        self.land_rows(&self.widths(specs, want)?, out)
+    }
+
     /// [`Client::push_pull_rows`] of tables among `specs`.
     pub fn push_pull_tables(
         &self,
@@ -99,10 +118,57 @@ impl<C: Comm> Client<'_, C> {
             |_| Vec::new(),
             |k, reply, bytes| {
                 let places = &mut Pulling::places(split, got, direct, k);
-                Pulling::take(self, k, places, reply, bytes)
+                self.take_rows_reply(k, places, reply, bytes)
             },
         );
         pulling.finish(self, taken.map(drop), out)
+    }
+
+    /// Starts pulling the rows `want` names (made where new), to be taken by
+    /// [`Client::land_rows`] with the same `want`: the requests go out now, and each ps
+    /// serves them and leaves its reply in flight while this worker computes. The rows
+    /// hold the updates their ps had applied when it served the request: a worker pulls
+    /// ahead only rows its own pending push does not touch.
+    pub fn pull_ahead(&self, want: &[Wanted<'_>]) -> Result<(), PsError> {
+        let nps = self.roles.ps.len();
+        let split: Vec<Split> = (want.iter())
+            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
+            .collect();
+        let values = (0..nps)
+            .map(|k| split.iter().map(|s| s.values(k)).collect())
+            .collect();
+        let request = |k: usize| Request::PullRows {
+            parts: Pulling::parts(&split, k),
+        };
+        self.send_ahead(request, values)
+    }
+
+    /// The rows [`Client::pull_ahead`] asked for (`want`: the same tables and ids), each
+    /// table's into its `out` (`ids.len() x dim` in the order of its ids).
+    pub fn land_rows(&self, want: &[Wanted<'_>], out: &mut [Vec<f32>]) -> Result<(), PsError> {
+        self.check_outputs(want, out)?;
+        let ahead = self.land_ahead()?;
+        let nps = self.roles.ps.len();
+        let split: Vec<Split> = (want.iter())
+            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
+            .collect();
+        let asked = (0..nps).all(|k| {
+            let values = split.iter().map(|s| s.values(k));
+            ahead
+                .values
+                .get(k)
+                .is_some_and(|v| v.iter().copied().eq(values))
+        });
+        if !asked {
+            self.keep_rows(ahead);
+            return Err(PsError::Setup(format!(
+                "{}: rows landed for other ids than were asked for ahead",
+                self.me()
+            )));
+        }
+        place_all(&split, &ahead.got, out);
+        self.keep_rows(ahead);
+        Ok(())
     }
 
     /// Pushes the sparse gradients `grads` (each of table `table`, `dim` values a row)
@@ -157,7 +223,7 @@ impl<C: Comm> Client<'_, C> {
             |k, reply, bytes| match (pulls, reply) {
                 (true, _) => {
                     let places = &mut Pulling::places(pull, got, direct, k);
-                    Pulling::take(self, k, places, reply, bytes)
+                    self.take_rows_reply(k, places, reply, bytes)
                 }
                 (false, Reply::Ok { .. }) => Ok(()),
                 (false, other) => Err(PsError::Remote {

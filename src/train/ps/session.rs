@@ -513,6 +513,22 @@ impl<C: Comm> crate::train::tables::Tables for Ps<'_, C> {
             .push_pull_tables(specs, (grads, scale), want, out)?)
     }
 
+    fn pulls_ahead(&self) -> bool {
+        true
+    }
+
+    fn pull_ahead(&self, want: &[(usize, &[u64])]) -> Result<(), TrainError> {
+        Ok(self.client.pull_tables_ahead(&self.cfg.tables, want)?)
+    }
+
+    fn land_tables(
+        &self,
+        want: &[(usize, &[u64])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), TrainError> {
+        Ok(self.client.land_tables(&self.cfg.tables, want, out)?)
+    }
+
     fn rows_report(&self) -> Result<Vec<crate::train::tables::RowsReport>, TrainError> {
         Ok(self.client.stats()?)
     }

@@ -24,6 +24,9 @@ use crate::train::guard::NonFinite;
 use crate::transport::comm::{Comm, TransportError};
 use crate::transport::messages;
 
+mod ahead;
+pub(super) use ahead::{places, Ahead};
+
 /// A worker's connection to the ps tasks: the placement tells which slices of which
 /// variable each ps holds.
 pub struct Client<'a, C: Comm> {
@@ -36,6 +39,8 @@ pub struct Client<'a, C: Comm> {
     what: Arc<str>,
     peer: Arc<str>,
     buffers: Box<Buffers>,
+    /// Rows asked for ahead, not landed yet (see [`ahead`]).
+    ahead: std::cell::Cell<Option<Box<Ahead>>>,
 }
 
 /// A client's message buffers, reused from one round to the next: its requests' header
@@ -75,6 +80,7 @@ impl<'a, C: Comm> Client<'a, C> {
             what,
             peer,
             buffers: Box::default(),
+            ahead: std::cell::Cell::new(None),
         }
     }
 
@@ -204,6 +210,20 @@ impl<'a, C: Comm> Client<'a, C> {
         payload: impl Fn(usize) -> Vec<&'p [f32]>,
         mut then: impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
     ) -> Result<(Vec<Reply>, Instant), PsError> {
+        self.settle_ahead();
+        let taken = self.send_round(request, payload, &mut then)?;
+        let sent = Instant::now();
+        Ok((self.finish_round(taken, &mut then)?, sent))
+    }
+
+    /// The first half of [`Client::round_then`]: sends one request to every ps, taking
+    /// the replies that come meanwhile; the replies taken (one place per ps).
+    pub(super) fn send_round<'p>(
+        &self,
+        request: impl Fn(usize) -> Request,
+        payload: impl Fn(usize) -> Vec<&'p [f32]>,
+        then: &mut impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
+    ) -> Result<Vec<Option<Reply>>, PsError> {
         // Twice the ps's own deadline: a ps that lost another task says so first.
         let deadline = self.timeout * 2;
         let nps = self.roles.ps.len();
@@ -239,7 +259,7 @@ impl<'a, C: Comm> Client<'a, C> {
                 {
                     continue;
                 }
-                match self.take_reply(k, &inbox, &mut then) {
+                match self.take_reply(k, &inbox, then) {
                     Ok(reply) => taken[k] = reply,
                     Err(e) => {
                         failed = Some(e);
@@ -262,11 +282,21 @@ impl<'a, C: Comm> Client<'a, C> {
         }
         drop(out);
         self.buffers.headers.replace(headers);
-        let sent = Instant::now();
+        self.buffers.inbox.replace(inbox);
+        Ok(taken)
+    }
+
+    /// The second half of [`Client::round_then`]: waits for every reply not `taken` yet
+    /// (each ps's within the deadline), then the verdict: the replies, one per ps.
+    pub(super) fn finish_round(
+        &self,
+        mut taken: Vec<Option<Reply>>,
+        then: &mut impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
+    ) -> Result<Vec<Reply>, PsError> {
+        let deadline = self.timeout * 2;
+        let rtag = reply_tag(self.comm);
+        let mut inbox = self.buffers.inbox.take();
         for (k, r) in self.roles.ps.iter().enumerate() {
-            if taken[k].is_some() {
-                continue;
-            }
             // Each wait has the whole deadline: a ps still working says so within it.
             while taken[k].is_none() {
                 match receive_within_into(self.comm, *r, rtag, deadline, &mut inbox) {
@@ -274,7 +304,7 @@ impl<'a, C: Comm> Client<'a, C> {
                     Ok(None) | Err(TransportError::Timeout { .. }) => return Err(self.lost(*r)),
                     Err(e) => return Err(e.into()),
                 };
-                taken[k] = self.take_reply(k, &inbox, &mut then)?;
+                taken[k] = self.take_reply(k, &inbox, then)?;
             }
         }
         self.buffers.inbox.replace(inbox);
@@ -289,7 +319,7 @@ impl<'a, C: Comm> Client<'a, C> {
         }
         match not_applied {
             Some(why) => Err(PsError::NotApplied(why)),
-            None => Ok((replies, sent)),
+            None => Ok(replies),
         }
     }
 
@@ -545,6 +575,8 @@ impl<'a, C: Comm> Client<'a, C> {
 
     /// Tells every ps this worker is done (`stop`: stopped by that signal).
     pub fn done(&self, stop: Option<i32>) -> Result<(), PsError> {
+        // Rows asked ahead are taken first: each ps sends its replies before it ends.
+        self.settle_ahead();
         let m = encode(&Request::Done { stop });
         for r in &self.roles.ps {
             messages::send(self.comm, &m, *r, request_tag(self.comm))?;

@@ -6,7 +6,7 @@ use clap::Args;
 
 use super::{
     fraction, named, positive_f32, positive_usize, ClusterArgs, DecayArg, Mode, ModelChoice,
-    ProgressArg, SparseOptimizerArg,
+    ProgressArg, RowsAheadArg, SparseOptimizerArg,
 };
 use mpiflow::pipeline::{Balance, Schedule};
 use mpiflow::topology::Policy;
@@ -128,6 +128,12 @@ pub(crate) struct TrainArgs {
     /// window is sized for twice as many buckets).
     #[arg(long, default_value_t = 1 << 21, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) window_rows: u64,
+    /// --model dlrm, --mode ps or hybrid over messages: ask for the next step's embedding
+    /// rows that a step's push does not touch before the step computes, the ps tasks
+    /// serving them meanwhile (the others come with the push); auto: where every rank of
+    /// the machine has a CPU of its own.
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) rows_ahead: RowsAheadArg,
     /// Hidden layer widths of the MLP, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128", value_parser = positive_usize)]
     pub(crate) hidden: Vec<usize>,
@@ -275,6 +281,7 @@ impl TrainArgs {
             ("--sparse-optimizer", cli(&self.sparse_optimizer)),
             ("--sparse-lr", self.sparse_lr.to_string()),
             ("--window-rows", self.window_rows.to_string()),
+            ("--rows-ahead", cli(&self.rows_ahead)),
             ("--batch", self.batch.to_string()),
             ("--steps", self.steps.to_string()),
             ("--optimizer", named(self.optimizer)),
@@ -314,6 +321,8 @@ enum UsedBy {
     EvalEvery,
     /// `--mode hybrid --transport rma`: the rows over one-sided windows.
     RowsOverWindows,
+    /// `--model dlrm`, `--mode ps` or `hybrid` over messages.
+    RowsOverMessages,
 }
 
 impl TrainArgs {
@@ -345,6 +354,11 @@ impl TrainArgs {
                 "--window-rows",
                 self.window_rows != d.window_rows,
                 UsedBy::RowsOverWindows,
+            ),
+            (
+                "--rows-ahead",
+                self.rows_ahead != d.rows_ahead,
+                UsedBy::RowsOverMessages,
             ),
             (
                 "--replicas-to-aggregate",
@@ -475,6 +489,13 @@ impl TrainArgs {
                     PsTransport::P2p => " over messages",
                 }
             ),
+            UsedBy::RowsOverMessages => format!(
+                "{flag} is for the embedding rows of --model dlrm on ps tasks over messages, not --mode {mode}{}",
+                match self.transport {
+                    PsTransport::Rma => " --transport rma",
+                    PsTransport::P2p => "",
+                }
+            ),
         })
     }
 
@@ -487,6 +508,11 @@ impl TrainArgs {
             UsedBy::RowsOverWindows => {
                 matches!(self.mode, Mode::Hybrid | Mode::Ps)
                     && self.transport == PsTransport::Rma
+                    && self.model == ModelChoice::Dlrm
+            }
+            UsedBy::RowsOverMessages => {
+                matches!(self.mode, Mode::Hybrid | Mode::Ps)
+                    && self.transport == PsTransport::P2p
                     && self.model == ModelChoice::Dlrm
             }
             UsedBy::Allreduce => self.mode == Mode::Allreduce,

@@ -282,7 +282,9 @@ fn distributed(args: &TrainArgs, env: &BTreeMap<String, String>) -> Result<(), F
         .map_err(Failure::local)?;
     let cfg = args.train_config();
     let sparse = args.sparse_optimizer.with_lr(args.sparse_lr);
-    let run = CtrRun::new(&m, (&train, &test), &cfg, sparse).within(share);
+    let run = CtrRun::new(&m, (&train, &test), &cfg, sparse)
+        .within(share)
+        .rows_ahead(args.rows_ahead.library());
     let mut log = |e: &Event| report::event(&reporter, e);
     let timeout = std::time::Duration::from_secs(args.peer_timeout);
     let ran = match args.mode {

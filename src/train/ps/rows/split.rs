@@ -2,8 +2,8 @@
 
 use std::ops::Range;
 
-use super::super::protocol::{row_owner, Reply, RowsPart};
-use super::super::worker::{Client, Misfit};
+use super::super::protocol::{row_owner, RowsPart};
+use super::super::worker::{places, Client};
 use super::super::PsError;
 use super::Wanted;
 use crate::model::embedding::{append_row, copy_row, SparseGrad};
@@ -194,45 +194,8 @@ impl<'a> Pulling<'a> {
                 .map(|(g, s)| &mut g[s.run(k).expect("runs")])
                 .collect();
         }
-        let mut rest = &mut got[k][..];
-        (split.iter())
-            .map(|s| {
-                let (part, after) = std::mem::take(&mut rest).split_at_mut(s.values(k));
-                rest = after;
-                part
-            })
-            .collect()
-    }
-
-    /// Ps `k`'s reply and its rows into `places` (inline in the reply's message, or the
-    /// pieces after it).
-    pub(super) fn take<C: Comm>(
-        client: &Client<'_, C>,
-        k: usize,
-        places: &mut [&mut [f32]],
-        reply: &Reply,
-        inline_bytes: &[u8],
-    ) -> Result<(), PsError> {
-        let roles = client.roles;
-        let wrong = |what: String| PsError::Remote {
-            task: roles.task(roles.ps[k]),
-            message: what,
-        };
-        let want: usize = places.iter().map(|p| p.len()).sum();
-        if *reply != (Reply::Rows { values: want }) {
-            return Err(wrong(format!(
-                "answered a pull of {want} values of rows with {reply:?}"
-            )));
-        }
-        match client.take_floats(k, places, inline_bytes)? {
-            None => Ok(()),
-            Some(Misfit::Inline { sent }) => {
-                Err(wrong(format!("sent {sent} values for rows of {want}")))
-            }
-            Some(Misfit::Piece { want }) => Err(wrong(format!(
-                "sent a piece of rows of another length than {want} bytes"
-            ))),
-        }
+        let values: Vec<usize> = split.iter().map(|s| s.values(k)).collect();
+        places(&values, &mut got[k])
     }
 
     /// The rows of a round that ended `taken` into each table's `out` (`ids.len() x dim`
@@ -256,18 +219,24 @@ impl<'a> Pulling<'a> {
             client.give_rows(self.spare);
             return Ok(());
         }
-        let mut at = vec![0usize; got.len()];
-        for (s, out) in split.iter().zip(out.iter_mut()) {
-            // Every row is written below: a buffer of the right length needs no zeroes.
-            out.resize(s.ids.len() * s.dim, 0.0);
-            for (k, got) in got.iter().enumerate() {
-                let n = s.values(k);
-                s.place(k, &got[at[k]..at[k] + n], out);
-                at[k] += n;
-            }
-        }
+        place_all(&split, &got, out);
         client.give_rows(got);
         Ok(())
+    }
+}
+
+/// Each ps's rows `got[k]` (its parts of the tables `split` end to end) to their places
+/// in each table's `out` (`ids.len() x dim`, in the order of its ids).
+pub(super) fn place_all(split: &[Split], got: &[Vec<f32>], out: &mut [Vec<f32>]) {
+    let mut at = vec![0usize; got.len()];
+    for (s, out) in split.iter().zip(out.iter_mut()) {
+        // Every row is written below: a buffer of the right length needs no zeroes.
+        out.resize(s.ids.len() * s.dim, 0.0);
+        for (k, got) in got.iter().enumerate() {
+            let n = s.values(k);
+            s.place(k, &got[at[k]..at[k] + n], out);
+            at[k] += n;
+        }
     }
 }
 

@@ -283,3 +283,109 @@ fn a_ps_asked_for_another_ps_row_names_it_and_serves_on() {
     }
     assert_eq!(pulled, 4000);
 }
+
+/// Set once, awaited with a deadline (a test that would hang fails instead).
+#[derive(Default)]
+struct Flag(std::sync::Mutex<bool>, std::sync::Condvar);
+
+impl Flag {
+    fn set(&self) {
+        *self.0.lock().unwrap() = true;
+        self.1.notify_all();
+    }
+
+    /// True if set within `secs` seconds.
+    fn wait(&self, secs: u64) -> bool {
+        let set = self.0.lock().unwrap();
+        let (set, _) = (self.1)
+            .wait_timeout_while(set, Duration::from_secs(secs), |s| !*s)
+            .unwrap();
+        *set
+    }
+}
+
+/// Rows asked for ahead: the ps serves another worker's pull and push while the rows it
+/// sent wait for their worker (sends beyond 4 KiB complete only once received, as MPI's
+/// rendezvous sends do: a ps that waited on them would hold the other worker up until
+/// this one landed, and this one waits for the other first); they land equal to a local
+/// table's, also after another round of the worker took them first; landing other ids,
+/// or none asked for, is an error naming the worker; rows asked for and never landed do
+/// not hold up the end.
+#[test]
+fn rows_pulled_ahead_wait_for_their_worker_while_the_ps_serves_others() {
+    use crate::train::tables::Tables;
+    let l = layout(3, 1); // ps:0, worker:0, worker:1
+    let mut c = cfg(3, false);
+    let spec = TableSpec::new("emb", 1 << 40, 3);
+    c.tables = vec![spec.clone()];
+    c.sparse = SparseOptimizer::Sgd { lr: 0.5 };
+    let model = crate::model::mlp(4, &[3], 2).unwrap();
+    // Rows as pieces: 12000 x 3 floats. The other worker's rows are others.
+    let ahead: Vec<u64> = (0..12_000u64).map(|i| 2 * i * 7919).collect();
+    let other: Vec<u64> = (0..12_000u64).map(|i| 2 * i * 7919 + 1).collect();
+    let grad = SparseGrad {
+        ids: other.clone(),
+        values: vec![1.0; other.len() * 3],
+    };
+    let mut local = Table::new(spec, c.train.seed, c.sparse);
+    let mut want = Vec::new();
+    local.pull_into(&ahead, &mut want).unwrap();
+    let (asked, served) = (Flag::default(), Flag::default());
+    let out = LocalComm::run_rendezvous(3, 4096, |comm| {
+        let roles = Roles::new(&l).unwrap();
+        if let Some(k) = roles.ps_index(comm.rank()) {
+            server::serve(&comm, &roles, k, Duration::from_secs(10)).unwrap();
+            return None;
+        }
+        let sess = Session::for_worker(&comm, &roles, &model, &c).unwrap();
+        let ps = sess.strategy();
+        let rows = [(0, &ahead[..])];
+        if roles.worker_index(comm.rank()) == Some(1) {
+            assert!(asked.wait(20), "worker 0 never asked");
+            ps.pull_rows(0, &other, &mut Vec::new()).unwrap();
+            ps.push_rows(0, &grad, 1.0).unwrap();
+            served.set();
+            sess.close().unwrap();
+            return None;
+        }
+        ps.pull_ahead(&rows).unwrap();
+        asked.set();
+        let others_served = served.wait(10);
+        let mut got = vec![Vec::new()];
+        ps.land_tables(&rows, &mut got).unwrap();
+        // Another round first: it takes the rows, kept for the landing.
+        ps.pull_ahead(&rows).unwrap();
+        ps.pull_rows(0, &other[..5], &mut Vec::new()).unwrap();
+        let mut again = vec![Vec::new()];
+        ps.land_tables(&rows, &mut again).unwrap();
+        let none = ps.land_tables(&rows, &mut again).unwrap_err().to_string();
+        ps.pull_ahead(&rows).unwrap();
+        let fewer = [(0, &ahead[..10])];
+        let wrong = ps.land_tables(&fewer, &mut again).unwrap_err().to_string();
+        // Asked for and never landed: the end takes them.
+        ps.pull_ahead(&rows).unwrap();
+        sess.close().unwrap();
+        Some((
+            others_served,
+            got.pop().unwrap(),
+            again.pop().unwrap(),
+            none,
+            wrong,
+        ))
+    });
+    let (others_served, got, again, none, wrong) = out.into_iter().flatten().next().unwrap();
+    assert!(
+        others_served,
+        "the ps held worker 1 up while worker 0's rows waited"
+    );
+    assert_eq!(got, want);
+    assert_eq!(again, want);
+    assert!(
+        none.ends_with("worker:0 (rank 1): rows landed that were not asked for ahead"),
+        "{none}"
+    );
+    assert!(
+        wrong.ends_with("worker:0 (rank 1): rows landed for other ids than were asked for ahead"),
+        "{wrong}"
+    );
+}

@@ -57,8 +57,10 @@ use crate::train::resources::Share;
 use crate::train::tables::Served;
 use crate::transport::comm::{Backoff, Comm, TransportError, ANY_SOURCE};
 use crate::transport::messages;
+use flight::Flights;
 
 mod files;
+mod flight;
 mod payload;
 mod requests;
 mod rows;
@@ -110,6 +112,9 @@ pub fn serve_many<C: Comm>(
             true => backoff.reset(),
             false => backoff.idle(),
         }
+    }
+    for s in &mut servers {
+        s.land_flights()?;
     }
     if let Some(why) = servers.iter().find_map(|s| s.refused.clone()) {
         return Err(PsError::NotApplied(why));
@@ -169,9 +174,9 @@ struct Server<'a, C: Comm> {
     sum: Vec<f32>,
     /// Where requests land, reused from one to the next.
     inbox: Vec<u8>,
-    /// A reply of rows (its header's words, then the rows gathered in place), its
-    /// message reused from one to the next.
-    outbox: Vec<f32>,
+    /// Replies of rows (each its header's words, then the rows gathered in place) still
+    /// being sent, and messages for the next ones.
+    flights: Flights<C::Request>,
     /// Requests taken while this ps's replies were being sent, served before any new one
     /// (see [`send_all_taking`]).
     backlog: RefCell<VecDeque<(usize, Vec<u8>)>>,
@@ -252,7 +257,7 @@ impl<'a, C: Comm> Server<'a, C> {
             piece: Vec::new(),
             sum: Vec::new(),
             inbox: Vec::new(),
-            outbox: Vec::new(),
+            flights: Flights::default(),
             backlog: RefCell::new(VecDeque::new()),
             tables: Vec::new(),
             served: Vec::new(),
@@ -645,6 +650,24 @@ impl<'a, C: Comm> Server<'a, C> {
         err
     }
 
+    /// Tests the replies of rows in flight; a worker that has not taken one within the
+    /// timeout is lost.
+    fn tend_flights(&mut self) -> Result<(), PsError> {
+        match self.flights.tend(self.comm, self.timeout)? {
+            Some(gone) => Err(self.lose(gone)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the replies of rows in flight when every worker is done (each took its
+    /// replies before it said so: they complete at once).
+    fn land_flights(&mut self) -> Result<(), PsError> {
+        match self.flights.drain(self.comm, self.timeout)? {
+            Some(gone) => Err(self.lose(gone)),
+            None => Ok(()),
+        }
+    }
+
     /// True once every worker is done.
     fn finished(&self) -> bool {
         self.done.iter().all(|d| *d)
@@ -657,6 +680,7 @@ impl<'a, C: Comm> Server<'a, C> {
             self.note_stop(signal);
         }
         self.tend()?;
+        self.tend_flights()?;
         let mut inbox = std::mem::take(&mut self.inbox);
         let t = Instant::now();
         let backlogged = self.backlog.borrow_mut().pop_front();

@@ -3,10 +3,9 @@
 //! its first touch (see [`crate::model::embedding`]).
 
 use super::super::protocol::{
-    as_floats, encode_words, f32_bytes, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart,
-    Setup, PIECE_FLOATS,
+    as_floats, encode_words, inline, payload_tag, reply_tag, row_owner, Reply, RowsPart, Setup,
+    PIECE_FLOATS,
 };
-use super::super::wire::Sent;
 use super::super::PsError;
 use super::requests::Dest;
 use super::Server;
@@ -132,44 +131,35 @@ impl<C: Comm> Server<'_, C> {
         let values = (parts.iter())
             .map(|p| p.ids.len() * self.tables[p.table].spec().dim)
             .sum();
-        let mut message = std::mem::take(&mut self.outbox);
+        let mut message = self.flights.message();
         let head = encode_words(&mut message, &Reply::Rows { values });
         if let Err(e) = self.gather_rows((from, parts), make, &mut message) {
-            self.outbox = message;
+            self.flights.unused(message);
             return self.error(from, e);
         }
         let rtag = reply_tag(self.comm);
-        let mut out = Vec::new();
+        let mut sends = Vec::new();
         if inline([values]) {
-            out.push((f32_bytes(&message), from, rtag));
+            sends.push((0..message.len(), rtag));
         } else {
-            let (header, mut rows) = message.split_at(head);
             let data = payload_tag(self.comm);
-            out.push((f32_bytes(header), from, rtag));
+            sends.push((0..head, rtag));
             // Each part's rows in pieces of their own: the worker may receive each table's
             // straight into its own buffer.
+            let mut at = head;
             for p in parts {
-                let (part, rest) = rows.split_at(p.ids.len() * self.tables[p.table].spec().dim);
-                rows = rest;
-                out.extend(
-                    part.chunks(PIECE_FLOATS)
-                        .map(|p| (f32_bytes(p), from, data)),
-                );
+                let end = at + p.ids.len() * self.tables[p.table].spec().dim;
+                sends.extend((at..end).step_by(PIECE_FLOATS).map(|s| {
+                    let piece = s..(s + PIECE_FLOATS).min(end);
+                    (piece, data)
+                }));
+                at = end;
             }
         }
-        let sent = self.send_all(&out);
-        drop(out);
-        if matches!(sent, Ok(Sent::Done)) {
-            self.outbox = message;
-            return Ok(());
-        }
-        // Sends may still be in flight: MPI may read the message for as long as the
-        // process lives.
-        std::mem::forget(message);
-        match sent? {
-            Sent::TimedOut { to } => Err(self.lose(to)),
-            Sent::Done | Sent::Interrupted(_) => Err(self.lose(from)),
-        }
+        // Left in flight where the worker takes its rows later (see [`super::flight`]).
+        self.flights
+            .start(self.comm, from, message, &sends)
+            .map_err(PsError::from)
     }
 
     /// Worker rank `from`'s sparse gradients of the rows `parts` name, scaled by `scale`
