@@ -75,8 +75,8 @@ pub(crate) enum Cmd {
 
 #[derive(Args)]
 pub(crate) struct PlotArgs {
-    /// Metrics files of runs to overlay (`--metrics`' .csv or .jsonl: loss and accuracy
-    /// against step and wall time), benchmark outputs in OSU's format (`mpiflow bench`'s
+    /// Metrics files of runs to overlay (`--metrics`' .csv or .jsonl: loss and accuracy,
+    /// or a click model's AUC, against step and wall time), benchmark outputs in OSU's format (`mpiflow bench`'s
     /// or OSU's programs': latency and bandwidth against size, log-log), or one timeline
     /// (`--timeline`'s trace: a row per rank, a bar per span).
     #[arg(required = true, value_name = "FILE")]

@@ -254,6 +254,30 @@ mod tests {
         };
         metrics_svg(&[runs[0].clone(), evaluator], &svg).unwrap();
         assert!(holds(&svg, "evaluator"));
+        // A click model's run: its AUC where a classifier's accuracy goes.
+        let ctr = Run {
+            label: "dlrm".into(),
+            records: vec![
+                step(100, 0.6),
+                step(200, 0.5),
+                Record::Ctr {
+                    step: 200,
+                    wall_s: 2.1,
+                    auc: 0.77,
+                    logloss: 0.5,
+                    total: 100,
+                },
+            ],
+        };
+        metrics_svg(std::slice::from_ref(&ctr), &svg).unwrap();
+        assert!(holds(&svg, "AUC against global step"), "AUC panel");
+        let circles = std::fs::read_to_string(&svg)
+            .unwrap()
+            .matches("<circle")
+            .count();
+        assert_eq!(circles, 2, "the AUC in both panels");
+        metrics_svg(&[runs[0].clone(), ctr], &svg).unwrap();
+        assert!(holds(&svg, "accuracy, AUC against seconds"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

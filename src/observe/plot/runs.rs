@@ -1,4 +1,5 @@
-//! Metrics files of runs: loss and accuracy against the step and against wall time.
+//! Metrics files of runs: loss and accuracy (a click model's AUC) against the step and
+//! against wall time.
 
 use std::path::Path;
 
@@ -21,7 +22,7 @@ enum Axis {
     Time,
 }
 
-/// The (x, loss) or (x, accuracy) points of a run.
+/// The (x, loss) or (x, accuracy) points of a run (a click model's accuracy: its AUC).
 fn points(run: &Run, x: Axis, accuracy: bool) -> Vec<(f64, f64)> {
     let at = |step: u64, wall: f64| match x {
         Axis::Step => step as f64,
@@ -45,17 +46,29 @@ fn points(run: &Run, x: Axis, accuracy: bool) -> Vec<(f64, f64)> {
                 },
                 true,
             ) => Some((at(*step, *wall_s), *accuracy)),
+            (
+                Record::Ctr {
+                    step, wall_s, auc, ..
+                },
+                true,
+            ) => Some((at(*step, *wall_s), *auc)),
             _ => None,
         })
         .collect()
 }
 
-/// Metrics of `runs` as an SVG at `path`: loss and accuracy against the step and against
-/// wall time (2 x 2 panels), a curve per run.
+/// Metrics of `runs` as an SVG at `path`: loss and accuracy (or AUC) against the step and
+/// against wall time (2 x 2 panels), a curve per run.
 pub fn metrics_svg(runs: &[Run], path: &Path) -> Result<(), PlotError> {
     for r in runs {
         // A side-car evaluator's file has evaluations alone.
-        if !(r.records.iter()).any(|r| matches!(r, Record::Step { .. } | Record::Eval { .. })) {
+        let drawn = |r: &Record| {
+            matches!(
+                r,
+                Record::Step { .. } | Record::Eval { .. } | Record::Ctr { .. }
+            )
+        };
+        if !r.records.iter().any(drawn) {
             return Err(PlotError::NoSteps(r.label.clone()));
         }
     }
@@ -63,11 +76,20 @@ pub fn metrics_svg(runs: &[Run], path: &Path) -> Result<(), PlotError> {
     let root = SVGBackend::new(path, (1200, 800)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let panels = root.split_evenly((2, 2));
+    let has = |kind: fn(&Record) -> bool| runs.iter().flat_map(|r| &r.records).any(kind);
+    let scored = match (
+        has(|r| matches!(r, Record::Eval { .. })),
+        has(|r| matches!(r, Record::Ctr { .. })),
+    ) {
+        (_, false) => "accuracy",
+        (false, true) => "AUC",
+        (true, true) => "accuracy, AUC",
+    };
     let specs = [
         ("loss", Axis::Step, false),
         ("loss", Axis::Time, false),
-        ("accuracy", Axis::Step, true),
-        ("accuracy", Axis::Time, true),
+        (scored, Axis::Step, true),
+        (scored, Axis::Time, true),
     ];
     for (area, (what, x, accuracy)) in panels.iter().zip(specs) {
         let series: Vec<Vec<(f64, f64)>> = runs.iter().map(|r| points(r, x, accuracy)).collect();
