@@ -130,17 +130,13 @@ impl<C: Comm> Client<'_, C> {
     /// hold the updates their ps had applied when it served the request: a worker pulls
     /// ahead only rows its own pending push does not touch.
     pub fn pull_ahead(&self, want: &[Wanted<'_>]) -> Result<(), PsError> {
-        let nps = self.roles.ps.len();
-        let split: Vec<Split> = (want.iter())
-            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
-            .collect();
-        let values = (0..nps)
-            .map(|k| split.iter().map(|s| s.values(k)).collect())
-            .collect();
+        let split = Split::all(want, self.roles.ps.len());
+        let values = Split::values_per_ps(&split, self.roles.ps.len());
+        let asked = (values, fingerprint(want));
         let request = |k: usize| Request::PullRows {
             parts: Pulling::parts(&split, k),
         };
-        self.send_ahead(request, values)
+        self.send_ahead(request, asked)
     }
 
     /// The rows [`Client::pull_ahead`] asked for (`want`: the same tables and ids), each
@@ -148,18 +144,9 @@ impl<C: Comm> Client<'_, C> {
     pub fn land_rows(&self, want: &[Wanted<'_>], out: &mut [Vec<f32>]) -> Result<(), PsError> {
         self.check_outputs(want, out)?;
         let ahead = self.land_ahead()?;
-        let nps = self.roles.ps.len();
-        let split: Vec<Split> = (want.iter())
-            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
-            .collect();
-        let asked = (0..nps).all(|k| {
-            let values = split.iter().map(|s| s.values(k));
-            ahead
-                .values
-                .get(k)
-                .is_some_and(|v| v.iter().copied().eq(values))
-        });
-        if !asked {
+        let split = Split::all(want, self.roles.ps.len());
+        let values = Split::values_per_ps(&split, self.roles.ps.len());
+        if (ahead.values != values) || ahead.asked != fingerprint(want) {
             self.keep_rows(ahead);
             return Err(PsError::Setup(format!(
                 "{}: rows landed for other ids than were asked for ahead",
@@ -285,6 +272,17 @@ impl<C: Comm> Client<'_, C> {
             })
             .collect()
     }
+}
+
+/// A fingerprint of the tables and ids of `want` (a multiply-rotate fold: a few cycles an
+/// id), for a landing to check it lands what was asked for.
+fn fingerprint(want: &[Wanted<'_>]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let fold = |h: u64, x: u64| (h ^ x).wrapping_mul(K).rotate_left(29);
+    (want.iter()).fold(0, |h, (t, dim, ids)| {
+        let h = fold(fold(fold(h, *t as u64), *dim as u64), ids.len() as u64);
+        ids.iter().fold(h, |h, id| fold(h, *id))
+    })
 }
 
 #[cfg(test)]

@@ -78,6 +78,20 @@ impl<'a> Split<'a> {
         }
     }
 
+    /// The splits of every table `want` names.
+    pub(super) fn all(want: &[Wanted<'a>], nps: usize) -> Vec<Split<'a>> {
+        (want.iter())
+            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
+            .collect()
+    }
+
+    /// Per ps of `nps`, the floats of its rows of each table of `split`, in order.
+    pub(super) fn values_per_ps(split: &[Split], nps: usize) -> Vec<Vec<usize>> {
+        (0..nps)
+            .map(|k| split.iter().map(|s| s.values(k)).collect())
+            .collect()
+    }
+
     /// Ps `k`'s ids of this table.
     fn owned(&self, k: usize) -> &[u64] {
         match &self.owners {
@@ -153,9 +167,7 @@ impl<'a> Pulling<'a> {
         out: &mut [Vec<f32>],
         mut spare: Vec<Vec<f32>>,
     ) -> Pulling<'a> {
-        let split: Vec<Split> = (want.iter())
-            .map(|(t, dim, ids)| Split::of(*t, *dim, ids, nps))
-            .collect();
+        let split = Split::all(want, nps);
         let direct = (split.iter()).all(|s| matches!(s.owners, Owners::Runs(_)));
         let got: Vec<Vec<f32>> = match direct {
             true => (split.iter().zip(out.iter_mut()))

@@ -308,8 +308,8 @@ impl Flag {
 /// sent wait for their worker (sends beyond 4 KiB complete only once received, as MPI's
 /// rendezvous sends do: a ps that waited on them would hold the other worker up until
 /// this one landed, and this one waits for the other first); they land equal to a local
-/// table's, also after another round of the worker took them first; landing other ids,
-/// or none asked for, is an error naming the worker; rows asked for and never landed do
+/// table's, also after another round of the worker took them first; landing other ids
+/// (fewer, or as many elsewhere), or none asked for, is an error naming the worker; rows asked for and never landed do
 /// not hold up the end.
 #[test]
 fn rows_pulled_ahead_wait_for_their_worker_while_the_ps_serves_others() {
@@ -362,6 +362,13 @@ fn rows_pulled_ahead_wait_for_their_worker_while_the_ps_serves_others() {
         ps.pull_ahead(&rows).unwrap();
         let fewer = [(0, &ahead[..10])];
         let wrong = ps.land_tables(&fewer, &mut again).unwrap_err().to_string();
+        // As many ids, each elsewhere.
+        ps.pull_ahead(&rows).unwrap();
+        let shifted: Vec<u64> = ahead.iter().map(|id| id + 2).collect();
+        let moved = (ps.land_tables(&[(0, &shifted)], &mut again))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(moved, wrong);
         // Asked for and never landed: the end takes them.
         ps.pull_ahead(&rows).unwrap();
         sess.close().unwrap();

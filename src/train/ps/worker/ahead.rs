@@ -18,6 +18,8 @@ pub(in crate::train::ps) struct Ahead {
     pub values: Vec<Vec<usize>>,
     /// Per ps, where its rows arrive.
     pub got: Vec<Vec<f32>>,
+    /// What the caller asked for, as it tells (for the landing to check).
+    pub asked: u64,
     /// The replies taken so far, one place per ps.
     taken: Vec<Option<Reply>>,
     /// How the round ended, once it did.
@@ -25,18 +27,23 @@ pub(in crate::train::ps) struct Ahead {
 }
 
 impl<C: Comm> Client<'_, C> {
-    /// Sends every ps `request(k)` (a pull of rows, `values[k]` floats per part of it)
-    /// and returns once the requests are out; the replies are taken by
+    /// Sends every ps `request(k)` (a pull of rows, `values[k]` floats per part of it;
+    /// `asked`: what the caller asked for, as it tells) and returns once the requests are
+    /// out; the replies are taken by
     /// [`Client::land_ahead`] or by the client's next round, whichever comes first. Rows
     /// asked ahead earlier and never landed are dropped.
     pub(in crate::train::ps) fn send_ahead(
         &self,
         request: impl Fn(usize) -> Request,
-        values: Vec<Vec<usize>>,
+        (values, asked): (Vec<Vec<usize>>, u64),
     ) -> Result<(), PsError> {
+        // Rows asked for earlier and never landed are dropped, their buffers kept unless
+        // their round failed (receives into them may be in flight).
         self.settle_ahead();
-        if let Some(old) = self.ahead.take() {
-            self.keep_rows(*old);
+        match (self.ahead.take()).map(|old| (matches!(old.ended, Some(Ok(()))), old)) {
+            Some((true, old)) => self.keep_rows(*old),
+            Some((false, old)) => std::mem::forget(old),
+            None => {}
         }
         let mut got = self.take_rows();
         got.resize_with(values.len(), Vec::new);
@@ -52,6 +59,7 @@ impl<C: Comm> Client<'_, C> {
                 let ahead = Ahead {
                     values,
                     got,
+                    asked,
                     taken,
                     ended: None,
                 };
