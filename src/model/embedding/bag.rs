@@ -1,5 +1,5 @@
 //! `EmbeddingBag`: each sample's feature is a bag of ids (one for a one-hot feature, several
-//! for a multi-hot one) whose rows are summed or averaged. The forward pass gathers rows
+//! for a multi-hot one) whose rows are summed or averaged; `Embedding`: a row per id. The forward pass gathers rows
 //! obtained for the batch; the backward pass gives the sparse gradient of exactly those
 //! rows, an id named twice in the batch getting one row of gradient (the sum of both).
 
@@ -123,6 +123,42 @@ impl SparseGrad {
     /// The gradient row of the `i`th id.
     pub fn row(&self, i: usize, dim: usize) -> &[f32] {
         &self.values[i * dim..(i + 1) * dim]
+    }
+}
+
+/// The embedding of one table: a row per id (a one-hot feature's samples, a sequence's
+/// tokens), `dim` values each. The forward pass gathers each id's row; the backward pass
+/// gives one gradient row per distinct id, an id named twice getting the sum of both: an
+/// [`EmbeddingBag`] whose every bag holds one id, without the bags' offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Embedding {
+    pub dim: usize,
+}
+
+impl Embedding {
+    /// Each id's row into `out` (`unique.at.len() x dim`, in the ids' order), from
+    /// `rows`: the rows of `unique.ids` in that order (`unique` made of the ids).
+    pub fn forward_into(&self, unique: &Unique, rows: &[f32], out: &mut Vec<f32>) {
+        let d = self.dim;
+        out.clear();
+        out.reserve(unique.at.len() * d);
+        for &at in &unique.at {
+            out.extend_from_slice(&rows[at as usize * d..(at as usize + 1) * d]);
+        }
+    }
+
+    /// The sparse gradient of the rows of `unique.ids` from the gradient `dout` of the
+    /// forward pass's output (a row per id): into `grad`, duplicates combined.
+    pub fn backward_into(&self, unique: &Unique, dout: &[f32], grad: &mut SparseGrad) {
+        let d = self.dim;
+        grad.ids.clear();
+        grad.ids.extend_from_slice(&unique.ids);
+        grad.values.clear();
+        grad.values.resize(unique.ids.len() * d, 0.0);
+        for (&at, g) in unique.at.iter().zip(dout.chunks_exact(d.max(1))) {
+            let row = &mut grad.values[at as usize * d..(at as usize + 1) * d];
+            row.iter_mut().zip(g).for_each(|(r, g)| *r += g);
+        }
     }
 }
 
@@ -274,6 +310,46 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// An embedding's rows and gradient are an embedding bag's over bags of one id each:
+    /// every value the same, an id named three times getting the sum of its three rows of
+    /// gradient.
+    #[test]
+    fn an_embedding_is_a_bag_of_one_id_per_sample() {
+        let table = TableSpec::new("t", 1000, 4);
+        let ids = [7u64, 900, 7, 5, 7];
+        let mut unique = Unique::default();
+        unique.of(&ids);
+        let mut rows = vec![0f32; unique.ids.len() * 4];
+        for (i, id) in unique.ids.iter().enumerate() {
+            RowInit::Uniform { a: 1.0 }.fill(4, &table, *id, &mut rows[i * 4..i * 4 + 4]);
+        }
+        let mut offsets = Vec::new();
+        let bags = Bags::one_hot(&ids, &mut offsets);
+        let (emb, bag) = (
+            Embedding { dim: 4 },
+            EmbeddingBag {
+                dim: 4,
+                pooling: Pooling::Sum,
+            },
+        );
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        emb.forward_into(&unique, &rows, &mut got);
+        bag.forward_into(bags, &unique, &rows, &mut want);
+        assert_eq!(got, want);
+        assert_eq!(got[8..12], got[..4], "id 7's row, twice");
+        let mut r = Rng::new(3);
+        let dout: Vec<f32> = (0..got.len()).map(|_| r.normal() as f32).collect();
+        let (mut g, mut h) = (SparseGrad::default(), SparseGrad::default());
+        emb.backward_into(&unique, &dout, &mut g);
+        bag.backward_into(bags, &unique, &dout, &mut h);
+        assert_eq!(g, h);
+        let seven = unique.ids.iter().position(|id| *id == 7).unwrap();
+        let sum: Vec<f32> = (0..4)
+            .map(|j| dout[j] + dout[8 + j] + dout[16 + j])
+            .collect();
+        assert_eq!(g.row(seven, 4), &sum[..]);
     }
 
     #[test]

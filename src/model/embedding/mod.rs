@@ -12,7 +12,8 @@
 //! SGD, Adagrad, lazy Adam).
 //!
 //! - [`bag`]: `EmbeddingBag`'s forward (a row gather, summed or averaged over a multi-hot
-//!   feature) and backward (the sparse gradient), over rows obtained for the batch.
+//!   feature) and backward (the sparse gradient), over rows obtained for the batch;
+//!   `Embedding`'s (a row per id).
 //! - [`table`]: a table's rows and their optimizer state in one process.
 
 pub mod bag;
@@ -24,7 +25,7 @@ pub mod table;
 
 use serde::{Deserialize, Serialize};
 
-pub use bag::{Bags, EmbeddingBag, Pooling, SparseGrad, Unique};
+pub use bag::{Bags, Embedding, EmbeddingBag, Pooling, SparseGrad, Unique};
 pub use table::{SparseOptimizer, Table};
 
 /// One embedding table of a model.
