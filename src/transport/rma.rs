@@ -2,8 +2,8 @@
 //! `accumulate` and atomics, over the raw `mpi::ffi` calls (rsmpi has no RMA).
 //!
 //! On InfiniBand or RoCE these are RDMA reads, writes and atomics that the target's CPU
-//! takes no part in; over shared memory and TCP, MPI emulates them (see the README's
-//! "RDMA path" for the OpenMPI components that do it).
+//! takes no part in; over shared memory and TCP, MPI emulates them (see `docs/rma.md`,
+//! which names the OpenMPI components that do it).
 //!
 //! Safety comes from lifetimes:
 //! - A [`Window`] owns memory from `MPI_Win_allocate`. [`Window::lock_all`] borrows it
