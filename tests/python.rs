@@ -137,7 +137,8 @@ fn init_takes_an_mpi4py_communicator_whose_ranks_are_the_job() {
 /// tasks too (mode "ps") and by allreduce among the workers (mode "hybrid"): a table of
 /// 2^40 rows, rows pulled by both workers alike (ids on both ps, a repeated one), both
 /// workers' sparse gradients applied by the ps tasks (SGD) within rounding, the variables
-/// the same on both workers after two steps of SGD; an unknown table, a gradient of the
+/// the same on both workers after two steps of SGD; rows asked for ahead land as a pull
+/// gives them; landing rows not asked for (or others), an unknown table, a gradient of the
 /// wrong shape and an id beyond the table raise on their worker, which then closes its
 /// session normally. A second job restores the first's last checkpoint: the step, the
 /// variables and the rows where the first left them.
@@ -223,7 +224,23 @@ fn assert_rows_session(l: &Value, first: &Value) {
     assert!(l["worst"].as_f64().unwrap() < 1e-5, "{l}");
     assert!(l["moved"].as_f64().unwrap() > 1.0, "{l}");
     assert_eq!(l["step"].as_u64(), Some(2), "{l}");
+    assert_eq!(l["ahead"], true, "{l}");
     let e = &l["errors"];
+    assert!(
+        e["land"]
+            .as_str()
+            .unwrap()
+            .ends_with("land_rows: no rows were asked for ahead"),
+        "{l}"
+    );
+    assert!(
+        e["other"].as_str().unwrap().starts_with("ValueError")
+            && e["other"]
+                .as_str()
+                .unwrap()
+                .ends_with("land_rows: other tables or ids than pull_rows_ahead asked for"),
+        "{l}"
+    );
     assert!(
         e["table"]
             .as_str()

@@ -99,6 +99,23 @@ class Session:
         self._s.push_rows(self._table(table), _np.ascontiguousarray(ids, _np.uint64),
                           _np.ascontiguousarray(grads, _np.float32), float(scale))
 
+    def pull_rows_ahead(self, rows):
+        """Asks for the rows of `rows` ({table: ids}) now, to be taken by
+        `land_rows(rows)` with the same tables and ids: over messages the ps tasks serve
+        them while this worker computes. They hold the updates the ps tasks had applied
+        when asked: ask ahead only for rows this worker's pending push does not touch
+        (the next batch's ids that the current batch lacks; the others after the push)."""
+        self._s.pull_rows_ahead(self._wanted(rows))
+
+    def land_rows(self, rows):
+        """The rows `pull_rows_ahead(rows)` asked for: {table: float32 array of shape
+        `(len(ids), width)`}."""
+        return dict(zip(rows, self._s.land_rows(self._wanted(rows))))
+
+    def _wanted(self, rows):
+        return [(self._table(t), _np.ascontiguousarray(ids, _np.uint64))
+                for t, ids in rows.items()]
+
     def _table(self, name):
         if name not in self._tables:
             raise KeyError(f"mpiflow: rank {rank()}: no embedding table {name!r} "

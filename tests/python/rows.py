@@ -3,8 +3,8 @@ workers; a table of 2^40 rows; the session's mode the first argument ("ps": the
 variables on the ps tasks too; "hybrid": the variables by allreduce among the workers).
 Each worker pulls the same rows (ids on both ps, one repeated), both push a sparse
 gradient (SGD), and after a step both take together (every push applied) both pull the
-rows as they must be, and hold the same variables; bad calls raise on their worker and
-the session goes on. With a checkpoint directory (the second argument) the session's
+rows as they must be, and hold the same variables; rows asked for ahead land as a pull
+gives them; bad calls raise on their worker and the session goes on. With a checkpoint directory (the second argument) the session's
 last checkpoint holds the rows; a third argument "resume" starts from it and reads the
 rows back before any push. Each rank prints one JSON line."""
 import hashlib
@@ -49,8 +49,15 @@ else:
     both = grad(0) + grad(1)
     for i, r in enumerate(push):
         want[ids == np.int64(r)] -= LR * SCALE * both[i]
+    # Rows asked for ahead (rows no push touches) land as a pull then gives them.
+    fresh = np.array([11, 12, 13, ROWS - 2], np.uint64)
+    sess.pull_rows_ahead({"emb": fresh})
+    landed = sess.land_rows({"emb": fresh})["emb"]
+    ahead = landed.shape == (4, 3) and bool((landed == sess.pull_rows("emb", fresh)).all())
     errors = {}
-    for name, call in [("table", lambda: sess.pull_rows("nope", ids)),
+    other = lambda: (sess.pull_rows_ahead({"emb": fresh}), sess.land_rows({"emb": fresh[:2]}))
+    for name, call in [("land", lambda: sess.land_rows({"emb": fresh})), ("other", other),
+                       ("table", lambda: sess.pull_rows("nope", ids)),
                        ("shape", lambda: sess.push_rows("emb", push, np.zeros((2, 3)))),
                        ("row", lambda: sess.pull_rows("emb", [ROWS]))]:
         try:
@@ -62,5 +69,5 @@ else:
     out.update(shape=list(before.shape), step=closed["global_step"], repeated=bool((before[0] == before[3]).all()),
                before=digest(before), after=digest(after),
                worst=float(np.abs(after - want).max()), moved=float(np.abs(after - before).max()),
-               errors=errors, w=w)
+               errors=errors, w=w, ahead=ahead)
 os.write(1, (json.dumps(out) + "\n").encode())

@@ -60,6 +60,8 @@ pub struct PySession {
     stop_asked: Arc<AtomicBool>,
     /// The embedding tables, by index.
     tables: Vec<TableSpec>,
+    /// The tables and ids of the last `pull_rows_ahead`, until landed.
+    asked: Option<Vec<(usize, Vec<u64>)>>,
 }
 
 /// Variable `name`'s starting values: a float32 NumPy array (any layout, copied).
@@ -155,6 +157,7 @@ impl PySession {
             worker: true,
             stop_asked,
             tables,
+            asked: None,
         };
         // The start waits for the other workers (the chief's initial values, or its
         // restore of the newest checkpoint).
@@ -298,6 +301,62 @@ impl PySession {
         }
     }
 
+    /// Asks for the rows of `want` (each a table and its ids) now, to be taken by
+    /// `land_rows` of the same tables and ids: over messages the ps tasks serve them
+    /// while this worker computes (elsewhere they are pulled when landed). They hold the
+    /// updates the ps tasks had applied when asked: ask ahead only for rows this worker's
+    /// pending push does not touch.
+    fn pull_rows_ahead(
+        &mut self,
+        py: Python<'_>,
+        want: Vec<(usize, PyReadonlyArray1<'_, u64>)>,
+    ) -> PyResult<()> {
+        self.open("pull_rows_ahead")?;
+        let want = self.wanted("pull_rows_ahead", want)?;
+        self.asked = Some(want.clone());
+        let link = self.link.clone();
+        match py.detach(move || link.ask(Cmd::Rows(Rows::Ahead { want }))) {
+            Reply::Tables(_) => Ok(()),
+            other => Err(self.ended_by(other)),
+        }
+    }
+
+    /// The rows `pull_rows_ahead` asked for (`want`: the same tables and ids): a float32
+    /// array `(len(ids), width)` per table.
+    fn land_rows<'py>(
+        &mut self,
+        py: Python<'py>,
+        want: Vec<(usize, PyReadonlyArray1<'py, u64>)>,
+    ) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
+        self.open("land_rows")?;
+        let want = self.wanted("land_rows", want)?;
+        // A landing of other rows is refused here (the session goes on); the rows asked
+        // for are dropped by the next call that asks for any.
+        let why = match self.asked.take() {
+            None => Some("no rows were asked for ahead"),
+            Some(asked) if asked != want => {
+                Some("other tables or ids than pull_rows_ahead asked for")
+            }
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            return Err(PyValueError::new_err(format!(
+                "mpiflow: {}: land_rows: {why}",
+                self.me
+            )));
+        }
+        let shapes: Vec<[usize; 2]> = (want.iter())
+            .map(|(t, ids)| [ids.len(), self.tables[*t].dim])
+            .collect();
+        let link = self.link.clone();
+        match py.detach(move || link.ask(Cmd::Rows(Rows::Land { want }))) {
+            Reply::Tables(rows) => (rows.into_iter().zip(shapes))
+                .map(|(r, shape)| PyArray1::from_vec(py, r).reshape(shape))
+                .collect(),
+            other => Err(self.ended_by(other)),
+        }
+    }
+
     /// Checkpoints this step now (every worker calls it); the checkpoint's path, or None
     /// without a checkpoint directory.
     fn save(&mut self, py: Python<'_>) -> PyResult<Option<PathBuf>> {
@@ -423,6 +482,20 @@ impl PySession {
                 self.tables.len()
             ))
         })
+    }
+
+    /// Each table of `want` with its ids, checked as [`Self::ids`] checks them.
+    fn wanted(
+        &self,
+        call: &str,
+        want: Vec<(usize, PyReadonlyArray1<'_, u64>)>,
+    ) -> PyResult<Vec<(usize, Vec<u64>)>> {
+        (want.into_iter())
+            .map(|(t, ids)| {
+                self.dim(t)?;
+                Ok((t, self.ids(t, call, ids)?))
+            })
+            .collect()
     }
 
     /// `ids`, each checked to be a row of table `table` (a `ValueError` for `call`

@@ -48,6 +48,13 @@ pub(super) enum Rows {
         grad: SparseGrad,
         scale: f32,
     },
+    /// Rows of several tables asked for now, taken by [`Rows::Land`] of the same.
+    Ahead {
+        want: Vec<(usize, Vec<u64>)>,
+    },
+    Land {
+        want: Vec<(usize, Vec<u64>)>,
+    },
 }
 
 /// Answers a [`Rows`] request in a session whose strategy has no tables.
@@ -69,6 +76,17 @@ fn table_rows<T: Tables>(tables: &T, r: Rows) -> Result<Reply, TrainError> {
             tables.push_rows(table, &grad, scale)?;
             Ok(Reply::Rows(Vec::new()))
         }
+        Rows::Ahead { want } => {
+            let want: Vec<(usize, &[u64])> = want.iter().map(|(t, i)| (*t, &i[..])).collect();
+            tables.pull_ahead(&want)?;
+            Ok(Reply::Tables(Vec::new()))
+        }
+        Rows::Land { want } => {
+            let want: Vec<(usize, &[u64])> = want.iter().map(|(t, i)| (*t, &i[..])).collect();
+            let mut out = vec![Vec::new(); want.len()];
+            tables.land_tables(&want, &mut out)?;
+            Ok(Reply::Tables(out))
+        }
     }
 }
 
@@ -88,6 +106,8 @@ pub(super) enum Reply {
     Saved(Option<PathBuf>),
     /// The rows pulled (or none: a push done).
     Rows(Vec<f32>),
+    /// Rows of several tables, each table's in the order asked.
+    Tables(Vec<Vec<f32>>),
     Closed(Closed),
     /// A ps task served the one-sided session to its end.
     Served,
