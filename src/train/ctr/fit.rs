@@ -93,7 +93,8 @@ struct Work {
     grads: Vec<Tensor>,
     sparse: Vec<SparseGrad>,
     ws: DlrmScratch,
-    /// The next step's batch and its rows, pulled with this step's push.
+    /// The next step's batch and its rows, pulled with this step's push (those this
+    /// step's batch lacks asked for ahead of its gradients, where they are).
     next: CtrBatch,
     next_lookups: Vec<Lookup>,
     /// The global step whose batch and rows `next` holds, if any.
