@@ -29,9 +29,9 @@ pub(in crate::train::ps) struct Ahead {
 impl<C: Comm> Client<'_, C> {
     /// Sends every ps `request(k)` (a pull of rows, `values[k]` floats per part of it;
     /// `asked`: what the caller asked for, as it tells) and returns once the requests are
-    /// out; the replies are taken by
-    /// [`Client::land_ahead`] or by the client's next round, whichever comes first. Rows
-    /// asked ahead earlier and never landed are dropped.
+    /// out; the replies are taken by [`Client::land_ahead`] or by the client's next
+    /// round, whichever comes first. Rows asked ahead earlier and never landed are
+    /// dropped.
     pub(in crate::train::ps) fn send_ahead(
         &self,
         request: impl Fn(usize) -> Request,
