@@ -17,7 +17,7 @@ use std::time::Duration;
 use super::allreduce::{Allreduce, AllreduceConfig};
 use super::engine::{End, TrainError};
 use super::ps::protocol::Setup;
-use super::ps::worker::{abort_agreed, Client};
+use super::ps::worker::Client;
 use super::ps::{PsTransport, Roles};
 use super::tables::{RowHome, RowsReport, Sparse, Tables};
 use crate::cluster::Layout;
@@ -173,7 +173,7 @@ impl<C: Comm> RowHome for PsRows<'_, C> {
             End::Done => Ok(c.done(None)?),
             End::Stopped(signal) => Ok(c.done(Some(*signal))?),
             End::Failed(e) if e.is_agreed() => {
-                abort_agreed(c.comm, c.roles, &e.to_string());
+                c.abort_agreed(&e.to_string());
                 Ok(())
             }
             End::Failed(e) => {

@@ -359,14 +359,23 @@ impl<'a, C: Comm> Client<'a, C> {
     }
 
     /// Tells every ps this worker stops with `message`; they tell the other workers.
+    /// Rows asked for ahead are taken first (see [`Client::done`]).
     pub fn abort(&self, message: &str) {
+        let _ = self.settle_ahead();
         abort(self.comm, self.roles, message);
+    }
+
+    /// [`abort_agreed`] from this worker, its rows asked for ahead taken first.
+    pub fn abort_agreed(&self, message: &str) {
+        let _ = self.settle_ahead();
+        abort_agreed(self.comm, self.roles, message);
     }
 
     /// Tells every ps this worker is done (`stop`: stopped by that signal).
     pub fn done(&self, stop: Option<i32>) -> Result<(), PsError> {
-        // Rows asked ahead are taken first: each ps sends its replies before it ends.
-        self.settle_ahead();
+        // Rows asked ahead are taken first: a ps ends once its replies are taken (where
+        // they failed, so does the send below).
+        let _ = self.settle_ahead();
         let m = encode(&Request::Done { stop });
         for r in &self.roles.ps {
             messages::send(self.comm, &m, *r, request_tag(self.comm))?;

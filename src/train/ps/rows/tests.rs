@@ -228,9 +228,8 @@ fn rows_of_several_tables_arrive_each_in_its_buffer_and_bad_calls_are_refused() 
 /// is, and serves on.
 #[test]
 fn a_ps_asked_for_another_ps_row_names_it_and_serves_on() {
-    use super::super::protocol::{Request, RowsPart, Setup};
+    use super::super::protocol::{Request, RowsPart};
     use super::super::worker::Client;
-    use crate::train::optim::{Optimizer, OptimizerKind};
     let spec = TableSpec::new("emb", 1 << 20, 4);
     let l = layout(3, 2); // ps:0, ps:1, worker:0
     let out = LocalComm::run(3, |comm| {
@@ -240,16 +239,7 @@ fn a_ps_asked_for_another_ps_row_names_it_and_serves_on() {
             return None;
         }
         let client = Client::new(&comm, &roles, Vec::new(), Duration::from_secs(10));
-        let setup = Setup {
-            shards: Vec::new(),
-            optimizer: Optimizer::new(OptimizerKind::Sgd, 0.1),
-            sync: None,
-            stage: None,
-            tables: vec![spec.clone()],
-            sparse: Some(SparseOptimizer::Sgd { lr: 0.1 }),
-            seed: 0,
-        };
-        client.init(&setup, &mut Vec::new()).unwrap();
+        client.init(&rows_setup(&spec), &mut Vec::new()).unwrap();
         // Ps 1 holds the odd rows: 1000 of them, then row 6 (ps 0's) last.
         let odd: Vec<u64> = (0..1000).map(|i| 2 * i + 1).collect();
         let errors: Vec<String> = [vec![6], [odd.clone(), vec![6]].concat()]
@@ -395,4 +385,43 @@ fn rows_pulled_ahead_wait_for_their_worker_while_the_ps_serves_others() {
         wrong.ends_with("worker:0 (rank 1): rows landed for other ids than were asked for ahead"),
         "{wrong}"
     );
+}
+
+/// A ps's setup for table `spec` alone (no variables), rows by SGD.
+fn rows_setup(spec: &TableSpec) -> super::super::protocol::Setup {
+    use crate::train::optim::{Optimizer, OptimizerKind};
+    super::super::protocol::Setup {
+        shards: Vec::new(),
+        optimizer: Optimizer::new(OptimizerKind::Sgd, 0.1),
+        sync: None,
+        stage: None,
+        tables: vec![spec.clone()],
+        sparse: Some(SparseOptimizer::Sgd { lr: 0.1 }),
+        seed: 0,
+    }
+}
+
+/// Rows asked for ahead and never landed (their reply held until received, as MPI's
+/// rendezvous sends are) do not hold up an abort every worker agreed on: the worker takes
+/// them first, and the ps ends quietly with the agreed error, not by losing the worker.
+#[test]
+fn rows_asked_ahead_and_never_landed_do_not_hold_up_an_agreed_abort() {
+    use super::super::worker::Client;
+    use super::super::PsError;
+    let spec = TableSpec::new("emb", 1 << 20, 4);
+    let l = layout(2, 1); // ps:0, worker:0
+    let out = LocalComm::run_rendezvous(2, 4096, |comm| {
+        let roles = Roles::new(&l).unwrap();
+        if let Some(k) = roles.ps_index(comm.rank()) {
+            return Some(server::serve(&comm, &roles, k, Duration::from_secs(10)));
+        }
+        let client = Client::new(&comm, &roles, Vec::new(), Duration::from_secs(10));
+        client.init(&rows_setup(&spec), &mut Vec::new()).unwrap();
+        let ids: Vec<u64> = (0..12_000).collect();
+        client.pull_ahead(&[(0, 4, &ids)]).unwrap();
+        client.abort_agreed("every worker stops");
+        None
+    });
+    let ended = out.into_iter().flatten().next().unwrap();
+    assert_eq!(ended, Err(PsError::Ended("every worker stops".into())));
 }

@@ -39,7 +39,7 @@ impl<C: Comm> Client<'_, C> {
     ) -> Result<(), PsError> {
         // Rows asked for earlier and never landed are dropped, their buffers kept unless
         // their round failed (receives into them may be in flight).
-        self.settle_ahead();
+        self.settle_ahead()?;
         match (self.ahead.take()).map(|old| (matches!(old.ended, Some(Ok(()))), old)) {
             Some((true, old)) => self.keep_rows(*old),
             Some((false, old)) => std::mem::forget(old),
@@ -75,10 +75,11 @@ impl<C: Comm> Client<'_, C> {
     }
 
     /// Takes every reply of the rows asked ahead, if any are still due: they arrive
-    /// before any later reply of the same ps.
-    pub(super) fn settle_ahead(&self) {
+    /// before any later reply of the same ps. The error of their round, if it failed
+    /// (the next round would only wait on the same ps tasks again).
+    pub(super) fn settle_ahead(&self) -> Result<(), PsError> {
         let Some(mut ahead) = self.ahead.take() else {
-            return;
+            return Ok(());
         };
         if ahead.ended.is_none() {
             let taken = std::mem::take(&mut ahead.taken);
@@ -88,14 +89,17 @@ impl<C: Comm> Client<'_, C> {
             });
             ahead.ended = Some(ended.map(drop));
         }
+        let ended = ahead.ended.clone().expect("settled above");
         self.ahead.set(Some(ahead));
+        ended
     }
 
     /// The rows asked ahead, once arrived: per ps its rows' floats per part and the rows.
     /// An error if none were asked for, or if their round failed (its buffers given up:
     /// receives into them may be in flight).
     pub(in crate::train::ps) fn land_ahead(&self) -> Result<Ahead, PsError> {
-        self.settle_ahead();
+        // Its error is the landing's, below.
+        let _ = self.settle_ahead();
         let Some(mut ahead) = self.ahead.take() else {
             return Err(PsError::Setup(format!(
                 "{}: rows landed that were not asked for ahead",

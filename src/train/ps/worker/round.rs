@@ -67,7 +67,7 @@ impl<C: Comm> Client<'_, C> {
         payload: impl Fn(usize) -> Vec<&'p [f32]>,
         mut then: impl FnMut(usize, &Reply, &[u8]) -> Result<(), PsError>,
     ) -> Result<(Vec<Reply>, Instant), PsError> {
-        self.settle_ahead();
+        self.settle_ahead()?;
         let taken = self.send_round(request, payload, &mut then)?;
         let sent = Instant::now();
         Ok((self.finish_round(taken, &mut then)?, sent))
