@@ -171,49 +171,85 @@ fn a_python_session_pulls_and_pushes_embedding_rows_on_the_ps_tasks() {
     }
 }
 
-/// Embedding tables over one-sided windows from a Python session (1 ps, 2 workers, mode
-/// "ps", transport "rma", asynchronous): each worker's own rows moved by exactly its push
-/// (added into the ps's window as it came); an unknown table, a gradient of the wrong
-/// shape and an id beyond the table raise on their worker, whose session goes on to the
-/// last step. A second job restores the last checkpoint and reads each worker's rows as
-/// it left them; synchronous tables over windows are one `ValueError` on every task.
+/// Embedding tables over one-sided windows from a Python session (1 ps, 2 workers, modes
+/// "ps" and "hybrid", transport "rma", the rows synchronous and asynchronous): each
+/// worker's own rows, pushed in two calls, moved by exactly its push once the step is
+/// taken, not before; in hybrid the variables summed by allreduce among the workers, the
+/// same on both; an unknown table, a gradient of the wrong shape, an id beyond the table
+/// and a close with rows pushed since the last step raise on their worker, whose session
+/// goes on to the last step. A second job restores the last checkpoint and reads each
+/// worker's rows and variables as it left them; asynchronous tables with Adagrad are one
+/// `ValueError` on every task.
 #[test]
-fn a_python_session_adds_its_rows_into_one_sided_windows_and_resumes() {
+fn a_python_session_pushes_its_rows_into_one_sided_windows_and_resumes() {
     let tmp = common::tmpdir("py-rows-rma");
-    let d = tmp.join("ckpt");
-    let d = d.to_str().unwrap();
-    let Some(lines) = ranks_of("rows_rma.py", 3, &[d]) else {
-        return;
-    };
-    let workers: Vec<&Value> = lines.iter().filter(|l| l.get("worst").is_some()).collect();
-    assert_eq!(workers.len(), 2, "{lines:?}");
-    for l in &workers {
-        assert!(l["worst"].as_f64().unwrap() < 1e-6, "{l}");
-        assert!(l["moved"].as_f64().unwrap() > 0.1, "{l}");
-        assert_eq!(l["step"].as_u64(), Some(6), "{l}");
-        let e = &l["errors"];
-        let said = |k: &str| e[k].as_str().unwrap_or_default().to_string();
-        assert!(said("table").contains("no embedding table 'nope'"), "{l}");
-        assert!(said("shape").starts_with("ValueError"), "{l}");
-        assert!(
-            said("row").ends_with("is no row of its 1099511627776"),
-            "{l}"
-        );
+    for (mode, sync) in [
+        ("ps", "async"),
+        ("hybrid", "async"),
+        ("ps", "sync"),
+        ("hybrid", "sync"),
+    ] {
+        let d = tmp.join(format!("{mode}-{sync}"));
+        let d = d.to_str().unwrap();
+        let Some(lines) = ranks_of("rows_rma.py", 3, &[d, "train", mode, sync]) else {
+            return;
+        };
+        let workers: Vec<&Value> = lines.iter().filter(|l| l.get("worst").is_some()).collect();
+        assert_eq!(workers.len(), 2, "{mode} {sync}: {lines:?}");
+        for l in &workers {
+            assert_rows_over_windows(l);
+            let w = l["w"].as_array().unwrap();
+            // Six steps of SGD at 0.01 on the mean of the workers' gradients of ones (in
+            // asynchronous ps training the steps are the workers' together, each read
+            // when its worker's step began: not checked here).
+            let six = |w: &Value| (w.as_f64().unwrap() + 0.06).abs() < 1e-6;
+            assert!(
+                (mode, sync) == ("ps", "async") || w.iter().all(six),
+                "{mode} {sync}: {l}"
+            );
+        }
+        let resumed = ranks_of("rows_rma.py", 3, &[d, "resume", mode, sync]).unwrap();
+        let resumed: Vec<&Value> = resumed.iter().filter(|l| l.get("rows").is_some()).collect();
+        assert_eq!(resumed.len(), 2, "{mode} {sync}: {resumed:?}");
+        for l in resumed {
+            let first = workers.iter().find(|w| w["task"] == l["task"]).unwrap();
+            assert_eq!(l["first_step"].as_u64(), Some(6), "{mode} {sync}: {l}");
+            assert_eq!(l["rows"], first["after"], "{mode} {sync}: {l}");
+            if (mode, sync) != ("ps", "async") {
+                assert_eq!(l["w"], first["w"], "{mode} {sync}: {l}");
+            }
+        }
     }
-    let resumed = ranks_of("rows_rma.py", 3, &[d, "resume"]).unwrap();
-    let resumed: Vec<&Value> = resumed.iter().filter(|l| l.get("rows").is_some()).collect();
-    assert_eq!(resumed.len(), 2, "{resumed:?}");
-    for l in resumed {
-        let first = workers.iter().find(|w| w["task"] == l["task"]).unwrap();
-        assert_eq!(l["first_step"].as_u64(), Some(6), "{l}");
-        assert_eq!(l["rows"], first["after"], "{l}");
-    }
-    let sync = tmp.join("sync");
-    let refused = ranks_of("rows_rma.py", 3, &[sync.to_str().unwrap(), "sync"]).unwrap();
-    for l in refused {
+    let refused = tmp.join("refused");
+    let refused = ranks_of(
+        "rows_rma.py",
+        3,
+        &[refused.to_str().unwrap(), "refused", "hybrid", "async"],
+    );
+    for l in refused.unwrap() {
         let why = l["refused"].as_str().unwrap_or_default();
-        assert!(why.contains("they need sync=False"), "{l}");
+        assert!(why.contains("sparse_optimizer=\"sgd\""), "{l}");
     }
+}
+
+/// One worker's line of `rows_rma.py`'s first job.
+fn assert_rows_over_windows(l: &Value) {
+    assert!(l["worst"].as_f64().unwrap() < 1e-6, "{l}");
+    assert!(l["moved"].as_f64().unwrap() > 0.1, "{l}");
+    assert_eq!(l["unstepped"].as_f64(), Some(0.0), "{l}");
+    assert_eq!(l["step"].as_u64(), Some(6), "{l}");
+    let e = &l["errors"];
+    let said = |k: &str| e[k].as_str().unwrap_or_default().to_string();
+    assert!(said("table").contains("no embedding table 'nope'"), "{l}");
+    assert!(said("shape").starts_with("ValueError"), "{l}");
+    assert!(
+        said("row").ends_with("is no row of its 1099511627776"),
+        "{l}"
+    );
+    assert!(
+        said("close").starts_with("ValueError") && said("close").ends_with("call push_pull first"),
+        "{l}"
+    );
 }
 
 /// One worker's line of `rows.py` (`first`: the first worker's).

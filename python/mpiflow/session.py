@@ -38,13 +38,16 @@ class Session:
     worker), at `request_stop()`, or at a stop signal with `stop_on_signal` (then
     `mpiflow.Stopped`, after a checkpoint). An error ends the session on every worker.
 
-    `tables` (modes "ps" and "hybrid", transport "p2p"): embedding tables the ps tasks
-    hold, `{name: (rows, width)}`, of any number of rows (a row exists once touched, made
-    from `seed`); `pull_rows` and `push_rows` reach them, updated by `sparse_optimizer`
-    ("sgd", "adagrad", "lazy_adam") at `sparse_lr` as each push arrives. Mode "hybrid"
-    (Persia's design): the tables on the ps tasks (which call `mpiflow.join()`), the
-    variables replicated on the workers and summed by allreduce among them every step, as
-    in "allreduce"; its checkpoints hold the variables and the rows that exist.
+    `tables` (modes "ps" and "hybrid"): embedding tables the ps tasks hold, `{name:
+    (rows, width)}`, of any number of rows (a row exists once touched, made from `seed`);
+    `pull_rows` and `push_rows` reach them, updated by `sparse_optimizer` ("sgd",
+    "adagrad", "lazy_adam") at `sparse_lr` as each push arrives. Mode "hybrid" (Persia's
+    design): the tables on the ps tasks (which call `mpiflow.join()`), the variables
+    replicated on the workers and summed by allreduce among them every step, as in
+    "allreduce"; its checkpoints hold the variables and the rows that exist. With
+    `transport="rma"` the tables are in the ps tasks' one-sided windows and a step's
+    `push_rows` go with its `push_pull`: summed over the workers and applied once per step,
+    or with `sync=False` added into the rows as each comes (sparse "sgd" only).
     """
 
     def __init__(self, variables, mode="ps", *, transport="p2p", sync=True,

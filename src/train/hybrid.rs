@@ -17,8 +17,10 @@ use std::time::Duration;
 use super::allreduce::{Allreduce, AllreduceConfig};
 use super::engine::{End, TrainError};
 use super::ps::protocol::Setup;
+use super::ps::rma::rows::{self as rma_rows, Rows, RowsConfig};
 use super::ps::worker::Client;
 use super::ps::{PsTransport, Roles};
+use super::resources::Share;
 use super::tables::{RowHome, RowsReport, Sparse, Tables};
 use crate::cluster::Layout;
 use crate::model::embedding::{SparseGrad, SparseOptimizer, TableSpec};
@@ -48,6 +50,10 @@ pub struct HybridConfig {
     /// `MPI_Accumulate`) instead of every worker's step summed and applied once. Over
     /// messages the rows are always applied as they arrive.
     pub asynchronous: bool,
+    /// Over windows, synchronous: rows of one table one worker pushes in a step, at most
+    /// (its staging area on each ps is sized for them); `None`: its share of the global
+    /// batch, one id per sample (`allreduce.train.batch` over the workers).
+    pub push_rows: Option<usize>,
 }
 
 impl Default for HybridConfig {
@@ -60,12 +66,37 @@ impl Default for HybridConfig {
             transport: PsTransport::P2p,
             window_rows: 1 << 21,
             asynchronous: false,
+            push_rows: None,
         }
     }
 }
 
 /// The strategy of a hybrid worker.
 pub type Hybrid<'s, C> = Sparse<Allreduce<'s, C>, PsRows<'s, C>>;
+
+/// The strategy of a hybrid worker with the rows over one-sided windows: `model`'s
+/// variables (`'m`) by allreduce, the rows in the windows (`'w`) of [`over_windows`]'s
+/// scope (`'a`).
+pub type HybridOverWindows<'m, 'a, 'w, C> = Sparse<Allreduce<'m, C>, Rows<'a, 'w, C>>;
+
+impl HybridConfig {
+    /// The rows over windows of these settings, for `workers` workers; the ps tasks'
+    /// memory checked against `memory`.
+    pub fn rows_over_windows(&self, workers: usize, memory: Option<Share>) -> RowsConfig {
+        let train = &self.allreduce.train;
+        RowsConfig {
+            tables: self.tables.clone(),
+            sparse: self.sparse,
+            seed: train.seed,
+            rows_per_table: self.window_rows,
+            rows_per_push: (self.push_rows).unwrap_or(train.batch.div_ceil(workers.max(1))),
+            peer_timeout: self.peer_timeout,
+            checkpoint_dir: train.checkpoint_dir.clone(),
+            memory,
+            asynchronous: self.asynchronous,
+        }
+    }
+}
 
 /// Rows on the ps tasks, reached over `C` (every task's communicator).
 pub struct PsRows<'s, C: Comm> {
@@ -211,6 +242,37 @@ pub fn strategy<'s, C: Comm + Send + 'static>(
     let rows = PsRows::new(comm, roles, cfg, workers.size());
     let dense = Allreduce::new(workers, layout, comm.rank(), model, &cfg.allreduce)?;
     Ok(Sparse::new(dense, rows))
+}
+
+/// Hybrid training with the rows over one-sided windows, on this rank of `comm` (every
+/// rank calls it: the windows are allocated by all together): a ps task serves its rows
+/// until the workers end (`None`); a worker hands its strategy (`model`'s variables by
+/// allreduce among `workers`, the workers' communicator that
+/// [`split_workers`] made, and the rows of `rows`) to `drive`, whose result it returns;
+/// any other task takes part in the windows only.
+pub fn over_windows<'m, C: Comm + Send + 'static, R>(
+    comm: &C,
+    (layout, roles): (&Layout, &Roles),
+    workers: Option<C>,
+    model: &'m dyn Model,
+    (cfg, rows): (&HybridConfig, &RowsConfig),
+    drive: impl for<'a, 'w> FnOnce(HybridOverWindows<'m, 'a, 'w, C>) -> Result<R, TrainError>,
+) -> Result<Option<R>, TrainError>
+where
+    C::Window<f32>: 'static,
+    C::Window<i64>: 'static,
+{
+    if cfg.tables.is_empty() {
+        return Err(TrainError::Setup(
+            "hybrid training needs embedding tables for the ps tasks to hold".into(),
+        ));
+    }
+    let ran = rma_rows::scope(comm, roles, rows, |rows| {
+        let workers = workers.expect("a worker has the workers' communicator");
+        let dense = Allreduce::new(workers, layout, comm.rank(), model, &cfg.allreduce)?;
+        drive(Sparse::new(dense, rows))
+    });
+    Ok(ran?)
 }
 
 /// The workers' communicator of `roles` (worker index order), made by every task of

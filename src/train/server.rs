@@ -44,7 +44,7 @@ use super::allreduce::{Allreduce, AllreduceConfig};
 use super::data::Dataset;
 use super::engine::{Session, TrainError};
 use super::events::Event;
-use super::hybrid::{self, Hybrid, HybridConfig};
+use super::hybrid::{self, Hybrid, HybridConfig, HybridOverWindows};
 use super::ps::rma::{self, OneSidedSession};
 use super::ps::MonitoredSession;
 use super::ps::PsConfig;
@@ -293,6 +293,36 @@ impl Server {
         let replicas = self.replicas("a hybrid session")?;
         let strategy = hybrid::strategy(&self.comm, replicas, roles, &self.layout, model, cfg)?;
         Ok(Session::new(strategy, &cfg.allreduce.train)?)
+    }
+
+    /// Hybrid training of `model` with the rows over one-sided windows (`cfg`'s tables,
+    /// [`HybridConfig::rows_over_windows`]; `cfg.transport` is not read): every task calls
+    /// it with the same model and configuration (the windows are allocated by all
+    /// together). On a worker it opens the session (the variables by allreduce among the
+    /// workers, the rows in the windows) and hands it to `drive`, whose result it returns;
+    /// a ps task serves its rows until the workers end, and it and any other task return
+    /// `None`. The windows are freed when it returns, so the session lives inside `drive`.
+    pub fn hybrid_one_sided<'s, R>(
+        &'s self,
+        model: &'s dyn Model,
+        cfg: &HybridConfig,
+        drive: impl for<'a, 'w> FnOnce(
+            Session<'s, 'a, HybridOverWindows<'s, 'a, 'w, MpiComm>>,
+        ) -> Result<R, TrainError>,
+    ) -> Result<Option<R>, ServerError> {
+        let roles = (self.roles.as_ref())
+            .ok_or_else(|| self.role_error("hybrid training needs a ps job for its tables"))?;
+        let workers = match self.workers {
+            Some(_) => Some(self.replicas("hybrid training")?),
+            None => None,
+        };
+        let rows = cfg.rows_over_windows(roles.workers.len(), None);
+        let on = (&self.layout, roles);
+        let train = &cfg.allreduce.train;
+        let ran = hybrid::over_windows(&self.comm, on, workers, model, (cfg, &rows), |s| {
+            drive(Session::new(s, train)?)
+        })?;
+        Ok(ran)
     }
 
     /// A communicator of the worker tasks (worker index order) for a session of `what`

@@ -35,7 +35,7 @@ use pyo3::prelude::*;
 
 use self::settings::Settings;
 pub(crate) use self::thread::end_all;
-use self::thread::{serve, Cmd, Job, Link, Reply, Rows, OPEN};
+use self::thread::{serve, Cmd, Job, Link, Mode, Reply, Rows, OPEN};
 use super::collectives::{dtype_name, dtype_of, layout_error, span_of};
 use super::executor::Span;
 use super::{shared_server, Error, Stopped};
@@ -62,6 +62,9 @@ pub struct PySession {
     tables: Vec<TableSpec>,
     /// The tables and ids of the last `pull_rows_ahead`, until landed.
     asked: Option<Vec<(usize, Vec<u64>)>>,
+    /// Over windows: pushed rows wait for the next step (`thread::Staged`), and whether
+    /// some do.
+    rows_wait: (bool, bool),
 }
 
 /// Variable `name`'s starting values: a float32 NumPy array (any layout, copied).
@@ -158,6 +161,7 @@ impl PySession {
             stop_asked,
             tables,
             asked: None,
+            rows_wait: (matches!(mode, Mode::PsRma | Mode::HybridRma), false),
         };
         // The start waits for the other workers (the chief's initial values, or its
         // restore of the newest checkpoint).
@@ -229,6 +233,7 @@ impl PySession {
         match reply {
             Reply::Stepped { info, stop } => {
                 (self.step, self.loss, self.stop) = (info.global_step, info.loss, stop);
+                self.rows_wait.1 = false;
                 Ok(())
             }
             other => Err(self.ended_by(other)),
@@ -272,7 +277,8 @@ impl PySession {
     }
 
     /// Pushes table `table`'s gradient `grads` (`(len(ids), width)` float32, a row per id
-    /// of `ids`, distinct) scaled by `scale`: the ps tasks apply it to those rows at once.
+    /// of `ids`, distinct) scaled by `scale`: the ps tasks apply it to those rows at once
+    /// (over one-sided windows, with the next step: `thread::Staged`).
     fn push_rows(
         &mut self,
         py: Python<'_>,
@@ -296,7 +302,10 @@ impl PySession {
         let grad = SparseGrad { ids, values };
         let link = self.link.clone();
         match py.detach(move || link.ask(Cmd::Rows(Rows::Push { table, grad, scale }))) {
-            Reply::Rows(_) => Ok(()),
+            Reply::Rows(_) => {
+                self.rows_wait.1 = self.rows_wait.0;
+                Ok(())
+            }
             other => Err(self.ended_by(other)),
         }
     }
@@ -373,6 +382,12 @@ impl PySession {
     #[allow(clippy::type_complexity)]
     fn close(&mut self, py: Python<'_>) -> PyResult<(u64, u64, f32, f64, Option<PathBuf>)> {
         self.open("close")?;
+        if self.rows_wait.1 {
+            return Err(PyValueError::new_err(format!(
+                "mpiflow: {}: close: rows pushed since the last push_pull are not applied (over one-sided windows a step's rows go with its push_pull): call push_pull first",
+                self.me
+            )));
+        }
         self.ended = true;
         let link = self.link.clone();
         let reply = py.detach(move || {

@@ -52,12 +52,10 @@ impl Settings {
             "allreduce" => Ok(Mode::Allreduce),
             "ps" if self.transport == "rma" => Ok(Mode::PsRma),
             "ps" => Ok(Mode::Ps),
-            "hybrid" if self.transport == "rma" => Err(PyValueError::new_err(
-                "mpiflow: Session: mode \"hybrid\" takes transport \"p2p\" (its rows on the ps tasks over messages)",
-            )),
             "hybrid" if self.tables.is_empty() => Err(PyValueError::new_err(
                 "mpiflow: Session: mode \"hybrid\" needs embedding tables (tables={name: (rows, width)}) for the ps tasks to hold",
             )),
+            "hybrid" if self.transport == "rma" => Ok(Mode::HybridRma),
             "hybrid" => Ok(Mode::Hybrid),
             m => Err(PyValueError::new_err(format!(
                 "mpiflow: Session: mode {m:?} is none of ps, hybrid, allreduce, local"
@@ -106,23 +104,22 @@ impl Settings {
         })
     }
 
-    /// The tables, on the ps tasks (modes ps and hybrid over messages; mode ps over
-    /// one-sided windows asynchronously, where each push is added into the rows as it
-    /// comes: a synchronous step of rows needs every worker's push every step).
+    /// The tables, on the ps tasks (modes ps and hybrid; over one-sided windows a step's
+    /// rows go with the step, summed and applied by the ps once every worker pushed, or
+    /// asynchronously added into the rows as each push comes, plain SGD).
     fn tables(&self) -> PyResult<Vec<TableSpec>> {
         if self.tables.is_empty() {
             return Ok(Vec::new());
         }
-        let windows = self.mode == "ps" && self.transport == "rma";
-        let on_ps = matches!(self.mode.as_str(), "ps" | "hybrid") && self.transport == "p2p";
-        if !on_ps && !windows {
+        if !matches!(self.mode.as_str(), "ps" | "hybrid") {
             return Err(PyValueError::new_err(
-                "mpiflow: Session: embedding tables need mode=\"ps\" or \"hybrid\" (transport \"p2p\"), or mode=\"ps\" with transport=\"rma\" and sync=False",
+                "mpiflow: Session: embedding tables need mode=\"ps\" or \"hybrid\"",
             ));
         }
-        if windows && (self.sync || self.sparse_optimizer != "sgd") {
+        let windows = self.transport == "rma";
+        if windows && !self.sync && self.sparse_optimizer != "sgd" {
             return Err(PyValueError::new_err(
-                "mpiflow: Session: embedding tables over one-sided windows (transport=\"rma\") are added into by each push as it comes: they need sync=False and sparse_optimizer=\"sgd\" (or transport \"p2p\")",
+                "mpiflow: Session: asynchronous embedding tables over one-sided windows (transport=\"rma\", sync=False) are added into by each push as it comes: plain SGD, sparse_optimizer=\"sgd\" (or sync=True, or transport \"p2p\")",
             ));
         }
         if let Some((var, value)) = windows.then(crate::one_sided_env_missing).flatten() {

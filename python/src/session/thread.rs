@@ -1,6 +1,8 @@
 //! A session's own thread: it owns what the session borrows (the server, the model), and
 //! serves the Python thread's commands (`Cmd`) one at a time with a `Reply` each.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -11,8 +13,8 @@ use mpiflow::model::embedding::SparseGrad;
 use mpiflow::train::hybrid::HybridConfig;
 use mpiflow::train::tables::Tables;
 use mpiflow::{
-    AllreduceConfig, Dataset, External, Local, PsConfig, PsError, Session, StepInfo, Strategy,
-    TrainError,
+    AllreduceConfig, Dataset, External, Local, PsConfig, PsError, ServerError, Session, StepInfo,
+    Strategy, TrainError,
 };
 
 use super::ps_stopped;
@@ -55,13 +57,79 @@ pub(super) enum Rows {
     Land {
         want: Vec<(usize, Vec<u64>)>,
     },
+    /// A step begins: rows held for it (see [`Staged`]) are pushed now.
+    Step,
 }
 
 /// Answers a [`Rows`] request in a session whose strategy has no tables.
-fn no_rows<S>(_: &S, _: Rows) -> Result<Reply, TrainError> {
-    Err(TrainError::Usage(
-        "embedding tables need mode=\"ps\" or \"hybrid\"".into(),
-    ))
+fn no_rows<S>(_: &S, r: Rows) -> Result<Reply, TrainError> {
+    match r {
+        Rows::Step => Ok(Reply::Rows(Vec::new())),
+        _ => Err(TrainError::Usage(
+            "embedding tables need mode=\"ps\" or \"hybrid\"".into(),
+        )),
+    }
+}
+
+/// Rows pushed during a step, held until the step where the rows' home applies steps
+/// (over windows: [`Tables::pushes_every_step`], every worker's push every step, which
+/// the program's own calls of `push_rows` do not promise): at the step they go as its one
+/// push (none held: an empty one), each table's rows once (an id pushed twice in a step
+/// is summed), each call's gradient scaled by its own `scale`.
+#[derive(Default)]
+struct Staged(RefCell<Vec<Held>>);
+
+/// One table's rows held for the step: the table, their gradient, each id's place in it.
+type Held = (usize, SparseGrad, HashMap<u64, usize>);
+
+impl Staged {
+    fn add(&self, table: usize, grad: SparseGrad, scale: f32) {
+        let mut held = self.0.borrow_mut();
+        let i = match held.iter().position(|(t, _, _)| *t == table) {
+            Some(i) => i,
+            None => {
+                held.push((table, SparseGrad::default(), HashMap::new()));
+                held.len() - 1
+            }
+        };
+        let (_, into, at) = &mut held[i];
+        let dim = grad.values.len() / grad.ids.len().max(1);
+        for (id, row) in grad.ids.iter().zip(grad.values.chunks_exact(dim.max(1))) {
+            let scaled = row.iter().map(|v| v * scale);
+            match at.get(id) {
+                Some(&j) => (into.values[j * dim..(j + 1) * dim].iter_mut())
+                    .zip(scaled)
+                    .for_each(|(a, b)| *a += b),
+                None => {
+                    at.insert(*id, into.ids.len());
+                    into.ids.push(*id);
+                    into.values.extend(scaled);
+                }
+            }
+        }
+    }
+
+    /// The step's push of the rows held (scaled already).
+    fn push<T: Tables>(&self, tables: &T) -> Result<(), TrainError> {
+        let held = std::mem::take(&mut *self.0.borrow_mut());
+        let grads: Vec<(usize, &SparseGrad)> = held.iter().map(|(t, g, _)| (*t, g)).collect();
+        tables.push_tables(&grads, 1.0)
+    }
+}
+
+/// Answers a [`Rows`] request where pushes wait for the step ([`Staged`]).
+fn step_rows<T: Tables>(staged: &Staged) -> impl Fn(&T, Rows) -> Result<Reply, TrainError> + '_ {
+    move |tables, r| match r {
+        Rows::Push { table, grad, scale } => {
+            staged.add(table, grad, scale);
+            Ok(Reply::Rows(Vec::new()))
+        }
+        Rows::Step => {
+            staged.push(tables)?;
+            Ok(Reply::Rows(Vec::new()))
+        }
+        other => table_rows(tables, other),
+    }
 }
 
 /// Answers a [`Rows`] request from the tables' home (the ps tasks).
@@ -87,6 +155,8 @@ fn table_rows<T: Tables>(tables: &T, r: Rows) -> Result<Reply, TrainError> {
             tables.land_tables(&want, &mut out)?;
             Ok(Reply::Tables(out))
         }
+        // Pushes went at once.
+        Rows::Step => Ok(Reply::Rows(Vec::new())),
     }
 }
 
@@ -185,6 +255,9 @@ pub(super) enum Mode {
     PsRma,
     /// Embedding tables on the ps tasks, the variables by allreduce among the workers.
     Hybrid,
+    /// Hybrid with the rows over one-sided windows: every task opens the session, as in
+    /// [`Mode::PsRma`].
+    HybridRma,
 }
 
 /// What a session thread is started with.
@@ -244,18 +317,19 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
             let _ = io.drive(opened, table_rows);
         }
         Mode::Hybrid => {
-            let cfg = HybridConfig {
-                allreduce: AllreduceConfig {
-                    train: ps.train.clone(),
-                    ..AllreduceConfig::default()
-                },
-                tables: ps.tables.clone(),
-                sparse: ps.sparse,
-                peer_timeout: ps.peer_timeout,
-                ..HybridConfig::default()
-            };
-            let opened = server.hybrid_session(&model, &cfg);
+            let opened = server.hybrid_session(&model, &hybrid(&ps));
             let _ = io.drive(opened.map_err(|e| e.to_string()), table_rows);
+        }
+        Mode::HybridRma => {
+            let cfg = HybridConfig {
+                asynchronous: !ps.sync,
+                ..hybrid(&ps)
+            };
+            let is_worker = server.worker().is_some();
+            let staged = Staged::default();
+            let served = server
+                .hybrid_one_sided(&model, &cfg, |sess| io.drive(Ok(sess), step_rows(&staged)));
+            io.served(served, is_worker);
         }
         Mode::PsRma => {
             let is_worker = server.worker().is_some();
@@ -268,16 +342,27 @@ pub(super) fn serve(job: Job, inbox: Receiver<Cmd>, outbox: Sender<Reply>) {
                 classes: 1,
                 shape: vec![0],
             };
-            let served =
-                server.one_sided(&model, &ps, &none, |sess| io.drive(Ok(sess), table_rows));
-            match (served, is_worker) {
-                (Ok(None), _) => io.reply(Reply::Served),
-                // A worker's session told Python how it ended.
-                (_, true) => {}
-                (Err(e), false) => io.reply(Reply::Failed(e.to_string(), ps_stopped(&e))),
-                (Ok(Some(())), false) => {}
-            }
+            let staged = Staged::default();
+            let served = server.one_sided(&model, &ps, &none, |sess| {
+                io.drive(Ok(sess), step_rows(&staged))
+            });
+            io.served(served, is_worker);
         }
+    }
+}
+
+/// The hybrid settings of session settings `ps` (its tables, their optimizer, the
+/// variables' training).
+fn hybrid(ps: &PsConfig) -> HybridConfig {
+    HybridConfig {
+        allreduce: AllreduceConfig {
+            train: ps.train.clone(),
+            ..AllreduceConfig::default()
+        },
+        tables: ps.tables.clone(),
+        sparse: ps.sparse,
+        peer_timeout: ps.peer_timeout,
+        ..HybridConfig::default()
     }
 }
 
@@ -329,8 +414,8 @@ impl Io<'_> {
                     grads,
                     loss,
                     samples,
-                } => self
-                    .step(&mut sess, &grads, loss, samples)
+                } => rows(sess.strategy(), Rows::Step)
+                    .and_then(|_| self.step(&mut sess, &grads, loss, samples))
                     .unwrap_or_else(&mut fail),
                 Cmd::Refuse(why) => fail(self.model.refuse(&mut sess, why)),
                 Cmd::Save => match sess.save() {
@@ -389,6 +474,18 @@ impl Io<'_> {
             // owned by the Python session, which waits for this thread's reply while it
             // is written (the thread writes only while answering a command).
             unsafe { s.floats() }.copy_from_slice(from);
+        }
+    }
+
+    /// A one-sided session's end on this task: a ps task (or any other that is no
+    /// worker) says it served, or how serving failed; a worker's session told Python how
+    /// it ended.
+    fn served(&self, served: Result<Option<()>, ServerError>, is_worker: bool) {
+        match (served, is_worker) {
+            (Ok(None), _) => self.reply(Reply::Served),
+            (_, true) => {}
+            (Err(e), false) => self.reply(Reply::Failed(e.to_string(), ps_stopped(&e))),
+            (Ok(Some(())), false) => {}
         }
     }
 

@@ -6,12 +6,11 @@ use super::CtrData;
 use crate::cluster::Layout;
 use crate::model::dlrm::Dlrm;
 use crate::model::embedding::SparseOptimizer;
-use crate::train::allreduce::Allreduce;
 use crate::train::engine::{Local, Session, Strategy, TrainError, Trained};
 use crate::train::events::Event;
 use crate::train::hybrid::{self, HybridConfig};
 use crate::train::ps::rma;
-use crate::train::ps::rma::rows::{self as rma_rows, RowsConfig};
+use crate::train::ps::rma::rows::RowsConfig;
 use crate::train::ps::{server, Ps, PsConfig, PsTransport, Roles};
 use crate::train::resources::Share;
 use crate::train::tables::{LocalRows, Sparse, Tables};
@@ -168,28 +167,15 @@ impl<'d> CtrRun<'d> {
         C::Window<f32>: 'static,
         C::Window<i64>: 'static,
     {
-        let nw = roles.workers.len().max(1);
-        let rows = RowsConfig {
-            tables: cfg.tables.clone(),
-            sparse: self.sparse,
-            seed: self.cfg.seed,
-            rows_per_table: cfg.window_rows,
-            // A worker's share of the global batch, one id per sample and table.
-            rows_per_push: self.cfg.batch.div_ceil(nw),
-            peer_timeout: cfg.peer_timeout,
-            checkpoint_dir: self.cfg.checkpoint_dir.clone(),
-            memory: self.memory.clone(),
-            asynchronous: cfg.asynchronous,
-        };
-        let ran = rma_rows::scope(comm, roles, &rows, |rows| {
-            let workers = workers.expect("a worker has the workers' communicator");
-            let dense = self.model.dense_model(self.cfg.seed)?;
-            let allreduce = Allreduce::new(workers, layout, comm.rank(), &dense, &cfg.allreduce)?;
-            let strategy = Sparse::new(allreduce, rows);
-            let sess = Session::with_events(strategy, self.cfg, |e: &Event| events(e))?;
+        // `cfg.allreduce.train` is the run's: each push of a worker's share of its batch.
+        let rows = cfg.rows_over_windows(roles.workers.len(), self.memory.clone());
+        let dense = self.model.dense_model(self.cfg.seed)?;
+        let on = (layout, roles);
+        let ran = hybrid::over_windows(comm, on, workers, &dense, (cfg, &rows), |s| {
+            let sess = Session::with_events(s, self.cfg, |e: &Event| events(e))?;
             self.fit(sess, &dense)
-        });
-        Ok(ran?)
+        })?;
+        Ok(ran)
     }
 
     /// Ps training on this rank of `comm`: the dense variables and the rows on the ps
