@@ -98,7 +98,8 @@ class Session:
     def push_rows(self, table, ids, grads, scale=1.0):
         """Table `table`'s gradient `grads` (a row per id of `ids`, the ids distinct)
         times `scale`: the ps tasks apply it to those rows at once with the session's
-        `sparse_optimizer`."""
+        `sparse_optimizer` (over one-sided windows, with the next `push_pull`, the step's
+        pushes as one)."""
         self._s.push_rows(self._table(table), _np.ascontiguousarray(ids, _np.uint64),
                           _np.ascontiguousarray(grads, _np.float32), float(scale))
 
