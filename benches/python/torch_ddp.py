@@ -1,10 +1,13 @@
 """PyTorch training by mpiflow.torch.DistributedOptimizer against DistributedDataParallel
-(gloo), side by side in one job: the same model, torch compute and batch (64 samples per
-rank, one intra-op thread per rank), the two paths alternating rounds of `--steps` steps,
-best round of `--rounds` per path. Rank 0 prints one JSON line.
+(gloo) and, where it is installed (benches/python/horovod.sh), Horovod's
+DistributedOptimizer (over the same Open MPI), side by side in one job: the same model,
+torch compute and batch (64 samples per rank, one intra-op thread per rank), the paths
+alternating rounds of `--steps` steps, best round of `--rounds` per path; each library at
+its defaults. Rank 0 prints one JSON line.
 
     mpirun -np 2 PYTHON benches/python/torch_ddp.py --model mlp   # 784-1024-1024-10
     mpirun -np 4 PYTHON benches/python/torch_ddp.py --model cnn   # conv32-pool-conv64-pool-fc128-fc10
+    mpirun -np 2 PYTHON benches/python/torch_ddp.py --model mlp --paths horovod
 
 PYTHON: the environment benches/python/torch-venv.sh makes.
 """
@@ -19,13 +22,24 @@ import torch.distributed as dist
 import mpiflow
 import mpiflow.torch as mt
 
+
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
 p.add_argument("--steps", type=int, default=30)
 p.add_argument("--rounds", type=int, default=5)
 p.add_argument("--batch", type=int, default=64)
 p.add_argument("--port", type=int, default=29517)
+p.add_argument("--paths", default="mpiflow,ddp,horovod",
+               help="which to time, of mpiflow, ddp, horovod (where installed): Horovod's "
+                    "background thread keeps cycling while the others run, so its column "
+                    "is fairest from jobs of its own, alternating with the others'")
 args = p.parse_args()
+hvd = None
+if "horovod" in args.paths.split(","):
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        pass
 
 mpiflow.init()
 rank, size = mpiflow.rank(), mpiflow.size()
@@ -74,23 +88,36 @@ def timed(model, opt):
 
 
 paths = {"mpiflow": (ours, our_opt), "ddp": (ddp, ddp_opt)}
+paths = {k: v for k, v in paths.items() if k in args.paths.split(",")}
+if hvd is not None:
+    hvd.init()  # on the MPI mpiflow.init() started
+    theirs = net()
+    paths["horovod"] = (theirs, hvd.DistributedOptimizer(
+        torch.optim.SGD(theirs.parameters(), lr=0.01),
+        named_parameters=theirs.named_parameters()))
 for m, o in paths.values():
     step(m, o)  # warm-up
 best = {k: float("inf") for k in paths}
 for _ in range(args.rounds):
     for name, (m, o) in paths.items():
         best[name] = min(best[name], timed(m, o))
-# Both trained alike: every rank's parameters the same.
-flat = torch.cat([q.detach().flatten() for q in ours.parameters()]).numpy()
-same = bool((mpiflow.allgather(flat) == flat).all())
+
+def equal_everywhere(model):
+    """Every rank's parameters of `model` the same (its replicas trained alike)."""
+    flat = torch.cat([q.detach().flatten() for q in model.parameters()]).numpy()
+    return bool((mpiflow.allgather(flat) == flat).all())
+
+
+same = {k: equal_everywhere(m) for k, (m, _) in paths.items()}
 if rank == 0:
     rate = {k: args.steps * args.batch * size / v for k, v in best.items()}
-    os.write(1, (json.dumps({
-        "model": args.model, "ranks": size, "batch_per_rank": args.batch,
-        "steps": args.steps, "rounds": args.rounds,
-        "mpiflow_samples_per_s": round(rate["mpiflow"], 1),
-        "ddp_samples_per_s": round(rate["ddp"], 1),
-        "mpiflow_over_ddp": round(rate["mpiflow"] / rate["ddp"], 2),
-        "replicas_equal": same,
-    }) + "\n").encode())
+    line = {"model": args.model, "ranks": size, "batch_per_rank": args.batch,
+            "steps": args.steps, "rounds": args.rounds}
+    for k in paths:
+        line[f"{k}_samples_per_s"] = round(rate[k], 1)
+    for k in paths:
+        if k != "mpiflow" and "mpiflow" in paths:
+            line[f"mpiflow_over_{k}"] = round(rate["mpiflow"] / rate[k], 2)
+    line["replicas_equal"] = same
+    os.write(1, (json.dumps(line) + "\n").encode())
 dist.destroy_process_group()
