@@ -1,9 +1,9 @@
 """mpiflow's collectives on NumPy arrays.
 
 Arrays are float32, float64, int32 or int64. The in-place forms write into C-contiguous,
-writeable arrays; the returning forms copy first. Every call agrees with the other ranks
-on what it is, so ranks that call different things get one `mpiflow.Error` each, naming
-both calls, never a hang. The GIL is released while communicating.
+writeable arrays; the returning forms (and `out=`) only read their input. Every call
+agrees with the other ranks on what it is, so ranks that call different things get one
+`mpiflow.Error` each, naming both calls, never a hang. The GIL is released while communicating.
 
 Each call is queued, in call order, to the collectives' own thread; the `_async` forms
 return its `Handle` at once (`wait()` returns the result or raises the call's error; the
@@ -15,24 +15,27 @@ import numpy as _np
 from . import _native
 
 
-def _out(array, out):
+def _into(array, out):
+    """The output and the input of a reduction of `array` into `out`: `out` alone where it
+    is `array` (in place), else `array` too (read where it is, or copied into `out`)."""
     if out is None:
-        return _np.array(array, copy=True, order="C")
-    if out is not array:
-        _np.copyto(out, array)
-    return out
+        array = _np.asarray(array)
+        out = _np.empty(array.shape, array.dtype)
+    return (out, None) if out is array else (out, array)
 
 
 def allreduce_async(array, op="sum", out=None):
     """`allreduce`, not waiting: its Handle (`wait()` returns the reduced array)."""
-    return _native.allreduce_(_out(array, out), op)
+    out, source = _into(array, out)
+    return _native.allreduce_(out, op, source=source)
 
 
 def allreduce(array, op="sum", out=None):
     """The reduction of `array` over every rank by `op` ("sum", "mean", "min", "max"),
     the same bits on every rank. Into `out` if given (`out=array` reduces in place), else
-    into a new array."""
-    return _native.allreduce_(_out(array, out), op, blocking=True)
+    into a new array; `array` itself is only read."""
+    out, source = _into(array, out)
+    return _native.allreduce_(out, op, blocking=True, source=source)
 
 
 def allreduce_many_async(arrays, op="sum", inplace=False):

@@ -121,30 +121,74 @@ fn with_call<R>(name: &'static str, make: impl FnOnce(&Port, Call) -> PyResult<R
 }
 
 /// Reduces `array` over every rank, in place, by `op` ("sum", "mean", "min", "max"):
-/// every rank ends with the same bits. Returns the call's handle (`wait()`: the array), or
-/// with `blocking` the array.
+/// every rank ends with the same bits. With `source`, `array` is the output: the reduction
+/// of `source` (read where it is, left as it is, where it is an array of `array`'s dtype
+/// and shape, C-contiguous and apart from it; otherwise copied into `array` first, as
+/// `numpy.copyto` does). Returns the call's handle (`wait()`: the array), or with
+/// `blocking` the array.
 #[pyfunction]
-#[pyo3(signature = (array, op = "sum", blocking = false))]
+#[pyo3(signature = (array, op = "sum", blocking = false, source = None))]
 fn allreduce_(
     py: Python<'_>,
     array: &Bound<'_, PyUntypedArray>,
     op: &str,
     blocking: bool,
+    source: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     with_call("allreduce", |s, call| {
         let (dt, why_not) = checked(array, &call, true);
+        // The input: read where it is, or copied into `array` first (a failed copy is this
+        // rank's refusal, said after the agreement).
+        let input = match (&dt, source) {
+            (Ok(dt), Some(src)) => match apart_input(src, array, *dt) {
+                Some(span) => Ok(Some(span)),
+                None => copied(py, src, array).map(|()| None).map_err(|e| {
+                    let why = e.value(py).to_string();
+                    PyValueError::new_err(format!(
+                        "mpiflow: {call}: the input does not copy into out: {why}"
+                    ))
+                }),
+            },
+            _ => Ok(None),
+        };
+        let why_not = if input.is_err() { " uncopied" } else { why_not };
         let what = Described::new(call.name, format!("op={op}"), false).array(array, why_not);
         let run = dt.and_then(|dt| {
-            Ok(Op::Allreduce(
-                Arc::from([(dt, vec![span_of(array)])]),
-                reduce_op(op, &call)?,
-            ))
+            let reduce = reduce_op(op, &call)?;
+            Ok(match input? {
+                Some(src) => Op::AllreduceInto(src, span_of(array), dt, reduce),
+                None => Op::Allreduce(Arc::from([(dt, vec![span_of(array)])]), reduce),
+            })
         });
         let a: Py<PyAny> = array.clone().into_any().unbind();
         let job = Job::new(what, call, run.map_err(|e| failure(py, &e)));
         let kept = a.clone_ref(py);
-        s.submit(py, job, move || vec![kept], a, blocking)
+        let src = source.map(|s| s.clone().unbind());
+        let keep = move || [Some(kept), src].into_iter().flatten().collect();
+        s.submit(py, job, keep, a, blocking)
     })
+}
+
+/// Where `src`'s bytes are, if the reduction can read them where they are into `out`
+/// (of `dt`): an array of its dtype and shape, C-contiguous, aligned, not overlapping it.
+fn apart_input(src: &Bound<'_, PyAny>, out: &Bound<'_, PyUntypedArray>, dt: DType) -> Option<Span> {
+    let a = src.cast::<PyUntypedArray>().ok()?;
+    if dtype_of(a) != Some(dt)
+        || a.shape() != out.shape()
+        || !a.is_c_contiguous()
+        || !a.is_aligned()
+    {
+        return None;
+    }
+    let (s, o) = (span_of(a), span_of(out));
+    let apart = s.ptr + s.len <= o.ptr || o.ptr + o.len <= s.ptr;
+    apart.then_some(s)
+}
+
+/// `numpy.copyto(out, src)`.
+fn copied(py: Python<'_>, src: &Bound<'_, PyAny>, out: &Bound<'_, PyUntypedArray>) -> PyResult<()> {
+    py.import("numpy")?.getattr("copyto")?.call1((out, src))?;
+    Ok(())
 }
 
 /// Copies `root`'s `array` into every rank's, in place (checked as `allreduce_` does).

@@ -66,6 +66,8 @@ pub(crate) enum Op {
     /// The arrays of each dtype reduced as one message, in place (shared: a list's job is
     /// reused by its next call on the same arrays: `collectives::memo`).
     Allreduce(Arc<[(DType, Vec<Span>)]>, ReduceOp),
+    /// The first span's reduction into the second (apart from it), as one message.
+    AllreduceInto(Span, Span, DType, ReduceOp),
     Broadcast(Span, usize),
     /// This rank's bytes, and every rank's, in rank order.
     Allgather(Span, Span),
@@ -332,6 +334,12 @@ fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
                     .map_err(mpi)?;
             }
             Ok(())
+        }
+        Op::AllreduceInto(src, dst, dt, reduce) => {
+            let src: &[u8] = unsafe { src.bytes() };
+            (coll.allreduce_into(src, unsafe { dst.bytes() }, dt, reduce, Algorithm::Auto))
+                .map(drop)
+                .map_err(mpi)
         }
         Op::Broadcast(span, root) => coll.bcast(unsafe { span.bytes() }, root).map_err(mpi),
         Op::Allgather(mine, all) => {

@@ -46,6 +46,28 @@ fn reduce_typed<T: Element>(op: ReduceOp, acc: &mut [u8], inc: &[u8]) {
     }
 }
 
+fn reduce_into_typed<T: Element>(op: ReduceOp, out: &mut [u8], a: &[u8], b: &[u8]) {
+    let (out, a, b) = (typed_mut::<T>(out), typed::<T>(a), typed::<T>(b));
+    let pairs = out.iter_mut().zip(a.iter().zip(b));
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => pairs.for_each(|(o, (a, b))| *o = a.add(*b)),
+        ReduceOp::Min => pairs.for_each(|(o, (a, b))| *o = if *b < *a { *b } else { *a }),
+        ReduceOp::Max => pairs.for_each(|(o, (a, b))| *o = if *b > *a { *b } else { *a }),
+    }
+}
+
+/// `out = a (op) b`, element-wise: [`reduce_bytes`] of a copy of `a`, without the copy
+/// (the same bits).
+pub fn reduce_into_bytes(dtype: DType, op: ReduceOp, out: &mut [u8], a: &[u8], b: &[u8]) {
+    match dtype {
+        DType::F32 => reduce_into_typed::<f32>(op, out, a, b),
+        DType::F64 => reduce_into_typed::<f64>(op, out, a, b),
+        DType::I32 => reduce_into_typed::<i32>(op, out, a, b),
+        DType::I64 => reduce_into_typed::<i64>(op, out, a, b),
+        DType::U8 => reduce_into_typed::<u8>(op, out, a, b),
+    }
+}
+
 /// `acc = acc (op) inc`, element-wise.
 pub fn reduce_bytes(dtype: DType, op: ReduceOp, acc: &mut [u8], inc: &[u8]) {
     match dtype {

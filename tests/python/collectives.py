@@ -60,6 +60,10 @@ for dtype in (np.float32, np.float64, np.int32, np.int64):
             bits = got.view(np.int32 if got.itemsize == 4 else np.int64).astype(np.int64)
             spread = mpiflow.allreduce(bits, "max") - mpiflow.allreduce(bits, "min")
             check(not spread.any(), f"{op} {dtype} {n}: same bits")
+            # Read where it is (the input left alone) or reduced in place: the same bits.
+            inplace = mine.copy()
+            mpiflow.allreduce(inplace, op=op, out=inplace)
+            check(got.tobytes() == inplace.tobytes(), f"{op} {dtype} {n}: as in place")
 
 # In place, with a 2-D shape.
 a = np.full((3, 5), rank + 1, dtype=np.float32)
@@ -140,6 +144,22 @@ def raises(kind, text, call):
         return str(e)
     check(False, f"no {kind.__name__} for {text}")
     return None
+
+
+# Into `out`: from a read-only input (read where it is), from a strided one and from
+# another dtype (copied into out first, as numpy.copyto does); an out of another shape on
+# one rank is one exception on every rank.
+ro = np.full(1000, rank + 1, np.float32)
+ro.flags.writeable = False
+o = np.empty(1000, np.float32)
+check(mpiflow.allreduce(ro, out=o) is o and np.all(o == size * (size + 1) / 2), "into out, read-only input")
+strided = np.arange(2000, dtype=np.float32)[::2] + rank
+check(np.array_equal(mpiflow.allreduce(strided, out=o), np.arange(0, 2000, 2) * size + size * (size - 1) / 2),
+      "into out, strided input")
+check(np.all(mpiflow.allreduce(np.full(1000, 0.5), out=o) == 0.5 * size), "into out, float64 input")
+wrong = np.empty(999 if rank == size - 1 else 1000, np.float32)
+said = raises(mpiflow.Error, "but rank", lambda: mpiflow.allreduce(np.ones(1000, np.float32), out=wrong))
+check(said is not None, "into out of another shape")
 
 
 def read_only():

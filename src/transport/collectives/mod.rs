@@ -345,6 +345,30 @@ impl<C: Comm> Collectives<C> {
         Ok(algo)
     }
 
+    /// The allreduce of `src` into `dst` (as long; they do not overlap), `src` left as it
+    /// is: [`Collectives::allreduce`] of a copy of `src` in `dst`, the same bits. The
+    /// shared-memory algorithm reads `src` where it is and reduces straight into `dst`;
+    /// the others copy first.
+    pub fn allreduce_into(
+        &self,
+        src: &[u8],
+        dst: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<Algorithm, TransportError> {
+        assert_eq!(src.len(), dst.len(), "allreduce_into: src and dst lengths");
+        let algo = self.resolve(algo, src.len())?;
+        if algo == Algorithm::Shm {
+            let shm = self.shm()?.expect("resolve picks shm only where it exists");
+            shm.allreduce_into(src, dst, dtype, op)?;
+            return Ok(algo);
+        }
+        dst.copy_from_slice(src);
+        self.allreduce_one(dst, dtype, op, algo)?;
+        Ok(algo)
+    }
+
     /// One buffer by a message-passing algorithm.
     fn allreduce_one(
         &self,

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 use super::stores::{self, StoreChooser, StoreMode};
 use crate::tensor::{AlignedBuf, DType};
 use crate::transport::comm::{ReduceOp, TransportError};
-use crate::transport::reduce::{divide_bytes, reduce_bytes};
+use crate::transport::reduce::{divide_bytes, reduce_bytes, reduce_into_bytes};
 use crate::transport::segments::SharedSegments;
 
 /// Slots per rank: chunks in flight.
@@ -242,6 +242,32 @@ impl ShmAllreduce {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), TransportError> {
+        self.allreduce_from(None, parts, dtype, op)
+    }
+
+    /// The reduction of `src` into `dst` (of its length): [`ShmAllreduce::allreduce`] of a
+    /// copy of `src` in `dst`, without the copy (the input is read where it is, and this
+    /// rank's sub-slices reduced from it straight into `dst`), the same bits.
+    pub fn allreduce_into(
+        &self,
+        src: &[u8],
+        dst: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), TransportError> {
+        assert_eq!(src.len(), dst.len(), "allreduce_into: src and dst lengths");
+        self.allreduce_from(Some(src), &mut [dst], dtype, op)
+    }
+
+    /// The allreduce of `parts`, its input read from `from` where given (one part, as
+    /// long), else from the parts themselves.
+    fn allreduce_from(
+        &self,
+        from: Option<&[u8]>,
+        parts: &mut [&mut [u8]],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), TransportError> {
         let (n, me, es) = (self.size(), self.rank, dtype.size());
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let header = CallHeader {
@@ -282,13 +308,17 @@ impl ShmAllreduce {
                 h.write(header.bytes);
                 h.add(1).write(header.code());
                 let slot = std::slice::from_raw_parts_mut(mine, len);
+                let read = |at: usize, into: &mut [u8]| match from {
+                    Some(src) => stores::copy(mode, into, &src[off + at..off + at + into.len()]),
+                    None => stream.read_into(off + at, into, mode),
+                };
                 if direct {
-                    stream.read_into(off, slot, mode);
+                    read(0, slot);
                 } else {
                     // Only what peers reduce: this rank's own sub-slice is reduced from the
-                    // stream itself.
-                    stream.read_into(off, &mut slot[..own.start], mode);
-                    stream.read_into(off + own.end, &mut slot[own.end..], mode);
+                    // input itself.
+                    read(0, &mut slot[..own.start]);
+                    read(own.end, &mut slot[own.end..]);
                 }
             }
             stores::fence(mode);
@@ -313,16 +343,25 @@ impl ShmAllreduce {
                     .store(g + 1, Ordering::Release);
                 break;
             }
-            // Reduce my sub-slice in place in the stream (its own values are there), in
+            // Reduce my sub-slice in the stream (in place: its own values are there), in
             // the order mine, then every other rank's; then publish it in my slot.
             stream.for_each_mut(off + own.start, own.len(), |acc, at| {
                 let at = own.start + at;
-                for r in (0..n).filter(|&r| r != me) {
-                    // SAFETY: between `arrived` and `done` nobody writes rank r's slot
-                    // outside its own sub-slice, and `at..at + acc.len()` lies in mine.
-                    let inc =
-                        unsafe { std::slice::from_raw_parts(self.slot(r, g).add(at), acc.len()) };
-                    reduce_bytes(dtype, op, acc, inc);
+                let len = acc.len();
+                // SAFETY: between `arrived` and `done` nobody writes rank r's slot outside
+                // its own sub-slice, and `at..at + len` lies in mine.
+                let peer =
+                    |r: usize| unsafe { std::slice::from_raw_parts(self.slot(r, g).add(at), len) };
+                let mut others = (0..n).filter(|&r| r != me);
+                if let Some(src) = from {
+                    let own_input = &src[off + at..off + at + len];
+                    match others.next() {
+                        Some(r) => reduce_into_bytes(dtype, op, acc, own_input, peer(r)),
+                        None => acc.copy_from_slice(own_input),
+                    }
+                }
+                for r in others {
+                    reduce_bytes(dtype, op, acc, peer(r));
                 }
                 if op == ReduceOp::Average && n > 1 {
                     divide_bytes(dtype, acc, n);

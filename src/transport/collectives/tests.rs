@@ -141,6 +141,44 @@ fn parts_reduce_as_one_message_across_chunks() {
     }
 }
 
+/// `allreduce_into` leaves its input as it was and writes the bits `allreduce` writes in
+/// place over a copy of it: every op, a float and an integer dtype, 1 to 4 ranks, one
+/// chunk (the one-step protocol), several with slots reused, each algorithm.
+#[test]
+fn allreduce_into_equals_allreduce_of_a_copy_bit_for_bit() {
+    for n in 1..=4 {
+        for len in [3usize, 1000, 5000] {
+            for algo in [Algorithm::Shm, Algorithm::Ring, Algorithm::Auto] {
+                LocalComm::run(n, |c| {
+                    let mut coll = Collectives::new(c);
+                    coll.tuning.shm_slot_bytes = 4096;
+                    let r = coll.rank();
+                    let ints: Vec<i64> = (0..len as i64).map(|i| i * (r as i64 + 1) - 7).collect();
+                    let inputs = [
+                        Tensor::from_slice(&[len], &input(r, len)).unwrap(),
+                        Tensor::from_slice(&[len], &ints).unwrap(),
+                    ];
+                    for op in ReduceOp::ALL {
+                        for src in &inputs {
+                            let (dt, kept) = (src.dtype(), src.clone());
+                            let mut copy = src.clone();
+                            let mut dst = Tensor::zeros(dt, &[len]).unwrap();
+                            let into =
+                                coll.allreduce_into(src.bytes(), dst.bytes_mut(), dt, op, algo);
+                            let ran = into.unwrap();
+                            assert!(algo == Algorithm::Auto || n == 1 || ran == algo, "{ran:?}");
+                            coll.allreduce_tensor(&mut copy, op, algo).unwrap();
+                            let what = format!("n={n} len={len} {algo:?} {op:?} {dt}");
+                            assert_eq!(dst.bytes(), copy.bytes(), "{what}");
+                            assert_eq!(src.bytes(), kept.bytes(), "{what}: the input is kept");
+                        }
+                    }
+                });
+            }
+        }
+    }
+}
+
 #[test]
 fn shm_mismatch_is_the_same_error_everywhere_and_later_calls_work() {
     let out = LocalComm::run(3, |c| {
