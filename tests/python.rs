@@ -178,7 +178,8 @@ fn a_python_session_pulls_and_pushes_embedding_rows_on_the_ps_tasks() {
 /// same on both; an unknown table, a gradient of the wrong shape, an id beyond the table
 /// and a close with rows pushed since the last step raise on their worker, whose session
 /// goes on to the last step. A second job restores the last checkpoint and reads each
-/// worker's rows and variables as it left them; asynchronous tables with Adagrad are one
+/// worker's rows and variables as it left them. A step's push beyond `push_rows` fails the
+/// step on every worker with that worker's line; asynchronous tables with Adagrad are one
 /// `ValueError` on every task.
 #[test]
 fn a_python_session_pushes_its_rows_into_one_sided_windows_and_resumes() {
@@ -218,6 +219,17 @@ fn a_python_session_pushes_its_rows_into_one_sided_windows_and_resumes() {
             if (mode, sync) != ("ps", "async") {
                 assert_eq!(l["w"], first["w"], "{mode} {sync}: {l}");
             }
+        }
+    }
+    let overflow = tmp.join("overflow");
+    let overflow = overflow.to_str().unwrap();
+    for mode in ["ps", "hybrid"] {
+        let lines = ranks_of("rows_rma.py", 3, &[overflow, "overflow", mode, "sync"]).unwrap();
+        // Every worker's line names worker:0; its own says why.
+        for l in lines.iter().filter(|l| l["task"] != "ps:0") {
+            let e = l["error"].as_str().unwrap_or_default();
+            let why = l["task"] == "worker:1" || e.contains("more than its staging area holds (1)");
+            assert!(e.contains("worker:0 (rank 1)") && why, "{mode}: {l}");
         }
     }
     let refused = tmp.join("refused");

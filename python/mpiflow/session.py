@@ -47,7 +47,9 @@ class Session:
     "allreduce"; its checkpoints hold the variables and the rows that exist. With
     `transport="rma"` the tables are in the ps tasks' one-sided windows and a step's
     `push_rows` go with its `push_pull`: summed over the workers and applied once per step,
-    or with `sync=False` added into the rows as each comes (sparse "sgd" only).
+    or with `sync=False` added into the rows as each comes (sparse "sgd" only); each ps
+    holds at most `window_rows` rows of a table, and a worker pushes at most `push_rows`
+    rows of a table to one ps in a step (synchronous: its staging area there).
     """
 
     def __init__(self, variables, mode="ps", *, transport="p2p", sync=True,
@@ -56,7 +58,7 @@ class Session:
                  log_every=100, checkpoint_dir=None, checkpoint_every=0,
                  checkpoint_secs=None, keep_checkpoints=5, stop_on_signal=False,
                  peer_timeout=60.0, name="python", tables=None, sparse_optimizer="adagrad",
-                 sparse_lr=0.05):
+                 sparse_lr=0.05, window_rows=1 << 21, push_rows=4096):
         names = list(variables)
         tables = dict(tables or {})
         self._tables = {n: i for i, n in enumerate(tables)}
@@ -69,7 +71,8 @@ class Session:
             keep_checkpoints=int(keep_checkpoints), stop_on_signal=bool(stop_on_signal),
             peer_timeout=float(peer_timeout), name=str(name),
             tables=[(str(n), int(r), int(d)) for n, (r, d) in tables.items()],
-            sparse_optimizer=str(sparse_optimizer), sparse_lr=float(sparse_lr))
+            sparse_optimizer=str(sparse_optimizer), sparse_lr=float(sparse_lr),
+            window_rows=int(window_rows), push_rows=int(push_rows))
         self._s = _native.Session(names, [variables[n] for n in names], settings)
         self.params = dict(zip(self._s.names, self._s.arrays))
 

@@ -10,7 +10,9 @@ they moved by exactly its push. Bad calls raise on their worker and the session 
 (close() with rows pushed and no step since raises too); the variables train to the last
 step, and the last checkpoint holds the rows. "resume" starts from it and reads the rows
 and variables back. "refused" asks for asynchronous tables with Adagrad, which every
-task refuses with a ValueError. Each rank prints one JSON line."""
+task refuses with a ValueError. "overflow" (synchronous) allows one row per push and
+worker 0 pushes two: the step fails on every worker with worker 0's line. Each rank
+prints one JSON line."""
 import hashlib
 import json
 import os
@@ -31,9 +33,15 @@ try:
                            sync=SYNC == "sync", optimizer="sgd", lr=0.01, steps=6,
                            tables={"emb": (ROWS, DIM)},
                            sparse_optimizer="adagrad" if SCENARIO == "refused" else "sgd",
-                           sparse_lr=LR, checkpoint_dir=CKPT)
+                           sparse_lr=LR, checkpoint_dir=CKPT,
+                           push_rows=1 if SCENARIO == "overflow" else 4096)
 except ValueError as e:
     out["refused"] = str(e)
+    os.write(1, (json.dumps(out) + "\n").encode())
+    sys.exit(0)
+except mpiflow.Error as e:
+    # A ps task's session, ended by the workers' failure.
+    out["ended"] = str(e)
     os.write(1, (json.dumps(out) + "\n").encode())
     sys.exit(0)
 if not sess.is_worker:
@@ -49,6 +57,16 @@ if SCENARIO == "resume":
     os.write(1, (json.dumps(out) + "\n").encode())
     sys.exit(0)
 ones = {"w": np.ones(2, np.float32)}
+if SCENARIO == "overflow":
+    n = 2 if me["index"] == 0 or "BOTH" in os.environ else 1
+    sess.push_rows("emb", own[:n], np.ones((n, DIM), np.float32))
+    try:
+        sess.push_pull(ones, 0.0, 1)
+        out["stepped"] = True
+    except mpiflow.Error as e:
+        out["error"] = str(e)
+    os.write(1, (json.dumps(out) + "\n").encode())
+    sys.exit(0)
 before = sess.pull_rows("emb", own)
 grad = np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * me["index"] + 1
 # Pushed in two calls, half the gradient each: one push with the step.

@@ -37,6 +37,10 @@ pub(super) struct Settings {
     pub(super) tables: Vec<(String, u64, usize)>,
     sparse_optimizer: String,
     sparse_lr: f32,
+    /// Over one-sided windows: rows of a table one ps holds, and rows of a table one
+    /// worker pushes in a step, at most.
+    window_rows: u64,
+    push_rows: usize,
 }
 
 impl Settings {
@@ -100,6 +104,8 @@ impl Settings {
             peer_timeout: secs(self.peer_timeout, "peer_timeout")?,
             tables: self.tables()?,
             sparse: self.sparse()?,
+            window_rows: self.window_rows.max(1),
+            push_rows: Some(self.push_rows.max(1)),
             ..PsConfig::default()
         })
     }

@@ -109,9 +109,13 @@ impl Staged {
         }
     }
 
-    /// The step's push of the rows held (scaled already).
+    /// The step's push of the rows held (scaled already): none where nothing is held and
+    /// the rows' home takes steps without (no tables).
     fn push<T: Tables>(&self, tables: &T) -> Result<(), TrainError> {
         let held = std::mem::take(&mut *self.0.borrow_mut());
+        if held.is_empty() && !tables.pushes_every_step() {
+            return Ok(());
+        }
         let grads: Vec<(usize, &SparseGrad)> = held.iter().map(|(t, g, _)| (*t, g)).collect();
         tables.push_tables(&grads, 1.0)
     }
@@ -124,10 +128,17 @@ fn step_rows<T: Tables>(staged: &Staged) -> impl Fn(&T, Rows) -> Result<Reply, T
             staged.add(table, grad, scale);
             Ok(Reply::Rows(Vec::new()))
         }
-        Rows::Step => {
-            staged.push(tables)?;
-            Ok(Reply::Rows(Vec::new()))
-        }
+        Rows::Step => match staged.push(tables) {
+            Ok(()) => Ok(Reply::Rows(Vec::new())),
+            Err(e) => {
+                // The others' step goes on without this worker's rows (an empty push),
+                // and this worker's fails with why (the step's refusal).
+                if tables.pushes_every_step() {
+                    let _ = tables.push_tables(&[], 0.0);
+                }
+                Err(e)
+            }
+        },
         other => table_rows(tables, other),
     }
 }
@@ -362,6 +373,8 @@ fn hybrid(ps: &PsConfig) -> HybridConfig {
         tables: ps.tables.clone(),
         sparse: ps.sparse,
         peer_timeout: ps.peer_timeout,
+        window_rows: ps.window_rows,
+        push_rows: ps.push_rows,
         ..HybridConfig::default()
     }
 }
@@ -414,9 +427,13 @@ impl Io<'_> {
                     grads,
                     loss,
                     samples,
-                } => rows(sess.strategy(), Rows::Step)
-                    .and_then(|_| self.step(&mut sess, &grads, loss, samples))
-                    .unwrap_or_else(&mut fail),
+                } => match rows(sess.strategy(), Rows::Step) {
+                    Ok(_) => {
+                        (self.step(&mut sess, &grads, loss, samples)).unwrap_or_else(&mut fail)
+                    }
+                    // The step's rows not pushed: the step fails on every worker with why.
+                    Err(e) => fail(self.model.refuse(&mut sess, e.to_string())),
+                },
                 Cmd::Refuse(why) => fail(self.model.refuse(&mut sess, why)),
                 Cmd::Save => match sess.save() {
                     Ok(path) => Reply::Saved(path),

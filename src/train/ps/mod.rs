@@ -100,6 +100,13 @@ pub struct PsConfig {
     pub tables: Vec<TableSpec>,
     /// How the tables' rows are updated.
     pub sparse: SparseOptimizer,
+    /// Over one-sided windows: rows of one table one ps task may hold, at most (its window
+    /// is sized for them).
+    pub window_rows: u64,
+    /// Over one-sided windows, synchronous: rows of one table one worker pushes in a step,
+    /// at most (its staging area on each ps is sized for them); `None`: its share of the
+    /// global batch, one id per sample (`train.batch` over the workers).
+    pub push_rows: Option<usize>,
 }
 
 impl Default for PsConfig {
@@ -115,6 +122,8 @@ impl Default for PsConfig {
             peer_timeout: Duration::from_secs(60),
             tables: Vec::new(),
             sparse: SparseOptimizer::adagrad(0.05),
+            window_rows: 1 << 21,
+            push_rows: None,
         }
     }
 }

@@ -106,7 +106,10 @@ const STOP: usize = 8;
 const NON_FINITE: usize = 9;
 const SAVE_AT: usize = 10;
 const STOPPED_BY: usize = 11;
-const PUSHES: usize = 12;
+/// Workers that ended by a failure (each says why): a ps that sees one ends with an error
+/// too, as they do, instead of taking the end for training done.
+const FAILED: usize = 12;
+const PUSHES: usize = 13;
 /// On ps 0's `ctl`, after the pushes: per rank of the job, its phase times summed so far
 /// (microseconds of compute, communication, waiting and the rest, then its steps). Each
 /// rank adds its window at every logged step; the chief reads them.

@@ -211,9 +211,26 @@ impl Rma<'_> {
             || self.lost(self.roles.task(me), "a worker (not ended)".into()),
         )?;
         finish_rows(rows.as_deref_mut())?;
+        self.none_failed(ctl, me)?;
         match ctl.fetch_and_add(me, STOPPED_BY, 0)? {
             0 => Ok(()),
             signal => Err(self.stopped(signal as i32, step)),
+        }
+    }
+
+    /// Every worker ended: an error if any failed (its own error says why), so that this
+    /// ps ends as they did (the windows are then not freed together: the failed do not
+    /// come to the free).
+    fn none_failed(&self, ctl: &impl Access<i64>, me: usize) -> Result<(), PsError> {
+        match ctl.fetch_and_add(me, FAILED, 0)? {
+            0 => Ok(()),
+            failed => Err(PsError::Aborted {
+                task: self.roles.task(me),
+                message: format!(
+                    "{failed} of {} workers failed (their errors say why)",
+                    self.roles.workers.len()
+                ),
+            }),
         }
     }
 
@@ -312,6 +329,7 @@ impl Rma<'_> {
             },
         )?;
         finish_rows(rows)?;
+        self.none_failed(ctl, self.roles.ps[state.k])?;
         if last & ((1 << 48) - 1) >= MARK {
             let signal = ctl.fetch_and_add(ps0, STOP, 0)? as i32;
             return Err(self.stopped(signal, saved));

@@ -499,6 +499,11 @@ impl<'a, C: Comm, D: Access<f32>, K: Access<i64>> Strategy<'a> for OneSided<'a, 
         if let Some(rows) = &mut self.rows {
             RowHome::end(rows, &how)?;
         }
+        if matches!(how, End::Failed(_) | End::Abandoned) {
+            for r in &self.rma.roles.ps {
+                self.ctl.fetch_and_add(*r, FAILED, 1)?;
+            }
+        }
         if !self.rma.cfg.sync {
             // Done pushing, then ended: ps 0's `ARRIVALS` counts the workers that ended
             // (the ps tasks write the chief's checkpoints until all have).

@@ -131,17 +131,17 @@ pub struct RowsConfig {
 }
 
 impl RowsConfig {
-    /// The rows of ps training's tables (`cfg.tables`): windows of the default size (2^21
-    /// rows of a table per ps task; per push, a worker's share of the global batch, one id
-    /// per sample and table), memory unchecked.
+    /// The rows of ps training's tables (`cfg.tables`): windows of `cfg.window_rows` rows
+    /// of a table per ps task, `cfg.push_rows` per push (by default a worker's share of the
+    /// global batch, one id per sample and table), memory unchecked.
     pub fn of(cfg: &crate::train::ps::PsConfig, layout: &crate::cluster::Layout) -> RowsConfig {
         let nw = Roles::new(layout).map_or(1, |r| r.workers.len().max(1));
         RowsConfig {
             tables: cfg.tables.clone(),
             sparse: cfg.sparse,
             seed: cfg.train.seed,
-            rows_per_table: 1 << 21,
-            rows_per_push: cfg.train.batch.div_ceil(nw),
+            rows_per_table: cfg.window_rows,
+            rows_per_push: (cfg.push_rows).unwrap_or(cfg.train.batch.div_ceil(nw)),
             peer_timeout: cfg.peer_timeout,
             checkpoint_dir: cfg.train.checkpoint_dir.clone(),
             memory: None,

@@ -198,7 +198,7 @@ impl<'a, D: Access<f32>, K: Access<i64>> RmaRows<'a, D, K> {
                 let n = ids[k][t].len() / 2;
                 if n > self.lay.per_push {
                     return Err(PsError::Setup(format!(
-                        "{}: table {}: a push of {n} rows to {} is more than its staging area holds ({}): RowsConfig::rows_per_push sizes it (the command line sizes it for one id per sample and table)",
+                        "{}: table {}: a push of {n} rows to {} is more than its staging area holds ({}): push_rows sizes it (the rows of a table one worker pushes in a step; the command line's, one id per sample of --batch)",
                         self.me(),
                         self.cfg.tables[t].name,
                         self.ps_task(k),
