@@ -236,9 +236,13 @@ impl<'m, S: Strategy<'m>, R: RowHome> Sparse<S, R> {
         let written = checkpoint::begin(dir, step)
             .map_err(TrainError::from)
             .and_then(|tmp| {
+                // The rows' home first: once asked, ps tasks excuse the workers' silence
+                // until the checkpoint is over, which a slow write (an fsync behind the
+                // file system's other writes) of the dense file may then take.
+                let rows = self.rows.save(&tmp)?;
                 let dense = checkpoint::write_file(&tmp.join(REPLICA_FILE), &state.arrays(&vars))?;
                 let mut files = vec![(REPLICA_FILE.to_string(), dense.0, dense.1)];
-                files.extend(self.rows.save(&tmp)?);
+                files.extend(rows);
                 let meta = checkpoint::state::model_meta(&describe, &vars);
                 Ok(checkpoint::commit(dir, step, &files, meta)?)
             });
