@@ -196,51 +196,10 @@ fn pieces_number_each_ps_from_zero_and_slices_cover_the_tensors() {
     }
 }
 
-/// Every worker failing the same step (each its own refusal) is no end of training to the
-/// ps: it ends with an error naming how many failed, and nobody waits for the others at
-/// the windows' release (which the failed never reach).
-#[test]
-fn every_worker_failing_one_step_ends_the_ps_with_an_error() {
-    let v = crate::tensor::Tensor::from_slice(&[4], &[0f32; 4])
-        .unwrap()
-        .named("v");
-    let ext = crate::model::External::new("v", vec![v]).unwrap();
-    let l = layout(3, 1);
-    let c = cfg(10, true);
-    let none = Dataset::synthetic(0, 0, 1, 0);
-    let t = std::time::Instant::now();
-    let out = LocalComm::run(3, |comm| {
-        let ran = scope(&comm, &l, &ext, &c, &none, &mut |_| {}, |mut sess| {
-            while !sess.should_stop() {
-                if sess.global_step() == 2 {
-                    return Err(ext.refuse(&mut sess, "no gradient".into()));
-                }
-                ext.run(&mut sess, &[&[1.0; 4]], 1.0, 2)?;
-            }
-            Ok(())
-        });
-        ran.map(|_| ()).map_err(|e| e.to_string())
-    });
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "{:?}: {out:?}",
-        t.elapsed()
-    );
-    let said = |r: usize| out[r].as_ref().unwrap_err().clone();
-    assert!(
-        said(0).ends_with("stopped by a worker: 2 of 2 workers failed (their errors say why)"),
-        "{out:?}"
-    );
-    assert!(
-        said(1).contains("no gradient") && said(2).contains("no gradient"),
-        "{out:?}"
-    );
-}
-
-#[test]
-fn a_worker_failing_before_the_others_push_is_named_to_them_at_once() {
-    // Worker 1 fails its third step at once; worker 0 pushes that step later. Both learn
-    // within seconds (the wait for a peer is 20 s), worker 0 naming worker 1.
+/// One-sided training of 10 steps on 1 ps and 2 workers (ranks 1, 2), where the ranks
+/// `refuses` says fail their third step at once (a refusal) and the others push it later:
+/// every rank's outcome, within seconds (the wait for a peer is 20 s).
+fn refusing_the_third_step(refuses: impl Fn(usize) -> bool + Sync) -> Vec<Result<(), String>> {
     let v = crate::tensor::Tensor::from_slice(&[4], &[0f32; 4])
         .unwrap()
         .named("v");
@@ -254,9 +213,9 @@ fn a_worker_failing_before_the_others_push_is_named_to_them_at_once() {
         let ran = scope(&comm, &l, &ext, &c, &none, &mut |_| {}, |mut sess| {
             while !sess.should_stop() {
                 if sess.global_step() == 2 {
-                    match w {
-                        2 => return Err(ext.refuse(&mut sess, "no gradient".into())),
-                        _ => std::thread::sleep(Duration::from_millis(300)),
+                    match refuses(w) {
+                        true => return Err(ext.refuse(&mut sess, "no gradient".into())),
+                        false => std::thread::sleep(Duration::from_millis(300)),
                     }
                 }
                 ext.run(&mut sess, &[&[1.0; 4]], 1.0, 2)?;
@@ -265,11 +224,33 @@ fn a_worker_failing_before_the_others_push_is_named_to_them_at_once() {
         });
         ran.map(|_| ()).map_err(|e| e.to_string())
     });
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(10), "{took:?}: {out:?}");
+    out
+}
+
+/// Every worker failing the same step (each its own refusal) is no end of training to the
+/// ps: it ends with an error naming how many failed, and nobody waits for the others at
+/// the windows' release (which the failed never reach).
+#[test]
+fn every_worker_failing_one_step_ends_the_ps_with_an_error() {
+    let out = refusing_the_third_step(|_| true);
+    let said = |r: usize| out[r].as_ref().unwrap_err().clone();
     assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "{:?}: {out:?}",
-        t.elapsed()
+        said(0).ends_with("stopped by a worker: 2 of 2 workers failed (their errors say why)"),
+        "{out:?}"
     );
+    assert!(
+        said(1).contains("no gradient") && said(2).contains("no gradient"),
+        "{out:?}"
+    );
+}
+
+/// Worker 1 (rank 2) fails its third step at once; worker 0 pushes that step later. Both
+/// learn within seconds, worker 0 naming worker 1.
+#[test]
+fn a_worker_failing_before_the_others_push_is_named_to_them_at_once() {
+    let out = refusing_the_third_step(|w| w == 2);
     let said = |r: usize| out[r].as_ref().unwrap_err().clone();
     assert!(said(2).contains("no gradient"), "{out:?}");
     assert!(
