@@ -242,13 +242,11 @@ fn killed_ps_resumes(mode: &str, transport: &str) {
     args.extend_from_slice(&flags);
     args.extend_from_slice(&["--steps", "3000"]);
     args.extend_from_slice(&["--checkpoint-dir", c, "--checkpoint-every", "200"]);
-    // ps:0 is rank 0; killed once a checkpoint is written.
-    let (text, code) = with_rank_when(
-        &args,
-        Some(0),
-        |out| out.contains("# checkpoint"),
-        |pid, _| signal(pid, "-KILL"),
-    );
+    // ps:0 is rank 0; killed once a checkpoint is written (said, or on disk).
+    let written = |out: &str| {
+        out.contains("# checkpoint") || !mpiflow::train::checkpoint::listed(&ckpt).is_empty()
+    };
+    let (text, code) = with_rank_when(&args, Some(0), written, |pid, _| signal(pid, "-KILL"));
     assert_ne!(code, Some(0), "{text}");
     let listed = mpiflow::train::checkpoint::listed(&ckpt);
     let (saved, path) = listed.first().cloned().expect("a checkpoint");

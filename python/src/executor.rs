@@ -38,6 +38,16 @@ impl Span {
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
     }
 
+    /// The span's bytes, only read (an array that may be read-only).
+    ///
+    /// # Safety
+    /// The span's array must be alive and not written by Rust for `'a`.
+    unsafe fn read<'a>(self) -> &'a [u8] {
+        // SAFETY: as the caller promises; a span is made from an array's data and its
+        // length in bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+
     /// The span's float32 values.
     ///
     /// # Safety
@@ -320,11 +330,12 @@ unsafe impl Send for Owned {}
 fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
     agree(coll, job.hash, &job.what)?;
     let mpi = |e: TransportError| (Kind::Mpi, format!("mpiflow: {}: {e}", job.call));
-    // SAFETY (each `bytes`): the job's handle keeps its arrays alive until `done` is set,
-    // after this returns (a call run at once: its caller, until this returns); each span
-    // is reached by this call alone (the same array twice in one list was refused when
-    // the job was made, and a remembered job is reused only for arrays where its spans
-    // are: `collectives::memo`).
+    // SAFETY (each `bytes` and `read`): the job's handle keeps its arrays alive until
+    // `done` is set, after this returns (a call run at once: its caller, until this
+    // returns); each span is reached by this call alone (the same array twice in one list
+    // was refused when the job was made, a remembered job is reused only for arrays where
+    // its spans are: `collectives::memo`, and an input read is apart from its output:
+    // `collectives::apart_input`).
     match job.op? {
         Op::Allreduce(groups, reduce) => {
             for (dt, spans) in groups.iter() {
@@ -336,14 +347,14 @@ fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
             Ok(())
         }
         Op::AllreduceInto(src, dst, dt, reduce) => {
-            let src: &[u8] = unsafe { src.bytes() };
+            let src = unsafe { src.read() };
             (coll.allreduce_into(src, unsafe { dst.bytes() }, dt, reduce, Algorithm::Auto))
                 .map(drop)
                 .map_err(mpi)
         }
         Op::Broadcast(span, root) => coll.bcast(unsafe { span.bytes() }, root).map_err(mpi),
         Op::Allgather(mine, all) => {
-            let mine: &[u8] = unsafe { mine.bytes() };
+            let mine = unsafe { mine.read() };
             coll.allgather(mine, unsafe { all.bytes() }).map_err(mpi)
         }
         Op::Barrier => coll.barrier().map_err(mpi),

@@ -354,8 +354,13 @@ pub fn with_rank_when(
         let reader = std::thread::spawn(move || {
             let mut pipe = pipe;
             let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = pipe.read(&mut buf) {
-                sink.lock().unwrap().extend_from_slice(&buf[..n]);
+            loop {
+                match pipe.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => sink.lock().unwrap().extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => break,
+                }
             }
         });
         (text, reader)
@@ -365,7 +370,16 @@ pub fn with_rank_when(
     let so_far = || String::from_utf8_lossy(&stdout.lock().unwrap()).into_owned();
     let waiting = std::time::Instant::now();
     while !ready(&so_far()) {
-        if waiting.elapsed() > std::time::Duration::from_secs(60) {
+        // A job that ended before it was ready (what it printed last read first): said
+        // at once, with how it ended.
+        let ended = child.try_wait().ok().flatten();
+        if ended.is_some() {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            if ready(&so_far()) {
+                break;
+            }
+        }
+        if ended.is_some() || waiting.elapsed() > std::time::Duration::from_secs(60) {
             // What the job said so far: where it was when it should have been ready.
             let tail = |text: String| {
                 let skip = text.chars().count().saturating_sub(3000);
@@ -373,7 +387,7 @@ pub fn with_rank_when(
             };
             let err = String::from_utf8_lossy(&stderr.lock().unwrap()).into_owned();
             panic!(
-                "the job never got ready to be killed within 60 s\n--- stdout\n{}\n--- stderr\n{}",
+                "the job never got ready to be killed within 60 s (ended: {ended:?})\n--- stdout\n{}\n--- stderr\n{}",
                 tail(so_far()),
                 tail(err)
             );
