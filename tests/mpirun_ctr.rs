@@ -207,20 +207,12 @@ fn row_ids(path: &Path) -> BTreeSet<(String, u64)> {
 
 #[test]
 fn a_ps_killed_mid_run_costs_only_the_steps_since_the_checkpoint_and_its_rows_come_back() {
-    // Hybrid with the rows over windows stalls at a checkpoint in some runs of the whole
-    // suite, never alone: an open defect (benches/results/2026-11-30-hybrid-rma-stalls.md).
-    // Those two variants run where MPIFLOW_KNOWN_STALLS=1 asks for them until it is found.
-    let stalls = std::env::var_os("MPIFLOW_KNOWN_STALLS").is_some();
     for (mode, transport) in [
         ("hybrid", "p2p"),
         ("hybrid", "rma"),
         ("hybrid", "rma --async"),
         ("ps", "rma --async"),
     ] {
-        if mode == "hybrid" && transport.starts_with("rma") && !stalls {
-            eprintln!("skipped: {mode} {transport} (MPIFLOW_KNOWN_STALLS=1 runs it)");
-            continue;
-        }
         killed_ps_resumes(mode, transport);
     }
 }
