@@ -24,8 +24,11 @@ fn an_offer_names_its_link_and_ring() {
 
 /// Rank 0 sends a tensor of `first` bytes, and once rank 1 has received it (mapping
 /// the ring) `n - 1` more of `rest` bytes (value k, every tenth renamed) before rank 1
-/// receives any; rank 1's values and how many slots came through the ring.
+/// receives any (it waits until rank 0 says all are sent, not for a time, so a slow
+/// machine cannot let it take one early); rank 1's values and how many slots came
+/// through the ring.
 fn stream(nodes: &[usize], n: usize, first: usize, rest: usize) -> (Vec<u8>, u64) {
+    let sent = std::sync::atomic::AtomicBool::new(false);
     let out = LocalComm::run_on_nodes(nodes, |c| {
         let name = |k: usize| if k % 10 == 9 { "odd" } else { "even" };
         let size = |k: usize| if k == 0 { first } else { rest };
@@ -37,6 +40,7 @@ fn stream(nodes: &[usize], n: usize, first: usize, rest: usize) -> (Vec<u8>, u64
                     p2p::receive_into(&c, &mut ack, 1, 8).unwrap();
                 }
             }
+            sent.store(true, std::sync::atomic::Ordering::Release);
             // Its rings' names last as long as the communicator.
             p2p::receive_into(&c, &mut ack, 1, 8).unwrap();
             (vec![], 0)
@@ -48,7 +52,13 @@ fn stream(nodes: &[usize], n: usize, first: usize, rest: usize) -> (Vec<u8>, u64
                 got.push(t.bytes()[0]);
                 if k == 0 {
                     p2p::send(&c, &ack, 0, 8).unwrap();
-                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    // Bounded, so a sender that cannot finish fails the count, not a hang.
+                    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                    while !sent.load(std::sync::atomic::Ordering::Acquire)
+                        && std::time::Instant::now() < until
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
                 }
             }
             p2p::send(&c, &ack, 0, 8).unwrap();
