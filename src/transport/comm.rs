@@ -45,6 +45,8 @@ pub enum TransportError {
         what: &'static str,
         millis: u64,
     },
+    #[error("rank {rank}: symmetric memory: {message}")]
+    Symmetric { rank: usize, message: String },
     #[error(
         "rank {rank}: allreduce mismatch: rank {peer} passed {theirs} where rank 0 passed {ours}"
     )]

@@ -36,6 +36,7 @@ mod recursive_doubling;
 mod ring;
 pub(crate) mod shm;
 pub(crate) mod stores;
+mod symmetric;
 mod tuning;
 
 pub use tuning::{Algorithm, AutoTuning};
@@ -45,6 +46,7 @@ use self::shm::ShmAllreduce;
 use self::stores::StoreMode;
 use super::comm::{recv, send, sendrecv, Comm, ReduceOp, TransportError};
 use super::reduce::divide_bytes;
+use super::symmetric::Regions;
 use super::tags::Reserved;
 use crate::tensor::{AlignedBuf, DType, Tensor};
 
@@ -65,6 +67,8 @@ pub struct Collectives<C: Comm> {
     shm: std::cell::OnceCell<Option<ShmAllreduce>>,
     /// The node and leader communicators, set up by the first allreduce across nodes.
     hierarchy: std::cell::OnceCell<Option<Box<Hierarchy<C>>>>,
+    /// The symmetric memory made over this communicator ([`Collectives::symmetric`]).
+    regions: Regions,
 }
 
 /// How long the shared-memory allreduce waits for a rank (unless the transport says).
@@ -123,6 +127,7 @@ impl<C: Comm> Collectives<C> {
             packed: RefCell::new(AlignedBuf::zeroed(64)),
             shm: std::cell::OnceCell::new(),
             hierarchy: std::cell::OnceCell::new(),
+            regions: Regions::default(),
         }
     }
 
@@ -326,7 +331,13 @@ impl<C: Comm> Collectives<C> {
         let algo = self.resolve(algo, total)?;
         if algo == Algorithm::Shm {
             let shm = self.shm()?.expect("resolve picks shm only where it exists");
-            shm.allreduce(parts, dtype, op)?;
+            match parts {
+                [one] => match self.symmetric_call(shm, None, one, dtype, op) {
+                    Some(done) => done?,
+                    None => shm.allreduce(parts, dtype, op)?,
+                },
+                _ => shm.allreduce(parts, dtype, op)?,
+            }
             return Ok(algo);
         }
         if let [one] = parts {
@@ -361,7 +372,10 @@ impl<C: Comm> Collectives<C> {
         let algo = self.resolve(algo, src.len())?;
         if algo == Algorithm::Shm {
             let shm = self.shm()?.expect("resolve picks shm only where it exists");
-            shm.allreduce_into(src, dst, dtype, op)?;
+            match self.symmetric_call(shm, Some(src), dst, dtype, op) {
+                Some(done) => done?,
+                None => shm.allreduce_into(src, dst, dtype, op)?,
+            }
             return Ok(algo);
         }
         dst.copy_from_slice(src);

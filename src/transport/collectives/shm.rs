@@ -65,15 +65,60 @@ pub fn segment_bytes(slot_bytes: usize) -> usize {
     CONTROL + SLOTS * slot_bytes
 }
 
-/// What a rank passed to one allreduce, as its slot header carries it.
+/// What a rank passed to one allreduce, as its slot header carries it: four words.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct CallHeader {
-    bytes: u64,
-    dtype: DType,
-    op: ReduceOp,
+pub(super) struct CallHeader {
+    pub(super) bytes: u64,
+    pub(super) dtype: DType,
+    pub(super) op: ReduceOp,
+    /// Where the input and the output lie in symmetric memory ([`Place::code`]; 0: not).
+    pub(super) places: [u64; 2],
+}
+
+/// Bytes at `at` of a region of symmetric memory.
+#[derive(Clone, Copy)]
+pub(super) struct Place<'r> {
+    pub(super) region: &'r crate::transport::symmetric::Region,
+    pub(super) at: usize,
+}
+
+impl Place<'_> {
+    /// The region's number and the offset, for the call's header.
+    pub(super) fn code(&self) -> u64 {
+        const LOW: u64 = (1 << 40) - 1;
+        ((self.region.id + 1) & 0xff_ffff) << 40 | (self.at as u64 & LOW)
+    }
+
+    fn describe(code: u64) -> String {
+        format!(
+            "region {} at byte {}",
+            (code >> 40) - 1,
+            code & ((1 << 40) - 1)
+        )
+    }
 }
 
 impl CallHeader {
+    fn words(&self) -> [u64; 4] {
+        [self.bytes, self.code(), self.places[0], self.places[1]]
+    }
+
+    fn describe_words(w: [u64; 4]) -> String {
+        let call = Self::describe_code(w[0], w[1]);
+        match (w[2], w[3]) {
+            (0, 0) => call,
+            (0, to) => format!("{call} in symmetric memory ({})", Place::describe(to)),
+            (from, to) => format!(
+                "{call} from symmetric memory ({}) into {}",
+                Place::describe(from),
+                match to {
+                    0 => "memory of its own".to_string(),
+                    to => Place::describe(to),
+                }
+            ),
+        }
+    }
+
     fn code(&self) -> u64 {
         let op = match self.op {
             ReduceOp::Sum => 0,
@@ -95,7 +140,7 @@ impl CallHeader {
 
 /// Which counter of a segment.
 #[derive(Debug, Clone, Copy)]
-enum Counter {
+pub(super) enum Counter {
     Arrived = 0,
     Reduced = 1,
     Done = 2,
@@ -153,8 +198,12 @@ impl ShmAllreduce {
         }
     }
 
-    fn size(&self) -> usize {
+    pub(super) fn size(&self) -> usize {
         self.segs.ranks()
+    }
+
+    pub(super) fn rank(&self) -> usize {
+        self.rank
     }
 
     /// More ranks share the node than it has cores.
@@ -162,7 +211,7 @@ impl ShmAllreduce {
         self.spins == 0
     }
 
-    fn counter(&self, r: usize, c: Counter) -> &AtomicU64 {
+    pub(super) fn counter(&self, r: usize, c: Counter) -> &AtomicU64 {
         // SAFETY: every segment starts with CONTROL bytes of 64-byte aligned counters
         // (one cache line each), valid while `segs` lives; only atomics touch them.
         unsafe { &*self.segs.ptr(r).add(64 * c as usize).cast::<AtomicU64>() }
@@ -182,7 +231,7 @@ impl ShmAllreduce {
     }
 
     /// Waits until every rank's counter `c` is at least `at`.
-    fn wait_all(&self, c: Counter, at: u64) -> Result<(), TransportError> {
+    pub(super) fn wait_all(&self, c: Counter, at: u64) -> Result<(), TransportError> {
         let start = Instant::now();
         for r in 0..self.size() {
             let mut polls = 0u32;
@@ -209,14 +258,14 @@ impl ShmAllreduce {
 
     /// Checks every rank's header of chunk `g` against rank 0's: the same answer on every
     /// rank, since all read the same headers.
-    fn check_headers(&self, g: u64) -> Result<(), TransportError> {
+    pub(super) fn check_headers(&self, g: u64) -> Result<(), TransportError> {
         let read = |r: usize| {
             // SAFETY: the header precedes the slot's data; rank r wrote it before publishing
             // `arrived` (acquired by the caller) and rewrites it only after every rank is
             // done with this chunk.
             unsafe {
                 let h = self.slot_header(r, g);
-                (h.read(), h.add(1).read())
+                [h.read(), h.add(1).read(), h.add(2).read(), h.add(3).read()]
             }
         };
         let first = read(0);
@@ -226,12 +275,74 @@ impl ShmAllreduce {
                 return Err(TransportError::CallMismatch {
                     rank: self.rank,
                     peer: r,
-                    theirs: CallHeader::describe_code(theirs.0, theirs.1),
-                    ours: CallHeader::describe_code(first.0, first.1),
+                    theirs: CallHeader::describe_words(theirs),
+                    ours: CallHeader::describe_words(first),
                 });
             }
         }
         Ok(())
+    }
+
+    /// Writes this rank's header of chunk `g` (waiting first until the slot is free) and
+    /// publishes `arrived`.
+    pub(super) fn arrive(&self, g: u64, header: &CallHeader) -> Result<(), TransportError> {
+        if g >= SLOTS as u64 {
+            self.wait_all(Counter::Done, g + 1 - SLOTS as u64)?;
+        }
+        self.write_header(g, header);
+        self.counter(self.rank, Counter::Arrived)
+            .store(g + 1, Ordering::Release);
+        Ok(())
+    }
+
+    fn write_header(&self, g: u64, header: &CallHeader) {
+        // SAFETY: every rank is done with this slot's previous chunk (waited by the caller)
+        // and nobody reads the header before `arrived` says so: it is ours to write.
+        unsafe {
+            let h = self.slot_header(self.rank, g);
+            for (i, w) in header.words().into_iter().enumerate() {
+                h.add(i).write(w);
+            }
+        }
+    }
+
+    /// Ends chunk `g` without data after `e` (every rank has the same): the counters stay in
+    /// step for the next call.
+    pub(super) fn abandon(&self, g: u64, e: TransportError) -> Result<(), TransportError> {
+        self.next.set(g + 1);
+        self.counter(self.rank, Counter::Reduced)
+            .store(g + 1, Ordering::Release);
+        self.wait_all(Counter::Reduced, g + 1)?;
+        self.counter(self.rank, Counter::Done)
+            .store(g + 1, Ordering::Release);
+        Err(e)
+    }
+
+    /// The accumulator, at least `len` bytes.
+    pub(super) fn scratch(&self, len: usize) -> std::cell::RefMut<'_, AlignedBuf> {
+        let mut scratch = self.scratch.borrow_mut();
+        if scratch.len() < len {
+            *scratch = AlignedBuf::zeroed(len.next_multiple_of(64));
+        }
+        scratch
+    }
+
+    /// How a call of `total` bytes of elements of `es` bytes is cut: bytes per chunk, and
+    /// whether it takes the one-step protocol (whose reduction runs in rank order).
+    pub(super) fn cut(&self, total: usize, es: usize) -> (usize, bool) {
+        let chunk_bytes = self.slot_bytes / es * es;
+        let direct = total <= chunk_bytes && total <= self.direct_max_bytes;
+        (chunk_bytes, direct)
+    }
+
+    /// The next chunk's number.
+    pub(super) fn next_chunk(&self) -> u64 {
+        self.next.get()
+    }
+
+    /// Chunks up to `g` are over.
+    pub(super) fn finish(&self, g: u64) {
+        self.next.set(g + 1);
     }
 
     /// Allreduces the concatenation of `parts` in place (every part a whole number of
@@ -274,11 +385,11 @@ impl ShmAllreduce {
             bytes: total as u64,
             dtype,
             op,
+            places: [0, 0],
         };
-        let chunk_bytes = self.slot_bytes / es * es;
+        let (chunk_bytes, direct) = self.cut(total, es);
         // A call of zero bytes still takes one (empty) chunk: its header is compared.
         let chunks = total.div_ceil(chunk_bytes).max(1) as u64;
-        let direct = chunks == 1 && total <= self.direct_max_bytes;
         let base = self.next.get();
         let mut stream = Stream::new(parts);
         for c in 0..chunks {
@@ -288,6 +399,7 @@ impl ShmAllreduce {
             if g >= SLOTS as u64 {
                 self.wait_all(Counter::Done, g + 1 - SLOTS as u64)?;
             }
+            self.write_header(g, &header);
             let mine = self.slot(me, g);
             let elems = len / es;
             let sub = |r: usize| (r * elems / n) * es..((r + 1) * elems / n) * es;
@@ -304,9 +416,6 @@ impl ShmAllreduce {
             // SAFETY: every rank is done with this slot's previous chunk (waited above) and
             // nobody reads it before `arrived` says so: it is ours to write.
             unsafe {
-                let h = self.slot_header(me, g);
-                h.write(header.bytes);
-                h.add(1).write(header.code());
                 let slot = std::slice::from_raw_parts_mut(mine, len);
                 let read = |at: usize, into: &mut [u8]| match from {
                     Some(src) => stores::copy(mode, into, &src[off + at..off + at + into.len()]),
@@ -327,14 +436,7 @@ impl ShmAllreduce {
             self.wait_all(Counter::Arrived, g + 1)?;
             if c == 0 {
                 if let Err(e) = self.check_headers(g) {
-                    // Finish the chunk without data, so the counters stay in step.
-                    self.next.set(g + 1);
-                    self.counter(me, Counter::Reduced)
-                        .store(g + 1, Ordering::Release);
-                    self.wait_all(Counter::Reduced, g + 1)?;
-                    self.counter(me, Counter::Done)
-                        .store(g + 1, Ordering::Release);
-                    return Err(e);
+                    return self.abandon(g, e);
                 }
             }
             if direct {
@@ -398,10 +500,7 @@ impl ShmAllreduce {
     /// call instead of two; the work it repeats on every rank is small.
     fn reduce_whole(&self, stream: &mut Stream, g: u64, len: usize, dtype: DType, op: ReduceOp) {
         let n = self.size();
-        let mut scratch = self.scratch.borrow_mut();
-        if scratch.len() < len {
-            *scratch = AlignedBuf::zeroed(len.next_multiple_of(64));
-        }
+        let mut scratch = self.scratch(len);
         let acc = &mut scratch.as_mut_slice()[..len];
         // SAFETY: every rank has arrived (acquired by the caller) and no slot of chunk g is
         // written again until every rank is done with it.
