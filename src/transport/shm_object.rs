@@ -101,7 +101,7 @@ pub(crate) fn create(kind: &str, len: usize) -> std::io::Result<(Mapping, String
     Ok((map, name))
 }
 
-/// Maps the object `name`, which must be `len` bytes long.
+/// Maps the object `name`, which must be `len` bytes long (else an `InvalidData` error).
 pub(crate) fn open(name: &str, len: usize) -> std::io::Result<Mapping> {
     let fd = shm_open(name, libc::O_RDWR)?;
     let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
@@ -112,9 +112,10 @@ pub(crate) fn open(name: &str, len: usize) -> std::io::Result<Mapping> {
     // SAFETY: fstat returned 0, so it filled the struct.
     let size = unsafe { st.assume_init() }.st_size;
     if size != len as libc::off_t {
-        return Err(std::io::Error::other(format!(
-            "{name} holds {size} bytes, not {len}"
-        )));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{name} holds {size} bytes, not {len}"),
+        ));
     }
     Mapping::of(&fd, len)
 }

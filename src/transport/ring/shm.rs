@@ -38,7 +38,12 @@ pub(super) fn create(geo: Geometry) -> std::io::Result<(Mapping, String)> {
 
 /// Maps the peer's ring `name`, which must be one for `geo`.
 pub(super) fn open(name: &str, geo: Geometry) -> std::io::Result<Mapping> {
-    let map = shm_object::open(name, geo.len())?;
+    let map = shm_object::open(name, geo.len()).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            std::io::Error::other("the peer's ring has another size")
+        }
+        _ => e,
+    })?;
     let want = [
         MAGIC,
         geo.nbytes as u64,
