@@ -26,6 +26,8 @@ from .collectives import (
     barrier,
     broadcast,
     broadcast_async,
+    symmetric,
+    symmetric_like,
 )
 from .session import Session
 
@@ -45,6 +47,8 @@ __all__ = [
     "allgather",
     "allgather_async",
     "barrier",
+    "symmetric",
+    "symmetric_like",
     "Handle",
     "join",
     "catch_stop_signals",

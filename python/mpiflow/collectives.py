@@ -76,3 +76,28 @@ def allgather(array):
 def barrier():
     """Waits until every rank called `barrier()`."""
     _native.barrier_(blocking=True)
+
+
+def symmetric(shape, dtype="float32"):
+    """A NumPy array of zeros in symmetric memory: memory every rank of the node maps, so
+    that `allreduce` of an array in it (in place, or into another such array; a view of
+    either at the same place on every rank) reduces straight from and into every rank's
+    array, with no copy through a buffer. Collective: every rank calls it with the same
+    shape and dtype (else an exception on every rank). Where the ranks span nodes it is a
+    plain array (`numpy.zeros`). The memory goes when the array and its views do."""
+    dtype = _np.dtype(dtype)
+    shape = tuple(int(d) for d in _np.atleast_1d(_np.asarray(shape, dtype=_np.int64)))
+    if any(d < 0 for d in shape):
+        raise ValueError(f"mpiflow.symmetric: negative dimensions in {shape}")
+    nbytes = int(_np.prod(shape, dtype=_np.int64)) * dtype.itemsize
+    raw = _native.symmetric_(nbytes, f"shape={shape} dtype={dtype.str}")
+    if raw is None:
+        return _np.zeros(shape, dtype)
+    return raw.view(dtype).reshape(shape)
+
+
+def symmetric_like(array):
+    """`symmetric(array.shape, array.dtype)`: zeros, not a copy of `array`."""
+    a = _np.asarray(array)
+    return symmetric(a.shape, a.dtype)
+

@@ -114,7 +114,10 @@ fn reduce_op(op: &str, call: &Call) -> PyResult<ReduceOp> {
 
 /// A call of `name` on this rank, made and queued by `make` to the collectives (the
 /// state's lock is not held meanwhile: see [`Port`]).
-fn with_call<R>(name: &'static str, make: impl FnOnce(&Port, Call) -> PyResult<R>) -> PyResult<R> {
+pub(crate) fn with_call<R>(
+    name: &'static str,
+    make: impl FnOnce(&Port, Call) -> PyResult<R>,
+) -> PyResult<R> {
     let port = with_state(|s| Ok(s.exec.port()))?;
     let call = Call::new(port.rank, name);
     make(&port, call)

@@ -82,6 +82,8 @@ pub(crate) enum Op {
     /// This rank's bytes, and every rank's, in rank order.
     Allgather(Span, Span),
     Barrier,
+    /// Symmetric memory of this many bytes, left where the caller takes it.
+    Symmetric(usize, super::symmetric::Made),
 }
 
 /// This rank's name of a call, for its errors (`rank 2: allreduce`).
@@ -358,6 +360,11 @@ fn run(coll: &Collectives<MpiComm>, job: Job) -> Result<(), Failure> {
             coll.allgather(mine, unsafe { all.bytes() }).map_err(mpi)
         }
         Op::Barrier => coll.barrier().map_err(mpi),
+        Op::Symmetric(bytes, made) => {
+            let region = coll.symmetric(bytes).map_err(mpi)?;
+            *made.lock().unwrap_or_else(|p| p.into_inner()) = region;
+            Ok(())
+        }
     }
 }
 

@@ -16,6 +16,7 @@ mod data;
 mod described;
 mod executor;
 mod session;
+mod symmetric;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -251,5 +252,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     collectives::register(m)?;
     session::register(m)?;
     data::register(m)?;
+    symmetric::register(m)?;
     Ok(())
 }

@@ -152,32 +152,45 @@ impl ShmAllreduce {
                 .collect(),
         };
         let input = from.unwrap_or(to);
-        let mut acc = self.scratch(PIECE);
+        // The result is made in this rank's own output, except in place when the order
+        // does not start with this rank (its input, still needed, is there): then in the
+        // accumulator.
+        let in_acc = from.is_none() && order.first() != Some(&me);
+        let mut scratch = self.scratch(if in_acc { PIECE } else { 0 });
         for off in (0..len).step_by(chunk_bytes.max(1)) {
             let elems = chunk_bytes.min(len - off) / es;
             let own = off + (me * elems / n) * es..off + ((me + 1) * elems / n) * es;
             for piece in own.clone().step_by(PIECE) {
                 let l = PIECE.min(own.end - piece);
-                let acc = &mut acc.as_mut_slice()[..l];
                 // SAFETY: every rank's input is whole (it arrived, acquired above) and
                 // nobody writes `piece..piece + l` of any output but this rank until every
                 // rank is done; the headers say every rank's buffers lie at these offsets
-                // of these regions, within them; the accumulator is this rank's own.
+                // of these regions, within them; an input and an output apart (into) or
+                // the same (in place); the accumulator is this rank's own.
                 unsafe {
                     let at = |p: Place<'_>, r: usize| p.region.ptr(r).add(p.at + piece);
                     let read = |r: usize| std::slice::from_raw_parts(at(input, r), l);
-                    match order[..] {
-                        [a, b, ..] => reduce_into_bytes(dtype, op, acc, read(a), read(b)),
-                        [a] => acc.copy_from_slice(read(a)),
-                        [] => {}
+                    let acc = match in_acc {
+                        true => &mut scratch.as_mut_slice()[..l],
+                        false => std::slice::from_raw_parts_mut(at(to, me), l),
+                    };
+                    let mut rest = order.iter().copied();
+                    match (from.is_some() || in_acc, rest.next(), rest.next()) {
+                        // In place from this rank's own: it is there already.
+                        (false, _, Some(b)) => reduce_bytes(dtype, op, acc, read(b)),
+                        (true, Some(a), Some(b)) => {
+                            reduce_into_bytes(dtype, op, acc, read(a), read(b))
+                        }
+                        (true, Some(a), None) => acc.copy_from_slice(read(a)),
+                        _ => {}
                     }
-                    for &r in order.iter().skip(2) {
+                    for r in rest {
                         reduce_bytes(dtype, op, acc, read(r));
                     }
                     if op == ReduceOp::Average && n > 1 {
                         divide_bytes(dtype, acc, n);
                     }
-                    for r in 0..n {
+                    for r in (0..n).filter(|&r| in_acc || r != me) {
                         std::ptr::copy_nonoverlapping(acc.as_ptr(), at(to, r), l);
                     }
                 }
