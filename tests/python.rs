@@ -66,6 +66,37 @@ fn numpy_collectives_equal_the_serial_reduction_and_bad_calls_raise_on_every_ran
     }
 }
 
+/// `mpiflow.symmetric` arrays: their allreduces (every op and dtype, odd sizes, in place,
+/// into another, a view) the bits of the same calls on plain arrays, on every rank; a rank
+/// of plain memory among symmetric ones and ranks asking for different shapes one
+/// exception on every rank naming both sides, the collectives working after each.
+#[test]
+fn symmetric_arrays_reduce_as_plain_ones_and_mismatches_raise_on_every_rank() {
+    for np in [2, 3, 4] {
+        let Some(ranks) = ranks_of("symmetric.py", np, &[]) else {
+            return;
+        };
+        let last = np - 1;
+        for (r, line) in ranks.iter().enumerate() {
+            assert_eq!(line["size"].as_u64(), Some(np as u64), "{line}");
+            assert_eq!(line["failures"], serde_json::json!([]), "{line}");
+            assert!(line["checks"].as_u64() > Some(200), "{line}");
+            assert_eq!(line["left"], serde_json::json!([]), "{line}");
+            let plain = line["errors"]["plain"].as_str().unwrap_or_default();
+            let want = format!(
+                "mpiflow: rank {r}: allreduce: rank {r}: allreduce mismatch: rank {last} passed \
+                 4096 bytes of f32 (sum) where rank 0 passed 4096 bytes of f32 (sum) in symmetric memory"
+            );
+            assert!(plain.starts_with(&want), "{line}");
+            let shapes = line["errors"]["shapes"].as_str().unwrap_or_default();
+            assert!(
+                shapes.starts_with(&format!("mpiflow: rank {r} called symmetric(shape=")),
+                "{line}"
+            );
+        }
+    }
+}
+
 /// mpiflow's package and mpi4py in one program, either initialising MPI first: the same
 /// ranks, both allreduces right, and the job exits 0 (MPI finalised once: a second
 /// `MPI_Finalize`, or none, is an error under mpirun).
