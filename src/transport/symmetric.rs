@@ -6,7 +6,7 @@
 //! ([`super::collectives::Collectives::symmetric`]): the idea of SHMEM's symmetric heap and
 //! of NCCL's registered buffers.
 //!
-//! A region is a POSIX shared object per rank ([`super::shm_object`]), its name unlinked
+//! A region is a POSIX shared object per rank (`transport::shm_object`), its name unlinked
 //! once every rank has mapped it: nothing is left behind by a rank that dies. Dropping a
 //! region unmaps it on this rank only (no other rank waits): a peer still mapping it keeps
 //! the memory until it drops its own.
