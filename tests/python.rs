@@ -493,7 +493,7 @@ fn the_seeds_trainer_in_python_learns_and_resumes_after_a_signal() {
 /// `mpiflow.torch` (where PyTorch is installed: `benches/python/torch-venv.sh`): models of
 /// different seeds equal after `broadcast_parameters`; a small MLP trained on each
 /// worker's share of a batch by `DistributedOptimizer` (several buckets, reduced during the
-/// backward pass; its gradients in symmetric buckets, and in lists) and by `PsOptimizer` over a ps task equals the model trained on the whole
+/// backward pass) and by `PsOptimizer` over a ps task equals the model trained on the whole
 /// batch in one process within 1e-4.
 #[test]
 fn pytorch_trains_by_mpiflows_allreduce_and_ps_as_on_the_whole_batch() {
@@ -508,8 +508,6 @@ fn pytorch_trains_by_mpiflows_allreduce_and_ps_as_on_the_whole_batch() {
             assert!(l["worst"].as_f64().unwrap() < 1e-4, "{mode}: {l}");
             if mode == "allreduce" {
                 assert_eq!(l["broadcast_equal"], true, "{l}");
-                assert!(l["worst_lists"].as_f64().unwrap() < 1e-4, "{l}");
-                assert_eq!(l["steps_in_buckets"], 20, "{l}");
             } else {
                 assert_eq!(l["step"], 20, "{l}");
             }

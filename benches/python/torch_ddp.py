@@ -70,10 +70,6 @@ ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 ours = net()
 our_opt = mt.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.01),
                                   ours.named_parameters())
-# The gradients as PyTorch's own tensors, a bucket a list (before symmetric buckets).
-ours_lists = net()
-lists_opt = mt.DistributedOptimizer(torch.optim.SGD(ours_lists.parameters(), lr=0.01),
-                                    ours_lists.named_parameters(), bucket_view=False)
 
 
 def step(model, opt):
@@ -91,8 +87,7 @@ def timed(model, opt):
     return time.perf_counter() - t
 
 
-paths = {"mpiflow": (ours, our_opt), "mpiflow-lists": (ours_lists, lists_opt),
-         "ddp": (ddp, ddp_opt)}
+paths = {"mpiflow": (ours, our_opt), "ddp": (ddp, ddp_opt)}
 paths = {k: v for k, v in paths.items() if k in args.paths.split(",")}
 if hvd is not None:
     hvd.init()  # on the MPI mpiflow.init() started

@@ -52,121 +52,30 @@ def broadcast_parameters(params, root=0):
         _coll.broadcast(_view(t, f"'{name}'"), root)
 
 
-_NUMPY = {_torch.float32: "float32", _torch.float64: "float64", _torch.int32: "int32",
-          _torch.int64: "int64"}
-
-
-class _Buckets:
-    """The gradients as views of buckets in symmetric memory (`mpiflow.symmetric`): one
-    flat array per dtype, parameters laid out in the reverse of their order (about the
-    order the backward pass makes their gradients in), cut into buckets of about
-    `bucket_bytes`. Each bucket is reduced in place, as one array, once every gradient in
-    it is ready and every bucket before it has gone: no copy into a buffer and out (the
-    allreduce reads and writes every rank's bucket where it is)."""
-
-    def __init__(self, params, bucket_bytes, names):
-        self.names = names
-        by_dtype = {}
-        for p in reversed(params):
-            if p.dtype not in _NUMPY:
-                raise TypeError(f"mpiflow.torch: '{names[p]}' is {p.dtype}; gradients of "
-                                f"{', '.join(str(d) for d in _NUMPY)} take part")
-            if p.device.type != "cpu":
-                raise TypeError(f"mpiflow.torch: '{names[p]}' is on {p.device}; only CPU "
-                                "tensors take part")
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self.view, self.bucket_of, self.buckets, self.flats = {}, {}, [], []
-        for dtype, ps in by_dtype.items():
-            memory = _coll.symmetric(sum(p.numel() for p in ps), _NUMPY[dtype])
-            flat = _torch.from_numpy(memory)
-            self.flats.append(flat)
-            start = off = 0
-            members = []
-            for p in ps:
-                self.view[p] = flat[off:off + p.numel()].view_as(p)
-                off += p.numel()
-                members.append(p)
-                if (off - start) * flat.element_size() >= bucket_bytes or p is ps[-1]:
-                    for m in members:
-                        self.bucket_of[m] = len(self.buckets)
-                    self.buckets.append([memory[start:off], len(members), len(members)])
-                    start, members = off, []
-        self.zero(True)
-        self.next, self.handles = 0, []
-
-    def zero(self, repoint):
-        for flat in self.flats:
-            flat.zero_()
-        if repoint:
-            for p, v in self.view.items():
-                p.grad = v
-
-    def ready(self, p, op):
-        v = self.view[p]
-        if p.grad.data_ptr() != v.data_ptr():
-            # The gradient was set elsewhere (set to None since, say): into its bucket.
-            v.copy_(p.grad)
-            p.grad = v
-        bucket = self.buckets[self.bucket_of[p]]
-        bucket[1] -= 1
-        while self.next < len(self.buckets) and self.buckets[self.next][1] == 0:
-            self.launch(op)
-
-    def launch(self, op):
-        array, _, members = self.buckets[self.next]
-        self.handles.append(_coll.allreduce_async(array, op, out=array))
-        self.buckets[self.next][1] = members
-        self.next += 1
-
-    def synchronize(self, op):
-        # Buckets whose gradients did not all come (parameters this pass did not use:
-        # their gradients stay as they were) go too, in order.
-        while self.next < len(self.buckets):
-            self.launch(op)
-        handles, self.handles, self.next = self.handles, [], 0
-        for h in handles:
-            h.wait()
-
-
 class DistributedOptimizer:
     """Wraps `optimizer`: each parameter's gradient joins a bucket as soon as the backward
     pass has accumulated it (a post-accumulate-grad hook), and each full bucket (about
-    `bucket_bytes`) is reduced by mpiflow's allreduce on the collectives' thread while the
-    backward pass goes on; `step()` waits for the last and steps the wrapped optimizer.
-    The gradients are averaged over the ranks (`op="mean"`) or summed ("sum"). Every rank
-    must build the same model: the order the gradients become ready in, and so the
-    buckets, are then the same on every rank (a difference raises `mpiflow.Error` on
-    every rank, naming both sides).
+    `bucket_bytes`) is reduced by mpiflow's fused allreduce on the collectives' thread
+    while the backward pass goes on; `step()` waits for the last and steps the wrapped
+    optimizer. The gradients are averaged over the ranks (`op="mean"`) or summed ("sum").
+    Every rank must build the same model: the order the gradients become ready in, and so
+    the buckets, are then the same on every rank (a difference raises `mpiflow.Error` on
+    every rank, naming both sides)."""
 
-    With `bucket_view` (the default) the gradients are views of the buckets themselves, in
-    symmetric memory (as DDP's `gradient_as_bucket_view`): a bucket is reduced where it is,
-    with no copy; `zero_grad()` zeroes them in place whatever `set_to_none` says, and a
-    gradient set elsewhere (a module's `zero_grad()` makes them `None`) is copied into its
-    bucket when it is ready. Without it, the gradients stay PyTorch's and each bucket is a
-    list of them, fused by `allreduce_many`."""
-
-    def __init__(self, optimizer, named_parameters, op="mean", bucket_bytes=1 << 20,
-                 bucket_view=True):
+    def __init__(self, optimizer, named_parameters, op="mean", bucket_bytes=1 << 20):
         self.optimizer = optimizer
         self.op = op
         self.bucket_bytes = int(bucket_bytes)
         self._names = {}
         self._bucket, self._bucket_size, self._handles = [], 0, []
         self._hooks = []
-        params = []
         for name, p in named_parameters:
             if not p.requires_grad:
                 continue
             self._names[p] = name
-            params.append(p)
-        self._views = _Buckets(params, self.bucket_bytes, self._names) if bucket_view else None
-        for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
 
     def _ready(self, p):
-        if self._views is not None:
-            self._views.ready(p, self.op)
-            return
         g = _view(p.grad, f"the gradient of '{self._names[p]}'")
         self._bucket.append(g)
         self._bucket_size += g.nbytes
@@ -180,9 +89,6 @@ class DistributedOptimizer:
 
     def synchronize(self):
         """Waits until every gradient of this backward pass is reduced."""
-        if self._views is not None:
-            self._views.synchronize(self.op)
-            return
         self._flush()
         handles, self._handles = self._handles, []
         for h in handles:
@@ -193,9 +99,6 @@ class DistributedOptimizer:
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none=True):
-        if self._views is not None:
-            self._views.zero(True)
-            return
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name):
