@@ -91,24 +91,31 @@ run_test() {
   echo "     Running $1 ($2)" | tee -a "$log"
   timeout 1500 "$2" --test-threads=1 2>&1 | tee -a "$log"
 }
-# The Slurm tests first (the builds beside them fill their waits on Slurm's scheduler and
-# time limits), then every other integration test, then the binary's unit tests. The
-# hybrid CTR tests wait until the builds are done: with a build beside them a hybrid job
-# can stall at a checkpoint (an open defect: benches/results/2026-11-30-hybrid-rma-stalls.md).
-after_builds=(mpirun_ctr)
+# Beside the builds: the Slurm tests (the builds fill their waits on Slurm's scheduler and
+# time limits) and the quick tests without mpirun jobs that checkpoint. Every mpirun test
+# waits until the builds are done: a build's writes can hold a checkpoint's fsync for a
+# minute or more on these machines (the kernel's hung-task reports show it), and a
+# training job waits on its chief's checkpoint
+# (benches/results/2026-11-30-hybrid-rma-stalls.md).
+beside_builds=(slurm cli_offline cli_scale compute engine fuzz)
 test_of() {
   awk -v n="$1" '$1 == "test" && $2 == n {print $3}' "$targets"
 }
+beside() {
+  [[ " ${beside_builds[*]} " == *" $1 "* ]]
+}
 for name in "${tests[@]}"; do
-  if [[ " ${after_builds[*]} " != *" $name "* ]]; then run_test "tests/$name.rs" "$(test_of "$name")"; fi
+  if beside "$name"; then run_test "tests/$name.rs" "$(test_of "$name")"; fi
 done
-run_test "the binary's unit tests" "$(awk '$1 == "bin" {print $3}' "$targets")"
 if ! wait "$later_pid"; then
   later_pid=
   echo "The unit tests' or the MPICH build failed:"; cat "$later_log"; exit 1
 fi
 later_pid=
-for name in "${after_builds[@]}"; do run_test "tests/$name.rs" "$(test_of "$name")"; done
+for name in "${tests[@]}"; do
+  if ! beside "$name"; then run_test "tests/$name.rs" "$(test_of "$name")"; fi
+done
+run_test "the binary's unit tests" "$(awk '$1 == "bin" {print $3}' "$targets")"
 run_test "the library's unit tests" "$(executables <"$targets.lib" | awk '$1 == "lib" {print $3}')"
 rm -f "$targets.lib"
 timeout 1500 cargo test --release "${packages[@]}" --doc -- --test-threads=1 2>&1 | tee -a "$log"

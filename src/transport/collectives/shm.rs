@@ -85,8 +85,9 @@ pub(super) struct Place<'r> {
 impl Place<'_> {
     /// The region's number and the offset, for the call's header.
     pub(super) fn code(&self) -> u64 {
+        // Never 0 (which says "not symmetric"): the number's low 23 bits, plus one.
         const LOW: u64 = (1 << 40) - 1;
-        ((self.region.id + 1) & 0xff_ffff) << 40 | (self.at as u64 & LOW)
+        ((self.region.id & 0x7f_ffff) + 1) << 40 | (self.at as u64 & LOW)
     }
 
     fn describe(code: u64) -> String {
