@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 import mpiflow
+from _data import data  # this directory is the script's: on its path
 
 mpiflow.init()
 rank, size = mpiflow.rank(), mpiflow.size()
@@ -21,13 +22,6 @@ def check(ok, what):
     checks += 1
     if not ok:
         failures.append(what)
-
-
-def data(r, n, dtype):
-    x = (np.arange(n, dtype=np.int64) * 7 + r * 13) % 101 - 50
-    if np.issubdtype(dtype, np.floating):
-        return (x * 0.37 + r * 0.11).astype(dtype)
-    return x.astype(dtype)
 
 
 def same_everywhere(a):
