@@ -87,10 +87,13 @@ def symmetric(shape, dtype="float32"):
     plain array (`numpy.zeros`). The memory goes when the array and its views do."""
     dtype = _np.dtype(dtype)
     shape = tuple(int(d) for d in _np.atleast_1d(_np.asarray(shape, dtype=_np.int64)))
-    if any(d < 0 for d in shape):
-        raise ValueError(f"mpiflow.symmetric: negative dimensions in {shape}")
-    nbytes = int(_np.prod(shape, dtype=_np.int64)) * dtype.itemsize
+    # A bad shape still takes part (allocating nothing), so that ranks that differ all
+    # raise, none waiting; raised here once they agree.
+    bad = any(d < 0 for d in shape)
+    nbytes = 0 if bad else int(_np.prod(shape, dtype=_np.int64)) * dtype.itemsize
     raw = _native.symmetric_(nbytes, f"shape={shape} dtype={dtype.str}")
+    if bad:
+        raise ValueError(f"mpiflow.symmetric: negative dimensions in {shape}")
     if raw is None:
         return _np.zeros(shape, dtype)
     return raw.view(dtype).reshape(shape)
