@@ -287,24 +287,27 @@ impl ShmAllreduce {
     /// Writes this rank's header of chunk `g` (waiting first until the slot is free) and
     /// publishes `arrived`.
     pub(super) fn arrive(&self, g: u64, header: &CallHeader) -> Result<(), TransportError> {
-        if g >= SLOTS as u64 {
-            self.wait_all(Counter::Done, g + 1 - SLOTS as u64)?;
-        }
-        self.write_header(g, header);
+        self.claim(g, header)?;
         self.counter(self.rank, Counter::Arrived)
             .store(g + 1, Ordering::Release);
         Ok(())
     }
 
-    fn write_header(&self, g: u64, header: &CallHeader) {
-        // SAFETY: every rank is done with this slot's previous chunk (waited by the caller)
-        // and nobody reads the header before `arrived` says so: it is ours to write.
+    /// Waits until every rank is done with the slot of chunk `g`'s previous use, then
+    /// writes this rank's header of chunk `g` there.
+    fn claim(&self, g: u64, header: &CallHeader) -> Result<(), TransportError> {
+        if g >= SLOTS as u64 {
+            self.wait_all(Counter::Done, g + 1 - SLOTS as u64)?;
+        }
+        // SAFETY: every rank is done with this slot's previous chunk (waited above) and
+        // nobody reads the header before `arrived` says so: it is ours to write.
         unsafe {
             let h = self.slot_header(self.rank, g);
             for (i, w) in header.words().into_iter().enumerate() {
                 h.add(i).write(w);
             }
         }
+        Ok(())
     }
 
     /// Ends chunk `g` without data after `e` (every rank has the same): the counters stay in
@@ -397,10 +400,7 @@ impl ShmAllreduce {
             let g = base + c;
             let off = c as usize * chunk_bytes;
             let len = chunk_bytes.min(total - off);
-            if g >= SLOTS as u64 {
-                self.wait_all(Counter::Done, g + 1 - SLOTS as u64)?;
-            }
-            self.write_header(g, &header);
+            self.claim(g, &header)?;
             let mine = self.slot(me, g);
             let elems = len / es;
             let sub = |r: usize| (r * elems / n) * es..((r + 1) * elems / n) * es;

@@ -196,8 +196,6 @@ impl ShmAllreduce {
                 }
             }
         }
-        self.counter(me, Counter::Reduced)
-            .store(g + 1, Ordering::Release);
         self.counter(me, Counter::Done)
             .store(g + 1, Ordering::Release);
         self.finish(g);
